@@ -1,0 +1,25 @@
+"""ASGI entry point: /v2 and /metrics go to the lean inference consumer, the rest to Django."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+
+from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_app = get_asgi_application()
+
+from serving.consumers import InferenceConsumer  # noqa: E402
+from serving.lifespan import Lifespan  # noqa: E402
+
+inference_app = InferenceConsumer.as_asgi()
+
+
+async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
+    path = scope["path"]
+    if path == "/v2" or path.startswith("/v2/") or path == "/metrics":
+        return await inference_app(scope, receive, send)
+    return await django_app(scope, receive, send)
+
+
+application = ProtocolTypeRouter({"http": http_app, "lifespan": Lifespan()})

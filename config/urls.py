@@ -1,0 +1,18 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView
+
+from serving import views as console
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="console-models", permanent=False)),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("console/models/", console.models_page, name="console-models"),
+    path("console/models/live/", console.models_live, name="console-models-live"),
+    path("api/", include("serving.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,122 @@
+"""Registry workflows that span models: register a version, load or unload a model."""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from serving import artifacts
+from serving.batching import BatchingConfig
+from serving.models import MODEL_NAME, Model, ModelVersion, State
+from serving.protocol import TensorSpec
+from serving.snapshot import RoutingSnapshot, publish_snapshot
+
+
+class RegistrationError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def check_signature(specs: list[dict], what: str) -> list[dict]:
+    if not isinstance(specs, list) or not specs:
+        raise RegistrationError(f"{what} must be a non-empty list of tensor specs")
+    seen = set()
+    cleaned = []
+    for raw in specs:
+        try:
+            spec = TensorSpec.from_dict(raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise RegistrationError(f"{what}: {exc}") from None
+        if spec.name in seen:
+            raise RegistrationError(f"{what}: duplicate tensor name {spec.name!r}")
+        seen.add(spec.name)
+        cleaned.append({"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)})
+    return cleaned
+
+
+def register_version(
+    *,
+    model_name: str,
+    artifact_file: BinaryIO,
+    fmt: str,
+    inputs: list[dict],
+    outputs: list[dict],
+    sha256: str | None = None,
+    task: str | None = None,
+    description: str | None = None,
+    metrics: dict | None = None,
+    validate: str = "async",
+    **batching: object,
+) -> ModelVersion:
+    """Store the artifact, create the next version of the model (creating the model if new) and
+    validate it: "async" queues the Celery task after commit, "sync" validates before returning."""
+    try:
+        MODEL_NAME(model_name)
+    except ValidationError as exc:
+        raise RegistrationError(f"model name {model_name!r}: {exc.messages[0]}") from None
+    inputs = check_signature(inputs, "inputs")
+    outputs = check_signature(outputs, "outputs")
+    batching = {k: v for k, v in batching.items() if v is not None}
+    _check_batching(batching)
+    try:
+        artifact = artifacts.store(artifact_file, expected_sha256=sha256)
+    except artifacts.ArtifactRejected as exc:
+        raise RegistrationError(exc.message, exc.status) from None
+    with transaction.atomic():
+        model, created = Model.objects.select_for_update().get_or_create(
+            name=model_name, defaults={"task": task or "classification", "description": description or ""}
+        )
+        if not created and (task or description):
+            model.task = task or model.task
+            model.description = description if description is not None else model.description
+            model.save()
+        version = ModelVersion(
+            model=model, version=model.next_version_number(), artifact=artifact, format=fmt,
+            inputs=inputs, outputs=outputs, metrics=metrics or {},
+            **batching,
+        )
+        try:
+            version.full_clean(exclude=["model", "artifact"])
+        except ValidationError as exc:
+            raise RegistrationError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
+        version.save()
+        if validate == "async":
+            from serving.tasks import validate_version
+
+            transaction.on_commit(lambda: validate_version.delay(version.pk))
+    if validate == "sync":
+        from serving.validation import validate as run_validation
+
+        run_validation(version)
+    return version
+
+
+def _check_batching(batching: dict) -> None:
+    defaults = {f.name: f.default for f in ModelVersion._meta.get_fields() if hasattr(f, "default")}
+    merged = {k: batching.get(k, defaults[k]) for k in
+              ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "preferred_batch_sizes")}
+    preferred = merged["preferred_batch_sizes"]
+    if callable(preferred):
+        preferred = preferred()
+    if not isinstance(preferred, list | tuple) or not all(isinstance(p, int) for p in preferred):
+        raise RegistrationError("preferred_batch_sizes must be a list of integers")
+    try:
+        BatchingConfig(
+            max_batch_size=int(merged["max_batch_size"]),
+            max_queue_delay=float(merged["max_queue_delay_ms"]) / 1000.0,
+            max_queue_size=int(merged["max_queue_size"]),
+            preferred_batch_sizes=tuple(preferred),
+        )
+    except (ValueError, TypeError) as exc:
+        raise RegistrationError(f"batching: {exc}") from None
+
+
+def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
+    """The repository extension's load/unload: the desired state of every live version of a model."""
+    with transaction.atomic():
+        ModelVersion.objects.filter(model__name=model_name).exclude(state=State.RETIRED).update(loaded=loaded)
+    return publish_snapshot()

@@ -1,0 +1,79 @@
+"""The asyncio driver around a `BatchQueue`: one loop per hosted model version.
+
+The loop only repeats `process_one_batch()`; a test drives that step directly. One batch per
+version runs at a time, so while it computes, the next one gathers in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from serving.batching import BatchQueue, Pending, QueueFull
+
+log = logging.getLogger(__name__)
+
+RunBatch = Callable[[list[Pending]], Awaitable[None]]
+OnExpired = Callable[[list[Pending]], None]
+
+
+class Batcher:
+    def __init__(
+        self,
+        queue: BatchQueue,
+        run_batch: RunBatch,
+        on_expired: OnExpired,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = queue
+        self._run_batch = run_batch
+        self._on_expired = on_expired
+        self._clock = clock
+        self._arrival = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def submit(self, item: Pending) -> None:
+        """Queue a request; raises `QueueFull` (answer 503) or `ValueError` (too many rows)."""
+        if self._closed:
+            raise QueueFull("model version is unloading")
+        self.queue.put(item)
+        self._arrival.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def close(self) -> list[Pending]:
+        """Stop after the batch in flight; return the requests still waiting so the caller answers them."""
+        self._closed = True
+        self._arrival.set()
+        if self._task is not None:
+            await self._task
+        return self.queue.drain()
+
+    async def process_one_batch(self) -> bool:
+        """Run at most one batch; wait (bounded) when none is due. True when a batch ran."""
+        decision = self.queue.poll(self._clock())
+        if decision.expired:
+            self._on_expired(decision.expired)
+        if decision.batch:
+            await self._run_batch(decision.batch)
+            return True
+        self._arrival.clear()
+        timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
+        try:
+            await asyncio.wait_for(self._arrival.wait(), timeout)
+        except TimeoutError:
+            pass
+        return False
+
+    async def _loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.process_one_batch()
+            except Exception:  # a bug here must not strand the queue's requests
+                log.exception("batcher step failed")
+                await asyncio.sleep(0.01)

@@ -1,0 +1,226 @@
+"""Open Inference Protocol over HTTP, served by a lean Channels consumer (no Django middleware).
+
+Paths (KServe V2 / Triton): /v2, /v2/health/{live,ready}, /v2/models/{name}[/versions/{v}]
+[/ready|/config|/infer], /v2/repository/index, /v2/repository/models/{name}/{load,unload},
+and /metrics. Every failure answers {"error": "..."} with its status; nothing answers 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import orjson
+from asgiref.sync import sync_to_async
+from channels.exceptions import StopConsumer
+from channels.generic.http import AsyncHttpConsumer
+from django.conf import settings
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from serving import dataplane
+from serving.errors import NotFound, ServingError, Unavailable
+from serving.protocol import error_body
+from serving.snapshot import VersionEntry
+
+log = logging.getLogger(__name__)
+
+JSON = [(b"content-type", b"application/json")]
+SERVER_METADATA = orjson.dumps(
+    {"name": "ferry", "version": "0.1.0", "extensions": ["binary_tensor_data", "model_repository"]}
+)
+
+
+class MethodNotAllowed(ServingError):
+    status = 405
+
+
+class InferenceConsumer(AsyncHttpConsumer):
+    # A per-request channel on the channel layer would cost a round trip we never use.
+    channel_layer_alias = "__none__"
+
+    async def http_request(self, message: dict) -> None:
+        chunk = message.get("body", b"")
+        if chunk:
+            self.body.append(chunk)
+            self._received = getattr(self, "_received", 0) + len(chunk)
+            if self._received > settings.FERRY_MAX_INFER_BODY_BYTES:
+                await self._too_large()
+        if not message.get("more_body"):
+            try:
+                await self.handle(b"".join(self.body))
+            finally:
+                raise StopConsumer()
+
+    async def _too_large(self) -> None:
+        limit = settings.FERRY_MAX_INFER_BODY_BYTES
+        body = error_body(f"request body exceeds {limit} bytes")
+        await self.send_response(413, body, headers=[*JSON, (b"content-length", str(len(body)).encode())])
+        raise StopConsumer()
+
+    async def handle(self, body: bytes) -> None:
+        try:
+            status, payload, headers = await self._dispatch(body)
+        except ServingError as exc:
+            status, payload, headers = exc.status, error_body(exc.message), list(JSON)
+            if exc.retry_after is not None:
+                headers.append((b"retry-after", str(math.ceil(exc.retry_after)).encode()))
+        except Exception:
+            log.exception("unhandled error on %s", self.scope.get("path"))
+            status, payload, headers = 503, error_body("internal error; the server logged it"), list(JSON)
+        headers.append((b"content-length", str(len(payload)).encode()))
+        await self.send_response(status, payload, headers=headers)
+
+    async def _dispatch(self, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        path = self.scope["path"].rstrip("/")
+        method = self.scope["method"]
+        if path == "/metrics":
+            _method(method, "GET")
+            return 200, generate_latest(), [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+        parts = path.split("/")[2:]  # after "", "v2"
+        plane = dataplane.current()
+        if plane is None:
+            raise Unavailable("the data plane is starting", retry_after=1)
+        if not parts:
+            _method(method, "GET")
+            return 200, SERVER_METADATA, JSON
+        head = parts[0]
+        if head == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
+            _method(method, "GET")
+            if parts[1] == "ready" and not plane.ready:
+                raise Unavailable("not ready: models are loading", retry_after=1)
+            return 200, b"", JSON
+        if head == "models" and len(parts) >= 2:
+            return await self._model_path(plane, method, parts[1:], body)
+        if head == "repository":
+            return await self._repository(plane, method, parts[1:])
+        raise NotFound(f"no such endpoint {path}")
+
+    async def _model_path(
+        self, plane: dataplane.DataPlane, method: str, parts: list[str], body: bytes
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        name, rest = parts[0], parts[1:]
+        version = None
+        if len(rest) >= 2 and rest[0] == "versions":
+            version, rest = rest[1], rest[2:]
+        if len(rest) > 1:
+            raise NotFound("no such endpoint")
+        action = rest[0] if rest else ""
+        gateway = plane.gateway
+        if action == "infer":
+            _method(method, "POST")
+            header_length = self._header_length()
+            reply = await gateway.infer(name, version, body, header_length)
+            return reply.status, reply.body, reply.headers
+        _method(method, "GET")
+        model = gateway.model(name)
+        if version is not None and (not version.isdigit() or int(version) not in model.versions):
+            raise NotFound(f"model '{name}' has no version '{version}'")
+        if action == "ready":
+            entry = gateway.route(name, version)
+            if not plane.node.is_ready(entry.key):
+                raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
+            return 200, b"", JSON
+        if action == "":
+            entry = model.versions[int(version)] if version else _newest(model.versions)
+            return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
+        if action == "config":
+            entry = gateway.route(name, version)
+            return 200, orjson.dumps(_config(entry)), JSON
+        raise NotFound(f"no such endpoint for model '{name}': {action}")
+
+    async def _repository(
+        self, plane: dataplane.DataPlane, method: str, parts: list[str]
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        _method(method, "POST")
+        if parts == ["index"]:
+            rows = [
+                {"name": v.model, "version": str(v.version), "state": _repository_state(plane, v),
+                 "reason": v.failure_reason or _load_failure(plane, v)}
+                for m in plane.gateway.snapshot.models.values()
+                for v in m.versions.values()
+            ]
+            return 200, orjson.dumps(rows), JSON
+        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            from serving.actions import set_loaded
+
+            name, load = parts[1], parts[2] == "load"
+            plane.gateway.model(name)  # 404 before touching the database
+            snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
+            await plane.wait_reconciled(snapshot.serial)
+            if load:
+                failures = [f.reason for k, f in plane.node.failures.items() if k.startswith(f"{name}:")]
+                if failures:
+                    raise ServingError(f"load failed: {failures[0]}", status=409)
+            return 200, b"", JSON
+        raise NotFound("no such repository endpoint")
+
+    def _header_length(self) -> int | None:
+        for key, value in self.scope["headers"]:
+            if key == b"inference-header-content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    raise ServingError("Inference-Header-Content-Length is not an integer", status=400) from None
+        return None
+
+
+def _method(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise MethodNotAllowed(f"method {method} not allowed here; use {allowed}")
+
+
+def _newest(versions: dict[int, VersionEntry]) -> VersionEntry:
+    if not versions:
+        raise Unavailable("model has no versions", retry_after=1)
+    ready = [v for v in versions.values() if v.servable]
+    return max(ready or versions.values(), key=lambda v: v.version)
+
+
+def _metadata(name: str, versions: dict[int, VersionEntry], entry: VersionEntry, pinned: str | None) -> dict:
+    return {
+        "name": name,
+        "versions": [pinned] if pinned else [str(v) for v in sorted(versions)],
+        "platform": "pytorch_torchscript" if entry.format == "torchscript" else "pytorch_export",
+        "inputs": [s.to_metadata() for s in entry.inputs],
+        "outputs": [s.to_metadata() for s in entry.outputs],
+    }
+
+
+def _config(entry: VersionEntry) -> dict:
+    def tensors(specs):  # noqa: ANN001, ANN202
+        return [{"name": s.name, "data_type": f"TYPE_{s.datatype}",
+                 "dims": list(s.shape)} for s in specs]
+
+    batching = entry.batching
+    return {
+        "name": entry.model,
+        "platform": "pytorch_libtorch",
+        "backend": "ferry",
+        "max_batch_size": batching.max_batch_size,
+        "input": tensors(entry.inputs),
+        "output": tensors(entry.outputs),
+        "dynamic_batching": {
+            "preferred_batch_size": list(batching.preferred_batch_sizes),
+            "max_queue_delay_microseconds": int(batching.max_queue_delay * 1e6),
+            "default_queue_policy": {
+                "max_queue_size": batching.max_queue_size,
+                "default_timeout_microseconds": entry.default_timeout_ms * 1000,
+            },
+        },
+        "version_policy": {"specific": {"versions": [entry.version]}},
+    }
+
+
+def _repository_state(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
+    if entry.state != "ready":
+        return entry.state.upper()
+    if plane.node.is_ready(entry.key):
+        return "READY"
+    if entry.key in plane.node.failures:
+        return "UNAVAILABLE"
+    return "LOADING" if entry.loaded else "UNAVAILABLE"
+
+
+def _load_failure(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
+    failure = plane.node.failures.get(entry.key)
+    return failure.reason if failure else ""

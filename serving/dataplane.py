@@ -1,0 +1,136 @@
+"""The data plane of this process: its gateway, its in-process node, and the snapshot refresh loop.
+
+Embedded mode runs all of it inside the web process. The refresh loop is the control plane's
+periodic step in small: it rebuilds the snapshot when the registry changed (registrations from
+another process such as `manage.py register_model` included) and tells the node to reconcile.
+If the database is unreachable the loop logs it and the last snapshot keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from serving import artifacts
+from serving.gateway import Gateway
+from serving.node import Node
+from serving.snapshot import RoutingSnapshot, build_snapshot, hub
+from serving.transport import InProcessTransport
+
+log = logging.getLogger(__name__)
+
+REFRESH_SECONDS = 2.0
+
+
+@dataclass
+class DataPlane:
+    gateway: Gateway
+    node: Node
+    loop: asyncio.AbstractEventLoop
+    refresher: asyncio.Task[None] | None = None
+    _fingerprint: tuple | None = None
+    _reconciling: asyncio.Task[None] | None = None
+    _pending: RoutingSnapshot | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.gateway.hub.current is not None and self.node.reconciled_serial > 0
+
+    def on_snapshot(self, snapshot: RoutingSnapshot) -> None:
+        """Hub callback; may come from any thread (a sync view that registered a model)."""
+        self.loop.call_soon_threadsafe(self._schedule_reconcile, snapshot)
+
+    def _schedule_reconcile(self, snapshot: RoutingSnapshot) -> None:
+        self._pending = snapshot
+        if self._reconciling is None or self._reconciling.done():
+            self._reconciling = self.loop.create_task(self._reconcile_latest())
+
+    async def _reconcile_latest(self) -> None:
+        while self._pending is not None:
+            snapshot, self._pending = self._pending, None
+            try:
+                await self.node.reconcile(snapshot)
+            except Exception:
+                log.exception("reconcile failed")
+
+    async def wait_reconciled(self, serial: int, timeout: float = 300.0) -> None:
+        async with asyncio.timeout(timeout):
+            while self.node.reconciled_serial < serial:
+                await asyncio.sleep(0.05)
+
+    async def refresh_once(self) -> bool:
+        """Rebuild and publish the snapshot if the registry changed. True when it did."""
+        fingerprint = await sync_to_async(_registry_fingerprint)()
+        if fingerprint == self._fingerprint:
+            return False
+        snapshot = await sync_to_async(build_snapshot)()
+        self._fingerprint = fingerprint
+        hub.set(snapshot)
+        return True
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            try:
+                await self.refresh_once()
+            except Exception as exc:  # the database may be down: keep serving the last snapshot
+                log.warning("snapshot refresh failed, serving the last one: %s", exc)
+
+
+def _registry_fingerprint() -> tuple:
+    from django.db.models import Count, Max
+
+    from serving.models import Model, ModelVersion
+
+    versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    return (versions["n"], versions["t"], models["n"], models["t"])
+
+
+_current: DataPlane | None = None
+
+
+def current() -> DataPlane | None:
+    return _current
+
+
+async def start() -> DataPlane:
+    """Start this process's data plane: build the first snapshot and load what it names."""
+    global _current
+    if _current is not None:
+        return _current
+    if settings.FERRY_TORCH_THREADS:
+        import torch
+
+        torch.set_num_threads(settings.FERRY_TORCH_THREADS)
+    node = Node(
+        artifact_path=artifacts.verified_path,
+        device=settings.FERRY_DEVICE,
+        memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
+    )
+    plane = DataPlane(gateway=Gateway(hub, InProcessTransport(node)), node=node, loop=asyncio.get_running_loop())
+    hub.subscribe(plane.on_snapshot)
+    _current = plane
+    try:
+        await plane.refresh_once()
+    except Exception as exc:
+        log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
+    if hub.current is not None:
+        await plane.wait_reconciled(hub.current.serial)
+    plane.refresher = plane.loop.create_task(plane._refresh_forever())
+    return plane
+
+
+async def stop() -> None:
+    global _current
+    plane, _current = _current, None
+    if plane is None:
+        return
+    hub.unsubscribe(plane.on_snapshot)
+    if plane.refresher is not None:
+        plane.refresher.cancel()
+    await plane.node.close()

@@ -1,0 +1,207 @@
+"""Demo models, trained at set-up from data that ships with scikit-learn or is generated here.
+
+- `digits`: the demo classifier, an MLP wide enough to be compute-bound (3 x 2048), TorchScript.
+  Input `input` FP32 [64]: the 8x8 image's pixel values, 0 to 16. Output `scores` FP32 [10].
+- `digits-small`: the same signature at 64 hidden units, a `torch.export` program; `digits`' fallback.
+- `token-sentiment`: variable-length INT64 token ids (0 pads) → FP32 [2] scores, TorchScript.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+SEED = 0
+
+
+class Digits(nn.Module):
+    def __init__(self, hidden: int, layers: int) -> None:
+        super().__init__()
+        dims = [64] + [hidden] * layers
+        blocks: list[nn.Module] = []
+        for a, b in zip(dims, dims[1:], strict=False):
+            blocks += [nn.Linear(a, b), nn.ReLU()]
+        self.body = nn.Sequential(*blocks, nn.Linear(dims[-1], 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x / 16.0)  # clients send raw pixel values 0..16
+
+
+class TokenSentiment(nn.Module):
+    """Mean of token embeddings, padding (id 0) masked out, so a padded batch answers as unpadded rows."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = (tokens != 0).unsqueeze(-1).to(torch.float32)
+        summed = (self.embed(tokens) * mask).sum(dim=1)
+        return self.head(summed / mask.sum(dim=1).clamp(min=1.0))
+
+
+@dataclass
+class DemoModel:
+    name: str
+    description: str
+    fmt: str
+    inputs: list[dict]
+    outputs: list[dict]
+    batching: dict
+    build: Callable[[Callable[[str], None]], tuple[nn.Module, float]]
+    example: torch.Tensor
+
+
+def digits_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = digits.data.astype(np.float32)
+    y = digits.target.astype(np.int64)
+    return train_test_split(x, y, test_size=0.2, random_state=SEED, stratify=y)
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float,
+           say: Callable[[str], None]) -> None:
+    torch.manual_seed(SEED)
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    loss_fn = nn.CrossEntropyLoss()
+    model.train()
+    for epoch in range(epochs):
+        order = torch.randperm(len(x))
+        for start in range(0, len(x), 64):
+            idx = order[start : start + 64]
+            optimiser.zero_grad()
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            optimiser.step()
+        if (epoch + 1) % max(1, epochs // 5) == 0:
+            say(f"  epoch {epoch + 1}/{epochs} loss {loss.item():.4f}")
+    model.eval()
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.inference_mode():
+        return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+def build_digits(hidden: int, layers: int, epochs: int) -> Callable[[Callable[[str], None]], tuple[nn.Module, float]]:
+    def build(say: Callable[[str], None]) -> tuple[nn.Module, float]:
+        torch.manual_seed(SEED)
+        x_train, x_test, y_train, y_test = digits_data()
+        model = Digits(hidden, layers)
+        _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), epochs, 1e-3, say)
+        return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
+
+    return build
+
+
+def sentiment_data(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids 1..63 in rows of 4..24 tokens (0 pads); ids 1-8 are positive, 9-16 negative, the rest
+    neutral; the label is whether positives outnumber negatives (ties dropped)."""
+    rows, labels = [], []
+    while len(rows) < n:
+        length = int(rng.integers(4, 25))
+        tokens = rng.integers(1, 64, length)
+        pos, neg = int(((tokens >= 1) & (tokens <= 8)).sum()), int(((tokens >= 9) & (tokens <= 16)).sum())
+        if pos == neg:
+            continue
+        padded = np.zeros(24, dtype=np.int64)
+        padded[:length] = tokens
+        rows.append(padded)
+        labels.append(int(pos > neg))
+    return np.stack(rows), np.array(labels, dtype=np.int64)
+
+
+def build_sentiment(say: Callable[[str], None]) -> tuple[nn.Module, float]:
+    torch.manual_seed(SEED)
+    rng = np.random.default_rng(SEED)
+    x_train, y_train = sentiment_data(6000, rng)
+    x_test, y_test = sentiment_data(1000, rng)
+    model = TokenSentiment()
+    _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), 15, 1e-2, say)
+    return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
+
+
+DIGITS_IO = {
+    "inputs": [{"name": "input", "datatype": "FP32", "shape": [64]}],
+    "outputs": [{"name": "scores", "datatype": "FP32", "shape": [10]}],
+}
+
+DEMO_MODELS = [
+    DemoModel(
+        "digits-small", "Handwritten digits (scikit-learn's 8x8 set), 64 hidden units; fallback of digits.",
+        "torch_export", **DIGITS_IO,
+        batching={"max_batch_size": 64, "max_queue_delay_ms": 2.0, "max_queue_size": 2048},
+        build=build_digits(64, 1, 40), example=torch.zeros(2, 64),
+    ),
+    DemoModel(
+        "digits", "Handwritten digits (scikit-learn's 8x8 set), 3 x 2048 MLP: the demo classifier.",
+        "torchscript", **DIGITS_IO,
+        batching={"max_batch_size": 32, "max_queue_delay_ms": 5.0, "max_queue_size": 2048,
+                  "preferred_batch_sizes": [8, 16, 32]},
+        build=build_digits(2048, 3, 12), example=torch.zeros(2, 64),
+    ),
+    DemoModel(
+        "token-sentiment", "Variable-length token ids (0 pads): do ids 1-8 outnumber ids 9-16?",
+        "torchscript",
+        inputs=[{"name": "tokens", "datatype": "INT64", "shape": [-1]}],
+        outputs=[{"name": "scores", "datatype": "FP32", "shape": [2]}],
+        batching={"max_batch_size": 32, "max_queue_delay_ms": 5.0, "max_queue_size": 1024},
+        build=build_sentiment, example=torch.ones(2, 8, dtype=torch.int64),
+    ),
+]
+
+
+def save_artifact(model: nn.Module, fmt: str, example: torch.Tensor, path: Path) -> None:
+    if fmt == "torchscript":
+        torch.jit.save(torch.jit.script(model), str(path))
+        return
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
+
+
+def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+              only_missing: bool = True) -> list[str]:
+    """Train, save and register each demo model; skip those already ready unless told otherwise."""
+    from serving.actions import register_version
+    from serving.models import Model, ModelVersion, State
+
+    built = []
+    for demo in DEMO_MODELS:
+        if only_missing and ModelVersion.objects.filter(model__name=demo.name, state=State.READY).exists():
+            say(f"{demo.name}: already built, skipping")
+            continue
+        started = time.perf_counter()
+        say(f"{demo.name}: training")
+        module, accuracy = demo.build(say)
+        say(f"{demo.name}: held-out accuracy {accuracy:.4f}")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / ("model.pt2" if demo.fmt == "torch_export" else "model.pt")
+            save_artifact(module, demo.fmt, demo.example, path)
+            with path.open("rb") as f:
+                version = register_version(
+                    model_name=demo.name, artifact_file=f, fmt=demo.fmt, inputs=demo.inputs, outputs=demo.outputs,
+                    description=demo.description, task="classification", metrics={"accuracy": round(accuracy, 4)},
+                    validate="sync", **demo.batching,
+                )
+        say(f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
+            f"({time.perf_counter() - started:.1f}s)")
+        built.append(demo.name)
+    digits = Model.objects.filter(name="digits").first()
+    small = Model.objects.filter(name="digits-small").first()
+    if digits and small and digits.fallback_id != small.pk:
+        digits.fallback = small
+        digits.save(update_fields=["fallback", "updated_at"])
+    return built

@@ -1,0 +1,34 @@
+"""Every failure on the data plane is one of these: a status, a message, maybe a Retry-After."""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    status = 500
+
+    def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+
+
+class NotFound(ServingError):
+    status = 404
+
+
+class Unavailable(ServingError):
+    """Not loaded, queue full, unloading: try again later (503)."""
+
+    status = 503
+
+
+class DeadlineExceeded(ServingError):
+    status = 504
+
+
+class ModelFailed(ServingError):
+    """The model raised on this request's input, run on its own (422)."""
+
+    status = 422

@@ -1,0 +1,131 @@
+"""The gateway: route a request by the snapshot, hand it to the transport, shape the answer.
+
+No database access here: everything comes from the routing snapshot held in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rollout.routing import RouteError, choose_version
+from serving import metrics
+from serving.errors import NotFound, ServingError, Unavailable
+from serving.protocol import ProtocolError, encode_infer_response, parse_infer_request
+from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.transport import Transport
+
+MAX_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+
+
+class Gateway:
+    def __init__(self, hub: SnapshotHub, transport: Transport, clock=time.monotonic) -> None:  # noqa: ANN001
+        self.hub = hub
+        self.transport = transport
+        self._clock = clock
+
+    @property
+    def snapshot(self) -> RoutingSnapshot:
+        snapshot = self.hub.current
+        if snapshot is None:
+            raise Unavailable("no routing snapshot yet", retry_after=1)
+        return snapshot
+
+    def model(self, name: str) -> ModelEntry:
+        entry = self.snapshot.models.get(name)
+        if entry is None:
+            raise NotFound(f"unknown model '{name}'")
+        return entry
+
+    def route(self, name: str, version: str | None) -> VersionEntry:
+        model = self.model(name)
+        pinned = None
+        if version is not None:
+            if not version.isdigit():
+                raise NotFound(f"model '{name}' has no version '{version}'")
+            pinned = int(version)
+        try:
+            return choose_version(model, pinned)
+        except RouteError as exc:
+            raise ServingError(exc.message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
+
+    async def infer(self, name: str, version: str | None, body: bytes, header_length: int | None) -> Reply:
+        arrived = self._clock()
+        entry = self.route(name, version)
+        vm = metrics.for_version(entry.model, entry.version)
+        try:
+            request = parse_infer_request(
+                body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size
+            )
+            if request.outputs is not None:
+                known = {o.name for o in entry.outputs}
+                unknown = [o.name for o in request.outputs if o.name not in known]
+                if unknown:
+                    raise ProtocolError(f"model '{name}' has no output {unknown[0]!r}")
+            deadline = arrived + self._timeout(entry, request.parameters)
+            priority = _priority(request.parameters)
+            served = entry
+            try:
+                outputs = await self.transport.infer(entry, request.inputs, request.rows, deadline, priority)
+            except Unavailable:
+                served = self._fallback(entry, name)
+                if served is None:
+                    raise
+                outputs = await self.transport.infer(served, request.inputs, request.rows, deadline, priority)
+            parameters = {"fallback_from": entry.key} if served is not entry else None
+            payload, headers = encode_infer_response(
+                model_name=served.model,
+                model_version=str(served.version),
+                request_id=request.id,
+                outputs=outputs,
+                output_specs=served.outputs,
+                requested=request.outputs,
+                binary_output=request.binary_output,
+                parameters=parameters,
+            )
+        except ProtocolError as exc:
+            vm.answered(exc.status, self._clock() - arrived)
+            raise ServingError(exc.message, status=exc.status) from None
+        except ServingError as exc:
+            vm.answered(exc.status, self._clock() - arrived)
+            raise
+        vm.answered(200, self._clock() - arrived)
+        return Reply(200, payload, headers)
+
+    def _fallback(self, entry: VersionEntry, name: str) -> VersionEntry | None:
+        """The model's smaller fallback, when it takes the same inputs and gives the same outputs."""
+        fallback_name = self.snapshot.models[name].fallback
+        if not fallback_name or fallback_name not in self.snapshot.models:
+            return None
+        try:
+            candidate = choose_version(self.snapshot.models[fallback_name])
+        except RouteError:
+            return None
+        if candidate.inputs != entry.inputs or candidate.outputs != entry.outputs:
+            return None
+        return candidate
+
+    @staticmethod
+    def _timeout(entry: VersionEntry, parameters: dict) -> float:
+        # Triton's request parameter "timeout" is in microseconds.
+        raw = parameters.get("timeout")
+        if raw is None:
+            return entry.default_timeout_ms / 1000.0
+        if not isinstance(raw, int) or isinstance(raw, bool) or raw <= 0:
+            raise ProtocolError("parameter 'timeout' must be a positive integer of microseconds")
+        return min(raw / 1e6, MAX_TIMEOUT_S)
+
+
+def _priority(parameters: dict) -> int:
+    # Triton: 0 means the model's default level, 1 is the highest; we default to level 1.
+    raw = parameters.get("priority", 0)
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        raise ProtocolError("parameter 'priority' must be a non-negative integer")
+    return raw or 1

@@ -1,0 +1,28 @@
+"""ASGI lifespan: start this process's data plane before serving, stop it cleanly on shutdown."""
+
+import logging
+
+from django.conf import settings
+
+from serving import dataplane
+
+log = logging.getLogger(__name__)
+
+
+class Lifespan:
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    if settings.FERRY_EMBEDDED_NODE:
+                        await dataplane.start()
+                except Exception as exc:
+                    log.exception("data plane failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await dataplane.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return

@@ -1,0 +1,21 @@
+import uvicorn
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Serve the console, the REST API and /v2 inference (embedded node unless FERRY_EMBEDDED_NODE=false)."
+
+    def add_arguments(self, parser) -> None:  # noqa: ANN001
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+
+    def handle(self, *args: object, **options: object) -> None:
+        self.stdout.write(
+            f"Ferry on http://{options['host']}:{options['port']} "
+            f"({'embedded' if settings.EMBEDDED else 'distributed'} mode, database {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]})"
+        )
+        uvicorn.run(
+            "config.asgi:application", host=options["host"], port=options["port"], loop="uvloop",
+            http="httptools", lifespan="on", access_log=False, log_level="info", timeout_graceful_shutdown=10,
+        )

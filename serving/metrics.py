@@ -1,0 +1,113 @@
+"""Prometheus metrics of the data plane, and a short in-memory window for the console's live view."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUESTS = Counter("ferry_requests", "Inference requests answered", ["model", "version", "status"])
+QUEUE_WAIT = Histogram("ferry_queue_wait_seconds", "Time from arrival to batch start", ["model", "version"],
+                       buckets=LATENCY_BUCKETS)
+COMPUTE = Histogram("ferry_compute_seconds", "Model compute time per batch", ["model", "version"],
+                    buckets=LATENCY_BUCKETS)
+TOTAL = Histogram("ferry_request_seconds", "Time from arrival to answer", ["model", "version"],
+                  buckets=LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("ferry_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS)
+QUEUE_DEPTH = Gauge("ferry_queue_depth", "Requests waiting", ["model", "version"])
+DEVICE_BUSY = Counter("ferry_device_busy_seconds", "Seconds the device spent computing", ["device"])
+LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
+
+
+@dataclass(frozen=True)
+class LiveStats:
+    rate: float  # answered requests per second over the window
+    p50_ms: float | None
+    p99_ms: float | None
+    mean_batch: float | None
+    errors: int
+
+
+class LiveWindow:
+    """Recent requests and batches of one version, for the console (Prometheus holds the history)."""
+
+    def __init__(self, window: float = 30.0, capacity: int = 20000) -> None:
+        self.window = window
+        self._latencies: deque[tuple[float, float, bool]] = deque(maxlen=capacity)  # (t, seconds, ok)
+        self._batches: deque[tuple[float, int]] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def request(self, seconds: float, ok: bool, now: float | None = None) -> None:
+        with self._lock:
+            self._latencies.append((now if now is not None else time.monotonic(), seconds, ok))
+
+    def batch(self, rows: int, now: float | None = None) -> None:
+        with self._lock:
+            self._batches.append((now if now is not None else time.monotonic(), rows))
+
+    def stats(self, now: float | None = None) -> LiveStats:
+        now = now if now is not None else time.monotonic()
+        since = now - self.window
+        with self._lock:
+            recent = [(s, ok) for t, s, ok in self._latencies if t >= since]
+            batches = [rows for t, rows in self._batches if t >= since]
+        ok_lat = np.array([s for s, ok in recent if ok])
+        errors = sum(1 for _, ok in recent if not ok)
+        return LiveStats(
+            rate=len(recent) / self.window,
+            p50_ms=float(np.percentile(ok_lat, 50) * 1000) if ok_lat.size else None,
+            p99_ms=float(np.percentile(ok_lat, 99) * 1000) if ok_lat.size else None,
+            mean_batch=float(np.mean(batches)) if batches else None,
+            errors=errors,
+        )
+
+
+class VersionMetrics:
+    """Label children resolved once per version, so the hot path skips label lookups."""
+
+    def __init__(self, model: str, version: int) -> None:
+        labels = (model, str(version))
+        self.model, self.version = labels
+        self.queue_wait = QUEUE_WAIT.labels(*labels)
+        self.compute = COMPUTE.labels(*labels)
+        self.total = TOTAL.labels(*labels)
+        self.batch_size = BATCH_SIZE.labels(*labels)
+        self.queue_depth = QUEUE_DEPTH.labels(*labels)
+        self.loaded = LOADED.labels(*labels)
+        self._status: dict[int, Counter] = {}
+        self.live = LiveWindow()
+
+    def answered(self, status: int, seconds: float) -> None:
+        counter = self._status.get(status)
+        if counter is None:
+            counter = self._status[status] = REQUESTS.labels(self.model, self.version, str(status))
+        counter.inc()
+        ok = status == 200
+        if ok:
+            self.total.observe(seconds)
+        self.live.request(seconds, ok)
+
+
+_versions: dict[tuple[str, int], VersionMetrics] = {}
+_versions_lock = threading.Lock()
+
+
+def for_version(model: str, version: int) -> VersionMetrics:
+    key = (model, version)
+    found = _versions.get(key)
+    if found is None:
+        with _versions_lock:
+            found = _versions.setdefault(key, VersionMetrics(model, version))
+    return found
+
+
+def live_stats(model: str, version: int) -> LiveStats | None:
+    found = _versions.get((model, version))
+    return found.live.stats() if found else None

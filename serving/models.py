@@ -1,0 +1,114 @@
+"""Model registry: models, their versions and the content-addressed artifacts they run."""
+
+from __future__ import annotations
+
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models, transaction
+
+MODEL_NAME = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+    "Model names use letters, digits, '_', '.' and '-', starting with a letter or digit.",
+)
+
+
+class Task(models.TextChoices):
+    CLASSIFICATION = "classification"
+    REGRESSION = "regression"
+    EMBEDDING = "embedding"
+
+
+class ArtifactFormat(models.TextChoices):
+    TORCHSCRIPT = "torchscript", "TorchScript"
+    TORCH_EXPORT = "torch_export", "torch.export program"
+
+
+class State(models.TextChoices):
+    REGISTERED = "registered"
+    VALIDATING = "validating"
+    READY = "ready"
+    FAILED = "failed"
+    RETIRED = "retired"
+
+
+class Model(models.Model):
+    name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME])
+    description = models.TextField(blank=True)
+    task = models.CharField(max_length=20, choices=Task.choices, default=Task.CLASSIFICATION)
+    fallback = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
+        help_text="A smaller model that answers when this one is saturated.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def next_version_number(self) -> int:
+        last = self.versions.order_by("-version").values_list("version", flat=True).first()
+        return (last or 0) + 1
+
+
+class Artifact(models.Model):
+    sha256 = models.CharField(max_length=64, primary_key=True)
+    size_bytes = models.BigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.sha256[:12]
+
+
+class ModelVersionQuerySet(models.QuerySet["ModelVersion"]):
+    def servable(self) -> ModelVersionQuerySet:
+        return self.filter(state=State.READY).select_related("model", "artifact", "model__fallback")
+
+
+class ModelVersion(models.Model):
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="versions")
+    version = models.PositiveIntegerField()
+    artifact = models.ForeignKey(Artifact, on_delete=models.PROTECT, related_name="versions")
+    format = models.CharField(max_length=20, choices=ArtifactFormat.choices)
+    inputs = models.JSONField(help_text="[{name, datatype, shape}] per item, -1 for a variable dim")
+    outputs = models.JSONField()
+    max_batch_size = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1)])
+    max_queue_delay_ms = models.FloatField(default=5.0, validators=[MinValueValidator(0.0)])
+    preferred_batch_sizes = models.JSONField(default=list, blank=True)
+    max_queue_size = models.PositiveIntegerField(default=1024, validators=[MinValueValidator(1)])
+    default_timeout_ms = models.PositiveIntegerField(default=1000, validators=[MinValueValidator(1)])
+    state = models.CharField(max_length=20, choices=State.choices, default=State.REGISTERED)
+    failure_reason = models.TextField(blank=True)
+    # Desired serving state, set by the repository extension's load/unload.
+    loaded = models.BooleanField(default=True)
+    latency_profile = models.JSONField(default=dict, blank=True, help_text="{batch size: ms}")
+    memory_bytes = models.BigIntegerField(null=True, blank=True)
+    load_seconds = models.FloatField(null=True, blank=True)
+    metrics = models.JSONField(default=dict, blank=True, help_text="e.g. held-out accuracy")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = ModelVersionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["model__name", "version"]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "version"], name="unique_model_version"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}:{self.version}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.model.name}:{self.version}"
+
+    def mark(self, state: str, reason: str = "") -> None:
+        self.state = state
+        self.failure_reason = reason
+        self.save(update_fields=["state", "failure_reason", "updated_at"])
+
+    @transaction.atomic
+    def retire(self) -> None:
+        self.mark(State.RETIRED)

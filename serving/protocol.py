@@ -1,0 +1,361 @@
+"""Open Inference Protocol (KServe V2 / Triton HTTP/REST) infer codec, with Triton's binary
+tensor extension: a JSON header of `Inference-Header-Content-Length` bytes, then raw tensor bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+import orjson
+
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+
+_INT_LIMITS: dict[str, tuple[int, int]] = {
+    name: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for name, dt in DATATYPES.items() if dt.kind in "iu"
+}
+_NUMPY_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
+
+
+class ProtocolError(Exception):
+    """A request the protocol rejects; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("tensor name must be a non-empty string")
+        if not isinstance(self.datatype, str) or self.datatype not in DATATYPES:
+            raise ValueError(f"tensor {self.name!r}: unsupported datatype {self.datatype!r}")
+        if not isinstance(self.shape, (list, tuple)) or any(type(d) is not int or d < -1 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: shape must be a list of integers >= 0 or -1")
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TensorSpec:
+        if not isinstance(d, dict):
+            raise ValueError("tensor spec must be an object")
+        try:
+            return cls(d["name"], d["datatype"], d["shape"])
+        except KeyError as e:
+            raise ValueError(f"tensor spec is missing {e.args[0]!r}") from None
+
+    def to_metadata(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.shape]}
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass(slots=True)
+class InferRequest:
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    rows: int
+    outputs: list[RequestedOutput] | None
+    binary_output: bool
+    parameters: dict
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+def _optional_dict(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} must be an object")
+    return value
+
+
+def _parse_outputs(raw: Any, binary_output: bool) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ProtocolError("'outputs' must be a list")
+    if not raw:  # Triton treats an empty list like an absent one: all outputs
+        return None
+    result: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"outputs[{i}] must be an object")
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise ProtocolError(f"outputs[{i}]: 'name' must be a string")
+        if name in seen:
+            raise ProtocolError(f"output {name!r} is requested more than once")
+        seen.add(name)
+        binary = _optional_dict(item.get("parameters"), f"output {name!r}: 'parameters'").get("binary_data")
+        if binary is None:
+            binary = binary_output
+        elif not isinstance(binary, bool):
+            raise ProtocolError(f"output {name!r}: 'binary_data' must be a boolean")
+        result.append(RequestedOutput(name, binary))
+    return result
+
+
+def _check_shape(name: str, shape: Any, spec: TensorSpec) -> tuple[int, ...]:
+    if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+        raise ProtocolError(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    expected = [-1, *spec.shape]
+    if len(shape) != len(expected):
+        raise ProtocolError(f"input {name!r}: expected rank {len(expected)} shape {expected}, got {shape}")
+    if shape[0] < 1:
+        raise ProtocolError(f"input {name!r}: batch dimension must be >= 1, got {shape[0]}")
+    for got, want in zip(shape[1:], spec.shape, strict=True):
+        if (want == -1 and got < 1) or (want != -1 and got != want):
+            raise ProtocolError(f"input {name!r}: expected shape {expected}, got {shape}")
+    return tuple(shape)
+
+
+def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    if not isinstance(data, list):
+        raise ProtocolError(f"input {name!r}: 'data' must be a list")
+    dtype = DATATYPES[datatype]
+    count = prod(shape)
+    try:
+        # Let numpy infer first so floats, bools and strings are visible before the cast.
+        raw = np.asarray(data)
+    except _NUMPY_ERRORS:
+        raise ProtocolError(f"input {name!r}: 'data' is ragged or not numeric") from None
+    if raw.size != count:
+        raise ProtocolError(f"input {name!r}: expected {count} elements, got {raw.size}")
+    if count == 0:
+        return np.zeros(shape, dtype)
+    kind = raw.dtype.kind
+    if dtype.kind == "b":
+        if kind in "iu" and ((raw == 0) | (raw == 1)).all():
+            raw = raw.astype(dtype)
+        elif kind != "b":
+            raise ProtocolError(f"input {name!r}: BOOL data must be true/false or 0/1")
+    elif dtype.kind in "iu":
+        if kind in "iu":
+            lo, hi = _INT_LIMITS[datatype]
+            if int(raw.min()) < lo or int(raw.max()) > hi:
+                raise ProtocolError(f"input {name!r}: value out of range for {datatype}")
+        elif kind == "f" and datatype == "UINT64":
+            raw = _uint64_fallback(name, data)
+        else:
+            raise ProtocolError(f"input {name!r}: {datatype} data must be integers")
+    else:
+        if kind not in "iuf":
+            raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
+        with np.errstate(over="ignore"):
+            raw = raw.astype(dtype)
+        # JSON has no inf/nan, so a non-finite value can only come from overflow.
+        if not np.isfinite(raw).all():
+            raise ProtocolError(f"input {name!r}: value out of range for {datatype}")
+    return raw.astype(dtype, copy=False).reshape(shape)
+
+
+def _uint64_fallback(name: str, data: list) -> np.ndarray:
+    # numpy infers float64 for ints above INT64_MAX; rare, so a per-element check is fine.
+    flat = np.asarray(data, dtype=object).ravel()
+    if not all(type(v) is int for v in flat):
+        raise ProtocolError(f"input {name!r}: UINT64 data must be integers")
+    try:
+        return flat.astype(np.uint64)
+    except _NUMPY_ERRORS:
+        raise ProtocolError(f"input {name!r}: value out of range for UINT64") from None
+
+
+def parse_infer_request(
+    body: bytes,
+    header_length: int | None,
+    inputs: Sequence[TensorSpec],
+    *,
+    max_rows: int,
+) -> InferRequest:
+    size = len(body)
+    if header_length is None:
+        header: bytes | memoryview = body
+        data_start = size
+    else:
+        if header_length < 0 or header_length > size:
+            raise ProtocolError(
+                f"Inference-Header-Content-Length {header_length} is outside the body of {size} bytes"
+            )
+        header = memoryview(body)[:header_length]
+        data_start = header_length
+    try:
+        req = orjson.loads(header)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"malformed JSON request: {e}") from None
+    if not isinstance(req, dict):
+        raise ProtocolError("request must be a JSON object")
+
+    req_id = req.get("id")
+    if req_id is not None and not isinstance(req_id, str):
+        raise ProtocolError("'id' must be a string")
+    parameters = _optional_dict(req.get("parameters"), "'parameters'")
+    binary_output = parameters.get("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise ProtocolError("'binary_data_output' must be a boolean")
+    outputs = _parse_outputs(req.get("outputs"), binary_output)
+
+    raw_inputs = req.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError("'inputs' must be a non-empty list")
+    specs = {s.name: s for s in inputs}
+    arrays: dict[str, np.ndarray] = {}
+    seen: set[str] = set()
+    binary: list[tuple[str, np.dtype, tuple[int, ...], int]] = []
+    offset = data_start
+    rows = 0
+    for i, item in enumerate(raw_inputs):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"inputs[{i}] must be an object")
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise ProtocolError(f"inputs[{i}]: 'name' must be a string")
+        if name in seen:
+            raise ProtocolError(f"input {name!r} appears more than once")
+        seen.add(name)
+        spec = specs.get(name)
+        if spec is None:
+            raise ProtocolError(f"unknown input {name!r}")
+        datatype = item.get("datatype")
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
+            raise ProtocolError(f"input {name!r}: unsupported datatype {datatype!r}")
+        if datatype != spec.datatype:
+            raise ProtocolError(f"input {name!r}: expected datatype {spec.datatype}, got {datatype}")
+        shape = _check_shape(name, item.get("shape"), spec)
+        if not rows:
+            rows = shape[0]
+            if rows > max_rows:
+                raise ProtocolError(f"batch of {rows} rows exceeds max_batch_size {max_rows}")
+        elif shape[0] != rows:
+            raise ProtocolError(
+                f"input {name!r}: batch dimension {shape[0]} differs from {rows} of other inputs"
+            )
+        nbytes = _optional_dict(item.get("parameters"), f"input {name!r}: 'parameters'").get(
+            "binary_data_size"
+        )
+        data = item.get("data")
+        if nbytes is not None:
+            if data is not None:
+                raise ProtocolError(f"input {name!r} has both 'data' and 'binary_data_size'")
+            if type(nbytes) is not int or nbytes < 0:
+                raise ProtocolError(f"input {name!r}: 'binary_data_size' must be a non-negative integer")
+            dtype = DATATYPES[datatype]
+            expected = prod(shape) * dtype.itemsize
+            if nbytes != expected:
+                raise ProtocolError(
+                    f"input {name!r}: binary_data_size {nbytes} does not match"
+                    f" shape {list(shape)} ({expected} bytes)"
+                )
+            binary.append((name, dtype, shape, offset))
+            offset += nbytes
+        elif data is None:
+            raise ProtocolError(f"input {name!r} has neither 'data' nor 'binary_data_size'")
+        else:
+            arrays[name] = _from_json(name, data, datatype, shape)
+
+    missing = [s.name for s in inputs if s.name not in seen]
+    if missing:
+        raise ProtocolError("missing required input(s): " + ", ".join(map(repr, missing)))
+    if offset != size:
+        raise ProtocolError(
+            f"binary_data_size values add up to {offset - data_start} bytes,"
+            f" but {size - data_start} bytes follow the JSON header"
+        )
+    for name, dtype, shape, start in binary:
+        arr = np.frombuffer(body, dtype=dtype, count=prod(shape), offset=start).reshape(shape)
+        if dtype.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
+            raise ProtocolError(f"input {name!r}: BOOL bytes must be 0 or 1")
+        arrays[name] = arr
+    return InferRequest(
+        id=req_id,
+        inputs=arrays,
+        rows=rows,
+        outputs=outputs,
+        binary_output=binary_output,
+        parameters=parameters,
+    )
+
+
+def encode_infer_response(
+    *,
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    outputs: dict[str, np.ndarray],
+    output_specs: Sequence[TensorSpec],
+    requested: list[RequestedOutput] | None,
+    binary_output: bool,
+    parameters: dict | None = None,
+) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    if requested is None:
+        selected = [(spec, binary_output) for spec in output_specs]
+    else:
+        by_name = {spec.name: spec for spec in output_specs}
+        try:
+            selected = [(by_name[r.name], r.binary) for r in requested]
+        except KeyError as e:
+            raise ProtocolError(f"unknown output {e.args[0]!r}") from None
+
+    entries: list[dict] = []
+    chunks: list[memoryview] = []
+    any_binary = False
+    for spec, binary in selected:
+        value = outputs.get(spec.name)
+        if value is None:
+            raise ProtocolError(f"model did not produce output {spec.name!r}", 500)
+        # No copy when the model already returns the spec's dtype, C-contiguous.
+        arr = np.asarray(value, dtype=DATATYPES[spec.datatype], order="C")
+        entry: dict[str, Any] = {
+            "name": spec.name,
+            "datatype": spec.datatype,
+            "shape": list(arr.shape),
+        }
+        if binary:
+            any_binary = True
+            entry["parameters"] = {"binary_data_size": arr.nbytes}
+            chunks.append(arr.data)
+        else:
+            entry["data"] = arr.ravel()  # orjson writes 1-D numpy arrays as flat lists
+        entries.append(entry)
+
+    response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request_id is not None:
+        response["id"] = request_id
+    if parameters is not None:
+        response["parameters"] = parameters
+    response["outputs"] = entries
+    header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not any_binary:
+        return header, [(b"content-type", b"application/json")]
+    return b"".join([header, *chunks]), [
+        (b"content-type", b"application/octet-stream"),
+        (b"inference-header-content-length", str(len(header)).encode()),
+    ]

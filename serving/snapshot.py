@@ -1,0 +1,146 @@
+"""The routing snapshot: everything the data plane needs, built from PostgreSQL by the control plane.
+
+Gateways and nodes serve from the last snapshot they were handed and never query the database
+per request; if the database goes away they keep serving on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.batching import BatchingConfig
+from serving.protocol import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEntry:
+    model: str
+    version: int
+    state: str
+    loaded: bool
+    artifact_sha256: str
+    format: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batching: BatchingConfig
+    default_timeout_ms: int
+    latency_profile: dict[int, float]  # batch size -> seconds
+    failure_reason: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}:{self.version}"
+
+    @property
+    def servable(self) -> bool:
+        return self.state == "ready" and self.loaded
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    task: str
+    description: str
+    fallback: str | None
+    versions: dict[int, VersionEntry]
+
+    def servable_versions(self) -> list[VersionEntry]:
+        return [v for _, v in sorted(self.versions.items()) if v.servable]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSnapshot:
+    serial: int
+    built_at: float
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+
+    def hosted_versions(self) -> list[VersionEntry]:
+        return [v for m in self.models.values() for v in m.servable_versions()]
+
+
+_serial = itertools.count(1)
+
+
+def version_entry(v: Any, model_name: str) -> VersionEntry:
+    """The snapshot's view of one `serving.models.ModelVersion` row."""
+    return VersionEntry(
+        model=model_name,
+        version=v.version,
+        state=v.state,
+        loaded=v.loaded,
+        artifact_sha256=v.artifact_id,
+        format=v.format,
+        inputs=tuple(TensorSpec.from_dict(d) for d in v.inputs),
+        outputs=tuple(TensorSpec.from_dict(d) for d in v.outputs),
+        batching=BatchingConfig(
+            max_batch_size=v.max_batch_size,
+            max_queue_delay=v.max_queue_delay_ms / 1000.0,
+            max_queue_size=v.max_queue_size,
+            preferred_batch_sizes=tuple(v.preferred_batch_sizes or ()),
+        ),
+        default_timeout_ms=v.default_timeout_ms,
+        latency_profile={int(k): float(s) for k, s in (v.latency_profile or {}).items()},
+        failure_reason=v.failure_reason,
+    )
+
+
+def build_snapshot() -> RoutingSnapshot:
+    from serving.models import Model, State
+
+    models: dict[str, ModelEntry] = {}
+    queryset = Model.objects.select_related("fallback").prefetch_related("versions")
+    for model in queryset:
+        versions = {}
+        for v in model.versions.all():
+            if v.state == State.RETIRED:
+                continue
+            versions[v.version] = version_entry(v, model.name)
+        models[model.name] = ModelEntry(
+            name=model.name,
+            task=model.task,
+            description=model.description,
+            fallback=model.fallback.name if model.fallback else None,
+            versions=versions,
+        )
+    return RoutingSnapshot(serial=next(_serial), built_at=time.time(), models=models)
+
+
+class SnapshotHub:
+    """Holds the current snapshot in this process and tells subscribers when it changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: RoutingSnapshot | None = None
+        self._subscribers: list[Callable[[RoutingSnapshot], None]] = []
+
+    def subscribe(self, callback: Callable[[RoutingSnapshot], None]) -> None:
+        with self._lock:
+            self._subscribers.append(callback)
+
+    def unsubscribe(self, callback: Callable[[RoutingSnapshot], None]) -> None:
+        with self._lock:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+    def set(self, snapshot: RoutingSnapshot) -> None:
+        with self._lock:
+            if self.current is not None and snapshot.serial < self.current.serial:
+                return
+            self.current = snapshot
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(snapshot)
+
+
+hub = SnapshotHub()
+
+
+def publish_snapshot() -> RoutingSnapshot:
+    snapshot = build_snapshot()
+    hub.set(snapshot)
+    return snapshot

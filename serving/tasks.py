@@ -1,0 +1,10 @@
+from celery import shared_task
+
+
+@shared_task(acks_late=True)
+def validate_version(version_id: int) -> str:
+    from serving.models import ModelVersion
+    from serving.validation import validate
+
+    version = ModelVersion.objects.select_related("model").get(pk=version_id)
+    return validate(version).state

@@ -1,0 +1,59 @@
+"""Validation of a registered version: load it, run example batches, check the signature, profile it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from serving import artifacts
+from serving.models import ModelVersion, State
+from serving.node import warmup_sizes
+from serving.protocol import TensorSpec
+from serving.runtime import ModelRuntime, RuntimeFailure, pick_device
+from serving.snapshot import version_entry
+
+log = logging.getLogger(__name__)
+
+
+def validate(version: ModelVersion) -> ModelVersion:
+    """Move a version to READY with a latency profile and footprint, or to FAILED with the reason."""
+    version.mark(State.VALIDATING)
+    try:
+        inputs = [TensorSpec.from_dict(d) for d in version.inputs]
+        outputs = [TensorSpec.from_dict(d) for d in version.outputs]
+        runtime = ModelRuntime(
+            artifacts.verified_path(version.artifact_id), version.format, inputs, outputs, pick_device()
+        )
+        runtime.load()
+        entry = version_entry(version, version.model.name)
+        # profile() runs every size through predict(), which checks each output's dtype and shape.
+        profile = runtime.profile(warmup_sizes(entry), repeats=5)
+        _check_batch_independence(runtime)
+    except Exception as exc:  # whatever the artifact does, the answer is FAILED with a reason
+        reason = getattr(exc, "message", None) or str(exc)
+        log.warning("validation of %s failed: %s", version, reason)
+        version.mark(State.FAILED, reason[:2000])
+        return version
+    version.latency_profile = {str(k): v for k, v in profile.items()}
+    version.memory_bytes = runtime.memory_bytes
+    version.load_seconds = runtime.load_seconds
+    version.state = State.READY
+    version.failure_reason = ""
+    version.save(update_fields=["latency_profile", "memory_bytes", "load_seconds", "state", "failure_reason",
+                                "updated_at"])
+    return version
+
+
+def _check_batch_independence(runtime: ModelRuntime) -> None:
+    """Rows must not influence each other: batching would otherwise change answers."""
+    batch = runtime.example_batch(4, seed=1)
+    together = runtime.predict(batch)
+    alone = runtime.predict([a[:1] for a in batch])
+    for spec, joint, single in zip(runtime.outputs, together, alone, strict=True):
+        if joint.dtype.kind == "f":
+            same = torch.allclose(torch.from_numpy(joint[:1]), torch.from_numpy(single), rtol=1e-3, atol=1e-4)
+        else:
+            same = bool((joint[:1] == single).all())
+        if not same:
+            raise RuntimeFailure(f"output {spec.name!r} of row 0 changes when batched with other rows")

@@ -1,0 +1,42 @@
+"""Console pages for the registry (server-rendered; live figures come from this process's data plane)."""
+
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+
+from serving import dataplane, metrics
+from serving.models import Model
+
+
+def _live(model: str, version: int) -> dict:
+    stats = metrics.live_stats(model, version)
+    plane = dataplane.current()
+    key = f"{model}:{version}"
+    return {
+        "rate": round(stats.rate, 1) if stats else 0.0,
+        "p50_ms": round(stats.p50_ms, 1) if stats and stats.p50_ms is not None else None,
+        "p99_ms": round(stats.p99_ms, 1) if stats and stats.p99_ms is not None else None,
+        "mean_batch": round(stats.mean_batch, 1) if stats and stats.mean_batch is not None else None,
+        "errors": stats.errors if stats else 0,
+        "loaded": bool(plane and plane.node.is_ready(key)),
+    }
+
+
+@login_required
+def models_page(request: HttpRequest) -> HttpResponse:
+    models = Model.objects.prefetch_related("versions").select_related("fallback")
+    rows = [
+        {"model": m, "versions": [{"v": v, "live": _live(m.name, v.version)} for v in m.versions.all()]}
+        for m in models
+    ]
+    return render(request, "console/models.html", {"rows": rows})
+
+
+@login_required
+def models_live(request: HttpRequest) -> JsonResponse:
+    rows = {
+        f"{name}:{version}": _live(name, version)
+        for name, version in Model.objects.values_list("name", "versions__version")
+        if version is not None
+    }
+    return JsonResponse({"versions": rows})
