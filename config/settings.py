@@ -136,7 +136,10 @@ SPECTACULAR_SETTINGS = {
 FERRY_ARTIFACT_ROOT = Path(env_str("FERRY_ARTIFACT_ROOT", str(DATA_DIR / "artifacts"))).resolve()
 FERRY_MAX_ARTIFACT_BYTES = env_int("FERRY_MAX_ARTIFACT_BYTES", 512 * 1024 * 1024, minimum=1)
 FERRY_MAX_INFER_BODY_BYTES = env_int("FERRY_MAX_INFER_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
+# Intra-op threads for CPU inference. 0 (auto) leaves one core to the event loop: with every core
+# computing, HTTP parsing starves and tail latency grows (docs/benchmarks.md has the numbers).
 FERRY_TORCH_THREADS = env_int("FERRY_TORCH_THREADS", 0, minimum=0)
+FERRY_MAX_CONCURRENCY = env_int("FERRY_MAX_CONCURRENCY", 4096, minimum=1)
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
 # The web process hosts the node (embedded mode) unless told otherwise.

@@ -91,6 +91,16 @@ def _registry_fingerprint() -> tuple:
     return (versions["n"], versions["t"], models["n"], models["t"])
 
 
+def configure_torch_threads(requested: int) -> int:
+    import os
+
+    import torch
+
+    threads = requested or max(1, (os.cpu_count() or 1) - 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
 _current: DataPlane | None = None
 
 
@@ -103,10 +113,7 @@ async def start() -> DataPlane:
     global _current
     if _current is not None:
         return _current
-    if settings.FERRY_TORCH_THREADS:
-        import torch
-
-        torch.set_num_threads(settings.FERRY_TORCH_THREADS)
+    configure_torch_threads(settings.FERRY_TORCH_THREADS)
     node = Node(
         artifact_path=artifacts.verified_path,
         device=settings.FERRY_DEVICE,
@@ -134,3 +141,7 @@ async def stop() -> None:
     if plane.refresher is not None:
         plane.refresher.cancel()
     await plane.node.close()
+    from django.db import connections
+
+    # The refresh loop's queries ran on asgiref's worker thread: close its connections there.
+    await sync_to_async(connections.close_all)()

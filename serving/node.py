@@ -182,6 +182,12 @@ class Node:
         now = self._clock()
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
+        wait = self._estimated_wait(hosted, rows)
+        if now + wait > deadline:
+            raise Unavailable(
+                f"{key}: estimated wait {wait * 1000:.0f} ms exceeds the request's deadline",
+                retry_after=self._retry_after(hosted),
+            )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
         try:
@@ -198,6 +204,12 @@ class Node:
             timer.cancel()
             if not future.done():  # the caller went away: the batcher skips it
                 future.cancel()
+
+    def _estimated_wait(self, hosted: Hosted, rows: int) -> float:
+        """Admission: batches ahead of this request at full size, then its own batch's compute."""
+        top = hosted.entry.batching.max_batch_size
+        ahead = hosted.batcher.queue.rows // top
+        return ahead * hosted.profile.estimate(top) + hosted.profile.estimate(min(top, hosted.batcher.queue.rows + rows))
 
     def _retry_after(self, hosted: Hosted) -> float:
         top = hosted.entry.batching.max_batch_size

@@ -17,5 +17,6 @@ class Command(BaseCommand):
         )
         uvicorn.run(
             "config.asgi:application", host=options["host"], port=options["port"], loop="uvloop",
-            http="httptools", lifespan="on", access_log=False, log_level="info", timeout_graceful_shutdown=10,
+            http="httptools", lifespan="on", access_log=False, proxy_headers=False,
+            limit_concurrency=settings.FERRY_MAX_CONCURRENCY, log_level="info", timeout_graceful_shutdown=10,
         )

@@ -1,0 +1,28 @@
+# Ferry entry points. `make run` serves in embedded mode; `make test` runs the suite on PostgreSQL and Redis.
+SHELL := /bin/bash
+PY := .venv/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+
+.PHONY: run setup test bench lint
+setup:
+	@scripts/setup.sh
+
+run: setup
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py build_demo_models
+	$(PY) manage.py ensure_demo_user
+	$(PY) manage.py serve --host $(HOST) --port $(PORT)
+
+test:
+	@scripts/setup.sh test
+	DATABASE_URL=$(TEST_DATABASE_URL) FERRY_TEST_REDIS_URL=$(TEST_REDIS_URL) \
+	  FERRY_DATA_DIR=$$(mktemp -d /tmp/ferry-test.XXXXXX) $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench.run
+
+lint:
+	.venv/bin/ruff check .

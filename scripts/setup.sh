@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtualenv with the CPU build of torch from local disk, then Ferry itself.
+# Usage: scripts/setup.sh [test]   ("test" adds the test tools and Debian's Chromium for browser tests)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+# torch first, pinned to the CPU wheel on local disk, so nothing later pulls a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "==> installing torch (CPU build)"
+  .venv/bin/pip install -q "torch==2.13.0"
+fi
+
+extra=""
+[ "${1:-}" = "test" ] && extra="[test]"
+stamp=".venv/.ferry-installed${extra:+-test}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "==> installing Ferry${extra}"
+  .venv/bin/pip install -q -e ".${extra}" 2>&1 | grep -v "is ignored: it is neither" || true
+  .venv/bin/python -c "import django, channels, torch" # fail here, not later, if the install broke
+  touch "$stamp"
+fi
+
+if [ "${1:-}" = "test" ] && [ ! -x /usr/bin/chromium ]; then
+  echo "==> installing Debian's chromium for the browser tests"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
