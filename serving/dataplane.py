@@ -122,14 +122,36 @@ async def start() -> DataPlane:
     plane = DataPlane(gateway=Gateway(hub, InProcessTransport(node)), node=node, loop=asyncio.get_running_loop())
     hub.subscribe(plane.on_snapshot)
     _current = plane
-    try:
-        await plane.refresh_once()
-    except Exception as exc:
-        log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
+    if settings.REDIS_URL:
+        await _follow_redis(plane)
+    else:
+        try:
+            await plane.refresh_once()
+        except Exception as exc:
+            log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
+        plane.refresher = plane.loop.create_task(plane._refresh_forever())
     if hub.current is not None:
         await plane.wait_reconciled(hub.current.serial)
-    plane.refresher = plane.loop.create_task(plane._refresh_forever())
     return plane
+
+
+async def _follow_redis(plane: DataPlane) -> None:
+    """Distributed mode: snapshots arrive through Redis; publish one from the registry if none exists yet."""
+    from serving.snapshot import publish_snapshot
+    from serving.snapshot_redis import follow
+
+    fed = asyncio.Event()
+    plane.refresher = plane.loop.create_task(follow(settings.REDIS_URL, hub, ready=fed))
+    try:
+        await asyncio.wait_for(fed.wait(), timeout=10)
+    except TimeoutError:
+        log.error("Redis at REDIS_URL does not answer; starting without a routing snapshot")
+        return
+    if hub.current is None:
+        try:
+            await sync_to_async(publish_snapshot)()
+        except Exception as exc:
+            log.error("no snapshot in Redis and the registry is unreachable: %s", exc)
 
 
 async def stop() -> None:

@@ -129,7 +129,7 @@ class SnapshotHub:
 
     def set(self, snapshot: RoutingSnapshot) -> None:
         with self._lock:
-            if self.current is not None and snapshot.serial < self.current.serial:
+            if self.current is not None and snapshot.serial <= self.current.serial:
                 return
             self.current = snapshot
             subscribers = list(self._subscribers)
@@ -141,6 +141,17 @@ hub = SnapshotHub()
 
 
 def publish_snapshot() -> RoutingSnapshot:
+    """Build from the registry and hand to this process; with Redis, to every gateway and node too."""
+    from django.conf import settings
+
     snapshot = build_snapshot()
+    if settings.REDIS_URL:
+        from serving.snapshot_redis import RedisSnapshotStore
+
+        store = RedisSnapshotStore(settings.REDIS_URL)
+        try:
+            snapshot = store.publish(snapshot)
+        finally:
+            store.close()
     hub.set(snapshot)
     return snapshot

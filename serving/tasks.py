@@ -8,3 +8,11 @@ def validate_version(version_id: int) -> str:
 
     version = ModelVersion.objects.select_related("model").get(pk=version_id)
     return validate(version).state
+
+
+@shared_task(ignore_result=True)
+def publish_routing_snapshot() -> int:
+    """Periodic repair: republish so a gateway that missed an announcement converges."""
+    from serving.snapshot import publish_snapshot
+
+    return publish_snapshot().serial

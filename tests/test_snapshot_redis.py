@@ -1,0 +1,81 @@
+"""Routing snapshots through the real Redis (FERRY_TEST_REDIS_URL, a database of its own)."""
+
+import asyncio
+import os
+
+import pytest
+import redis
+
+from serving import snapshot_redis
+from serving.snapshot import SnapshotHub, build_snapshot, publish_snapshot
+from tests.conftest import register
+
+REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture
+def redis_url(settings):  # noqa: ANN001, ANN201
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    settings.REDIS_URL = REDIS_URL
+    yield REDIS_URL
+    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    client.close()
+
+
+def test_encode_decode_round_trip(db, model_files) -> None:  # noqa: ANN001
+    # given a registry with two models / when a snapshot crosses Redis' wire format / then it is equal
+    register(model_files.digits, "digits", max_batch_size=16, preferred_batch_sizes=[4, 8])
+    register(model_files.digits, "digits", max_queue_delay_ms=7)
+    snapshot = build_snapshot()
+    assert snapshot_redis.decode(snapshot_redis.encode(snapshot)) == snapshot
+
+
+def test_publish_numbers_serials_cluster_wide(db, model_files, redis_url) -> None:  # noqa: ANN001
+    register(model_files.digits, "digits")
+    first = publish_snapshot()
+    second = publish_snapshot()
+    assert second.serial == first.serial + 1
+    stored = snapshot_redis.RedisSnapshotStore(redis_url).load()
+    assert stored is not None and stored.serial == second.serial
+    assert stored.models["digits"].versions[1].servable
+
+
+async def test_follower_sees_each_publication(db, model_files, redis_url) -> None:  # noqa: ANN001
+    # given a follower subscribed to the feed
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(register)(model_files.digits, "digits")  # publishes on commit
+    client = redis.Redis.from_url(redis_url)
+    client.delete(snapshot_redis.VALUE_KEY)
+    client.close()
+    hub = SnapshotHub()
+    fed = asyncio.Event()
+    task = asyncio.create_task(snapshot_redis.follow(redis_url, hub, ready=fed))
+    try:
+        await asyncio.wait_for(fed.wait(), 10)
+        assert hub.current is None  # nothing published yet
+        # when the control plane publishes / then the follower's hub holds it
+        published = await sync_to_async(publish_snapshot)()
+        async with asyncio.timeout(10):
+            while hub.current is None or hub.current.serial < published.serial:
+                await asyncio.sleep(0.01)
+        assert hub.current == published
+        # and an older serial never replaces a newer one
+        hub.set(snapshot_redis.decode(snapshot_redis.encode(published)))
+        assert hub.current.serial == published.serial
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_follower_survives_unreachable_redis() -> None:
+    # given a Redis address nothing listens on / when following / then it retries instead of raising
+    hub = SnapshotHub()
+    task = asyncio.create_task(snapshot_redis.follow("redis://127.0.0.1:1/0", hub))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
