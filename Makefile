@@ -18,7 +18,7 @@ run: setup
 
 test:
 	@scripts/setup.sh test
-	DATABASE_URL=$(TEST_DATABASE_URL) FERRY_TEST_REDIS_URL=$(TEST_REDIS_URL) \
+	DATABASE_URL=$(TEST_DATABASE_URL) DATABASE_CONN_MAX_AGE=0 FERRY_TEST_REDIS_URL=$(TEST_REDIS_URL) \
 	  FERRY_DATA_DIR=$$(mktemp -d /tmp/ferry-test.XXXXXX) $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

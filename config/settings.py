@@ -74,7 +74,8 @@ ASGI_APPLICATION = "config.asgi.application"
 
 DATABASES = {
     "default": dj_database_url.parse(
-        env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'ferry.sqlite3'}"), conn_max_age=60
+        env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'ferry.sqlite3'}"),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0),
     )
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

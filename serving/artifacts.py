@@ -56,11 +56,12 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
             raise ArtifactRejected("artifact is not a TorchScript or torch.export archive (not a zip file)")
         final = path_for(sha)
         final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists():
+        if final.exists() and _file_sha256(final) == sha:
             tmp.unlink()
         else:
-            tmp.rename(final)
-            final.chmod(0o444)
+            # New, or the stored copy was damaged: the verified upload takes its place.
+            tmp.chmod(0o444)
+            os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -73,10 +74,14 @@ def verified_path(sha256: str) -> Path:
     path = path_for(sha256)
     if not path.exists():
         raise ArtifactRejected(f"artifact {sha256} is missing from the store", status=503)
+    if _file_sha256(path) != sha256:
+        raise ArtifactRejected(f"artifact {sha256} is corrupt on disk", status=503)
+    return path
+
+
+def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
-    if digest.hexdigest() != sha256:
-        raise ArtifactRejected(f"artifact {sha256} is corrupt on disk", status=503)
-    return path
+    return digest.hexdigest()

@@ -1,0 +1,140 @@
+"""Management commands: register_model and ensure_demo_user.
+
+build_demo_models is left to `make run`: it trains for about a minute.
+"""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+pytestmark = pytest.mark.django_db
+
+DIGITS_ARGS = ["--format", "torchscript", "--input", "input:FP32:64", "--output", "scores:FP32:10"]
+
+
+def register_cli(name: str, artifact: object, *extra: str) -> str:
+    out = StringIO()
+    call_command("register_model", name, str(artifact), *extra, stdout=out)
+    return out.getvalue()
+
+
+def test_register_model_validates_and_prints_ready(model_files) -> None:  # noqa: ANN001
+    from serving.models import ModelVersion, State
+
+    # given the digits artifact / when registered from the command line with a batching option
+    output = register_cli("digits-cli", model_files.digits, *DIGITS_ARGS, "--max-batch-size", "8",
+                          "--metrics", '{"accuracy": 0.9}')
+
+    # then it reports the version ready, with its sha256 and latency profile
+    assert "digits-cli:1 ready" in output
+    version = ModelVersion.objects.get(model__name="digits-cli", version=1)
+    assert version.artifact_id in output
+    assert "b8=" in output
+    # and the registry holds it validated, with the signature and options given
+    assert version.state == State.READY
+    assert version.max_batch_size == 8
+    assert version.inputs == [{"name": "input", "datatype": "FP32", "shape": [64]}]
+    assert version.outputs == [{"name": "scores", "datatype": "FP32", "shape": [10]}]
+    assert version.metrics == {"accuracy": 0.9}
+    assert set(version.latency_profile) == {"1", "2", "4", "8"}
+
+    # when the same artifact is registered again / then it becomes version 2 of the same model
+    assert "digits-cli:2 ready" in register_cli("digits-cli", model_files.digits, *DIGITS_ARGS)
+
+
+def test_register_model_variable_length_signature(model_files) -> None:  # noqa: ANN001
+    # given the tokens artifact / when registered with a -1 dimension / then it is ready
+    output = register_cli("tokens-cli", model_files.tokens, "--format", "torchscript",
+                          "--input", "tokens:INT64:-1", "--output", "scores:FP32:2")
+    assert "tokens-cli:1 ready" in output
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("input:FP32", "is not NAME:DATATYPE:DIMS"),
+        ("input:FP32:sixty-four", "is not NAME:DATATYPE:DIMS"),
+        ("input:FP32:64:1", "is not NAME:DATATYPE:DIMS"),
+        ("input:FP33:64", "unsupported datatype 'FP33'"),
+        ("input:FP32:-2", "shape must be a list of integers"),
+        (":FP32:64", "non-empty"),
+    ],
+)
+def test_register_model_rejects_bad_tensor_spec(model_files, spec: str, reason: str) -> None:  # noqa: ANN001
+    from serving.models import Model
+
+    # given a malformed --input / when the command runs / then CommandError says why, nothing is registered
+    with pytest.raises(CommandError, match=reason):
+        register_cli("bad-spec", model_files.digits, "--format", "torchscript", "--input", spec,
+                     "--output", "scores:FP32:10")
+    assert not Model.objects.filter(name="bad-spec").exists()
+
+
+def test_register_model_rejects_mismatched_signature(model_files) -> None:  # noqa: ANN001
+    from serving.models import ModelVersion, State
+
+    # given a signature the artifact does not produce / when registered / then CommandError with the reason
+    with pytest.raises(CommandError, match=r"failed: .*scores"):
+        register_cli("wrong-sig", model_files.digits, "--format", "torchscript",
+                     "--input", "input:FP32:64", "--output", "scores:FP32:3")
+    # and the version is recorded as failed, with that reason
+    version = ModelVersion.objects.get(model__name="wrong-sig")
+    assert version.state == State.FAILED and "scores" in version.failure_reason
+
+
+def test_register_model_rejects_broken_artifacts(model_files, tmp_path) -> None:  # noqa: ANN001
+    # given a file that is not an archive / when registered / then CommandError saying so
+    with pytest.raises(CommandError, match="not a zip file"):
+        register_cli("broken", model_files.not_a_zip, *DIGITS_ARGS)
+    # given a zip that is not a loadable model / then CommandError naming the load failure
+    with pytest.raises(CommandError, match=r"broken:1 is failed: cannot load torchscript artifact"):
+        register_cli("broken", model_files.corrupt_zip, *DIGITS_ARGS)
+    # given a torch.export program declared as TorchScript / then it fails to load, not crash
+    with pytest.raises(CommandError, match="cannot load torchscript artifact"):
+        register_cli("mislabelled", model_files.digits_export, *DIGITS_ARGS)
+    # given a missing file / then CommandError naming the path
+    missing = tmp_path / "nowhere.pt"
+    with pytest.raises(CommandError, match="cannot read .*nowhere.pt"):
+        register_cli("missing", missing, *DIGITS_ARGS)
+    # given a bad model name / then CommandError from the registry's rules
+    with pytest.raises(CommandError, match="model name"):
+        register_cli("-bad name", model_files.digits, *DIGITS_ARGS)
+    # given a sha256 that does not match / then CommandError with the mismatch
+    with pytest.raises(CommandError, match="sha256 mismatch"):
+        register_cli("digits-sha", model_files.digits, *DIGITS_ARGS, "--sha256", "0" * 64)
+    # given an impossible batching option / then CommandError
+    with pytest.raises(CommandError, match="max_batch_size"):
+        register_cli("digits-zero", model_files.digits, *DIGITS_ARGS, "--max-batch-size", "0")
+
+
+def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model) -> None:  # noqa: ANN001
+    from tenants.models import Membership, Role
+
+    monkeypatch.setenv("FERRY_ADMIN_USER", "operator")
+    monkeypatch.setenv("FERRY_ADMIN_PASSWORD", "first-password")
+
+    # given no account / when the command runs / then it creates a staff superuser and says how to log in
+    out = StringIO()
+    call_command("ensure_demo_user", stdout=out)
+    assert "console login: operator / first-password" in out.getvalue()
+    user = django_user_model.objects.get(username="operator")
+    assert user.is_staff and user.is_superuser
+    assert user.check_password("first-password")
+    membership = Membership.objects.get(user=user)
+    assert membership.role == Role.OPERATOR and membership.tenant.slug == "default"
+
+    # when it runs again, even with another password in the environment
+    monkeypatch.setenv("FERRY_ADMIN_PASSWORD", "second-password")
+    again = StringIO()
+    call_command("ensure_demo_user", stdout=again)
+
+    # then nothing changes: one account, the first password, one membership, and no password printed
+    assert "existing account" in again.getvalue()
+    assert "second-password" not in again.getvalue()
+    assert django_user_model.objects.filter(username="operator").count() == 1
+    user.refresh_from_db()
+    assert user.check_password("first-password")
+    assert Membership.objects.filter(user=user).count() == 1
