@@ -53,7 +53,10 @@ def register_version(
     **batching: object,
 ) -> ModelVersion:
     """Store the artifact, create the next version of the model (creating the model if new) and
-    validate it: "async" queues the Celery task after commit, "sync" validates before returning."""
+    validate it: "async" queues the Celery task after commit, "sync" validates before returning,
+    "none" leaves it registered for the caller to queue."""
+    if validate not in ("async", "sync", "none"):
+        raise ValueError(f"validate must be async, sync or none, not {validate!r}")
     try:
         MODEL_NAME(model_name)
     except ValidationError as exc:
