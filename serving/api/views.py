@@ -3,6 +3,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import APIException, NotFound, PermissionDenied
+from rest_framework.permissions import SAFE_METHODS
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -23,10 +24,12 @@ class RegistrationFailed(APIException):
 
 
 class EngineerWrites:
-    """Reading needs a login; changing the registry needs the engineer role."""
+    """Reading needs a login; changing the registry needs the engineer role, checked before the
+    request body is looked at so a viewer learns nothing from validation errors."""
 
-    def check_write(self, request: Request) -> None:
-        if not has_role(request.user, Role.ENGINEER):
+    def initial(self, request: Request, *args: object, **kwargs: object) -> None:
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        if request.method not in SAFE_METHODS and not has_role(request.user, Role.ENGINEER):
             raise PermissionDenied("changing the registry needs the engineer role")
 
 
@@ -36,16 +39,7 @@ class ModelViewSet(EngineerWrites, viewsets.ModelViewSet):
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
 
-    def perform_create(self, serializer: ModelSerializer) -> None:
-        self.check_write(self.request)
-        serializer.save()
-
-    def perform_update(self, serializer: ModelSerializer) -> None:
-        self.check_write(self.request)
-        serializer.save()
-
     def perform_destroy(self, instance: Model) -> None:
-        self.check_write(self.request)
         if instance.versions.exclude(state=State.RETIRED).exists():
             raise RegistrationFailed(RegistrationError("retire every version before deleting the model", 409))
         instance.delete()
@@ -68,7 +62,6 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
     @extend_schema(request={"multipart/form-data": VersionUploadSerializer}, responses={201: ModelVersionSerializer})
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Upload an artifact as the model's next version (creating the model if new); validation follows."""
-        self.check_write(request)
         # Refuse an oversized upload before Django spools it to disk; the store checks again while hashing.
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -95,7 +88,6 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
 
     @action(detail=True, methods=["post"])
     def retire(self, request: Request, *args: object, **kwargs: object) -> Response:
-        self.check_write(request)
         version = self.get_object()
         version.retire()
         return Response(ModelVersionSerializer(version).data)
