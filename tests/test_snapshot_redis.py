@@ -41,9 +41,10 @@ def test_publish_numbers_serials_cluster_wide(db, model_files, redis_url) -> Non
     assert stored.models["digits"].versions[1].servable
 
 
-async def test_follower_sees_each_publication(db, model_files, redis_url) -> None:  # noqa: ANN001
-    # given a follower subscribed to the feed
+async def test_follower_sees_each_publication(transactional_db, model_files, redis_url) -> None:  # noqa: ANN001
+    # given a follower subscribed to the feed (registration runs on asgiref's thread, hence a real commit)
     from asgiref.sync import sync_to_async
+    from django.db import connections
 
     await sync_to_async(register)(model_files.digits, "digits")  # publishes on commit
     client = redis.Redis.from_url(redis_url)
@@ -68,6 +69,7 @@ async def test_follower_sees_each_publication(db, model_files, redis_url) -> Non
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await sync_to_async(connections.close_all)()
 
 
 async def test_follower_survives_unreachable_redis() -> None:
