@@ -12,8 +12,8 @@ import math
 
 import orjson
 from asgiref.sync import sync_to_async
-from channels.exceptions import StopConsumer
 from channels.consumer import get_handler_name
+from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -126,6 +126,11 @@ class InferenceConsumer(AsyncHttpConsumer):
         gateway = plane.gateway
         if action == "infer":
             _method(method, "POST")
+            if plane.loop_lag * 1000 > settings.FERRY_MAX_LOOP_LAG_MS:
+                raise Unavailable(
+                    f"server saturated: requests wait {plane.loop_lag * 1000:.0f} ms before they are read",
+                    retry_after=1,
+                )
             header_length = self._header_length()
             reply = await gateway.infer(name, version, body, header_length)
             return reply.status, reply.body, reply.headers

@@ -18,12 +18,14 @@ from django.conf import settings
 from serving import artifacts
 from serving.gateway import Gateway
 from serving.node import Node
+from serving.runtime import configure_torch_threads
 from serving.snapshot import RoutingSnapshot, build_snapshot, hub
 from serving.transport import InProcessTransport
 
 log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 2.0
+LAG_SAMPLE_SECONDS = 0.05
 
 
 @dataclass
@@ -32,6 +34,10 @@ class DataPlane:
     node: Node
     loop: asyncio.AbstractEventLoop
     refresher: asyncio.Task[None] | None = None
+    lag_watch: asyncio.Task[None] | None = None
+    # How late the event loop runs its callbacks: past FERRY_MAX_LOOP_LAG_MS the process is
+    # saturated before requests even reach a queue, and new inference is refused at once.
+    loop_lag: float = 0.0
     _fingerprint: tuple | None = None
     _reconciling: asyncio.Task[None] | None = None
     _pending: RoutingSnapshot | None = None
@@ -72,6 +78,14 @@ class DataPlane:
         hub.set(snapshot)
         return True
 
+    async def _watch_loop_lag(self) -> None:
+        while True:
+            expected = self.loop.time() + LAG_SAMPLE_SECONDS
+            await asyncio.sleep(LAG_SAMPLE_SECONDS)
+            lag = max(0.0, self.loop.time() - expected)
+            # Rise at once, decay over a few samples, so a single quiet tick does not reopen the gate.
+            self.loop_lag = lag if lag > self.loop_lag else 0.7 * self.loop_lag + 0.3 * lag
+
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_SECONDS)
@@ -89,16 +103,6 @@ def _registry_fingerprint() -> tuple:
     versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     return (versions["n"], versions["t"], models["n"], models["t"])
-
-
-def configure_torch_threads(requested: int) -> int:
-    import os
-
-    import torch
-
-    threads = requested or max(1, (os.cpu_count() or 1) - 1)
-    torch.set_num_threads(threads)
-    return threads
 
 
 _current: DataPlane | None = None
@@ -122,6 +126,7 @@ async def start() -> DataPlane:
     plane = DataPlane(gateway=Gateway(hub, InProcessTransport(node)), node=node, loop=asyncio.get_running_loop())
     hub.subscribe(plane.on_snapshot)
     _current = plane
+    plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
     if settings.REDIS_URL:
         await _follow_redis(plane)
     else:
@@ -160,8 +165,9 @@ async def stop() -> None:
     if plane is None:
         return
     hub.unsubscribe(plane.on_snapshot)
-    if plane.refresher is not None:
-        plane.refresher.cancel()
+    for task in (plane.refresher, plane.lag_watch):
+        if task is not None:
+            task.cancel()
     await plane.node.close()
     from django.db import connections
 

@@ -208,8 +208,8 @@ class Node:
     def _estimated_wait(self, hosted: Hosted, rows: int) -> float:
         """Admission: batches ahead of this request at full size, then its own batch's compute."""
         top = hosted.entry.batching.max_batch_size
-        ahead = hosted.batcher.queue.rows // top
-        return ahead * hosted.profile.estimate(top) + hosted.profile.estimate(min(top, hosted.batcher.queue.rows + rows))
+        queued = hosted.batcher.queue.rows
+        return (queued // top) * hosted.profile.estimate(top) + hosted.profile.estimate(min(top, queued + rows))
 
     def _retry_after(self, hosted: Hosted) -> float:
         top = hosted.entry.batching.max_batch_size

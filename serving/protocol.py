@@ -330,7 +330,7 @@ def encode_infer_response(
     for spec, binary in selected:
         value = outputs.get(spec.name)
         if value is None:
-            raise ProtocolError(f"model did not produce output {spec.name!r}", 500)
+            raise ProtocolError(f"model did not produce output {spec.name!r}", 503)
         # No copy when the model already returns the spec's dtype, C-contiguous.
         arr = np.asarray(value, dtype=DATATYPES[spec.datatype], order="C")
         entry: dict[str, Any] = {

@@ -8,6 +8,7 @@ arbitrary Python objects.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,13 @@ from serving.protocol import DATATYPES, TensorSpec
 
 class RuntimeFailure(Exception):
     """The model could not be loaded or did not answer as its signature says."""
+
+
+def configure_torch_threads(requested: int) -> int:
+    """Intra-op threads for CPU inference; 0 means cores - 1, leaving a core to the event loop."""
+    threads = requested or max(1, (os.cpu_count() or 1) - 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def pick_device(preferred: str = "") -> torch.device:

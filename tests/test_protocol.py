@@ -538,7 +538,7 @@ def test_encode_non_contiguous(binary):
 def test_encode_errors():
     with pytest.raises(ProtocolError) as exc:
         encode(outputs={"y": model_outputs()["y"]})
-    assert exc.value.status == 500 and "label" in exc.value.message
+    assert exc.value.status == 503 and "label" in exc.value.message
     with pytest.raises(ProtocolError, match="unknown output 'nope'"):
         encode(requested=[RequestedOutput("nope", False)])
 

@@ -3,8 +3,8 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import APIException, NotFound, PermissionDenied
-from rest_framework.permissions import SAFE_METHODS
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -12,7 +12,6 @@ from serving.actions import RegistrationError, register_version
 from serving.api.serializers import ModelSerializer, ModelVersionSerializer, VersionUploadSerializer
 from serving.models import Model, ModelVersion, State
 from tenants.models import Role, has_role
-
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the other form fields
 

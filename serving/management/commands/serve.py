@@ -11,10 +11,9 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000)
 
     def handle(self, *args: object, **options: object) -> None:
-        self.stdout.write(
-            f"Ferry on http://{options['host']}:{options['port']} "
-            f"({'embedded' if settings.EMBEDDED else 'distributed'} mode, database {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]})"
-        )
+        mode = "embedded" if settings.EMBEDDED else "distributed"
+        database = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
+        self.stdout.write(f"Ferry on http://{options['host']}:{options['port']} ({mode} mode, database {database})")
         uvicorn.run(
             "config.asgi:application", host=options["host"], port=options["port"], loop="uvloop",
             http="httptools", lifespan="on", access_log=False, proxy_headers=False,

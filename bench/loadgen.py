@@ -1,0 +1,686 @@
+"""Open-loop HTTP/1.1 load generator (pure asyncio, uvloop when available).
+
+Requests leave on a fixed timetable (request i at t0 + i/rate) whatever the server does, and latency is
+counted from each request's *scheduled* time, so a stalled server shows up as latency instead of as a
+quietly lower send rate (no coordinated omission). The generator reports its own send lag so a reader
+can tell when it, not the server, was the bottleneck.
+
+    python -m bench.loadgen URL --body-file F --rate R --duration D
+    python -m bench.loadgen --ceiling
+    python -m bench.loadgen --echo-server PORT [--delay-ms MS]   (see bench.echo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import sys
+from array import array
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from bench.echo import EchoServer, echo_server, sample_body
+
+T = TypeVar("T")
+
+MAX_CONNECTIONS = 512
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop when it is installed."""
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+@dataclass
+class LoadResult:
+    offered_rate: float
+    achieved_rate: float  # completed 2xx per second of the measured window
+    duration: float
+    count: int  # requests scheduled in the measured window
+    ok: int
+    errors_by_status: dict[str, int]
+    client_errors: int  # timeouts, connection failures, and requests that could not be sent on time
+    client_errors_by_kind: dict[str, int]
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    p999_ms: float
+    max_ms: float
+    send_lag_p99_ms: float
+    max_connections: int
+    aborted: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> int:
+        return sum(self.errors_by_status.values()) + self.client_errors
+
+    @property
+    def error_ratio(self) -> float:
+        return self.errors / self.count if self.count else 1.0
+
+    def passes(self, p99_budget_ms: float, max_error_ratio: float) -> bool:
+        return (
+            not self.aborted
+            and self.count > 0
+            and self.p99_ms < p99_budget_ms
+            and self.error_ratio < max_error_ratio
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _request_bytes(url: str, body: bytes, headers: dict[str, str]) -> tuple[str, int, bytes]:
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise ValueError(f"only http:// URLs are supported, got {url!r}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    method = "POST" if body else "GET"
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}"]
+    lower = {k.lower() for k in headers}
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if body and "content-length" not in lower:
+        lines.append(f"Content-Length: {len(body)}")
+    return host, port, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection carrying at most one request at a time (no pipelining)."""
+
+    __slots__ = (
+        "gen",
+        "transport",
+        "buf",
+        "sched",
+        "record",
+        "header_end",
+        "need",
+        "status",
+        "chunked",
+        "keep",
+    )
+
+    def __init__(self, gen: _Generator) -> None:
+        self.gen = gen
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.sched = -1.0  # scheduled time of the request in flight; < 0 when idle
+        self.record = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf.clear()
+        self.header_end = -1
+        self.need = -1
+        self.status = 0
+        self.chunked = False
+        self.keep = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, sched: float, record: bool) -> None:
+        self.sched = sched
+        self.record = record
+        self.transport.write(self.gen.request)  # type: ignore[union-attr]
+        if record:
+            self.gen.lag.append(perf_counter() - sched)
+
+    def data_received(self, data: bytes) -> None:
+        if self.sched < 0:
+            return  # late bytes after a timeout; the connection is being closed anyway
+        buf = self.buf
+        buf += data
+        if self.header_end < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.header_end = end + 4
+            self.status = int(buf[9:12])
+            head = bytes(buf[:end]).lower()
+            self.keep = b"\r\nconnection: close" not in head
+            i = head.find(b"\r\ncontent-length:")
+            if i >= 0:
+                j = head.find(b"\r\n", i + 2)
+                self.need = self.header_end + int(head[i + 17 : j if j >= 0 else len(head)])
+            elif b"\r\ntransfer-encoding: chunked" in head:
+                self.chunked = True
+            elif self.status in (204, 304) or 100 <= self.status < 200:
+                self.need = self.header_end
+            else:
+                self.need = -2  # body runs to connection close
+        if self.chunked:
+            if not buf.endswith(b"0\r\n\r\n"):
+                return
+        elif self.need == -2 or len(buf) < self.need:
+            return
+        status, keep = self.status, self.keep
+        self._reset()
+        self.gen.done(self, status, keep)
+        if not keep and self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.need == -2 and self.sched >= 0:
+            status = self.status
+            self._reset()
+            self.gen.done(self, status, reuse=False)
+        self.gen.lost(self)
+
+
+class _Generator:
+    def __init__(self, host: str, port: int, request: bytes, timeout: float, cap: int) -> None:
+        self.host, self.port, self.request = host, port, request
+        self.timeout, self.cap = timeout, cap
+        self.loop = asyncio.get_running_loop()
+        self.idle: list[_Conn] = []
+        self.busy: set[_Conn] = set()
+        self.conns: set[_Conn] = set()
+        self.connecting = 0
+        self.max_conns = 0
+        self.lat = array("d")  # seconds, recorded requests only
+        self.lag = array("d")
+        self.status_counts: dict[int, int] = {}
+        self.client_errors: dict[str, int] = {}
+        self.done_total = 0
+        self.outstanding = 0
+        self.closed = False
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def _finish(self, sched: float, record: bool, latency: float, status: int | None, kind: str = "") -> None:
+        if self.closed:
+            return  # callbacks from connections aborted after the run ended
+        self.outstanding -= 1
+        self.done_total += 1
+        if not record:
+            return
+        self.lat.append(latency)
+        if status is None:
+            self.client_errors[kind] = self.client_errors.get(kind, 0) + 1
+        else:
+            self.status_counts[status] = self.status_counts.get(status, 0) + 1
+
+    def done(self, conn: _Conn, status: int, reuse: bool = True) -> None:
+        sched, record = conn.sched, conn.record
+        conn.sched = -1.0
+        self.busy.discard(conn)
+        self._finish(sched, record, perf_counter() - sched, status)
+        if reuse:
+            self.idle.append(conn)
+
+    def lost(self, conn: _Conn) -> None:
+        self.conns.discard(conn)
+        if conn in self.busy:
+            self.busy.discard(conn)
+            sched, conn.sched = conn.sched, -1.0
+            self._finish(sched, conn.record, perf_counter() - sched, None, "connection")
+        else:
+            try:
+                self.idle.remove(conn)
+            except ValueError:
+                pass
+
+    async def _connect(self) -> _Conn:
+        # The caller has already counted this connection in `connecting`: a task does not start until the
+        # next loop iteration, and a burst of due requests must see the connections it has asked for.
+        try:
+            _, conn = await self.loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        finally:
+            self.connecting -= 1
+        self.conns.add(conn)
+        self.max_conns = max(self.max_conns, len(self.conns))
+        return conn
+
+    async def open(self, n: int) -> None:
+        self.connecting += n
+        conns = await asyncio.gather(*(self._connect() for _ in range(n)))
+        self.idle.extend(conns)
+
+    async def _connect_and_send(self, sched: float, record: bool) -> None:
+        try:
+            conn = await self._connect()
+        except OSError:
+            self._finish(sched, record, perf_counter() - sched, None, "connect")
+            return
+        if self.closed:
+            conn.transport.abort()  # type: ignore[union-attr]
+            return
+        if perf_counter() - sched >= self.timeout:
+            self.idle.append(conn)
+            self._finish(sched, record, self.timeout, None, "timeout")
+            return
+        self.busy.add(conn)
+        conn.send(sched, record)
+
+    def fire(self, sched: float, record: bool) -> None:
+        self.outstanding += 1
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.transport is None or conn.transport.is_closing():
+                continue  # closed by the server while idle; connection_lost has not run yet
+            self.busy.add(conn)
+            conn.send(sched, record)
+            return
+        if len(self.conns) + self.connecting < self.cap:
+            self.connecting += 1
+            task = self.loop.create_task(self._connect_and_send(sched, record))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        else:
+            # Every connection is busy and the cap is reached: the request cannot leave on time.
+            self._finish(sched, record, self.timeout, None, "unsent")
+
+    def expire(self, now: float) -> None:
+        limit = now - self.timeout
+        for conn in [c for c in self.busy if c.sched <= limit]:
+            self.busy.discard(conn)
+            sched, conn.sched = conn.sched, -1.0
+            self._finish(sched, conn.record, self.timeout, None, "timeout")
+            if conn.transport is not None:
+                conn.transport.abort()  # a late response would desynchronise the connection
+
+    def close(self) -> None:
+        self.closed = True
+        for task in list(self.tasks):
+            task.cancel()
+        for conn in list(self.conns):
+            if conn.transport is not None:
+                conn.transport.abort()
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) * 1000.0 if values.size else float("nan")
+
+
+async def run(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    rate: float,
+    duration: float,
+    *,
+    timeout: float = 5.0,
+    warmup: float = 1.0,
+    progress: bool = True,
+    connections: int | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+    abort_after_errors: int | None = None,
+) -> LoadResult:
+    """Send `rate` req/s for `warmup + duration` seconds; only the last `duration` seconds are measured.
+
+    `abort_after_errors`: stop early once this many measured requests have failed (the step can no
+    longer pass), which keeps overload steps of a sweep short.
+    """
+    host, port, request = _request_bytes(url, body, headers)
+    gen = _Generator(host, port, request, timeout, max_connections)
+    if connections is None:
+        # Enough for ~5 ms of requests: the send loop fires in bursts after any stall, and opening
+        # connections mid-burst costs both processes CPU exactly when it is scarcest.
+        connections = max(16, int(rate * 0.005))
+    await gen.open(min(connections, max_connections))
+    # A full collection in a process that has imported torch stalls the send loop for tens of ms, which
+    # would show up as send lag and burst-opened connections; nothing here builds reference cycles.
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    interval = 1.0 / rate
+    n_warm = int(round(warmup * rate))
+    n_total = n_warm + max(1, int(round(duration * rate)))
+    aborted = False
+    t0 = perf_counter() + 0.01
+    next_tick = t0 + 1.0
+    next_expire = t0
+    i = 0
+    try:
+        while i < n_total:
+            now = perf_counter()
+            due = t0 + i * interval
+            if due > now:
+                # uvloop's timers have 1 ms resolution and round a sub-ms sleep to zero, which would spin
+                # on a core the server needs; sleep at least 1 ms and record the resulting lag instead.
+                await asyncio.sleep(max(due - now, 0.001))
+                continue
+            while i < n_total and t0 + i * interval <= now:
+                gen.fire(t0 + i * interval, i >= n_warm)
+                i += 1
+            if now >= next_tick:
+                next_tick += 1.0
+                gen.expire(now)
+                if progress:
+                    _progress(gen, now - t0, rate, i, n_warm)
+                if abort_after_errors is not None and _n_errors(gen) >= abort_after_errors:
+                    aborted = True
+                    break
+            if now >= next_expire:
+                next_expire = now + 0.05
+                gen.expire(now)
+        # Drain: wait for what is in flight, at most `timeout` after the last send.
+        end = perf_counter() + timeout + 0.2
+        while (gen.outstanding > 0) and perf_counter() < end and not aborted:
+            await asyncio.sleep(0.02)
+            now = perf_counter()
+            gen.expire(now)
+            if progress and now >= next_tick:
+                next_tick += 1.0
+                _progress(gen, now - t0, rate, i, n_warm)
+    finally:
+        gen.close()
+        if gc_was_enabled:
+            gc.enable()
+    measured = len(gen.lat)
+    if aborted:
+        # Requests still in flight at abort are neither counted nor timed.
+        count, window = measured, max(perf_counter() - t0 - warmup, 1e-9)
+    else:
+        count, window = n_total - n_warm, duration
+        # Anything neither completed nor expired by now ran past the drain deadline: a timeout.
+        missing = count - measured
+        if missing > 0:
+            gen.lat.extend([timeout] * missing)
+            gen.client_errors["timeout"] = gen.client_errors.get("timeout", 0) + missing
+    lat = np.array(gen.lat, dtype=np.float64)
+    lag = np.array(gen.lag, dtype=np.float64)
+    ok = sum(v for k, v in gen.status_counts.items() if 200 <= k < 300)
+    result = LoadResult(
+        offered_rate=rate,
+        achieved_rate=ok / window,
+        duration=window,
+        count=count,
+        ok=ok,
+        errors_by_status={str(k): v for k, v in sorted(gen.status_counts.items()) if not 200 <= k < 300},
+        client_errors=sum(gen.client_errors.values()),
+        client_errors_by_kind=dict(gen.client_errors),
+        p50_ms=_pct(lat, 50),
+        p90_ms=_pct(lat, 90),
+        p99_ms=_pct(lat, 99),
+        p999_ms=_pct(lat, 99.9),
+        max_ms=float(lat.max()) * 1000.0 if lat.size else float("nan"),
+        send_lag_p99_ms=_pct(lag, 99),
+        max_connections=gen.max_conns,
+        aborted=aborted,
+    )
+    if progress:
+        log(
+            f"[loadgen] rate={rate:.1f}/s achieved={result.achieved_rate:.1f}/s p50={result.p50_ms:.1f}ms "
+            f"p99={result.p99_ms:.1f}ms errors={result.errors}/{count} "
+            f"lag_p99={result.send_lag_p99_ms:.2f}ms "
+            f"conns={gen.max_conns}{' ABORTED' if aborted else ''}"
+        )
+    return result
+
+
+def _n_ok(gen: _Generator) -> int:
+    return sum(v for k, v in gen.status_counts.items() if 200 <= k < 300)
+
+
+def _n_errors(gen: _Generator) -> int:
+    bad = sum(v for k, v in gen.status_counts.items() if not 200 <= k < 300)
+    return bad + sum(gen.client_errors.values())
+
+
+def _p99_so_far(gen: _Generator) -> float:
+    n = len(gen.lat)
+    if not n:
+        return float("nan")
+    # A zero-copy view plus selection (not a sort) keeps this tick's stall on the send loop to ~1 ms.
+    view = np.frombuffer(gen.lat, dtype=np.float64)
+    k = min(n - 1, int(math.ceil(0.99 * n)) - 1)
+    value = float(np.partition(view, k)[k]) * 1000.0
+    del view  # release the buffer export before the array is appended to again
+    return value
+
+
+def _progress(gen: _Generator, elapsed: float, rate: float, sent: int, n_warm: int) -> None:
+    phase = "warmup" if sent <= n_warm else "measure"
+    log(
+        f"[loadgen] t={elapsed:4.1f}s {phase} rate={rate:.1f}/s sent={sent} done={gen.done_total} "
+        f"p99={_p99_so_far(gen):.1f}ms errors={_n_errors(gen)} conns={len(gen.conns)}"
+    )
+
+
+async def probe_capacity(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    concurrency: int = 64,
+    duration: float = 2.0,
+    max_duration: float = 10.0,
+    timeout: float = 10.0,
+) -> float:
+    """Closed-loop 2xx completions/s with `concurrency` requests in flight; only seeds a sweep's start.
+
+    Counting starts once every connection has had one answer (the first round mostly measures queueing)
+    and runs for `duration` and at least 2 x `concurrency` answers, so a slow model is not judged on a
+    handful of completions; `max_duration` bounds both.
+    """
+    host, port, request = _request_bytes(url, body, headers)
+    gen = _Generator(host, port, request, timeout, concurrency)
+    await gen.open(concurrency)
+    t0 = perf_counter()
+    hard_stop = t0 + max_duration
+    start_ok, t_start = 0, t0
+    warmed = False
+    try:
+        for _ in range(len(gen.idle)):
+            gen.fire(t0, True)
+        while True:
+            await asyncio.sleep(0.001)
+            now = perf_counter()
+            if now >= hard_stop:
+                break
+            if not warmed and (gen.done_total >= concurrency or now - t0 >= max_duration / 3):
+                warmed, start_ok, t_start = True, _n_ok(gen), now
+            if warmed and now - t_start >= duration and _n_ok(gen) - start_ok >= 2 * concurrency:
+                break
+            gen.expire(now)
+            while gen.idle:
+                gen.fire(now, True)
+        ok, t_end = _n_ok(gen), perf_counter()
+    finally:
+        gen.close()
+    return (ok - start_ok) / max(t_end - t_start, 1e-9)
+
+
+async def find_max_rate(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    start: float,
+    stop: float,
+    p99_budget_ms: float = 300.0,
+    max_error_ratio: float = 0.001,
+    duration: float = 8.0,
+    warmup: float = 1.0,
+    timeout: float = 5.0,
+    factor: float = 1.4,
+    refine_steps: int = 2,
+    refine_tolerance: float = 0.08,
+    min_rate: float = 1.0,
+    cooldown: float = 1.0,
+    cooldown_after_fail: float = 3.0,
+    before_step: Callable[[], Awaitable[Any]] | None = None,
+    after_step: Callable[[LoadResult, Any], Awaitable[None]] | None = None,
+    progress: bool = True,
+) -> tuple[LoadResult | None, list[LoadResult]]:
+    """Highest offered rate that passes (p99 < budget and error ratio < max): geometric steps up from
+    `start` (down when `start` already fails), then bisection (geometric mean) between the last pass and
+    the first fail. `before_step`/`after_step` bracket each run, e.g. to diff server metrics."""
+    results: list[LoadResult] = []
+
+    async def step(rate: float) -> LoadResult:
+        if results:
+            await asyncio.sleep(
+                cooldown if results[-1].passes(p99_budget_ms, max_error_ratio) else cooldown_after_fail
+            )
+        if progress:
+            log(f"[sweep] step {len(results) + 1}: {rate:.1f} req/s for {duration:g}s (+{warmup:g}s warmup)")
+        token = await before_step() if before_step else None
+        budget = max(1, math.floor(max_error_ratio * rate * duration) + 1)
+        r = await run(
+            url,
+            body,
+            headers,
+            rate,
+            duration,
+            timeout=timeout,
+            warmup=warmup,
+            progress=progress,
+            abort_after_errors=budget,
+        )
+        if after_step:
+            await after_step(r, token)
+        r.extra["passed"] = r.passes(p99_budget_ms, max_error_ratio)
+        if progress:
+            log(f"[sweep] {rate:.1f} req/s -> {'PASS' if r.extra['passed'] else 'FAIL'}")
+        results.append(r)
+        return r
+
+    best: LoadResult | None = None
+    fail: LoadResult | None = None
+    rate = start
+    while rate <= stop * 1.0001:
+        r = await step(rate)
+        if r.extra["passed"]:
+            best = r
+            rate *= factor
+        else:
+            fail = r
+            break
+    if best is None:
+        rate = start / factor
+        while rate >= min_rate:
+            r = await step(rate)
+            if r.extra["passed"]:
+                best = r
+                break
+            fail = r
+            rate /= factor
+    for _ in range(refine_steps):
+        if best is None or fail is None or fail.offered_rate / best.offered_rate <= 1 + refine_tolerance:
+            break
+        r = await step(math.sqrt(best.offered_rate * fail.offered_rate))
+        if r.extra["passed"]:
+            best = r
+        else:
+            fail = r
+    return best, results
+
+
+async def measure_ceiling(
+    *,
+    p99_budget_ms: float = 300.0,
+    max_error_ratio: float = 0.001,
+    duration: float = 5.0,
+    warmup: float = 1.0,
+    refine_steps: int = 2,
+    progress: bool = True,
+) -> tuple[LoadResult | None, list[LoadResult]]:
+    """Highest rate this generator sustains against a trivial local server, under the same pass rule."""
+    headers = {"Content-Type": "application/json"}
+    with EchoServer() as echo:
+        await asyncio.sleep(0.2)
+        seed = await probe_capacity(echo.url, sample_body(), headers, duration=2.0)
+        if progress:
+            log(f"[ceiling] closed-loop probe against the echo server: {seed:.0f} req/s")
+        best, steps = await find_max_rate(
+            echo.url,
+            sample_body(),
+            headers,
+            start=max(50.0, 0.5 * seed),
+            stop=4 * seed,
+            p99_budget_ms=p99_budget_ms,
+            max_error_ratio=max_error_ratio,
+            duration=duration,
+            warmup=warmup,
+            factor=1.25,
+            refine_steps=refine_steps,
+            cooldown=0.5,
+            cooldown_after_fail=1.0,
+            progress=progress,
+        )
+    if progress:
+        log(f"[ceiling] the generator sustains {best.achieved_rate if best else 0:.0f} req/s on this machine")
+    return best, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
+    p.add_argument("url", nargs="?")
+    p.add_argument("--body-file", type=Path)
+    p.add_argument("--header", action="append", default=[], help="'Name: value'; repeatable")
+    p.add_argument("--rate", type=float, default=100.0)
+    p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--ceiling", action="store_true", help="measure this generator's own ceiling")
+    p.add_argument(
+        "--echo-server", type=int, metavar="PORT", help="run the built-in echo server (0: any port)"
+    )
+    p.add_argument("--delay-ms", type=float, default=0.0, help="echo server: answer after this delay")
+    a = p.parse_args(argv)
+    if a.echo_server is not None:
+        try:
+            arun(echo_server(a.echo_server, a.delay_ms))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if a.ceiling:
+        best, steps = arun(measure_ceiling(duration=min(a.duration, 5.0), progress=not a.quiet))
+        print(
+            json.dumps(
+                {
+                    "ceiling_rps": best.achieved_rate if best else None,
+                    "best": best.to_dict() if best else None,
+                    "steps": [s.to_dict() for s in steps],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    if not a.url:
+        p.error("URL is required (or --ceiling / --echo-server)")
+    body = a.body_file.read_bytes() if a.body_file else b""
+    headers = {"Content-Type": "application/json"} if body else {}
+    for h in a.header:
+        k, _, v = h.partition(":")
+        headers[k.strip()] = v.strip()
+    result = arun(
+        run(
+            a.url, body, headers, a.rate, a.duration, timeout=a.timeout, warmup=a.warmup, progress=not a.quiet
+        )
+    )
+    print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
