@@ -9,6 +9,7 @@ If the database is unreachable the loop logs it and the last snapshot keeps serv
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -137,6 +138,10 @@ async def start() -> DataPlane:
         plane.refresher = plane.loop.create_task(plane._refresh_forever())
     if hub.current is not None:
         await plane.wait_reconciled(hub.current.serial)
+    # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
+    # out of the collector's full passes, which otherwise stall the event loop for tens of ms.
+    gc.collect()
+    gc.freeze()
     return plane
 
 
