@@ -74,6 +74,14 @@ def _pad(array: np.ndarray, target: tuple[int, ...]) -> np.ndarray:
     return np.pad(array, widths)
 
 
+def _owned(array: np.ndarray) -> np.ndarray:
+    """A contiguous, writable array: a lone request's binary input is a read-only view of the HTTP body,
+    and a model that writes to its input in place must not write there."""
+    if array.flags.c_contiguous and array.flags.writeable:
+        return array
+    return np.array(array, order="C")
+
+
 def split(outputs: Sequence[np.ndarray], rows: Sequence[int], names: Sequence[str]) -> list[dict[str, np.ndarray]]:
     total = sum(rows)
     for name, out in zip(names, outputs, strict=True):
@@ -119,7 +127,7 @@ class ModelRuntime:
         if self.module is None:
             raise RuntimeFailure("model is not loaded")
         with torch.inference_mode():
-            tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True) for a in batch]
+            tensors = [torch.from_numpy(_owned(a)).to(self.device, non_blocking=True) for a in batch]
             try:
                 raw = self.module(*tensors)
             except Exception as exc:
