@@ -20,7 +20,7 @@ import math
 import os
 import sys
 from array import array
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from bench.echo import EchoServer, echo_server, sample_body
+from bench.echo import echo_server
 
 T = TypeVar("T")
 
@@ -82,10 +82,7 @@ class LoadResult:
 
     def passes(self, p99_budget_ms: float, max_error_ratio: float) -> bool:
         return (
-            not self.aborted
-            and self.count > 0
-            and self.p99_ms < p99_budget_ms
-            and self.error_ratio < max_error_ratio
+            not self.aborted and self.count > 0 and self.p99_ms < p99_budget_ms and self.error_ratio < max_error_ratio
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -463,173 +460,6 @@ def _progress(gen: _Generator, elapsed: float, rate: float, sent: int, n_warm: i
     )
 
 
-async def probe_capacity(
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    *,
-    concurrency: int = 64,
-    duration: float = 2.0,
-    max_duration: float = 10.0,
-    timeout: float = 10.0,
-) -> float:
-    """Closed-loop 2xx completions/s with `concurrency` requests in flight; only seeds a sweep's start.
-
-    Counting starts once every connection has had one answer (the first round mostly measures queueing)
-    and runs for `duration` and at least 2 x `concurrency` answers, so a slow model is not judged on a
-    handful of completions; `max_duration` bounds both.
-    """
-    host, port, request = _request_bytes(url, body, headers)
-    gen = _Generator(host, port, request, timeout, concurrency)
-    await gen.open(concurrency)
-    t0 = perf_counter()
-    hard_stop = t0 + max_duration
-    start_ok, t_start = 0, t0
-    warmed = False
-    try:
-        for _ in range(len(gen.idle)):
-            gen.fire(t0, True)
-        while True:
-            await asyncio.sleep(0.001)
-            now = perf_counter()
-            if now >= hard_stop:
-                break
-            if not warmed and (gen.done_total >= concurrency or now - t0 >= max_duration / 3):
-                warmed, start_ok, t_start = True, _n_ok(gen), now
-            if warmed and now - t_start >= duration and _n_ok(gen) - start_ok >= 2 * concurrency:
-                break
-            gen.expire(now)
-            while gen.idle:
-                gen.fire(now, True)
-        ok, t_end = _n_ok(gen), perf_counter()
-    finally:
-        gen.close()
-    return (ok - start_ok) / max(t_end - t_start, 1e-9)
-
-
-async def find_max_rate(
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    *,
-    start: float,
-    stop: float,
-    p99_budget_ms: float = 300.0,
-    max_error_ratio: float = 0.001,
-    duration: float = 8.0,
-    warmup: float = 1.0,
-    timeout: float = 5.0,
-    factor: float = 1.4,
-    refine_steps: int = 2,
-    refine_tolerance: float = 0.08,
-    min_rate: float = 1.0,
-    cooldown: float = 1.0,
-    cooldown_after_fail: float = 3.0,
-    before_step: Callable[[], Awaitable[Any]] | None = None,
-    after_step: Callable[[LoadResult, Any], Awaitable[None]] | None = None,
-    progress: bool = True,
-) -> tuple[LoadResult | None, list[LoadResult]]:
-    """Highest offered rate that passes (p99 < budget and error ratio < max): geometric steps up from
-    `start` (down when `start` already fails), then bisection (geometric mean) between the last pass and
-    the first fail. `before_step`/`after_step` bracket each run, e.g. to diff server metrics."""
-    results: list[LoadResult] = []
-
-    async def step(rate: float) -> LoadResult:
-        if results:
-            await asyncio.sleep(
-                cooldown if results[-1].passes(p99_budget_ms, max_error_ratio) else cooldown_after_fail
-            )
-        if progress:
-            log(f"[sweep] step {len(results) + 1}: {rate:.1f} req/s for {duration:g}s (+{warmup:g}s warmup)")
-        token = await before_step() if before_step else None
-        budget = max(1, math.floor(max_error_ratio * rate * duration) + 1)
-        r = await run(
-            url,
-            body,
-            headers,
-            rate,
-            duration,
-            timeout=timeout,
-            warmup=warmup,
-            progress=progress,
-            abort_after_errors=budget,
-        )
-        if after_step:
-            await after_step(r, token)
-        r.extra["passed"] = r.passes(p99_budget_ms, max_error_ratio)
-        if progress:
-            log(f"[sweep] {rate:.1f} req/s -> {'PASS' if r.extra['passed'] else 'FAIL'}")
-        results.append(r)
-        return r
-
-    best: LoadResult | None = None
-    fail: LoadResult | None = None
-    rate = start
-    while rate <= stop * 1.0001:
-        r = await step(rate)
-        if r.extra["passed"]:
-            best = r
-            rate *= factor
-        else:
-            fail = r
-            break
-    if best is None:
-        rate = start / factor
-        while rate >= min_rate:
-            r = await step(rate)
-            if r.extra["passed"]:
-                best = r
-                break
-            fail = r
-            rate /= factor
-    for _ in range(refine_steps):
-        if best is None or fail is None or fail.offered_rate / best.offered_rate <= 1 + refine_tolerance:
-            break
-        r = await step(math.sqrt(best.offered_rate * fail.offered_rate))
-        if r.extra["passed"]:
-            best = r
-        else:
-            fail = r
-    return best, results
-
-
-async def measure_ceiling(
-    *,
-    p99_budget_ms: float = 300.0,
-    max_error_ratio: float = 0.001,
-    duration: float = 5.0,
-    warmup: float = 1.0,
-    refine_steps: int = 2,
-    progress: bool = True,
-) -> tuple[LoadResult | None, list[LoadResult]]:
-    """Highest rate this generator sustains against a trivial local server, under the same pass rule."""
-    headers = {"Content-Type": "application/json"}
-    with EchoServer() as echo:
-        await asyncio.sleep(0.2)
-        seed = await probe_capacity(echo.url, sample_body(), headers, duration=2.0)
-        if progress:
-            log(f"[ceiling] closed-loop probe against the echo server: {seed:.0f} req/s")
-        best, steps = await find_max_rate(
-            echo.url,
-            sample_body(),
-            headers,
-            start=max(50.0, 0.5 * seed),
-            stop=4 * seed,
-            p99_budget_ms=p99_budget_ms,
-            max_error_ratio=max_error_ratio,
-            duration=duration,
-            warmup=warmup,
-            factor=1.25,
-            refine_steps=refine_steps,
-            cooldown=0.5,
-            cooldown_after_fail=1.0,
-            progress=progress,
-        )
-    if progress:
-        log(f"[ceiling] the generator sustains {best.achieved_rate if best else 0:.0f} req/s on this machine")
-    return best, steps
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("url", nargs="?")
@@ -641,9 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--ceiling", action="store_true", help="measure this generator's own ceiling")
-    p.add_argument(
-        "--echo-server", type=int, metavar="PORT", help="run the built-in echo server (0: any port)"
-    )
+    p.add_argument("--echo-server", type=int, metavar="PORT", help="run the built-in echo server (0: any port)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="echo server: answer after this delay")
     a = p.parse_args(argv)
     if a.echo_server is not None:
@@ -653,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 0
     if a.ceiling:
+        from bench.capacity import measure_ceiling
+
         best, steps = arun(measure_ceiling(duration=min(a.duration, 5.0), progress=not a.quiet))
         print(
             json.dumps(
@@ -673,9 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         k, _, v = h.partition(":")
         headers[k.strip()] = v.strip()
     result = arun(
-        run(
-            a.url, body, headers, a.rate, a.duration, timeout=a.timeout, warmup=a.warmup, progress=not a.quiet
-        )
+        run(a.url, body, headers, a.rate, a.duration, timeout=a.timeout, warmup=a.warmup, progress=not a.quiet)
     )
     print(json.dumps(result.to_dict(), indent=2))
     return 0

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen, raw
+from bench import capacity, loadgen, raw
 from bench.loadgen import LoadResult, log
 from bench.report import (
     MAX_ERROR_RATIO,
@@ -271,7 +271,7 @@ async def sweep(base: str, model: str, body: bytes, s: Settings) -> Sweep:
         say(f"{model}: {out.error}")
         return out
     # A closed-loop burst only seeds the sweep's first rate; 64 in flight lets batches of 32 form.
-    out.probe_rps = await loadgen.probe_capacity(url, body, HEADERS, concurrency=64, duration=s.probe_seconds)
+    out.probe_rps = await capacity.probe_capacity(url, body, HEADERS, concurrency=64, duration=s.probe_seconds)
     say(f"{model}: closed-loop probe {out.probe_rps:.1f} req/s")
     if out.probe_rps <= 0:
         out.error = "no successful responses under a closed-loop probe"
@@ -292,7 +292,7 @@ async def sweep(base: str, model: str, body: bytes, s: Settings) -> Sweep:
     # In the smoke run the open-loop pass rate landed at 0.5-0.65 x the closed-loop probe.
     factor = 1.3
     start = max(1.0, 0.4 * out.probe_rps)
-    out.best, out.steps = await loadgen.find_max_rate(
+    out.best, out.steps = await capacity.find_max_rate(
         url,
         body,
         HEADERS,
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         facts["other processes' CPU during raw"] = _cores(other.cores)
         with phase("load generator ceiling (no server running)"):
             ceiling, ceiling_steps = loadgen.arun(
-                loadgen.measure_ceiling(p99_budget_ms=P99_BUDGET_MS, max_error_ratio=MAX_ERROR_RATIO,
+                capacity.measure_ceiling(p99_budget_ms=P99_BUDGET_MS, max_error_ratio=MAX_ERROR_RATIO,
                                         duration=s.ceiling_step, warmup=s.warmup, refine_steps=s.refine_steps)
             )  # fmt: skip
         with phase("fresh data dir: migrate, build_demo_models, register_model x2"):

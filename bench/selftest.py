@@ -15,6 +15,7 @@ import signal
 import sys
 
 from bench import loadgen as lg
+from bench.echo import EchoServer, sample_body
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -25,9 +26,9 @@ def check(name: str, ok: bool, detail: str) -> bool:
 
 
 async def main() -> int:
-    body = lg.sample_body()
+    body = sample_body()
     results: list[bool] = []
-    with lg.EchoServer() as echo:
+    with EchoServer() as echo:
         r = await lg.run(echo.url, body, HEADERS, 500, 3, warmup=0.5, progress=False)
         results.append(
             check(
@@ -56,7 +57,7 @@ async def main() -> int:
             )
         )
 
-    with lg.EchoServer(delay_ms=200) as echo:
+    with EchoServer(delay_ms=200) as echo:
         r = await lg.run(echo.url, body, HEADERS, 200, 3, warmup=0.5, progress=False)
         results.append(
             check(
@@ -66,7 +67,7 @@ async def main() -> int:
             )
         )
 
-    with lg.EchoServer(delay_ms=2000) as echo:
+    with EchoServer(delay_ms=2000) as echo:
         r = await lg.run(echo.url, body, HEADERS, 50, 2, warmup=0.2, timeout=1.0, progress=False)
         results.append(
             check(
