@@ -79,6 +79,9 @@ class Gateway:
                 if served is None:
                     raise
                 outputs = await self.transport.infer(served, request.inputs, request.rows, deadline, priority)
+                # The answer counts for the version that served it; the refusal, for the one asked.
+                metrics.FALLBACKS.labels(entry.model, str(entry.version), served.model).inc()
+                vm = metrics.for_version(served.model, served.version)
             parameters = {"fallback_from": entry.key} if served is not entry else None
             payload, headers = encode_infer_response(
                 model_name=served.model,

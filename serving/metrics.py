@@ -23,6 +23,8 @@ TOTAL = Histogram("ferry_request_seconds", "Time from arrival to answer", ["mode
 BATCH_SIZE = Histogram("ferry_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("ferry_queue_depth", "Requests waiting", ["model", "version"])
 DEVICE_BUSY = Counter("ferry_device_busy_seconds", "Seconds the device spent computing", ["device"])
+FALLBACKS = Counter("ferry_fallbacks", "Requests a saturated version passed to its fallback model",
+                    ["model", "version", "fallback"])
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 
 

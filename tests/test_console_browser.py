@@ -90,6 +90,8 @@ def test_login_models_page_and_live_rate(quiet_model, page, digits_server) -> No
         expect(row.locator("td.model strong")).to_have_text(name)
         expect(row.locator(".state")).to_have_text("ready")
         expect(row.locator(".loaded")).to_have_text("loaded")
+        # with its measured latency profile (batch 1 and the largest) and footprint
+        expect(row.locator(".profile")).to_have_text(re.compile(r"^b1 [\d.]+ ms · b\d+ [\d.]+ ms · \d+ MB$"))
     # and a model nothing has been sent to shows no traffic yet
     quiet_rate = page.locator(f'tr[data-key="{quiet_model}:1"] .rate')
     expect(quiet_rate).to_have_text(re.compile(r"^0(\.0)?$"))  # rendered 0.0; the page's refresh writes 0

@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 import pytest
 from django.db import OperationalError
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TOKENS_IO, register
@@ -645,6 +646,11 @@ def test_saturated_model_falls_back_to_smaller_one(  # noqa: ANN001
     big.model.fallback = small.model
     big.model.save()
     server = request.getfixturevalue("live_server")
+    labels = {"model": "big", "version": "1", "fallback": "small"}
+    fallbacks = lambda: REGISTRY.get_sample_value("ferry_fallbacks_total", labels) or 0  # noqa: E731
+    small_ok = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "ferry_requests_total", {"model": "small", "version": "1", "status": "200"}) or 0
+    fallbacks_before, small_ok_before = fallbacks(), small_ok()
     first, box = _hold_one(server, "big", digits_request(x[:1]))
 
     # when more requests for `big` arrive concurrently
@@ -663,6 +669,9 @@ def test_saturated_model_falls_back_to_smaller_one(  # noqa: ANN001
     # and the waiting request is answered by `big` itself
     own = joined(first, box).json()
     assert own["model_name"] == "big" and "parameters" not in own
+    # and the metrics say who served what: three fallbacks from big, three answers counted for small
+    assert fallbacks() - fallbacks_before == 3
+    assert small_ok() - small_ok_before == 3
 
 
 def test_no_fallback_when_signatures_differ(transactional_db, model_files, digits_samples, request) -> None:  # noqa: ANN001
