@@ -58,7 +58,7 @@ class DemoModel:
     inputs: list[dict]
     outputs: list[dict]
     batching: dict
-    build: Callable[[Callable[[str], None]], tuple[nn.Module, float]]
+    build: Callable[[Callable[[str], None], float], tuple[nn.Module, float]]  # (say, epoch scale)
     example: torch.Tensor
 
 
@@ -91,17 +91,23 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: 
     model.eval()
 
 
+def _scaled(epochs: int, scale: float) -> int:
+    return max(1, round(epochs * scale))
+
+
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.inference_mode():
         return float((model(x).argmax(dim=1) == y).float().mean())
 
 
-def build_digits(hidden: int, layers: int, epochs: int) -> Callable[[Callable[[str], None]], tuple[nn.Module, float]]:
-    def build(say: Callable[[str], None]) -> tuple[nn.Module, float]:
+def build_digits(
+    hidden: int, layers: int, epochs: int
+) -> Callable[[Callable[[str], None], float], tuple[nn.Module, float]]:
+    def build(say: Callable[[str], None], epoch_scale: float = 1.0) -> tuple[nn.Module, float]:
         torch.manual_seed(SEED)
         x_train, x_test, y_train, y_test = digits_data()
         model = Digits(hidden, layers)
-        _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), epochs, 1e-3, say)
+        _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), _scaled(epochs, epoch_scale), 1e-3, say)
         return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
 
     return build
@@ -124,13 +130,13 @@ def sentiment_data(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.nda
     return np.stack(rows), np.array(labels, dtype=np.int64)
 
 
-def build_sentiment(say: Callable[[str], None]) -> tuple[nn.Module, float]:
+def build_sentiment(say: Callable[[str], None], epoch_scale: float = 1.0) -> tuple[nn.Module, float]:
     torch.manual_seed(SEED)
     rng = np.random.default_rng(SEED)
     x_train, y_train = sentiment_data(6000, rng)
     x_test, y_test = sentiment_data(1000, rng)
     model = TokenSentiment()
-    _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), 15, 1e-2, say)
+    _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), _scaled(15, epoch_scale), 1e-2, say)
     return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
 
 
@@ -174,8 +180,9 @@ def save_artifact(model: nn.Module, fmt: str, example: torch.Tensor, path: Path)
 
 
 def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
-              only_missing: bool = True) -> list[str]:
-    """Train, save and register each demo model; skip those already ready unless told otherwise."""
+              only_missing: bool = True, epoch_scale: float = 1.0) -> list[str]:
+    """Train, save and register each demo model; skip those already ready unless told otherwise.
+    `epoch_scale` < 1 trains briefly: the same models and code path, at lower accuracy (tests)."""
     from serving.actions import register_version
     from serving.models import Model, ModelVersion, State
 
@@ -186,7 +193,7 @@ def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.std
             continue
         started = time.perf_counter()
         say(f"{demo.name}: training")
-        module, accuracy = demo.build(say)
+        module, accuracy = demo.build(say, epoch_scale)
         say(f"{demo.name}: held-out accuracy {accuracy:.4f}")
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / ("model.pt2" if demo.fmt == "torch_export" else "model.pt")

@@ -1,0 +1,82 @@
+"""The demo models as `make run` builds them: trained, registered, served, and shown in the console."""
+
+from __future__ import annotations
+
+import http.client
+
+import orjson
+import pytest
+
+from serving.demo import build_all
+from serving.models import Model, ModelVersion, State
+from tests.conftest import LiveServer
+from tests.test_console_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, log_in
+
+pytestmark = pytest.mark.browser
+DEMO = ["digits-small", "digits", "token-sentiment"]
+
+
+def post(server: LiveServer, model: str, payload: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", f"/v2/models/{model}/infer", body=orjson.dumps(payload),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, orjson.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_demo_models_build_serve_and_show(transactional_db, django_user_model, digits_samples) -> None:  # noqa: ANN001
+    # given an empty registry / when the demo models are built (briefly trained: the code path, not the accuracy)
+    lines: list[str] = []
+    assert build_all(say=lines.append, epoch_scale=0.1) == DEMO
+    # then each is ready, with its held-out accuracy recorded and printed, in the declared format
+    versions = {v.model.name: v for v in ModelVersion.objects.select_related("model")}
+    assert sorted(versions) == sorted(DEMO)
+    for name, version in versions.items():
+        assert version.state == State.READY, version.failure_reason
+        assert 0.0 <= version.metrics["accuracy"] <= 1.0
+        assert any(line.startswith(f"{name}: held-out accuracy") for line in lines)
+    assert versions["digits-small"].format == "torch_export"
+    assert versions["digits"].format == versions["token-sentiment"].format == "torchscript"
+    assert Model.objects.get(name="digits").fallback.name == "digits-small"
+    # and building again reuses what is there
+    assert build_all(say=lines.append, epoch_scale=0.1) == []
+    django_user_model.objects.create_user("demo-op", password="demo-op-password", is_staff=True)
+
+    server = LiveServer().start()
+    try:
+        # when each demo model is asked / then it answers with its declared output
+        x, _ = digits_samples
+        digits_input = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
+                                    "data": x[0].tolist()}]}
+        for model in ("digits", "digits-small"):
+            status, body = post(server, model, digits_input)
+            assert status == 200, body
+            assert body["outputs"][0]["shape"] == [1, 10]
+        status, body = post(server, "token-sentiment", {"inputs": [
+            {"name": "tokens", "datatype": "INT64", "shape": [2, 5], "data": [1, 2, 3, 0, 0, 9, 10, 11, 12, 40]}]})
+        assert status == 200 and body["outputs"][0]["shape"] == [2, 2], body
+
+        # and the console, in a real browser, lists all three as ready and loaded
+        assert CHROMIUM.exists(), f"Chromium is missing at {CHROMIUM}: scripts/setup.sh test installs it"
+        from playwright.sync_api import expect, sync_playwright
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(base_url=server.url)
+                page.set_default_timeout(WAIT_MS)
+                page.goto("/")
+                log_in(page, "demo-op", "demo-op-password")
+                for name in DEMO:
+                    row = page.locator(f'tr[data-key="{name}:1"]')
+                    expect(row.locator("td.model strong")).to_have_text(name)
+                    expect(row.locator(".state")).to_have_text("ready")
+                    expect(row.locator(".loaded")).to_have_text("loaded")
+                expect(page.locator('tr[data-key="digits:1"] td.model')).to_contain_text("fallback digits-small")
+            finally:
+                browser.close()
+    finally:
+        server.stop()
