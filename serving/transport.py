@@ -3,11 +3,14 @@ Redis Streams transport implements for distributed mode."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from serving.snapshot import VersionEntry
+
+if TYPE_CHECKING:
+    from serving.node import Node
 
 
 class Transport(Protocol):
@@ -17,17 +20,12 @@ class Transport(Protocol):
         """Answer one request or raise a `ServingError`; `deadline` is on the monotonic clock."""
         ...
 
-    def queue_depth(self, entry: VersionEntry) -> int: ...
-
 
 class InProcessTransport:
-    def __init__(self, node: "Node") -> None:  # noqa: F821, UP037
+    def __init__(self, node: Node) -> None:
         self.node = node
 
     async def infer(
         self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int
     ) -> dict[str, np.ndarray]:
         return await self.node.infer(entry.key, inputs, rows, deadline, priority)
-
-    def queue_depth(self, entry: VersionEntry) -> int:
-        return self.node.queue_depth(entry.key)
