@@ -146,6 +146,7 @@ FERRY_MAX_INFER_BODY_BYTES = env_int("FERRY_MAX_INFER_BODY_BYTES", 8 * 1024 * 10
 FERRY_TORCH_THREADS = env_int("FERRY_TORCH_THREADS", 0, minimum=0)
 FERRY_MAX_CONCURRENCY = env_int("FERRY_MAX_CONCURRENCY", 4096, minimum=1)
 FERRY_MAX_LOOP_LAG_MS = env_int("FERRY_MAX_LOOP_LAG_MS", 500, minimum=1)
+FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
 # The web process hosts the node (embedded mode) unless told otherwise.

@@ -7,6 +7,7 @@ and /metrics. Every failure answers {"error": "..."} with its status; nothing an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
@@ -45,10 +46,16 @@ class InferenceConsumer(AsyncHttpConsumer):
         self.channel_layer = None
         self.base_send = send
         try:
+            # Most requests arrive in one message; a body still coming must keep coming.
+            message = await receive()
             while True:
-                await self.dispatch(await receive())
+                await self.dispatch(message)
+                message = await asyncio.wait_for(receive(), settings.FERRY_BODY_TIMEOUT_S)
         except StopConsumer:
             pass
+        except TimeoutError:
+            body = error_body(f"request body not received within {settings.FERRY_BODY_TIMEOUT_S:g} s")
+            await self.send_response(408, body, headers=[*JSON, (b"content-length", str(len(body)).encode())])
 
     async def dispatch(self, message: dict) -> None:
         handler = getattr(self, get_handler_name(message), None)

@@ -447,6 +447,26 @@ def test_odd_requests_never_500(digits_server) -> None:  # noqa: ANN001
     assert_error(call(digits_server, "GET", "/v2/models/%C3%A9t%C3%A9"), 404, "\u00e9t\u00e9")
 
 
+def test_stalled_body_is_answered_408(digits_server, settings) -> None:  # noqa: ANN001
+    import socket
+
+    # given a client that announces 1000 bytes, sends 12 and then goes quiet
+    settings.FERRY_BODY_TIMEOUT_S = 1
+    with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"inputs": [')
+        # when the body timeout passes / then the server answers 408 as JSON instead of holding the slot
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert b"not received within 1 s" in orjson.loads(body)["error"].encode()
+
+
 def test_random_garbage_never_breaks_the_server(digits_server, digits_samples) -> None:  # noqa: ANN001
     x, _ = digits_samples
     rng = random.Random(1234)
