@@ -46,9 +46,11 @@ def configure_threads() -> int:
 def load_model(model: nn.Module | str | Path) -> nn.Module:
     if isinstance(model, nn.Module):
         return model.eval()
+    from serving.runtime import load_module  # the server's own loader, so raw and served run the same module
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.load(str(model), map_location="cpu").eval()
+        return load_module(Path(model), "torchscript", torch.device("cpu"))
 
 
 def time_batch(model: nn.Module, x: torch.Tensor, seconds: float, warmup_s: float) -> RawRow:

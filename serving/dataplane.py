@@ -20,7 +20,7 @@ from serving import artifacts
 from serving.gateway import Gateway
 from serving.node import Node
 from serving.runtime import configure_torch_threads
-from serving.snapshot import RoutingSnapshot, build_snapshot, hub
+from serving.snapshot import RoutingSnapshot, hub, publish_snapshot
 from serving.transport import InProcessTransport
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,8 @@ class DataPlane:
         fingerprint = await sync_to_async(_registry_fingerprint)()
         if fingerprint == self._fingerprint:
             return False
-        snapshot = await sync_to_async(build_snapshot)()
+        await sync_to_async(publish_snapshot)()
         self._fingerprint = fingerprint
-        hub.set(snapshot)
         return True
 
     async def _watch_loop_lag(self) -> None:
@@ -147,7 +146,6 @@ async def start() -> DataPlane:
 
 async def _follow_redis(plane: DataPlane) -> None:
     """Distributed mode: snapshots arrive through Redis; publish one from the registry if none exists yet."""
-    from serving.snapshot import publish_snapshot
     from serving.snapshot_redis import follow
 
     fed = asyncio.Event()

@@ -42,7 +42,6 @@ class Hosted:
     batcher: Batcher
     profile: LatencyProfile
     metrics: metrics.VersionMetrics
-    last_used: float = 0.0
 
 
 @dataclass
@@ -71,10 +70,6 @@ class Node:
     ) -> None:
         self.device = pick_device(device)
         self.memory_budget = memory_budget
-        self.labels = {
-            "accelerator": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "device": str(self.device),
-        }
         self._artifact_path = artifact_path
         self._clock = clock
         self._device_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-device")
@@ -194,9 +189,7 @@ class Node:
             hosted.batcher.submit(Pending(Job(inputs, future), rows, now, deadline, priority))
         except QueueFull as exc:
             raise Unavailable(f"{key}: {exc}", retry_after=self._retry_after(hosted)) from None
-        hosted.last_used = now
-        queue = hosted.batcher.queue
-        hosted.metrics.queue_depth.set(len(queue))
+        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
         timer = loop.call_later(deadline - now, _expire_future, future)
         try:
             return await future

@@ -39,13 +39,9 @@ def decode(raw: bytes) -> RoutingSnapshot:
         versions = {}
         for number, v in m["versions"].items():
             v = dict(v)
-            v["inputs"] = tuple(TensorSpec(s["name"], s["datatype"], tuple(s["shape"])) for s in v["inputs"])
-            v["outputs"] = tuple(TensorSpec(s["name"], s["datatype"], tuple(s["shape"])) for s in v["outputs"])
-            b = v["batching"]
-            v["batching"] = BatchingConfig(
-                max_batch_size=b["max_batch_size"], max_queue_delay=b["max_queue_delay"],
-                max_queue_size=b["max_queue_size"], preferred_batch_sizes=tuple(b["preferred_batch_sizes"]),
-            )
+            v["inputs"] = tuple(TensorSpec.from_dict(s) for s in v["inputs"])
+            v["outputs"] = tuple(TensorSpec.from_dict(s) for s in v["outputs"])
+            v["batching"] = BatchingConfig(**v["batching"])
             v["latency_profile"] = {int(k): float(s) for k, s in v["latency_profile"].items()}
             versions[int(number)] = VersionEntry(**v)
         models[name] = ModelEntry(name=m["name"], task=m["task"], description=m["description"],
