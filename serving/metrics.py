@@ -25,6 +25,8 @@ QUEUE_DEPTH = Gauge("ferry_queue_depth", "Requests waiting", ["model", "version"
 DEVICE_BUSY = Counter("ferry_device_busy_seconds", "Seconds the device spent computing", ["device"])
 FALLBACKS = Counter("ferry_fallbacks", "Requests a saturated version passed to its fallback model",
                     ["model", "version", "fallback"])
+INTERNAL_ERRORS = Counter("ferry_internal_errors", "Unexpected exceptions answered 500 (bugs to fix)",
+                          ["component"])
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 
 
