@@ -34,7 +34,7 @@ def check_signature(specs: list[dict], what: str) -> list[dict]:
         if spec.name in seen:
             raise RegistrationError(f"{what}: duplicate tensor name {spec.name!r}")
         seen.add(spec.name)
-        cleaned.append({"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)})
+        cleaned.append(spec.to_dict())
     return cleaned
 
 

@@ -11,12 +11,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from serving.batching import BatchQueue, Pending, QueueFull
+from serving.batching import BatchingConfig, BatchQueue, Pending, QueueFull
 
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[list[Pending]], Awaitable[None]]
 OnExpired = Callable[[list[Pending]], None]
+OnDropped = Callable[[list[Pending]], None]
 
 
 class Batcher:
@@ -26,21 +27,32 @@ class Batcher:
         run_batch: RunBatch,
         on_expired: OnExpired,
         clock: Callable[[], float] = time.monotonic,
+        on_dropped: OnDropped | None = None,
     ) -> None:
         self.queue = queue
         self._run_batch = run_batch
         self._on_expired = on_expired
+        self._on_dropped = on_dropped
         self._clock = clock
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
-    def submit(self, item: Pending) -> None:
-        """Queue a request; raises `QueueFull` (answer 503) or `ValueError` (too many rows)."""
+    def submit(self, item: Pending) -> list[Pending]:
+        """Queue a request; raises `QueueFull` (answer 503) or `ValueError` (too many rows). Returns the
+        lower-priority requests evicted to make room, for the caller to answer."""
         if self._closed:
             raise QueueFull("model version is unloading")
-        self.queue.put(item)
+        evicted = self.queue.put(item)
         self._arrival.set()
+        return evicted
+
+    def reconfigure(self, config: BatchingConfig) -> list[Pending]:
+        """New batching settings; returns the queued requests that no longer fit, and wakes the loop so
+        the rest are decided under the new settings at once."""
+        misfits = self.queue.reconfigure(config)
+        self._arrival.set()
+        return misfits
 
     def start(self) -> None:
         if self._task is None:
@@ -59,6 +71,8 @@ class Batcher:
         decision = self.queue.poll(self._clock())
         if decision.expired:
             self._on_expired(decision.expired)
+        if decision.dropped and self._on_dropped is not None:
+            self._on_dropped(decision.dropped)
         if decision.batch:
             await self._run_batch(decision.batch)
             return True

@@ -10,14 +10,16 @@ Rules, with Triton's parameter names:
 - otherwise it leaves when `max_queue_delay` has passed since its oldest request arrived, or when
   the earliest deadline in it, less the predicted compute time for its size, is reached;
 - requests whose deadline has passed are handed back as expired and never run;
-- at most `max_queue_size` requests wait; one more is refused with `QueueFull`.
+- at most `max_queue_size` requests (and `max_bytes` of input) wait; one more is refused with
+  `QueueFull`, unless queued work of a lower priority tier can be evicted to make room;
+- requests whose callers went away are dropped when their turn comes, never run.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,12 +57,14 @@ class Pending:
     arrival: float
     deadline: float
     priority: int = 1  # lower runs first
+    nbytes: int = 0  # input bytes held while it waits
 
 
 @dataclass(slots=True)
 class Decision:
     batch: list[Pending] = field(default_factory=list)
     expired: list[Pending] = field(default_factory=list)
+    dropped: list[Pending] = field(default_factory=list)  # abandoned by their callers; never run
     wake_at: float | None = None  # ask again then; None: nothing waits, sleep until an arrival
 
 
@@ -102,17 +106,32 @@ class LatencyProfile:
 
 
 class BatchQueue:
-    """The waiting requests of one model version and the decision of when a batch leaves."""
+    """The waiting requests of one model version and the decision of when a batch leaves.
+
+    Bounded in requests (`max_queue_size`) and in bytes (`max_bytes`). Lower tiers (higher
+    `priority` numbers) may fill only a share of either bound (`tier_share`), and when a request
+    finds no room, queued work of a strictly lower tier is evicted, newest first, to make it:
+    `put` returns the evicted requests so the caller answers them.
+    """
 
     def __init__(
-        self, config: BatchingConfig, compute_estimate: Callable[[int], float] | None = None
+        self,
+        config: BatchingConfig,
+        compute_estimate: Callable[[int], float] | None = None,
+        *,
+        max_bytes: float = float("inf"),
+        abandoned: Callable[[Pending], bool] | None = None,
     ) -> None:
         self.config = config
+        self.max_bytes = max_bytes
         self._estimate = compute_estimate or (lambda rows: 0.0)
+        self._abandoned = abandoned or (lambda item: False)
         self._levels: dict[int, deque[Pending]] = {}
+        self._level_rows: dict[int, int] = {}
         self._order: list[int] = []  # priority levels present, ascending
         self._count = 0
         self._rows = 0
+        self._bytes = 0
         # Earliest deadline of anything queued (a lower bound once items leave): a full sweep for
         # expired requests runs only when this is reached, so a healthy queue never pays for it.
         self._next_expiry = float("inf")
@@ -124,27 +143,124 @@ class BatchQueue:
     def rows(self) -> int:
         return self._rows
 
-    def put(self, item: Pending) -> None:
-        if item.rows < 1 or item.rows > self.config.max_batch_size:
-            raise ValueError(f"a request of {item.rows} rows cannot fit max_batch_size {self.config.max_batch_size}")
-        if self._count >= self.config.max_queue_size:
-            raise QueueFull(f"queue holds {self._count} requests (max_queue_size)")
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def rows_ahead(self, priority: int) -> int:
+        """Rows that leave before a new request of this priority: its level and every higher one."""
+        if len(self._order) == 1 and self._order[0] <= priority:
+            return self._rows
+        return sum(self._level_rows[p] for p in self._order if p <= priority)
+
+    def put(self, item: Pending) -> list[Pending]:
+        """Queue `item`; returns lower-tier requests evicted to make room (answer them 503).
+
+        Raises `ValueError` when the item can never fit a batch, `QueueFull` when there is no room
+        for its tier and nothing of a lower tier to evict."""
+        config = self.config
+        if item.rows < 1 or item.rows > config.max_batch_size:
+            raise ValueError(f"a request of {item.rows} rows cannot fit max_batch_size {config.max_batch_size}")
+        share = tier_share(item.priority)
+        count_limit = max(1, int(config.max_queue_size * share))
+        bytes_limit = self.max_bytes * share
+        if item.nbytes > bytes_limit:
+            raise QueueFull(f"request of {item.nbytes} bytes exceeds the queue's {bytes_limit:.0f} byte bound")
+        evicted: list[Pending] = []
+        if self._count >= count_limit or self._bytes + item.nbytes > bytes_limit:
+            evicted = self._evict_below(item.priority, count_limit, bytes_limit - item.nbytes)
+            if self._count >= count_limit or self._bytes + item.nbytes > bytes_limit:
+                self._restore(evicted)
+                if self._count >= count_limit:
+                    raise QueueFull(
+                        f"queue full: {self._count} requests wait (max_queue_size {config.max_queue_size},"
+                        f" of which priority {item.priority} may fill {count_limit})"
+                    )
+                raise QueueFull(
+                    f"queue full: {self._bytes} bytes wait (bound {self.max_bytes:.0f} bytes,"
+                    f" of which priority {item.priority} may fill {bytes_limit:.0f})"
+                )
+        self._append(item)
+        return evicted
+
+    def _append(self, item: Pending) -> None:
         level = self._levels.get(item.priority)
         if level is None:
             level = self._levels[item.priority] = deque()
+            self._level_rows[item.priority] = 0
             bisect.insort(self._order, item.priority)
         level.append(item)
+        self._level_rows[item.priority] += item.rows
         self._count += 1
         self._rows += item.rows
+        self._bytes += item.nbytes
         if item.deadline < self._next_expiry:
             self._next_expiry = item.deadline
+
+    def _evict_below(self, priority: int, count_limit: int, bytes_limit: float) -> list[Pending]:
+        """Remove the newest requests of tiers below `priority` until the bounds leave room."""
+        evicted: list[Pending] = []
+        for level_priority in reversed(list(self._order)):
+            if level_priority <= priority:
+                break
+            level = self._levels[level_priority]
+            while level and (self._count >= count_limit or self._bytes > bytes_limit):
+                victim = level.pop()
+                self._forget(victim)
+                evicted.append(victim)
+            if not level:
+                self._drop_level(level_priority)
+            if self._count < count_limit and self._bytes <= bytes_limit:
+                break
+        return evicted
+
+    def _restore(self, items: list[Pending]) -> None:
+        # Eviction could not make enough room: put the victims back where they were (newest last).
+        for item in reversed(items):
+            self._append(item)
+
+    def _forget(self, item: Pending) -> None:
+        self._count -= 1
+        self._rows -= item.rows
+        self._bytes -= item.nbytes
+        self._level_rows[item.priority] -= item.rows
+
+    def _drop_level(self, priority: int) -> None:
+        del self._levels[priority]
+        del self._level_rows[priority]
+        self._order.remove(priority)
+
+    def reconfigure(self, config: BatchingConfig) -> list[Pending]:
+        """Apply new batching settings; returns queued requests that can no longer fit a batch,
+        for the caller to answer (everything else stays queued and is served under the new settings)."""
+        self.config = config
+        misfits: list[Pending] = []
+        for priority in list(self._order):
+            level = self._levels[priority]
+            if all(item.rows <= config.max_batch_size for item in level):
+                continue
+            kept: deque[Pending] = deque()
+            for item in level:
+                if item.rows > config.max_batch_size:
+                    self._forget(item)
+                    misfits.append(item)
+                else:
+                    kept.append(item)
+            if kept:
+                self._levels[priority] = kept
+            else:
+                self._drop_level(priority)
+        if not self._count:
+            self._next_expiry = float("inf")
+        return misfits
 
     def drain(self) -> list[Pending]:
         """Remove and return everything waiting (shutdown, unload)."""
         items = [item for p in self._order for item in self._levels[p]]
         self._levels.clear()
+        self._level_rows.clear()
         self._order.clear()
-        self._count = self._rows = 0
+        self._count = self._rows = self._bytes = 0
         self._next_expiry = float("inf")
         return items
 
@@ -156,30 +272,37 @@ class BatchQueue:
             return decision
 
         batch, rows, more_waiting = self._candidates()
+        if not batch:  # everything waiting was abandoned by its caller
+            self._take(0, decision.dropped)
+            return decision
         config = self.config
         target = self._preferred_target(rows)
         if rows >= config.max_batch_size or more_waiting or (
             config.preferred_batch_sizes and rows >= config.preferred_batch_sizes[-1]
         ):
-            decision.batch = self._take(batch, target)
+            decision.batch = self._take(target, decision.dropped)
             return decision
 
         oldest_arrival = min(item.arrival for item in batch)
         earliest_deadline = min(item.deadline for item in batch)
         fire_at = min(oldest_arrival + config.max_queue_delay, earliest_deadline - self._estimate(rows))
         if now >= fire_at:
-            decision.batch = self._take(batch, target)
+            decision.batch = self._take(target, decision.dropped)
             return decision
         decision.wake_at = min(fire_at, self._next_expiry)
         return decision
 
     def _candidates(self) -> tuple[list[Pending], int, bool]:
-        """The next batch in priority then arrival order, stopping at the first that would not fit."""
+        """The next batch in priority then arrival order, stopping at the first that would not fit;
+        requests their callers abandoned are passed over (and dropped when the batch is taken)."""
         limit = self.config.max_batch_size
+        abandoned = self._abandoned
         batch: list[Pending] = []
         rows = 0
         for priority in self._order:
             for item in self._levels[priority]:
+                if abandoned(item):
+                    continue
                 if rows + item.rows > limit:
                     return batch, rows, True
                 batch.append(item)
@@ -192,29 +315,33 @@ class BatchQueue:
         i = bisect.bisect_right(preferred, rows)
         return preferred[i - 1] if i else rows
 
-    def _take(self, batch: Sequence[Pending], target_rows: int) -> list[Pending]:
+    def _take(self, target_rows: int, dropped: list[Pending]) -> list[Pending]:
+        """Pop the batch from the front of the levels, in the order `_candidates` walked them."""
+        abandoned = self._abandoned
         taken: list[Pending] = []
         rows = 0
-        for item in batch:
-            if rows + item.rows > target_rows and taken:
-                break
-            taken.append(item)
-            rows += item.rows
-        self._remove(taken)
-        return taken
-
-    def _remove(self, items: Iterable[Pending]) -> None:
-        # Items always leave from the front of their level, in order.
-        for item in items:
-            level = self._levels[item.priority]
-            level.popleft()
-            self._count -= 1
-            self._rows -= item.rows
+        for priority in list(self._order):
+            level = self._levels[priority]
+            while level:
+                item = level[0]
+                if abandoned(item):
+                    level.popleft()
+                    self._forget(item)
+                    dropped.append(item)
+                    continue
+                if not target_rows or (taken and rows + item.rows > target_rows):
+                    break
+                level.popleft()
+                self._forget(item)
+                taken.append(item)
+                rows += item.rows
             if not level:
-                del self._levels[item.priority]
-                self._order.remove(item.priority)
+                self._drop_level(priority)
+            else:
+                break
         if not self._count:
             self._next_expiry = float("inf")
+        return taken
 
     def _sweep_expired(self, now: float) -> list[Pending]:
         expired: list[Pending] = []
@@ -224,15 +351,24 @@ class BatchQueue:
             for item in self._levels[priority]:
                 if item.deadline <= now:
                     expired.append(item)
-                    self._count -= 1
-                    self._rows -= item.rows
+                    self._forget(item)
                 else:
                     kept.append(item)
                     next_expiry = min(next_expiry, item.deadline)
             if kept:
                 self._levels[priority] = kept
             else:
-                del self._levels[priority]
-                self._order.remove(priority)
+                self._drop_level(priority)
         self._next_expiry = next_expiry
         return expired
+
+
+def tier_share(priority: int) -> float:
+    """The share of a queue's bounds that a priority tier may fill: tier 1 (and 0) all of it,
+    tier 2 three quarters, lower tiers half. So under pressure the lowest tiers are refused first,
+    and the room they leave is what higher tiers queue into."""
+    if priority <= 1:
+        return 1.0
+    if priority == 2:
+        return 0.75
+    return 0.5

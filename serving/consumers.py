@@ -2,7 +2,8 @@
 
 Paths (KServe V2 / Triton): /v2, /v2/health/{live,ready}, /v2/models/{name}[/versions/{v}]
 [/ready|/config|/infer], /v2/repository/index, /v2/repository/models/{name}/{load,unload},
-and /metrics. Every failure answers {"error": "..."} with its status; nothing answers 500.
+and /metrics. Every failure answers {"error": "..."} with its status. Bad input is a 4xx found by
+validation; an unexpected exception is a bug: a 500, logged and counted, never relabelled.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -19,8 +21,9 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import dataplane
+from serving import dataplane, metrics
 from serving.errors import NotFound, ServingError, Unavailable
+from serving.gateway import parse_version
 from serving.protocol import error_body
 from serving.snapshot import VersionEntry
 
@@ -36,6 +39,10 @@ class MethodNotAllowed(ServingError):
     status = 405
 
 
+class ClientGone(Exception):
+    """The client disconnected while its request was being served: nothing is sent."""
+
+
 class InferenceConsumer(AsyncHttpConsumer):
     """Channels' HTTP consumer without the per-message costs this path never needs: no channel on
     the channel layer, no task per receive, and no closing of stale database connections (a thread
@@ -45,13 +52,18 @@ class InferenceConsumer(AsyncHttpConsumer):
         self.scope = scope
         self.channel_layer = None
         self.base_send = send
+        self._receive = receive
+        # How long this request waited in this process before its handler started: from its first byte
+        # (stamped by the front door) through header parsing and the event loop's ready queue.
+        first_byte = scope.get("ferry.first_byte")
+        self._waited = time.monotonic() - first_byte if first_byte is not None else 0.0
         try:
             # Most requests arrive in one message; a body still coming must keep coming.
             message = await receive()
             while True:
                 await self.dispatch(message)
                 message = await asyncio.wait_for(receive(), settings.FERRY_BODY_TIMEOUT_S)
-        except StopConsumer:
+        except (StopConsumer, ClientGone):
             pass
         except TimeoutError:
             body = error_body(f"request body not received within {settings.FERRY_BODY_TIMEOUT_S:g} s")
@@ -89,9 +101,13 @@ class InferenceConsumer(AsyncHttpConsumer):
             status, payload, headers = exc.status, error_body(exc.message), list(JSON)
             if exc.retry_after is not None:
                 headers.append((b"retry-after", str(math.ceil(exc.retry_after)).encode()))
+        except ClientGone:
+            raise
         except Exception:
-            log.exception("unhandled error on %s", self.scope.get("path"))
-            status, payload, headers = 503, error_body("internal error; the server logged it"), list(JSON)
+            log.exception("unhandled error on %s %s", self.scope.get("method"), self.scope.get("path"))
+            metrics.INTERNAL_ERRORS.labels("inference").inc()
+            self._count_unrouted(500)
+            status, payload, headers = 500, error_body("internal error; the server logged it"), list(JSON)
         headers = [*headers, (b"content-length", str(len(payload)).encode())]
         await self.send_response(status, payload, headers=headers)
 
@@ -117,7 +133,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if head == "models" and len(parts) >= 2:
             return await self._model_path(plane, method, parts[1:], body)
         if head == "repository":
-            return await self._repository(plane, method, parts[1:])
+            return await self._repository(plane, method, parts[1:], body)
         raise NotFound(f"no such endpoint {path}")
 
     async def _model_path(
@@ -133,17 +149,13 @@ class InferenceConsumer(AsyncHttpConsumer):
         gateway = plane.gateway
         if action == "infer":
             _method(method, "POST")
-            if plane.loop_lag * 1000 > settings.FERRY_MAX_LOOP_LAG_MS:
-                raise Unavailable(
-                    f"server saturated: requests wait {plane.loop_lag * 1000:.0f} ms before they are read",
-                    retry_after=1,
-                )
+            self._shed_if_saturated(plane, name, version)
             header_length = self._header_length()
-            reply = await gateway.infer(name, version, body, header_length)
+            reply = await self._unless_client_leaves(gateway.infer(name, version, body, header_length))
             return reply.status, reply.body, reply.headers
         _method(method, "GET")
         model = gateway.model(name)
-        if version is not None and (not version.isdigit() or int(version) not in model.versions):
+        if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
         if action == "ready":
             entry = gateway.route(name, version)
@@ -151,7 +163,7 @@ class InferenceConsumer(AsyncHttpConsumer):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
         if action == "":
-            entry = model.versions[int(version)] if version else _newest(model.versions)
+            entry = model.versions[int(version)] if version is not None else _newest(model.versions)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
             entry = gateway.route(name, version)
@@ -159,18 +171,22 @@ class InferenceConsumer(AsyncHttpConsumer):
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
     async def _repository(
-        self, plane: dataplane.DataPlane, method: str, parts: list[str]
+        self, plane: dataplane.DataPlane, method: str, parts: list[str], body: bytes
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         _method(method, "POST")
         if parts == ["index"]:
+            options = _json_options(body, {"ready": bool})
             rows = [
                 {"name": v.model, "version": str(v.version), "state": _repository_state(plane, v),
                  "reason": v.failure_reason or _load_failure(plane, v)}
                 for m in plane.gateway.snapshot.models.values()
                 for v in m.versions.values()
             ]
+            if options.get("ready"):
+                rows = [r for r in rows if r["state"] == "READY"]
             return 200, orjson.dumps(rows), JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            _json_options(body, {"parameters": dict})
             from serving.actions import set_loaded
 
             name, load = parts[1], parts[2] == "load"
@@ -184,6 +200,74 @@ class InferenceConsumer(AsyncHttpConsumer):
             return 200, b"", JSON
         raise NotFound("no such repository endpoint")
 
+    def _shed_if_saturated(self, plane: dataplane.DataPlane, name: str, version: str | None) -> None:
+        """Refuse at once when this process is behind on reading requests: past that point a request
+        waits in socket buffers and the event loop's backlog, where no queue bound or deadline sees it.
+        Two measures: how late the loop runs its timers (the wait of bytes not yet read), and how long
+        this request waited between its first byte and this handler (the wait of bytes read)."""
+        lag_ms = plane.loop_lag * 1000
+        waited_ms = self._waited * 1000
+        metrics.INFLIGHT_WAIT.observe(self._waited)
+        if lag_ms <= settings.FERRY_MAX_LOOP_LAG_MS and waited_ms <= settings.FERRY_MAX_FRONTEND_WAIT_MS:
+            return
+        entry = self._routed_or_none(plane, name, version)
+        if entry is not None:
+            vm = metrics.for_version(entry.model, entry.version)
+            vm.answered(503, waited_ms / 1000)
+            vm.shed("frontend", 0)
+        else:
+            metrics.SHED.labels(name, "", "frontend", "0").inc()
+        raise Unavailable(
+            f"server saturated: its event loop runs {lag_ms:.0f} ms late and this request waited"
+            f" {waited_ms:.0f} ms before it was handled",
+            retry_after=1,
+        )
+
+    @staticmethod
+    def _routed_or_none(plane: dataplane.DataPlane, name: str, version: str | None) -> VersionEntry | None:
+        try:
+            return plane.gateway.route(name, version)
+        except ServingError:
+            return None
+
+    def _count_unrouted(self, status: int) -> None:
+        """Count an answer the gateway did not count (it never got that far)."""
+        parts = self.scope["path"].rstrip("/").split("/")
+        plane = dataplane.current()
+        if len(parts) >= 5 and parts[2] == "models" and parts[-1] == "infer" and plane is not None:
+            version = parts[5] if len(parts) >= 7 and parts[4] == "versions" else None
+            entry = self._routed_or_none(plane, parts[3], version)
+            if entry is not None:
+                metrics.REQUESTS.labels(entry.model, str(entry.version), str(status)).inc()
+                return
+        metrics.REQUESTS.labels("", "", str(status)).inc()
+
+    async def _unless_client_leaves(self, work):  # noqa: ANN001, ANN202
+        """Await `work`, cancelling it if the client disconnects first, so its queued request is dropped
+        before it runs. uvicorn's receive() returns http.disconnect when the connection goes away."""
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        watcher = loop.create_task(self._receive())
+        state = {"gone": False, "done": False}
+
+        def on_message(task: asyncio.Task) -> None:
+            if state["done"] or task.cancelled() or task.exception() is not None:
+                return
+            if task.result().get("type") == "http.disconnect" and me is not None:
+                state["gone"] = True
+                me.cancel()
+
+        watcher.add_done_callback(on_message)
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if state["gone"]:
+                raise ClientGone() from None
+            raise
+        finally:
+            state["done"] = True
+            watcher.cancel()
+
     def _header_length(self) -> int | None:
         for key, value in self.scope["headers"]:
             if key == b"inference-header-content-length":
@@ -192,6 +276,25 @@ class InferenceConsumer(AsyncHttpConsumer):
                 except ValueError:
                     raise ServingError("Inference-Header-Content-Length is not an integer", status=400) from None
         return None
+
+
+def _json_options(body: bytes, allowed: dict[str, type]) -> dict:
+    """An optional JSON object body with only the named keys, each of its type (400 otherwise)."""
+    if not body.strip():
+        return {}
+    try:
+        options = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ServingError(f"malformed JSON body: {exc}", status=400) from None
+    if not isinstance(options, dict):
+        raise ServingError("the body must be a JSON object", status=400)
+    for key, value in options.items():
+        kind = allowed.get(key)
+        if kind is None:
+            raise ServingError(f"unknown field {key!r}; allowed: {', '.join(allowed)}", status=400)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ServingError(f"field {key!r} must be a {kind.__name__}", status=400)
+    return options
 
 
 def _method(method: str, allowed: str) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from serving import artifacts
+from serving import artifacts, metrics
 from serving.gateway import Gateway
 from serving.node import Node
 from serving.runtime import configure_torch_threads
@@ -83,8 +83,10 @@ class DataPlane:
             expected = self.loop.time() + LAG_SAMPLE_SECONDS
             await asyncio.sleep(LAG_SAMPLE_SECONDS)
             lag = max(0.0, self.loop.time() - expected)
-            # Rise at once, decay over a few samples, so a single quiet tick does not reopen the gate.
-            self.loop_lag = lag if lag > self.loop_lag else 0.7 * self.loop_lag + 0.3 * lag
+            # Smoothed over a few samples: one late tick (a collection, a burst of start-up work) does not
+            # shut the gate, while a backlog that lasts raises it within two or three ticks.
+            self.loop_lag = 0.7 * self.loop_lag + 0.3 * lag
+            metrics.LOOP_LAG.set(self.loop_lag)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -122,8 +124,11 @@ async def start() -> DataPlane:
         artifact_path=artifacts.verified_path,
         device=settings.FERRY_DEVICE,
         memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
+        max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
+        admission=settings.FERRY_ADMISSION,
     )
-    plane = DataPlane(gateway=Gateway(hub, InProcessTransport(node)), node=node, loop=asyncio.get_running_loop())
+    gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION)
+    plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop())
     hub.subscribe(plane.on_snapshot)
     _current = plane
     plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())

@@ -24,6 +24,15 @@ class Unavailable(ServingError):
     status = 503
 
 
+class Shed(Unavailable):
+    """Refused to protect the latency of admitted work: counted in `ferry_shed_total` by reason and tier."""
+
+    def __init__(self, message: str, *, reason: str, tier: int, retry_after: float = 1.0) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.reason = reason
+        self.tier = tier
+
+
 class DeadlineExceeded(ServingError):
     status = 504
 

@@ -5,17 +5,26 @@ No database access here: everything comes from the routing snapshot held in memo
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
 from rollout.routing import RouteError, choose_version
 from serving import metrics
-from serving.errors import NotFound, ServingError, Unavailable
+from serving.errors import NotFound, ServingError, Shed, Unavailable
 from serving.protocol import ProtocolError, encode_infer_response, parse_infer_request
 from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.transport import Transport
 
 MAX_TIMEOUT_S = 60.0
+CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
+
+
+def parse_version(text: str) -> int | None:
+    """A version path segment: ASCII digits only ("²" and "١" pass str.isdigit but are no version)."""
+    if not text or len(text) > 9 or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
 
 
 @dataclass(slots=True)
@@ -26,10 +35,14 @@ class Reply:
 
 
 class Gateway:
-    def __init__(self, hub: SnapshotHub, transport: Transport, clock=time.monotonic) -> None:  # noqa: ANN001
+    def __init__(
+        self, hub: SnapshotHub, transport: Transport, clock=time.monotonic, *, fallback: bool = True  # noqa: ANN001
+    ) -> None:
         self.hub = hub
         self.transport = transport
         self._clock = clock
+        # Off only with admission off (FERRY_ADMISSION=false), for contrast runs.
+        self.use_fallback = fallback
 
     @property
     def snapshot(self) -> RoutingSnapshot:
@@ -48,9 +61,9 @@ class Gateway:
         model = self.model(name)
         pinned = None
         if version is not None:
-            if not version.isdigit():
+            pinned = parse_version(version)
+            if pinned is None:
                 raise NotFound(f"model '{name}' has no version '{version}'")
-            pinned = int(version)
         try:
             return choose_version(model, pinned)
         except RouteError as exc:
@@ -59,7 +72,7 @@ class Gateway:
     async def infer(self, name: str, version: str | None, body: bytes, header_length: int | None) -> Reply:
         arrived = self._clock()
         entry = self.route(name, version)
-        vm = metrics.for_version(entry.model, entry.version)
+        asked = vm = metrics.for_version(entry.model, entry.version)
         try:
             request = parse_infer_request(
                 body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size
@@ -73,16 +86,23 @@ class Gateway:
             priority = _priority(request.parameters)
             served = entry
             try:
-                outputs = await self.transport.infer(entry, request.inputs, request.rows, deadline, priority)
-            except Unavailable:
-                served = self._fallback(entry, name)
+                outputs = await self.transport.infer(
+                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body)
+                )
+            except Unavailable as refused:
+                served = self._fallback(entry, name, request.rows) if self.use_fallback else None
                 if served is None:
                     raise
-                outputs = await self.transport.infer(served, request.inputs, request.rows, deadline, priority)
+                try:
+                    outputs = await self.transport.infer(
+                        served, request.inputs, request.rows, deadline, priority, nbytes=len(body)
+                    )
+                except Unavailable:
+                    raise refused from None  # the caller asked for the primary: its refusal is the answer
                 # The answer counts for the version that served it; the refusal, for the one asked.
                 metrics.FALLBACKS.labels(entry.model, str(entry.version), served.model).inc()
                 vm = metrics.for_version(served.model, served.version)
-            parameters = {"fallback_from": entry.key} if served is not entry else None
+            fell_back = served is not entry
             payload, headers = encode_infer_response(
                 model_name=served.model,
                 model_version=str(served.version),
@@ -91,19 +111,28 @@ class Gateway:
                 output_specs=served.outputs,
                 requested=request.outputs,
                 binary_output=request.binary_output,
-                parameters=parameters,
+                parameters={"fallback_from": entry.key} if fell_back else None,
             )
+            if fell_back:
+                headers.append((b"x-ferry-fallback-from", entry.key.encode()))
         except ProtocolError as exc:
             vm.answered(exc.status, self._clock() - arrived)
             raise ServingError(exc.message, status=exc.status) from None
         except ServingError as exc:
             vm.answered(exc.status, self._clock() - arrived)
+            if isinstance(exc, Shed):
+                asked.shed(exc.reason, exc.tier)
+            raise
+        except asyncio.CancelledError:
+            vm.answered(CLIENT_CLOSED, self._clock() - arrived)
             raise
         vm.answered(200, self._clock() - arrived)
+        asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
 
-    def _fallback(self, entry: VersionEntry, name: str) -> VersionEntry | None:
-        """The model's smaller fallback, when it takes the same inputs and gives the same outputs."""
+    def _fallback(self, entry: VersionEntry, name: str, rows: int) -> VersionEntry | None:
+        """The model's smaller fallback, when it takes the same inputs, gives the same outputs and takes
+        a batch this large."""
         fallback_name = self.snapshot.models[name].fallback
         if not fallback_name or fallback_name not in self.snapshot.models:
             return None
@@ -112,6 +141,8 @@ class Gateway:
         except RouteError:
             return None
         if candidate.inputs != entry.inputs or candidate.outputs != entry.outputs:
+            return None
+        if rows > candidate.batching.max_batch_size:
             return None
         return candidate
 

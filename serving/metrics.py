@@ -27,6 +27,19 @@ FALLBACKS = Counter("ferry_fallbacks", "Requests a saturated version passed to i
                     ["model", "version", "fallback"])
 INTERNAL_ERRORS = Counter("ferry_internal_errors", "Unexpected exceptions answered 500 (bugs to fix)",
                           ["component"])
+SHED = Counter("ferry_shed", "Requests refused to protect the latency of admitted ones (503)",
+               ["model", "version", "reason", "tier"])
+POISON = Counter("ferry_poison_requests", "Requests the model failed on, found by bisecting their batch (422)",
+                 ["model", "version"])
+ABANDONED = Counter("ferry_abandoned", "Queued requests dropped unrun because their caller went away",
+                    ["model", "version"])
+ADMISSION_WAIT = Histogram("ferry_admission_estimate_seconds",
+                           "Estimated completion time (device backlog + own compute) at admission",
+                           ["model", "version"], buckets=LATENCY_BUCKETS)
+INFLIGHT_WAIT = Histogram("ferry_frontend_wait_seconds",
+                          "Time from a request's first byte to the inference handler (this process's backlog)",
+                          buckets=LATENCY_BUCKETS)
+LOOP_LAG = Gauge("ferry_event_loop_lag_seconds", "How late this process's event loop runs its timers (smoothed)")
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 
 
@@ -73,6 +86,36 @@ class LiveWindow:
         )
 
 
+class SaturationWindow:
+    """Counts of answers by kind in one-second buckets over the last `window` seconds."""
+
+    KINDS = ("served", "fallback", "shed")
+
+    def __init__(self, window: int = 30) -> None:
+        self.window = window
+        self._buckets: deque[tuple[int, dict[str, int]]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def mark(self, kind: str, now: float | None = None) -> None:
+        second = int(now if now is not None else time.monotonic())
+        with self._lock:
+            if not self._buckets or self._buckets[-1][0] != second:
+                self._buckets.append((second, dict.fromkeys(self.KINDS, 0)))
+            self._buckets[-1][1][kind] += 1
+
+    def shares(self, now: float | None = None) -> dict[str, float]:
+        """Each kind's share of the answers in the window (empty when there were none)."""
+        since = int(now if now is not None else time.monotonic()) - self.window
+        totals = dict.fromkeys(self.KINDS, 0)
+        with self._lock:
+            for second, counts in self._buckets:
+                if second > since:
+                    for kind, n in counts.items():
+                        totals[kind] += n
+        total = sum(totals.values())
+        return {k: v / total for k, v in totals.items()} if total else {}
+
+
 class VersionMetrics:
     """Label children resolved once per version, so the hot path skips label lookups."""
 
@@ -85,7 +128,14 @@ class VersionMetrics:
         self.batch_size = BATCH_SIZE.labels(*labels)
         self.queue_depth = QUEUE_DEPTH.labels(*labels)
         self.loaded = LOADED.labels(*labels)
+        self.poison = POISON.labels(*labels)
+        self.abandoned = ABANDONED.labels(*labels)
+        self.admission_estimate = ADMISSION_WAIT.labels(*labels)
         self._status: dict[int, Counter] = {}
+        self._shed: dict[tuple[str, int], Counter] = {}
+        # Answers by kind over the live window: admitted (200), fallback, shed; for the console's
+        # saturation indicator.
+        self.saturation = SaturationWindow()
         self.live = LiveWindow()
 
     def answered(self, status: int, seconds: float) -> None:
@@ -97,6 +147,14 @@ class VersionMetrics:
         if ok:
             self.total.observe(seconds)
         self.live.request(seconds, ok)
+
+    def shed(self, reason: str, tier: int) -> None:
+        key = (reason, tier)
+        counter = self._shed.get(key)
+        if counter is None:
+            counter = self._shed[key] = SHED.labels(self.model, self.version, reason, str(tier))
+        counter.inc()
+        self.saturation.mark("shed")
 
 
 _versions: dict[tuple[str, int], VersionMetrics] = {}

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving import metrics
+from serving import admission, metrics
 from serving.batcher import Batcher
 from serving.batching import BatchQueue, LatencyProfile, Pending, QueueFull
-from serving.errors import DeadlineExceeded, ModelFailed, Unavailable
+from serving.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
 from serving.runtime import ModelRuntime, RuntimeFailure, pick_device
 from serving.snapshot import RoutingSnapshot, VersionEntry
 
@@ -66,10 +66,15 @@ class Node:
         artifact_path: Callable[[str], Path],
         device: str = "",
         memory_budget: int = 4 * 1024**3,
+        max_queue_bytes: int = 64 * 1024**2,
+        admission: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.device = pick_device(device)
         self.memory_budget = memory_budget
+        self.max_queue_bytes = max_queue_bytes
+        # Off only for contrast runs (FERRY_ADMISSION=false): queues and deadlines still bound the work.
+        self.admission = admission
         self._artifact_path = artifact_path
         self._clock = clock
         self._device_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-device")
@@ -79,6 +84,10 @@ class Node:
         self.failures: dict[str, LoadFailure] = {}
         self._reconcile_lock = asyncio.Lock()
         self.reconciled_serial = 0
+        # Batches handed to the device thread and not finished: id -> estimated seconds. All versions
+        # share the thread, so admission counts this work for every request.
+        self._device_work: dict[int, float] = {}
+        self._running_since: float | None = None
 
     # -- control -------------------------------------------------------------------------
 
@@ -92,7 +101,7 @@ class Node:
                 hosted = self.hosted.get(key)
                 if hosted is not None:
                     if hosted.entry.batching != entry.batching:
-                        hosted.batcher.queue.config = entry.batching
+                        self._reconfigure(hosted, entry)
                     hosted.entry = entry
                     continue
                 failed = self.failures.get(key)
@@ -100,6 +109,16 @@ class Node:
                     continue  # same version, same failure: wait for a change rather than loop
                 await self.load(entry)
             self.reconciled_serial = snapshot.serial
+
+    def _reconfigure(self, hosted: Hosted, entry: VersionEntry) -> None:
+        """New batching settings apply to queued work too; what can no longer fit a batch is answered."""
+        misfits = hosted.batcher.reconfigure(entry.batching)
+        for pending in misfits:
+            _fail(pending, Unavailable(
+                f"{entry.key}: max_batch_size changed to {entry.batching.max_batch_size} while this request of"
+                f" {pending.rows} rows waited; send it again in smaller requests", retry_after=1,
+            ))
+        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
 
     async def load(self, entry: VersionEntry) -> Hosted | None:
         loop = asyncio.get_running_loop()
@@ -111,18 +130,27 @@ class Node:
             self.failures[entry.key] = LoadFailure(entry, reason)
             return None
         self.failures.pop(entry.key, None)
-        vm = metrics.for_version(entry.model, entry.version)
-        latency = LatencyProfile(profile)
-        queue = BatchQueue(entry.batching, latency.estimate)
-        hosted = Hosted(entry, runtime, None, latency, vm)  # type: ignore[arg-type]
-        hosted.batcher = Batcher(
-            queue, lambda batch: self._run_batch(hosted, batch), self._expired, clock=self._clock
-        )
-        hosted.batcher.start()
-        self.hosted[entry.key] = hosted
-        vm.loaded.set(1)
+        hosted = self.host(entry, runtime, profile)
         log.info("loaded %s on %s in %.2fs (%d bytes)", entry.key, self.device, runtime.load_seconds,
                  runtime.memory_bytes)
+        return hosted
+
+    def host(self, entry: VersionEntry, runtime: ModelRuntime, profile: dict[int, float], *,
+             start: bool = True) -> Hosted:
+        """Serve a loaded runtime: its queue, its batcher, its metrics. (Tests host stand-in runtimes
+        here and leave the batcher stopped to decide admission on a fake clock.)"""
+        vm = metrics.for_version(entry.model, entry.version)
+        latency = LatencyProfile(profile)
+        queue = BatchQueue(entry.batching, latency.estimate, max_bytes=self.max_queue_bytes, abandoned=_abandoned)
+        hosted = Hosted(entry, runtime, None, latency, vm)  # type: ignore[arg-type]
+        hosted.batcher = Batcher(
+            queue, lambda batch: self._run_batch(hosted, batch), self._expired, clock=self._clock,
+            on_dropped=lambda items: hosted.metrics.abandoned.inc(sum(p.payload.future.cancelled() for p in items)),
+        )
+        if start:
+            hosted.batcher.start()
+        self.hosted[entry.key] = hosted
+        vm.loaded.set(1)
         return hosted
 
     def _load_blocking(self, entry: VersionEntry) -> tuple[ModelRuntime, dict[int, float]]:
@@ -167,47 +195,82 @@ class Node:
         return len(hosted.batcher.queue) if hosted else 0
 
     async def infer(
-        self, key: str, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int
+        self, key: str, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
+        nbytes: int = 0,
     ) -> dict[str, np.ndarray]:
         hosted = self.hosted.get(key)
         if hosted is None:
             failure = self.failures.get(key)
             detail = f": {failure.reason}" if failure else " yet"
             raise Unavailable(f"model version {key} is not loaded on this node{detail}", retry_after=1)
+        if rows > hosted.entry.batching.max_batch_size:
+            raise ServingError(
+                f"batch of {rows} rows exceeds {key}'s max_batch_size {hosted.entry.batching.max_batch_size}",
+                status=400,
+            )
         now = self._clock()
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
-        wait = self._estimated_wait(hosted, rows)
-        if now + wait > deadline:
-            raise Unavailable(
-                f"{key}: estimated wait {wait * 1000:.0f} ms exceeds the request's deadline",
-                retry_after=self._retry_after(hosted),
-            )
+        if self.admission:
+            completion = self._completion(hosted, rows, priority, now)
+            verdict = admission.decide(now=now, deadline=deadline, priority=priority, completion=completion)
+            hosted.metrics.admission_estimate.observe(completion)
+            if not verdict.admit:
+                why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share"
+                raise Shed(
+                    f"{key}: estimated completion {completion * 1000:.0f} ms (device backlog included) exceeds {why}"
+                    f" of {max(0.0, deadline - now) * 1000:.0f} ms",
+                    reason=verdict.reason, tier=priority, retry_after=self.retry_after(now),
+                )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
         try:
-            hosted.batcher.submit(Pending(Job(inputs, future), rows, now, deadline, priority))
+            evicted = hosted.batcher.submit(Pending(Job(inputs, future), rows, now, deadline, priority, nbytes))
         except QueueFull as exc:
-            raise Unavailable(f"{key}: {exc}", retry_after=self._retry_after(hosted)) from None
+            raise Shed(f"{key}: {exc}", reason="queue_full", tier=priority, retry_after=self.retry_after(now)) from None
+        for victim in evicted:
+            _fail(victim, Shed(
+                f"{key}: evicted from the queue by higher-priority work", reason="evicted", tier=victim.priority,
+                retry_after=self.retry_after(now),
+            ))
         hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
-        timer = loop.call_later(deadline - now, _expire_future, future)
+        timer = loop.call_at(loop.time() + (deadline - now), _expire_future, future)
         try:
             return await future
         finally:
             timer.cancel()
-            if not future.done():  # the caller went away: the batcher skips it
+            if not future.done():  # the caller went away: the queue drops it before it runs
                 future.cancel()
 
-    def _estimated_wait(self, hosted: Hosted, rows: int) -> float:
-        """Admission: batches ahead of this request at full size, then its own batch's compute."""
-        top = hosted.entry.batching.max_batch_size
-        queued = hosted.batcher.queue.rows
-        return (queued // top) * hosted.profile.estimate(top) + hosted.profile.estimate(min(top, queued + rows))
+    def _in_flight(self, now: float) -> float:
+        """Estimated seconds of device work already handed to the device thread."""
+        total = sum(self._device_work.values())
+        if self._running_since is not None:
+            total -= now - self._running_since
+        return max(0.0, total)
 
-    def _retry_after(self, hosted: Hosted) -> float:
-        top = hosted.entry.batching.max_batch_size
-        per_batch = hosted.profile.estimate(top) or 0.01
-        return max(1.0, math.ceil(hosted.batcher.queue.rows / top * per_batch))
+    def _completion(self, hosted: Hosted, rows: int, priority: int, now: float) -> float:
+        queue = hosted.batcher.queue
+        own = admission.VersionLoad(queue.rows_ahead(priority), hosted.entry.batching.max_batch_size,
+                                    hosted.profile.estimate)
+        others = [
+            admission.VersionLoad(h.batcher.queue.rows, h.entry.batching.max_batch_size, h.profile.estimate)
+            for h in self.hosted.values()
+            if h is not hosted and h.batcher.queue.rows
+        ]
+        return admission.completion_seconds(own=own, rows=rows, others=others, in_flight=self._in_flight(now))
+
+    def backlog_seconds(self, now: float | None = None) -> float:
+        """Estimated seconds the device needs to finish everything queued and in flight now."""
+        now = self._clock() if now is None else now
+        loads = [
+            admission.VersionLoad(h.batcher.queue.rows, h.entry.batching.max_batch_size, h.profile.estimate)
+            for h in self.hosted.values()
+        ]
+        return admission.drain_seconds(loads, self._in_flight(now))
+
+    def retry_after(self, now: float | None = None) -> float:
+        return admission.retry_after(self.backlog_seconds(now))
 
     def _expired(self, items: Sequence[Pending]) -> None:
         for pending in items:
@@ -221,10 +284,9 @@ class Node:
         started = self._clock()
         for p in live:
             hosted.metrics.queue_wait.observe(started - p.arrival)
-        loop = asyncio.get_running_loop()
-        requests = [p.payload.inputs for p in live]
+        rows = sum(p.rows for p in live)
         try:
-            results, seconds = await loop.run_in_executor(self._device_pool, _timed, hosted.runtime, requests)
+            results, seconds = await self._on_device(hosted, [p.payload.inputs for p in live], rows)
         except RuntimeFailure as exc:
             await self._isolate(hosted, live, exc)
             return
@@ -233,7 +295,6 @@ class Node:
             for p in live:
                 _fail(p, Unavailable(f"inference failed on the device: {type(exc).__name__}", retry_after=1))
             return
-        rows = sum(p.rows for p in live)
         hosted.profile.observe(rows, seconds)
         hosted.metrics.compute.observe(seconds)
         hosted.metrics.batch_size.observe(rows)
@@ -243,36 +304,66 @@ class Node:
             if not p.payload.future.done():
                 p.payload.future.set_result(result)
 
+    async def _on_device(
+        self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int
+    ) -> tuple[list[dict[str, np.ndarray]], float]:
+        """Run one batch on the device thread, keeping its estimate in the device backlog meanwhile."""
+        token = id(requests)
+        self._device_work[token] = hosted.profile.estimate(rows)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._device_pool, self._timed, hosted.runtime, requests
+            )
+        finally:
+            del self._device_work[token]
+
+    def _timed(
+        self, runtime: ModelRuntime, requests: list[dict[str, np.ndarray]]
+    ) -> tuple[list[dict[str, np.ndarray]], float]:
+        started = time.perf_counter()
+        self._running_since = self._clock()
+        try:
+            results = runtime.run(requests)
+        finally:
+            self._running_since = None
+        return results, time.perf_counter() - started
+
     async def _isolate(self, hosted: Hosted, live: list[Pending], exc: RuntimeFailure) -> None:
-        """A batch failed: rerun each request alone so one bad input fails only itself."""
+        """A batch failed: bisect it, so the requests that poison it fail alone and the rest are served
+        in a few batches (about log2 of the batch per bad request) rather than one device call each."""
         if len(live) == 1:
+            hosted.metrics.poison.inc()
             _fail(live[0], ModelFailed(f"model failed on this input: {exc}"))
             return
-        loop = asyncio.get_running_loop()
-        for p in live:
-            if p.payload.future.done():
+        middle = len(live) // 2
+        for half in (live[:middle], live[middle:]):
+            half = [p for p in half if not p.payload.future.done()]
+            if not half:
                 continue
             try:
-                results, _ = await loop.run_in_executor(self._device_pool, _timed, hosted.runtime, [p.payload.inputs])
-            except RuntimeFailure as single:
-                _fail(p, ModelFailed(f"model failed on this input: {single}"))
+                results, _ = await self._on_device(
+                    hosted, [p.payload.inputs for p in half], sum(p.rows for p in half)
+                )
+            except RuntimeFailure as failure:
+                await self._isolate(hosted, half, failure)
             except Exception as other:
-                _fail(p, Unavailable(f"inference failed on the device: {type(other).__name__}", retry_after=1))
+                for p in half:
+                    _fail(p, Unavailable(f"inference failed on the device: {type(other).__name__}", retry_after=1))
             else:
-                if not p.payload.future.done():
-                    p.payload.future.set_result(results[0])
-
-
-def _timed(runtime: ModelRuntime, requests: list[dict[str, np.ndarray]]) -> tuple[list[dict[str, np.ndarray]], float]:
-    started = time.perf_counter()
-    results = runtime.run(requests)
-    return results, time.perf_counter() - started
+                for p, result in zip(half, results, strict=True):
+                    if not p.payload.future.done():
+                        p.payload.future.set_result(result)
 
 
 def _fail(pending: Pending, error: Exception) -> None:
     future = pending.payload.future
     if not future.done():
         future.set_exception(error)
+
+
+def _abandoned(pending: Pending) -> bool:
+    """The caller stopped waiting (disconnected, or its deadline timer answered it already)."""
+    return pending.payload.future.done()
 
 
 def _expire_future(future: asyncio.Future[dict[str, np.ndarray]]) -> None:

@@ -41,11 +41,19 @@ class ProtocolError(Exception):
         self.status = status
 
 
+# The largest a variable (-1) dimension may be when the signature declares no maximum: one long
+# request pads every row of its batch to its length, so every variable dimension has a ceiling.
+DEFAULT_MAX_DIM = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    # Upper bound of each dimension: equal to `shape` for fixed dims, the declared maximum (or
+    # DEFAULT_MAX_DIM) for variable ones. A request beyond it is refused with 400.
+    max_shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -55,15 +63,38 @@ class TensorSpec:
         if not isinstance(self.shape, (list, tuple)) or any(type(d) is not int or d < -1 for d in self.shape):
             raise ValueError(f"tensor {self.name!r}: shape must be a list of integers >= 0 or -1")
         object.__setattr__(self, "shape", tuple(self.shape))
+        maxima = self.max_shape
+        if maxima is None:
+            maxima = tuple(DEFAULT_MAX_DIM if d == -1 else d for d in self.shape)
+        if (
+            not isinstance(maxima, (list, tuple))
+            or len(maxima) != len(self.shape)
+            or any(type(m) is not int for m in maxima)
+        ):
+            raise ValueError(f"tensor {self.name!r}: max_shape must be a list of integers as long as shape")
+        for d, m in zip(self.shape, maxima, strict=True):
+            if d == -1 and not 1 <= m <= 1_000_000:
+                raise ValueError(f"tensor {self.name!r}: a variable dimension's maximum must be 1..1000000")
+            if d != -1 and m != d:
+                raise ValueError(f"tensor {self.name!r}: max_shape must equal shape on fixed dimensions")
+        object.__setattr__(self, "max_shape", tuple(maxima))
+
+    @property
+    def variable(self) -> bool:
+        return -1 in self.shape
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorSpec:
         if not isinstance(d, dict):
             raise ValueError("tensor spec must be an object")
         try:
-            return cls(d["name"], d["datatype"], d["shape"])
+            return cls(d["name"], d["datatype"], d["shape"], d.get("max_shape"))
         except KeyError as e:
             raise ValueError(f"tensor spec is missing {e.args[0]!r}") from None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape),
+                "max_shape": list(self.max_shape or ())}
 
     def to_metadata(self) -> dict:
         return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.shape]}
@@ -132,9 +163,13 @@ def _check_shape(name: str, shape: Any, spec: TensorSpec) -> tuple[int, ...]:
         raise ProtocolError(f"input {name!r}: expected rank {len(expected)} shape {expected}, got {shape}")
     if shape[0] < 1:
         raise ProtocolError(f"input {name!r}: batch dimension must be >= 1, got {shape[0]}")
-    for got, want in zip(shape[1:], spec.shape, strict=True):
+    for axis, (got, want, most) in enumerate(zip(shape[1:], spec.shape, spec.max_shape or (), strict=True), 1):
         if (want == -1 and got < 1) or (want != -1 and got != want):
             raise ProtocolError(f"input {name!r}: expected shape {expected}, got {shape}")
+        if got > most:
+            raise ProtocolError(
+                f"input {name!r}: dimension {axis} is {got}, above the signature's maximum {most}"
+            )
     return tuple(shape)
 
 

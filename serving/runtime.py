@@ -8,10 +8,12 @@ arbitrary Python objects.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -37,22 +39,63 @@ def pick_device(preferred: str = "") -> torch.device:
 
 
 def load_module(path: Path, fmt: str, device: torch.device) -> torch.nn.Module:
+    """Load an artifact after the same archive check as registration (serving.archive_check)."""
+    from serving.archive_check import ArchiveRefused
+
     try:
         if fmt == "torchscript":
+            _check_archive(path, fmt)
             module = torch.jit.load(str(path), map_location=device)
         elif fmt == "torch_export":
-            with path.open("rb") as f:  # a buffer: torch.export only takes paths ending in .pt2
-                program = torch.export.load(f)
-            module = program.module().to(device)
+            with path.open("rb") as f:  # one open file for the check and the load
+                _check_archive(f, fmt)
+                f.seek(0)
+                program = _load_exported_program(f)
+            # check_guards=False: the guard function is Python source built from the archive's
+            # guards_code and exec'd; input shapes are still checked by the module's pre-hook.
+            module = program.module(check_guards=False).to(device)
         else:
             raise RuntimeFailure(f"unknown artifact format {fmt!r}")
     except RuntimeFailure:
         raise
+    except ArchiveRefused as exc:
+        raise RuntimeFailure(f"refused {fmt} artifact: {exc.reason}") from None
     except Exception as exc:  # torch raises many types for a corrupt or mislabelled file
         raise RuntimeFailure(f"cannot load {fmt} artifact: {type(exc).__name__}: {exc}".strip()) from exc
     if hasattr(module, "eval") and fmt == "torchscript":
         module.eval()
     return module
+
+
+def _check_archive(source: Path | BinaryIO, fmt: str) -> None:
+    from serving.archive_check import ArchiveRefused, check_archive
+
+    kind = check_archive(source)
+    if fmt == "torch_export" and kind != "torch_export":
+        raise ArchiveRefused("not a torch.export (.pt2) archive")
+
+
+def _load_exported_program(f: BinaryIO) -> torch.export.ExportedProgram:
+    """`torch.export.load` without its pickle paths: this calls the pieces it uses for a .pt2 archive
+    (torch/export/pt2_archive/_package.py, torch/_export/serde/serialize.py) and nothing else, so
+    there is no retry as the legacy layout (torch.load, weights_only=False fallback), no AOTInductor
+    library, and no sample inputs (read by torch with a weights_only=False fallback; the program does
+    not need them). The archive is checked again through torch's own reader, so both see the same
+    members; the check refuses pickled weights and constants, which the calls below would unpickle."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
+    from torch.export.pt2_archive._package import PT2ArchiveReader, _load_constants, _load_state_dict
+
+    from serving.archive_check import MODEL, PROGRAM, check_pt2_records
+
+    reader = PT2ArchiveReader(f)
+    check_pt2_records(reader.get_file_names(), reader.read_bytes)
+    serialized = _bytes_to_dataclass(schema.ExportedProgram, reader.read_bytes(PROGRAM))
+    state_dict = _load_state_dict(reader, MODEL)
+    constants = _load_constants(reader, MODEL)
+    if not isinstance(state_dict, dict) or not isinstance(constants, dict):
+        raise RuntimeFailure("torch.export archive holds legacy pickled weights or constants")
+    return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, None)
 
 
 def assemble(requests: Sequence[dict[str, np.ndarray]], specs: Sequence[TensorSpec]) -> list[np.ndarray]:
@@ -65,6 +108,62 @@ def assemble(requests: Sequence[dict[str, np.ndarray]], specs: Sequence[TensorSp
             parts = [_pad(p, target) for p in parts]
         batch.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
     return batch
+
+
+def variable_lengths(request: dict[str, np.ndarray], specs: Sequence[TensorSpec]) -> tuple[int, ...]:
+    """A request's sizes along the variable dims of the first input that has any (empty if none)."""
+    for spec in specs:
+        if spec.variable:
+            array = request[spec.name]
+            return tuple(array.shape[axis + 1] for axis, d in enumerate(spec.shape) if d == -1)
+    return ()
+
+
+def length_buckets(lengths: Sequence[tuple[int, ...]], rows: Sequence[int], min_fill: float = 0.5) -> list[list[int]]:
+    """Group requests (by index) so that padding stays under half of each group's elements.
+
+    One long request pads every row of its batch to its length; splitting the batch by length
+    costs an extra device call per group, so a group is only split off when more than half of the
+    padded batch would otherwise be zeros."""
+    order = sorted(range(len(lengths)), key=lambda i: math.prod(lengths[i]))
+    groups: list[list[int]] = []
+    real = 0
+    group_rows = 0
+    for i in order:
+        size = math.prod(lengths[i])
+        if groups:
+            padded = (group_rows + rows[i]) * size  # sorted ascending: this request is the group's longest
+            if padded and (real + rows[i] * size) / padded >= min_fill:
+                groups[-1].append(i)
+                real += rows[i] * size
+                group_rows += rows[i]
+                continue
+        groups.append([i])
+        real, group_rows = rows[i] * size, rows[i]
+    return groups
+
+
+def trim_variable_outputs(
+    results: list[dict[str, np.ndarray]], lengths: Sequence[tuple[int, ...]], specs: Sequence[TensorSpec]
+) -> list[dict[str, np.ndarray]]:
+    """Give each request its variable (-1) output dims at its own length, not its batch's padded one:
+    the k-th variable dim of an output that came back at the batch's padded length of the k-th
+    variable input dim is cut to the request's own length."""
+    if not lengths or not lengths[0]:
+        return results
+    padded = tuple(max(dims) for dims in zip(*lengths, strict=True))
+    for spec in specs:
+        axes = [axis + 1 for axis, d in enumerate(spec.shape) if d == -1]
+        if not axes:
+            continue
+        for result, own in zip(results, lengths, strict=True):
+            array = result[spec.name]
+            index: list[slice] = [slice(None)] * array.ndim
+            for k, axis in enumerate(axes[: len(own)]):
+                if array.shape[axis] == padded[k] and own[k] < padded[k]:
+                    index[axis] = slice(0, own[k])
+            result[spec.name] = array[tuple(index)]
+    return results
 
 
 def _pad(array: np.ndarray, target: tuple[int, ...]) -> np.ndarray:
@@ -106,6 +205,7 @@ class ModelRuntime:
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self.output_names = [o.name for o in self.outputs]
+        self._variable = any(spec.variable for spec in self.inputs)
         self.device = device
         self.module: torch.nn.Module | None = None
         self.memory_bytes = 0
@@ -137,15 +237,25 @@ class ModelRuntime:
 
     def run(self, requests: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         rows = [next(iter(r.values())).shape[0] for r in requests]
-        outputs = self.predict(assemble(requests, self.inputs))
-        return split(outputs, rows, self.output_names)
+        if not self._variable:
+            return split(self.predict(assemble(requests, self.inputs)), rows, self.output_names)
+        lengths = [variable_lengths(r, self.inputs) for r in requests]
+        results: list[dict[str, np.ndarray] | None] = [None] * len(requests)
+        for group in length_buckets(lengths, rows):
+            part = split(self.predict(assemble([requests[i] for i in group], self.inputs)),
+                         [rows[i] for i in group], self.output_names)
+            part = trim_variable_outputs(part, [lengths[i] for i in group], self.outputs)
+            for i, result in zip(group, part, strict=True):
+                results[i] = result
+        return results  # type: ignore[return-value]
 
     def example_batch(self, rows: int, seed: int = 0) -> list[np.ndarray]:
         """Synthetic inputs of the declared signature (variable dims at length 8)."""
         rng = np.random.default_rng(seed)
         batch = []
         for spec in self.inputs:
-            shape = (rows, *(8 if d == -1 else d for d in spec.shape))
+            shape = (rows, *(min(8, m) if d == -1 else d for d, m in zip(spec.shape, spec.max_shape or spec.shape,
+                                                                             strict=True)))
             dtype = DATATYPES[spec.datatype]
             if np.issubdtype(dtype, np.floating):
                 batch.append(rng.random(shape, dtype=np.float32).astype(dtype))

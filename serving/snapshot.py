@@ -7,6 +7,7 @@ per request; if the database goes away they keep serving on it.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 from serving.batching import BatchingConfig
 from serving.protocol import TensorSpec
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class VersionEntry:
@@ -89,6 +91,25 @@ def version_entry(v: Any, model_name: str) -> VersionEntry:
     )
 
 
+def unservable_entry(v: Any, model_name: str, reason: str) -> VersionEntry:
+    """A row the snapshot cannot serve (its stored settings do not validate): listed with the reason,
+    never routed to, so one bad row cannot take the other versions down with it."""
+    return VersionEntry(
+        model=model_name,
+        version=v.version,
+        state="failed",
+        loaded=False,
+        artifact_sha256=str(v.artifact_id),
+        format=str(v.format),
+        inputs=(),
+        outputs=(),
+        batching=BatchingConfig(max_batch_size=1, max_queue_delay=0.0, max_queue_size=1),
+        default_timeout_ms=1,
+        latency_profile={},
+        failure_reason=f"unservable registry row: {reason}",
+    )
+
+
 def build_snapshot() -> RoutingSnapshot:
     from serving.models import Model, State
 
@@ -99,7 +120,11 @@ def build_snapshot() -> RoutingSnapshot:
         for v in model.versions.all():
             if v.state == State.RETIRED:
                 continue
-            versions[v.version] = version_entry(v, model.name)
+            try:
+                versions[v.version] = version_entry(v, model.name)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log.error("%s:%s cannot be served: %s", model.name, v.version, exc)
+                versions[v.version] = unservable_entry(v, model.name, str(exc))
         models[model.name] = ModelEntry(
             name=model.name,
             task=model.task,

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 
 class Transport(Protocol):
     async def infer(
-        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int
+        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
+        *, nbytes: int = 0,
     ) -> dict[str, np.ndarray]:
-        """Answer one request or raise a `ServingError`; `deadline` is on the monotonic clock."""
+        """Answer one request or raise a `ServingError`; `deadline` is on the monotonic clock; `nbytes`
+        is what the request holds in memory while it waits (queues are bounded in bytes too)."""
         ...
 
 
@@ -26,6 +28,7 @@ class InProcessTransport:
         self.node = node
 
     async def infer(
-        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int
+        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
+        *, nbytes: int = 0,
     ) -> dict[str, np.ndarray]:
-        return await self.node.infer(entry.key, inputs, rows, deadline, priority)
+        return await self.node.infer(entry.key, inputs, rows, deadline, priority, nbytes)

@@ -12,7 +12,7 @@ from dataclasses import FrozenInstanceError
 import numpy as np
 import pytest
 
-from serving.batching import BatchingConfig, BatchQueue, Decision, LatencyProfile, Pending, QueueFull
+from serving.batching import BatchingConfig, BatchQueue, Decision, LatencyProfile, Pending, QueueFull, tier_share
 
 INF = float("inf")
 
@@ -639,6 +639,7 @@ def test_random_arrivals_keep_the_invariants(
     accepted: dict[int, Pending] = {}
     batched: list[int] = []
     expired: list[int] = []
+    evicted: list[int] = []
     refused_full = 0
     batches = 0
 
@@ -648,21 +649,27 @@ def test_random_arrivals_keep_the_invariants(
         for _ in range(arrivals):
             rows = int(rng.integers(1, max_batch_size + 1))
             deadline = INF if rng.random() < 0.2 else now + float(rng.uniform(0.0005, 0.03))
-            p = Pending(seq, rows, now, deadline, int(rng.integers(0, 3)))
-            was_full = len(q) >= max_queue_size
+            p = Pending(seq, rows, now, deadline, int(rng.integers(0, 4)))
+            limit = max(1, int(max_queue_size * tier_share(p.priority)))
+            waiting = [a for i, a in accepted.items() if i not in set(batched) | set(expired) | set(evicted)]
+            lower = sorted((a for a in waiting if a.priority > p.priority), key=lambda a: (-a.priority, -a.payload))
+            room_needed = len(q) - limit + 1
             try:
-                q.put(p)
+                out = q.put(p)
             except QueueFull:
-                # then QueueFull is raised exactly when max_queue_size requests wait
-                assert was_full
+                # then QueueFull is raised exactly when its tier's share is full and too little of a
+                # lower tier waits to make room
+                assert room_needed > 0 and len(lower) < room_needed
                 refused_full += 1
             else:
-                assert not was_full
+                # and otherwise the newest of the lowest tiers make exactly the room needed
+                assert [a.payload for a in out] == [a.payload for a in lower[: max(0, room_needed)]]
+                evicted.extend(a.payload for a in out)
                 accepted[seq] = p
             seq += 1
 
         # ...and the policy is asked what leaves now
-        done = set(batched) | set(expired)
+        done = set(batched) | set(expired) | set(evicted)
         waiting_before = sorted((p for i, p in accepted.items() if i not in done),
                                 key=lambda p: (p.priority, p.payload))
         decision = q.poll(now)
@@ -722,8 +729,8 @@ def test_random_arrivals_keep_the_invariants(
 
     # finally every accepted request is accounted for exactly once
     remaining = [p.payload for p in q.drain()]
-    outcomes = batched + expired + remaining
+    outcomes = batched + expired + evicted + remaining
     assert sorted(outcomes) == sorted(accepted)
     assert len(outcomes) == len(set(outcomes))
-    # and the run exercised batching, expiry and overflow
-    assert batches > 0 and expired and refused_full > 0
+    # and the run exercised batching, expiry, eviction and overflow
+    assert batches > 0 and expired and evicted and refused_full > 0

@@ -7,13 +7,22 @@ from serving.models import ArtifactFormat, State, Task
 
 
 def tensor(spec: str) -> dict:
-    """NAME:DATATYPE:DIMS, dims comma-separated with -1 for variable, e.g. input:FP32:64 or tokens:INT64:-1"""
+    """NAME:DATATYPE:DIMS[:MAXDIMS], dims comma-separated with -1 for variable and MAXDIMS the same
+    dims with each variable one's maximum, e.g. input:FP32:64 or tokens:INT64:-1:512 (default maximum 1024)"""
     try:
-        name, datatype, dims = spec.split(":")
+        name, datatype, dims, *rest = spec.split(":")
         shape = [int(d) for d in dims.split(",")] if dims else []
+        if len(rest) > 1:
+            raise ValueError
+        maxima = [int(d) for d in rest[0].split(",")] if rest and rest[0] else None
     except ValueError:
-        raise CommandError(f"tensor spec {spec!r} is not NAME:DATATYPE:DIMS (e.g. input:FP32:64)") from None
-    return {"name": name, "datatype": datatype, "shape": shape}
+        raise CommandError(
+            f"tensor spec {spec!r} is not NAME:DATATYPE:DIMS[:MAXDIMS] (e.g. input:FP32:64, tokens:INT64:-1:512)"
+        ) from None
+    result: dict = {"name": name, "datatype": datatype, "shape": shape}
+    if maxima is not None:
+        result["max_shape"] = maxima
+    return result
 
 
 class Command(BaseCommand):

@@ -1,0 +1,86 @@
+"""Admission: may a request join a queue, given everything already waiting for the same device?
+
+Plain Python, time passed in: the node calls it per request and the fleet simulator can call the
+same functions. All versions hosted on a node share one device thread, so a request's wait is not
+its own queue's work alone. The device runs one batch at a time and each version has at most one
+batch in flight, so the versions take turns: while the newcomer's version runs the `rounds`
+batches up to and including the newcomer's, every other version with work runs at most `rounds`
+batches of its own. Hence
+
+    completion = in-flight remainder + own work (rows ahead + own rows)
+                 + sum over other versions of min(their queued work, rounds x their full-batch time)
+
+A request is admitted when `now + completion` meets its deadline; lower priority tiers must meet
+a tighter share of their budget (`tier_share`), so they are shed first as the backlog grows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from serving.batching import tier_share
+
+Estimate = Callable[[int], float]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionLoad:
+    """One version's queued work on the device: rows waiting, its largest batch, its compute estimate."""
+
+    rows: int
+    max_batch: int
+    estimate: Estimate
+
+    def seconds(self) -> float:
+        return work_seconds(self.rows, self.max_batch, self.estimate)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admit: bool
+    completion: float  # estimated seconds from now until this request's answer
+    reason: str = ""  # why it was refused: "deadline", "tier"
+
+
+def work_seconds(rows: int, max_batch: int, estimate: Estimate) -> float:
+    """Compute time for `rows` queued rows run in full batches, then the remainder."""
+    if rows <= 0:
+        return 0.0
+    full, rest = divmod(rows, max_batch)
+    return full * estimate(max_batch) + (estimate(rest) if rest else 0.0)
+
+
+def completion_seconds(
+    *, own: VersionLoad, rows: int, others: Iterable[VersionLoad], in_flight: float
+) -> float:
+    """Estimated time until a request of `rows` rows, queued behind `own.rows`, is answered."""
+    total = own.rows + rows
+    rounds = math.ceil(total / own.max_batch)
+    seconds = in_flight + work_seconds(total, own.max_batch, own.estimate)
+    for other in others:
+        if other.rows:
+            seconds += min(other.seconds(), rounds * other.estimate(other.max_batch))
+    return seconds
+
+
+def drain_seconds(loads: Iterable[VersionLoad], in_flight: float) -> float:
+    """How long the device needs to finish everything queued now: the basis of Retry-After."""
+    return in_flight + sum(load.seconds() for load in loads)
+
+
+def retry_after(drain: float) -> float:
+    """Whole seconds, at least one: when the backlog that refused this request will have drained."""
+    return float(max(1, math.ceil(drain)))
+
+
+def decide(*, now: float, deadline: float, priority: int, completion: float) -> Verdict:
+    """Admit when the estimated completion meets the deadline; a lower tier must meet a tighter share."""
+    budget = deadline - now
+    if now + completion <= deadline:
+        share = tier_share(priority)
+        if share >= 1.0 or completion <= budget * share:
+            return Verdict(True, completion)
+        return Verdict(False, completion, "tier")
+    return Verdict(False, completion, "deadline")

@@ -1,0 +1,313 @@
+"""Admission: the pure estimate and every branch of the node's decision, on a fake clock.
+
+The node here hosts stand-in runtimes with fixed latency profiles and stopped batchers, so what
+is queued stays queued and each decision is exactly the policy's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from serving import admission
+from serving.batching import BatchingConfig
+from serving.errors import DeadlineExceeded, ServingError, Shed
+from serving.node import Node
+from serving.protocol import TensorSpec
+from serving.snapshot import VersionEntry
+
+X = (TensorSpec("input", "FP32", (4,)),)
+Y = (TensorSpec("scores", "FP32", (2,)),)
+
+
+def linear(per_batch: float, per_row: float = 0.0):  # noqa: ANN201
+    return lambda rows: per_batch + per_row * rows
+
+
+# -- the pure estimate ---------------------------------------------------------------------------
+
+
+def test_work_seconds_counts_full_batches_then_the_rest() -> None:
+    est = linear(0.010, 0.001)
+    assert admission.work_seconds(0, 8, est) == 0.0
+    assert admission.work_seconds(8, 8, est) == pytest.approx(0.018)
+    assert admission.work_seconds(20, 8, est) == pytest.approx(2 * 0.018 + 0.014)
+
+
+def test_completion_counts_own_queue_in_flight_and_other_versions_per_round() -> None:
+    # given 12 rows ahead on a version of batch 8, and two other versions with work on the device
+    own = admission.VersionLoad(12, 8, linear(0.010))
+    busy = admission.VersionLoad(100, 10, linear(0.020))  # far more work than it can run meanwhile
+    light = admission.VersionLoad(3, 10, linear(0.005))  # less than one batch
+    # when a 1-row request's completion is estimated
+    completion = admission.completion_seconds(own=own, rows=1, others=[busy, light], in_flight=0.004)
+    # then: in flight + own 2 batches (13 rows) + busy runs at most 2 batches (one per round) + light's one batch
+    assert completion == pytest.approx(0.004 + 2 * 0.010 + 2 * 0.020 + 0.005)
+
+
+def test_drain_and_retry_after() -> None:
+    loads = [admission.VersionLoad(16, 8, linear(0.5)), admission.VersionLoad(0, 8, linear(0.5))]
+    assert admission.drain_seconds(loads, 0.25) == pytest.approx(1.25)
+    assert admission.retry_after(1.25) == 2.0
+    assert admission.retry_after(0.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("priority", "completion", "admit", "reason"),
+    [
+        (1, 0.09, True, ""),  # meets the deadline
+        (1, 0.11, False, "deadline"),  # misses it
+        (2, 0.07, True, ""),  # within tier 2's three quarters
+        (2, 0.08, False, "tier"),  # meets the deadline but not tier 2's share
+        (3, 0.04, True, ""),
+        (3, 0.06, False, "tier"),  # lower tiers get half
+    ],
+)
+def test_decide_by_deadline_and_tier(priority: int, completion: float, admit: bool, reason: str) -> None:
+    verdict = admission.decide(now=10.0, deadline=10.1, priority=priority, completion=completion)
+    assert verdict.admit is admit and verdict.reason == reason
+    assert verdict.completion == completion
+
+
+# -- the node's decisions on a fake clock --------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class StandIn:
+    """What the node needs of a runtime: run(), and the footprint fields."""
+
+    memory_bytes: int = 0
+    load_seconds: float = 0.0
+    module: object = None
+
+    def run(self, requests):  # noqa: ANN001, ANN201
+        return [{"scores": np.zeros((r["input"].shape[0], 2), np.float32)} for r in requests]
+
+
+def entry(name: str, *, max_batch: int = 8, queue: int = 100) -> VersionEntry:
+    return VersionEntry(
+        model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",
+        inputs=X, outputs=Y, batching=BatchingConfig(max_batch, 10.0, queue), default_timeout_ms=1000,
+        latency_profile={},
+    )
+
+
+def rows(n: int) -> dict[str, np.ndarray]:
+    return {"input": np.zeros((n, 4), np.float32)}
+
+
+@pytest.fixture
+async def node():  # noqa: ANN201
+    clock = Clock()
+    n = Node(artifact_path=lambda sha: None, device="cpu", clock=clock, max_queue_bytes=10_000)  # type: ignore[arg-type]
+    n.clock = clock
+    yield n
+    for hosted in n.hosted.values():
+        hosted.batcher.queue.drain()
+    n._device_pool.shutdown(wait=False)
+    n._load_pool.shutdown(wait=False)
+
+
+def host(node: Node, name: str, per_batch: float, **kw: int):  # noqa: ANN201
+    # a batch of any size takes `per_batch` seconds; the batcher is stopped, so queued work stays queued
+    return node.host(entry(name, **kw), StandIn(), {1: per_batch, kw.get("max_batch", 8): per_batch}, start=False)
+
+
+async def queued(node: Node, name: str, n: int, *, deadline_s: float = 100.0, priority: int = 1):  # noqa: ANN201
+    """Submit n one-row requests that stay queued; returns their tasks."""
+    tasks = [
+        asyncio.ensure_future(node.infer(f"{name}:1", rows(1), 1, node.clock.now + deadline_s, priority))
+        for _ in range(n)
+    ]
+    await asyncio.sleep(0)
+    return tasks
+
+
+async def test_expired_request_is_504_before_it_queues(node) -> None:  # noqa: ANN001
+    host(node, "a", 0.010)
+    with pytest.raises(DeadlineExceeded):
+        await node.infer("a:1", rows(1), 1, node.clock.now - 0.001, 1)
+    assert len(node.hosted["a:1"].batcher.queue) == 0
+
+
+async def test_admits_when_the_backlog_meets_the_deadline(node) -> None:  # noqa: ANN001
+    host(node, "a", 0.010)
+    tasks = await queued(node, "a", 3, deadline_s=0.05)
+    assert len(node.hosted["a:1"].batcher.queue) == 3
+    assert not any(t.done() for t in tasks)
+    for t in tasks:
+        t.cancel()
+
+
+async def test_refuses_past_the_deadline_with_retry_after_from_the_drain(node) -> None:  # noqa: ANN001
+    # given 40 rows queued on a version whose batch of 8 takes 0.4 s: 5 batches, 2 s of work
+    host(node, "a", 0.4)
+    tasks = await queued(node, "a", 40)
+    # when a request with 1 s left arrives
+    with pytest.raises(Shed) as refused:
+        await node.infer("a:1", rows(1), 1, node.clock.now + 1.0, 1)
+    # then it is shed for its deadline, and told to come back when the 2 s backlog has drained
+    assert refused.value.reason == "deadline" and refused.value.status == 503
+    assert refused.value.retry_after == 2.0
+    assert "exceeds the request's deadline" in refused.value.message
+    for t in tasks:
+        t.cancel()
+
+
+async def test_other_versions_on_the_device_count(node) -> None:  # noqa: ANN001
+    # given version b idle, but version a on the same device with 2.4 s of queued work
+    host(node, "a", 0.4)
+    host(node, "b", 0.01)
+    tasks = await queued(node, "a", 48)
+    # when b gets a request with 0.3 s left: b's own queue is empty, but a runs a batch (0.4 s) per round
+    with pytest.raises(Shed) as refused:
+        await node.infer("b:1", rows(1), 1, node.clock.now + 0.3, 1)
+    assert refused.value.reason == "deadline"
+    # and with 0.5 s left it fits: one round of a (0.4 s) plus b's own batch
+    admitted = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.5, 1))
+    await asyncio.sleep(0)
+    assert len(node.hosted["b:1"].batcher.queue) == 1
+    for t in [*tasks, admitted]:
+        t.cancel()
+
+
+async def test_work_in_flight_on_the_device_counts(node) -> None:  # noqa: ANN001
+    host(node, "a", 0.01)
+    # given a 1 s batch of another version running on the device since 0.2 s ago
+    node._device_work[1] = 1.0
+    node._running_since = node.clock.now - 0.2
+    # then a request with 0.5 s left is refused (0.8 s left of that batch), one with 0.9 s admitted
+    with pytest.raises(Shed):
+        await node.infer("a:1", rows(1), 1, node.clock.now + 0.5, 1)
+    ok = asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 0.9, 1))
+    await asyncio.sleep(0)
+    assert len(node.hosted["a:1"].batcher.queue) == 1
+    ok.cancel()
+
+
+async def test_lower_tiers_are_shed_first(node) -> None:  # noqa: ANN001
+    # given 0.6 s of queued work (3 batches of 0.2 s) and requests with 1 s left
+    host(node, "a", 0.2)
+    tasks = await queued(node, "a", 16)
+    # then tier 1 and 2 are admitted (0.6 s + own batch within 1 s and 0.75 s)...
+    for tier in (1, 2):
+        tasks.append(asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 1.0, tier)))
+    await asyncio.sleep(0)
+    assert len(node.hosted["a:1"].batcher.queue) == 18
+    # ...but tier 3 must finish within half its budget, and is shed for its tier
+    with pytest.raises(Shed) as refused:
+        await node.infer("a:1", rows(1), 1, node.clock.now + 1.0, 3)
+    assert refused.value.reason == "tier" and refused.value.tier == 3
+    for t in tasks:
+        t.cancel()
+
+
+async def test_a_high_priority_request_evicts_queued_low_priority_work(node) -> None:  # noqa: ANN001
+    # given a queue of 4 full with tier-2 work... (tier 2 may fill 3 of 4, tier 1 all 4)
+    host(node, "a", 0.001, queue=4)
+    low = await queued(node, "a", 3, priority=2)
+    with pytest.raises(Shed) as full:
+        await node.infer("a:1", rows(1), 1, node.clock.now + 100, 2)
+    assert full.value.reason == "queue_full"
+    high = await queued(node, "a", 1, priority=1)
+    # when one more tier-1 request arrives
+    high += await queued(node, "a", 1, priority=1)
+    # then the newest tier-2 request was evicted with a 503 to its caller, and both tier-1 ones wait
+    await asyncio.sleep(0)
+    assert [t.done() for t in low] == [False, False, True]
+    with pytest.raises(Shed) as evicted:
+        low[2].result()
+    assert evicted.value.reason == "evicted" and evicted.value.tier == 2
+    assert not any(t.done() for t in high)
+    # and once the tier-2 work is all evicted, another tier-1 request is refused: nothing lower to evict
+    more = await queued(node, "a", 3, priority=1)
+    await asyncio.sleep(0)
+    assert all(t.done() for t in low) and not more[0].done() and not more[1].done()
+    with pytest.raises(Shed) as refused:
+        more[2].result()
+    assert refused.value.reason == "queue_full"
+    for t in [*low, *high, *more]:
+        t.cancel()
+
+
+async def test_queues_are_bounded_in_bytes(node) -> None:  # noqa: ANN001
+    # given a node whose queues hold at most 10,000 bytes each
+    host(node, "a", 0.001)
+    first = asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 100, 1, 8000))
+    await asyncio.sleep(0)
+    # when a request of 4,000 more bytes arrives / then it is shed for the queue's byte bound
+    with pytest.raises(Shed) as refused:
+        await node.infer("a:1", rows(1), 1, node.clock.now + 100, 1, 4000)
+    assert refused.value.reason == "queue_full" and "bytes" in refused.value.message
+    first.cancel()
+
+
+async def test_admission_off_admits_what_the_estimate_would_refuse(node) -> None:  # noqa: ANN001
+    host(node, "a", 0.4)
+    tasks = await queued(node, "a", 40)
+    node.admission = False
+    late = asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 1.0, 1))
+    await asyncio.sleep(0)
+    assert len(node.hosted["a:1"].batcher.queue) == 41
+    for t in [*tasks, late]:
+        t.cancel()
+
+
+async def test_more_rows_than_the_version_takes_is_400(node) -> None:  # noqa: ANN001
+    host(node, "a", 0.001, max_batch=4)
+    with pytest.raises(ServingError) as refused:
+        await node.infer("a:1", rows(5), 5, node.clock.now + 1, 1)
+    assert refused.value.status == 400
+
+
+async def test_a_caller_that_leaves_is_dropped_before_its_batch_runs(node) -> None:  # noqa: ANN001
+    # given three queued requests, the middle one's caller gone
+    hosted = host(node, "a", 0.001)
+    ran: list[int] = []
+
+    async def run_batch(batch):  # noqa: ANN001, ANN202
+        ran.extend(p.rows for p in batch)
+        for p in batch:
+            p.payload.future.set_result({})
+
+    hosted.batcher._run_batch = run_batch
+    tasks = await queued(node, "a", 3)
+    tasks[1].cancel()
+    await asyncio.sleep(0)
+    before = hosted.metrics.abandoned._value.get()
+    # when the batch leaves (the fake clock passes the window)
+    node.clock.now += 11
+    await hosted.batcher.process_one_batch()
+    # then only the two live requests ran, and the abandoned one was counted
+    assert ran == [1, 1]
+    assert hosted.metrics.abandoned._value.get() == before + 1
+    assert len(hosted.batcher.queue) == 0
+    await asyncio.gather(tasks[0], tasks[2])
+
+
+async def test_shrinking_max_batch_answers_queued_requests_that_no_longer_fit(node) -> None:  # noqa: ANN001
+    # given a 6-row and a 2-row request queued under max_batch_size 8
+    hosted = host(node, "a", 0.001)
+    big = asyncio.ensure_future(node.infer("a:1", rows(6), 6, node.clock.now + 100, 1))
+    small = asyncio.ensure_future(node.infer("a:1", rows(2), 2, node.clock.now + 100, 1))
+    await asyncio.sleep(0)
+    # when the registry shrinks max_batch_size to 4
+    node._reconfigure(hosted, entry("a", max_batch=4))
+    await asyncio.sleep(0)
+    # then the 6-row request is answered 503 with the reason, and the 2-row one stays queued to be served
+    with pytest.raises(ServingError) as refused:
+        big.result()
+    assert refused.value.status == 503 and "max_batch_size changed to 4" in refused.value.message
+    assert not small.done() and hosted.batcher.queue.rows == 2
+    small.cancel()

@@ -1,0 +1,84 @@
+"""The node: poison requests found by bisection, and the memory budget of real loads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from serving.batching import BatchingConfig
+from serving.node import Node
+from serving.runtime import RuntimeFailure
+from serving.snapshot import VersionEntry
+from tests.test_admission import Clock, StandIn, entry, rows
+
+
+class Poisoned(StandIn):
+    """Fails any batch holding a row whose first value is negative; records each call's batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def run(self, requests):  # noqa: ANN001, ANN201
+        self.calls.append(sum(r["input"].shape[0] for r in requests))
+        if any((r["input"][:, 0] < 0).any() for r in requests):
+            raise RuntimeFailure("negative input")
+        return super().run(requests)
+
+
+async def test_a_poison_request_is_found_by_bisection_not_by_rerunning_each_alone() -> None:
+    # given 8 queued one-row requests, the fourth of which makes the model raise
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    runtime = Poisoned()
+    hosted = node.host(entry("p"), runtime, {1: 0.001, 8: 0.001}, start=False)
+    poison_before = hosted.metrics.poison._value.get()
+    bodies = [rows(1) for _ in range(8)]
+    bodies[3]["input"][0, 0] = -1.0
+    tasks = [asyncio.ensure_future(node.infer("p:1", b, 1, clock.now + 100, 1)) for b in bodies]
+    await asyncio.sleep(0)
+    try:
+        # when the full batch leaves
+        assert await hosted.batcher.process_one_batch()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
+    # then the bad request alone gets 422, every other one its answer
+    assert [getattr(r, "status", 200) for r in results] == [200, 200, 200, 422, 200, 200, 200, 200]
+    # and the batch was bisected (8; 4 fails: its clean half 2, its bad half 2 split to 1 and 1; then the
+    # other 4) rather than rerun request by request (8, then eight calls of 1)
+    assert runtime.calls == [8, 4, 2, 2, 1, 1, 4]
+    assert hosted.metrics.poison._value.get() == poison_before + 1
+
+
+async def test_a_load_past_the_memory_budget_fails_with_the_reason_and_others_keep_serving(model_files) -> None:  # noqa: ANN001
+    # given a node whose budget holds one digits model but not two
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
+
+    def digits(name: str) -> VersionEntry:
+        from serving.protocol import TensorSpec
+
+        return VersionEntry(
+            model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",
+            inputs=(TensorSpec("input", "FP32", (64,)),), outputs=(TensorSpec("scores", "FP32", (10,)),),
+            batching=BatchingConfig(8, 0.0, 100), default_timeout_ms=1000, latency_profile={},
+        )
+
+    try:
+        first = await node.load(digits("one"))
+        assert first is not None
+        node.memory_budget = int(first.runtime.memory_bytes * 1.5)
+        # when a second one is loaded
+        second = await node.load(digits("two"))
+        # then it fails, saying how much it needs against the budget and what is in use
+        assert second is None
+        reason = node.failures["two:1"].reason
+        assert "budget" in reason and str(node.memory_budget) in reason
+        assert "two:1" not in node.hosted
+        # and the first keeps serving
+        out = await node.infer("one:1", {"input": np.zeros((1, 64), np.float32)}, 1, node._clock() + 5, 1)
+        assert out["scores"].shape == (1, 10)
+    finally:
+        await node.close()
