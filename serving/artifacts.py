@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 from django.conf import settings
 
+from serving import archive_check
 from serving.models import Artifact
 
 CHUNK = 1024 * 1024
@@ -54,6 +55,10 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
             raise ArtifactRejected(f"sha256 mismatch: upload is {sha}, expected {expected_sha256}", status=400)
         if not zipfile.is_zipfile(tmp):
             raise ArtifactRejected("artifact is not a TorchScript or torch.export archive (not a zip file)")
+        try:
+            archive_check.check_archive(tmp)  # read as data: refuses archives that would run code on load
+        except archive_check.ArchiveRefused as exc:
+            raise ArtifactRejected(f"archive refused: {exc.reason}") from None
         final = path_for(sha)
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists() and _file_sha256(final) == sha:

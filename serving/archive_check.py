@@ -1,0 +1,347 @@
+"""Inspect a model archive before anything in it is loaded: zip, JSON and pickle opcodes are read as
+data; nothing in the archive is imported, unpickled or evaluated.
+
+`torch.export.load` (torch 2.13) runs code from the archive in several ways, so a `.pt2` archive is
+accepted only in the plain form that `torch.export.save` writes for a program over tensors:
+
+- weights and tensor constants stored as raw bytes (`use_pickle: false`); the pickled form is read
+  with `torch.load(weights_only=False)`, custom objects with the TorchScript unpickler and opaque
+  objects with `pickle.loads`;
+- no legacy files (`data/weights/model.pt`, `data/constants/model.pt`, or the flat 2.7 layout with a
+  top-level `version`), which go through `torch.load` with a `weights_only=False` fallback;
+- no AOTInductor member (`data/aotinductor/`: a shared library that `load_pt2` loads), nor any other
+  member that this check does not know;
+- one program, `models/model.json`, whose symbolic expressions (`sympy.sympify`, which calls `eval`)
+  use only sympy's and torch's shape functions, whose graph calls only `torch.ops` operators and the
+  arithmetic builtins export emits for sizes, and whose names and tree specs contain only
+  `[A-Za-z0-9_.]` (FX pastes them into the Python source it generates and `exec`s);
+- sample inputs (read by stock `torch.export.load` with a `weights_only=False` fallback; Ferry's
+  loader never reads them) that reference only the globals of a plain tensor pickle.
+
+Other zip archives (TorchScript) pass: `torch.jit.load` reads their pickles with TorchScript's own
+unpickler, which builds only tensors, containers and TorchScript types.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import io
+import json
+import pickletools
+import re
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+MODEL = "model"  # the program name torch.export.save writes and torch.export.load returns
+MAX_JSON_BYTES = 256 * 1024 * 1024
+MAX_EXPR_CHARS = 20_000
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9_.]*")
+PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_]+")
+SYMBOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+NUMBER_TEXT = re.compile(r"[+-]?[0-9]*\.?[0-9]*(e[+-]?[0-9]+)?")
+
+FIXED_MEMBERS = {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id"}
+PROGRAM = f"models/{MODEL}.json"
+WEIGHTS_CONFIG = f"data/weights/{MODEL}_weights_config.json"
+CONSTANTS_CONFIG = f"data/constants/{MODEL}_constants_config.json"
+SAMPLE_INPUTS = f"data/sample_inputs/{MODEL}.pt"
+
+# Graph targets besides torch.ops.*: what torch.export serialises for size arithmetic (_SYM_OPS in
+# torch/_export/serde/serialize.py) plus the builtins its verifier allows.
+SIZE_TARGETS = frozenset(
+    [f"_operator.{name}" for name in (
+        "add", "and_", "eq", "floordiv", "ge", "getitem", "gt", "le", "lshift", "lt", "mod", "mul", "ne", "neg",
+        "not_", "or_", "pos", "pow", "rshift", "sub", "truediv", "abs",
+    )]
+    + ["math.ceil", "math.floor", "math.trunc"]
+    + [f"torch.{name}" for name in (
+        "_sym_sqrt", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_sum",
+    )]
+)
+
+# Functions a serialised shape expression (sympy.srepr) may call: sympy's own and torch's
+# (torch.utils._sympy.functions, the table in GraphModuleDeserializer.deserialize).
+EXPR_FUNCTIONS = frozenset((
+    "Symbol", "Dummy", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "Mod", "Max", "Min", "Abs",
+    "Equality", "Unequality", "LessThan", "StrictLessThan", "GreaterThan", "StrictGreaterThan",
+    "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "Xor", "Piecewise", "ExprCondPair",
+    "floor", "ceiling", "sqrt", "Tuple",
+    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
+    "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv",
+    "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal",
+    "ToFloat", "Identity",
+))
+EXPR_KEYWORDS = frozenset((
+    "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "infinite", "zero",
+    "nonzero", "even", "odd", "rational", "commutative", "precision",
+))
+EXPR_NODES = (
+    ast.Expression, ast.Call, ast.Name, ast.Load, ast.Constant, ast.keyword, ast.BinOp, ast.UnaryOp,
+    ast.BoolOp, ast.Compare, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
+    ast.USub, ast.UAdd, ast.Not, ast.Invert, ast.BitAnd, ast.BitOr, ast.And, ast.Or,
+    ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+)
+
+# Keys whose string values torch keeps as data (debug metadata, string arguments, version text) or
+# that Ferry's loader never runs (guards_code: module(check_guards=False), no example inputs).
+FREE_TEXT_KEYS = frozenset(("metadata", "as_string", "as_strings", "torch_version", "guards_code"))
+
+# Globals of a plain tensor pickle (what torch.save writes for a tuple of tensors).
+TENSOR_PICKLE_GLOBALS = frozenset((
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("collections", "OrderedDict"), ("torch", "device"), ("torch", "Size"),
+))
+STORAGE_CLASS = re.compile(r"[A-Za-z0-9]*Storage")
+REFUSED_PICKLE_OPS = frozenset(("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"))
+
+
+class ArchiveRefused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def check_archive(source: Path | BinaryIO) -> str:
+    """Check a zip archive as data; return "torch_export" for a .pt2 package, "zip" for any other zip
+    (TorchScript). Raise ArchiveRefused with the reason for an archive that would run code on load."""
+    try:
+        with zipfile.ZipFile(source) as zf:
+            infos = [info for info in zf.infolist() if not info.is_dir()]
+            names = [info.filename for info in infos]
+            if "version" in names:
+                raise ArchiveRefused(
+                    "legacy torch.export layout (a top-level version member): torch.export.load reads its "
+                    "serialized_*.pt with torch.load and falls back to weights_only=False; re-save with "
+                    "torch.export.save"
+                )
+            root = _check_zip_names(names)
+            if root + "archive_format" not in names:
+                return "zip"
+            sizes = {info.filename[len(root):]: info.file_size for info in infos}
+
+            def read(name: str) -> bytes:
+                if sizes.get(name, 0) > MAX_JSON_BYTES:
+                    raise ArchiveRefused(f"member {name} is too large to inspect ({sizes[name]} bytes)")
+                return zf.read(root + name)
+
+            if read("archive_format") != b"pt2":
+                return "zip"
+            check_pt2_records(list(sizes), read)
+            return "torch_export"
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, KeyError) as exc:
+        raise ArchiveRefused(f"unreadable archive: {type(exc).__name__}: {exc}") from None
+
+
+def _check_zip_names(names: list[str]) -> str:
+    """The archive's one top folder (torch's reader takes it from the first member)."""
+    if not names:
+        raise ArchiveRefused("empty archive")
+    root = names[0].split("/", 1)[0] + "/"
+    seen: set[str] = set()
+    for name in names:
+        # torch's reader (miniz) looks names up case-insensitively, Python's zipfile exactly: two
+        # members that differ only in case could show each reader a different file.
+        folded = name.lower()
+        if folded in seen:
+            raise ArchiveRefused(f"duplicate member {name!r}")
+        seen.add(folded)
+        if not name.startswith(root) or name == root:
+            raise ArchiveRefused(f"member {name!r} is outside the archive's folder {root!r}")
+    return root
+
+
+def check_pt2_records(names: list[str], read: Callable[[str], bytes]) -> None:
+    """The .pt2 checks, on member names relative to the archive folder and a reader of them: the
+    registration check passes Python's zipfile, the loader passes torch's own archive reader."""
+    present = set(names)
+    version = read("archive_version").decode(errors="replace").strip() if "archive_version" in present else None
+    if version != "0":
+        raise ArchiveRefused(f"pt2 archive version {version!r} is not 0")
+    programs = sorted(n for n in present if n.startswith("models/"))
+    if programs != [PROGRAM]:
+        raise ArchiveRefused(f"expected one program {PROGRAM}, found {programs or 'none'}")
+    for legacy in (f"data/weights/{MODEL}.pt", f"data/constants/{MODEL}.pt"):
+        if legacy in present:
+            raise ArchiveRefused(f"{legacy} is a legacy pickled payload (read with torch.load); "
+                                 "re-save with torch.export.save")
+    for required in (WEIGHTS_CONFIG, CONSTANTS_CONFIG):
+        if required not in present:
+            raise ArchiveRefused(f"{required} is missing")
+    allowed = set(FIXED_MEMBERS) | {PROGRAM, WEIGHTS_CONFIG, CONSTANTS_CONFIG, SAMPLE_INPUTS}
+    allowed |= _payload_members(read(WEIGHTS_CONFIG), WEIGHTS_CONFIG, "weight")
+    allowed |= _payload_members(read(CONSTANTS_CONFIG), CONSTANTS_CONFIG, "constant")
+    for name in sorted(present - allowed):
+        if name.startswith("extra/"):
+            continue  # read as text into extra_files; Ferry's loader does not read them
+        if name.startswith("data/aotinductor/"):
+            raise ArchiveRefused(f"{name}: AOTInductor members (compiled shared libraries) are not accepted")
+        raise ArchiveRefused(f"unexpected member {name}")
+    check_program(_json(read(PROGRAM), PROGRAM))
+    if SAMPLE_INPUTS in present:
+        _check_tensor_pickle_archive(read(SAMPLE_INPUTS), SAMPLE_INPUTS)
+
+
+def _json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ArchiveRefused(f"{what} is not JSON: {exc}") from None
+
+
+def _payload_members(raw: bytes, config_name: str, kind: str) -> set[str]:
+    """The payload files a weights or constants config names; refuses any that would be unpickled."""
+    folder = config_name.rsplit("/", 1)[0] + "/"
+    doc = _json(raw, config_name)
+    config = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        raise ArchiveRefused(f"{config_name} has no 'config' table")
+    members = set()
+    for fqn, meta in config.items():
+        _check_name(fqn, f"{kind} name")
+        if not isinstance(meta, dict):
+            raise ArchiveRefused(f"{kind} {fqn!r}: malformed entry")
+        path_name = meta.get("path_name")
+        if not isinstance(path_name, str) or not PAYLOAD_NAME.fullmatch(path_name):
+            raise ArchiveRefused(f"{kind} {fqn!r}: bad path_name {path_name!r}")
+        if kind == "constant" and not path_name.startswith("tensor_"):
+            raise ArchiveRefused(f"constant {fqn!r} ({path_name}) is not a tensor: custom and opaque objects are "
+                                 "unpickled on load")
+        if meta.get("use_pickle") is not False:
+            raise ArchiveRefused(f"{kind} {fqn!r} is stored pickled (use_pickle), which torch.export.load reads "
+                                 "with torch.load(weights_only=False)")
+        if not isinstance(meta.get("tensor_meta"), dict):
+            raise ArchiveRefused(f"{kind} {fqn!r} has no tensor_meta")
+        members.add(folder + path_name)
+    return members
+
+
+def check_program(doc: Any) -> None:
+    """The serialised ExportedProgram (models/model.json): every string torch turns into code."""
+    _walk(doc, "")
+
+
+def _walk(value: Any, key: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_name(k, "key")
+            if k in FREE_TEXT_KEYS:
+                continue
+            if k in ("target", "as_operator"):
+                _check_target(v)
+            elif k == "expr_str":
+                _check_expr(v)
+            elif k in ("in_spec", "out_spec"):
+                _check_treespec(v, k)
+            else:
+                _walk(v, k)
+    elif isinstance(value, list):
+        for item in value:
+            _walk(item, key)
+    elif isinstance(value, str):
+        _check_name(value, key or "value")
+
+
+def _check_name(value: object, what: str) -> None:
+    if not isinstance(value, str) or not SAFE_NAME.fullmatch(value):
+        raise ArchiveRefused(f"{what} {value!r} has characters outside [A-Za-z0-9_.] (names reach generated code)")
+
+
+def _check_target(target: object) -> None:
+    if not isinstance(target, str):
+        raise ArchiveRefused(f"graph target {target!r} is not a string")
+    if target in SIZE_TARGETS:
+        return
+    parts = target.split(".")
+    if (
+        len(parts) >= 4
+        and parts[:2] == ["torch", "ops"]
+        and all(p.isidentifier() and not p.startswith("__") for p in parts)
+    ):
+        return
+    raise ArchiveRefused(f"graph calls {target!r}, which is not an operator (accepted: torch.ops.*, and the "
+                         "size arithmetic torch.export emits)")
+
+
+def _check_expr(expr: object) -> None:
+    if not isinstance(expr, str) or len(expr) > MAX_EXPR_CHARS:
+        raise ArchiveRefused("symbolic expression is not a string or is too long")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError):
+        raise ArchiveRefused(f"symbolic expression {expr[:80]!r} does not parse") from None
+    allowed_strings: set[int] = set()  # ids of the string constants seen as a symbol's name or a number's text
+    for node in ast.walk(tree):
+        if not isinstance(node, EXPR_NODES):
+            raise ArchiveRefused(f"symbolic expression {expr[:80]!r}: {type(node).__name__} is not accepted "
+                                 "(sympy evaluates these strings with eval)")
+        if isinstance(node, ast.Name) and (node.id.startswith("_") or hasattr(builtins, node.id)):
+            raise ArchiveRefused(f"symbolic expression {expr[:80]!r} names {node.id!r}")
+        if isinstance(node, ast.Call):
+            if not isinstance(node.func, ast.Name) or node.func.id not in EXPR_FUNCTIONS:
+                raise ArchiveRefused(f"symbolic expression {expr[:80]!r} calls {ast.unparse(node.func)!r}")
+            for kw in node.keywords:
+                if kw.arg not in EXPR_KEYWORDS or not isinstance(kw.value, ast.Constant):
+                    raise ArchiveRefused(f"symbolic expression {expr[:80]!r}: keyword {kw.arg!r}")
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and (
+                (node.func.id in ("Symbol", "Dummy") and SYMBOL_NAME.fullmatch(first.value))
+                or (node.func.id in ("Float", "Integer") and NUMBER_TEXT.fullmatch(first.value))
+            ):
+                allowed_strings.add(id(first))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and not (
+            type(node.value) in (int, float, bool) or (isinstance(node.value, str) and id(node) in allowed_strings)
+        ):
+            raise ArchiveRefused(f"symbolic expression {expr[:80]!r}: constant {node.value!r:.40}")
+
+
+def _check_treespec(spec: object, what: str) -> None:
+    """A pytree spec is JSON text whose dict contexts are JSON text again; FX writes the keys into
+    the generated forward (`{'key': arg}`), so every string in it must be a plain name."""
+    if not isinstance(spec, str):
+        raise ArchiveRefused(f"{what} is not a string")
+    _walk_spec(_json(spec.encode(), what), what)
+
+
+def _walk_spec(value: Any, what: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_name(k, what)
+            if k == "context" and isinstance(v, str):
+                _walk_spec(_json(v.encode(), what), what)
+            else:
+                _walk_spec(v, what)
+    elif isinstance(value, list):
+        for item in value:
+            _walk_spec(item, what)
+    elif isinstance(value, str):
+        _check_name(value, what)
+
+
+def _check_tensor_pickle_archive(raw: bytes, what: str) -> None:
+    """A torch.save archive must hold a plain tensor pickle: stock torch retries a pickle that its
+    weights_only unpickler refuses with weights_only=False, so anything else is refused here."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as inner:
+            pickles = [n for n in inner.namelist() if n.endswith(".pkl")]
+            if len(pickles) != 1 or not pickles[0].endswith("/data.pkl"):
+                raise ArchiveRefused(f"{what}: expected one data.pkl, found {pickles}")
+            data = inner.read(pickles[0])
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise ArchiveRefused(f"{what} is not a torch.save archive: {exc}") from None
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in REFUSED_PICKLE_OPS:
+                raise ArchiveRefused(f"{what}: pickle opcode {op.name} is not accepted")
+            if op.name == "GLOBAL":
+                module, _, name = str(arg).partition(" ")
+                if (module, name) not in TENSOR_PICKLE_GLOBALS and not (
+                    module == "torch" and STORAGE_CLASS.fullmatch(name)
+                ):
+                    raise ArchiveRefused(f"{what} references {module}.{name}, which a tensor pickle does not")
+    except ValueError as exc:
+        raise ArchiveRefused(f"{what}: malformed pickle: {exc}") from None
