@@ -59,7 +59,7 @@ def load_module(path: Path, fmt: str, device: torch.device) -> torch.nn.Module:
     except RuntimeFailure:
         raise
     except ArchiveRefused as exc:
-        raise RuntimeFailure(f"refused {fmt} artifact: {exc.reason}") from None
+        raise RuntimeFailure(f"cannot load {fmt} artifact (refused): {exc.reason}") from None
     except Exception as exc:  # torch raises many types for a corrupt or mislabelled file
         raise RuntimeFailure(f"cannot load {fmt} artifact: {type(exc).__name__}: {exc}".strip()) from exc
     if hasattr(module, "eval") and fmt == "torchscript":
