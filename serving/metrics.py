@@ -170,6 +170,11 @@ def for_version(model: str, version: int) -> VersionMetrics:
     return found
 
 
+def saturation_shares(model: str, version: int) -> dict[str, float]:
+    found = _versions.get((model, version))
+    return found.saturation.shares() if found else {}
+
+
 def live_stats(model: str, version: int) -> LiveStats | None:
     found = _versions.get((model, version))
     return found.live.stats() if found else None

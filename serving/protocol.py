@@ -93,8 +93,11 @@ class TensorSpec:
             raise ValueError(f"tensor spec is missing {e.args[0]!r}") from None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape),
-                "max_shape": list(self.max_shape or ())}
+        """As stored in the registry: the maxima only where a dimension is variable."""
+        d: dict = {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+        if self.variable:
+            d["max_shape"] = list(self.max_shape or ())
+        return d
 
     def to_metadata(self) -> dict:
         return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.shape]}

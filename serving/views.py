@@ -8,11 +8,20 @@ from serving import dataplane, metrics
 from serving.models import Model
 
 
+def saturation(shares: dict[str, float]) -> dict:
+    """The models page's indicator over the last 30 s: share of answers the version served itself,
+    passed to its fallback, or shed (503), with a level: ok, fallback (over 1% passed on) or shedding."""
+    fallback, shed = shares.get("fallback", 0.0), shares.get("shed", 0.0)
+    level = "shedding" if shed > 0.01 else "fallback" if fallback > 0.01 else "ok"
+    return {"level": level, "fallback_pct": round(fallback * 100, 1), "shed_pct": round(shed * 100, 1)}
+
+
 def _live(model: str, version: int) -> dict:
     stats = metrics.live_stats(model, version)
     plane = dataplane.current()
     key = f"{model}:{version}"
     return {
+        "saturation": saturation(metrics.saturation_shares(model, version)),
         "rate": round(stats.rate, 1) if stats else 0.0,
         "p50_ms": round(stats.p50_ms, 1) if stats and stats.p50_ms is not None else None,
         "p99_ms": round(stats.p99_ms, 1) if stats and stats.p99_ms is not None else None,

@@ -57,7 +57,8 @@ def test_register_model_variable_length_signature(model_files) -> None:  # noqa:
     [
         ("input:FP32", "is not NAME:DATATYPE:DIMS"),
         ("input:FP32:sixty-four", "is not NAME:DATATYPE:DIMS"),
-        ("input:FP32:64:1", "is not NAME:DATATYPE:DIMS"),
+        ("input:FP32:64:64:1", "is not NAME:DATATYPE:DIMS"),
+        ("input:FP32:64:1", "max_shape must equal shape on fixed dimensions"),
         ("input:FP33:64", "unsupported datatype 'FP33'"),
         ("input:FP32:-2", "shape must be a list of integers"),
         (":FP32:64", "non-empty"),

@@ -12,6 +12,7 @@ from tritonclient.http._utils import _get_inference_request
 
 from serving.protocol import (
     DATATYPES,
+    DEFAULT_MAX_DIM,
     InferRequest,
     ProtocolError,
     RequestedOutput,
@@ -345,6 +346,21 @@ def test_max_rows():
     )
     assert e.message == "batch of 9 rows exceeds max_batch_size 8"
     assert parse({"inputs": [x_input(shape=[9, 64], data=data)]}, max_rows=9).rows == 9
+
+
+def test_variable_dims_are_bounded_by_their_declared_maximum():
+    # given a variable dim declared at most 4 long, and one with no declared maximum
+    spec = [TensorSpec("v", "INT32", (-1, 3), (4, 3))]
+    item = {"name": "v", "datatype": "INT32", "shape": [1, 4, 3], "data": list(range(12))}
+    assert parse({"inputs": [item]}, spec).inputs["v"].shape == (1, 4, 3)
+    expect_400("dimension 1 is 5, above the signature's maximum 4",
+               {"inputs": [{**item, "shape": [1, 5, 3], "data": list(range(15))}]}, spec)
+    assert TensorSpec("w", "INT32", (-1,)).max_shape == (DEFAULT_MAX_DIM,)
+    # and a maximum that contradicts a fixed dim, or is not positive, is refused when declared
+    with pytest.raises(ValueError, match="fixed dimensions"):
+        TensorSpec("v", "INT32", (-1, 3), (4, 2))
+    with pytest.raises(ValueError, match="maximum"):
+        TensorSpec("v", "INT32", (-1,), (0,))
 
 
 def test_variable_dims():

@@ -259,3 +259,50 @@ def test_cuda_runtime_matches_cpu(model_files, digits_samples) -> None:
     (on_gpu,) = gpu.predict([x])
     assert isinstance(on_gpu, np.ndarray) and on_gpu.dtype == np.float32
     np.testing.assert_allclose(on_gpu, cpu.predict([x])[0], rtol=1e-3, atol=1e-3)
+
+
+class Doubler(torch.nn.Module):
+    """tokens INT64 [-1] -> values FP32 [-1]: a variable-length output, one value per token."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens.to(torch.float32) * 2.0
+
+
+def test_variable_outputs_come_back_at_each_requests_own_length(tmp_path) -> None:  # noqa: ANN001
+    # given a model whose output is as long as its input
+    path = tmp_path / "doubler.pt"
+    torch.jit.save(torch.jit.script(Doubler()), str(path))
+    rt = runtime(path, inputs=(TOKENS,), outputs=(TensorSpec("values", "FP32", (-1,)),))
+    # when requests of 3 and 6 tokens run in one padded batch
+    short, long = np.array([[1, 2, 3]], np.int64), np.array([[1, 2, 3, 4, 5, 6]], np.int64)
+    results = rt.run([{"tokens": short}, {"tokens": long}])
+    # then each gets its own length back, not its neighbour's padding
+    np.testing.assert_array_equal(results[0]["values"], [[2.0, 4.0, 6.0]])
+    np.testing.assert_array_equal(results[1]["values"], [[2.0, 4.0, 6.0, 8.0, 10.0, 12.0]])
+
+
+def test_length_buckets_split_only_when_padding_would_dominate() -> None:
+    from serving.runtime import length_buckets
+
+    # given similar lengths / then one group
+    assert length_buckets([(5,), (6,), (7,)], [1, 1, 1]) == [[0, 1, 2]]
+    # given one long request among short ones / then the long one runs apart
+    assert length_buckets([(2,), (100,), (3,), (2,)], [1, 1, 1, 1]) == [[0, 3, 2], [1]]
+    # rows weigh in: a long request of many rows is not split off from one short row
+    assert length_buckets([(2,), (4,)], [1, 8]) == [[0, 1]]
+
+
+def test_a_long_request_does_not_pad_a_batch_of_short_ones(model_files) -> None:
+    # given the tokens model and a spy on its forward calls
+    rt = runtime(model_files.tokens, inputs=(TOKENS,), outputs=(SCORES2,))
+    shapes: list[tuple[int, ...]] = []
+    predict = rt.predict
+    rt.predict = lambda batch: (shapes.append(batch[0].shape), predict(batch))[1]  # type: ignore[method-assign]
+    # when three short requests and one 200 tokens long run together
+    requests = [{"tokens": np.ones((1, n), np.int64)} for n in (3, 200, 4, 3)]
+    results = rt.run(requests)
+    # then the short ones ran padded to 4, the long one alone, and every request got its answer in order
+    assert sorted(shapes) == [(1, 200), (3, 4)]
+    for request, result in zip(requests, results, strict=True):
+        (alone,) = predict([request["tokens"]])
+        np.testing.assert_allclose(result["scores"], alone, rtol=1e-5, atol=1e-6)

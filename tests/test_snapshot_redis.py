@@ -1,6 +1,7 @@
 """Routing snapshots through the real Redis (FERRY_TEST_REDIS_URL, a database of its own)."""
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -62,9 +63,15 @@ async def test_follower_sees_each_publication(transactional_db, model_files, red
             while hub.current is None or hub.current.serial < published.serial:
                 await asyncio.sleep(0.01)
         assert hub.current == published
-        # and an older serial never replaces a newer one
-        hub.set(snapshot_redis.decode(snapshot_redis.encode(published)))
-        assert hub.current.serial == published.serial
+        # and an older serial never replaces a newer one, even with other content
+        older = dataclasses.replace(snapshot_redis.decode(snapshot_redis.encode(published)),
+                                    serial=published.serial - 1, models={})
+        hub.set(older)
+        assert hub.current == published and hub.current.models
+        # while a newer one does
+        newer = dataclasses.replace(published, serial=published.serial + 1, models={})
+        hub.set(newer)
+        assert hub.current is newer
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
