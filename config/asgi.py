@@ -1,4 +1,8 @@
-"""ASGI entry point: /v2 and /metrics go to the lean inference consumer, the rest to Django."""
+"""ASGI entry point: /v2 and /metrics go to the lean inference consumer, the rest to Django.
+
+Every request passes the front door (serving.frontdoor) first: its body is counted against the
+process's budget of body bytes held, and a body for Django is bounded before Django reads it.
+"""
 
 import os
 
@@ -10,6 +14,7 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_app = get_asgi_application()
 
 from serving.consumers import InferenceConsumer  # noqa: E402
+from serving.frontdoor import bounded, metered  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
 
 inference_app = InferenceConsumer.as_asgi()
@@ -18,8 +23,9 @@ inference_app = InferenceConsumer.as_asgi()
 async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
     path = scope["path"]
     if path == "/v2" or path.startswith("/v2/") or path == "/metrics":
-        return await inference_app(scope, receive, send)
-    return await django_app(scope, receive, send)
+        # The consumer bounds its own body (413 past FERRY_MAX_INFER_BODY_BYTES); only the budget here.
+        return await metered(inference_app, scope, receive, send)
+    return await bounded(django_app, scope, receive, send)
 
 
 application = ProtocolTypeRouter({"http": http_app, "lifespan": Lifespan()})

@@ -162,3 +162,14 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("FERRY_LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
+
+# Front door (serving.frontdoor): bounds every request meets before Django or the inference consumer.
+# Whole-request read deadline: head and body, from the request's first byte (a silent new connection
+# gets as long); 408 JSON, then the connection is closed.
+FERRY_REQUEST_READ_TIMEOUT_S = env_int("FERRY_REQUEST_READ_TIMEOUT_S", 10, minimum=1)
+# The deadline an engineer's artifact upload gets instead, once its credentials are checked.
+FERRY_UPLOAD_READ_TIMEOUT_S = env_int("FERRY_UPLOAD_READ_TIMEOUT_S", 600, minimum=1)
+# Any body outside /v2 (forms, JSON, anonymous uploads): 413 JSON past it, before Django reads it.
+FERRY_MAX_FORM_BODY_BYTES = env_int("FERRY_MAX_FORM_BODY_BYTES", 1024 * 1024, minimum=1024)
+# Request body bytes held in memory by the process across all requests: 503 + Retry-After past it.
+FERRY_MAX_INFLIGHT_BODY_BYTES = env_int("FERRY_MAX_INFLIGHT_BODY_BYTES", 256 * 1024 * 1024, minimum=1024 * 1024)

@@ -120,17 +120,20 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn serving `config.asgi` in a thread of this process, with the embedded node."""
+    """uvicorn serving `config.asgi` in a thread of this process, with the embedded node, configured by
+    the same `uvicorn_config` as `manage.py serve` (so the front door is the real one); `overrides`
+    are uvicorn.Config keywords."""
 
-    def __init__(self) -> None:
+    def __init__(self, **overrides: object) -> None:
         import uvicorn
 
         from config.asgi import application
+        from serving.frontdoor import uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(application, host="127.0.0.1", port=self.port, lifespan="on",
-                                log_level="warning", loop="asyncio", proxy_headers=False)
+        config = uvicorn_config(application, "127.0.0.1", self.port,
+                                **{"log_level": "warning", "loop": "asyncio", **overrides})
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -1,6 +1,8 @@
 import uvicorn
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+
+from serving.frontdoor import uvicorn_config
 
 
 class Command(BaseCommand):
@@ -14,8 +16,10 @@ class Command(BaseCommand):
         mode = "embedded" if settings.EMBEDDED else "distributed"
         database = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
         self.stdout.write(f"Ferry on http://{options['host']}:{options['port']} ({mode} mode, database {database})")
-        uvicorn.run(
-            "config.asgi:application", host=options["host"], port=options["port"], loop="uvloop",
-            http="httptools", lifespan="on", access_log=False, proxy_headers=False,
-            limit_concurrency=settings.FERRY_MAX_CONCURRENCY, log_level="info", timeout_graceful_shutdown=10,
-        )
+        server = uvicorn.Server(uvicorn_config("config.asgi:application", options["host"], options["port"]))
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
+        if not server.started:
+            raise CommandError("the server did not start (see the log above)")

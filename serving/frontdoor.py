@@ -1,0 +1,401 @@
+"""The front door: what every HTTP request passes before Django or the inference consumer sees it.
+
+Two layers, both built for the hot path (no task per request; at most one timer per connection):
+
+- `FrontDoorProtocol`, uvicorn's httptools protocol with a whole-request read deadline
+  (FERRY_REQUEST_READ_TIMEOUT_S, from the request's first byte until its body is complete; a new
+  connection that sends nothing gets the same time) answered 408 JSON, and uvicorn's concurrency
+  limit answered as 503 JSON with Retry-After instead of text. It stamps `scope["ferry.first_byte"]`
+  (time.monotonic() when the request's first byte was read) and puts a hook in
+  `scope["ferry.extend_read_deadline"]`, which `bounded` uses for an engineer's upload.
+- ASGI wrappers used by `config.asgi`: `metered` counts every body against a process-wide budget of
+  body bytes held (FERRY_MAX_INFLIGHT_BODY_BYTES, 503 past it) and can bound one body; `bounded`
+  puts every non-/v2 body under FERRY_MAX_FORM_BODY_BYTES, except an upload to
+  `POST /api/models/<name>/versions/` by an engineer, authenticated here before any body byte is
+  read, which may carry the artifact limit. Past its bound a body is answered 413 and not passed on.
+
+`uvicorn_config` is the one place a server is configured: `manage.py serve` and the tests use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from importlib import import_module
+from typing import Any
+
+import orjson
+import uvicorn
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from prometheus_client import Counter, Gauge
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+REFUSED = Counter("ferry_frontdoor_refusals", "Requests the front door answered itself, by reason", ["reason"])
+_TOO_LARGE = REFUSED.labels("too_large")
+_READ_TIMEOUT = REFUSED.labels("read_timeout")
+_BUDGET = REFUSED.labels("inflight_budget")
+_CONCURRENCY = REFUSED.labels("concurrency")
+
+DISCONNECT = {"type": "http.disconnect"}
+UPLOAD_ROUTE = re.compile(r"/api/models/[^/]+/versions/")  # ModelVersionViewSet's create
+
+
+def json_head(status: int, body: bytes, retry_after: int | None = None) -> dict:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return {"type": "http.response.start", "status": status, "headers": headers}
+
+
+async def send_json(send: Send, status: int, message: str, retry_after: int | None = None) -> None:
+    """Answer {"error": message} and close the connection (a refused body is not read to its end)."""
+    body = orjson.dumps({"error": message})
+    await send(json_head(status, body, retry_after))
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- the protocol --------------------------------------------------------------------------------
+
+
+async def over_capacity(scope: Scope, receive: Receive, send: Send) -> None:
+    """What a request gets while the process holds its connection/task limit (uvicorn's limit_concurrency)."""
+    _CONCURRENCY.inc()
+    await send_json(send, 503, "server at its connection limit; retry shortly", retry_after=1)
+
+
+class FrontDoorProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a read deadline per request and a JSON concurrency answer.
+
+    The deadline: a request's head and body must arrive within FERRY_REQUEST_READ_TIMEOUT_S of its
+    first byte (a new connection gets as long for its first byte). When it passes, the request is
+    answered 408 if no response has begun, its app sees http.disconnect, and the connection is
+    closed. A request costs a clock read and a few attribute stores: each connection has at most one
+    loop timer, which on firing re-arms itself for the current request's deadline if that is later
+    (so keep-alive traffic re-arms about once per deadline period, not once per request).
+    """
+
+    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        # uvicorn's own check would answer text/plain; on_headers_complete applies the same limit.
+        self.max_concurrency, self.limit_concurrency = self.limit_concurrency, None
+        self.read_timeout: float = settings.FERRY_REQUEST_READ_TIMEOUT_S
+        self.read_deadline_s = self.read_timeout  # the current request's allowance, once extended
+        self.read_deadline = 0.0  # time.monotonic() by which the current request must have arrived
+        self.reading = False  # the connection is new, or a request has begun and not all arrived
+        self.read_timer: asyncio.TimerHandle | None = None
+        self.read_timer_at = 0.0  # when read_timer fires, on time.monotonic()'s clock
+        self._extend = self.extend_read_deadline
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.reading = True
+        self.read_deadline = time.monotonic() + self.read_timeout
+        self._arm(self.read_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        now = time.monotonic()
+        scope = self.scope
+        scope["ferry.first_byte"] = now  # type: ignore[typeddict-unknown-key]
+        scope["ferry.extend_read_deadline"] = self._extend  # type: ignore[typeddict-unknown-key]
+        self.reading = True
+        self.read_deadline_s = self.read_timeout
+        self.read_deadline = deadline = now + self.read_timeout
+        if self.read_timer is None:
+            self._arm(self.read_timeout)
+        elif self.read_timer_at > deadline:  # armed for a longer (upload) deadline of an earlier request
+            self.read_timer.cancel()
+            self._arm(self.read_timeout)
+
+    def on_headers_complete(self) -> None:
+        limit = self.max_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            app, self.app = self.app, over_capacity
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self.reading = False
+        super().on_message_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        self.reading = False
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
+        super().handle_websocket_upgrade()
+
+    def extend_read_deadline(self, scope: Scope, seconds: float) -> None:
+        """Give the request of `scope`, if its body is still arriving, `seconds` from its first byte."""
+        if scope is self.scope and self.reading:
+            self.read_deadline_s = seconds
+            self.read_deadline = scope["ferry.first_byte"] + seconds  # the armed timer re-arms for it
+
+    def _arm(self, delay: float) -> None:
+        self.read_timer_at = time.monotonic() + delay
+        self.read_timer = self.loop.call_later(delay, self._read_expired)
+
+    def _read_expired(self) -> None:
+        self.read_timer = None
+        transport = self.transport
+        if not self.reading or transport.is_closing():
+            return  # the next request arms a timer at its first byte
+        remaining = self.read_deadline - time.monotonic()
+        if remaining > 0:  # a later request, or an extended deadline
+            self._arm(remaining)
+            return
+        _READ_TIMEOUT.inc()
+        if self.scope is not None:  # a request has begun (else: a silent new connection, nothing to answer)
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # the head is in: an app has this request
+                answer = not cycle.response_started and not self.pipeline
+                cycle.disconnected = True  # its receive() says http.disconnect and its sends are dropped
+                cycle.message_event.set()
+            else:  # still in the head; answer unless an earlier response is being written
+                answer = cycle is None or cycle.response_complete
+            if answer:
+                transport.write(self._timeout_response())
+        transport.close()
+
+    def _timeout_response(self) -> bytes:
+        body = orjson.dumps({"error": f"request not received within {self.read_deadline_s:g} s"})
+        parts = [STATUS_LINE[408]]
+        for name, value in self.server_state.default_headers:
+            parts += [name, b": ", value, b"\r\n"]
+        parts += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                  b"\r\nconnection: close\r\n\r\n", body]
+        return b"".join(parts)
+
+
+def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uvicorn.Config:
+    """The server's configuration, always with the front-door protocol; `overrides` are uvicorn.Config
+    keywords (the tests use loop="asyncio" and a quieter log)."""
+    options: dict[str, Any] = {
+        "loop": "uvloop", "lifespan": "on", "access_log": False, "proxy_headers": False,
+        "limit_concurrency": settings.FERRY_MAX_CONCURRENCY, "log_level": "info",
+        "timeout_graceful_shutdown": 10,
+    }
+    options.update(overrides)
+    options["http"] = FrontDoorProtocol
+    return uvicorn.Config(app, host=host, port=port, **options)
+
+
+# -- body bounds and the in-flight budget (ASGI) ---------------------------------------------------
+
+_inflight = 0  # body bytes held by requests in progress, process-wide (one event loop touches it)
+Gauge("ferry_frontdoor_inflight_body_bytes", "Request body bytes held by requests in progress").set_function(
+    lambda: _inflight
+)
+
+
+async def metered(app: App, scope: Scope, receive: Receive, send: Send, limit: int | None = None,
+                  limit_error: str = "", charge_cap: int | None = None) -> None:
+    """Run `app` with its body counted against FERRY_MAX_INFLIGHT_BODY_BYTES until it finishes.
+
+    Each request is charged the bytes it received, or at most `charge_cap` (what its app keeps in
+    memory). A chunk that takes the body past `limit` (413) or the process past its budget (503 +
+    Retry-After) is not passed on: the answer is sent unless the app began one, and the app's
+    receive() says http.disconnect from then on.
+    """
+    global _inflight
+    held = 0
+    charged = 0
+    refused = False
+    started = False
+
+    async def counted_receive() -> dict:
+        global _inflight
+        nonlocal held, charged, refused, started
+        if refused:
+            return DISCONNECT
+        message = await receive()
+        body = message.get("body")
+        if body:
+            held += len(body)
+            charge = held if charge_cap is None or held < charge_cap else charge_cap
+            _inflight += charge - charged
+            charged = charge
+            if limit is not None and held > limit:
+                refused = True
+                _TOO_LARGE.inc()
+                if not started:
+                    started = True
+                    await send_json(send, 413, limit_error)
+                return DISCONNECT
+            if _inflight > settings.FERRY_MAX_INFLIGHT_BODY_BYTES:
+                refused = True
+                _BUDGET.inc()
+                if not started:
+                    started = True
+                    await _send_over_budget(send)
+                return DISCONNECT
+        return message
+
+    async def tracked_send(message: dict) -> None:
+        nonlocal started
+        if refused:
+            return
+        started = True
+        await send(message)
+
+    try:
+        await app(scope, counted_receive, tracked_send)
+    finally:
+        _inflight -= charged
+
+
+async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
+    """Django's door: bound the body before Django reads (and spools) it; then `metered`.
+
+    An upload (POST /api/models/<name>/versions/) is the one request whose credentials are checked
+    here, before its body is read: an engineer's may carry the artifact limit and gets
+    FERRY_UPLOAD_READ_TIMEOUT_S to arrive; anyone else's gets the form bound like any other body.
+    """
+    limit = settings.FERRY_MAX_FORM_BODY_BYTES
+    declared = _content_length(scope["headers"])
+    error = f"request body exceeds {limit} bytes"
+    if scope["method"] == "POST" and UPLOAD_ROUTE.fullmatch(scope["path"]):
+        from serving.api.views import FORM_OVERHEAD  # the view's own allowance for the form around the file
+
+        artifact_limit = settings.FERRY_MAX_ARTIFACT_BYTES + FORM_OVERHEAD
+        artifact_error = f"artifact exceeds the {settings.FERRY_MAX_ARTIFACT_BYTES} byte limit"
+        if declared is not None and declared > artifact_limit:
+            _TOO_LARGE.inc()
+            return await send_json(send, 413, artifact_error)
+        try:
+            engineer = await _is_engineer(scope["headers"])
+        except Exception:  # the database, most likely; Django could not authenticate either
+            log.exception("checking upload credentials failed")
+            return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
+        if engineer:
+            limit, error = artifact_limit, artifact_error
+            extend = scope.get("ferry.extend_read_deadline")
+            if extend is not None:
+                extend(scope, settings.FERRY_UPLOAD_READ_TIMEOUT_S)
+        else:
+            error += "; a larger artifact upload needs an engineer's session or HTTP Basic credentials"
+    if declared is not None:
+        if declared > limit:
+            _TOO_LARGE.inc()
+            return await send_json(send, 413, error)
+        if _inflight + min(declared, settings.FILE_UPLOAD_MAX_MEMORY_SIZE) > settings.FERRY_MAX_INFLIGHT_BODY_BYTES:
+            _BUDGET.inc()
+            return await _send_over_budget(send)
+    # Django keeps a body in memory up to FILE_UPLOAD_MAX_MEMORY_SIZE and spools the rest to disk.
+    await metered(app, scope, receive, send, limit, error, settings.FILE_UPLOAD_MAX_MEMORY_SIZE)
+
+
+async def _send_over_budget(send: Send) -> None:
+    budget = settings.FERRY_MAX_INFLIGHT_BODY_BYTES
+    await send_json(send, 503, f"server holds {budget} bytes of request bodies; retry shortly", retry_after=1)
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the streaming count still bounds it
+    return None
+
+
+# -- who is asking (before any body byte is read) ---------------------------------------------------
+
+
+async def _is_engineer(headers: list[tuple[bytes, bytes]]) -> bool:
+    cookie = authorization = None
+    for name, value in headers:
+        if name == b"cookie":
+            cookie = value if cookie is None else cookie + b"; " + value
+        elif name == b"authorization":
+            authorization = value
+    if cookie is None and authorization is None:
+        return False
+    return await sync_to_async(_engineer_credentials)(cookie, authorization)
+
+
+def _engineer_credentials(cookie: bytes | None, authorization: bytes | None) -> bool:
+    """Whether the request's credentials are an engineer's, in DRF's order: an active session user if
+    there is one, else HTTP Basic. Nothing is written (Django's own handling of the request does that)."""
+    from django.http.cookie import parse_cookie
+
+    from tenants.models import Role, has_role
+
+    user = None
+    if cookie is not None:
+        key = parse_cookie(cookie.decode("latin-1")).get(settings.SESSION_COOKIE_NAME)
+        if key:
+            user = _session_user(key)
+    if user is None and authorization is not None:
+        user = _basic_user(authorization)
+    return user is not None and has_role(user, Role.ENGINEER)
+
+
+def _session_user(key: str):  # noqa: ANN202
+    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
+    from django.core.exceptions import ValidationError
+    from django.utils.crypto import constant_time_compare
+
+    session = import_module(settings.SESSION_ENGINE).SessionStore(key)
+    try:
+        user_id = get_user_model()._meta.pk.to_python(session[SESSION_KEY])
+        backend_path = session[BACKEND_SESSION_KEY]
+    except (KeyError, ValidationError):
+        return None
+    if backend_path not in settings.AUTHENTICATION_BACKENDS:
+        return None
+    user = load_backend(backend_path).get_user(user_id)
+    if user is None or not user.is_active:
+        return None
+    # As django.contrib.auth.get_user verifies it, against the current SECRET_KEY only: a session
+    # signed under SECRET_KEY_FALLBACKS gets the form bound here until Django re-keys it.
+    session_hash = session.get(HASH_SESSION_KEY)
+    if not session_hash or not constant_time_compare(session_hash, user.get_session_auth_hash()):
+        return None
+    return user
+
+
+def _basic_user(authorization: bytes):  # noqa: ANN202
+    from django.contrib.auth import authenticate, get_user_model
+
+    scheme, _, encoded = authorization.strip().partition(b" ")
+    if scheme.lower() != b"basic":
+        return None
+    try:
+        raw = base64.b64decode(encoded.strip())
+    except ValueError:
+        return None
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        decoded = raw.decode("latin-1")
+    userid, sep, password = decoded.partition(":")
+    if not sep:
+        return None
+    user = authenticate(None, **{get_user_model().USERNAME_FIELD: userid, "password": password})
+    return user if user is not None and user.is_active else None

@@ -1,0 +1,483 @@
+"""The front door (serving.frontdoor) over real sockets against a live server: body bounds before
+Django reads a byte, the whole-request read deadline, the in-flight body budget, and the JSON answer
+at the connection limit.
+
+No timing assertions: every wait has a generous upper bound that only stops a hang. The live server
+is asked for by name (request.getfixturevalue) as elsewhere: pytest-django treats a `live_server`
+argument as its own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import socket
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+import pytest
+from django.contrib.auth.models import User
+
+from tenants.models import Membership, Role, Tenant
+from tests.conftest import DIGITS_IO, register
+from tests.test_inference_http import (
+    Resp,
+    assert_error,
+    call,
+    digits_request,
+    infer,
+    metrics,
+    sample,
+    scores,
+    wait_until,
+)
+
+TIMEOUT = 60  # seconds one exchange may take before the test fails instead of hanging
+MiB = 1024 * 1024
+UPLOAD = "/api/models/{name}/versions/"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+@dataclass
+class DjangoSeen:
+    """What reached Django: body bytes its handler received per path, and the requests it went on to
+    serve (request_started fires once the body is read, before middleware and views)."""
+
+    received: dict[str, int] = field(default_factory=dict)
+    started: list[dict] = field(default_factory=list)
+
+    def started_paths(self) -> list[str]:
+        return [scope["path"] for scope in self.started]
+
+
+@pytest.fixture
+def django_seen(monkeypatch) -> DjangoSeen:  # noqa: ANN001
+    from django.core.handlers.asgi import ASGIHandler
+    from django.core.signals import request_started
+
+    seen = DjangoSeen()
+    original = ASGIHandler.handle
+
+    async def handle(self, scope, receive, send):  # noqa: ANN001, ANN202
+        path = scope["path"]
+        seen.received.setdefault(path, 0)
+
+        async def counted():  # noqa: ANN202
+            message = await receive()
+            seen.received[path] += len(message.get("body", b""))
+            return message
+
+        await original(self, scope, counted, send)
+
+    def on_started(sender, scope=None, **kwargs) -> None:  # noqa: ANN001
+        if scope is not None:
+            seen.started.append(scope)
+
+    monkeypatch.setattr(ASGIHandler, "handle", handle)
+    request_started.connect(on_started, weak=False, dispatch_uid="test_front_door")
+    yield seen
+    request_started.disconnect(dispatch_uid="test_front_door")
+
+
+def read_response(sock: socket.socket) -> Resp:
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    return Resp(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+
+
+def exchange(port: int, head: bytes, chunks: Iterable[bytes] = ()) -> Resp:
+    """Send a head and body chunks on a fresh connection, then read the answer. The server may answer
+    and close before the body is all sent: the answer is still there to read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        try:
+            sock.sendall(head)
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:
+            pass
+        return read_response(sock)
+
+
+def head(method: str, path: str, headers: dict[str, str]) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def chunked(data: bytes, size: int = 64 * 1024) -> Iterable[bytes]:
+    for start in range(0, len(data), size):
+        part = data[start : start + size]
+        yield b"%x\r\n" % len(part) + part + b"\r\n"
+    yield b"0\r\n\r\n"
+
+
+def multipart(artifact: bytes, **fields: str) -> tuple[bytes, str]:
+    boundary = uuid.uuid4().hex
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="artifact"; filename="model.pt"\r\n'
+                 "Content-Type: application/octet-stream\r\n\r\n".encode() + artifact + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+def upload_form(artifact: bytes) -> tuple[bytes, str]:
+    return multipart(artifact, format="torchscript", inputs=json.dumps(DIGITS_IO["inputs"]),
+                     outputs=json.dumps(DIGITS_IO["outputs"]), max_batch_size="2")
+
+
+def trickle(port: int, data: bytes, prefix: bytes = b"", every: float = 0.1, give_up_s: float = 30.0):  # noqa: ANN201
+    """Send `prefix` at once, then `data` one byte per `every` seconds, reading whatever comes back.
+    Returns (reply, bytes of `data` sent, whether the server closed the connection)."""
+    sent, reply, closed = 0, b"", False
+    give_up = time.monotonic() + give_up_s
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(prefix)
+        try:
+            while time.monotonic() < give_up:
+                readable, _, _ = select.select([sock], [], [], every)
+                if readable:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        closed = True
+                        break
+                    reply += chunk
+                elif sent < len(data):
+                    sock.sendall(data[sent : sent + 1])
+                    sent += 1
+        except (ConnectionResetError, BrokenPipeError):
+            closed = True
+    return reply, sent, closed
+
+
+def parse(reply: bytes) -> Resp:
+    assert reply, "the server sent no answer"
+    head_bytes, _, body = reply.partition(b"\r\n\r\n")
+    lines = head_bytes.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return Resp(int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body)
+
+
+def make_user(name: str, role: str | None, password: str = "not-a-secret-1") -> User:
+    tenant, _ = Tenant.objects.get_or_create(name="Acme", slug="acme")
+    user = User.objects.create_user(name, f"{name}@example.org", password)
+    if role is not None:
+        Membership.objects.create(user=user, tenant=tenant, role=role)
+    return user
+
+
+def credentials(user: User, how: str) -> dict[str, str]:
+    """Headers that authenticate `user` the way a real client would: a session (with the CSRF pair
+    DRF asks of session users) or HTTP Basic."""
+    import base64
+
+    from django.conf import settings
+    from django.test import Client
+
+    if how == "basic":
+        token = base64.b64encode(f"{user.username}:not-a-secret-1".encode()).decode()
+        return {"Authorization": f"Basic {token}"}
+    client = Client()
+    client.force_login(user)
+    session = client.cookies[settings.SESSION_COOKIE_NAME].value
+    csrf = "a" * 32
+    return {"Cookie": f"{settings.SESSION_COOKIE_NAME}={session}; {settings.CSRF_COOKIE_NAME}={csrf}",
+            "X-CSRFToken": csrf}
+
+
+@pytest.fixture
+def fast_hashing(settings) -> None:  # noqa: ANN001
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+# -- body bounds (Django side) -------------------------------------------------------------------
+
+
+def test_oversized_login_post_is_413_before_django_reads_it(transactional_db, django_seen, request) -> None:  # noqa: ANN001
+    server = request.getfixturevalue("live_server")
+    # given an anonymous client posting a 5 MiB body to the login form
+    body = b"username=x&password=" + b"y" * (5 * MiB)
+    resp = exchange(server.port, head("POST", "/login/", {
+        "Content-Type": "application/x-www-form-urlencoded", "Content-Length": str(len(body))}), [body])
+    # then it is refused 413 as JSON naming the bound
+    assert_error(resp, 413, str(1 * MiB))
+    # and Django never received a byte of it, let alone spooled it or ran a view
+    assert "/login/" not in django_seen.received
+    assert "/login/" not in django_seen.started_paths()
+    # while a small form post still reaches Django (which answers it: here a CSRF failure)
+    small = exchange(server.port, head("POST", "/login/", {
+        "Content-Type": "application/x-www-form-urlencoded", "Content-Length": "3"}), [b"a=b"])
+    assert small.status == 403
+    assert django_seen.received["/login/"] == 3
+
+
+def test_chunked_body_past_the_bound_is_413_and_never_served(transactional_db, django_seen, request) -> None:  # noqa: ANN001
+    server = request.getfixturevalue("live_server")
+    # given a 3 MiB body sent chunked, with no Content-Length to refuse it by
+    body = b"a=" + b"b" * (3 * MiB)
+    resp = exchange(server.port, head("POST", "/login/", {
+        "Content-Type": "application/x-www-form-urlencoded", "Transfer-Encoding": "chunked"}), chunked(body))
+    # when it streams past the 1 MiB bound / then 413 as JSON
+    assert_error(resp, 413, "exceeds")
+    # and Django got no more than the bound before being told the client was gone, and served nothing
+    assert django_seen.received.get("/login/", 0) <= 1 * MiB
+    assert "/login/" not in django_seen.started_paths()
+
+
+def test_anonymous_upload_past_the_form_bound_is_413_unread(transactional_db, django_seen, request) -> None:  # noqa: ANN001
+    server = request.getfixturevalue("live_server")
+    from serving.models import Model
+
+    # given an anonymous multipart upload of 2 MiB, declared and then chunked
+    form, content_type = upload_form(b"\0" * (2 * MiB))
+    path = UPLOAD.format(name="digits")
+    declared = exchange(server.port, head("POST", path, {
+        "Content-Type": content_type, "Content-Length": str(len(form))}), [form])
+    streamed = exchange(server.port, head("POST", path, {
+        "Content-Type": content_type, "Transfer-Encoding": "chunked"}), chunked(form))
+    # then both are refused 413, saying what a bigger upload needs
+    for resp in (declared, streamed):
+        assert_error(resp, 413, "engineer")
+    # and Django served neither, nor read more than the form bound of either
+    assert path not in django_seen.started_paths()
+    assert django_seen.received.get(path, 0) <= 1 * MiB
+    assert not Model.objects.exists()
+
+
+@pytest.mark.parametrize("how", ["session", "basic"])
+def test_engineer_upload_past_the_form_bound_is_served(  # noqa: ANN001
+    transactional_db, fast_hashing, settings, model_files, django_seen, request, how: str
+) -> None:
+    # given a form bound below the artifact's size, an engineer and a viewer
+    artifact = model_files.digits.read_bytes()
+    settings.FERRY_MAX_FORM_BODY_BYTES = 4096
+    assert len(artifact) > 4096
+    engineer, viewer = make_user("bob", Role.ENGINEER), make_user("charlie", Role.VIEWER)
+    server = request.getfixturevalue("live_server")
+    form, content_type = upload_form(artifact)
+    path = UPLOAD.format(name="digits")
+
+    def post(user: User) -> Resp:
+        return exchange(server.port, head("POST", path, {
+            "Content-Type": content_type, "Content-Length": str(len(form)), **credentials(user, how)}), [form])
+
+    # when the viewer uploads it / then 413 before Django reads it: the bigger bound is an engineer's
+    assert_error(post(viewer), 413, "engineer")
+    assert path not in django_seen.received
+    # when the engineer uploads it / then it is created (and validated: the model is real)
+    created = post(engineer)
+    assert created.status == 201, created.body
+    assert created.json()["version"] == 1
+    assert django_seen.received[path] == len(form)
+
+
+def test_engineer_upload_past_the_artifact_limit_is_413(  # noqa: ANN001
+    transactional_db, fast_hashing, settings, django_seen, request
+) -> None:
+    from serving.api.views import FORM_OVERHEAD
+
+    # given a small artifact limit and an engineer
+    settings.FERRY_MAX_ARTIFACT_BYTES = 8192
+    settings.FERRY_MAX_FORM_BODY_BYTES = 4096
+    engineer = make_user("bob", Role.ENGINEER)
+    server = request.getfixturevalue("live_server")
+    form, content_type = upload_form(b"\0" * (8192 + FORM_OVERHEAD + 1024))
+    path = UPLOAD.format(name="digits")
+    auth = credentials(engineer, "basic")
+    # when the engineer declares a bigger upload / then 413 at once, naming the artifact limit
+    declared = exchange(server.port, head("POST", path, {
+        "Content-Type": content_type, "Content-Length": str(len(form)), **auth}), [form])
+    assert_error(declared, 413, "artifact exceeds the 8192 byte limit")
+    assert path not in django_seen.received
+    # when it streams one chunked / then 413 once it passes the limit, and Django serves nothing
+    streamed = exchange(server.port, head("POST", path, {
+        "Content-Type": content_type, "Transfer-Encoding": "chunked", **auth}), chunked(form, 4096))
+    assert_error(streamed, 413, "artifact exceeds the 8192 byte limit")
+    assert path not in django_seen.started_paths()
+    assert django_seen.received.get(path, 0) <= 8192 + FORM_OVERHEAD
+
+
+# -- the read deadline ---------------------------------------------------------------------------
+
+
+def test_trickling_head_is_answered_408_and_closed(transactional_db, settings, request) -> None:  # noqa: ANN001
+    server = request.getfixturevalue("live_server")
+    # given a read deadline of 1 s and a client sending its request head one byte at a time
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    request_head = head("GET", "/login/", {"X-Padding": "p" * 200})
+    reply, sent, closed = trickle(server.port, request_head)
+    # then the server answers 408 as JSON before the head is complete, and closes the connection
+    assert sent < len(request_head)
+    assert_error(parse(reply), 408, "not received within 1 s")
+    assert closed
+
+
+def test_trickling_inference_body_is_answered_408(digits_server, settings) -> None:  # noqa: ANN001
+    # given a read deadline of 1 s (the consumer's per-chunk timeout is 30 s and is reset by every byte)
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}]})
+    prefix = head("POST", "/v2/models/digits/infer", {"Content-Type": "application/json",
+                                                       "Content-Length": str(len(body))})
+    # when the body comes one byte at a time
+    reply, sent, closed = trickle(digits_server.port, body, prefix=prefix)
+    # then 408 as JSON before the body is complete, and the connection is closed
+    assert sent < len(body)
+    assert_error(parse(reply), 408, "not received within 1 s")
+    assert closed
+    # and the server still serves
+    assert infer(digits_server, "digits", body).status == 200
+
+
+def test_silent_connection_is_closed(transactional_db, settings, request) -> None:  # noqa: ANN001
+    server = request.getfixturevalue("live_server")
+    # given a read deadline of 1 s / when a client connects and sends nothing
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
+        # then the server closes the connection (no request began, so there is nothing to answer)
+        try:
+            data = sock.recv(1024)
+        except ConnectionResetError:
+            data = b""
+    assert data == b""
+
+
+@pytest.mark.parametrize("how", ["session", "basic"])
+def test_engineer_upload_gets_the_upload_deadline(  # noqa: ANN001
+    transactional_db, fast_hashing, settings, model_files, request, how: str
+) -> None:
+    # given a read deadline of 1 s, 60 s for an engineer's upload, an engineer and a viewer
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    settings.FERRY_UPLOAD_READ_TIMEOUT_S = 60
+    engineer, viewer = make_user("bob", Role.ENGINEER), make_user("charlie", Role.VIEWER)
+    server = request.getfixturevalue("live_server")
+    form, content_type = upload_form(model_files.digits.read_bytes())
+    path = UPLOAD.format(name="digits")
+
+    def slow_post(user: User) -> Resp:
+        def body() -> Iterable[bytes]:
+            yield form[: len(form) // 2]
+            time.sleep(2)  # past the 1 s deadline, well within the upload's
+            yield form[len(form) // 2 :]
+
+        return exchange(server.port, head("POST", path, {
+            "Content-Type": content_type, "Content-Length": str(len(form)), **credentials(user, how)}), body())
+
+    # when the engineer's upload takes longer than the plain deadline / then it is created
+    created = slow_post(engineer)
+    assert created.status == 201, created.body
+    # when the viewer's does / then 408: the longer deadline is an engineer's
+    assert_error(slow_post(viewer), 408, "not received within 1 s")
+
+
+def test_deadline_bounds_reading_not_answering(transactional_db, settings, model_files, request) -> None:  # noqa: ANN001
+    # given a read deadline of 1 s and a model whose batching window holds a lone request for 2 s
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    register(model_files.digits, "slow", max_batch_size=8, max_queue_delay_ms=2000, default_timeout_ms=20_000)
+    server = request.getfixturevalue("live_server")
+    zeros = np.zeros((1, 64), np.float32)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:
+        # when a request is read at once but answered after the deadline / then it is answered 200
+        for _ in range(2):
+            conn.request("POST", "/v2/models/slow/infer", body=orjson.dumps(digits_request(zeros)),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answer = Resp(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+            assert scores(answer).shape == (1, 10)
+            # and the same connection serves the next request, however long after the first it comes
+            time.sleep(1.5)
+    finally:
+        conn.close()
+
+
+def test_busy_keep_alive_connection_outlives_the_deadline(transactional_db, settings, request) -> None:  # noqa: ANN001
+    # given a read deadline of 1 s
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    server = request.getfixturevalue("live_server")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:
+        conn.request("GET", "/v2/health/live")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        # when one connection sends request after request for well over the deadline
+        until = time.monotonic() + 2.5
+        while time.monotonic() < until:
+            conn.request("GET", "/v2/health/live")
+            resp = conn.getresponse()
+            resp.read()
+            # then each is answered, on that same connection (each request has its own deadline)
+            assert resp.status == 200
+            assert conn.sock is sock
+    finally:
+        conn.close()
+
+
+def test_first_byte_time_is_in_the_scope(transactional_db, django_seen, request) -> None:  # noqa: ANN001
+    server = request.getfixturevalue("live_server")
+    # when a request is served
+    before = time.monotonic()
+    assert call(server, "GET", "/login/").status == 200
+    after = time.monotonic()
+    # then its scope carries when its first byte was read, on the process's monotonic clock
+    (scope,) = [s for s in django_seen.started if s["path"] == "/login/"]
+    assert before <= scope["ferry.first_byte"] <= after
+
+
+# -- the in-flight body budget and the connection limit -------------------------------------------
+
+
+def test_body_budget_answers_503_then_recovers(digits_server, settings) -> None:  # noqa: ANN001
+    # given a process budget of 256 KiB of request bodies
+    settings.FERRY_MAX_INFLIGHT_BODY_BYTES = 256 * 1024
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 60
+    good = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}]})
+    body = good[:-1] + b" " * (200 * 1024) + b"}"  # 200 KiB of valid JSON
+    held = 150 * 1024
+
+    def gauge() -> float:
+        return sample(metrics(digits_server), "ferry_frontdoor_inflight_body_bytes") or 0.0
+
+    with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as first:
+        # and a first request that has sent 150 KiB of its body and is still sending
+        first.sendall(head("POST", "/v2/models/digits/infer", {"Content-Type": "application/json",
+                                                                 "Content-Length": str(len(body))}))
+        first.sendall(body[:held])
+        wait_until(lambda: gauge() >= held, "the server holding the first body", deadline_s=15)
+        # when a second 200 KiB body arrives / then 503 as JSON with Retry-After
+        second = infer(digits_server, "digits", body)
+        assert_error(second, 503, "bytes of request bodies")
+        assert int(second.headers["retry-after"]) >= 1
+        # and once the refused request has let go of its bytes, the first, completed, is served
+        wait_until(lambda: gauge() <= held, "the refused body released", deadline_s=15)
+        first.sendall(body[held:])
+        assert read_response(first).status == 200
+    # and once it is done its bytes are released: the same body is served
+    wait_until(lambda: gauge() == 0, "the budget released", deadline_s=15)
+    assert infer(digits_server, "digits", body).status == 200
+
+
+def test_connection_limit_answer_is_json(transactional_db, settings, request) -> None:  # noqa: ANN001
+    # given a server limited to 2 concurrent connections, one of them held open (keep-alive)
+    settings.FERRY_MAX_CONCURRENCY = 2
+    server = request.getfixturevalue("live_server")
+    held = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:
+        held.request("GET", "/v2/health/live")
+        resp = held.getresponse()
+        resp.read()
+        assert resp.status == 200
+        # when another connection asks / then 503 as JSON with Retry-After, not uvicorn's plain text
+        refused = call(server, "GET", "/v2/health/live")
+        assert_error(refused, 503, "limit")
+        assert int(refused.headers["retry-after"]) >= 1
+    finally:
+        held.close()
+    # and once the held connection is gone, requests are served again
+    wait_until(lambda: call(server, "GET", "/v2/health/live").status == 200, "a slot", deadline_s=15)
