@@ -145,7 +145,14 @@ FERRY_MAX_INFER_BODY_BYTES = env_int("FERRY_MAX_INFER_BODY_BYTES", 8 * 1024 * 10
 # computing, HTTP parsing starves and tail latency grows (docs/benchmarks.md has the numbers).
 FERRY_TORCH_THREADS = env_int("FERRY_TORCH_THREADS", 0, minimum=0)
 FERRY_MAX_CONCURRENCY = env_int("FERRY_MAX_CONCURRENCY", 4096, minimum=1)
-FERRY_MAX_LOOP_LAG_MS = env_int("FERRY_MAX_LOOP_LAG_MS", 500, minimum=1)
+# Front-end shedding (docs/design.md, "Saturation"): refuse new inference at once when the event loop
+# runs this late, or when a request waited this long between its first byte and its handler.
+FERRY_MAX_LOOP_LAG_MS = env_int("FERRY_MAX_LOOP_LAG_MS", 150, minimum=1)
+FERRY_MAX_FRONTEND_WAIT_MS = env_int("FERRY_MAX_FRONTEND_WAIT_MS", 150, minimum=1)
+# Admission by estimated completion against the deadline, and fallback under saturation. Off only for
+# contrast benchmarks: queues and deadlines still bound the work.
+FERRY_ADMISSION = env_bool("FERRY_ADMISSION", True)
+FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minimum=1024)  # per version
 FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
