@@ -2,7 +2,9 @@
 
     python -m bench.raw [MODEL.pt] [--shape 64] [--batch-sizes 1,2,4,8,16,32] [--seconds 2]
 
-Honours FERRY_TORCH_THREADS exactly as the server does, so raw and served numbers share a thread count.
+Honours FERRY_TORCH_THREADS exactly as the server does, so raw and served numbers share a thread count,
+and FERRY_DEVICE as the server does ("" picks cuda when present, else cpu); on CUDA each call is timed
+to its completion (synchronised).
 """
 
 from __future__ import annotations
@@ -43,29 +45,40 @@ def configure_threads() -> int:
     return configure_torch_threads(int(os.environ.get("FERRY_TORCH_THREADS", "").strip() or 0))
 
 
-def load_model(model: nn.Module | str | Path) -> nn.Module:
+def device() -> torch.device:
+    """The server's rule: FERRY_DEVICE, or cuda when present, else cpu."""
+    from serving.runtime import pick_device
+
+    return pick_device(os.environ.get("FERRY_DEVICE", "").strip())
+
+
+def load_model(model: nn.Module | str | Path, dev: torch.device | None = None) -> nn.Module:
+    dev = dev or device()
     if isinstance(model, nn.Module):
-        return model.eval()
+        return model.to(dev).eval()
     from serving.runtime import load_module  # the server's own loader, so raw and served run the same module
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return load_module(Path(model), "torchscript", torch.device("cpu"))
+        return load_module(Path(model), "torchscript", dev)
 
 
 def time_batch(model: nn.Module, x: torch.Tensor, seconds: float, warmup_s: float) -> RawRow:
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         t_end = perf_counter() + warmup_s
         warm: list[float] = []
         while len(warm) < 3 or perf_counter() < t_end:
             t = perf_counter()
             model(x)
+            sync()
             warm.append(perf_counter() - t)
-        n = max(5, int(seconds / statistics.median(warm)))
+        n = max(5, min(int(seconds / statistics.median(warm)), 100_000))
         times = []
         for _ in range(n):
             t = perf_counter()
             model(x)
+            sync()
             times.append(perf_counter() - t)
     med = statistics.median(times)
     return RawRow(x.shape[0], n, med * 1000.0, x.shape[0] / med, statistics.fmean(times) * 1000.0)
@@ -80,18 +93,19 @@ def measure(
     warmup_s: float = 0.3,
     progress: bool = True,
 ) -> list[RawRow]:
-    module = load_model(model)
+    dev = device()
+    module = load_model(model, dev)
     threads = configure_threads()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b in batch_sizes:
-        x = torch.rand((b, *input_shape), generator=gen) * 16.0
+        x = (torch.rand((b, *input_shape), generator=gen) * 16.0).to(dev)
         row = time_batch(module, x, seconds, warmup_s)
         rows.append(row)
         if progress:
             print(
                 f"[raw] batch {b:3d}: {row.ms_per_call:8.2f} ms/call  {row.rows_per_s:10.1f} rows/s  "
-                f"({row.calls} calls, {threads} threads)",
+                f"({row.calls} calls, {dev}, {threads} threads)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,11 +1,17 @@
-"""Every Ferry benchmark in one run: writes docs/benchmarks.md, docs/bench-latency.png and
-docs/bench-batching.png.
+"""Every Ferry benchmark in one run: writes docs/benchmarks.md, docs/bench-latency.png,
+docs/bench-batching.png and docs/bench-overload.png.
 
-    .venv/bin/python -m bench.run [--quick]
+    .venv/bin/python -m bench.run [--quick] [--only PHASES] [--docs DIR] [--json FILE]
 
-Order matters: the raw model loop and the load generator's own ceiling are measured first, while no
-server is running, so they do not compete for cores; then a fresh data dir is set up, the server is
-started, and each model is swept with the open-loop generator.
+Phases, in this order: `ceiling` (the load generator against a trivial server), `batching` (the wide
+MLP raw, then served batched and unbatched, then raw at the served mean batch), `digits` (the demo
+classifiers served), `overload` (bench.overload: ramps past capacity with admission on and off).
+Order matters: the raw model loop and the generator's own ceiling are measured first, while no server
+is running, so they do not compete for cores; then a fresh data dir is set up, the server is started,
+and each model is swept with the open-loop generator; the overload phase starts its own servers.
+
+`--only overload` rewrites only the overload section of an existing report; any other `--only` writes
+a whole report in which the phases not run say so (point `--docs` elsewhere to keep docs/ as it is).
 """
 
 from __future__ import annotations
@@ -15,26 +21,20 @@ import asyncio
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench import capacity, loadgen, raw
-from bench.loadgen import LoadResult, log
+from bench import capacity, loadgen, overload, overload_report, raw
+from bench.loadgen import LoadResult
 from bench.report import (
+    DIGITS_MODELS,
     MAX_ERROR_RATIO,
     P99_BUDGET_MS,
-    SERVED_MODELS,
     WIDE,
     WIDE_OFF,
     Settings,
@@ -45,14 +45,10 @@ from bench.report import (
     verdict,
     write_report,
 )
+from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say
 
-ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("ceiling", "batching", "digits", "overload")
 _T0 = time.monotonic()
-HEADERS = {"Content-Type": "application/json"}
-
-
-def say(msg: str) -> None:
-    log(f"[run {time.monotonic() - _T0:6.1f}s] {msg}")
 
 
 # -------------------------------------------------------------------------------------------- machine
@@ -97,6 +93,11 @@ class OtherCpu:
 def machine_facts(threads: int) -> dict[str, str]:
     import torch
 
+    dev = raw.device()
+    device = str(dev)
+    if dev.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(dev)}, CUDA {torch.version.cuda})"
+
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -112,130 +113,15 @@ def machine_facts(threads: int) -> dict[str, str]:
         "torch": torch.__version__,
         "torch threads": f"{threads} (FERRY_TORCH_THREADS={os.environ.get('FERRY_TORCH_THREADS', 'unset')})",
         "platform": platform.platform(),
+        "device": f"{device} (FERRY_DEVICE={os.environ.get('FERRY_DEVICE') or 'unset'})",
     }
 
 
 def command_line() -> str:
-    env = (
-        f"FERRY_TORCH_THREADS={os.environ['FERRY_TORCH_THREADS']} "
-        if os.environ.get("FERRY_TORCH_THREADS")
-        else ""
+    env = "".join(
+        f"{k}={os.environ[k]} " for k in ("FERRY_TORCH_THREADS", "FERRY_DEVICE") if os.environ.get(k)
     )
     return env + " ".join([".venv/bin/python", "-m", "bench.run", *map(shlex.quote, sys.argv[1:])])
-
-
-# -------------------------------------------------------------------------------------------- server
-
-
-def manage(args: list[str], env: dict[str, str]) -> None:
-    cmd = [sys.executable, "manage.py", *args]
-    say(f"$ {' '.join(map(shlex.quote, cmd))}")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=sys.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"manage.py {args[0]} exited with {proc.returncode}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, headers=HEADERS, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-class Server:
-    """`manage.py serve` in its own process group, always terminated on exit (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, env: dict[str, str], port: int, log_path: Path) -> None:
-        self.env, self.port, self.log_path = env, port, log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.base = f"http://127.0.0.1:{port}"
-
-    def __enter__(self) -> Server:
-        cmd = [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
-        say(f"$ {' '.join(cmd)}  (log: {self.log_path})")
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        say("stopping the server (SIGTERM)")
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            say("server did not stop in 20 s: SIGKILL")
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def pids(self) -> tuple[int, ...]:
-        return (self.proc.pid,) if self.proc else ()
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, models: tuple[str, ...], timeout: float = 120.0) -> None:
-        pending = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]
-        start = time.monotonic()
-        last_note = 0.0
-        while pending:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            elapsed = time.monotonic() - start
-            if elapsed > timeout:
-                raise RuntimeError(f"not ready after {timeout:.0f} s: {pending}\n{self.log_tail()}")
-            try:
-                status, _ = http_get(self.base + pending[0], timeout=2.0)
-            except OSError:
-                status = 0
-            if status == 200:
-                say(f"ready: {pending.pop(0)} ({elapsed:.1f}s)")
-                continue
-            if elapsed - last_note >= 5.0:
-                last_note = elapsed
-                say(f"waiting for {pending[0]} (last answer: {status or 'no connection'}, {elapsed:.0f}s)")
-            time.sleep(0.5)
-
-
-_SERIES = re.compile(r"^ferry_batch_size_(sum|count)\{([^}]*)\}\s+(\S+)", re.M)
-
-
-def batch_totals(base: str, model: str) -> tuple[float, float] | None:
-    """(sum, count) of ferry_batch_size over every series labelled model=<model>; None when absent."""
-    status, text = http_get(base + "/metrics")
-    return parse_batch_totals(text.decode(errors="replace"), model) if status == 200 else None
-
-
-def parse_batch_totals(text: str, model: str) -> tuple[float, float] | None:
-    totals = {"sum": 0.0, "count": 0.0}
-    found = False
-    for kind, labels, value in _SERIES.findall(text):
-        if re.search(r'(?:^|,)\s*model="' + re.escape(model) + '"', labels):
-            totals[kind] += float(value)
-            found = True
-    return (totals["sum"], totals["count"]) if found else None
 
 
 # -------------------------------------------------------------------------------------------- bodies
@@ -312,10 +198,10 @@ async def sweep(base: str, model: str, body: bytes, s: Settings) -> Sweep:
     return out
 
 
-async def sweep_all(base: str, s: Settings) -> dict[str, Sweep]:
+async def sweep_all(base: str, s: Settings, models: tuple[str, ...]) -> dict[str, Sweep]:
     bodies = {"digits": digits_body(), "digits-small": digits_body(), WIDE: mlp_body(), WIDE_OFF: mlp_body()}
     results: dict[str, Sweep] = {}
-    for model in SERVED_MODELS:
+    for model in models:
         say(f"===== sweeping {model} =====")
         try:
             results[model] = await sweep(base, model, bodies[model], s)
@@ -346,9 +232,14 @@ class Phases:
         self.seconds[self._name] = time.monotonic() - self._t
 
 
-def setup_data_dir(env: dict[str, str], model_path: Path) -> None:
-    manage(["migrate", "--noinput"], env)
-    manage(["build_demo_models"], env)
+def setup_data_dir(env: dict[str, str], model_path: Path | None, demo: bool) -> None:
+    """Migrate; build the demo models (skipped where already built) when `demo`; register the wide MLP
+    batched and unbatched when `model_path`."""
+    manage(["migrate", "--noinput", "-v0"], env)
+    if demo:
+        manage(["build_demo_models"], env)
+    if model_path is None:
+        return
     common = ["--format", "torchscript", "--input", "input:FP32:64", "--output", "scores:FP32:10"]
     common += ["--task", "classification"]
     for name, max_batch, delay in ((WIDE, "32", "10"), (WIDE_OFF, "1", "0")):
@@ -356,72 +247,128 @@ def setup_data_dir(env: dict[str, str], model_path: Path) -> None:
                 "--max-queue-delay-ms", delay], env)  # fmt: skip
 
 
+def parse_only(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return PHASES
+    chosen = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PHASES]
+    if unknown:
+        raise SystemExit(f"--only: unknown phase {unknown[0]!r}; choose from {', '.join(PHASES)}")
+    return tuple(p for p in PHASES if p in chosen)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short steps: a smoke run, not numbers to publish")
+    p.add_argument("--only", help=f"comma-separated phases to run, of {', '.join(PHASES)} (default: all)")
     p.add_argument("--threads", type=int, help="set FERRY_TORCH_THREADS for raw and served runs alike")
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the report and plots go")
     p.add_argument("--json", type=Path, help="also write every measurement as JSON here")
+    p.add_argument("--data-dir", type=Path, help="use (and keep) this FERRY_DATA_DIR; built models are reused")
     p.add_argument("--keep-data", action="store_true", help="keep the temporary FERRY_DATA_DIR")
+    p.add_argument("--step", type=float, help="seconds measured per sweep step (default 8, quick 3)")
+    p.add_argument("--deadline-ms", type=int, help="overload: each request's deadline (default 250)")
+    p.add_argument("--ramp-step", type=float, help="overload: seconds per ramp step (default 8, quick 2)")
     a = p.parse_args(argv)
+    only = parse_only(a.only)
     if a.threads is not None:
         os.environ["FERRY_TORCH_THREADS"] = str(a.threads)
     s = Settings.for_mode(a.quick)
+    if a.step:
+        s.step, s.ceiling_step = a.step, min(s.ceiling_step, a.step)
+    o = overload.OverloadSettings.for_mode(a.quick)
+    if a.deadline_ms:
+        o.deadline_ms = a.deadline_ms
+    if a.ramp_step:
+        o.step_s = a.ramp_step
     phase = Phases()
     facts = machine_facts(raw.configure_threads())
-    say(f"{facts}")
-    data_dir = Path(tempfile.mkdtemp(prefix="ferry-bench-"))
+    say(f"phases: {', '.join(only)}{' (quick)' if a.quick else ''}; {facts}")
+    data_dir = a.data_dir.resolve() if a.data_dir else Path(tempfile.mkdtemp(prefix="ferry-bench-"))
+    data_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
     say(f"FERRY_DATA_DIR={data_dir}")
+    raw_rows: list[raw.RawRow] = []
+    ceiling: LoadResult | None = None
+    ceiling_steps: list[LoadResult] = []
+    sweeps: dict[str, Sweep] = {}
+    over: dict[str, Any] | None = None
     ok = False
     try:
-        from bench.models import build_wide_mlp, save_torchscript
+        model_path = None
+        if "batching" in only:
+            from bench.models import build_wide_mlp, save_torchscript
 
-        with phase("raw model throughput (no server running)"):
-            model_path = save_torchscript(build_wide_mlp(), data_dir / "wide-mlp.pt")
-            with OtherCpu() as other:
-                raw_rows = raw.measure(model_path, [64], seconds=s.raw_seconds)
-        facts["other processes' CPU during raw"] = _cores(other.cores)
-        with phase("load generator ceiling (no server running)"):
-            ceiling, ceiling_steps = loadgen.arun(
-                capacity.measure_ceiling(p99_budget_ms=P99_BUDGET_MS, max_error_ratio=MAX_ERROR_RATIO,
-                                        duration=s.ceiling_step, warmup=s.warmup, refine_steps=s.refine_steps)
-            )  # fmt: skip
-        with phase("fresh data dir: migrate, build_demo_models, register_model x2"):
-            setup_data_dir(env, model_path)
-        with Server(env, free_port(), data_dir / "server.log") as server:
-            with phase("server start"):
-                server.wait_ready(SERVED_MODELS)
-            with phase("served sweeps"), OtherCpu(server.pids()) as other:
-                sweeps = loadgen.arun(sweep_all(server.base, s))
-        facts["other processes' CPU during sweeps"] = _cores(other.cores, "besides server and generator")
+            with phase("raw model throughput (no server running)"):
+                model_path = save_torchscript(build_wide_mlp(), data_dir / "wide-mlp.pt")
+                with OtherCpu() as other:
+                    raw_rows = raw.measure(model_path, [64], seconds=s.raw_seconds)
+            facts["other processes' CPU during raw"] = _cores(other.cores)
+        if "ceiling" in only:
+            with phase("load generator ceiling (no server running)"):
+                ceiling, ceiling_steps = loadgen.arun(
+                    capacity.measure_ceiling(p99_budget_ms=P99_BUDGET_MS, max_error_ratio=MAX_ERROR_RATIO,
+                                            duration=s.ceiling_step, warmup=s.warmup, refine_steps=s.refine_steps)
+                )  # fmt: skip
+        demo = "digits" in only or "overload" in only
+        with phase("data dir: migrate" + (", build_demo_models" if demo else "")
+                   + (", register_model x2" if model_path else "")):  # fmt: skip
+            setup_data_dir(env, model_path, demo)
+        served = (*(DIGITS_MODELS if "digits" in only else ()), *((WIDE, WIDE_OFF) if model_path else ()))
+        if served:
+            with Server(env, free_port(), data_dir / "server.log") as server:
+                with phase("server start"):
+                    server.wait_ready(served)
+                with phase("served sweeps"), OtherCpu(server.pids()) as other:
+                    sweeps = loadgen.arun(sweep_all(server.base, s, served))
+            facts["other processes' CPU during sweeps"] = _cores(other.cores, "besides server and generator")
         wide = sweeps.get(WIDE)
-        if wide is not None and wide.mean_batch:
+        if model_path is not None and wide is not None and wide.mean_batch:
             # The server has stopped: time the raw model at the batch size the server actually formed.
             size = round(wide.mean_batch)
             if size not in {r.batch_size for r in raw_rows}:
                 with phase(f"raw model throughput at the served mean batch {size} (server stopped)"):
                     raw_rows = sorted(raw_rows + raw.measure(model_path, [64], [size], seconds=s.raw_seconds),
                                       key=lambda r: r.batch_size)
+        if "overload" in only:
+            digits = sweeps.get("digits")
+            known = digits.best.achieved_rate if digits and digits.best else None
+            with phase("overload ramps (admission on, off; digits)"):
+                over = overload.run_overload(env, data_dir, o, fast_capacity=known)
 
         rt = ratios(raw_rows, sweeps)
         a.docs.mkdir(parents=True, exist_ok=True)
-        write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
-                     phase.seconds, a.quick, command_line(), time.monotonic() - _T0)  # fmt: skip
-        plot(a.docs, raw_rows, sweeps)
+        if only == ("overload",) and over is not None:
+            overload_report.splice(a.docs / "benchmarks.md", overload_report.section(over, o, command_line()))
+            overload_report.plot(a.docs, over)
+        else:
+            lines = overload_report.section(over, o) if over is not None else []
+            write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
+                         phase.seconds, a.quick, command_line(), time.monotonic() - _T0, only, lines)  # fmt: skip
+            plot(a.docs, raw_rows, sweeps)
+            if over is not None:
+                overload_report.plot(a.docs, over)
         if a.json:
-            a.json.write_text(
-                json.dumps(_as_json(facts, ceiling, ceiling_steps, raw_rows, sweeps, rt), indent=2)
-            )
-        _summary(ceiling, sweeps, rt)
+            a.json.write_text(json.dumps(_as_json(facts, ceiling, ceiling_steps, raw_rows, sweeps, rt, over),
+                                         indent=2, default=_plain))  # fmt: skip
+            say(f"wrote {a.json}")
+        _summary(ceiling, sweeps, rt, over)
         ok = True
     finally:
-        if ok and not a.keep_data:
+        if ok and not a.keep_data and not a.data_dir:
             shutil.rmtree(data_dir, ignore_errors=True)
         else:
             say(f"data dir kept: {data_dir}")
     say(f"done in {(time.monotonic() - _T0) / 60:.1f} min")
     return 0
+
+
+def _plain(v: object) -> object:
+    if hasattr(v, "to_dict"):
+        return v.to_dict()  # type: ignore[union-attr]
+    if hasattr(v, "tolist"):
+        return v.tolist()  # type: ignore[union-attr]
+    return str(v)
 
 
 def _cores(cores: float | None, note: str = "") -> str:
@@ -434,7 +381,7 @@ def _cores(cores: float | None, note: str = "") -> str:
 
 def _as_json(
     facts: dict[str, str], ceiling: LoadResult | None, ceiling_steps: list[LoadResult],
-    raw_rows: list[raw.RawRow], sweeps: dict[str, Sweep], rt: dict[str, Any],
+    raw_rows: list[raw.RawRow], sweeps: dict[str, Sweep], rt: dict[str, Any], over: dict[str, Any] | None,
 ) -> dict[str, Any]:  # fmt: skip
     served = {
         m: {"best": sw.best.to_dict() if sw.best else None, "error": sw.error, "probe_rps": sw.probe_rps,
@@ -444,11 +391,12 @@ def _as_json(
     return {
         "machine": facts, "command": command_line(), "ceiling": ceiling.to_dict() if ceiling else None,
         "ceiling_steps": [r.to_dict() for r in ceiling_steps], "raw": [r.to_dict() for r in raw_rows],
-        "ratios": rt, "served": served,
+        "ratios": rt, "served": served, "overload": over,
     }  # fmt: skip
 
 
-def _summary(ceiling: LoadResult | None, sweeps: dict[str, Sweep], rt: dict[str, Any]) -> None:
+def _summary(ceiling: LoadResult | None, sweeps: dict[str, Sweep], rt: dict[str, Any],
+             over: dict[str, Any] | None) -> None:  # fmt: skip
     say("===== summary =====")
     say(f"generator ceiling: {fmt(ceiling.achieved_rate if ceiling else None, ',.0f')} req/s")
     for m, sw in sweeps.items():
@@ -466,6 +414,10 @@ def _summary(ceiling: LoadResult | None, sweeps: dict[str, Sweep], rt: dict[str,
         f"served/raw(mean batch): {verdict(rt.get('efficiency'))}; "
         f"speedup ratio: {verdict(rt.get('speedup_ratio'))}"
     )
+    for r in (over or {}).get("ramps", []):
+        for check, measured, target, passed in overload_report.checks(r):
+            if passed is not None or r.admission:
+                say(f"{r.label}: {check}: {measured} [{target}] {overload_report._ok(passed)}")
 
 
 if __name__ == "__main__":

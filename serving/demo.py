@@ -3,7 +3,11 @@
 - `digits`: the demo classifier, an MLP wide enough to be compute-bound (3 x 1536: about 2 ms a
   batch-1 call on one core here), TorchScript.
   Input `input` FP32 [64]: the 8x8 image's pixel values, 0 to 16. Output `scores` FP32 [10].
-- `digits-small`: the same signature at 64 hidden units, a `torch.export` program; `digits`' fallback.
+- `digits-small`: the same signature at 64 hidden units, a `torch.export` program; the fallback of
+  `digits` and of `digits-wide`.
+- `digits-wide`: the same signature again, a wide convolutional net (384 channels, 3 x 3 convolutions
+  over the 8x8 image): heavy enough per row that one web process serves a few hundred requests a
+  second, so overload can be shown with the generator on the same machine. TorchScript.
 - `token-sentiment`: variable-length INT64 token ids (0 pads) → FP32 [2] scores, TorchScript.
 """
 
@@ -34,6 +38,23 @@ class Digits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x / 16.0)  # clients send raw pixel values 0..16
+
+
+class WideDigits(nn.Module):
+    """Convolutions over the 8x8 image at `channels` wide, then one linear layer over every position.
+    Compute per row grows with channels squared while the weights stay small (4M at 384 channels)."""
+
+    def __init__(self, channels: int, layers: int) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = [nn.Conv2d(1, channels, 3, padding=1), nn.ReLU()]
+        for _ in range(layers - 1):
+            blocks += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU()]
+        self.body = nn.Sequential(*blocks)
+        self.head = nn.Linear(channels * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body((x / 16.0).reshape(-1, 1, 8, 8))  # clients send raw pixel values 0..16
+        return self.head(features.flatten(1))
 
 
 class TokenSentiment(nn.Module):
@@ -113,6 +134,45 @@ def build_digits(
     return build
 
 
+def build_wide_digits(
+    channels: int, layers: int, epochs: float
+) -> Callable[[Callable[[str], None], float], tuple[nn.Module, float]]:
+    """Trained in steps of 32 under a one-cycle learning rate: the few epochs a slow model can afford
+    at set-up still reach a useful accuracy. `epoch_scale` may cut it below one epoch (tests)."""
+
+    def build(say: Callable[[str], None], epoch_scale: float = 1.0) -> tuple[nn.Module, float]:
+        torch.manual_seed(SEED)
+        x_train, x_test, y_train, y_test = digits_data()
+        x, y = torch.from_numpy(x_train), torch.from_numpy(y_train)
+        model = WideDigits(channels, layers)
+        batch = 32
+        per_epoch = -(-len(x) // batch)
+        total = max(1, round(epochs * epoch_scale * per_epoch))
+        optimiser = torch.optim.Adam(model.parameters(), lr=2e-3)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=2e-3, total_steps=total)
+        loss_fn = nn.CrossEntropyLoss()
+        model.train()
+        step = 0
+        while step < total:
+            order = torch.randperm(len(x))
+            for start in range(0, len(x), batch):
+                idx = order[start : start + batch]
+                optimiser.zero_grad()
+                loss = loss_fn(model(x[idx]), y[idx])
+                loss.backward()
+                optimiser.step()
+                schedule.step()
+                step += 1
+                if step % per_epoch == 0 or step == total:
+                    say(f"  step {step}/{total} (epoch {step / per_epoch:.1f}) loss {loss.item():.4f}")
+                if step == total:
+                    break
+        model.eval()
+        return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
+
+    return build
+
+
 def sentiment_data(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Token ids 1..63 in rows of 4..24 tokens (0 pads); ids 1-8 are positive, 9-16 negative, the rest
     neutral; the label is whether positives outnumber negatives (ties dropped)."""
@@ -160,6 +220,14 @@ DEMO_MODELS = [
         build=build_digits(1536, 3, 12), example=torch.zeros(2, 64),
     ),
     DemoModel(
+        "digits-wide", "Handwritten digits (scikit-learn's 8x8 set), a 384-channel convnet: compute-bound,"
+        " a few hundred requests/s per process; falls back to digits-small.",
+        "torchscript", **DIGITS_IO,
+        batching={"max_batch_size": 32, "max_queue_delay_ms": 5.0, "max_queue_size": 1024,
+                  "preferred_batch_sizes": [8, 16, 32]},
+        build=build_wide_digits(384, 3, 3), example=torch.zeros(2, 64),
+    ),
+    DemoModel(
         "token-sentiment", "Variable-length token ids (0 pads): do ids 1-8 outnumber ids 9-16?",
         "torchscript",
         inputs=[{"name": "tokens", "datatype": "INT64", "shape": [-1]}],
@@ -168,6 +236,9 @@ DEMO_MODELS = [
         build=build_sentiment, example=torch.ones(2, 8, dtype=torch.int64),
     ),
 ]
+
+
+FALLBACKS = {"digits": "digits-small", "digits-wide": "digits-small"}
 
 
 def save_artifact(model: nn.Module, fmt: str, example: torch.Tensor, path: Path) -> None:
@@ -207,9 +278,10 @@ def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.std
         say(f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
             f"({time.perf_counter() - started:.1f}s)")
         built.append(demo.name)
-    digits = Model.objects.filter(name="digits").first()
-    small = Model.objects.filter(name="digits-small").first()
-    if digits and small and digits.fallback_id != small.pk:
-        digits.fallback = small
-        digits.save(update_fields=["fallback", "updated_at"])
+    for name, fallback in FALLBACKS.items():
+        model = Model.objects.filter(name=name).first()
+        small = Model.objects.filter(name=fallback).first()
+        if model and small and model.fallback_id != small.pk:
+            model.fallback = small
+            model.save(update_fields=["fallback", "updated_at"])
     return built

@@ -13,7 +13,7 @@ from tests.conftest import LiveServer
 from tests.test_console_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, log_in
 
 pytestmark = pytest.mark.browser
-DEMO = ["digits-small", "digits", "token-sentiment"]
+DEMO = ["digits-small", "digits", "digits-wide", "token-sentiment"]
 
 
 def post(server: LiveServer, model: str, payload: dict) -> tuple[int, dict]:
@@ -39,8 +39,12 @@ def test_demo_models_build_serve_and_show(transactional_db, django_user_model, d
         assert 0.0 <= version.metrics["accuracy"] <= 1.0
         assert any(line.startswith(f"{name}: held-out accuracy") for line in lines)
     assert versions["digits-small"].format == "torch_export"
-    assert versions["digits"].format == versions["token-sentiment"].format == "torchscript"
+    assert versions["digits"].format == versions["digits-wide"].format == versions["token-sentiment"].format
+    assert versions["digits"].format == "torchscript"
     assert Model.objects.get(name="digits").fallback.name == "digits-small"
+    assert Model.objects.get(name="digits-wide").fallback.name == "digits-small"
+    # the wide model trained for a fraction of an epoch here: its steps were printed
+    assert any(line.strip().startswith("step ") for line in lines)
     # and building again reuses what is there
     assert build_all(say=lines.append, epoch_scale=0.1) == []
     django_user_model.objects.create_user("demo-op", password="demo-op-password", is_staff=True)
@@ -51,15 +55,19 @@ def test_demo_models_build_serve_and_show(transactional_db, django_user_model, d
         x, _ = digits_samples
         digits_input = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
                                     "data": x[0].tolist()}]}
-        for model in ("digits", "digits-small"):
+        for model in ("digits", "digits-small", "digits-wide"):
             status, body = post(server, model, digits_input)
             assert status == 200, body
-            assert body["outputs"][0]["shape"] == [1, 10]
+            assert body["model_name"] == model and body["outputs"][0]["shape"] == [1, 10]
+        # a batch of labelled samples through the wide model: its answers are its argmax per row
+        batch = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [8, 64], "data": x[:8].ravel().tolist()}]}
+        status, body = post(server, "digits-wide", batch)
+        assert status == 200 and body["outputs"][0]["shape"] == [8, 10], body
         status, body = post(server, "token-sentiment", {"inputs": [
             {"name": "tokens", "datatype": "INT64", "shape": [2, 5], "data": [1, 2, 3, 0, 0, 9, 10, 11, 12, 40]}]})
         assert status == 200 and body["outputs"][0]["shape"] == [2, 2], body
 
-        # and the console, in a real browser, lists all three as ready and loaded
+        # and the console, in a real browser, lists every demo model as ready and loaded
         assert CHROMIUM.exists(), f"Chromium is missing at {CHROMIUM}: scripts/setup.sh test installs it"
         from playwright.sync_api import expect, sync_playwright
 
@@ -75,7 +83,8 @@ def test_demo_models_build_serve_and_show(transactional_db, django_user_model, d
                     expect(row.locator("td.model strong")).to_have_text(name)
                     expect(row.locator(".state")).to_have_text("ready")
                     expect(row.locator(".loaded")).to_have_text("loaded")
-                expect(page.locator('tr[data-key="digits:1"] td.model')).to_contain_text("fallback digits-small")
+                for name in ("digits", "digits-wide"):
+                    expect(page.locator(f'tr[data-key="{name}:1"] td.model')).to_contain_text("fallback digits-small")
             finally:
                 browser.close()
     finally:

@@ -1,0 +1,419 @@
+"""Open-loop load along a rate schedule, with a different request body per send and every answer read.
+
+Like `bench.loadgen` (whose request framing it shares), request *i* leaves at its scheduled time
+whatever the server does and its latency runs from that scheduled time (no coordinated omission), over
+a pool of keep-alive HTTP/1.1 connections that grows rather than delay a send. Unlike it, each request
+carries its own body (a labelled sample, a priority tier) and each answer is classified: answered by
+the model asked, by its fallback (`parameters.fallback_from`), shed (503, with the reason its body
+gives), 504, other status, or a client-side failure; a 200's top class is checked against the label.
+Everything is kept per request, so per-second and per-step series are cut afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import re
+from dataclasses import dataclass
+from time import perf_counter
+
+import numpy as np
+import orjson
+
+from bench.loadgen import _request_bytes, log
+
+# Outcome codes, one per request.
+PENDING, PRIMARY, FALLBACK, SHED, TIMEOUT_504, OTHER_STATUS, CLIENT = -1, 0, 1, 2, 3, 4, 5
+OUTCOMES = {PRIMARY: "primary", FALLBACK: "fallback", SHED: "shed", TIMEOUT_504: "504", OTHER_STATUS: "other",
+            CLIENT: "client error"}  # fmt: skip
+# Reasons for a 503, from the answer's body: a `reason` field when the server gives one, else read from
+# its message. The names follow the server's `ferry_shed_total` reasons.
+SHED_REASONS = ["deadline", "tier", "queue_full", "evicted", "frontend", "not_loaded", "other"]
+_REASON_PATTERNS = [
+    ("evicted", re.compile(r"evicted", re.I)),
+    ("tier", re.compile(r"priority \d+'s share", re.I)),
+    ("deadline", re.compile(r"estimated (completion|wait)", re.I)),
+    ("queue_full", re.compile(r"queue", re.I)),
+    ("frontend", re.compile(r"saturated|before it was handled|before they are read", re.I)),
+    ("not_loaded", re.compile(r"not loaded|is loading|unloaded", re.I)),
+]
+CLIENT_KINDS = ["timeout", "connection", "connect", "unsent"]
+
+
+def shed_reason(body: bytes) -> str:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "other"
+    if not isinstance(doc, dict):
+        return "other"
+    reason = doc.get("reason") or (doc.get("parameters") or {}).get("reason")
+    if isinstance(reason, str) and reason:
+        return reason
+    message = str(doc.get("error", ""))
+    for name, pattern in _REASON_PATTERNS:
+        if pattern.search(message):
+            return name
+    return "other"
+
+
+@dataclass
+class Step:
+    multiplier: float  # of the measured capacity
+    rate: float  # requests scheduled per second
+    seconds: float
+
+
+class Requests:
+    """Pre-encoded HTTP requests: one per (labelled sample, tier); `pick` chooses which goes at send i."""
+
+    def __init__(self, url: str, bodies: list[bytes], labels: np.ndarray, tiers: np.ndarray,
+                 headers: dict[str, str]) -> None:  # fmt: skip
+        self.wire = [_request_bytes(url, b, headers)[2] for b in bodies]
+        self.host, self.port, _ = _request_bytes(url, bodies[0], headers)
+        self.labels = labels  # per body
+        self.tiers = tiers  # per body
+
+
+@dataclass
+class RampRecord:
+    """Per request, in schedule order. Times are seconds from the schedule's start."""
+
+    sched: np.ndarray
+    sent: np.ndarray  # actual send time (nan: never sent)
+    latency: np.ndarray  # from the scheduled time to the end of the answer (nan: no answer counted)
+    status: np.ndarray  # HTTP status (0: none)
+    outcome: np.ndarray
+    reason: np.ndarray  # index into `reasons` for SHED, client kind index for CLIENT, else -1
+    correct: np.ndarray  # 1/0 for a 200 with an output, -1 otherwise
+    body: np.ndarray  # which pre-encoded request went
+    reasons: list[str]
+    steps: list[Step]
+    step_of: np.ndarray  # index into steps
+    conns_max: int
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = ("gen", "transport", "buf", "idx", "header_end", "need", "status", "chunked", "keep")
+
+    def __init__(self, gen: _Ramp) -> None:
+        self.gen = gen
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.idx = -1  # request in flight; < 0 when idle
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf = bytearray()
+        self.header_end = -1
+        self.need = -1
+        self.status = 0
+        self.chunked = False
+        self.keep = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, idx: int) -> None:
+        self.idx = idx
+        gen = self.gen
+        self.transport.write(gen.requests.wire[gen.body[idx]])  # type: ignore[union-attr]
+        gen.sent[idx] = perf_counter() - gen.t0
+
+    def data_received(self, data: bytes) -> None:
+        if self.idx < 0:
+            return
+        buf = self.buf
+        buf += data
+        if self.header_end < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.header_end = end + 4
+            self.status = int(buf[9:12])
+            head = bytes(buf[:end]).lower()
+            self.keep = b"\r\nconnection: close" not in head
+            i = head.find(b"\r\ncontent-length:")
+            if i >= 0:
+                j = head.find(b"\r\n", i + 2)
+                self.need = self.header_end + int(head[i + 17 : j if j >= 0 else len(head)])
+            elif b"\r\ntransfer-encoding: chunked" in head:
+                self.chunked = True
+            else:
+                self.need = -2  # to connection close
+        if self.chunked:
+            if not buf.endswith(b"0\r\n\r\n"):
+                return
+            body = _dechunk(bytes(buf[self.header_end :]))
+        elif self.need == -2 or len(buf) < self.need:
+            return
+        else:
+            body = bytes(buf[self.header_end : self.need])
+        status, keep, idx = self.status, self.keep, self.idx
+        self._reset()
+        self.idx = -1
+        self.gen.answered(self, idx, status, body, keep)
+        if not keep and self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.idx >= 0:
+            idx, self.idx = self.idx, -1
+            if self.need == -2:
+                self.gen.answered(self, idx, self.status, bytes(self.buf[self.header_end :]), False)
+            else:
+                self.gen.failed(idx, "connection")
+        self.gen.lost(self)
+
+
+def _dechunk(raw: bytes) -> bytes:
+    out, pos = bytearray(), 0
+    while True:
+        end = raw.find(b"\r\n", pos)
+        size = int(raw[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += raw[end + 2 : end + 2 + size]
+        pos = end + 2 + size + 2
+
+
+class _Ramp:
+    def __init__(self, requests: Requests, n: int, timeout: float, cap: int) -> None:
+        self.requests, self.timeout, self.cap = requests, timeout, cap
+        self.loop = asyncio.get_running_loop()
+        self.t0 = 0.0
+        self.idle: list[_Conn] = []
+        self.busy: dict[_Conn, int] = {}
+        self.conns: set[_Conn] = set()
+        self.connecting = 0
+        self.max_conns = 0
+        self.closed = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.sched = np.zeros(n)
+        self.sent = np.full(n, np.nan)
+        self.latency = np.full(n, np.nan)
+        self.status = np.zeros(n, dtype=np.int16)
+        self.outcome = np.full(n, PENDING, dtype=np.int8)
+        self.reason = np.full(n, -1, dtype=np.int16)
+        self.correct = np.full(n, -1, dtype=np.int8)
+        self.body = np.zeros(n, dtype=np.int32)
+        self.reasons = list(SHED_REASONS)
+        self.model = ""  # the model asked: answers naming another one came from its fallback
+
+    def _done(self, idx: int) -> bool:
+        return self.closed or self.outcome[idx] != PENDING
+
+    def answered(self, conn: _Conn, idx: int, status: int, body: bytes, reuse: bool) -> None:
+        self.busy.pop(conn, None)
+        if reuse and not self.closed:
+            self.idle.append(conn)
+        if self._done(idx):
+            return
+        self.latency[idx] = perf_counter() - self.t0 - self.sched[idx]
+        self.status[idx] = status
+        if status == 200:
+            self._classify_ok(idx, body)
+        elif status == 503:
+            self.outcome[idx] = SHED
+            reason = shed_reason(body)
+            if reason not in self.reasons:
+                self.reasons.append(reason)
+            self.reason[idx] = self.reasons.index(reason)
+        elif status == 504:
+            self.outcome[idx] = TIMEOUT_504
+        else:
+            self.outcome[idx] = OTHER_STATUS
+
+    def _classify_ok(self, idx: int, body: bytes) -> None:
+        try:
+            doc = orjson.loads(body)
+            params = doc.get("parameters") or {}
+            fallback = bool(params.get("fallback_from")) or doc.get("model_name") != self.model
+            data = doc["outputs"][0]["data"]
+            top = max(range(len(data)), key=data.__getitem__)
+            self.correct[idx] = int(top == self.requests.labels[self.body[idx]])
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError, AttributeError):
+            fallback = False
+        self.outcome[idx] = FALLBACK if fallback else PRIMARY
+
+    def failed(self, idx: int, kind: str) -> None:
+        if self._done(idx):
+            return
+        self.latency[idx] = perf_counter() - self.t0 - self.sched[idx]
+        self.outcome[idx] = CLIENT
+        self.reason[idx] = CLIENT_KINDS.index(kind)
+
+    def lost(self, conn: _Conn) -> None:
+        self.conns.discard(conn)
+        self.busy.pop(conn, None)
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+
+    async def _connect(self) -> _Conn:
+        try:
+            _, conn = await self.loop.create_connection(
+                lambda: _Conn(self), self.requests.host, self.requests.port
+            )
+        finally:
+            self.connecting -= 1
+        self.conns.add(conn)
+        self.max_conns = max(self.max_conns, len(self.conns))
+        return conn
+
+    async def open(self, n: int) -> None:
+        self.connecting += n
+        self.idle.extend(await asyncio.gather(*(self._connect() for _ in range(n))))
+
+    async def _connect_and_send(self, idx: int) -> None:
+        try:
+            conn = await self._connect()
+        except OSError:
+            self.failed(idx, "connect")
+            return
+        if self.closed:
+            conn.transport.abort()  # type: ignore[union-attr]
+            return
+        self.busy[conn] = idx
+        conn.send(idx)
+
+    def fire(self, idx: int) -> None:
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.transport is None or conn.transport.is_closing():
+                continue
+            self.busy[conn] = idx
+            conn.send(idx)
+            return
+        if len(self.conns) + self.connecting < self.cap:
+            self.connecting += 1
+            task = self.loop.create_task(self._connect_and_send(idx))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        else:
+            self.failed(idx, "unsent")  # every connection busy and the cap reached: it cannot leave on time
+
+    def expire(self, now_rel: float) -> None:
+        limit = now_rel - self.timeout
+        for conn, idx in [(c, i) for c, i in self.busy.items() if self.sched[i] <= limit]:
+            self.busy.pop(conn, None)
+            conn.idx = -1
+            self.failed(idx, "timeout")
+            if conn.transport is not None:
+                conn.transport.abort()
+
+    def close(self) -> None:
+        self.closed = True
+        for task in list(self.tasks):
+            task.cancel()
+        for conn in list(self.conns):
+            if conn.transport is not None:
+                conn.transport.abort()
+
+
+def schedule(steps: list[Step]) -> tuple[np.ndarray, np.ndarray]:
+    """Send times (seconds from start) and the step of each: request k of a step at start + k / rate."""
+    times, owner, start = [], [], 0.0
+    for i, st in enumerate(steps):
+        n = int(round(st.rate * st.seconds))
+        times.append(start + np.arange(n) / st.rate)
+        owner.append(np.full(n, i, dtype=np.int16))
+        start += st.seconds
+    return np.concatenate(times), np.concatenate(owner)
+
+
+async def run_ramp(
+    requests: Requests,
+    model: str,
+    steps: list[Step],
+    *,
+    timeout: float = 5.0,
+    max_connections: int = 1024,
+    seed: int = 0,
+    label: str = "ramp",
+    progress: bool = True,
+) -> RampRecord:
+    """Send along `steps` open-loop; each send picks a pre-encoded request at random (seeded)."""
+    sched, step_of = schedule(steps)
+    n = len(sched)
+    gen = _Ramp(requests, n, timeout, max_connections)
+    gen.model = model
+    gen.sched[:] = sched
+    gen.body[:] = np.random.default_rng(seed).integers(0, len(requests.wire), n)
+    await gen.open(min(max(16, int(steps[0].rate * 0.01)), max_connections))
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # a full collection stalls the send loop; nothing here builds reference cycles
+    gen.t0 = t0 = perf_counter() + 0.01
+    end_sched = sum(st.seconds for st in steps)
+    i, next_tick, next_expire = 0, 1.0, 0.0
+    ticker = _Ticker(gen, steps, step_of, label) if progress else None
+    try:
+        while i < n:
+            now = perf_counter() - t0
+            if sched[i] > now:
+                await asyncio.sleep(max(sched[i] - now, 0.001))  # >= 1 ms: uvloop rounds less to a spin
+                continue
+            while i < n and sched[i] <= now:
+                gen.fire(i)
+                i += 1
+            if now >= next_expire:
+                next_expire = now + 0.05
+                gen.expire(now)
+            if now >= next_tick:
+                next_tick += 1.0
+                if ticker:
+                    ticker.tick(now, i)
+        drain_end = end_sched + timeout + 0.2
+        while gen.busy or gen.tasks:
+            now = perf_counter() - t0
+            if now > drain_end:
+                break
+            await asyncio.sleep(0.02)
+            gen.expire(now)
+            if now >= next_tick:
+                next_tick += 1.0
+                if ticker:
+                    ticker.tick(now, i)
+    finally:
+        gen.close()
+        if gc_was_enabled:
+            gc.enable()
+    left = gen.outcome == PENDING
+    gen.outcome[left] = CLIENT  # neither answered nor expired by the drain deadline: a timeout
+    gen.reason[left] = CLIENT_KINDS.index("timeout")
+    gen.latency[left] = timeout
+    return RampRecord(
+        sched=gen.sched, sent=gen.sent, latency=gen.latency, status=gen.status, outcome=gen.outcome,
+        reason=gen.reason, correct=gen.correct, body=gen.body, reasons=gen.reasons, steps=steps,
+        step_of=step_of, conns_max=gen.max_conns,
+    )  # fmt: skip
+
+
+class _Ticker:
+    """One progress line a second: the last whole second's schedule cohort, as far as it has answered."""
+
+    def __init__(self, gen: _Ramp, steps: list[Step], step_of: np.ndarray, label: str) -> None:
+        self.gen, self.steps, self.step_of, self.label = gen, steps, step_of, label
+
+    def tick(self, now: float, fired: int) -> None:
+        gen = self.gen
+        sec = int(now) - 1
+        if sec < 0:
+            return
+        lo, hi = np.searchsorted(gen.sched, [sec, sec + 1])
+        if hi <= lo:
+            return
+        out = gen.outcome[lo:hi]
+        ok = (out == PRIMARY) | (out == FALLBACK)
+        lat = gen.latency[lo:hi][ok]
+        p99 = f"{np.percentile(lat, 99) * 1000:.0f}ms" if lat.size else "n/a"
+        st = self.steps[int(self.step_of[min(fired, len(self.step_of)) - 1])] if fired else self.steps[0]
+        log(
+            f"[{self.label}] t={now:5.1f}s step {st.multiplier:g}x ({st.rate:.0f}/s) | second {sec}:"
+            f" sched={hi - lo} ok={int((out == PRIMARY).sum())} fallback={int((out == FALLBACK).sum())}"
+            f" shed={int((out == SHED).sum())} 504={int((out == TIMEOUT_504).sum())}"
+            f" client={int((out == CLIENT).sum())} pending={int((out == PENDING).sum())} admitted p99={p99}"
+            f" conns={len(gen.conns)}"
+        )

@@ -1,0 +1,173 @@
+"""The server under test: a fresh data dir, `manage.py serve` in its own process group, small HTTP helpers,
+and readings taken from outside the server (its /metrics, its RSS)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bench.loadgen import log
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADERS = {"Content-Type": "application/json"}
+_T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    log(f"[run {time.monotonic() - _T0:6.1f}s] {msg}")
+
+
+def manage(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> None:
+    cmd = [sys.executable, "manage.py", *args]
+    say(f"$ {' '.join(map(shlex.quote, cmd))}")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=sys.stderr, stderr=sys.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"manage.py {args[0]} exited with {proc.returncode}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers=HEADERS, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+class Server:
+    """`manage.py serve` in its own process group, always terminated on exit (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, env: dict[str, str], port: int, log_path: Path, cwd: Path = ROOT) -> None:
+        self.env, self.port, self.log_path, self.cwd = env, port, log_path, cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.base = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> Server:
+        cmd = [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        say(f"$ {' '.join(cmd)}  (log: {self.log_path})")
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        say("stopping the server (SIGTERM)")
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            say("server did not stop in 20 s: SIGKILL")
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def pids(self) -> tuple[int, ...]:
+        return (self.proc.pid,) if self.proc else ()
+
+    def rss_kib(self) -> dict[str, int]:
+        """VmRSS and VmHWM (peak RSS over the process's life) from /proc/<pid>/status, in KiB."""
+        return proc_memory(self.proc.pid) if self.proc else {}
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, models: tuple[str, ...], timeout: float = 180.0) -> None:
+        pending = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]
+        start = time.monotonic()
+        last_note = 0.0
+        while pending:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            elapsed = time.monotonic() - start
+            if elapsed > timeout:
+                raise RuntimeError(f"not ready after {timeout:.0f} s: {pending}\n{self.log_tail()}")
+            try:
+                status, _ = http_get(self.base + pending[0], timeout=2.0)
+            except OSError:
+                status = 0
+            if status == 200:
+                say(f"ready: {pending.pop(0)} ({elapsed:.1f}s)")
+                continue
+            if elapsed - last_note >= 5.0:
+                last_note = elapsed
+                say(f"waiting for {pending[0]} (last answer: {status or 'no connection'}, {elapsed:.0f}s)")
+            time.sleep(0.5)
+
+
+def proc_memory(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])  # "12345 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+# -------------------------------------------------------------------------------------------- /metrics
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}\s+(\S+)", re.M)
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(base: str) -> str | None:
+    try:
+        status, text = http_get(base + "/metrics")
+    except OSError:
+        return None
+    return text.decode(errors="replace") if status == 200 else None
+
+
+def counters(text: str | None, names: tuple[str, ...]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(metric, sorted labels): value} for the labelled samples of the named metrics."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for name, labels, value in _SAMPLE.findall(text or ""):
+        if name in names:
+            out[(name, tuple(sorted(_LABEL.findall(labels))))] = float(value)
+    return out
+
+
+def batch_totals(base: str, model: str) -> tuple[float, float] | None:
+    """(sum, count) of ferry_batch_size over every series labelled model=<model>; None when absent."""
+    text = scrape(base)
+    return parse_batch_totals(text, model) if text is not None else None
+
+
+def parse_batch_totals(text: str, model: str) -> tuple[float, float] | None:
+    totals = {"sum": 0.0, "count": 0.0}
+    found = False
+    for (name, labels), value in counters(text, ("ferry_batch_size_sum", "ferry_batch_size_count")).items():
+        if ("model", model) in labels:
+            totals[name.rsplit("_", 1)[1]] += value
+            found = True
+    return (totals["sum"], totals["count"]) if found else None
