@@ -73,6 +73,7 @@ class RampResult:
     server_counters: dict[str, float] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     conns_max: int = 0
+    id_mismatches: int = 0
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,24 +85,25 @@ class RampResult:
 
 def digits_requests(url: str, deadline_ms: int, tiers: tuple[tuple[int, float], ...]) -> Requests:
     """Every sample of scikit-learn's digits, once per tier, each carrying the deadline (Triton's
-    `timeout`, microseconds) and its tier as `priority`; tiers are drawn in proportion to their share."""
+    `timeout`, microseconds) and its tier as `priority`; each send draws a tier by its share."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    shares = np.array([s for _, s in tiers], dtype=float)
-    copies = np.maximum(1, np.round(shares / shares.min())).astype(int)  # e.g. 1:3 for 25% / 75%
-    bodies, labels, body_tiers = [], [], []
-    for (tier, _), n in zip(tiers, copies, strict=True):
-        for x, y in zip(digits.data, digits.target, strict=True):
-            body = orjson.dumps({
+    total = sum(share for _, share in tiers)
+    bodies, labels, body_tiers, ids, weights = [], [], [], [], []
+    for tier, share in tiers:
+        for i, (x, y) in enumerate(zip(digits.data, digits.target, strict=True)):
+            rid = f"digit-{i}-label-{y}-tier-{tier}"  # echoed in the answer: checked against the request
+            bodies.append(orjson.dumps({
+                "id": rid,
                 "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": x.tolist()}],
                 "parameters": {"timeout": deadline_ms * 1000, "priority": tier},
-            })  # fmt: skip
-            for _ in range(n):
-                bodies.append(body)
-                labels.append(int(y))
-                body_tiers.append(tier)
-    return Requests(url, bodies, np.array(labels), np.array(body_tiers), HEADERS)
+            }))  # fmt: skip
+            labels.append(int(y))
+            body_tiers.append(tier)
+            ids.append(rid)
+            weights.append(share / total / len(digits.data))
+    return Requests(url, bodies, np.array(labels), np.array(body_tiers), HEADERS, ids, np.array(weights))
 
 
 def probe_body(deadline_ms: int | None) -> bytes:
@@ -290,6 +292,7 @@ async def ramp(server: Server, model: str, cap: float, source: str, admission: b
     res.accuracy = accuracy(rec)
     res.reasons = list(rec.reasons)
     res.conns_max = rec.conns_max
+    res.id_mismatches = rec.id_mismatches
     recovery(res, rec)
     for row in res.steps:
         say(f"{label}: {row['multiplier']:g}x offered {row['offered_rps']:.0f}/s sent {row['sent_rps']:.0f}/s"

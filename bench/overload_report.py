@@ -131,7 +131,7 @@ def _ramp_section(r: RampResult) -> list[str]:
         return L + [f"Did not run: {r.error}", ""]
     L += [
         f"Capacity {r.capacity:,.1f} req/s ({r.capacity_source}); each step {r.steps[0]['seconds']:g} s;"
-        f" at most {r.conns_max} connections open.",
+        f" at most {r.conns_max} connections open; {r.id_mismatches} answers carried another request's `id`.",
         "",
         *_step_table(r),
         "",
@@ -191,7 +191,8 @@ def section(out: dict[str, Any], s: OverloadSettings, command: str | None = None
         f" busy, cap {s.max_connections}); *goodput* = 200s answered within their deadline, measured from"
         " the scheduled send time. *sent/s* is what the generator actually sent: below *offered/s* it is"
         " the generator, sharing the cores, that fell behind.",
-        "- Accuracy is graded on the answers themselves (top score vs the sample's label).",
+        "- Accuracy is graded on the answers themselves (top score vs the sample's label); each request's"
+        " `id` names its sample, label and tier, and each 200's echoed `id` is checked against it.",
         "- RSS is the server process's VmRSS from /proc before the ramp (after a settle) and 2 s after it.",
         "- Admission off: the server restarted with `FERRY_ADMISSION=false`, same capacity figure and ramp."
         + ("" if out.get("admission_setting_known") else

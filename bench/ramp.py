@@ -65,14 +65,18 @@ class Step:
 
 
 class Requests:
-    """Pre-encoded HTTP requests: one per (labelled sample, tier); `pick` chooses which goes at send i."""
+    """Pre-encoded HTTP requests, e.g. one per (labelled sample, tier). `ids`: the request id each body
+    carries, which the answer must echo (a check that answers are matched to the right request)."""
 
     def __init__(self, url: str, bodies: list[bytes], labels: np.ndarray, tiers: np.ndarray,
-                 headers: dict[str, str]) -> None:  # fmt: skip
+                 headers: dict[str, str], ids: list[str | None] | None = None,
+                 weights: np.ndarray | None = None) -> None:  # fmt: skip
         self.wire = [_request_bytes(url, b, headers)[2] for b in bodies]
         self.host, self.port, _ = _request_bytes(url, bodies[0], headers)
         self.labels = labels  # per body
         self.tiers = tiers  # per body
+        self.ids = ids or [None] * len(bodies)
+        self.weights = weights  # chance of each body at a send; None: uniform
 
 
 @dataclass
@@ -91,6 +95,7 @@ class RampRecord:
     steps: list[Step]
     step_of: np.ndarray  # index into steps
     conns_max: int
+    id_mismatches: int  # 200s whose `id` was not the request's: should be 0
 
 
 class _Conn(asyncio.Protocol):
@@ -199,6 +204,7 @@ class _Ramp:
         self.body = np.zeros(n, dtype=np.int32)
         self.reasons = list(SHED_REASONS)
         self.model = ""  # the model asked: answers naming another one came from its fallback
+        self.id_mismatches = 0
 
     def _done(self, idx: int) -> bool:
         return self.closed or self.outcome[idx] != PENDING
@@ -229,6 +235,9 @@ class _Ramp:
             doc = orjson.loads(body)
             params = doc.get("parameters") or {}
             fallback = bool(params.get("fallback_from")) or doc.get("model_name") != self.model
+            want = self.requests.ids[self.body[idx]]
+            if want is not None and doc.get("id") != want:
+                self.id_mismatches += 1
             data = doc["outputs"][0]["data"]
             top = max(range(len(data)), key=data.__getitem__)
             self.correct[idx] = int(top == self.requests.labels[self.body[idx]])
@@ -334,13 +343,14 @@ async def run_ramp(
     label: str = "ramp",
     progress: bool = True,
 ) -> RampRecord:
-    """Send along `steps` open-loop; each send picks a pre-encoded request at random (seeded)."""
+    """Send along `steps` open-loop; each send picks a pre-encoded request at random (seeded, by weight)."""
     sched, step_of = schedule(steps)
     n = len(sched)
     gen = _Ramp(requests, n, timeout, max_connections)
     gen.model = model
     gen.sched[:] = sched
-    gen.body[:] = np.random.default_rng(seed).integers(0, len(requests.wire), n)
+    w = requests.weights
+    gen.body[:] = np.random.default_rng(seed).choice(len(requests.wire), size=n, p=None if w is None else w / w.sum())
     await gen.open(min(max(16, int(steps[0].rate * 0.01)), max_connections))
     gc_was_enabled = gc.isenabled()
     gc.collect()
@@ -387,7 +397,7 @@ async def run_ramp(
     return RampRecord(
         sched=gen.sched, sent=gen.sent, latency=gen.latency, status=gen.status, outcome=gen.outcome,
         reason=gen.reason, correct=gen.correct, body=gen.body, reasons=gen.reasons, steps=steps,
-        step_of=step_of, conns_max=gen.max_conns,
+        step_of=step_of, conns_max=gen.max_conns, id_mismatches=gen.id_mismatches,
     )  # fmt: skip
 
 

@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=float, help="seconds measured per sweep step (default 8, quick 3)")
     p.add_argument("--deadline-ms", type=int, help="overload: each request's deadline (default 250)")
     p.add_argument("--ramp-step", type=float, help="overload: seconds per ramp step (default 8, quick 2)")
+    p.add_argument("--tiers", help="overload: priority:share pairs, e.g. 1:0.25,2:0.75 (the default) or 1:1")
     a = p.parse_args(argv)
     only = parse_only(a.only)
     if a.threads is not None:
@@ -281,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         o.deadline_ms = a.deadline_ms
     if a.ramp_step:
         o.step_s = a.ramp_step
+    if a.tiers:
+        try:
+            o.tiers = tuple((int(t), float(w)) for t, w in (pair.split(":") for pair in a.tiers.split(",")))
+        except ValueError:
+            p.error("--tiers: expected priority:share pairs such as 1:0.25,2:0.75")
     phase = Phases()
     facts = machine_facts(raw.configure_threads())
     say(f"phases: {', '.join(only)}{' (quick)' if a.quick else ''}; {facts}")

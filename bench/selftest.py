@@ -4,7 +4,9 @@
 - a slow server (--delay-ms 200) shows ~200 ms latency, and the pool grows past its initial size;
 - a server stalled for 1 s (SIGSTOP/SIGCONT) shows the stall in p99/max: latency runs from the
   scheduled send time, not from when a free connection let the request out (no coordinated omission);
-- a server slower than the timeout turns every request into a client-side timeout with latency = timeout.
+- a server slower than the timeout turns every request into a client-side timeout with latency = timeout;
+- the ramp generator (bench.ramp) sends each step's rate, reads every answer (and grades it against the
+  label), and reads a 503's reason from the server's messages.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import asyncio
 import os
 import signal
 import sys
+
+import numpy as np
+import orjson
 
 from bench import loadgen as lg
 from bench.echo import EchoServer, sample_body
@@ -78,7 +83,40 @@ async def main() -> int:
                 f"count={r.count} client_errors={r.client_errors_by_kind} p50={r.p50_ms:.1f}ms",
             )
         )
+    results += await ramp_checks()
     return 0 if all(results) else 1
+
+
+async def ramp_checks() -> list[bool]:
+    from bench.overload import per_second
+    from bench.ramp import PRIMARY, Requests, Step, run_ramp, shed_reason
+
+    messages = {  # the server's messages (serving.node, serving.consumers) and the reason each is counted as
+        "digits:1: estimated completion 412 ms (device backlog included) exceeds the request's deadline of 250 ms":
+            "deadline",
+        "digits:1: estimated completion 90 ms (device backlog included) exceeds priority 2's share of 250 ms": "tier",
+        "digits:1: queue holds 1024 requests, 5 bytes: no room for priority 2 (requests bound at 50%)": "queue_full",
+        "digits:1: evicted from the queue by higher-priority work": "evicted",
+        "server saturated: its event loop runs 180 ms late and this request waited 12 ms before it was handled":
+            "frontend",
+        "something else": "other",
+    }  # fmt: skip
+    got = {m: shed_reason(orjson.dumps({"error": m})) for m in messages}
+    out = [check("503 reasons", got == messages, f"{sum(got[m] == w for m, w in messages.items())}/{len(messages)}")]
+    with EchoServer() as echo:
+        # The echo answers model "echo", scores [1.0]: top class 0, the label given here.
+        req = Requests(echo.url, [sample_body()], np.array([0]), np.array([1]), HEADERS)
+        rec = await run_ramp(req, "echo", [Step(1, 100, 1.0), Step(2, 300, 1.0)], progress=False)
+    series = per_second(rec, req, 0.25)
+    out.append(
+        check(
+            "ramp",
+            len(rec.sched) == 400 and bool((rec.outcome == PRIMARY).all()) and bool((rec.correct == 1).all())
+            and series["offered"] == [100.0, 300.0] and series["goodput"] == [100.0, 300.0],
+            f"offered/s {series['offered']} goodput/s {series['goodput']} p99 {series['p99_ms']}",
+        )
+    )
+    return out
 
 
 if __name__ == "__main__":
