@@ -12,7 +12,8 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("console/models/", console.models_page, name="console-models"),
     path("console/models/live/", console.models_live, name="console-models-live"),
-    path("api/", include("serving.api.urls")),
+    # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/", include("serving.api.urls")),
     path("admin/", admin.site.urls),
 ]

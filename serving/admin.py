@@ -4,9 +4,13 @@ from serving.models import Artifact, Model, ModelVersion
 
 
 class VersionInline(admin.TabularInline):
+    """Every batching setting is editable here; ModelVersion.clean() (run by the admin's full_clean) refuses
+    a combination the data plane could not serve, naming the field."""
+
     model = ModelVersion
     extra = 0
-    fields = ["version", "state", "loaded", "max_batch_size", "max_queue_delay_ms", "failure_reason"]
+    fields = ["version", "state", "loaded", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes",
+              "max_queue_size", "default_timeout_ms", "failure_reason"]
     readonly_fields = ["version", "state", "failure_reason"]
 
 

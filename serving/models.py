@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models, transaction
 
+# A model name, unanchored: the API's URLs and OpenAPI schema use this same expression.
+MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
 MODEL_NAME = RegexValidator(
-    r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+    rf"^{MODEL_NAME_PATTERN}$",
     "Model names use letters, digits, '_', '.' and '-', starting with a letter or digit.",
 )
+# The batching fields, and the field each of BatchingConfig's messages is about (by the name it starts with).
+BATCHING_FIELDS = ("max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes", "max_queue_size",
+                   "default_timeout_ms")
+_CONFIG_MESSAGE_FIELD = {
+    "max_batch_size": "max_batch_size",
+    "max_queue_delay": "max_queue_delay_ms",
+    "max_queue_size": "max_queue_size",
+    "preferred batch size": "preferred_batch_sizes",
+}
 
 
 class Task(models.TextChoices):
@@ -103,6 +115,37 @@ class ModelVersion(models.Model):
     @property
     def key(self) -> str:
         return f"{self.model.name}:{self.version}"
+
+    def clean(self) -> None:
+        """Batching settings the data plane can serve: what `serving.batching.BatchingConfig` accepts.
+
+        Runs in `full_clean()` (the admin, the API's batching PATCH, registration). A number field that
+        holds something other than a number has failed its own validation, which reported it; the
+        combination is then not checked.
+        """
+        from serving.batching import BatchingConfig
+
+        super().clean()
+        if self.preferred_batch_sizes is None:  # an emptied form field: no preferred sizes
+            self.preferred_batch_sizes = []
+        preferred = self.preferred_batch_sizes
+        if not isinstance(preferred, list) or any(type(p) is not int for p in preferred):
+            raise ValidationError({"preferred_batch_sizes": "must be a list of integers, e.g. [4, 8]"})
+        numbers = (self.max_batch_size, self.max_queue_delay_ms, self.max_queue_size)
+        if any(type(n) not in (int, float) for n in numbers):
+            return
+        try:
+            BatchingConfig(
+                max_batch_size=self.max_batch_size,
+                max_queue_delay=self.max_queue_delay_ms / 1000.0,
+                max_queue_size=self.max_queue_size,
+                preferred_batch_sizes=tuple(preferred),
+            )
+        except ValueError as exc:
+            message = str(exc)
+            field = next((f for prefix, f in _CONFIG_MESSAGE_FIELD.items() if message.startswith(prefix)),
+                         NON_FIELD_ERRORS)
+            raise ValidationError({field: message}) from None
 
     def mark(self, state: str, reason: str = "") -> None:
         self.state = state

@@ -199,9 +199,11 @@ def test_not_a_zip_is_a_json_422(bob, model_files) -> None:
     assert not Model.objects.exists()
 
 
-def test_bad_model_name_in_the_url_is_a_json_400(bob, model_files) -> None:
-    body = assert_json_error(upload(bob, "-dash-first", form(model_files.digits)), 400)
-    assert "model name" in body["error"]
+def test_bad_model_name_in_the_url_is_a_json_404(bob, model_files) -> None:
+    # the URL accepts exactly the names the schema's pattern allows; anything else is no endpoint at all
+    body = assert_json_error(upload(bob, "-dash-first", form(model_files.digits)), 404)
+    assert "/api/models/-dash-first/versions/" in body["error"]
+    assert not Model.objects.exists()
 
 
 def test_upload_over_the_limit_is_a_json_413(bob, model_files, settings) -> None:
@@ -226,10 +228,11 @@ def test_upload_far_over_the_limit_is_refused_from_its_length(bob, model_files, 
     assert not Model.objects.exists()
 
 
-def test_json_body_upload_without_a_file_is_a_json_400(bob) -> None:
+def test_upload_that_is_not_multipart_is_a_json_415(bob) -> None:
+    # an artifact travels only as a multipart file part, which is all the schema documents
     response = bob.post(UPLOAD.format(name="digits"), {"format": "torchscript"}, format="json")
-    body = assert_json_error(response, 400)
-    assert "artifact" in body["fields"]
+    body = assert_json_error(response, 415)
+    assert "multipart/form-data" in body["error"]
 
 
 # --- reading the registry -----------------------------------------------------------------------------------
@@ -367,3 +370,283 @@ def test_viewer_gets_403_before_the_body_is_validated(charlie, registry) -> None
     assert_json_error(response, 403)
     response = charlie.post("/api/models/digits/versions/", {}, format="multipart")
     assert_json_error(response, 403)
+
+
+# --- the API answers what its schema documents --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("limit=71027838781877370880", "limit"),  # once a relabelled server error (a database overflow)
+        ("offset=99999999999999999999", "offset"),
+        ("limit=0", "limit"),
+        ("limit=-5", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=abc", "limit"),
+        ("limit=1.5", "limit"),
+        ("limit=", "limit"),
+        ("limit=%D9%A5", "limit"),  # an Arabic-Indic five: int() takes it, the schema's integer does not
+        ("offset=-1", "offset"),
+        ("offset=null", "offset"),
+        ("limit=1&limit=2", "limit"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/api/models/", "/api/models/digits/versions/"])
+def test_bad_pagination_is_a_json_400_naming_the_parameter(charlie, registry, path: str, query: str,
+                                                           field: str) -> None:
+    body = assert_json_error(charlie.get(f"{path}?{query}"), 400)
+    assert field in body["fields"]
+
+
+def test_pagination_within_bounds(charlie, registry) -> None:
+    # when a page of one is asked for at each end of the documented bounds
+    first = charlie.get("/api/models/?limit=1&offset=0").json()
+    second = charlie.get("/api/models/?limit=1000&offset=1").json()
+    beyond = charlie.get("/api/models/?offset=2147483647").json()
+    # then each is the slice asked for
+    assert [m["name"] for m in first["results"]] == ["digits"] and first["count"] == 2
+    assert "limit=1" in first["next"]
+    assert [m["name"] for m in second["results"]] == ["small"] and second["next"] is None
+    assert beyond["results"] == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/api/models/-dash/", "/api/models/%C2%84/", "/api/models/digits/versions/0/", "/api/models/digits/versions/x/",
+     "/api/nope/", "/api/"],
+)
+def test_unknown_api_paths_are_json_404s(charlie, registry, path: str) -> None:
+    assert_json_error(charlie.get(path), 404)
+
+
+def test_huge_version_number_is_a_json_404(charlie, registry) -> None:
+    assert_json_error(charlie.get("/api/models/digits/versions/99999999999999999999/"), 404)
+
+
+def test_creating_a_model_whose_name_is_taken_is_a_json_409(bob, registry) -> None:
+    body = assert_json_error(bob.post("/api/models/", {"name": "digits"}, format="json"), 409)
+    assert "digits" in body["error"]
+    # and renaming a model onto another's name is the same conflict
+    assert_json_error(bob.patch("/api/models/small/", {"name": "digits"}, format="json"), 409)
+    assert Model.objects.filter(name="small").exists()
+
+
+def test_engineer_creates_and_renames_a_model(bob, registry) -> None:
+    response = bob.post("/api/models/", {"name": "empty", "description": "nothing yet"}, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["versions"] == []
+    response = bob.patch("/api/models/empty/", {"name": "still-empty"}, format="json")
+    assert response.status_code == 200, response.content
+    assert bob.get("/api/models/still-empty/").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"description": 5}, "description"),  # a number is not text, though DRF would turn it into "5"
+        ({"description": "nul\x00byte"}, "description"),
+        ({"name": " digits2"}, "name"),  # not trimmed into a valid name
+        ({"name": "digits2\n"}, "name"),
+        ({"name": 7}, "name"),
+        ({"fallback": 7}, "fallback"),
+        ({"fallback": "nul\x00"}, "fallback"),
+        ({"task": True}, "task"),
+    ],
+)
+def test_model_fields_of_the_wrong_type_or_shape_are_json_400s(bob, registry, body: dict, field: str) -> None:
+    response = bob.patch("/api/models/digits/", body, format="json")
+    assert field in assert_json_error(response, 400)["fields"]
+    model = Model.objects.get(name="digits")
+    assert (model.description, model.fallback) == ("", None)
+
+
+def test_model_changes_take_json_only(bob, registry) -> None:
+    response = bob.patch("/api/models/digits/", {"description": "x"}, format="multipart")
+    assert_json_error(response, 415)
+
+
+# --- unexpected exceptions --------------------------------------------------------------------------------
+
+
+def test_an_unexpected_exception_is_a_logged_and_counted_json_500(charlie, registry, monkeypatch, caplog) -> None:
+    from serving.api.views import ModelViewSet
+    from serving.metrics import INTERNAL_ERRORS
+
+    # given a view with a bug
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the view")
+
+    monkeypatch.setattr(ModelViewSet, "list", broken)
+    before = INTERNAL_ERRORS.labels("api")._value.get()
+    # when it is called
+    response = charlie.get("/api/models/")
+    # then it is a JSON 500 (not relabelled as unavailable), logged with its traceback, and counted
+    body = assert_json_error(response, 500)
+    assert "internal error" in body["error"] and "a bug in the view" not in body["error"]
+    assert INTERNAL_ERRORS.labels("api")._value.get() == before + 1
+    logged = [r for r in caplog.records if r.exc_info and r.exc_info[1].args == ("a bug in the view",)]
+    assert logged and logged[0].levelname == "ERROR"
+
+
+# --- batching settings: the API's PATCH, the model's clean() and the admin --------------------------------
+
+VERSION = "/api/models/digits/versions/1/"
+BATCHING = ["max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes", "max_queue_size", "default_timeout_ms"]
+
+
+def batching_of(name: str = "digits", version: int = 1) -> dict:
+    row = ModelVersion.objects.get(model__name=name, version=version)
+    return {f: getattr(row, f) for f in BATCHING}
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "message"),
+    [
+        ({"preferred_batch_sizes": [4]}, "preferred_batch_sizes", "preferred batch size 4 is outside"),  # max is 2
+        ({"max_batch_size": 1}, "preferred_batch_sizes", "outside"),  # v1 prefers 2 (set below)
+        ({"max_batch_size": 8, "preferred_batch_sizes": [16]}, "preferred_batch_sizes", "outside"),
+        ({"preferred_batch_sizes": "[2]"}, "preferred_batch_sizes", ""),
+        ({"preferred_batch_sizes": [1.5]}, "preferred_batch_sizes", ""),
+        ({"preferred_batch_sizes": [True]}, "preferred_batch_sizes", ""),
+        ({"preferred_batch_sizes": None}, "preferred_batch_sizes", ""),
+        ({"max_batch_size": 0}, "max_batch_size", ""),
+        ({"max_batch_size": "8"}, "max_batch_size", ""),
+        ({"max_batch_size": 5000}, "max_batch_size", ""),
+        ({"max_queue_delay_ms": -1}, "max_queue_delay_ms", ""),
+        ({"max_queue_delay_ms": "5"}, "max_queue_delay_ms", ""),
+        ({"max_queue_size": 0}, "max_queue_size", ""),
+        ({"default_timeout_ms": 0}, "default_timeout_ms", ""),
+        ({"state": "ready"}, "state", "not a batching setting"),
+    ],
+)
+def test_bad_batching_patch_is_a_json_400_and_changes_nothing(bob, registry, body: dict, field: str,
+                                                              message: str) -> None:
+    ModelVersion.objects.filter(model__name="digits", version=1).update(preferred_batch_sizes=[2])
+    before = batching_of()
+    response = bob.patch(VERSION, body, format="json")
+    error = assert_json_error(response, 400)
+    assert field in error["fields"] and message in error["error"]
+    assert batching_of() == before
+
+
+def test_engineer_patches_batching_and_the_data_plane_gets_it(bob, registry,
+                                                              django_capture_on_commit_callbacks) -> None:
+    from serving.snapshot import hub
+
+    # when an engineer changes digits v1's batching
+    change = {"max_batch_size": 8, "preferred_batch_sizes": [4, 8], "max_queue_delay_ms": 1.5,
+              "max_queue_size": 64, "default_timeout_ms": 250}
+    with django_capture_on_commit_callbacks(execute=True):
+        response = bob.patch(VERSION, change, format="json")
+    # then the row holds it, the answer shows it, and the routing snapshot was republished with it
+    assert response.status_code == 200, response.content
+    assert {k: response.json()[k] for k in change} == change
+    assert batching_of() == change
+    assert batching_of(version=2)["max_batch_size"] == 2
+    entry = hub.current.models["digits"].versions[1]
+    assert entry.batching.max_batch_size == 8 and entry.batching.preferred_batch_sizes == (4, 8)
+    assert entry.default_timeout_ms == 250
+    # and a partial change leaves the other settings alone
+    response = bob.patch(VERSION, {"max_queue_size": 32}, format="json")
+    assert response.status_code == 200, response.content
+    assert batching_of() == {**change, "max_queue_size": 32}
+
+
+@pytest.mark.parametrize("who", ["charlie", "dave"])
+def test_viewer_cannot_patch_batching(request, registry, who: str) -> None:
+    before = batching_of()
+    assert_json_error(request.getfixturevalue(who).patch(VERSION, {"max_batch_size": 8}, format="json"), 403)
+    assert batching_of() == before
+
+
+def test_batching_patch_of_an_unknown_version_is_a_json_404(bob, registry) -> None:
+    assert_json_error(bob.patch("/api/models/digits/versions/9/", {"max_batch_size": 8}, format="json"), 404)
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"preferred_batch_sizes": [4]}, "preferred_batch_sizes"),  # max_batch_size is 2
+        ({"preferred_batch_sizes": "[1]"}, "preferred_batch_sizes"),
+        ({"preferred_batch_sizes": [1, "2"]}, "preferred_batch_sizes"),
+        ({"preferred_batch_sizes": [True]}, "preferred_batch_sizes"),
+        ({"preferred_batch_sizes": {"1": 1}}, "preferred_batch_sizes"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_queue_delay_ms": -0.5}, "max_queue_delay_ms"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+    ],
+)
+def test_model_version_clean_refuses_invalid_batching(registry, values: dict, field: str) -> None:
+    from django.core.exceptions import ValidationError
+
+    row = ModelVersion.objects.get(model__name="digits", version=1)
+    for name, value in values.items():
+        setattr(row, name, value)
+    with pytest.raises(ValidationError) as caught:
+        row.full_clean()
+    assert field in caught.value.message_dict
+
+
+def admin_post(client, model: Model, **version_fields: object):  # noqa: ANN001, ANN201
+    """POST the admin change form of `model` with its first version's inline row changed."""
+    rows = list(model.versions.order_by("version"))
+    data = {
+        "name": model.name, "description": model.description, "task": model.task, "fallback": "",
+        "versions-TOTAL_FORMS": str(len(rows)), "versions-INITIAL_FORMS": str(len(rows)),
+        "versions-MIN_NUM_FORMS": "0", "versions-MAX_NUM_FORMS": "1000", "_save": "Save",
+    }
+    for i, row in enumerate(rows):
+        fields = {
+            "id": row.pk, "model": model.pk, "loaded": "on" if row.loaded else "",
+            "max_batch_size": row.max_batch_size, "max_queue_delay_ms": row.max_queue_delay_ms,
+            "preferred_batch_sizes": json.dumps(row.preferred_batch_sizes), "max_queue_size": row.max_queue_size,
+            "default_timeout_ms": row.default_timeout_ms,
+        }
+        if i == 0:
+            fields.update(version_fields)
+        data.update({f"versions-{i}-{k}": v for k, v in fields.items() if v != ""})
+    return client.post(f"/admin/serving/model/{model.pk}/change/", data)
+
+
+@pytest.fixture
+def admin_client_(registry) -> APIClient:  # noqa: ARG001
+    root = User.objects.create_superuser("root", "root@example.org", "unused")
+    client = APIClient()
+    client.force_login(root)
+    return client
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"preferred_batch_sizes": "[4]"}, "preferred batch size 4 is outside"),
+        ({"max_batch_size": "8", "preferred_batch_sizes": "[16]"}, "preferred batch size 16 is outside"),
+        ({"preferred_batch_sizes": '"four"'}, "list of integers"),
+        ({"preferred_batch_sizes": "[2.5]"}, "list of integers"),
+        ({"max_queue_size": "0"}, ""),
+    ],
+)
+def test_admin_refuses_invalid_batching_and_changes_nothing(admin_client_, change: dict, message: str) -> None:
+    model = Model.objects.get(name="digits")
+    before = batching_of()
+    response = admin_post(admin_client_, model, **change)
+    # the form comes back (200, not the redirect of a save) with the reason on it
+    assert response.status_code == 200
+    assert "errornote" in response.content.decode()
+    assert message in response.content.decode()
+    assert batching_of() == before
+
+
+def test_admin_saves_valid_batching(admin_client_) -> None:
+    model = Model.objects.get(name="digits")
+    response = admin_post(admin_client_, model, max_batch_size="8", preferred_batch_sizes="[4, 8]",
+                          max_queue_size="64")
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    assert batching_of()["max_batch_size"] == 8
+    assert batching_of()["preferred_batch_sizes"] == [4, 8]
+    assert batching_of()["max_queue_size"] == 64
+
+
+def test_a_path_with_a_newline_is_a_json_404(bob) -> None:
+    assert_json_error(bob.post("/api/models/a%0Ab/versions/", {}, format="multipart"), 404)

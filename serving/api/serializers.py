@@ -1,8 +1,113 @@
-import json
+"""Request and response shapes of the registry API, strict where DRF alone would coerce.
 
+DRF turns a JSON number into text for a CharField, "8" into 8 for an IntegerField and trims names; the
+OpenAPI schema says "string" and "integer", so these fields refuse what the schema forbids instead.
+"""
+
+import json
+import math
+import re
+
+from drf_spectacular.extensions import OpenApiSerializerExtension
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from serving.models import ArtifactFormat, Model, ModelVersion, Task
+from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Task
+from serving.protocol import DATATYPES
+
+NAME_RE = re.compile(MODEL_NAME_PATTERN)
+NAME_SCHEMA = {"type": "string", "pattern": f"^{MODEL_NAME_PATTERN}$", "maxLength": 100}
+SHA256_RE = re.compile(r"[0-9a-fA-F]{64}")
+# Free text: PostgreSQL cannot store NUL characters, so the schema rules them out. (One or more: with
+# allow_blank the schema becomes oneOf this or an empty string, and the two must not overlap.)
+TEXT_PATTERN = "^[^\\u0000]+$"
+
+# Bounds of the batching settings the API accepts (uploads and the batching PATCH).
+MAX_BATCH_SIZE = 4096
+MAX_QUEUE_DELAY_MS = 10_000
+MAX_QUEUE_SIZE = 1_000_000
+MAX_DEFAULT_TIMEOUT_MS = 600_000
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every error the API answers."""
+
+    error = serializers.CharField(help_text="what went wrong, in one line")
+    fields = serializers.DictField(
+        required=False,
+        help_text="per field or query parameter, its messages (present when the request itself was invalid)",
+    )
+
+
+class StrictCharField(serializers.CharField):
+    """A JSON string only, and one PostgreSQL can store."""
+
+    default_error_messages = {"unicode": "must be valid Unicode without NUL characters"}
+
+    def to_internal_value(self, data: object) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        try:
+            data.encode("utf-8")  # a lone surrogate ("\ud800" in JSON) cannot be stored
+        except UnicodeEncodeError:
+            self.fail("unicode")
+        if "\x00" in data:
+            self.fail("unicode")
+        return super().to_internal_value(data)
+
+
+@extend_schema_field({"type": "string", "pattern": TEXT_PATTERN})
+class TextField(StrictCharField):
+    pass
+
+
+@extend_schema_field(NAME_SCHEMA)
+class ModelNameField(StrictCharField):
+    default_error_messages = {
+        "name": "model names are 1-100 of letters, digits, '_', '.' and '-', starting with a letter or digit",
+    }
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(max_length=100, trim_whitespace=False, **kwargs)
+
+    def to_internal_value(self, data: object) -> str:
+        value = super().to_internal_value(data)
+        if not NAME_RE.fullmatch(value):
+            self.fail("name")
+        return value
+
+
+@extend_schema_field({**NAME_SCHEMA, "nullable": True, "description": "name of an existing model, or null"})
+class FallbackField(serializers.SlugRelatedField):
+    """Another model by name; anything that cannot be a name is refused before the database is asked."""
+
+    def run_validation(self, data: object = serializers.empty) -> Model | None:
+        if data == "":  # DRF's related fields read "" as null; the schema says a name or null
+            self.fail("invalid")
+        return super().run_validation(data)
+
+    def to_internal_value(self, data: object) -> Model:
+        if not isinstance(data, str) or not NAME_RE.fullmatch(data):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer only: no strings, booleans or numbers with a fraction part (8.0 included)."""
+
+    def to_internal_value(self, data: object) -> int:
+        if type(data) is not int:
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictFloatField(serializers.FloatField):
+    """A finite JSON number only: no strings or booleans."""
+
+    def to_internal_value(self, data: object) -> float:
+        if type(data) not in (int, float) or not math.isfinite(data):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class ModelVersionSerializer(serializers.ModelSerializer):
@@ -17,16 +122,13 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "max_queue_size", "default_timeout_ms", "latency_profile", "memory_bytes", "load_seconds",
             "metrics", "created_at", "updated_at",
         ]
-        read_only_fields = [
-            "model", "version", "state", "failure_reason", "format", "artifact_sha256", "inputs", "outputs",
-            "latency_profile", "memory_bytes", "load_seconds", "metrics", "created_at", "updated_at",
-        ]
+        read_only_fields = fields  # changed through the batching PATCH, uploads and the repository extension
 
 
 class ModelSerializer(serializers.ModelSerializer):
-    fallback = serializers.SlugRelatedField(
-        slug_field="name", queryset=Model.objects.all(), allow_null=True, required=False
-    )
+    name = ModelNameField()
+    description = TextField(required=False, allow_blank=True)
+    fallback = FallbackField(slug_field="name", queryset=Model.objects.all(), allow_null=True, required=False)
     versions = ModelVersionSerializer(many=True, read_only=True)
 
     class Meta:
@@ -40,8 +142,54 @@ class ModelSerializer(serializers.ModelSerializer):
         return value
 
 
+class BatchingUpdateSerializer(serializers.Serializer):
+    """The batching settings of one version; any subset. Validated again as a whole by ModelVersion.clean()."""
+
+    max_batch_size = StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE, required=False)
+    max_queue_delay_ms = StrictFloatField(min_value=0, max_value=MAX_QUEUE_DELAY_MS, required=False)
+    preferred_batch_sizes = serializers.ListField(
+        child=StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE), required=False,
+        help_text="each within 1..max_batch_size",
+    )
+    max_queue_size = StrictIntegerField(min_value=1, max_value=MAX_QUEUE_SIZE, required=False)
+    default_timeout_ms = StrictIntegerField(min_value=1, max_value=MAX_DEFAULT_TIMEOUT_MS, required=False)
+
+    def validate(self, attrs: dict) -> dict:
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: ["not a batching setting"] for name in unknown})
+        return attrs
+
+
+class ClosedObjectExtension(OpenApiSerializerExtension):
+    """The batching PATCH refuses properties it does not know, so its schema says so."""
+
+    target_class = BatchingUpdateSerializer
+
+    def map_serializer(self, auto_schema, direction):  # noqa: ANN001, ANN201
+        schema = auto_schema._map_serializer(self.target, direction, bypass_extensions=True)
+        schema["additionalProperties"] = False
+        return schema
+
+
+TENSOR_SPEC_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "datatype": {"type": "string", "enum": sorted(DATATYPES)},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": -1},
+                  "description": "without the batch dimension; -1 marks a variable dimension"},
+    },
+    "required": ["name", "datatype", "shape"],
+}
+
+
 class JSONListField(serializers.Field):
-    """A JSON list sent as a string field of a multipart form."""
+    """A JSON list sent as a part of a multipart form (documented with contentType application/json)."""
+
+    def __init__(self, child: serializers.Field | None = None, **kwargs: object) -> None:
+        self.child = child
+        super().__init__(**kwargs)
 
     def to_internal_value(self, data: object) -> list:
         if isinstance(data, str):
@@ -51,22 +199,60 @@ class JSONListField(serializers.Field):
                 raise serializers.ValidationError(f"not valid JSON: {exc.msg}") from None
         if not isinstance(data, list):
             raise serializers.ValidationError("must be a JSON list")
+        if self.child is not None:
+            return serializers.ListField(child=self.child).run_validation(data)
         return data
 
     def to_representation(self, value: list) -> list:
         return value
 
 
+@extend_schema_field({"type": "array", "items": TENSOR_SPEC_SCHEMA, "minItems": 1,
+                      "description": 'JSON, e.g. [{"name": "input", "datatype": "FP32", "shape": [64]}]'})
+class SignatureField(JSONListField):
+    pass
+
+
+@extend_schema_field({"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE},
+                      "description": "JSON, e.g. [4, 8]; each within 1..max_batch_size"})
+class BatchSizesField(JSONListField):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(child=StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE), **kwargs)
+
+
+@extend_schema_field({"type": "string", "pattern": "^[0-9a-fA-F]{64}$"})
+class Sha256Field(StrictCharField):
+    default_error_messages = {"sha256": "must be 64 hexadecimal digits"}
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(trim_whitespace=False, **kwargs)
+
+    def to_internal_value(self, data: object) -> str:
+        value = super().to_internal_value(data)
+        if not SHA256_RE.fullmatch(value):
+            self.fail("sha256")
+        return value
+
+
+@extend_schema_field({"type": "string", "format": "binary"})
+class ArtifactField(serializers.FileField):
+    """A file part of the multipart upload."""
+
+
 class VersionUploadSerializer(serializers.Serializer):
-    artifact = serializers.FileField(help_text="TorchScript archive or torch.export program (.pt2)")
+    artifact = ArtifactField(help_text="TorchScript archive or torch.export program (.pt2)")
     format = serializers.ChoiceField(choices=ArtifactFormat.choices)
-    sha256 = serializers.RegexField(r"^[0-9a-fA-F]{64}$", required=False, help_text="checked against the upload")
-    inputs = JSONListField(help_text='[{"name": "input", "datatype": "FP32", "shape": [64]}]')
-    outputs = JSONListField()
+    sha256 = Sha256Field(required=False, help_text="checked against the upload")
+    inputs = SignatureField()
+    outputs = SignatureField()
     task = serializers.ChoiceField(choices=Task.choices, required=False)
-    description = serializers.CharField(required=False, allow_blank=True)
-    max_batch_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
-    max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=10_000, required=False)
-    preferred_batch_sizes = JSONListField(required=False)
-    max_queue_size = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
-    default_timeout_ms = serializers.IntegerField(min_value=1, max_value=600_000, required=False)
+    description = TextField(required=False, allow_blank=True)
+    max_batch_size = serializers.IntegerField(min_value=1, max_value=MAX_BATCH_SIZE, required=False)
+    max_queue_delay_ms = serializers.FloatField(min_value=0, max_value=MAX_QUEUE_DELAY_MS, required=False)
+    preferred_batch_sizes = BatchSizesField(required=False)
+    max_queue_size = serializers.IntegerField(min_value=1, max_value=MAX_QUEUE_SIZE, required=False)
+    default_timeout_ms = serializers.IntegerField(min_value=1, max_value=MAX_DEFAULT_TIMEOUT_MS, required=False)
+
+
+# Parts of the upload that carry JSON, for the schema's multipart encoding.
+UPLOAD_JSON_PARTS = ("inputs", "outputs", "preferred_batch_sizes")

@@ -1,19 +1,74 @@
 from django.conf import settings
-from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, status, viewsets
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiRequest,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import APIException, NotFound, PermissionDenied
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.exceptions import APIException, NotFound, PermissionDenied, UnsupportedMediaType
+from rest_framework.parsers import BaseParser, JSONParser, MultiPartParser
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from serving.actions import RegistrationError, register_version
-from serving.api.serializers import ModelSerializer, ModelVersionSerializer, VersionUploadSerializer
-from serving.models import Model, ModelVersion, State
+from serving.api.pagination import BoundedLimitOffsetPagination
+from serving.api.serializers import (
+    UPLOAD_JSON_PARTS,
+    BatchingUpdateSerializer,
+    ErrorSerializer,
+    ModelSerializer,
+    ModelVersionSerializer,
+    VersionUploadSerializer,
+)
+from serving.models import BATCHING_FIELDS, MODEL_NAME_PATTERN, Model, ModelVersion, State
+from serving.snapshot import publish_snapshot
 from tenants.models import Role, has_role
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the other form fields
+VERSION_PATTERN = r"[1-9][0-9]*"
+MAX_VERSION = 2**31 - 1  # PositiveIntegerField; a larger number in the URL is a version that cannot exist
+
+_ERRORS = {
+    400: "The request is malformed; `fields` names each bad field or query parameter with its messages.",
+    403: "Not logged in, or changing the registry without the engineer role.",
+    404: "No such model or version.",
+    409: "Conflicts with the registry's state.",
+    413: "The request body is larger than the server accepts.",
+    415: "The body is not of the content type the operation takes.",
+    422: "The artifact is not a model the server can load.",
+}
+
+
+def errors(*codes: int, **described: str) -> dict:
+    """Documented error responses (the Error schema), each with its meaning for this operation."""
+    return {
+        code: OpenApiResponse(ErrorSerializer, description=described.get(f"e{code}", _ERRORS[code]))
+        for code in codes
+    }
+
+
+
+
+def name_parameter(name: str) -> OpenApiParameter:
+    return OpenApiParameter(
+        name, {"type": "string", "pattern": f"^{MODEL_NAME_PATTERN}$", "maxLength": 100}, OpenApiParameter.PATH,
+        description="the model's name", examples=[OpenApiExample("the demo classifier", value="digits")],
+    )
+
+
+NAME = name_parameter("name")
+VERSION_PARAMETER = OpenApiParameter(
+    "version", {"type": "integer", "minimum": 1, "maximum": MAX_VERSION}, OpenApiParameter.PATH,
+    description="the version number", examples=[OpenApiExample("the first version", value=1)],
+)
 
 
 class RegistrationFailed(APIException):
@@ -22,9 +77,16 @@ class RegistrationFailed(APIException):
         self.status_code = error.status
 
 
+class Conflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "conflicts with the registry's state"
+
+
 class EngineerWrites:
     """Reading needs a login; changing the registry needs the engineer role, checked before the
     request body is looked at so a viewer learns nothing from validation errors."""
+
+    pagination_class = BoundedLimitOffsetPagination
 
     def initial(self, request: Request, *args: object, **kwargs: object) -> None:
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
@@ -32,25 +94,70 @@ class EngineerWrites:
             raise PermissionDenied("changing the registry needs the engineer role")
 
 
+@extend_schema_view(
+    list=extend_schema(responses={200: ModelSerializer(many=True), **errors(400, 403)}),
+    create=extend_schema(responses={201: ModelSerializer, **errors(
+        400, 403, 409, 413, 415, e409="A model of that name exists.")}),
+    retrieve=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(403, 404)}),
+    update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
+        400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
+    partial_update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
+        400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
+    destroy=extend_schema(parameters=[NAME], responses={204: None, **errors(
+        403, 404, 409, e409="The model has versions that are not retired.")}),
+)
 class ModelViewSet(EngineerWrites, viewsets.ModelViewSet):
     queryset = Model.objects.select_related("fallback").prefetch_related("versions")
     serializer_class = ModelSerializer
     lookup_field = "name"
-    lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+    lookup_value_regex = MODEL_NAME_PATTERN
+    parser_classes = [JSONParser]
+
+    def perform_create(self, serializer: ModelSerializer) -> None:
+        self._save_named(serializer)
+
+    def perform_update(self, serializer: ModelSerializer) -> None:
+        self._save_named(serializer)
+
+    def _save_named(self, serializer: ModelSerializer) -> None:
+        name = serializer.validated_data.get("name")
+        others = Model.objects.exclude(pk=serializer.instance.pk) if serializer.instance else Model.objects
+        if name is not None and others.filter(name=name).exists():
+            raise Conflict(f"a model named {name!r} exists already")
+        try:
+            with transaction.atomic():
+                serializer.save()
+        except IntegrityError:  # created by someone else since the check
+            raise Conflict(f"a model named {name!r} exists already") from None
 
     def perform_destroy(self, instance: Model) -> None:
         if instance.versions.exclude(state=State.RETIRED).exists():
-            raise RegistrationFailed(RegistrationError("retire every version before deleting the model", 409))
+            raise Conflict("retire every version before deleting the model")
         instance.delete()
 
 
+@extend_schema(parameters=[name_parameter("model_name")])
+@extend_schema_view(
+    list=extend_schema(responses={200: ModelVersionSerializer(many=True), **errors(400, 403, 404)}),
+    retrieve=extend_schema(parameters=[VERSION_PARAMETER],
+                           responses={200: ModelVersionSerializer, **errors(403, 404)}),
+)
 class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.RetrieveModelMixin,
-                          mixins.CreateModelMixin, viewsets.GenericViewSet):
+                          viewsets.GenericViewSet):
     serializer_class = ModelVersionSerializer
     lookup_field = "version"
-    parser_classes = [MultiPartParser, FormParser, JSONParser]
+    lookup_value_regex = VERSION_PATTERN
+
+    def get_parsers(self) -> list[BaseParser]:
+        # An upload is multipart only (the artifact is a file part); the batching PATCH is JSON.
+        method = getattr(getattr(self, "request", None), "method", "") or ""
+        if self.action_map.get(method.lower()) == "create":
+            return [MultiPartParser()]
+        return [JSONParser()]
 
     def get_queryset(self):  # noqa: ANN201
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no URL kwargs
+            return ModelVersion.objects.none()
         return ModelVersion.objects.filter(model__name=self.kwargs["model_name"]).select_related("model")
 
     def list(self, request: Request, *args: object, **kwargs: object) -> Response:
@@ -58,7 +165,17 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
             raise NotFound(f"unknown model '{self.kwargs['model_name']}'")
         return super().list(request, *args, **kwargs)
 
-    @extend_schema(request={"multipart/form-data": VersionUploadSerializer}, responses={201: ModelVersionSerializer})
+    @extend_schema(
+        request={"multipart/form-data": OpenApiRequest(
+            VersionUploadSerializer, encoding={part: {"contentType": "application/json"} for part in UPLOAD_JSON_PARTS},
+        )},
+        responses={201: ModelVersionSerializer, **errors(
+            400, 403, 404, 413, 415, 422,
+            e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload).",
+            e404="No endpoint: the model name in the path is not a valid name.",
+            e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
+        )},
+    )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Upload an artifact as the model's next version (creating the model if new); validation follows."""
         # Refuse an oversized upload before Django spools it to disk; the store checks again while hashing.
@@ -69,6 +186,10 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
         if length > settings.FERRY_MAX_ARTIFACT_BYTES + FORM_OVERHEAD:
             raise RegistrationFailed(
                 RegistrationError(f"artifact exceeds the {settings.FERRY_MAX_ARTIFACT_BYTES} byte limit", 413)
+            )
+        if not request.content_type.startswith("multipart/form-data"):
+            raise UnsupportedMediaType(
+                request.content_type, "an upload is multipart/form-data, with the artifact as a file part"
             )
         form = VersionUploadSerializer(data=request.data)
         form.is_valid(raise_exception=True)
@@ -85,8 +206,44 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
         version.refresh_from_db()
         return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
+    @extend_schema(
+        parameters=[VERSION_PARAMETER],
+        request=BatchingUpdateSerializer,
+        responses={200: ModelVersionSerializer, **errors(
+            400, 403, 404, 413, 415,
+            e400="A setting is malformed, unknown, or the settings together are not servable"
+                 " (e.g. a preferred batch size above max_batch_size).",
+        )},
+    )
+    def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Change the version's batching settings; the data plane picks them up once committed."""
+        form = BatchingUpdateSerializer(data=request.data)
+        form.is_valid(raise_exception=True)
+        changes = form.validated_data
+        with transaction.atomic():
+            version = self.get_object()
+            version = ModelVersion.objects.select_for_update().get(pk=version.pk)
+            for field, value in changes.items():
+                setattr(version, field, value)
+            others = [f.name for f in ModelVersion._meta.concrete_fields if f.name not in BATCHING_FIELDS]
+            try:
+                version.full_clean(exclude=others, validate_unique=False, validate_constraints=False)
+            except DjangoValidationError as exc:
+                raise serializers.ValidationError(exc.message_dict) from None
+            if changes:
+                version.updated_at = timezone.now()
+                # update(), not save(): the registry signal would publish a second snapshot for the same change.
+                ModelVersion.objects.filter(pk=version.pk).update(
+                    updated_at=version.updated_at, **{f: getattr(version, f) for f in changes}
+                )
+                transaction.on_commit(publish_snapshot)
+        return Response(ModelVersionSerializer(version).data)
+
+    @extend_schema(parameters=[VERSION_PARAMETER], request=None,
+                   responses={200: ModelVersionSerializer, **errors(403, 404)})
     @action(detail=True, methods=["post"])
     def retire(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Retire the version: it stops serving and is left out of the routing snapshot."""
         version = self.get_object()
         version.retire()
         return Response(ModelVersionSerializer(version).data)

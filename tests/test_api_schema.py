@@ -1,0 +1,134 @@
+"""The OpenAPI schema at /api/schema/ tells the truth about the registry API.
+
+Schemathesis (its CLI, as an operator would run it) drives the real app: a live uvicorn server over the
+PostgreSQL test database, authenticated as an engineer. Every check runs (`-c all`): no server errors,
+only documented status codes and content types, responses that match their schemas, schema-violating
+requests rejected, schema-valid requests accepted, authentication enforced, and so on. The run is
+bounded (a few examples per operation, a fixed seed) so it stays well under a minute on two cores.
+
+One check is given more room on a few operations, for rejections an OpenAPI schema cannot express:
+schema-valid requests that the API still refuses with the reason (400, or 413/422 for artifacts).
+Each allowance below says why; every other status and every other check is as strict as schemathesis'
+defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from django.contrib.auth.models import User
+from torch import nn
+
+from serving.actions import register_version
+from serving.models import Model
+from tenants.models import Membership, Role, Tenant
+from tests.conftest import LiveServer
+
+EXAMPLES = int(os.environ.get("FERRY_SCHEMATHESIS_EXAMPLES", "8"))
+SEED = int(os.environ.get("FERRY_SCHEMATHESIS_SEED", "20240601"))
+PASSWORD = "engineer-password"
+
+# schemathesis' default for "a schema-valid request must be accepted" (positive_data_acceptance)
+ACCEPTED = ("2xx", "3xx", "401", "403", "404", "409", "429", "5xx")
+# operation -> (statuses a schema-valid request may also get, why the schema cannot rule them out)
+ALLOWANCES = {
+    "POST /api/models/": (("400",), "`fallback` must name an existing model: a reference the schema cannot check"),
+    "PUT /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one"),
+    "PATCH /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one"),
+    "POST /api/models/{model_name}/versions/": (
+        ("400", "413", "422"),
+        "the artifact must be a TorchScript or torch.export archive that fits the limit, `sha256` must be the"
+        " upload's digest, tensor names unique, `preferred_batch_sizes` within `max_batch_size`",
+    ),
+    "PATCH /api/models/{model_name}/versions/{version}/": (
+        ("400",), "`preferred_batch_sizes` must lie within `max_batch_size` (the request's or the stored one)",
+    ),
+}
+
+
+def schemathesis_config() -> str:
+    """The run's schemathesis.toml (also what `schemathesis run` from the command line needs)."""
+    # A stale allowance, credentials that stop working or a pattern schemathesis cannot read fail the run too.
+    fail_on = ["unmatched_filter", "missing_auth", "unsupported_regex", "unresolvable_reference"]
+    blocks = [f"[warnings]\nfail-on = {json.dumps(fail_on)}\n"]
+    for operation, (extra, why) in ALLOWANCES.items():
+        blocks.append(
+            f"# {why}\n[[operations]]\ninclude-name = \"{operation}\"\n"
+            f"checks.positive_data_acceptance.expected-statuses = {json.dumps([*ACCEPTED, *extra])}\n"
+        )
+    return "\n".join(blocks)
+
+
+@pytest.fixture
+def engineer(transactional_db, settings) -> User:  # noqa: ANN001
+    # Basic auth checks the password on every request; the default hasher would spend most of the run there.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    user = User.objects.create_user("engineer", "engineer@example.org", PASSWORD)
+    tenant = Tenant.objects.create(name="Acme", slug="acme")
+    Membership.objects.create(user=user, tenant=tenant, role=Role.ENGINEER)
+    return user
+
+
+@pytest.fixture
+def demo_model(transactional_db, tmp_path: Path) -> Model:  # noqa: ANN001
+    """`digits` (the schema's example name) with versions 1 and 2 (a tiny net, left unvalidated), so the
+    examples reach a model that exists: reads, changes, a refused delete, retirement."""
+    path = tmp_path / "tiny.pt"
+    torch.jit.script(nn.Linear(4, 2)).save(str(path))
+    for _ in range(2):
+        with path.open("rb") as f:
+            version = register_version(
+                model_name="digits", artifact_file=f, fmt="torchscript", validate="none",
+                inputs=[{"name": "input", "datatype": "FP32", "shape": [4]}],
+                outputs=[{"name": "scores", "datatype": "FP32", "shape": [2]}],
+                max_batch_size=4,
+            )
+    return version.model
+
+
+@pytest.fixture
+def api_server(transactional_db) -> Iterator[LiveServer]:  # noqa: ANN001
+    # conftest's LiveServer under another name: pytest-django reserves `live_server` for its own helper.
+    server = LiveServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_schemathesis_finds_no_disagreement(engineer, demo_model, api_server: LiveServer, tmp_path: Path) -> None:
+    # given the live app, an engineer's credentials and the allowances above
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(schemathesis_config())
+    command = [
+        sys.executable, "-m", "schemathesis.cli", "--config-file", str(config),
+        "run", f"{api_server.url}/api/schema/",
+        "--auth", f"{engineer.username}:{PASSWORD}",
+        "--checks", "all",
+        "--max-examples", str(EXAMPLES),
+        "--seed", str(SEED),
+        "--workers", "1",
+        "--generation-database", "none",
+        "--request-timeout", "30",
+        "--no-color",
+    ]
+    # when schemathesis runs every phase and every check against it
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    # then it finds nothing (exit status 0), and every operation of the registry API was tested
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"schemathesis failed after {elapsed:.0f}s:\n{output}"
+    with urllib.request.urlopen(f"{api_server.url}/api/schema/?format=json") as response:
+        paths = json.load(response)["paths"]
+    operations = sum(len(ops) for path, ops in paths.items() if path != "/api/schema/")
+    assert operations >= 11 and f"Tested: {operations}" in output, output
