@@ -132,3 +132,11 @@ def test_schemathesis_finds_no_disagreement(engineer, demo_model, api_server: Li
         paths = json.load(response)["paths"]
     operations = sum(len(ops) for path, ops in paths.items() if path != "/api/schema/")
     assert operations >= 11 and f"Tested: {operations}" in output, output
+
+
+def test_the_committed_schemathesis_toml_is_the_suites() -> None:
+    # given the file `schemathesis run` reads from the project root / then it holds the suite's allowances
+    from pathlib import Path
+
+    committed = (Path(__file__).resolve().parent.parent / "schemathesis.toml").read_text()
+    assert committed.split("\n", 2)[2] == schemathesis_config()
