@@ -112,6 +112,15 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self.read_timer = None
         super().connection_lost(exc)
 
+    def send_400_response(self, msg: str) -> None:
+        """Bytes that do not parse as HTTP: uvicorn's 400, as JSON like every other error."""
+        body = orjson.dumps({"error": f"malformed HTTP request: {msg}"})
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+        )
+        self.transport.close()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         now = time.monotonic()

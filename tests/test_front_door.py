@@ -481,3 +481,19 @@ def test_connection_limit_answer_is_json(transactional_db, settings, request) ->
         held.close()
     # and once the held connection is gone, requests are served again
     wait_until(lambda: call(server, "GET", "/v2/health/live").status == 200, "a slot", deadline_s=15)
+
+
+def test_bytes_that_are_not_http_get_a_json_400(transactional_db, request) -> None:  # noqa: ANN001
+    # given a client that sends garbage instead of a request line / then a JSON 400 and a closed connection
+    import json
+    import socket
+
+    server = request.getfixturevalue("live_server")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    assert "malformed HTTP request" in json.loads(body)["error"]
