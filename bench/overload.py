@@ -39,7 +39,7 @@ SERVER_COUNTERS = ("ferry_shed_total", "ferry_requests_total", "ferry_fallbacks_
 @dataclass
 class OverloadSettings:
     step_s: float = 8.0
-    capacity_step_s: float = 4.0
+    capacity_step_s: float = 6.0
     probe_s: float = 2.0
     deadline_ms: int = 250
     tiers: tuple[tuple[int, float], ...] = ((1, 0.25), (2, 0.75))  # (priority, share of requests)
@@ -70,10 +70,12 @@ class RampResult:
     pre_p99_ms: float = math.nan
     recovery_s: float | None = None  # None: not back to normal before the schedule ended
     recovery_from_s: float = math.nan
+    goodput_recovery_s: float | None = None  # seconds until goodput is back to >= 90% of offered
     server_counters: dict[str, float] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     conns_max: int = 0
     id_mismatches: int = 0
+    generator_cores: float = math.nan
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,10 +212,14 @@ def accuracy(rec: RampRecord) -> dict[str, dict[str, float]]:
 
 def recovery(res: RampResult, rec: RampRecord) -> None:
     """p99 recovery: from the start of the first step back at <= 1x capacity after the peak, the seconds
-    until the first second whose admitted p99 is under 1.5 x the pre-overload p99 or under 300 ms."""
+    until the first second whose admitted p99 is under 1.5 x the pre-overload p99 (that of the leading
+    steps below 1x) or under 300 ms.
+    Goodput recovery: likewise, until the first second whose goodput is >= 90% of its offered load."""
     mults = [st.multiplier for st in rec.steps]
     peak = int(np.argmax(mults))
-    pre = [i for i in range(peak) if mults[i] <= 1.0 and all(m <= 1.0 for m in mults[: i + 1])]
+    # The baseline: the leading steps below capacity (at 1x a server is at its limit by definition).
+    pre = [i for i in range(peak) if all(m < 1.0 for m in mults[: i + 1])]
+    pre = pre or [i for i in range(peak) if all(m <= 1.0 for m in mults[: i + 1])]
     ok = (rec.outcome == PRIMARY) | (rec.outcome == FALLBACK)
     if pre:
         res.pre_p99_ms = _pct(rec.latency[np.isin(rec.step_of, pre) & ok], 99)
@@ -223,10 +229,15 @@ def recovery(res: RampResult, rec: RampRecord) -> None:
     start = sum(st.seconds for st in rec.steps[: after[0]])
     res.recovery_from_s = start
     limit = max(res.pre_p99_ms * 1.5 if not math.isnan(res.pre_p99_ms) else 0.0, P99_BUDGET_MS)
-    for t, p99 in zip(res.series["t"], res.series["p99_ms"], strict=True):
-        if t >= math.floor(start) and not math.isnan(p99) and p99 < limit:
-            res.recovery_s = max(0.0, t - math.floor(start))
-            return
+    sr, first = res.series, math.floor(start)
+    for t, p99 in zip(sr["t"], sr["p99_ms"], strict=True):
+        if t >= first and not math.isnan(p99) and p99 < limit:
+            res.recovery_s = t - first
+            break
+    for t, good, offered in zip(sr["t"], sr["goodput"], sr["offered"], strict=True):
+        if t >= first and offered and good >= 0.9 * offered:
+            res.goodput_recovery_s = t - first
+            break
 
 
 def counter_delta(before: str | None, after: str | None, model_names: tuple[str, ...]) -> dict[str, float]:
@@ -293,6 +304,7 @@ async def ramp(server: Server, model: str, cap: float, source: str, admission: b
     res.reasons = list(rec.reasons)
     res.conns_max = rec.conns_max
     res.id_mismatches = rec.id_mismatches
+    res.generator_cores = rec.generator_cores
     recovery(res, rec)
     for row in res.steps:
         say(f"{label}: {row['multiplier']:g}x offered {row['offered_rps']:.0f}/s sent {row['sent_rps']:.0f}/s"

@@ -15,7 +15,7 @@ import asyncio
 import gc
 import re
 from dataclasses import dataclass
-from time import perf_counter
+from time import perf_counter, process_time
 
 import numpy as np
 import orjson
@@ -96,6 +96,7 @@ class RampRecord:
     step_of: np.ndarray  # index into steps
     conns_max: int
     id_mismatches: int  # 200s whose `id` was not the request's: should be 0
+    generator_cores: float  # this process's CPU time over the ramp's wall time (it shares the cores)
 
 
 class _Conn(asyncio.Protocol):
@@ -355,6 +356,7 @@ async def run_ramp(
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()  # a full collection stalls the send loop; nothing here builds reference cycles
+    cpu0 = process_time()
     gen.t0 = t0 = perf_counter() + 0.01
     end_sched = sum(st.seconds for st in steps)
     i, next_tick, next_expire = 0, 1.0, 0.0
@@ -390,6 +392,7 @@ async def run_ramp(
         gen.close()
         if gc_was_enabled:
             gc.enable()
+    cores = (process_time() - cpu0) / max(perf_counter() - t0, 1e-9)
     left = gen.outcome == PENDING
     gen.outcome[left] = CLIENT  # neither answered nor expired by the drain deadline: a timeout
     gen.reason[left] = CLIENT_KINDS.index("timeout")
@@ -397,7 +400,7 @@ async def run_ramp(
     return RampRecord(
         sched=gen.sched, sent=gen.sent, latency=gen.latency, status=gen.status, outcome=gen.outcome,
         reason=gen.reason, correct=gen.correct, body=gen.body, reasons=gen.reasons, steps=steps,
-        step_of=step_of, conns_max=gen.max_conns, id_mismatches=gen.id_mismatches,
+        step_of=step_of, conns_max=gen.max_conns, id_mismatches=gen.id_mismatches, generator_cores=cores,
     )  # fmt: skip
 
 
