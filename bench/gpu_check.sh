@@ -186,7 +186,8 @@ if [ -n "$PY" ]; then
   if [ ${#GPU_TESTS[@]} -eq 0 ]; then
     ORDER+=("gpu tests"); RESULT["gpu tests"]="FAILED: no test carries the gpu marker"
   else
-    FERRY_DATA_DIR=$(mktemp -d /tmp/ferry-gpu-test.XXXXXX) step "gpu tests" 150 \
+    mkdir -p "$SCRATCH/test-data"
+    FERRY_DATA_DIR="$SCRATCH/test-data" step "gpu tests" 150 \
       "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu -q -rs -p no:cacheprovider --junitxml "$OUTDIR/pytest-gpu.xml" \
       > >(tee "$SCRATCH/pytest-gpu.log") 2>&1
     if [ "$DRY" = 0 ] && grep -q " skipped" "$SCRATCH/pytest-gpu.log"; then
