@@ -145,8 +145,10 @@ FERRY_MAX_INFER_BODY_BYTES = env_int("FERRY_MAX_INFER_BODY_BYTES", 8 * 1024 * 10
 # computing, HTTP parsing starves and tail latency grows (docs/benchmarks.md has the numbers).
 FERRY_TORCH_THREADS = env_int("FERRY_TORCH_THREADS", 0, minimum=0)
 FERRY_MAX_CONCURRENCY = env_int("FERRY_MAX_CONCURRENCY", 4096, minimum=1)
-# Front-end shedding (docs/design.md, "Saturation"): refuse new inference at once when the event loop
-# runs this late, or when a request waited this long between its first byte and its handler.
+# Front-end shedding (docs/design.md, "Saturation"): the front door refuses a share of inference,
+# steered to keep the event loop's lag near the target; the consumer refuses outright past the maximum
+# lag, or when a request waited longer than the maximum between its first byte and its handler.
+FERRY_LOOP_LAG_TARGET_MS = env_int("FERRY_LOOP_LAG_TARGET_MS", 40, minimum=1)
 FERRY_MAX_LOOP_LAG_MS = env_int("FERRY_MAX_LOOP_LAG_MS", 150, minimum=1)
 FERRY_MAX_FRONTEND_WAIT_MS = env_int("FERRY_MAX_FRONTEND_WAIT_MS", 150, minimum=1)
 # Admission by estimated completion against the deadline, and fallback under saturation. Off only for

@@ -10,8 +10,16 @@ batches of its own. Hence
     completion = in-flight remainder + own work (rows ahead + own rows)
                  + sum over other versions of min(their queued work, rounds x their full-batch time)
 
-A request is admitted when `now + completion` meets its deadline; lower priority tiers must meet
-a tighter share of their budget (`tier_share`), so they are shed first as the backlog grows.
+Two corrections make that an estimate of the answer's time rather than the device's:
+- work of higher priority that arrives later in the same version's queue runs first, so a lower
+  tier's completion is divided by the share of the device its version's higher tiers leave it
+  (`1 - rho_higher`, from the recent device work they were admitted with: the priority queue's
+  usual slowdown factor);
+- the estimate covers the device and its hand-back to the event loop, not parsing, encoding or
+  the network, so a request must fit `HEADROOM` of its remaining budget.
+
+A request is admitted when its corrected completion fits that; lower priority tiers must meet a
+tighter share of their budget (`tier_share`), so they are shed first as the backlog grows.
 """
 
 from __future__ import annotations
@@ -23,6 +31,28 @@ from dataclasses import dataclass
 from serving.batching import tier_share
 
 Estimate = Callable[[int], float]
+
+HEADROOM = 0.8  # share of the remaining budget the device estimate may use; the rest is the front end's
+MAX_HIGHER_SHARE = 0.9  # past this share of the device taken by higher tiers, a lower tier is not admitted
+
+
+class DeviceShare:
+    """Device seconds per second admitted, per priority tier, decaying over `tau` seconds."""
+
+    def __init__(self, tau: float = 1.0) -> None:
+        self.tau = tau
+        self._levels: dict[int, tuple[float, float]] = {}  # priority -> (value, as of)
+
+    def add(self, priority: int, seconds: float, now: float) -> None:
+        self._levels[priority] = (self._decayed(priority, now) + seconds / self.tau, now)
+
+    def higher_than(self, priority: int, now: float) -> float:
+        """Share of the device taken by tiers above `priority` (lower numbers), recently."""
+        return sum(self._decayed(p, now) for p in self._levels if p < priority)
+
+    def _decayed(self, priority: int, now: float) -> float:
+        value, at = self._levels.get(priority, (0.0, now))
+        return value * math.exp(-(now - at) / self.tau) if now > at else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +105,16 @@ def retry_after(drain: float) -> float:
     return float(max(1, math.ceil(drain)))
 
 
-def decide(*, now: float, deadline: float, priority: int, completion: float) -> Verdict:
-    """Admit when the estimated completion meets the deadline; a lower tier must meet a tighter share."""
-    budget = deadline - now
-    if now + completion <= deadline:
-        share = tier_share(priority)
-        if share >= 1.0 or completion <= budget * share:
+def decide(
+    *, now: float, deadline: float, priority: int, completion: float, higher_share: float = 0.0
+) -> Verdict:
+    """Admit when the corrected completion fits the budget's headroom; a lower tier must fit a tighter share."""
+    if higher_share >= MAX_HIGHER_SHARE:
+        return Verdict(False, completion, "tier")
+    completion = completion / (1.0 - higher_share)
+    budget = (deadline - now) * HEADROOM
+    if completion <= budget:
+        if completion <= budget * tier_share(priority):
             return Verdict(True, completion)
         return Verdict(False, completion, "tier")
     return Verdict(False, completion, "deadline")

@@ -17,6 +17,8 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from serving import artifacts, metrics
+from serving.errors import ServingError
+from serving.frontdoor import GATE
 from serving.gateway import Gateway
 from serving.node import Node
 from serving.runtime import configure_torch_threads
@@ -87,6 +89,21 @@ class DataPlane:
             # shut the gate, while a backlog that lasts raises it within two or three ticks.
             self.loop_lag = 0.7 * self.loop_lag + 0.3 * lag
             metrics.LOOP_LAG.set(self.loop_lag)
+            GATE.steer(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000)
+
+    def count_frontend_shed(self, url: bytes) -> None:
+        """Count a request the front door's gate refused, under the version it would have gone to."""
+        parts = url.split(b"?", 1)[0].decode("latin-1").split("/")  # /v2/models/NAME[/versions/V]/infer
+        name = parts[3] if len(parts) > 3 else ""
+        version = parts[5] if len(parts) > 6 and parts[4] == "versions" else None
+        try:
+            entry = self.gateway.route(name, version)
+        except ServingError:
+            metrics.SHED.labels(name, "", "frontend", "0").inc()
+            return
+        vm = metrics.for_version(entry.model, entry.version)
+        vm.answered(503, 0.0)
+        vm.shed("frontend", 0)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -131,6 +148,7 @@ async def start() -> DataPlane:
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop())
     hub.subscribe(plane.on_snapshot)
     _current = plane
+    GATE.count = plane.count_frontend_shed
     plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
     if settings.REDIS_URL:
         await _follow_redis(plane)
@@ -173,6 +191,7 @@ async def stop() -> None:
     if plane is None:
         return
     hub.unsubscribe(plane.on_snapshot)
+    GATE.reset()
     for task in (plane.refresher, plane.lag_watch):
         if task is not None:
             task.cancel()

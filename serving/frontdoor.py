@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import random
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +48,48 @@ _TOO_LARGE = REFUSED.labels("too_large")
 _READ_TIMEOUT = REFUSED.labels("read_timeout")
 _BUDGET = REFUSED.labels("inflight_budget")
 _CONCURRENCY = REFUSED.labels("concurrency")
+
+
+class ShedGate:
+    """Inference refused in the protocol itself, before an ASGI task, a consumer or a route lookup is
+    spent on it: a refusal there costs a small fraction of a served request, which is what lets
+    shedding bring an overloaded event loop back. The data plane's lag ticker steers `drop`, the
+    share of inference requests refused, so that the loop's lag stays near its target (a
+    proportional controller in the manner of PIE): refusing all of them while the loop is late
+    and none once it has caught up would swing between overload and idling."""
+
+    def __init__(self) -> None:
+        self.drop = 0.0
+        self.count: Callable[[bytes], None] = lambda url: None  # counts a refusal under its model
+        self._random = random.random
+        self.set_reason("")
+
+    @property
+    def shedding(self) -> bool:
+        return self.drop > 0.0 and self._random() < self.drop
+
+    def steer(self, lag: float, target: float) -> None:
+        """One tick: raise the drop share while the loop runs later than `target` (seconds), in
+        proportion to how much later; lower it slowly once it runs well within it."""
+        if lag > target:
+            self.drop = min(0.98, self.drop + 0.05 + 0.1 * (lag / target - 1.0))
+        elif lag < target / 2 and self.drop:
+            self.drop = max(0.0, self.drop - 0.02)
+        if self.drop:
+            self.set_reason(f"its event loop runs {lag * 1000:.0f} ms late; refusing {self.drop:.0%} of inference")
+
+    def set_reason(self, reason: str) -> None:
+        body = orjson.dumps({"error": f"server saturated: {reason}"})
+        head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n")
+        self.keep_alive_answer = head + b"\r\n" + body
+        self.closing_answer = head + b"connection: close\r\n\r\n" + body
+
+    def reset(self) -> None:
+        self.drop = 0.0
+
+
+GATE = ShedGate()
 
 DISCONNECT = {"type": "http.disconnect"}
 UPLOAD_ROUTE = re.compile(r"/api/models/[^/]+/versions/")  # ModelVersionViewSet's create
@@ -98,6 +141,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.reading = False  # the connection is new, or a request has begun and not all arrived
         self.read_timer: asyncio.TimerHandle | None = None
         self.read_timer_at = 0.0  # when read_timer fires, on time.monotonic()'s clock
+        self.shed = False  # the current request is refused by the shed gate
         self._extend = self.extend_read_deadline
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -137,6 +181,17 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self._arm(self.read_timeout)
 
     def on_headers_complete(self) -> None:
+        self.shed = False
+        if GATE.shedding and (self.cycle is None or self.cycle.response_complete) and _is_infer(self.url) and (
+            self.parser.get_method() == b"POST"
+        ):
+            GATE.count(self.url)
+            if self.expect_100_continue:  # its client waits for a 100 before sending the body: answer now
+                self.transport.write(GATE.closing_answer)
+                self.transport.close()
+                return
+            self.shed = True  # answered at on_message_complete; its body is parsed and dropped
+            return
         limit = self.max_concurrency
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             app, self.app = self.app, over_capacity
@@ -147,8 +202,21 @@ class FrontDoorProtocol(HttpToolsProtocol):
         else:
             super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self.shed:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
         self.reading = False
+        if self.shed:
+            self.shed = False
+            if self.parser.should_keep_alive():
+                self.transport.write(GATE.keep_alive_answer)
+                self.on_response_complete()  # keep-alive timer, flow control, pipelined requests
+            else:
+                self.transport.write(GATE.closing_answer)
+                self.transport.close()
+            return
         super().on_message_complete()
 
     def handle_websocket_upgrade(self) -> None:
@@ -198,6 +266,10 @@ class FrontDoorProtocol(HttpToolsProtocol):
         parts += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                   b"\r\nconnection: close\r\n\r\n", body]
         return b"".join(parts)
+
+
+def _is_infer(url: bytes) -> bool:
+    return url.startswith(b"/v2/models/") and url.split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer")
 
 
 def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uvicorn.Config:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from serving import admission, metrics
+from serving.admission import DeviceShare
 from serving.batcher import Batcher
 from serving.batching import BatchQueue, LatencyProfile, Pending, QueueFull
 from serving.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
@@ -42,6 +43,10 @@ class Hosted:
     batcher: Batcher
     profile: LatencyProfile
     metrics: metrics.VersionMetrics
+    # Recent device work admitted per priority tier. Within a version the queue serves higher tiers
+    # first, so a lower tier also waits behind what they add later; across versions the turns that
+    # admission already counts bound the wait.
+    share: DeviceShare = field(default_factory=DeviceShare)
 
 
 @dataclass
@@ -212,8 +217,11 @@ class Node:
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
         if self.admission:
-            completion = self._completion(hosted, rows, priority, now)
-            verdict = admission.decide(now=now, deadline=deadline, priority=priority, completion=completion)
+            verdict = admission.decide(
+                now=now, deadline=deadline, priority=priority, completion=self._completion(hosted, rows, priority, now),
+                higher_share=hosted.share.higher_than(priority, now),
+            )
+            completion = verdict.completion
             hosted.metrics.admission_estimate.observe(completion)
             if not verdict.admit:
                 why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share"
@@ -228,6 +236,8 @@ class Node:
             evicted = hosted.batcher.submit(Pending(Job(inputs, future), rows, now, deadline, priority, nbytes))
         except QueueFull as exc:
             raise Shed(f"{key}: {exc}", reason="queue_full", tier=priority, retry_after=self.retry_after(now)) from None
+        top = hosted.entry.batching.max_batch_size
+        hosted.share.add(priority, hosted.profile.estimate(top) * rows / top, now)
         for victim in evicted:
             _fail(victim, Shed(
                 f"{key}: evicted from the queue by higher-priority work", reason="evicted", tier=victim.priority,
@@ -286,7 +296,7 @@ class Node:
             hosted.metrics.queue_wait.observe(started - p.arrival)
         rows = sum(p.rows for p in live)
         try:
-            results, seconds = await self._on_device(hosted, [p.payload.inputs for p in live], rows)
+            results, seconds, began = await self._on_device(hosted, [p.payload.inputs for p in live], rows)
         except RuntimeFailure as exc:
             await self._isolate(hosted, live, exc)
             return
@@ -295,7 +305,10 @@ class Node:
             for p in live:
                 _fail(p, Unavailable(f"inference failed on the device: {type(exc).__name__}", retry_after=1))
             return
-        hosted.profile.observe(rows, seconds)
+        # Admission predicts when answers are back on the event loop, so the profile learns the batch's
+        # time from the device thread picking it up to the loop resuming here: compute plus the hand-back,
+        # which grows when the loop is busy. The compute metric keeps the device's own time.
+        hosted.profile.observe(rows, max(seconds, self._clock() - began))
         hosted.metrics.compute.observe(seconds)
         hosted.metrics.batch_size.observe(rows)
         hosted.metrics.live.batch(rows)
@@ -306,8 +319,9 @@ class Node:
 
     async def _on_device(
         self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int
-    ) -> tuple[list[dict[str, np.ndarray]], float]:
-        """Run one batch on the device thread, keeping its estimate in the device backlog meanwhile."""
+    ) -> tuple[list[dict[str, np.ndarray]], float, float]:
+        """Run one batch on the device thread, keeping its estimate in the device backlog meanwhile.
+        Returns the results, the compute seconds, and when the device thread began it (node clock)."""
         token = id(requests)
         self._device_work[token] = hosted.profile.estimate(rows)
         try:
@@ -319,14 +333,14 @@ class Node:
 
     def _timed(
         self, runtime: ModelRuntime, requests: list[dict[str, np.ndarray]]
-    ) -> tuple[list[dict[str, np.ndarray]], float]:
+    ) -> tuple[list[dict[str, np.ndarray]], float, float]:
         started = time.perf_counter()
-        self._running_since = self._clock()
+        self._running_since = began = self._clock()
         try:
             results = runtime.run(requests)
         finally:
             self._running_since = None
-        return results, time.perf_counter() - started
+        return results, time.perf_counter() - started, began
 
     async def _isolate(self, hosted: Hosted, live: list[Pending], exc: RuntimeFailure) -> None:
         """A batch failed: bisect it, so the requests that poison it fail alone and the rest are served
@@ -341,7 +355,7 @@ class Node:
             if not half:
                 continue
             try:
-                results, _ = await self._on_device(
+                results, _, _ = await self._on_device(
                     hosted, [p.payload.inputs for p in half], sum(p.rows for p in half)
                 )
             except RuntimeFailure as failure:

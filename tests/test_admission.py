@@ -7,6 +7,7 @@ is queued stays queued and each decision is exactly the policy's.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,18 +59,40 @@ def test_drain_and_retry_after() -> None:
 @pytest.mark.parametrize(
     ("priority", "completion", "admit", "reason"),
     [
-        (1, 0.09, True, ""),  # meets the deadline
-        (1, 0.11, False, "deadline"),  # misses it
-        (2, 0.07, True, ""),  # within tier 2's three quarters
-        (2, 0.08, False, "tier"),  # meets the deadline but not tier 2's share
-        (3, 0.04, True, ""),
-        (3, 0.06, False, "tier"),  # lower tiers get half
+        # a 0.1 s budget, of which the device estimate may use HEADROOM (0.8): 0.08 s
+        (1, 0.079, True, ""),  # fits
+        (1, 0.081, False, "deadline"),  # would meet the deadline, but not with the front end's headroom
+        (2, 0.059, True, ""),  # within tier 2's three quarters
+        (2, 0.061, False, "tier"),  # fits the headroom but not tier 2's share
+        (3, 0.039, True, ""),
+        (3, 0.041, False, "tier"),  # lower tiers get half
     ],
 )
 def test_decide_by_deadline_and_tier(priority: int, completion: float, admit: bool, reason: str) -> None:
+    assert admission.HEADROOM == 0.8
     verdict = admission.decide(now=10.0, deadline=10.1, priority=priority, completion=completion)
     assert verdict.admit is admit and verdict.reason == reason
     assert verdict.completion == completion
+
+
+def test_higher_tiers_share_of_the_device_slows_a_lower_tier() -> None:
+    # given higher tiers that recently took half the device / then a lower tier's estimate doubles
+    verdict = admission.decide(now=0.0, deadline=1.0, priority=2, completion=0.2, higher_share=0.5)
+    assert verdict.admit and verdict.completion == pytest.approx(0.4)
+    assert not admission.decide(now=0.0, deadline=1.0, priority=2, completion=0.35, higher_share=0.5).admit
+    # and past MAX_HIGHER_SHARE nothing of a lower tier is admitted
+    refused = admission.decide(now=0.0, deadline=1.0, priority=2, completion=0.0, higher_share=0.95)
+    assert not refused.admit and refused.reason == "tier"
+
+
+def test_device_share_decays_and_counts_only_higher_tiers() -> None:
+    share = admission.DeviceShare(tau=1.0)
+    share.add(1, 0.3, now=0.0)
+    share.add(2, 0.2, now=0.0)
+    assert share.higher_than(1, 0.0) == 0.0
+    assert share.higher_than(2, 0.0) == pytest.approx(0.3)
+    assert share.higher_than(3, 0.0) == pytest.approx(0.5)
+    assert share.higher_than(3, 1.0) == pytest.approx(0.5 * math.exp(-1))
 
 
 # -- the node's decisions on a fake clock --------------------------------------------------------
@@ -170,12 +193,13 @@ async def test_other_versions_on_the_device_count(node) -> None:  # noqa: ANN001
     host(node, "a", 0.4)
     host(node, "b", 0.01)
     tasks = await queued(node, "a", 48)
-    # when b gets a request with 0.3 s left: b's own queue is empty, but a runs a batch (0.4 s) per round
+    # when b gets a request with 0.5 s left (0.4 s of headroom): b's own queue is empty, but a runs a
+    # batch (0.4 s) per round, and b's own batch comes on top
     with pytest.raises(Shed) as refused:
-        await node.infer("b:1", rows(1), 1, node.clock.now + 0.3, 1)
+        await node.infer("b:1", rows(1), 1, node.clock.now + 0.5, 1)
     assert refused.value.reason == "deadline"
-    # and with 0.5 s left it fits: one round of a (0.4 s) plus b's own batch
-    admitted = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.5, 1))
+    # and with 0.6 s left (0.48 s of headroom) it fits: one round of a (0.4 s) plus b's own batch
+    admitted = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.6, 1))
     await asyncio.sleep(0)
     assert len(node.hosted["b:1"].batcher.queue) == 1
     for t in [*tasks, admitted]:
@@ -187,27 +211,29 @@ async def test_work_in_flight_on_the_device_counts(node) -> None:  # noqa: ANN00
     # given a 1 s batch of another version running on the device since 0.2 s ago
     node._device_work[1] = 1.0
     node._running_since = node.clock.now - 0.2
-    # then a request with 0.5 s left is refused (0.8 s left of that batch), one with 0.9 s admitted
+    # then a request with 0.9 s left is refused (0.8 s left of that batch, its own on top, 0.72 s of
+    # headroom), one with 1.1 s admitted
     with pytest.raises(Shed):
-        await node.infer("a:1", rows(1), 1, node.clock.now + 0.5, 1)
-    ok = asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 0.9, 1))
+        await node.infer("a:1", rows(1), 1, node.clock.now + 0.9, 1)
+    ok = asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 1.1, 1))
     await asyncio.sleep(0)
     assert len(node.hosted["a:1"].batcher.queue) == 1
     ok.cancel()
 
 
 async def test_lower_tiers_are_shed_first(node) -> None:  # noqa: ANN001
-    # given 0.6 s of queued work (3 batches of 0.2 s) and requests with 1 s left
+    # given 0.4 s of queued tier-1 work (2 batches of 0.2 s), and requests with 2 s left (1.6 s of headroom)
     host(node, "a", 0.2)
     tasks = await queued(node, "a", 16)
-    # then tier 1 and 2 are admitted (0.6 s + own batch within 1 s and 0.75 s)...
+    # then tier 1 is admitted (0.6 s with its own batch), and tier 2 too (0.6 s, slowed by the share of
+    # the device tier 1 just took, within three quarters of 1.6 s)...
     for tier in (1, 2):
-        tasks.append(asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 1.0, tier)))
+        tasks.append(asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 2.0, tier)))
     await asyncio.sleep(0)
     assert len(node.hosted["a:1"].batcher.queue) == 18
-    # ...but tier 3 must finish within half its budget, and is shed for its tier
+    # ...but tier 3 must finish within half, and is shed for its tier
     with pytest.raises(Shed) as refused:
-        await node.infer("a:1", rows(1), 1, node.clock.now + 1.0, 3)
+        await node.infer("a:1", rows(1), 1, node.clock.now + 2.0, 3)
     assert refused.value.reason == "tier" and refused.value.tier == 3
     for t in tasks:
         t.cancel()

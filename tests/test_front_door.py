@@ -497,3 +497,71 @@ def test_bytes_that_are_not_http_get_a_json_400(transactional_db, request) -> No
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     assert "malformed HTTP request" in json.loads(body)["error"]
+
+
+def test_the_shed_gate_steers_its_refusals_by_the_loop_lag() -> None:
+    from serving.frontdoor import ShedGate
+
+    gate = ShedGate()
+    # given a loop on time / then nothing is refused
+    gate.steer(0.010, 0.040)
+    assert gate.drop == 0 and not gate.shedding
+    # when it runs late, the more so the faster the share of refusals rises
+    gate.steer(0.080, 0.040)
+    after_twice = gate.drop
+    gate.reset()
+    gate.steer(0.050, 0.040)
+    assert 0 < gate.drop < after_twice
+    for _ in range(100):
+        gate.steer(1.0, 0.040)
+    assert gate.drop == 0.98  # never all: some requests keep measuring the way through
+    assert b"refusing 98% of inference" in gate.keep_alive_answer
+    # and once it keeps up again, the share falls back, step by step, to none
+    for _ in range(100):
+        gate.steer(0.005, 0.040)
+    assert gate.drop == 0
+
+
+def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connection(  # noqa: ANN001
+    digits_server, digits_samples
+) -> None:
+    import http.client
+    import json
+
+    from serving.frontdoor import GATE
+    from tests.test_inference_http import digits_request, grew, metrics
+
+    x, _ = digits_samples
+    body = json.dumps(digits_request(x[:1]))
+    before = metrics(digits_server)
+    conn = http.client.HTTPConnection("127.0.0.1", digits_server.port, timeout=30)
+    try:
+        # given a gate refusing every inference request (as if the loop were far behind)
+        GATE.drop = 1.0
+        GATE._random = lambda: 0.0
+        # when inference comes / then 503 JSON with Retry-After, and health is untouched
+        conn.request("POST", "/v2/models/digits/infer", body, {"Content-Type": "application/json"})
+        refused = conn.getresponse()
+        payload = json.loads(refused.read())
+        assert refused.status == 503 and refused.getheader("retry-after") == "1"
+        assert "server saturated" in payload["error"]
+        conn.request("GET", "/v2/health/live")
+        live = conn.getresponse()
+        live.read()
+        assert live.status == 200
+        # and when the gate opens, the same keep-alive connection is served
+        GATE.reset()
+        conn.request("POST", "/v2/models/digits/infer", body, {"Content-Type": "application/json"})
+        served = conn.getresponse()
+        served.read()
+        assert served.status == 200
+    finally:
+        import random
+
+        GATE.reset()
+        GATE._random = random.random
+        conn.close()
+    # and the refusal was counted under the version it would have gone to
+    after = metrics(digits_server)
+    assert grew(before, after, "ferry_requests_total", model="digits", version="1", status="503") == 1
+    assert grew(before, after, "ferry_shed_total", model="digits", version="1", reason="frontend", tier="0") == 1
