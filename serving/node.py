@@ -224,10 +224,10 @@ class Node:
             completion = verdict.completion
             hosted.metrics.admission_estimate.observe(completion)
             if not verdict.admit:
-                why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share"
+                why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share of"
                 raise Shed(
                     f"{key}: estimated completion {completion * 1000:.0f} ms (device backlog included) exceeds {why}"
-                    f" of {max(0.0, deadline - now) * 1000:.0f} ms",
+                    f" budget ({admission.HEADROOM:.0%} of the {max(0.0, deadline - now) * 1000:.0f} ms left)",
                     reason=verdict.reason, tier=priority, retry_after=self.retry_after(now),
                 )
         loop = asyncio.get_running_loop()
