@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import loadgen
 from bench.report import Settings
 from bench.run import digits_body, mlp_body, sweep
-from bench.server import ROOT, Server, free_port, manage, say
+from bench.server import ROOT, Server, free_port, manage, say, use_key
 
 
 def git(*args: str, cwd: Path = ROOT) -> str:
@@ -75,10 +75,13 @@ class Checkout:
         self.check_imports()
         manage(["migrate", "--noinput", "-v0"], self.env(), cwd=self.tree)
         manage(["build_demo_models"], self.env(), cwd=self.tree)
+        # Its demo API key, where the revision has API keys (older ones write none and need none).
+        manage(["ensure_demo_user"], self.env(), cwd=self.tree)
 
 
 def measure(co: Checkout, model: str, s: Settings) -> float | None:
     body = mlp_body() if model.startswith("wide") else digits_body()
+    use_key(co.data)  # this revision's key (or none) on every request of the sweep
     with Server(co.env(), free_port(), co.base / "server.log", cwd=co.tree) as server:
         server.wait_ready((model,))
         result = loadgen.arun(sweep(server.base, model, body, s))

@@ -460,11 +460,20 @@ def _progress(gen: _Generator, elapsed: float, rate: float, sent: int, n_warm: i
     )
 
 
+def _default_key_file() -> Path | None:
+    """The demo API key `manage.py ensure_demo_user` wrote, as bench.server.use_key reads it."""
+    data_dir = os.environ.get("FERRY_DATA_DIR") or str(Path(__file__).resolve().parent.parent / "var")
+    path = Path(data_dir) / "demo-api-key"
+    return path if path.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("url", nargs="?")
     p.add_argument("--body-file", type=Path)
     p.add_argument("--header", action="append", default=[], help="'Name: value'; repeatable")
+    p.add_argument("--key-file", type=Path, help="API key to send as 'Authorization: Bearer ...' (default: "
+                   "$FERRY_DATA_DIR/demo-api-key, else var/demo-api-key, when present)")
     p.add_argument("--rate", type=float, default=100.0)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=1.0)
@@ -499,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("URL is required (or --ceiling / --echo-server)")
     body = a.body_file.read_bytes() if a.body_file else b""
     headers = {"Content-Type": "application/json"} if body else {}
+    key_file = a.key_file or _default_key_file()
+    if key_file is not None:
+        headers["Authorization"] = f"Bearer {key_file.read_text().strip()}"
     for h in a.header:
         k, _, v = h.partition(":")
         headers[k.strip()] = v.strip()

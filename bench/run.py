@@ -45,7 +45,7 @@ from bench.report import (
     verdict,
     write_report,
 )
-from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say
+from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say, use_key
 
 PHASES = ("ceiling", "batching", "digits", "overload")
 _T0 = time.monotonic()
@@ -234,17 +234,20 @@ class Phases:
 
 def setup_data_dir(env: dict[str, str], model_path: Path | None, demo: bool) -> None:
     """Migrate; build the demo models (skipped where already built) when `demo`; register the wide MLP
-    batched and unbatched when `model_path`."""
+    batched and unbatched when `model_path` (platform models: no tenant, visible to every key); then
+    `ensure_demo_user`, whose demo API key every request of the run sends (bench.server.use_key)."""
     manage(["migrate", "--noinput", "-v0"], env)
     if demo:
         manage(["build_demo_models"], env)
-    if model_path is None:
-        return
-    common = ["--format", "torchscript", "--input", "input:FP32:64", "--output", "scores:FP32:10"]
-    common += ["--task", "classification"]
-    for name, max_batch, delay in ((WIDE, "32", "10"), (WIDE_OFF, "1", "0")):
-        manage(["register_model", name, str(model_path), *common, "--max-batch-size", max_batch,
-                "--max-queue-delay-ms", delay], env)  # fmt: skip
+    if model_path is not None:
+        common = ["--format", "torchscript", "--input", "input:FP32:64", "--output", "scores:FP32:10"]
+        common += ["--task", "classification"]
+        for name, max_batch, delay in ((WIDE, "32", "10"), (WIDE_OFF, "1", "0")):
+            manage(["register_model", name, str(model_path), *common, "--max-batch-size", max_batch,
+                    "--max-queue-delay-ms", delay], env)  # fmt: skip
+    manage(["ensure_demo_user"], env)
+    if use_key(Path(env["FERRY_DATA_DIR"])) is None:
+        raise RuntimeError("ensure_demo_user wrote no demo API key")
 
 
 def parse_only(value: str | None) -> tuple[str, ...]:

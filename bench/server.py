@@ -18,7 +18,9 @@ from pathlib import Path
 from bench.loadgen import log
 
 ROOT = Path(__file__).resolve().parent.parent
+# Every /v2 request the benchmarks send carries these; use_key() adds the data dir's API key.
 HEADERS = {"Content-Type": "application/json"}
+KEY_FILE = "demo-api-key"  # written by `manage.py ensure_demo_user` into FERRY_DATA_DIR
 _T0 = time.monotonic()
 
 
@@ -34,6 +36,25 @@ def manage(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> None:
         raise RuntimeError(f"manage.py {args[0]} exited with {proc.returncode}")
 
 
+def use_key(data_dir: Path) -> str | None:
+    """Send the demo API key of `data_dir` (from `manage.py ensure_demo_user`) on every request from now on:
+    HEADERS is updated in place, so the sweeps, probes and ramps that hold it send it too. None, and no
+    header, where the data dir has no key (a revision from before API keys, in bench.compare)."""
+    try:
+        token = (data_dir / KEY_FILE).read_text().strip()
+    except OSError:
+        token = ""
+    if token:
+        HEADERS["Authorization"] = f"Bearer {token}"
+    else:
+        HEADERS.pop("Authorization", None)
+    return token or None
+
+
+def auth_headers() -> dict[str, str]:
+    return {k: v for k, v in HEADERS.items() if k == "Authorization"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,8 +62,9 @@ def free_port() -> int:
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=auth_headers())
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()

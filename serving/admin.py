@@ -16,7 +16,7 @@ class VersionInline(admin.TabularInline):
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "task", "fallback", "updated_at"]
+    list_display = ["name", "tenant", "visibility", "task", "fallback", "updated_at"]
     inlines = [VersionInline]
 
 

@@ -4,6 +4,10 @@ Paths (KServe V2 / Triton): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ver
 [/ready|/config|/infer], /v2/repository/index, /v2/repository/models/{name}/{load,unload},
 and /metrics. Every failure answers {"error": "..."} with its status. Bad input is a 4xx found by
 validation; an unexpected exception is a bug: a 500, logged and counted, never relabelled.
+
+/v2 (server metadata), /v2/health/{live,ready} and /metrics are anonymous (probes, scrapers); every
+other endpoint needs an API key (`serving.auth`): 401 without a usable one, 403 without the scope
+(load/unload need `manage`, the rest `infer`), and 404 for a model the key's tenant may not see.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving import dataplane, metrics
+from serving.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.errors import NotFound, ServingError, Unavailable
 from serving.gateway import parse_version
 from serving.protocol import error_body
@@ -98,7 +103,9 @@ class InferenceConsumer(AsyncHttpConsumer):
         try:
             status, payload, headers = await self._dispatch(body)
         except ServingError as exc:
-            status, payload, headers = exc.status, error_body(exc.message), list(JSON)
+            status, payload, headers = exc.status, error_body(exc.message), [*JSON, *exc.headers]
+            if isinstance(exc, Unauthenticated | Forbidden):
+                metrics.REQUESTS.labels("", "", str(exc.status)).inc()  # refused before routing
             if exc.retry_after is not None:
                 headers.append((b"retry-after", str(math.ceil(exc.retry_after)).encode()))
         except ClientGone:
@@ -130,15 +137,20 @@ class InferenceConsumer(AsyncHttpConsumer):
             if parts[1] == "ready" and not plane.ready:
                 raise Unavailable("not ready: models are loading", retry_after=1)
             return 200, b"", JSON
+        # Everything else needs a key: one dict lookup and one HMAC, against the snapshot in memory.
+        caller = authenticate(self.scope["headers"], plane.gateway.snapshot, plane.pepper, time.time())
+        plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
         if head == "models" and len(parts) >= 2:
-            return await self._model_path(plane, method, parts[1:], body)
+            return await self._model_path(plane, caller, method, parts[1:], body)
         if head == "repository":
-            return await self._repository(plane, method, parts[1:], body)
+            return await self._repository(plane, caller, method, parts[1:], body)
         raise NotFound(f"no such endpoint {path}")
 
     async def _model_path(
-        self, plane: dataplane.DataPlane, method: str, parts: list[str], body: bytes
+        self, plane: dataplane.DataPlane, caller: Caller, method: str, parts: list[str], body: bytes
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        caller.require("infer")  # inference, metadata, ready and config alike
+        viewer = caller.tenant_id
         name, rest = parts[0], parts[1:]
         version = None
         if len(rest) >= 2 and rest[0] == "versions":
@@ -149,16 +161,16 @@ class InferenceConsumer(AsyncHttpConsumer):
         gateway = plane.gateway
         if action == "infer":
             _method(method, "POST")
-            self._shed_if_saturated(plane, name, version)
+            self._shed_if_saturated(plane, name, version, viewer)
             header_length = self._header_length()
-            reply = await self._unless_client_leaves(gateway.infer(name, version, body, header_length))
+            reply = await self._unless_client_leaves(gateway.infer(name, version, body, header_length, viewer))
             return reply.status, reply.body, reply.headers
         _method(method, "GET")
-        model = gateway.model(name)
+        model = gateway.model(name, viewer)
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
         if action == "ready":
-            entry = gateway.route(name, version)
+            entry = gateway.route(name, version, viewer)
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
@@ -166,31 +178,34 @@ class InferenceConsumer(AsyncHttpConsumer):
             entry = model.versions[int(version)] if version is not None else _newest(model.versions)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
-            entry = gateway.route(name, version)
+            entry = gateway.route(name, version, viewer)
             return 200, orjson.dumps(_config(entry)), JSON
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
     async def _repository(
-        self, plane: dataplane.DataPlane, method: str, parts: list[str], body: bytes
+        self, plane: dataplane.DataPlane, caller: Caller, method: str, parts: list[str], body: bytes
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         _method(method, "POST")
         if parts == ["index"]:
+            caller.require("infer")
             options = _json_options(body, {"ready": bool})
             rows = [
                 {"name": v.model, "version": str(v.version), "state": _repository_state(plane, v),
                  "reason": v.failure_reason or _load_failure(plane, v)}
                 for m in plane.gateway.snapshot.models.values()
+                if m.visible_to(caller.tenant_id)
                 for v in m.versions.values()
             ]
             if options.get("ready"):
                 rows = [r for r in rows if r["state"] == "READY"]
             return 200, orjson.dumps(rows), JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            caller.require("manage")
             _json_options(body, {"parameters": dict})
             from serving.actions import set_loaded
 
             name, load = parts[1], parts[2] == "load"
-            plane.gateway.model(name)  # 404 before touching the database
+            plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
             snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
             await plane.wait_reconciled(snapshot.serial)
             if load:
@@ -200,7 +215,9 @@ class InferenceConsumer(AsyncHttpConsumer):
             return 200, b"", JSON
         raise NotFound("no such repository endpoint")
 
-    def _shed_if_saturated(self, plane: dataplane.DataPlane, name: str, version: str | None) -> None:
+    def _shed_if_saturated(
+        self, plane: dataplane.DataPlane, name: str, version: str | None, viewer: int
+    ) -> None:
         """Refuse at once when this process is behind on reading requests: past that point a request
         waits in socket buffers and the event loop's backlog, where no queue bound or deadline sees it.
         Two measures: how late the loop runs its timers (the wait of bytes not yet read), and how long
@@ -210,7 +227,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         metrics.INFLIGHT_WAIT.observe(self._waited)
         if lag_ms <= settings.FERRY_MAX_LOOP_LAG_MS and waited_ms <= settings.FERRY_MAX_FRONTEND_WAIT_MS:
             return
-        entry = self._routed_or_none(plane, name, version)
+        entry = self._routed_or_none(plane, name, version, viewer)
         if entry is not None:
             vm = metrics.for_version(entry.model, entry.version)
             vm.answered(503, waited_ms / 1000)
@@ -224,9 +241,11 @@ class InferenceConsumer(AsyncHttpConsumer):
         )
 
     @staticmethod
-    def _routed_or_none(plane: dataplane.DataPlane, name: str, version: str | None) -> VersionEntry | None:
+    def _routed_or_none(
+        plane: dataplane.DataPlane, name: str, version: str | None, viewer: int | None
+    ) -> VersionEntry | None:
         try:
-            return plane.gateway.route(name, version)
+            return plane.gateway.route(name, version, viewer)
         except ServingError:
             return None
 
@@ -236,7 +255,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         plane = dataplane.current()
         if len(parts) >= 5 and parts[2] == "models" and parts[-1] == "infer" and plane is not None:
             version = parts[5] if len(parts) >= 7 and parts[4] == "versions" else None
-            entry = self._routed_or_none(plane, parts[3], version)
+            entry = self._routed_or_none(plane, parts[3], version, None)
             if entry is not None:
                 metrics.REQUESTS.labels(entry.model, str(entry.version), str(status)).inc()
                 return

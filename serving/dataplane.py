@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -24,11 +24,13 @@ from serving.node import Node
 from serving.runtime import configure_torch_threads
 from serving.snapshot import RoutingSnapshot, hub, publish_snapshot
 from serving.transport import InProcessTransport
+from tenants.keys import pepper_from
 
 log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 2.0
 LAG_SAMPLE_SECONDS = 0.05
+KEY_USE_FLUSH_SECONDS = 5.0  # how often API keys' last_used_at is written, off the request path
 
 
 @dataclass
@@ -41,6 +43,11 @@ class DataPlane:
     # How late the event loop runs its callbacks: past FERRY_MAX_LOOP_LAG_MS the process is
     # saturated before requests even reach a queue, and new inference is refused at once.
     loop_lag: float = 0.0
+    # The API key pepper, derived once from SECRET_KEY (tenants.keys.pepper_from).
+    pepper: bytes = b""
+    # Prefixes of the API keys used since the last flush of last_used_at (a set add per request).
+    used_keys: set[str] = field(default_factory=set)
+    key_flusher: asyncio.Task[None] | None = None
     _fingerprint: tuple | None = None
     _reconciling: asyncio.Task[None] | None = None
     _pending: RoutingSnapshot | None = None
@@ -97,13 +104,33 @@ class DataPlane:
         name = parts[3] if len(parts) > 3 else ""
         version = parts[5] if len(parts) > 6 and parts[4] == "versions" else None
         try:
-            entry = self.gateway.route(name, version)
+            entry = self.gateway.route(name, version, None)  # before authentication: count only
         except ServingError:
             metrics.SHED.labels(name, "", "frontend", "0").inc()
             return
         vm = metrics.for_version(entry.model, entry.version)
         vm.answered(503, 0.0)
         vm.shed("frontend", 0)
+
+    async def flush_key_use(self) -> None:
+        """Write last_used_at for the keys used since the last flush; on failure (database down) keep
+        them for the next one."""
+        if not self.used_keys:
+            return
+        used, self.used_keys = self.used_keys, set()
+        try:
+            await sync_to_async(_record_key_use)(used)
+        except Exception:
+            self.used_keys |= used
+            raise
+
+    async def _flush_key_use_forever(self) -> None:
+        while True:
+            await asyncio.sleep(KEY_USE_FLUSH_SECONDS)
+            try:
+                await self.flush_key_use()
+            except Exception as exc:
+                log.warning("recording API key use failed, will retry: %s", exc)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -118,10 +145,22 @@ def _registry_fingerprint() -> tuple:
     from django.db.models import Count, Max
 
     from serving.models import Model, ModelVersion
+    from tenants.models import ApiKey
 
     versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
-    return (versions["n"], versions["t"], models["n"], models["t"])
+    # A key created or revoked by another process (manage.py revoke_api_key) takes effect at the next
+    # refresh; last_used_at is written with update(), which leaves updated_at (and this) alone.
+    api_keys = ApiKey.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"])
+
+
+def _record_key_use(prefixes: set[str]) -> None:
+    from django.utils import timezone
+
+    from tenants.models import ApiKey
+
+    ApiKey.objects.filter(prefix__in=sorted(prefixes)).update(last_used_at=timezone.now())
 
 
 _current: DataPlane | None = None
@@ -145,11 +184,13 @@ async def start() -> DataPlane:
         admission=settings.FERRY_ADMISSION,
     )
     gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION)
-    plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop())
+    plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
+                      pepper=pepper_from(settings.SECRET_KEY))
     hub.subscribe(plane.on_snapshot)
     _current = plane
     GATE.count = plane.count_frontend_shed
     plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
+    plane.key_flusher = plane.loop.create_task(plane._flush_key_use_forever())
     if settings.REDIS_URL:
         await _follow_redis(plane)
     else:
@@ -192,9 +233,13 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch):
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher):
         if task is not None:
             task.cancel()
+    try:
+        await plane.flush_key_use()
+    except Exception as exc:
+        log.warning("recording API key use at shutdown failed: %s", exc)
     await plane.node.close()
     from django.db import connections
 

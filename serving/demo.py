@@ -285,3 +285,16 @@ def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.std
             model.fallback = small
             model.save(update_fields=["fallback", "updated_at"])
     return built
+
+
+def give_to_tenant(tenant: object) -> list[str]:
+    """Make the demo models `tenant`'s public models (those still without a tenant); returns their names."""
+    from serving.models import Model, Visibility
+
+    given = []
+    for model in Model.objects.filter(name__in=[d.name for d in DEMO_MODELS], tenant__isnull=True):
+        model.tenant = tenant
+        model.visibility = Visibility.PUBLIC
+        model.save(update_fields=["tenant", "visibility", "updated_at"])
+        given.append(model.name)
+    return given

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 class ServingError(Exception):
     status = 500
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers (401's WWW-Authenticate)
 
     def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)

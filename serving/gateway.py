@@ -51,14 +51,16 @@ class Gateway:
             raise Unavailable("no routing snapshot yet", retry_after=1)
         return snapshot
 
-    def model(self, name: str) -> ModelEntry:
+    def model(self, name: str, viewer: int | None) -> ModelEntry:
+        """The model `name` as tenant `viewer` may see it: one it may not see is unknown to it, with the
+        same 404 as a model that does not exist. `viewer` None is the data plane's own look-up (metrics)."""
         entry = self.snapshot.models.get(name)
-        if entry is None:
+        if entry is None or not entry.visible_to(viewer):
             raise NotFound(f"unknown model '{name}'")
         return entry
 
-    def route(self, name: str, version: str | None) -> VersionEntry:
-        model = self.model(name)
+    def route(self, name: str, version: str | None, viewer: int | None) -> VersionEntry:
+        model = self.model(name, viewer)
         pinned = None
         if version is not None:
             pinned = parse_version(version)
@@ -69,9 +71,11 @@ class Gateway:
         except RouteError as exc:
             raise ServingError(exc.message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
 
-    async def infer(self, name: str, version: str | None, body: bytes, header_length: int | None) -> Reply:
+    async def infer(
+        self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None
+    ) -> Reply:
         arrived = self._clock()
-        entry = self.route(name, version)
+        entry = self.route(name, version, viewer)
         asked = vm = metrics.for_version(entry.model, entry.version)
         try:
             request = parse_infer_request(
@@ -90,7 +94,7 @@ class Gateway:
                     entry, request.inputs, request.rows, deadline, priority, nbytes=len(body)
                 )
             except Unavailable as refused:
-                served = self._fallback(entry, name, request.rows) if self.use_fallback else None
+                served = self._fallback(entry, name, request.rows, viewer) if self.use_fallback else None
                 if served is None:
                     raise
                 try:
@@ -130,14 +134,15 @@ class Gateway:
         asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
 
-    def _fallback(self, entry: VersionEntry, name: str, rows: int) -> VersionEntry | None:
-        """The model's smaller fallback, when it takes the same inputs, gives the same outputs and takes
-        a batch this large."""
+    def _fallback(self, entry: VersionEntry, name: str, rows: int, viewer: int | None) -> VersionEntry | None:
+        """The model's smaller fallback, when the caller may see it, it takes the same inputs, gives the
+        same outputs and takes a batch this large."""
         fallback_name = self.snapshot.models[name].fallback
-        if not fallback_name or fallback_name not in self.snapshot.models:
+        fallback = self.snapshot.models.get(fallback_name) if fallback_name else None
+        if fallback is None or not fallback.visible_to(viewer):
             return None
         try:
-            candidate = choose_version(self.snapshot.models[fallback_name])
+            candidate = choose_version(fallback)
         except RouteError:
             return None
         if candidate.inputs != entry.inputs or candidate.outputs != entry.outputs:

@@ -42,8 +42,20 @@ class State(models.TextChoices):
     RETIRED = "retired"
 
 
+class Visibility(models.TextChoices):
+    PRIVATE = "private"  # its tenant only
+    SHARED = "shared"  # its tenant and the tenants in shared_with
+    PUBLIC = "public"  # every tenant
+
+
 class Model(models.Model):
     name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME])
+    # No tenant: a platform model, visible to every tenant whatever its visibility.
+    tenant = models.ForeignKey(
+        "tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="models"
+    )
+    visibility = models.CharField(max_length=10, choices=Visibility.choices, default=Visibility.PRIVATE)
+    shared_with = models.ManyToManyField("tenants.Tenant", blank=True, related_name="shared_models")
     description = models.TextField(blank=True)
     task = models.CharField(max_length=20, choices=Task.choices, default=Task.CLASSIFICATION)
     fallback = models.ForeignKey(

@@ -1,17 +1,35 @@
-"""Registry changes republish the routing snapshot once the transaction commits."""
+"""Registry and API key changes republish the routing snapshot once the transaction commits."""
 
 from django.db import transaction
-from django.db.models.signals import post_delete, post_save
+from django.db.models.signals import m2m_changed, post_delete, post_save
 from django.dispatch import receiver
+from django.utils import timezone
 
 from serving.models import Model, ModelVersion
+from tenants.models import ApiKey, Tenant
 
 
 @receiver(post_save, sender=ModelVersion)
 @receiver(post_delete, sender=ModelVersion)
 @receiver(post_save, sender=Model)
 @receiver(post_delete, sender=Model)
+@receiver(post_save, sender=ApiKey)
+@receiver(post_delete, sender=ApiKey)
+@receiver(post_delete, sender=Tenant)
 def registry_changed(**_: object) -> None:
     from serving.snapshot import publish_snapshot
 
     transaction.on_commit(publish_snapshot)
+
+
+@receiver(m2m_changed, sender=Model.shared_with.through)
+def sharing_changed(instance: object, action: str, reverse: bool, pk_set: set | None, **_: object) -> None:
+    """A model's shared_with changed: touch the model's updated_at, so another process's refresh
+    fingerprint notices, and republish here."""
+    if action not in ("post_add", "post_remove", "post_clear"):
+        return
+    if not reverse:
+        Model.objects.filter(pk=instance.pk).update(updated_at=timezone.now())  # type: ignore[attr-defined]
+    elif pk_set:
+        Model.objects.filter(pk__in=pk_set).update(updated_at=timezone.now())
+    registry_changed()

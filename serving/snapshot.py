@@ -50,9 +50,30 @@ class ModelEntry:
     description: str
     fallback: str | None
     versions: dict[int, VersionEntry]
+    tenant_id: int | None = None  # None: a platform model, visible to every tenant
+    visibility: str = "public"  # private | shared | public
+    shared_with: frozenset[int] = frozenset()
 
     def servable_versions(self) -> list[VersionEntry]:
         return [v for _, v in sorted(self.versions.items()) if v.servable]
+
+    def visible_to(self, tenant_id: int | None) -> bool:
+        """Whether a caller of `tenant_id` may see this model; None is the data plane itself (metrics)."""
+        if tenant_id is None or self.tenant_id is None or self.visibility == "public":
+            return True
+        if self.tenant_id == tenant_id:
+            return True
+        return self.visibility == "shared" and tenant_id in self.shared_with
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """An API key as the data plane checks it: the HMAC of its secret, whose it is, what it may do."""
+
+    digest: str
+    tenant_id: int
+    scopes: tuple[str, ...]
+    expires_at: float | None  # epoch seconds; None: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +81,7 @@ class RoutingSnapshot:
     serial: int
     built_at: float
     models: dict[str, ModelEntry] = field(default_factory=dict)
+    keys: dict[str, KeyEntry] = field(default_factory=dict)  # by prefix; revoked keys are left out
 
     def hosted_versions(self) -> list[VersionEntry]:
         return [v for m in self.models.values() for v in m.servable_versions()]
@@ -112,9 +134,10 @@ def unservable_entry(v: Any, model_name: str, reason: str) -> VersionEntry:
 
 def build_snapshot() -> RoutingSnapshot:
     from serving.models import Model, State
+    from tenants.models import ApiKey
 
     models: dict[str, ModelEntry] = {}
-    queryset = Model.objects.select_related("fallback").prefetch_related("versions")
+    queryset = Model.objects.select_related("fallback").prefetch_related("versions", "shared_with")
     for model in queryset:
         versions = {}
         for v in model.versions.all():
@@ -131,8 +154,20 @@ def build_snapshot() -> RoutingSnapshot:
             description=model.description,
             fallback=model.fallback.name if model.fallback else None,
             versions=versions,
+            tenant_id=model.tenant_id,
+            visibility=model.visibility,
+            shared_with=frozenset(t.pk for t in model.shared_with.all()),
         )
-    return RoutingSnapshot(serial=next(_serial), built_at=time.time(), models=models)
+    keys = {
+        k.prefix: KeyEntry(
+            digest=k.digest,
+            tenant_id=k.tenant_id,
+            scopes=tuple(s for s in k.scopes if isinstance(s, str)) if isinstance(k.scopes, list) else (),
+            expires_at=k.expires_at.timestamp() if k.expires_at is not None else None,
+        )
+        for k in ApiKey.objects.filter(revoked_at__isnull=True)
+    }
+    return RoutingSnapshot(serial=next(_serial), built_at=time.time(), models=models, keys=keys)
 
 
 class SnapshotHub:

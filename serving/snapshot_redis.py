@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from serving.batching import BatchingConfig
 from serving.protocol import TensorSpec
-from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,14 @@ SERIAL_KEY = f"{PREFIX}:serial"
 CHANNEL = f"{PREFIX}:changed"
 
 
+def _plain(value: object) -> object:
+    if isinstance(value, frozenset | set):
+        return sorted(value)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
 def encode(snapshot: RoutingSnapshot) -> bytes:
-    return orjson.dumps(dataclasses.asdict(snapshot), option=orjson.OPT_NON_STR_KEYS)
+    return orjson.dumps(dataclasses.asdict(snapshot), option=orjson.OPT_NON_STR_KEYS, default=_plain)
 
 
 def decode(raw: bytes) -> RoutingSnapshot:
@@ -45,8 +51,15 @@ def decode(raw: bytes) -> RoutingSnapshot:
             v["latency_profile"] = {int(k): float(s) for k, s in v["latency_profile"].items()}
             versions[int(number)] = VersionEntry(**v)
         models[name] = ModelEntry(name=m["name"], task=m["task"], description=m["description"],
-                                  fallback=m["fallback"], versions=versions)
-    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models)
+                                  fallback=m["fallback"], versions=versions, tenant_id=m.get("tenant_id"),
+                                  visibility=m.get("visibility", "public"),
+                                  shared_with=frozenset(m.get("shared_with", ())))
+    keys = {
+        prefix: KeyEntry(digest=k["digest"], tenant_id=k["tenant_id"], scopes=tuple(k["scopes"]),
+                         expires_at=k["expires_at"])
+        for prefix, k in doc.get("keys", {}).items()
+    }
+    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys)
 
 
 class RedisSnapshotStore:

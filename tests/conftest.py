@@ -101,16 +101,43 @@ def _artifact_root(settings, tmp_path_factory: pytest.TempPathFactory) -> None: 
     settings.FERRY_ARTIFACT_ROOT = tmp_path_factory.getbasetemp() / "store"
 
 
-def register(path: Path, name: str, fmt: str = "torchscript", io: dict | None = None, **batching: object):
-    """Register and validate synchronously; returns the ModelVersion."""
+TEST_TENANT = "test"
+_OWNER = object()  # register()'s default owner: the test tenant
+
+
+def tenant(slug: str = TEST_TENANT):  # noqa: ANN201
+    """The tenant `slug`, created if missing."""
+    from tenants.models import Tenant
+
+    return Tenant.objects.get_or_create(slug=slug, defaults={"name": slug.title()})[0]
+
+
+def mint_key(slug: str = TEST_TENANT, scopes: tuple[str, ...] = ("infer", "manage"), **extra: object) -> str:
+    """A fresh API key token for tenant `slug`."""
+    from tenants.actions import create_key
+
+    return create_key(tenant=tenant(slug), name=f"test-{slug}", scopes=list(scopes), **extra)[1]
+
+
+def register(path: Path, name: str, fmt: str = "torchscript", io: dict | None = None, *,
+             owner: object = _OWNER, visibility: str = "public", **batching: object):
+    """Register and validate synchronously; returns the ModelVersion. The model belongs to the test tenant
+    (or `owner`, a Tenant or None for a platform model) with `visibility`, public by default."""
     from serving.actions import register_version
 
     io = io or DIGITS_IO
     with path.open("rb") as f:
-        return register_version(
+        version = register_version(
             model_name=name, artifact_file=f, fmt=fmt, inputs=io["inputs"], outputs=io["outputs"],
             validate="sync", **batching,
         )
+    model = version.model
+    owner = tenant() if owner is _OWNER else owner
+    if model.tenant_id != (owner.pk if owner is not None else None) or model.visibility != visibility:
+        model.tenant = owner
+        model.visibility = visibility
+        model.save(update_fields=["tenant", "visibility", "updated_at"])
+    return version
 
 
 def free_port() -> int:
@@ -136,8 +163,10 @@ class LiveServer:
                                 **{"log_level": "warning", "loop": "asyncio", **overrides})
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.key: str | None = None  # infer + manage for the test tenant, minted at start
 
     def start(self) -> LiveServer:
+        self.key = mint_key()
         self.thread.start()
         deadline = time.monotonic() + 120
         while not self.server.started:
@@ -191,4 +220,4 @@ def digits_server(transactional_db, model_files: Artifacts) -> Iterator[LiveServ
         server.stop()
 
 
-__all__ = ["Digits", "register", "DIGITS_IO", "TOKENS_IO", "LiveServer"]
+__all__ = ["Digits", "register", "tenant", "mint_key", "DIGITS_IO", "TOKENS_IO", "LiveServer"]

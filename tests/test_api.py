@@ -593,6 +593,7 @@ def admin_post(client, model: Model, **version_fields: object):  # noqa: ANN001,
     rows = list(model.versions.order_by("version"))
     data = {
         "name": model.name, "description": model.description, "task": model.task, "fallback": "",
+        "tenant": model.tenant_id or "", "visibility": model.visibility,
         "versions-TOTAL_FORMS": str(len(rows)), "versions-INITIAL_FORMS": str(len(rows)),
         "versions-MIN_NUM_FORMS": "0", "versions-MAX_NUM_FORMS": "1000", "_save": "Save",
     }

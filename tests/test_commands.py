@@ -1,4 +1,4 @@
-"""Management commands: register_model and ensure_demo_user.
+"""Management commands: register_model, ensure_demo_user, create_api_key and revoke_api_key.
 
 build_demo_models is left to `make run`: it trains for about a minute.
 """
@@ -111,9 +111,10 @@ def test_register_model_rejects_broken_artifacts(model_files, tmp_path) -> None:
         register_cli("digits-zero", model_files.digits, *DIGITS_ARGS, "--max-batch-size", "0")
 
 
-def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model) -> None:  # noqa: ANN001
+def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model, settings, tmp_path) -> None:  # noqa: ANN001
     from tenants.models import Membership, Role
 
+    settings.DATA_DIR = tmp_path
     monkeypatch.setenv("FERRY_ADMIN_USER", "operator")
     monkeypatch.setenv("FERRY_ADMIN_PASSWORD", "first-password")
 
@@ -124,8 +125,8 @@ def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model) -> None:
     user = django_user_model.objects.get(username="operator")
     assert user.is_staff and user.is_superuser
     assert user.check_password("first-password")
-    membership = Membership.objects.get(user=user)
-    assert membership.role == Role.OPERATOR and membership.tenant.slug == "default"
+    membership = Membership.objects.get(user=user, tenant__slug="default")
+    assert membership.role == Role.OPERATOR
 
     # when it runs again, even with another password in the environment
     monkeypatch.setenv("FERRY_ADMIN_PASSWORD", "second-password")
@@ -138,4 +139,87 @@ def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model) -> None:
     assert django_user_model.objects.filter(username="operator").count() == 1
     user.refresh_from_db()
     assert user.check_password("first-password")
-    assert Membership.objects.filter(user=user).count() == 1
+    assert Membership.objects.filter(user=user).count() == 2  # default and demo
+
+
+def test_ensure_demo_user_gives_the_demo_tenant_its_models_and_a_key(  # noqa: ANN001
+    monkeypatch, django_user_model, settings, tmp_path, model_files
+) -> None:
+    import stat
+
+    from serving.management.commands.ensure_demo_user import key_still_valid
+    from serving.models import Model
+    from tenants.models import ApiKey, Membership, Role
+
+    settings.DATA_DIR = tmp_path
+    monkeypatch.setenv("FERRY_ADMIN_USER", "admin")
+    # given a demo model and another model registered without a tenant
+    register_cli("digits", model_files.digits, *DIGITS_ARGS)
+    register_cli("mine", model_files.digits, *DIGITS_ARGS)
+    # when the command runs
+    out = StringIO()
+    call_command("ensure_demo_user", stdout=out)
+    # then tenant demo exists, admin is its operator, and the demo model is its public model; the other is not
+    admin = django_user_model.objects.get(username="admin")
+    assert Membership.objects.get(user=admin, tenant__slug="demo").role == Role.OPERATOR
+    digits = Model.objects.get(name="digits")
+    assert digits.tenant.slug == "demo" and digits.visibility == "public"
+    assert Model.objects.get(name="mine").tenant is None
+    # and one key with infer and manage, its token in demo-api-key (mode 600), printed once with examples
+    path = tmp_path / "demo-api-key"
+    token = path.read_text().strip()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert key_still_valid(token)
+    key = ApiKey.objects.get(tenant__slug="demo")
+    assert key.scopes == ["infer", "manage"] and token.startswith(f"fy_{key.prefix}_")
+    assert token in out.getvalue() and "curl" in out.getvalue() and "headers=" in out.getvalue()
+    assert token not in key.digest and key.digest != token
+
+    # when it runs again / then the key is kept and its token is not printed again
+    again = StringIO()
+    call_command("ensure_demo_user", stdout=again)
+    assert token not in again.getvalue() and "existing" in again.getvalue()
+    assert ApiKey.objects.filter(tenant__slug="demo").count() == 1
+    assert path.read_text().strip() == token
+
+    # when the key was revoked / then the next run makes a new one and writes it
+    call_command("revoke_api_key", key.prefix, stdout=StringIO())
+    third = StringIO()
+    call_command("ensure_demo_user", stdout=third)
+    fresh = path.read_text().strip()
+    assert fresh != token and fresh in third.getvalue() and key_still_valid(fresh)
+
+
+def test_create_and_revoke_api_key_commands() -> None:
+    from django.conf import settings
+
+    from tenants.keys import matches, pepper_from, split
+    from tenants.models import ApiKey, Tenant
+
+    Tenant.objects.create(slug="acme", name="Acme")
+    # given a tenant / when a key is created with both scopes and an expiry / then only its token is printed
+    out, err = StringIO(), StringIO()
+    call_command("create_api_key", "acme", "checkout", "--scope", "infer", "--scope", "manage",
+                 "--expires-in-days", "30", stdout=out, stderr=err)
+    token = out.getvalue().strip()
+    prefix, secret = split(token)
+    key = ApiKey.objects.get(prefix=prefix)
+    assert key.scopes == ["infer", "manage"] and key.expires_at is not None and key.name == "checkout"
+    assert prefix in err.getvalue() and secret not in err.getvalue()
+    assert matches(pepper_from(settings.SECRET_KEY), secret, key.digest)
+    # when revoked by prefix / then revoked_at is set; again says so
+    revoked = StringIO()
+    call_command("revoke_api_key", prefix, stdout=revoked)
+    key.refresh_from_db()
+    assert key.revoked_at is not None and "revoked" in revoked.getvalue()
+    again = StringIO()
+    call_command("revoke_api_key", token, stdout=again)
+    assert "already revoked" in again.getvalue()
+    # and bad requests are refused with the reason
+    with pytest.raises(CommandError, match="no tenant"):
+        call_command("create_api_key", "nobody", "x", "--scope", "infer", stdout=StringIO(), stderr=StringIO())
+    with pytest.raises(CommandError, match="positive"):
+        call_command("create_api_key", "acme", "x", "--scope", "infer", "--expires-in-days", "0",
+                     stdout=StringIO(), stderr=StringIO())
+    with pytest.raises(CommandError, match="no API key"):
+        call_command("revoke_api_key", "zzzzzzzzzz", stdout=StringIO())

@@ -62,7 +62,7 @@ def send_inferences(server, model: str, count: int) -> None:  # noqa: ANN001
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         try:
             conn.request("POST", f"/v2/models/{model}/infer", body=body,
-                         headers={"Content-Type": "application/json"})
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
             resp = conn.getresponse()
             resp.read()
             assert resp.status == 200

@@ -20,7 +20,7 @@ def post(server: LiveServer, model: str, payload: dict) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
         conn.request("POST", f"/v2/models/{model}/infer", body=orjson.dumps(payload),
-                     headers={"Content-Type": "application/json"})
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
         resp = conn.getresponse()
         return resp.status, orjson.loads(resp.read())
     finally:

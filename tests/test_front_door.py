@@ -323,7 +323,8 @@ def test_trickling_inference_body_is_answered_408(digits_server, settings) -> No
     settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
     body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}]})
     prefix = head("POST", "/v2/models/digits/infer", {"Content-Type": "application/json",
-                                                       "Content-Length": str(len(body))})
+                                                       "Content-Length": str(len(body)),
+                                                       "Authorization": f"Bearer {digits_server.key}"})
     # when the body comes one byte at a time
     reply, sent, closed = trickle(digits_server.port, body, prefix=prefix)
     # then 408 as JSON before the body is complete, and the connection is closed
@@ -386,7 +387,7 @@ def test_deadline_bounds_reading_not_answering(transactional_db, settings, model
         # when a request is read at once but answered after the deadline / then it is answered 200
         for _ in range(2):
             conn.request("POST", "/v2/models/slow/infer", body=orjson.dumps(digits_request(zeros)),
-                         headers={"Content-Type": "application/json"})
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
             resp = conn.getresponse()
             answer = Resp(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
             assert scores(answer).shape == (1, 10)
@@ -447,7 +448,8 @@ def test_body_budget_answers_503_then_recovers(digits_server, settings) -> None:
     with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as first:
         # and a first request that has sent 150 KiB of its body and is still sending
         first.sendall(head("POST", "/v2/models/digits/infer", {"Content-Type": "application/json",
-                                                                 "Content-Length": str(len(body))}))
+                                                                 "Content-Length": str(len(body)),
+                                                                 "Authorization": f"Bearer {digits_server.key}"}))
         first.sendall(body[:held])
         wait_until(lambda: gauge() >= held, "the server holding the first body", deadline_s=15)
         # when a second 200 KiB body arrives / then 503 as JSON with Retry-After
@@ -540,7 +542,8 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
         GATE.drop = 1.0
         GATE._random = lambda: 0.0
         # when inference comes / then 503 JSON with Retry-After, and health is untouched
-        conn.request("POST", "/v2/models/digits/infer", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v2/models/digits/infer", body,
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}"})
         refused = conn.getresponse()
         payload = json.loads(refused.read())
         assert refused.status == 503 and refused.getheader("retry-after") == "1"
@@ -551,7 +554,8 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
         assert live.status == 200
         # and when the gate opens, the same keep-alive connection is served
         GATE.reset()
-        conn.request("POST", "/v2/models/digits/infer", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v2/models/digits/infer", body,
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}"})
         served = conn.getresponse()
         served.read()
         assert served.status == 200

@@ -140,7 +140,7 @@ def test_a_request_whose_client_left_is_dropped_before_it_runs(  # noqa: ANN001
     body = orjson.dumps(digits_request(x[:1]))
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     sock.sendall(b"POST /v2/models/held/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                 + f"Authorization: Bearer {server.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     wait_until(lambda: plane.node.queue_depth("held:1") == 1, "the request to queue")
     # when its client disconnects before the window closes
     sock.close()

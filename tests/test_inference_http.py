@@ -48,13 +48,22 @@ class Resp:
         return payload["error"]
 
 
+SERVER_KEY = object()  # call()'s default: the live server's own key (infer + manage, the test tenant)
+
+
+def auth_headers(server, auth: object = SERVER_KEY) -> dict[str, str]:  # noqa: ANN001
+    """The Authorization header for `auth`: the server's key by default, a given token, or None for none."""
+    token = getattr(server, "key", None) if auth is SERVER_KEY else auth
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def call(server, method: str, path: str, body: bytes | dict | list | None = None,  # noqa: ANN001
-         headers: dict[str, str] | None = None) -> Resp:
+         headers: dict[str, str] | None = None, auth: object = SERVER_KEY) -> Resp:
     if isinstance(body, dict | list):
         body = orjson.dumps(body)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
     try:
-        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        all_headers = {"Content-Type": "application/json", **auth_headers(server, auth), **(headers or {})}
         conn.request(method, path, body=body, headers=all_headers)
         resp = conn.getresponse()
         return Resp(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
@@ -62,8 +71,9 @@ def call(server, method: str, path: str, body: bytes | dict | list | None = None
         conn.close()
 
 
-def infer(server, model: str, body: bytes | dict, headers: dict[str, str] | None = None) -> Resp:  # noqa: ANN001
-    return call(server, "POST", f"/v2/models/{model}/infer", body, headers)
+def infer(server, model: str, body: bytes | dict, headers: dict[str, str] | None = None,  # noqa: ANN001
+          auth: object = SERVER_KEY) -> Resp:
+    return call(server, "POST", f"/v2/models/{model}/infer", body, headers, auth)
 
 
 def digits_request(rows: np.ndarray, **extra: object) -> dict:

@@ -1,13 +1,41 @@
 import os
+from pathlib import Path
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
-from tenants.models import Membership, Role, Tenant
+from serving.demo import give_to_tenant
+from tenants import keys
+from tenants.actions import create_key
+from tenants.models import ROLE_RANK, ApiKey, Membership, Role, Tenant
+
+KEY_FILE = "demo-api-key"
+
+
+def key_still_valid(token: str) -> bool:
+    """Whether `token` is an active key in the registry under the current pepper."""
+    parts = keys.split(token)
+    if parts is None:
+        return False
+    key = ApiKey.objects.filter(prefix=parts[0]).first()
+    return (key is not None and key.active
+            and keys.matches(keys.pepper_from(settings.SECRET_KEY), parts[1], key.digest))
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` readable by this user only (0600), whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 class Command(BaseCommand):
-    help = "Create the embedded-mode operator account (FERRY_ADMIN_USER / FERRY_ADMIN_PASSWORD) if missing."
+    help = ("Create the embedded-mode operator account (FERRY_ADMIN_USER / FERRY_ADMIN_PASSWORD), the demo "
+            "tenant that owns the demo models, and a demo API key in $FERRY_DATA_DIR/demo-api-key, if missing.")
 
     def handle(self, *args: object, **options: object) -> None:
         username = os.environ.get("FERRY_ADMIN_USER", "admin")
@@ -24,3 +52,30 @@ class Command(BaseCommand):
             self.stdout.write(f"console login: {username} / {password} (change it in /admin/)")
         else:
             self.stdout.write(f"console login: {username} (existing account)")
+        self._demo_tenant(user)
+
+    def _demo_tenant(self, user: object) -> None:
+        demo, _ = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
+        highest = max(ROLE_RANK, key=ROLE_RANK.__getitem__)
+        Membership.objects.update_or_create(user=user, tenant=demo, defaults={"role": highest})
+        given = give_to_tenant(demo)
+        if given:
+            self.stdout.write(f"demo models now public models of tenant demo: {', '.join(given)}")
+        path = Path(settings.DATA_DIR) / KEY_FILE
+        try:
+            existing = path.read_text().strip()
+        except OSError:
+            existing = ""
+        if existing and key_still_valid(existing):
+            self.stdout.write(f"demo API key: in {path} (existing)")
+            return
+        key, token = create_key(tenant=demo, name="demo", scopes=list(keys.SCOPES), created_by=user)
+        write_secret(path, token + "\n")
+        self.stdout.write(
+            f"demo API key (scopes {', '.join(key.scopes)}), shown once and kept in {path} (mode 600):\n"
+            f"  {token}\n"
+            "try it:\n"
+            f"  curl -s -H \"Authorization: Bearer $(cat {path})\" http://127.0.0.1:8000/v2/models/digits\n"
+            "  # tritonclient:\n"
+            f"  client.infer(\"digits\", [x], headers={{\"Authorization\": \"Bearer {token}\"}})"
+        )
