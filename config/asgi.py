@@ -14,7 +14,7 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_app = get_asgi_application()
 
 from serving.consumers import InferenceConsumer  # noqa: E402
-from serving.frontdoor import bounded, metered  # noqa: E402
+from serving.frontdoor import bounded  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
 
 inference_app = InferenceConsumer.as_asgi()
@@ -23,8 +23,9 @@ inference_app = InferenceConsumer.as_asgi()
 async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
     path = scope["path"]
     if path == "/v2" or path.startswith("/v2/") or path == "/metrics":
-        # The consumer bounds its own body (413 past FERRY_MAX_INFER_BODY_BYTES); only the budget here.
-        return await metered(inference_app, scope, receive, send)
+        # The consumer bounds its own body (413 past FERRY_MAX_INFER_BODY_BYTES) and charges it to the
+        # process's budget itself: no wrapper on the hot path.
+        return await inference_app(scope, receive, send)
     return await bounded(django_app, scope, receive, send)
 
 

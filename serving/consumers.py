@@ -25,10 +25,10 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import dataplane, metrics
+from serving import dataplane, frontdoor, metrics
 from serving.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.errors import NotFound, ServingError, Unavailable
-from serving.gateway import parse_version
+from serving.gateway import CLIENT_CLOSED, parse_version
 from serving.protocol import error_body
 from serving.snapshot import VersionEntry
 
@@ -42,10 +42,6 @@ SERVER_METADATA = orjson.dumps(
 
 class MethodNotAllowed(ServingError):
     status = 405
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request was being served: nothing is sent."""
 
 
 class InferenceConsumer(AsyncHttpConsumer):
@@ -62,17 +58,20 @@ class InferenceConsumer(AsyncHttpConsumer):
         # (stamped by the front door) through header parsing and the event loop's ready queue.
         first_byte = scope.get("ferry.first_byte")
         self._waited = time.monotonic() - first_byte if first_byte is not None else 0.0
+        self._received = self._charged = 0
         try:
             # Most requests arrive in one message; a body still coming must keep coming.
             message = await receive()
             while True:
                 await self.dispatch(message)
                 message = await asyncio.wait_for(receive(), settings.FERRY_BODY_TIMEOUT_S)
-        except (StopConsumer, ClientGone):
+        except StopConsumer:
             pass
         except TimeoutError:
             body = error_body(f"request body not received within {settings.FERRY_BODY_TIMEOUT_S:g} s")
             await self.send_response(408, body, headers=[*JSON, (b"content-length", str(len(body)).encode())])
+        finally:
+            frontdoor.discharge(self._charged)
 
     async def dispatch(self, message: dict) -> None:
         handler = getattr(self, get_handler_name(message), None)
@@ -84,9 +83,13 @@ class InferenceConsumer(AsyncHttpConsumer):
         chunk = message.get("body", b"")
         if chunk:
             self.body.append(chunk)
-            self._received = getattr(self, "_received", 0) + len(chunk)
+            self._received += len(chunk)
             if self._received > settings.FERRY_MAX_INFER_BODY_BYTES:
                 await self._too_large()
+            # The process-wide budget of body bytes held (the front door's, shared with Django's routes).
+            if not frontdoor.charge(len(chunk)):
+                await self._over_budget()
+            self._charged += len(chunk)
         if not message.get("more_body"):
             try:
                 await self.handle(b"".join(self.body))
@@ -99,17 +102,24 @@ class InferenceConsumer(AsyncHttpConsumer):
         await self.send_response(413, body, headers=[*JSON, (b"content-length", str(len(body)).encode())])
         raise StopConsumer()
 
+    async def _over_budget(self) -> None:
+        body = error_body("server holds its budget of bytes of request bodies; retry shortly")
+        await self.send_response(
+            503, body, headers=[*JSON, (b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]
+        )
+        raise StopConsumer()
+
     async def handle(self, body: bytes) -> None:
         try:
             status, payload, headers = await self._dispatch(body)
         except ServingError as exc:
+            if exc.status == CLIENT_CLOSED:
+                return  # its client went away: nothing to send
             status, payload, headers = exc.status, error_body(exc.message), [*JSON, *exc.headers]
             if isinstance(exc, Unauthenticated | Forbidden):
                 metrics.REQUESTS.labels("", "", str(exc.status)).inc()  # refused before routing
             if exc.retry_after is not None:
                 headers.append((b"retry-after", str(math.ceil(exc.retry_after)).encode()))
-        except ClientGone:
-            raise
         except Exception:
             log.exception("unhandled error on %s %s", self.scope.get("method"), self.scope.get("path"))
             metrics.INTERNAL_ERRORS.labels("inference").inc()
@@ -163,7 +173,7 @@ class InferenceConsumer(AsyncHttpConsumer):
             _method(method, "POST")
             self._shed_if_saturated(plane, name, version, viewer)
             header_length = self._header_length()
-            reply = await self._unless_client_leaves(gateway.infer(name, version, body, header_length, viewer))
+            reply = await gateway.infer(name, version, body, header_length, viewer, gone=self.scope.get("ferry.gone"))
             return reply.status, reply.body, reply.headers
         _method(method, "GET")
         model = gateway.model(name, viewer)
@@ -224,7 +234,6 @@ class InferenceConsumer(AsyncHttpConsumer):
         this request waited between its first byte and this handler (the wait of bytes read)."""
         lag_ms = plane.loop_lag * 1000
         waited_ms = self._waited * 1000
-        metrics.INFLIGHT_WAIT.observe(self._waited)
         if lag_ms <= settings.FERRY_MAX_LOOP_LAG_MS and waited_ms <= settings.FERRY_MAX_FRONTEND_WAIT_MS:
             return
         entry = self._routed_or_none(plane, name, version, viewer)
@@ -260,32 +269,6 @@ class InferenceConsumer(AsyncHttpConsumer):
                 metrics.REQUESTS.labels(entry.model, str(entry.version), str(status)).inc()
                 return
         metrics.REQUESTS.labels("", "", str(status)).inc()
-
-    async def _unless_client_leaves(self, work):  # noqa: ANN001, ANN202
-        """Await `work`, cancelling it if the client disconnects first, so its queued request is dropped
-        before it runs. uvicorn's receive() returns http.disconnect when the connection goes away."""
-        loop = asyncio.get_running_loop()
-        me = asyncio.current_task()
-        watcher = loop.create_task(self._receive())
-        state = {"gone": False, "done": False}
-
-        def on_message(task: asyncio.Task) -> None:
-            if state["done"] or task.cancelled() or task.exception() is not None:
-                return
-            if task.result().get("type") == "http.disconnect" and me is not None:
-                state["gone"] = True
-                me.cancel()
-
-        watcher.add_done_callback(on_message)
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if state["gone"]:
-                raise ClientGone() from None
-            raise
-        finally:
-            state["done"] = True
-            watcher.cancel()
 
     def _header_length(self) -> int | None:
         for key, value in self.scope["headers"]:

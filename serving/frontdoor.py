@@ -170,6 +170,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         now = time.monotonic()
         scope = self.scope
         scope["ferry.first_byte"] = now  # type: ignore[typeddict-unknown-key]
+        # Whether the client has gone: checked when the request's turn comes, so a queued request whose
+        # client left is dropped unrun, with no task per request watching the connection.
+        scope["ferry.gone"] = self.transport.is_closing  # type: ignore[typeddict-unknown-key]
         scope["ferry.extend_read_deadline"] = self._extend  # type: ignore[typeddict-unknown-key]
         self.reading = True
         self.read_deadline_s = self.read_timeout
@@ -291,6 +294,21 @@ _inflight = 0  # body bytes held by requests in progress, process-wide (one even
 Gauge("ferry_frontdoor_inflight_body_bytes", "Request body bytes held by requests in progress").set_function(
     lambda: _inflight
 )
+
+
+def charge(nbytes: int) -> bool:
+    """Count `nbytes` more of request body held; False (and nothing counted) past the budget."""
+    global _inflight
+    if _inflight + nbytes > settings.FERRY_MAX_INFLIGHT_BODY_BYTES:
+        _BUDGET.inc()
+        return False
+    _inflight += nbytes
+    return True
+
+
+def discharge(nbytes: int) -> None:
+    global _inflight
+    _inflight -= nbytes
 
 
 async def metered(app: App, scope: Scope, receive: Receive, send: Send, limit: int | None = None,

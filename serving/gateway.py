@@ -5,8 +5,8 @@ No database access here: everything comes from the routing snapshot held in memo
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.routing import RouteError, choose_version
@@ -72,7 +72,8 @@ class Gateway:
             raise ServingError(exc.message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
 
     async def infer(
-        self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None
+        self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None,
+        gone: Callable[[], bool] | None = None,
     ) -> Reply:
         arrived = self._clock()
         entry = self.route(name, version, viewer)
@@ -91,7 +92,7 @@ class Gateway:
             served = entry
             try:
                 outputs = await self.transport.infer(
-                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body)
+                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone
                 )
             except Unavailable as refused:
                 served = self._fallback(entry, name, request.rows, viewer) if self.use_fallback else None
@@ -99,7 +100,7 @@ class Gateway:
                     raise
                 try:
                     outputs = await self.transport.infer(
-                        served, request.inputs, request.rows, deadline, priority, nbytes=len(body)
+                        served, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone
                     )
                 except Unavailable:
                     raise refused from None  # the caller asked for the primary: its refusal is the answer
@@ -126,9 +127,6 @@ class Gateway:
             vm.answered(exc.status, self._clock() - arrived)
             if isinstance(exc, Shed):
                 asked.shed(exc.reason, exc.tier)
-            raise
-        except asyncio.CancelledError:
-            vm.answered(CLIENT_CLOSED, self._clock() - arrived)
             raise
         vm.answered(200, self._clock() - arrived)
         asked.saturation.mark("fallback" if fell_back else "served")

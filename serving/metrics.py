@@ -36,9 +36,6 @@ ABANDONED = Counter("ferry_abandoned", "Queued requests dropped unrun because th
 ADMISSION_WAIT = Histogram("ferry_admission_estimate_seconds",
                            "Estimated completion time (device backlog + own compute) at admission",
                            ["model", "version"], buckets=LATENCY_BUCKETS)
-INFLIGHT_WAIT = Histogram("ferry_frontend_wait_seconds",
-                          "Time from a request's first byte to the inference handler (this process's backlog)",
-                          buckets=LATENCY_BUCKETS)
 LOOP_LAG = Gauge("ferry_event_loop_lag_seconds", "How late this process's event loop runs its timers (smoothed)")
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 

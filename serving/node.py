@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 class Job:
     inputs: dict[str, np.ndarray]
     future: asyncio.Future[dict[str, np.ndarray]]
+    gone: Callable[[], bool] | None = None  # the client left: drop unrun
 
 
 @dataclass
@@ -125,6 +126,14 @@ class Node:
             ))
         hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
 
+    @staticmethod
+    def _dropped(hosted: Hosted, items: list[Pending]) -> None:
+        """Queued requests whose clients left, dropped unrun: answered 499 (never sent), counted."""
+        for pending in items:
+            if not pending.payload.future.done():
+                hosted.metrics.abandoned.inc()
+                _fail(pending, ServingError("the client closed the connection", status=499))
+
     async def load(self, entry: VersionEntry) -> Hosted | None:
         loop = asyncio.get_running_loop()
         try:
@@ -150,7 +159,7 @@ class Node:
         hosted = Hosted(entry, runtime, None, latency, vm)  # type: ignore[arg-type]
         hosted.batcher = Batcher(
             queue, lambda batch: self._run_batch(hosted, batch), self._expired, clock=self._clock,
-            on_dropped=lambda items: hosted.metrics.abandoned.inc(sum(p.payload.future.cancelled() for p in items)),
+            on_dropped=lambda items: self._dropped(hosted, items),
         )
         if start:
             hosted.batcher.start()
@@ -201,7 +210,7 @@ class Node:
 
     async def infer(
         self, key: str, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        nbytes: int = 0,
+        nbytes: int = 0, gone: Callable[[], bool] | None = None,
     ) -> dict[str, np.ndarray]:
         hosted = self.hosted.get(key)
         if hosted is None:
@@ -233,7 +242,7 @@ class Node:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
         try:
-            evicted = hosted.batcher.submit(Pending(Job(inputs, future), rows, now, deadline, priority, nbytes))
+            evicted = hosted.batcher.submit(Pending(Job(inputs, future, gone), rows, now, deadline, priority, nbytes))
         except QueueFull as exc:
             raise Shed(f"{key}: {exc}", reason="queue_full", tier=priority, retry_after=self.retry_after(now)) from None
         top = hosted.entry.batching.max_batch_size
@@ -376,8 +385,9 @@ def _fail(pending: Pending, error: Exception) -> None:
 
 
 def _abandoned(pending: Pending) -> bool:
-    """The caller stopped waiting (disconnected, or its deadline timer answered it already)."""
-    return pending.payload.future.done()
+    """Nobody waits for it any more: its client left, or it was answered already (its deadline timer)."""
+    job = pending.payload
+    return job.future.done() or (job.gone is not None and job.gone())
 
 
 def _expire_future(future: asyncio.Future[dict[str, np.ndarray]]) -> None:

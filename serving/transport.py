@@ -3,6 +3,7 @@ Redis Streams transport implements for distributed mode."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -16,10 +17,11 @@ if TYPE_CHECKING:
 class Transport(Protocol):
     async def infer(
         self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0,
+        *, nbytes: int = 0, gone: Callable[[], bool] | None = None,
     ) -> dict[str, np.ndarray]:
         """Answer one request or raise a `ServingError`; `deadline` is on the monotonic clock; `nbytes`
-        is what the request holds in memory while it waits (queues are bounded in bytes too)."""
+        is what the request holds in memory while it waits (queues are bounded in bytes too); `gone`
+        says whether its client has left (its request is then dropped unrun, answered 499)."""
         ...
 
 
@@ -29,6 +31,6 @@ class InProcessTransport:
 
     async def infer(
         self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0,
+        *, nbytes: int = 0, gone: Callable[[], bool] | None = None,
     ) -> dict[str, np.ndarray]:
-        return await self.node.infer(entry.key, inputs, rows, deadline, priority, nbytes)
+        return await self.node.infer(entry.key, inputs, rows, deadline, priority, nbytes, gone)

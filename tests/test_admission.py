@@ -308,18 +308,25 @@ async def test_a_caller_that_leaves_is_dropped_before_its_batch_runs(node) -> No
             p.payload.future.set_result({})
 
     hosted.batcher._run_batch = run_batch
-    tasks = await queued(node, "a", 3)
-    tasks[1].cancel()
+    left = {1: False, 2: False, 3: False}
+    tasks = [
+        asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 100, 1, 0, lambda i=i: left[i]))
+        for i in (1, 2, 3)
+    ]
     await asyncio.sleep(0)
     before = hosted.metrics.abandoned._value.get()
-    # when the batch leaves (the fake clock passes the window)
+    # when the middle one's client leaves, and then the batch leaves (the fake clock passes the window)
+    left[2] = True
     node.clock.now += 11
     await hosted.batcher.process_one_batch()
-    # then only the two live requests ran, and the abandoned one was counted
+    # then only the two live requests ran, and the abandoned one was answered 499 (never sent) and counted
     assert ran == [1, 1]
     assert hosted.metrics.abandoned._value.get() == before + 1
     assert len(hosted.batcher.queue) == 0
     await asyncio.gather(tasks[0], tasks[2])
+    with pytest.raises(ServingError) as gone:
+        tasks[1].result()
+    assert gone.value.status == 499
 
 
 async def test_shrinking_max_batch_answers_queued_requests_that_no_longer_fit(node) -> None:  # noqa: ANN001
