@@ -48,7 +48,11 @@ class DeviceShare:
 
     def higher_than(self, priority: int, now: float) -> float:
         """Share of the device taken by tiers above `priority` (lower numbers), recently."""
-        return sum(self._decayed(p, now) for p in self._levels if p < priority)
+        total = 0.0
+        for p in self._levels:
+            if p < priority:
+                total += self._decayed(p, now)
+        return total
 
     def _decayed(self, priority: int, now: float) -> float:
         value, at = self._levels.get(priority, (0.0, now))

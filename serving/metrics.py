@@ -33,9 +33,6 @@ POISON = Counter("ferry_poison_requests", "Requests the model failed on, found b
                  ["model", "version"])
 ABANDONED = Counter("ferry_abandoned", "Queued requests dropped unrun because their caller went away",
                     ["model", "version"])
-ADMISSION_WAIT = Histogram("ferry_admission_estimate_seconds",
-                           "Estimated completion time (device backlog + own compute) at admission",
-                           ["model", "version"], buckets=LATENCY_BUCKETS)
 LOOP_LAG = Gauge("ferry_event_loop_lag_seconds", "How late this process's event loop runs its timers (smoothed)")
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 
@@ -94,21 +91,22 @@ class SaturationWindow:
         self._lock = threading.Lock()
 
     def mark(self, kind: str, now: float | None = None) -> None:
+        # No lock on this hot path: only the event loop's thread marks; a reader copies the buckets,
+        # and at worst sees a count one behind.
         second = int(now if now is not None else time.monotonic())
-        with self._lock:
-            if not self._buckets or self._buckets[-1][0] != second:
-                self._buckets.append((second, dict.fromkeys(self.KINDS, 0)))
-            self._buckets[-1][1][kind] += 1
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] != second:
+            buckets.append((second, dict.fromkeys(self.KINDS, 0)))
+        buckets[-1][1][kind] += 1
 
     def shares(self, now: float | None = None) -> dict[str, float]:
         """Each kind's share of the answers in the window (empty when there were none)."""
         since = int(now if now is not None else time.monotonic()) - self.window
         totals = dict.fromkeys(self.KINDS, 0)
-        with self._lock:
-            for second, counts in self._buckets:
-                if second > since:
-                    for kind, n in counts.items():
-                        totals[kind] += n
+        for second, counts in list(self._buckets):
+            if second > since:
+                for kind, n in list(counts.items()):
+                    totals[kind] += n
         total = sum(totals.values())
         return {k: v / total for k, v in totals.items()} if total else {}
 
@@ -127,7 +125,6 @@ class VersionMetrics:
         self.loaded = LOADED.labels(*labels)
         self.poison = POISON.labels(*labels)
         self.abandoned = ABANDONED.labels(*labels)
-        self.admission_estimate = ADMISSION_WAIT.labels(*labels)
         self._status: dict[int, Counter] = {}
         self._shed: dict[tuple[str, int], Counter] = {}
         # Answers by kind over the live window: admitted (200), fallback, shed; for the console's

@@ -231,7 +231,6 @@ class Node:
                 higher_share=hosted.share.higher_than(priority, now),
             )
             completion = verdict.completion
-            hosted.metrics.admission_estimate.observe(completion)
             if not verdict.admit:
                 why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share of"
                 raise Shed(
