@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench import loadgen
-from bench.report import Settings
+from bench.report import COMPARE_END, COMPARE_START, Settings, compare_section
 from bench.run import digits_body, mlp_body, sweep
 from bench.server import ROOT, Server, free_port, manage, say, use_key
 
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short steps: a smoke run, not numbers to publish")
     p.add_argument("--keep", action="store_true", help="keep the worktrees and data dirs under /tmp")
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    p.add_argument("--record", type=Path, help="write the result into this report's compare section "
+                   "(e.g. docs/benchmarks.md; `make bench` keeps the section)")
     a = p.parse_args(argv)
     s = Settings.for_mode(a.quick)
     figures: dict[str, list[float | None]] = {"a": [], "b": []}
@@ -129,7 +131,42 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"model": a.model, "quick": a.quick, "revs": {a.rev_a: shas["a"], a.rev_b: shas["b"]},
                "runs": figures, "median": med, "ratio": ratio}  # fmt: skip
         a.json.write_text(json.dumps(doc, indent=2))
+    if a.record:
+        record(a.record, a, shas, figures, med, ratio, " ".join(["python -m bench.compare", *(argv or sys.argv[1:])]))
     return 0 if ratio is not None else 1
+
+
+def record(path: Path, a: argparse.Namespace, shas: dict[str, str], figures: dict[str, list[float | None]],
+           med: dict[str, float | None], ratio: float | None, command: str) -> None:  # fmt: skip
+    import datetime
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:,.1f}"
+
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        COMPARE_START,
+        "## Two revisions back to back",
+        "",
+        f"`{command}` on {when}, alternating the revisions round by round on this machine, each from a fresh data"
+        f" dir, each with this checkout's open-loop sweep ({a.model}, p99 < 300 ms, < 0.1% errors). Median of the"
+        " rounds:",
+        "",
+        "| revision | commit | req/s per round | median |",
+        "|---|---|---|---|",
+    ]
+    for key, rev in (("a", a.rev_a), ("b", a.rev_b)):
+        lines.append(f"| {rev} | {shas[key][:12]} | {', '.join(fmt(v) for v in figures[key])} | **{fmt(med[key])}** |")
+    lines += ["", f"Ratio {a.rev_b} / {a.rev_a}: **{'n/a' if ratio is None else f'{ratio:.3f}'}**.", "", COMPARE_END]
+    section = "\n".join(lines)
+    text = path.read_text() if path.exists() else ""
+    old = compare_section(text)
+    if old:
+        text = text.replace(old, section)
+    else:
+        marker = "\n## Every step"
+        text = text.replace(marker, f"\n{section}\n{marker}", 1) if marker in text else f"{text}\n{section}\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,15 @@ def verdict(v: float | None) -> str:
     return "n/a — FAIL" if v is None else f"{v:.2f} — {'PASS' if v >= TARGET_RATIO else 'FAIL'}"
 
 
+COMPARE_START, COMPARE_END = "<!-- compare:start -->", "<!-- compare:end -->"
+
+
+def compare_section(text: str) -> str:
+    """The section `bench.compare --record` wrote into an existing report, to keep when the page is rewritten."""
+    start, end = text.find(COMPARE_START), text.find(COMPARE_END)
+    return text[start : end + len(COMPARE_END)] if 0 <= start < end else ""
+
+
 def write_report(
     path: Path,
     facts: dict[str, str],

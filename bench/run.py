@@ -39,6 +39,7 @@ from bench.report import (
     WIDE_OFF,
     Settings,
     Sweep,
+    compare_section,
     fmt,
     plot,
     ratios,
@@ -352,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
             overload_report.plot(a.docs, over)
         else:
             lines = overload_report.section(over, o) if over is not None else []
+            # The back-to-back comparison of two revisions (bench.compare --record) is not rerun here: keep it.
+            report = a.docs / "benchmarks.md"
+            kept = compare_section(report.read_text()) if report.exists() else ""
+            if kept:
+                lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
                          phase.seconds, a.quick, command_line(), time.monotonic() - _T0, only, lines)  # fmt: skip
             plot(a.docs, raw_rows, sweeps)
