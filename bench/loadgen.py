@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from bench.echo import echo_server
+from bench.http_reader import ResponseReader
 
 T = TypeVar("T")
 
@@ -109,34 +110,14 @@ def _request_bytes(url: str, body: bytes, headers: dict[str, str]) -> tuple[str,
 class _Conn(asyncio.Protocol):
     """One keep-alive connection carrying at most one request at a time (no pipelining)."""
 
-    __slots__ = (
-        "gen",
-        "transport",
-        "buf",
-        "sched",
-        "record",
-        "header_end",
-        "need",
-        "status",
-        "chunked",
-        "keep",
-    )
+    __slots__ = ("gen", "transport", "reader", "sched", "record")
 
     def __init__(self, gen: _Generator) -> None:
         self.gen = gen
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.reader = ResponseReader()
         self.sched = -1.0  # scheduled time of the request in flight; < 0 when idle
         self.record = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.buf.clear()
-        self.header_end = -1
-        self.need = -1
-        self.status = 0
-        self.chunked = False
-        self.keep = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -151,41 +132,20 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.sched < 0:
             return  # late bytes after a timeout; the connection is being closed anyway
-        buf = self.buf
-        buf += data
-        if self.header_end < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            self.header_end = end + 4
-            self.status = int(buf[9:12])
-            head = bytes(buf[:end]).lower()
-            self.keep = b"\r\nconnection: close" not in head
-            i = head.find(b"\r\ncontent-length:")
-            if i >= 0:
-                j = head.find(b"\r\n", i + 2)
-                self.need = self.header_end + int(head[i + 17 : j if j >= 0 else len(head)])
-            elif b"\r\ntransfer-encoding: chunked" in head:
-                self.chunked = True
-            elif self.status in (204, 304) or 100 <= self.status < 200:
-                self.need = self.header_end
-            else:
-                self.need = -2  # body runs to connection close
-        if self.chunked:
-            if not buf.endswith(b"0\r\n\r\n"):
-                return
-        elif self.need == -2 or len(buf) < self.need:
+        reader = self.reader
+        if not reader.feed(data):
             return
-        status, keep = self.status, self.keep
-        self._reset()
+        status, keep = reader.status, reader.keep
+        reader.reset()
         self.gen.done(self, status, keep)
         if not keep and self.transport is not None:
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.need == -2 and self.sched >= 0:
-            status = self.status
-            self._reset()
+        reader = self.reader
+        if reader.to_close and self.sched >= 0:
+            status = reader.status
+            reader.reset()
             self.gen.done(self, status, reuse=False)
         self.gen.lost(self)
 

@@ -20,6 +20,7 @@ from time import perf_counter, process_time
 import numpy as np
 import orjson
 
+from bench.http_reader import ResponseReader
 from bench.loadgen import _request_bytes, log
 
 # Outcome codes, one per request.
@@ -100,22 +101,13 @@ class RampRecord:
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("gen", "transport", "buf", "idx", "header_end", "need", "status", "chunked", "keep")
+    __slots__ = ("gen", "transport", "reader", "idx")
 
     def __init__(self, gen: _Ramp) -> None:
         self.gen = gen
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.reader = ResponseReader()
         self.idx = -1  # request in flight; < 0 when idle
-        self._reset()
-
-    def _reset(self) -> None:
-        self.buf = bytearray()
-        self.header_end = -1
-        self.need = -1
-        self.status = 0
-        self.chunked = False
-        self.keep = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -127,36 +119,11 @@ class _Conn(asyncio.Protocol):
         gen.sent[idx] = perf_counter() - gen.t0
 
     def data_received(self, data: bytes) -> None:
-        if self.idx < 0:
+        reader = self.reader
+        if self.idx < 0 or not reader.feed(data):
             return
-        buf = self.buf
-        buf += data
-        if self.header_end < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            self.header_end = end + 4
-            self.status = int(buf[9:12])
-            head = bytes(buf[:end]).lower()
-            self.keep = b"\r\nconnection: close" not in head
-            i = head.find(b"\r\ncontent-length:")
-            if i >= 0:
-                j = head.find(b"\r\n", i + 2)
-                self.need = self.header_end + int(head[i + 17 : j if j >= 0 else len(head)])
-            elif b"\r\ntransfer-encoding: chunked" in head:
-                self.chunked = True
-            else:
-                self.need = -2  # to connection close
-        if self.chunked:
-            if not buf.endswith(b"0\r\n\r\n"):
-                return
-            body = _dechunk(bytes(buf[self.header_end :]))
-        elif self.need == -2 or len(buf) < self.need:
-            return
-        else:
-            body = bytes(buf[self.header_end : self.need])
-        status, keep, idx = self.status, self.keep, self.idx
-        self._reset()
+        status, keep, idx, body = reader.status, reader.keep, self.idx, reader.body()
+        reader.reset()
         self.idx = -1
         self.gen.answered(self, idx, status, body, keep)
         if not keep and self.transport is not None:
@@ -165,22 +132,12 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.idx >= 0:
             idx, self.idx = self.idx, -1
-            if self.need == -2:
-                self.gen.answered(self, idx, self.status, bytes(self.buf[self.header_end :]), False)
+            reader = self.reader
+            if reader.to_close:
+                self.gen.answered(self, idx, reader.status, reader.body(), False)
             else:
                 self.gen.failed(idx, "connection")
         self.gen.lost(self)
-
-
-def _dechunk(raw: bytes) -> bytes:
-    out, pos = bytearray(), 0
-    while True:
-        end = raw.find(b"\r\n", pos)
-        size = int(raw[pos:end].split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += raw[end + 2 : end + 2 + size]
-        pos = end + 2 + size + 2
 
 
 class _Ramp:
