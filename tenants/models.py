@@ -2,12 +2,18 @@
 
 from django.conf import settings
 from django.db import models
+from django.db.models.signals import post_save
+from django.dispatch import receiver
 
 
 class Role(models.TextChoices):
-    VIEWER = "viewer"
-    ENGINEER = "engineer"  # registers models, starts rollouts
-    OPERATOR = "operator"  # approves promotions, sets quotas
+    """A person's role in one tenant; each includes the ones before it. Platform staff (is_staff) sit
+    above every tenant."""
+
+    VIEWER = "viewer"  # reads the tenant's models, usage and quota
+    ENGINEER = "engineer"  # registers models and versions, starts rollouts
+    APPROVER = "approver"  # approves promotions
+    ADMIN = "admin"  # manages the tenant's people, API keys, visibility; requests quota increases
 
 
 class Tenant(models.Model):
@@ -64,14 +70,118 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > timezone.now())
 
 
-ROLE_RANK = {Role.VIEWER: 0, Role.ENGINEER: 1, Role.OPERATOR: 2}
+ROLE_RANK = {Role.VIEWER: 0, Role.ENGINEER: 1, Role.APPROVER: 2, Role.ADMIN: 3}
 
 
-def has_role(user: object, role: str) -> bool:
-    """Staff may do anything; others need a membership of at least `role` in some tenant."""
+def role_in(user: object, tenant: Tenant | int | None) -> str | None:
+    """The user's role in `tenant` (a Tenant or its id), or None when not a member."""
+    if tenant is None or not getattr(user, "is_authenticated", False):
+        return None
+    tenant_id = tenant if isinstance(tenant, int) else tenant.pk
+    for m in user.memberships.all():  # type: ignore[attr-defined]
+        if m.tenant_id == tenant_id:
+            return m.role
+    return None
+
+
+def has_role(user: object, role: str, tenant: Tenant | int | None = None) -> bool:
+    """Whether `user` holds at least `role` in `tenant`. Platform staff hold every role everywhere.
+    Without a tenant: in some tenant (for pages that list only what the user's tenants own)."""
     if not getattr(user, "is_authenticated", False):
         return False
     if getattr(user, "is_staff", False):
         return True
     needed = ROLE_RANK[Role(role)]
+    if tenant is not None:
+        held = role_in(user, tenant)
+        return held is not None and ROLE_RANK[Role(held)] >= needed
     return any(ROLE_RANK[Role(m.role)] >= needed for m in user.memberships.all())  # type: ignore[attr-defined]
+
+
+class Tier(models.IntegerChoices):
+    """Admission's priority tier for a tenant's requests (1 runs first; see serving.batching.tier_share)."""
+
+    HIGH = 1
+    STANDARD = 2
+    LOW = 3
+
+
+class Quota(models.Model):
+    """A tenant's limits. Rates and in-flight are enforced per request on the data plane (from the routing
+    snapshot, so a change is in force within seconds); counts and memory at registration."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
+    requests_per_second = models.PositiveIntegerField(default=1000)
+    burst = models.PositiveIntegerField(default=2000, help_text="token bucket depth, in requests")
+    max_in_flight = models.PositiveIntegerField(default=512)
+    monthly_requests = models.PositiveBigIntegerField(default=100_000_000)
+    max_models = models.PositiveIntegerField(default=50)
+    max_versions = models.PositiveIntegerField(default=200)
+    max_accelerator_bytes = models.PositiveBigIntegerField(
+        default=16 * 1024**3, help_text="accelerator memory its private models may take, in bytes"
+    )
+    priority = models.PositiveSmallIntegerField(choices=Tier.choices, default=Tier.HIGH)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    LIMITS = ("requests_per_second", "burst", "max_in_flight", "monthly_requests", "max_models",
+              "max_versions", "max_accelerator_bytes", "priority")
+
+    def __str__(self) -> str:
+        return f"quota of {self.tenant}"
+
+    def limits(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.LIMITS}
+
+
+class QuotaRequest(models.Model):
+    """A tenant admin's request to change its quota, decided by platform staff."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        APPROVED = "approved"
+        REJECTED = "rejected"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quota_requests")
+    changes = models.JSONField(help_text="the requested limits, by Quota field name")
+    justification = models.TextField(max_length=2000)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    requested_at = models.DateTimeField(auto_now_add=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decision_note = models.TextField(max_length=2000, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+
+    def __str__(self) -> str:
+        return f"quota request #{self.pk} of {self.tenant} ({self.state})"
+
+
+class AuditEntry(models.Model):
+    """Who changed what, when, with the state before and after. Written by `tenants.audit.record`."""
+
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    actor_name = models.CharField(max_length=150, help_text="kept if the user is deleted")
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit")
+    action = models.CharField(max_length=50, help_text="e.g. key.create, quota.approve, role.change")
+    target = models.CharField(max_length=200, help_text="what was changed, e.g. 'key fy_ab12cd34'")
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_name} {self.action} {self.target}"
+
+
+@receiver(post_save, sender=Tenant)
+def _every_tenant_has_a_quota(sender: type, instance: Tenant, created: bool, **kwargs: object) -> None:
+    if created and not kwargs.get("raw"):
+        Quota.objects.get_or_create(tenant=instance)

@@ -1,6 +1,6 @@
 """Tests for the DRF control-plane API (/api/...) on PostgreSQL.
 
-People: Alice is an operator (membership role), Bob an engineer, Charlie a viewer; Dave belongs to
+People: Alice is a tenant admin (membership role), Bob an engineer, Charlie a viewer; Dave belongs to
 no tenant. Writes need the engineer role; reads need a login. Every error is JSON with an "error" key.
 """
 
@@ -27,7 +27,7 @@ UPLOAD = "/api/models/{name}/versions/"
 def people(db) -> dict[str, User]:  # noqa: ANN001
     tenant = Tenant.objects.create(name="Acme", slug="acme")
     users = {}
-    roles = [("alice", Role.OPERATOR), ("bob", Role.ENGINEER), ("charlie", Role.VIEWER), ("dave", None)]
+    roles = [("alice", Role.ADMIN), ("bob", Role.ENGINEER), ("charlie", Role.VIEWER), ("dave", None)]
     for name, role in roles:
         user = User.objects.create_user(name, f"{name}@example.org")  # no password: force_login needs none
         if role:
@@ -95,7 +95,7 @@ def assert_json_error(response, status: int) -> dict:  # noqa: ANN001
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("who", ["bob", "alice"])
 def test_engineer_and_operator_upload_a_version_that_becomes_ready(request, model_files, who: str) -> None:
-    # given an engineer (or an operator, who ranks above)
+    # given an engineer (or a tenant admin, who ranks above)
     client = request.getfixturevalue(who)
     # when they upload the digits artifact as a new model's first version
     response = upload(client, "digits", form(model_files.digits, description="handwritten digits",

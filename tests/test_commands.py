@@ -126,7 +126,7 @@ def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model, settings
     assert user.is_staff and user.is_superuser
     assert user.check_password("first-password")
     membership = Membership.objects.get(user=user, tenant__slug="default")
-    assert membership.role == Role.OPERATOR
+    assert membership.role == Role.ADMIN
 
     # when it runs again, even with another password in the environment
     monkeypatch.setenv("FERRY_ADMIN_PASSWORD", "second-password")
@@ -161,7 +161,7 @@ def test_ensure_demo_user_gives_the_demo_tenant_its_models_and_a_key(  # noqa: A
     call_command("ensure_demo_user", stdout=out)
     # then tenant demo exists, admin is its operator, and the demo model is its public model; the other is not
     admin = django_user_model.objects.get(username="admin")
-    assert Membership.objects.get(user=admin, tenant__slug="demo").role == Role.OPERATOR
+    assert Membership.objects.get(user=admin, tenant__slug="demo").role == Role.ADMIN
     digits = Model.objects.get(name="digits")
     assert digits.tenant.slug == "demo" and digits.visibility == "public"
     assert Model.objects.get(name="mine").tenant is None

@@ -47,7 +47,7 @@ class Command(BaseCommand):
             user.set_password(password)
             user.save()
         tenant, _ = Tenant.objects.get_or_create(slug="default", defaults={"name": "Default"})
-        Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": Role.OPERATOR})
+        Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": Role.ADMIN})
         if created:
             self.stdout.write(f"console login: {username} / {password} (change it in /admin/)")
         else:
