@@ -1,8 +1,14 @@
 """Who is calling /v2: the API key in `Authorization: Bearer fy_...`, checked against the routing snapshot.
 
-Plain Python, no database: one dict lookup by the key's prefix and one HMAC of its secret per
-request (`tenants.keys`). Revoked keys are not in the snapshot; expiry is checked against `now`, so
-a key that expires between two snapshots is refused on time.
+Plain Python, no database: one dict lookup by the key's prefix and one HMAC of its secret
+(`tenants.keys`). Revoked keys are not in the snapshot; expiry is checked against `now` on every
+request, so a key that expires between two snapshots is refused on time.
+
+A client sends the same key on every request, so the Authorization values verified against the
+current snapshot are remembered (successes only, at most MAX_REMEMBERED, forgotten whenever the
+snapshot changes, so a revocation applies at once): a repeat costs one dict lookup instead of an
+HMAC. The memo is keyed by the whole header value; a lookup that misses costs the same as before,
+so it tells a prober nothing about other keys (the dict's hash is randomised per process).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from serving.errors import ServingError
-from serving.snapshot import RoutingSnapshot
+from serving.snapshot import KeyEntry, RoutingSnapshot
 from tenants import keys
 
 CHALLENGE = (b"www-authenticate", b'Bearer realm="ferry"')
@@ -42,15 +48,16 @@ class Caller:
             raise Forbidden(f"this API key lacks the '{scope}' scope this endpoint needs")
 
 
-def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The token of the request's Authorization header (ASGI headers: lower-case names)."""
-    value = None
+def authorization(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The request's Authorization header value (ASGI headers: lower-case names), or 401."""
     for name, raw in headers:
         if name == b"authorization":
-            value = raw
-            break
-    if value is None:
-        raise Unauthenticated("an API key is required: send 'Authorization: Bearer fy_...'")
+            return raw
+    raise Unauthenticated("an API key is required: send 'Authorization: Bearer fy_...'")
+
+
+def bearer_token(value: bytes) -> str:
+    """The token of an Authorization header value."""
     scheme, _, token = value.partition(b" ")
     token = token.strip()
     if scheme.lower() != b"bearer" or not token:
@@ -61,17 +68,39 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str:
         raise Unauthenticated("malformed API key") from None
 
 
+MAX_REMEMBERED = 10_000
+
+_memo_of: RoutingSnapshot | None = None  # the snapshot the memo's verdicts hold for
+_memo: dict[bytes, tuple[KeyEntry, Caller]] = {}  # Authorization value -> its key and caller
+
+
 def authenticate(
     headers: Iterable[tuple[bytes, bytes]], snapshot: RoutingSnapshot, pepper: bytes, now: float
 ) -> Caller:
     """The caller behind the request's API key, or Unauthenticated (401). `now` is epoch seconds."""
-    parts = keys.split(bearer_token(headers))
+    global _memo_of
+    value = authorization(headers)
+    if snapshot is not _memo_of:
+        _memo.clear()
+        _memo_of = snapshot
+    known = _memo.get(value)
+    if known is None:
+        known = _verify(value, snapshot, pepper)
+        if len(_memo) >= MAX_REMEMBERED:
+            _memo.clear()
+        _memo[value] = known
+    entry, caller = known
+    if entry.expires_at is not None and now >= entry.expires_at:
+        raise Unauthenticated("API key expired")
+    return caller
+
+
+def _verify(value: bytes, snapshot: RoutingSnapshot, pepper: bytes) -> tuple[KeyEntry, Caller]:
+    parts = keys.split(bearer_token(value))
     if parts is None:
         raise Unauthenticated("malformed API key: expected fy_<prefix>_<secret>")
     prefix, secret = parts
     entry = snapshot.keys.get(prefix)
     if entry is None or not keys.matches(pepper, secret, entry.digest):
         raise Unauthenticated("unknown or revoked API key")
-    if entry.expires_at is not None and now >= entry.expires_at:
-        raise Unauthenticated("API key expired")
-    return Caller(tenant_id=entry.tenant_id, prefix=prefix, scopes=entry.scopes)
+    return entry, Caller(tenant_id=entry.tenant_id, prefix=prefix, scopes=entry.scopes)

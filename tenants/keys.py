@@ -36,7 +36,7 @@ def mint(pepper: bytes) -> Minted:
 
 
 def digest(pepper: bytes, secret: str) -> str:
-    return hmac.new(pepper, secret.encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(pepper, secret.encode(), "sha256").hex()  # one C call; hmac.new builds objects
 
 
 def split(token: str) -> tuple[str, str] | None:

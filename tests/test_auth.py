@@ -237,3 +237,47 @@ def test_snapshot_carries_keys_but_not_revoked_ones(db) -> None:  # noqa: ANN001
     assert entry.tenant_id == acme.pk and entry.scopes == ("infer",) and entry.expires_at is None
     assert matches(pepper_from(settings.SECRET_KEY), split(token)[1], entry.digest)
     assert token not in repr(snapshot)
+
+
+def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() -> None:
+    from serving import auth
+    from serving.snapshot import KeyEntry, RoutingSnapshot
+    from tenants import keys
+
+    pepper = b"p" * 32
+    minted = keys.mint(pepper)
+    header = [(b"authorization", b"Bearer " + minted.token.encode())]
+    entry = KeyEntry(digest=minted.digest, tenant_id=7, scopes=("infer",), expires_at=1000.0)
+    first = RoutingSnapshot(serial=1, built_at=0.0, keys={minted.prefix: entry})
+    # given a key verified once / then a repeat against the same snapshot is the same caller, from the memo
+    caller = auth.authenticate(header, first, pepper, now=10.0)
+    assert caller.tenant_id == 7 and auth.authenticate(header, first, pepper, now=11.0) is caller
+    assert header[0][1] in auth._memo
+    # when its expiry passes with no new snapshot / then the memo does not keep it alive
+    with pytest.raises(auth.Unauthenticated, match="expired"):
+        auth.authenticate(header, first, pepper, now=1000.0)
+    # when a new snapshot leaves the key out (revoked) / then the memo is forgotten and the key refused
+    revoked = RoutingSnapshot(serial=2, built_at=0.0, keys={})
+    with pytest.raises(auth.Unauthenticated, match="unknown or revoked"):
+        auth.authenticate(header, revoked, pepper, now=11.0)
+    assert header[0][1] not in auth._memo
+    # and a wrong secret under a known prefix is refused and never remembered
+    forged = [(b"authorization", f"Bearer fy_{minted.prefix}_{'x' * 43}".encode())]
+    with pytest.raises(auth.Unauthenticated):
+        auth.authenticate(forged, first, pepper, now=11.0)
+    assert forged[0][1] not in auth._memo
+
+
+def test_the_memo_of_verified_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import auth
+    from serving.snapshot import KeyEntry, RoutingSnapshot
+    from tenants import keys
+
+    pepper = b"p" * 32
+    monkeypatch.setattr(auth, "MAX_REMEMBERED", 3)
+    minted = [keys.mint(pepper) for _ in range(5)]
+    snapshot = RoutingSnapshot(serial=3, built_at=0.0, keys={
+        m.prefix: KeyEntry(digest=m.digest, tenant_id=1, scopes=("infer",), expires_at=None) for m in minted})
+    for m in minted:
+        auth.authenticate([(b"authorization", b"Bearer " + m.token.encode())], snapshot, pepper, now=0.0)
+        assert len(auth._memo) <= 3
