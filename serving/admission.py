@@ -42,12 +42,17 @@ class DeviceShare:
     def __init__(self, tau: float = 1.0) -> None:
         self.tau = tau
         self._levels: dict[int, tuple[float, float]] = {}  # priority -> (value, as of)
+        self._top = math.inf  # the highest tier (lowest number) ever admitted
 
     def add(self, priority: int, seconds: float, now: float) -> None:
         self._levels[priority] = (self._decayed(priority, now) + seconds / self.tau, now)
+        if priority < self._top:
+            self._top = priority
 
     def higher_than(self, priority: int, now: float) -> float:
         """Share of the device taken by tiers above `priority` (lower numbers), recently."""
+        if priority <= self._top:  # nothing above it was ever admitted: the usual case, one tier
+            return 0.0
         total = 0.0
         for p in self._levels:
             if p < priority:

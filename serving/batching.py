@@ -85,12 +85,13 @@ class LatencyProfile:
             self._points[rows] = old + self._smoothing * (seconds - old)
 
     def estimate(self, rows: int) -> float:
+        exact = self._points.get(rows)  # the usual case: a size measured at warm-up or seen since
+        if exact is not None:
+            return exact
         sizes = self._sizes
         if not sizes:
             return 0.0
         i = bisect.bisect_left(sizes, rows)
-        if i < len(sizes) and sizes[i] == rows:
-            return self._points[rows]
         if i == 0:
             return self._points[sizes[0]]
         if i == len(sizes):
@@ -130,7 +131,7 @@ class BatchQueue:
         self._level_rows: dict[int, int] = {}
         self._order: list[int] = []  # priority levels present, ascending
         self._count = 0
-        self._rows = 0
+        self.rows = 0  # rows waiting (read per request by admission: a plain attribute, not a property)
         self._bytes = 0
         # Earliest deadline of anything queued (a lower bound once items leave): a full sweep for
         # expired requests runs only when this is reached, so a healthy queue never pays for it.
@@ -140,17 +141,13 @@ class BatchQueue:
         return self._count
 
     @property
-    def rows(self) -> int:
-        return self._rows
-
-    @property
     def bytes(self) -> int:
         return self._bytes
 
     def rows_ahead(self, priority: int) -> int:
         """Rows that leave before a new request of this priority: its level and every higher one."""
         if len(self._order) == 1 and self._order[0] <= priority:
-            return self._rows
+            return self.rows
         return sum(self._level_rows[p] for p in self._order if p <= priority)
 
     def put(self, item: Pending) -> list[Pending]:
@@ -192,7 +189,7 @@ class BatchQueue:
         level.append(item)
         self._level_rows[item.priority] += item.rows
         self._count += 1
-        self._rows += item.rows
+        self.rows += item.rows
         self._bytes += item.nbytes
         if item.deadline < self._next_expiry:
             self._next_expiry = item.deadline
@@ -221,7 +218,7 @@ class BatchQueue:
 
     def _forget(self, item: Pending) -> None:
         self._count -= 1
-        self._rows -= item.rows
+        self.rows -= item.rows
         self._bytes -= item.nbytes
         self._level_rows[item.priority] -= item.rows
 
@@ -260,7 +257,7 @@ class BatchQueue:
         self._levels.clear()
         self._level_rows.clear()
         self._order.clear()
-        self._count = self._rows = self._bytes = 0
+        self._count = self.rows = self._bytes = 0
         self._next_expiry = float("inf")
         return items
 
@@ -322,19 +319,26 @@ class BatchQueue:
         rows = 0
         for priority in list(self._order):
             level = self._levels[priority]
+            # What leaves this level, summed here and forgotten once (not per item: this runs per batch).
+            gone_rows = gone_bytes = gone_count = 0
             while level:
                 item = level[0]
                 if abandoned(item):
                     level.popleft()
-                    self._forget(item)
                     dropped.append(item)
-                    continue
-                if not target_rows or (taken and rows + item.rows > target_rows):
+                elif not target_rows or (taken and rows + item.rows > target_rows):
                     break
-                level.popleft()
-                self._forget(item)
-                taken.append(item)
-                rows += item.rows
+                else:
+                    level.popleft()
+                    taken.append(item)
+                    rows += item.rows
+                gone_rows += item.rows
+                gone_bytes += item.nbytes
+                gone_count += 1
+            self._count -= gone_count
+            self.rows -= gone_rows
+            self._bytes -= gone_bytes
+            self._level_rows[priority] -= gone_rows
             if not level:
                 self._drop_level(priority)
             else:

@@ -84,7 +84,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if chunk:
             self.body.append(chunk)
             self._received += len(chunk)
-            if self._received > settings.FERRY_MAX_INFER_BODY_BYTES:
+            if self._received > frontdoor.LIMITS.max_infer_body:
                 await self._too_large()
             # The process-wide budget of body bytes held (the front door's, shared with Django's routes).
             if not frontdoor.charge(len(chunk)):
@@ -234,7 +234,8 @@ class InferenceConsumer(AsyncHttpConsumer):
         this request waited between its first byte and this handler (the wait of bytes read)."""
         lag_ms = plane.loop_lag * 1000
         waited_ms = self._waited * 1000
-        if lag_ms <= settings.FERRY_MAX_LOOP_LAG_MS and waited_ms <= settings.FERRY_MAX_FRONTEND_WAIT_MS:
+        limits = frontdoor.LIMITS
+        if lag_ms <= limits.max_loop_lag_ms and waited_ms <= limits.max_frontend_wait_ms:
             return
         entry = self._routed_or_none(plane, name, version, viewer)
         if entry is not None:

@@ -33,6 +33,7 @@ import orjson
 import uvicorn
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.signals import setting_changed
 from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -288,6 +289,27 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
     return uvicorn.Config(app, host=host, port=port, **options)
 
 
+# -- settings read per request ------------------------------------------------------------------
+
+
+class Limits:
+    """The settings the inference path reads on every request, copied out of Django's lazy settings
+    (each of whose attribute reads is a Python-level call); reloaded when a setting changes."""
+
+    def __init__(self) -> None:
+        self.load()
+
+    def load(self, **_: object) -> None:
+        self.inflight_budget: int = settings.FERRY_MAX_INFLIGHT_BODY_BYTES
+        self.max_infer_body: int = settings.FERRY_MAX_INFER_BODY_BYTES
+        self.max_loop_lag_ms: float = settings.FERRY_MAX_LOOP_LAG_MS
+        self.max_frontend_wait_ms: float = settings.FERRY_MAX_FRONTEND_WAIT_MS
+
+
+LIMITS = Limits()
+setting_changed.connect(LIMITS.load)  # tests change settings; a server's stay as started
+
+
 # -- body bounds and the in-flight budget (ASGI) ---------------------------------------------------
 
 _inflight = 0  # body bytes held by requests in progress, process-wide (one event loop touches it)
@@ -299,7 +321,7 @@ Gauge("ferry_frontdoor_inflight_body_bytes", "Request body bytes held by request
 def charge(nbytes: int) -> bool:
     """Count `nbytes` more of request body held; False (and nothing counted) past the budget."""
     global _inflight
-    if _inflight + nbytes > settings.FERRY_MAX_INFLIGHT_BODY_BYTES:
+    if _inflight + nbytes > LIMITS.inflight_budget:
         _BUDGET.inc()
         return False
     _inflight += nbytes

@@ -87,6 +87,7 @@ class Node:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-load")
         self._busy = metrics.DEVICE_BUSY.labels(str(self.device))
         self.hosted: dict[str, Hosted] = {}
+        self._hosted_list: tuple[Hosted, ...] = ()  # hosted's values, for the per-request loops
         self.failures: dict[str, LoadFailure] = {}
         self._reconcile_lock = asyncio.Lock()
         self.reconciled_serial = 0
@@ -164,6 +165,7 @@ class Node:
         if start:
             hosted.batcher.start()
         self.hosted[entry.key] = hosted
+        self._hosted_list = tuple(self.hosted.values())
         vm.loaded.set(1)
         return hosted
 
@@ -183,6 +185,7 @@ class Node:
         hosted = self.hosted.pop(key, None)
         if hosted is None:
             return
+        self._hosted_list = tuple(self.hosted.values())
         waiting = await hosted.batcher.close()
         for pending in waiting:
             _fail(pending, Unavailable(f"model version {key} was unloaded", retry_after=1))
@@ -230,8 +233,8 @@ class Node:
                 now=now, deadline=deadline, priority=priority, completion=self._completion(hosted, rows, priority, now),
                 higher_share=hosted.share.higher_than(priority, now),
             )
-            completion = verdict.completion
             if not verdict.admit:
+                completion = verdict.completion
                 why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share of"
                 raise Shed(
                     f"{key}: estimated completion {completion * 1000:.0f} ms (device backlog included) exceeds {why}"
@@ -268,15 +271,16 @@ class Node:
         return max(0.0, total)
 
     def _completion(self, hosted: Hosted, rows: int, priority: int, now: float) -> float:
-        queue = hosted.batcher.queue
-        own = admission.VersionLoad(queue.rows_ahead(priority), hosted.entry.batching.max_batch_size,
-                                    hosted.profile.estimate)
-        others = [
-            admission.VersionLoad(h.batcher.queue.rows, h.entry.batching.max_batch_size, h.profile.estimate)
-            for h in self.hosted.values()
-            if h is not hosted and h.batcher.queue.rows
-        ]
-        return admission.completion_seconds(own=own, rows=rows, others=others, in_flight=self._in_flight(now))
+        top = hosted.entry.batching.max_batch_size
+        own = admission.VersionLoad(hosted.batcher.queue.rows_ahead(priority), top, hosted.profile.estimate)
+        # Per request: a plain loop over the hosted versions, a VersionLoad only for those with work.
+        others = []
+        for h in self._hosted_list:
+            queued = h.batcher.queue.rows
+            if queued and h is not hosted:
+                others.append(admission.VersionLoad(queued, h.entry.batching.max_batch_size, h.profile.estimate))
+        in_flight = self._in_flight(now) if self._device_work else 0.0
+        return admission.completion_seconds(own=own, rows=rows, others=others, in_flight=in_flight)
 
     def backlog_seconds(self, now: float | None = None) -> float:
         """Estimated seconds the device needs to finish everything queued and in flight now."""

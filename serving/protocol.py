@@ -26,6 +26,7 @@ DATATYPES: dict[str, np.dtype] = {
     "FP64": np.dtype("<f8"),
 }
 
+_FLOAT_MAX: dict[str, float] = {name: float(np.finfo(dt).max) for name, dt in DATATYPES.items() if dt.kind == "f"}
 _INT_LIMITS: dict[str, tuple[int, int]] = {
     name: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for name, dt in DATATYPES.items() if dt.kind in "iu"
 }
@@ -208,10 +209,10 @@ def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> n
     else:
         if kind not in "iuf":
             raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
-        with np.errstate(over="ignore"):
-            raw = raw.astype(dtype)
-        # JSON has no inf/nan, so a non-finite value can only come from overflow.
-        if not np.isfinite(raw).all():
+        # JSON has no inf/nan, so a value that is not finite in the target type can only be an overflow:
+        # one reduction before the cast finds it (nan and inf fail the comparison too), and the cast
+        # then cannot overflow.
+        if not abs(raw).max() <= _FLOAT_MAX[datatype]:
             raise ProtocolError(f"input {name!r}: value out of range for {datatype}")
     return raw.astype(dtype, copy=False).reshape(shape)
 

@@ -189,6 +189,8 @@ def test_json_values_that_fit(datatype, data, expected):
         ("UINT64", [1.5, 2**63], "must be integers"),
         ("FP16", [70000, 1], "out of range for FP16"),
         ("FP32", [1e300, 1], "out of range for FP32"),
+        ("FP32", [1, -1e300], "out of range for FP32"),
+        ("FP16", [-70000, 1], "out of range for FP16"),
         ("FP32", ["1", 2], "must be numbers"),
         ("FP32", [None, 2], "must be numbers"),
         ("FP32", [{}, 2], "must be numbers"),
