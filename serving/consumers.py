@@ -215,7 +215,11 @@ class InferenceConsumer(AsyncHttpConsumer):
             from serving.actions import set_loaded
 
             name, load = parts[1], parts[2] == "load"
-            plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
+            model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
+            if model.tenant_id != caller.tenant_id:
+                # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
+                # its own tenant's call.
+                raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
             snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
             await plane.wait_reconciled(snapshot.serial)
             if load:

@@ -239,11 +239,12 @@ def test_upload_that_is_not_multipart_is_a_json_415(bob) -> None:
 
 
 @pytest.fixture
-def registry(model_files) -> None:
-    """digits v1, v2 (ready) and small v1 (ready), registered synchronously."""
-    register(model_files.digits, "digits", max_batch_size=2)
-    register(model_files.digits, "digits", max_batch_size=2)
-    register(model_files.digits_export, "small", fmt="torch_export", max_batch_size=2)
+def registry(people, model_files) -> None:
+    """digits v1, v2 (ready) and small v1 (ready), registered synchronously: public models of Acme."""
+    acme = Tenant.objects.get(slug="acme")
+    register(model_files.digits, "digits", max_batch_size=2, owner=acme)
+    register(model_files.digits, "digits", max_batch_size=2, owner=acme)
+    register(model_files.digits_export, "small", fmt="torch_export", max_batch_size=2, owner=acme)
 
 
 @pytest.mark.parametrize("who", ["charlie", "dave", "bob"])
