@@ -243,3 +243,71 @@ def test_console_actions_need_the_csrf_token(world: World) -> None:
     response = client.post("/console/tenants/acme/keys/", {"name": "forged", "scopes": ["infer"]})
     assert response.status_code == 403
     assert not world.users["admin"].memberships.get().tenant.api_keys.filter(name="forged").exists()
+
+
+# --- /v2 with API keys ------------------------------------------------------------------------------------
+
+# (method, path, body, expected per key of: acme partner bravo). Load is used, not unload: on a loaded model
+# it changes nothing, so the rows do not depend on each other's order.
+V2_KEYS = ("acme", "partner", "bravo")
+V2 = [
+    ("GET", "/v2/models/private", None, "200 404 404"),
+    ("GET", "/v2/models/shared", None, "200 200 404"),
+    ("GET", "/v2/models/public", None, "200 200 200"),
+    ("GET", "/v2/models/platform", None, "200 200 200"),
+    ("GET", "/v2/models/private/config", None, "200 404 404"),
+    ("POST", "/v2/models/private/infer", "ZERO", "200 404 404"),
+    ("POST", "/v2/models/shared/infer", "ZERO", "200 200 404"),
+    ("POST", "/v2/models/public/infer", "ZERO", "200 200 200"),
+    ("POST", "/v2/repository/models/private/load", b"", "200 404 404"),
+    ("POST", "/v2/repository/models/shared/load", b"", "200 403 404"),
+    ("POST", "/v2/repository/models/public/load", b"", "200 403 403"),
+    ("POST", "/v2/repository/models/platform/load", b"", "403 403 403"),
+]
+
+
+@pytest.fixture
+def v2_world(transactional_db, model_files, settings):  # noqa: ANN001, ANN201
+    from tests.conftest import LiveServer, mint_key, register, tenant
+
+    # About who may call, not saturation: a busy test machine must not shed these requests.
+    settings.FERRY_LOOP_LAG_TARGET_MS = settings.FERRY_MAX_LOOP_LAG_MS = 60_000
+    settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
+    acme, partner = tenant("acme"), tenant("partner")
+    small = {"max_batch_size": 4, "max_queue_delay_ms": 1}
+    for name, owner, visibility in [("private", acme, "private"), ("shared", acme, "shared"),
+                                    ("public", acme, "public"), ("platform", None, "private")]:
+        register(model_files.digits, name, owner=owner, visibility=visibility, **small)
+    Model.objects.get(name="shared").shared_with.add(partner)
+    tokens = {slug: mint_key(slug) for slug in V2_KEYS}
+    server = LiveServer().start()
+    try:
+        yield server, tokens
+    finally:
+        server.stop()
+
+
+def test_v2_with_api_keys(v2_world) -> None:  # noqa: ANN001
+    import numpy as np
+
+    from tests.test_inference_http import call, digits_request
+
+    server, tokens = v2_world
+    zero = digits_request(np.zeros((1, 64), np.float32))
+    failures = []
+    for method, path, body, row in V2:
+        codes = dict(zip(V2_KEYS, (int(c) for c in row.split()), strict=True))
+        for slug, status in codes.items():
+            # given tenant `slug`'s key (infer + manage) / when it calls / then the table's answer
+            resp = call(server, method, path, zero if body == "ZERO" else body, auth=tokens[slug])
+            if resp.status != status:
+                failures.append(f"{method} {path} with {slug}'s key: {resp.status} (expected {status}) {resp.body!r}")
+            elif status >= 400:
+                assert isinstance(resp.error, str) and resp.error
+    assert not failures, "\n".join(failures)
+    # and the repository index lists, for each key, exactly what the table lets it see
+    sees = {"acme": {"private", "shared", "public", "platform"}, "partner": {"shared", "public", "platform"},
+            "bravo": {"public", "platform"}}
+    for slug, names in sees.items():
+        resp = call(server, "POST", "/v2/repository/index", b"", auth=tokens[slug])
+        assert {r["name"] for r in resp.json()} == names, slug
