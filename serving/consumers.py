@@ -7,7 +7,8 @@ validation; an unexpected exception is a bug: a 500, logged and counted, never r
 
 /v2 (server metadata), /v2/health/{live,ready} and /metrics are anonymous (probes, scrapers); every
 other endpoint needs an API key (`serving.auth`): 401 without a usable one, 403 without the scope
-(load/unload need `manage`, the rest `infer`), and 404 for a model the key's tenant may not see.
+(load/unload need `manage`, the rest `infer`) or for load/unload of a model another tenant owns, and 404
+for a model the key's tenant may not see.
 """
 
 from __future__ import annotations
