@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import User
+from django.test import Client
 from rest_framework.test import APIClient
 
 from serving.models import Model
@@ -211,3 +212,57 @@ def test_a_new_model_belongs_to_the_named_or_only_tenant(acme: Tenant) -> None:
     # and staff in no tenant register platform models
     staff = person("staff", is_staff=True)
     assert staff.post("/api/models/", {"name": "p"}, format="json").json()["tenant"] is None
+
+
+# --- the same changes made in /admin/ are audited too -------------------------------------------------------
+
+
+@pytest.fixture
+def superuser_client(db) -> tuple[Client, User]:  # noqa: ANN001
+    user = User.objects.create_superuser("root-admin", "root@example.org", "pw")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_admin_revocation_is_audited(superuser_client, acme: Tenant) -> None:  # noqa: ANN001
+    from tenants.actions import create_key
+
+    key, _ = create_key(tenant=acme, name="app", scopes=["infer"])
+    response = superuser_client.post(f"/admin/tenants/apikey/{key.pk}/change/", {
+        "expires_at_0": "", "expires_at_1": "", "revoked_at_0": "2026-01-02", "revoked_at_1": "03:04:05",
+    })
+    assert response.status_code == 302, response.content[:2000]
+    entry = only_entry(action="key.revoke")
+    assert entry.actor_name == "root-admin" and entry.before["revoked_at"] is None
+    assert entry.after["revoked_at"].startswith("2026-01-02")
+
+
+def test_admin_role_change_is_audited(superuser_client, acme: Tenant) -> None:  # noqa: ANN001
+    bob = User.objects.create_user("bob")
+    membership = Membership.objects.create(user=bob, tenant=acme, role=Role.VIEWER)
+    response = superuser_client.post(f"/admin/tenants/tenant/{acme.pk}/change/", {
+        "name": "Acme", "slug": "acme",
+        "memberships-TOTAL_FORMS": "1", "memberships-INITIAL_FORMS": "1",
+        "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000",
+        "memberships-0-id": str(membership.pk), "memberships-0-tenant": str(acme.pk),
+        "memberships-0-user": str(bob.pk), "memberships-0-role": "engineer",
+    })
+    assert response.status_code == 302, response.content[:2000]
+    entry = only_entry(action="role.change")
+    assert (entry.target, entry.before, entry.after) == ("member bob", {"role": "viewer"}, {"role": "engineer"})
+
+
+def test_admin_visibility_change_is_audited(superuser_client, acme: Tenant) -> None:  # noqa: ANN001
+    partner = Tenant.objects.create(slug="partner", name="Partner")
+    model = Model.objects.create(name="m", tenant=acme)
+    response = superuser_client.post(f"/admin/serving/model/{model.pk}/change/", {
+        "name": "m", "tenant": str(acme.pk), "visibility": "shared", "shared_with": [str(partner.pk)],
+        "description": "", "task": "classification", "fallback": "",
+        "versions-TOTAL_FORMS": "0", "versions-INITIAL_FORMS": "0",
+        "versions-MIN_NUM_FORMS": "0", "versions-MAX_NUM_FORMS": "1000",
+    })
+    assert response.status_code == 302, response.content[:2000]
+    entry = only_entry(action="model.visibility")
+    assert entry.before == {"visibility": "private", "shared_with": []}
+    assert entry.after == {"visibility": "shared", "shared_with": ["partner"]}
