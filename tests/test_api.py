@@ -1,7 +1,8 @@
 """Tests for the DRF control-plane API (/api/...) on PostgreSQL.
 
 People: Alice is a tenant admin (membership role), Bob an engineer, Charlie a viewer; Dave belongs to
-no tenant. Writes need the engineer role; reads need a login. Every error is JSON with an "error" key.
+no tenant. Writes need the engineer role in the tenant that owns the model (Acme); reads need a login.
+Every error is JSON with an "error" key.
 """
 
 from __future__ import annotations

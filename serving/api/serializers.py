@@ -14,8 +14,8 @@ from rest_framework import serializers
 
 from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Task, Visibility
 from serving.protocol import DATATYPES
-from tenants.models import Tenant, role_in
-from tenants.scoping import visible_models, visible_tenants
+from tenants.models import Tenant
+from tenants.scoping import member_tenant_ids, visible_models, visible_tenants
 
 # A tenant's slug, as SlugField stores it.
 TENANT_SLUG_PATTERN = r"[-a-zA-Z0-9_]{1,50}"
@@ -209,8 +209,11 @@ class ModelSerializer(serializers.ModelSerializer):
         data = super().to_representation(instance)
         # Which other tenants a model is shared with is the owner's business.
         user = _caller(self)
-        if not (getattr(user, "is_staff", False) or role_in(user, instance.tenant_id) is not None):
-            data["shared_with"] = []
+        if not getattr(user, "is_staff", False):
+            if "member_of" not in self.context:  # once per response: a list shares its child's context
+                self.context["member_of"] = set(member_tenant_ids(user))
+            if instance.tenant_id not in self.context["member_of"]:
+                data["shared_with"] = []
         return data
 
 
