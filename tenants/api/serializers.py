@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
+from django.utils import timezone
 from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -80,6 +83,11 @@ class ApiKeyCreateSerializer(serializers.Serializer):
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=keys.SCOPES), min_length=1,
                                    max_length=len(keys.SCOPES))
     expires_at = serializers.DateTimeField(required=False, allow_null=True, help_text="in the future; null: never")
+
+    def validate_expires_at(self, value: datetime | None) -> datetime | None:
+        if value is not None and value <= timezone.now():
+            raise serializers.ValidationError("must lie in the future")
+        return value
 
 
 class QuotaSerializer(serializers.ModelSerializer):

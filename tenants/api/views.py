@@ -65,7 +65,7 @@ class Refused(APIException):
 def refused(error: GovernanceError | KeyRequestError) -> APIException:
     if isinstance(error, GovernanceError):
         return Refused(error.message, error.status)
-    return ValidationError({"error": [str(error)]})
+    return ValidationError(str(error))
 
 
 @extend_schema_view(
