@@ -135,6 +135,7 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Ferry control-plane API",
     "DESCRIPTION": "Model registry and operations. Inference is served on /v2 (Open Inference Protocol).",
     "VERSION": "0.1.0",
+    "ENUM_NAME_OVERRIDES": {"RoleEnum": "tenants.models.Role"},
 }
 
 # Serving (data plane).

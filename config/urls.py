@@ -5,13 +5,21 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
 from serving import views as console
+from tenants import views as tenant_console
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="console-models", permanent=False)),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("console/models/", console.models_page, name="console-models"),
-    path("console/models/live/", console.models_live, name="console-models-live"),
+    path("console/live/", console.models_live, name="console-models-live"),
+    path("console/models/<str:name>/", console.model_page, name="console-model"),
+    path("console/tenants/", tenant_console.tenants_page, name="console-tenants"),
+    path("console/tenants/<slug:slug>/", tenant_console.tenant_page, name="console-tenant"),
+    path("console/tenants/<slug:slug>/keys/", tenant_console.keys_page, name="console-keys"),
+    path("console/tenants/<slug:slug>/quota/", tenant_console.quota_page, name="console-quota"),
+    path("console/quota-requests/", tenant_console.quota_review_page, name="console-quota-review"),
+    path("console/audit/", tenant_console.audit_page, name="console-audit"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/", include("serving.api.urls")),

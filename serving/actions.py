@@ -50,11 +50,12 @@ def register_version(
     description: str | None = None,
     metrics: dict | None = None,
     validate: str = "async",
+    tenant: object | None = None,
     **batching: object,
 ) -> ModelVersion:
-    """Store the artifact, create the next version of the model (creating the model if new) and
-    validate it: "async" queues the Celery task after commit, "sync" validates before returning,
-    "none" leaves it registered for the caller to queue."""
+    """Store the artifact, create the next version of the model (creating the model if new, owned by
+    `tenant`, a Tenant or None for a platform model) and validate it: "async" queues the Celery task after
+    commit, "sync" validates before returning, "none" leaves it registered for the caller to queue."""
     if validate not in ("async", "sync", "none"):
         raise ValueError(f"validate must be async, sync or none, not {validate!r}")
     try:
@@ -71,7 +72,8 @@ def register_version(
         raise RegistrationError(exc.message, exc.status) from None
     with transaction.atomic():
         model, created = Model.objects.select_for_update().get_or_create(
-            name=model_name, defaults={"task": task or "classification", "description": description or ""}
+            name=model_name,
+            defaults={"task": task or "classification", "description": description or "", "tenant": tenant},
         )
         if not created and (task or description):
             model.task = task or model.task
@@ -116,6 +118,31 @@ def _check_batching(batching: dict) -> None:
         )
     except (ValueError, TypeError) as exc:
         raise RegistrationError(f"batching: {exc}") from None
+
+
+def sharing_state(model: Model) -> dict:
+    """What the audit log keeps of a model's visibility."""
+    return {"visibility": model.visibility,
+            "shared_with": sorted(model.shared_with.values_list("slug", flat=True))}
+
+
+def set_visibility(*, model: Model, visibility: str | None = None, shared_with: list | None = None,
+                   actor: object = None) -> Model:
+    """Change who may see `model` (None leaves that part alone), with its audit entry, in one transaction."""
+    from tenants import audit
+
+    with transaction.atomic():
+        before = sharing_state(model)
+        if visibility is not None and visibility != model.visibility:
+            model.visibility = visibility
+            model.save(update_fields=["visibility", "updated_at"])
+        if shared_with is not None and set(shared_with) != set(model.shared_with.all()):
+            model.shared_with.set(shared_with)
+        after = sharing_state(model)
+        if after != before:
+            audit.record(actor, "model.visibility", f"model {model.name}", tenant=model.tenant,
+                         before=before, after=after)
+    return model
 
 
 def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:

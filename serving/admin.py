@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from serving.actions import sharing_state
 from serving.models import Artifact, Model, ModelVersion
 
 
@@ -18,6 +19,23 @@ class VersionInline(admin.TabularInline):
 class ModelAdmin(admin.ModelAdmin):
     list_display = ["name", "tenant", "visibility", "task", "fallback", "updated_at"]
     inlines = [VersionInline]
+
+    def save_model(self, request, obj, form, change) -> None:  # noqa: ANN001
+        # Read before the admin writes: shared_with is saved later, in save_related.
+        obj._sharing_before = sharing_state(Model.objects.get(pk=obj.pk)) if change else None
+        super().save_model(request, obj, form, change)
+
+    def save_related(self, request, form, formsets, change) -> None:  # noqa: ANN001
+        """Visibility changed here goes into the audit log like the API's (the admin's view runs in one
+        transaction, so the entry commits with the change)."""
+        from tenants import audit
+
+        super().save_related(request, form, formsets, change)
+        model = form.instance
+        before, after = getattr(model, "_sharing_before", None), sharing_state(model)
+        if after != before:
+            audit.record(request.user, "model.visibility", f"model {model.name}", tenant=model.tenant,
+                         before=before, after=after)
 
 
 @admin.register(Artifact)

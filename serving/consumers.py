@@ -7,7 +7,8 @@ validation; an unexpected exception is a bug: a 500, logged and counted, never r
 
 /v2 (server metadata), /v2/health/{live,ready} and /metrics are anonymous (probes, scrapers); every
 other endpoint needs an API key (`serving.auth`): 401 without a usable one, 403 without the scope
-(load/unload need `manage`, the rest `infer`), and 404 for a model the key's tenant may not see.
+(load/unload need `manage`, the rest `infer`) or for load/unload of a model another tenant owns, and 404
+for a model the key's tenant may not see.
 """
 
 from __future__ import annotations
@@ -215,7 +216,11 @@ class InferenceConsumer(AsyncHttpConsumer):
             from serving.actions import set_loaded
 
             name, load = parts[1], parts[2] == "load"
-            plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
+            model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
+            if model.tenant_id != caller.tenant_id:
+                # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
+                # its own tenant's call.
+                raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
             snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
             await plane.wait_reconciled(snapshot.serial)
             if load:

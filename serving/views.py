@@ -1,11 +1,16 @@
 """Console pages for the registry (server-rendered; live figures come from this process's data plane)."""
 
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import render
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_http_methods
 
 from serving import dataplane, metrics
-from serving.models import Model
+from serving.actions import set_visibility
+from serving.models import Model, Visibility
+from tenants.models import Role, Tenant
+from tenants.scoping import can_write, visible_models
 
 
 def saturation(shares: dict[str, float]) -> dict:
@@ -44,7 +49,7 @@ def _profile(version) -> str:  # noqa: ANN001
 
 @login_required
 def models_page(request: HttpRequest) -> HttpResponse:
-    models = Model.objects.prefetch_related("versions").select_related("fallback")
+    models = visible_models(request.user).prefetch_related("versions").select_related("fallback", "tenant")
     rows = [
         {
             "model": m,
@@ -59,7 +64,39 @@ def models_page(request: HttpRequest) -> HttpResponse:
 def models_live(request: HttpRequest) -> JsonResponse:
     rows = {
         f"{name}:{version}": _live(name, version)
-        for name, version in Model.objects.values_list("name", "versions__version")
+        for name, version in visible_models(request.user).values_list("name", "versions__version")
         if version is not None
     }
     return JsonResponse({"versions": rows})
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def model_page(request: HttpRequest, name: str) -> HttpResponse:
+    """One model: its versions, owner and visibility. A model the user may not see is a 404 exactly like
+    a missing one; changing who sees it needs the admin role in the tenant that owns it."""
+    model = visible_models(request.user).select_related("tenant", "fallback").filter(name=name).first()
+    if model is None:
+        raise Http404("no such model")
+    may_share = can_write(request.user, Role.ADMIN, model.tenant_id)
+    if request.method == "POST":
+        if not may_share:
+            raise PermissionDenied("changing who sees a model needs the admin role in the tenant that owns it")
+        visibility = request.POST.get("visibility", "")
+        slugs = [s for s in request.POST.get("shared_with", "").replace(",", " ").split() if s]
+        shared = list(Tenant.objects.filter(slug__in=slugs))
+        missing = sorted(set(slugs) - {t.slug for t in shared})
+        if visibility not in Visibility.values or missing:
+            error = f"no tenant {missing[0]!r}" if missing else "choose private, shared or public"
+            return render(request, "console/model.html", _model_context(model, may_share) | {"error": error},
+                          status=400)
+        set_visibility(model=model, visibility=visibility, shared_with=shared, actor=request.user)
+        return redirect("console-model", name=model.name)
+    return render(request, "console/model.html", _model_context(model, may_share))
+
+
+def _model_context(model: Model, may_share: bool) -> dict:
+    versions = [{"v": v, "profile": _profile(v)} for v in model.versions.all()]
+    shared = sorted(model.shared_with.values_list("slug", flat=True)) if may_share else []
+    return {"model": model, "versions": versions, "may_share": may_share, "shared_with": " ".join(shared),
+            "visibilities": Visibility.values}

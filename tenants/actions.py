@@ -1,6 +1,7 @@
-"""API key workflows: create (the token is returned once, never stored) and revoke.
+"""Tenant workflows: API keys (the token is returned once, never stored), members' roles, and quota
+requests decided by platform staff. Each change writes its audit entry in the same transaction.
 
-Both save an `ApiKey`, whose post_save signal (`serving.signals`) republishes the routing snapshot
+Key changes save an `ApiKey`, whose post_save signal (`serving.signals`) republishes the routing snapshot
 when the transaction commits, so this process's data plane sees the change at once; other processes
 see it through Redis, or in embedded mode through the refresh loop's fingerprint (within 2 s).
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
-from tenants import keys
+from tenants import audit, keys
 from tenants.models import ApiKey, Tenant
 
 
@@ -46,16 +48,33 @@ def create_key(
     if expires_at is not None and expires_at <= timezone.now():
         raise KeyRequestError("expires_at is in the past")
     minted = keys.mint(keys.pepper_from(settings.SECRET_KEY))
-    key = ApiKey.objects.create(
-        tenant=tenant, name=name, prefix=minted.prefix, digest=minted.digest, scopes=cleaned,
-        expires_at=expires_at, created_by=created_by,
-    )
+    with transaction.atomic():
+        key = ApiKey.objects.create(
+            tenant=tenant, name=name, prefix=minted.prefix, digest=minted.digest, scopes=cleaned,
+            expires_at=expires_at, created_by=created_by,
+        )
+        audit.record(created_by, "key.create", f"key fy_{key.prefix}", tenant=tenant, after=key_state(key))
     return key, minted.token
 
 
-def revoke_key(*, key: ApiKey) -> ApiKey:
+def revoke_key(*, key: ApiKey, actor: object | None = None) -> ApiKey:
     """Revoke at once (idempotent): the key leaves the routing snapshot."""
-    if key.revoked_at is None:
-        key.revoked_at = timezone.now()
-        key.save(update_fields=["revoked_at", "updated_at"])
+    with transaction.atomic():
+        locked = ApiKey.objects.select_for_update().get(pk=key.pk)
+        if locked.revoked_at is None:
+            before = key_state(locked)
+            locked.revoked_at = timezone.now()
+            locked.save(update_fields=["revoked_at", "updated_at"])
+            audit.record(actor, "key.revoke", f"key fy_{locked.prefix}", tenant=locked.tenant,
+                         before=before, after=key_state(locked))
+    key.revoked_at, key.updated_at = locked.revoked_at, locked.updated_at
     return key
+
+
+def key_state(key: ApiKey) -> dict:
+    """What the audit log keeps of a key: never its digest."""
+    return {
+        "name": key.name, "prefix": key.prefix, "scopes": list(key.scopes),
+        "expires_at": key.expires_at.isoformat() if key.expires_at else None,
+        "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
+    }

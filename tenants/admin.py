@@ -1,6 +1,8 @@
 from django.contrib import admin
 
-from tenants.models import ApiKey, Membership, Tenant
+from tenants import audit
+from tenants.actions import key_state
+from tenants.models import ApiKey, AuditEntry, Membership, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -14,11 +16,29 @@ class TenantAdmin(admin.ModelAdmin):
     prepopulated_fields = {"slug": ["name"]}
     inlines = [MembershipInline]
 
+    def save_formset(self, request, form, formset, change) -> None:  # noqa: ANN001
+        """Role changes made here go into the audit log like the console's (the admin's view runs in one
+        transaction, so the entries commit with the change)."""
+        roles_before = {id(f.instance): f.initial.get("role") for f in formset.initial_forms}
+        super().save_formset(request, form, formset, change)
+        if formset.model is not Membership:
+            return
+        for m in formset.new_objects:
+            audit.record(request.user, "role.add", f"member {m.user.get_username()}", tenant=m.tenant,
+                         after={"role": m.role})
+        for m, fields in formset.changed_objects:
+            if "role" in fields or "user" in fields:
+                audit.record(request.user, "role.change", f"member {m.user.get_username()}", tenant=m.tenant,
+                             before={"role": roles_before.get(id(m))}, after={"role": m.role})
+        for m in formset.deleted_objects:
+            audit.record(request.user, "role.remove", f"member {m.user.get_username()}", tenant=m.tenant,
+                         before={"role": roles_before.get(id(m))})
+
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    """Keys are created with `manage.py create_api_key` (the token is shown once); here they are read and
-    revoked (set revoked_at)."""
+    """Keys are created with `manage.py create_api_key` or the console (the token is shown once); here they
+    are read and revoked (set revoked_at) or given an expiry, which the audit log records."""
 
     list_display = ["name", "tenant", "prefix", "scopes", "expires_at", "revoked_at", "last_used_at"]
     list_filter = ["tenant"]
@@ -26,4 +46,29 @@ class ApiKeyAdmin(admin.ModelAdmin):
                        "last_used_at"]
 
     def has_add_permission(self, request) -> bool:  # noqa: ANN001
+        return False
+
+    def save_model(self, request, obj, form, change) -> None:  # noqa: ANN001
+        before = key_state(ApiKey.objects.get(pk=obj.pk)) if change else None
+        super().save_model(request, obj, form, change)
+        after = key_state(obj)
+        if after != before:
+            action = "key.revoke" if before and before["revoked_at"] is None and obj.revoked_at else "key.change"
+            audit.record(request.user, action, f"key fy_{obj.prefix}", tenant=obj.tenant, before=before, after=after)
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(admin.ModelAdmin):
+    """Read-only: the log is appended to by the workflows, never edited."""
+
+    list_display = ["at", "actor_name", "tenant", "action", "target"]
+    list_filter = ["action", "tenant"]
+
+    def has_add_permission(self, request) -> bool:  # noqa: ANN001
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # noqa: ANN001
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # noqa: ANN001
         return False

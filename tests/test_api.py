@@ -1,7 +1,8 @@
 """Tests for the DRF control-plane API (/api/...) on PostgreSQL.
 
 People: Alice is a tenant admin (membership role), Bob an engineer, Charlie a viewer; Dave belongs to
-no tenant. Writes need the engineer role; reads need a login. Every error is JSON with an "error" key.
+no tenant. Writes need the engineer role in the tenant that owns the model (Acme); reads need a login.
+Every error is JSON with an "error" key.
 """
 
 from __future__ import annotations
@@ -239,11 +240,12 @@ def test_upload_that_is_not_multipart_is_a_json_415(bob) -> None:
 
 
 @pytest.fixture
-def registry(model_files) -> None:
-    """digits v1, v2 (ready) and small v1 (ready), registered synchronously."""
-    register(model_files.digits, "digits", max_batch_size=2)
-    register(model_files.digits, "digits", max_batch_size=2)
-    register(model_files.digits_export, "small", fmt="torch_export", max_batch_size=2)
+def registry(people, model_files) -> None:
+    """digits v1, v2 (ready) and small v1 (ready), registered synchronously: public models of Acme."""
+    acme = Tenant.objects.get(slug="acme")
+    register(model_files.digits, "digits", max_batch_size=2, owner=acme)
+    register(model_files.digits, "digits", max_batch_size=2, owner=acme)
+    register(model_files.digits_export, "small", fmt="torch_export", max_batch_size=2, owner=acme)
 
 
 @pytest.mark.parametrize("who", ["charlie", "dave", "bob"])

@@ -1,7 +1,7 @@
 """The OpenAPI schema at /api/schema/ tells the truth about the registry API.
 
 Schemathesis (its CLI, as an operator would run it) drives the real app: a live uvicorn server over the
-PostgreSQL test database, authenticated as an engineer. Every check runs (`-c all`): no server errors,
+PostgreSQL test database, authenticated as a tenant admin. Every check runs (`-c all`): no server errors,
 only documented status codes and content types, responses that match their schemas, schema-violating
 requests rejected, schema-valid requests accepted, authentication enforced, and so on. The run is
 bounded (a few examples per operation, a fixed seed) so it stays well under a minute on two cores.
@@ -35,15 +35,18 @@ from tests.conftest import LiveServer
 
 EXAMPLES = int(os.environ.get("FERRY_SCHEMATHESIS_EXAMPLES", "8"))
 SEED = int(os.environ.get("FERRY_SCHEMATHESIS_SEED", "20240601"))
-PASSWORD = "engineer-password"
+PASSWORD = "tenant-admin-password"
 
 # schemathesis' default for "a schema-valid request must be accepted" (positive_data_acceptance)
 ACCEPTED = ("2xx", "3xx", "401", "403", "404", "409", "429", "5xx")
 # operation -> (statuses a schema-valid request may also get, why the schema cannot rule them out)
 ALLOWANCES = {
-    "POST /api/models/": (("400",), "`fallback` must name an existing model: a reference the schema cannot check"),
-    "PUT /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one"),
-    "PATCH /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one"),
+    "POST /api/models/": (("400",), "`fallback` must name an existing model, `tenant` and `shared_with` existing"
+                                    " tenants: references the schema cannot check"),
+    "PUT /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one, `tenant`"
+                                          " stays the model's, `shared_with` names existing tenants"),
+    "PATCH /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one, `tenant`"
+                                            " stays the model's, `shared_with` names existing tenants"),
     "POST /api/models/{model_name}/versions/": (
         ("400", "413", "422"),
         "the artifact must be a TorchScript or torch.export archive that fits the limit, `sha256` must be the"
@@ -52,6 +55,9 @@ ALLOWANCES = {
     "PATCH /api/models/{model_name}/versions/{version}/": (
         ("400",), "`preferred_batch_sizes` must lie within `max_batch_size` (the request's or the stored one)",
     ),
+    "POST /api/tenants/{slug}/members/": (("400",), "`username` must name an existing user"),
+    "POST /api/tenants/{slug}/keys/": (("400",), "`expires_at` must lie in the future"),
+    "POST /api/tenants/{slug}/quota-requests/": (("400",), "the justification must hold more than whitespace"),
 }
 
 
@@ -69,19 +75,21 @@ def schemathesis_config() -> str:
 
 
 @pytest.fixture
-def engineer(transactional_db, settings) -> User:  # noqa: ANN001
+def tenant_admin(transactional_db, settings) -> User:  # noqa: ANN001
+    """`admin`, platform staff and admin of tenant `demo` (the schema's example names), so every operation
+    is within reach, quota decisions included. As demo's only admin it cannot demote or remove itself (409)."""
     # Basic auth checks the password on every request; the default hasher would spend most of the run there.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    user = User.objects.create_user("engineer", "engineer@example.org", PASSWORD)
-    tenant = Tenant.objects.create(name="Acme", slug="acme")
-    Membership.objects.create(user=user, tenant=tenant, role=Role.ENGINEER)
+    user = User.objects.create_user("admin", "admin@example.org", PASSWORD, is_staff=True)
+    tenant = Tenant.objects.create(name="Demo", slug="demo")
+    Membership.objects.create(user=user, tenant=tenant, role=Role.ADMIN)
     return user
 
 
 @pytest.fixture
-def demo_model(transactional_db, tmp_path: Path) -> Model:  # noqa: ANN001
-    """`digits` (the schema's example name) with versions 1 and 2 (a tiny net, left unvalidated), so the
-    examples reach a model that exists: reads, changes, a refused delete, retirement."""
+def demo_model(tenant_admin, tmp_path: Path) -> Model:  # noqa: ANN001
+    """`digits` (the schema's example name) of tenant demo with versions 1 and 2 (a tiny net, left
+    unvalidated), so the examples reach a model that exists: reads, changes, a refused delete, retirement."""
     path = tmp_path / "tiny.pt"
     torch.jit.script(nn.Linear(4, 2)).save(str(path))
     for _ in range(2):
@@ -90,7 +98,7 @@ def demo_model(transactional_db, tmp_path: Path) -> Model:  # noqa: ANN001
                 model_name="digits", artifact_file=f, fmt="torchscript", validate="none",
                 inputs=[{"name": "input", "datatype": "FP32", "shape": [4]}],
                 outputs=[{"name": "scores", "datatype": "FP32", "shape": [2]}],
-                max_batch_size=4,
+                max_batch_size=4, tenant=Tenant.objects.get(slug="demo"),
             )
     return version.model
 
@@ -105,14 +113,14 @@ def api_server(transactional_db) -> Iterator[LiveServer]:  # noqa: ANN001
         server.stop()
 
 
-def test_schemathesis_finds_no_disagreement(engineer, demo_model, api_server: LiveServer, tmp_path: Path) -> None:
-    # given the live app, an engineer's credentials and the allowances above
+def test_schemathesis_finds_no_disagreement(tenant_admin, demo_model, api_server: LiveServer, tmp_path: Path) -> None:
+    # given the live app, a tenant admin's credentials and the allowances above
     config = tmp_path / "schemathesis.toml"
     config.write_text(schemathesis_config())
     command = [
         sys.executable, "-m", "schemathesis.cli", "--config-file", str(config),
         "run", f"{api_server.url}/api/schema/",
-        "--auth", f"{engineer.username}:{PASSWORD}",
+        "--auth", f"{tenant_admin.username}:{PASSWORD}",
         "--checks", "all",
         "--max-examples", str(EXAMPLES),
         "--seed", str(SEED),

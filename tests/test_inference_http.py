@@ -841,15 +841,15 @@ def test_console_live_json_needs_login(digits_server, django_user_model) -> None
     from django.test import Client
 
     # given an anonymous visitor / when the live JSON is asked over HTTP / then a redirect to the login page
-    resp = call(digits_server, "GET", "/console/models/live/")
+    resp = call(digits_server, "GET", "/console/live/")
     assert resp.status == 302
-    assert resp.headers["location"].startswith("/login/?next=/console/models/live/")
+    assert resp.headers["location"].startswith("/login/?next=/console/live/")
 
     # given a logged-in user of this process / when asked / then the live figures of every version
     user = django_user_model.objects.create_user("viewer", password="pw-for-tests-only")
     client = Client()
     client.force_login(user)
-    live = client.get("/console/models/live/")
+    live = client.get("/console/live/")
     assert live.status_code == 200
     versions = live.json()["versions"]
     assert set(versions) == {"digits:1", "digits-export:1", "tokens:1"}

@@ -12,8 +12,14 @@ from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Task
+from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Task, Visibility
 from serving.protocol import DATATYPES
+from tenants.models import Tenant
+from tenants.scoping import member_tenant_ids, visible_models, visible_tenants
+
+# A tenant's slug, as SlugField stores it.
+TENANT_SLUG_PATTERN = r"[-a-zA-Z0-9_]{1,50}"
+TENANT_SLUG_SCHEMA = {"type": "string", "pattern": f"^{TENANT_SLUG_PATTERN}$", "maxLength": 50}
 
 NAME_RE = re.compile(MODEL_NAME_PATTERN)
 NAME_SCHEMA = {"type": "string", "pattern": f"^{MODEL_NAME_PATTERN}$", "maxLength": 100}
@@ -79,7 +85,11 @@ class ModelNameField(StrictCharField):
 
 @extend_schema_field({**NAME_SCHEMA, "nullable": True, "description": "name of an existing model, or null"})
 class FallbackField(serializers.SlugRelatedField):
-    """Another model by name; anything that cannot be a name is refused before the database is asked."""
+    """Another model the caller may see, by name; anything that cannot be a name is refused before the
+    database is asked, and a model the caller may not see does not exist."""
+
+    def get_queryset(self):  # noqa: ANN201
+        return visible_models(_caller(self), super().get_queryset())
 
     def run_validation(self, data: object = serializers.empty) -> Model | None:
         if data == "":  # DRF's related fields read "" as null; the schema says a name or null
@@ -90,6 +100,40 @@ class FallbackField(serializers.SlugRelatedField):
         if not isinstance(data, str) or not NAME_RE.fullmatch(data):
             self.fail("invalid")
         return super().to_internal_value(data)
+
+
+def _caller(field: serializers.Field) -> object:
+    request = field.context.get("request")
+    return getattr(request, "user", None)
+
+
+class TenantField(serializers.SlugRelatedField):
+    """A tenant by slug. As input, only tenants the caller belongs to (any, for staff) exist: naming
+    another answers exactly as naming none."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(slug_field="slug", queryset=Tenant.objects.all(), **kwargs)
+
+    def get_queryset(self):  # noqa: ANN201
+        return visible_tenants(_caller(self))
+
+    def to_internal_value(self, data: object) -> Tenant:
+        if not isinstance(data, str) or not re.fullmatch(TENANT_SLUG_PATTERN, data):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+@extend_schema_field({**TENANT_SLUG_SCHEMA, "nullable": True,
+                      "description": "the owning tenant's slug; null for a platform model (staff only)."
+                                     " Omitted on create: the caller's only tenant"})
+class OwnerField(TenantField):
+    pass
+
+
+@extend_schema_field({"type": "array", "items": TENANT_SLUG_SCHEMA,
+                      "description": "tenants that see the model when its visibility is `shared`"})
+class SharedWithField(serializers.ManyRelatedField):
+    """Tenants by slug; any tenant on the platform may be named."""
 
 
 class StrictIntegerField(serializers.IntegerField):
@@ -125,21 +169,52 @@ class ModelVersionSerializer(serializers.ModelSerializer):
         read_only_fields = fields  # changed through the batching PATCH, uploads and the repository extension
 
 
+class _AnyTenantSlug(serializers.SlugRelatedField):
+    def to_internal_value(self, data: object) -> Tenant:
+        if not isinstance(data, str) or not re.fullmatch(TENANT_SLUG_PATTERN, data):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class ModelSerializer(serializers.ModelSerializer):
+    """A model. Changing `visibility` or `shared_with` needs the admin role in the owning tenant."""
+
     name = ModelNameField()
+    tenant = OwnerField(allow_null=True, required=False)
+    visibility = serializers.ChoiceField(choices=Visibility.choices, required=False)
+    shared_with = SharedWithField(
+        child_relation=_AnyTenantSlug(slug_field="slug", queryset=Tenant.objects.all()), required=False,
+    )
     description = TextField(required=False, allow_blank=True)
     fallback = FallbackField(slug_field="name", queryset=Model.objects.all(), allow_null=True, required=False)
     versions = ModelVersionSerializer(many=True, read_only=True)
 
     class Meta:
         model = Model
-        fields = ["name", "description", "task", "fallback", "versions", "created_at", "updated_at"]
+        fields = ["name", "tenant", "visibility", "shared_with", "description", "task", "fallback", "versions",
+                  "created_at", "updated_at"]
         read_only_fields = ["created_at", "updated_at"]
 
     def validate_fallback(self, value: Model | None) -> Model | None:
         if value is not None and self.instance is not None and value.pk == self.instance.pk:
             raise serializers.ValidationError("a model cannot be its own fallback")
         return value
+
+    def validate_tenant(self, value: Tenant | None) -> Tenant | None:
+        if self.instance is not None and value != self.instance.tenant:
+            raise serializers.ValidationError("a model's tenant cannot be changed")
+        return value
+
+    def to_representation(self, instance: Model) -> dict:
+        data = super().to_representation(instance)
+        # Which other tenants a model is shared with is the owner's business.
+        user = _caller(self)
+        if not getattr(user, "is_staff", False):
+            if "member_of" not in self.context:  # once per response: a list shares its child's context
+                self.context["member_of"] = set(member_tenant_ids(user))
+            if instance.tenant_id not in self.context["member_of"]:
+                data["shared_with"] = []
+        return data
 
 
 class BatchingUpdateSerializer(serializers.Serializer):
@@ -239,8 +314,15 @@ class ArtifactField(serializers.FileField):
     """A file part of the multipart upload."""
 
 
+@extend_schema_field({**TENANT_SLUG_SCHEMA, "description": "for a new model, the tenant that owns it (default:"
+                                                           " the caller's only tenant); ignored otherwise"})
+class UploadTenantField(TenantField):
+    pass
+
+
 class VersionUploadSerializer(serializers.Serializer):
     artifact = ArtifactField(help_text="TorchScript archive or torch.export program (.pt2)")
+    tenant = UploadTenantField(required=False)
     format = serializers.ChoiceField(choices=ArtifactFormat.choices)
     sha256 = Sha256Field(required=False, help_text="checked against the upload")
     inputs = SignatureField()

@@ -12,6 +12,7 @@ versions.register("versions", ModelVersionViewSet, basename="model-version")
 
 urlpatterns = [
     re_path("", include(router.urls)),
+    re_path("", include("tenants.api.urls")),
     # The same pattern as the schema's `model_name` (and ModelViewSet's `name`).
     re_path(rf"^models/(?P<model_name>{MODEL_NAME_PATTERN})/", include(versions.urls)),
     # Whatever else ends in a slash (control characters included) is no endpoint: a JSON 404. A path

@@ -18,8 +18,7 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from serving.actions import RegistrationError, register_version
-from serving.api.pagination import BoundedLimitOffsetPagination
+from serving.actions import RegistrationError, register_version, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
     BatchingUpdateSerializer,
@@ -28,9 +27,10 @@ from serving.api.serializers import (
     ModelVersionSerializer,
     VersionUploadSerializer,
 )
-from serving.models import BATCHING_FIELDS, MODEL_NAME_PATTERN, Model, ModelVersion, State
+from serving.models import BATCHING_FIELDS, MODEL_NAME_PATTERN, Model, ModelVersion, State, Visibility
 from serving.snapshot import publish_snapshot
 from tenants.models import Role, has_role
+from tenants.scoping import TenantScopedViewSet, visible_models
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the other form fields
 VERSION_PATTERN = r"[1-9][0-9]*"
@@ -38,8 +38,9 @@ MAX_VERSION = 2**31 - 1  # PositiveIntegerField; a larger number in the URL is a
 
 _ERRORS = {
     400: "The request is malformed; `fields` names each bad field or query parameter with its messages.",
-    403: "Not logged in, or changing the registry without the engineer role.",
-    404: "No such model or version.",
+    403: "Not logged in, or lacking the role the change needs in the tenant that owns the model (engineer;"
+         " admin for visibility and sharing; platform staff for a platform model).",
+    404: "No such model or version, or one the caller may not see.",
     409: "Conflicts with the registry's state.",
     413: "The request body is larger than the server accepts.",
     415: "The body is not of the content type the operation takes.",
@@ -82,16 +83,21 @@ class Conflict(APIException):
     default_detail = "conflicts with the registry's state"
 
 
-class EngineerWrites:
-    """Reading needs a login; changing the registry needs the engineer role, checked before the
-    request body is looked at so a viewer learns nothing from validation errors."""
-
-    pagination_class = BoundedLimitOffsetPagination
+class RegistryViewSet(TenantScopedViewSet):
+    """Reading needs a login and shows only the models the caller may see; changing one needs the
+    engineer role in the tenant that owns it. A caller who is an engineer nowhere is refused before the
+    request body is looked at, so a viewer learns nothing from validation errors."""
 
     def initial(self, request: Request, *args: object, **kwargs: object) -> None:
-        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        super().initial(request, *args, **kwargs)
         if request.method not in SAFE_METHODS and not has_role(request.user, Role.ENGINEER):
             raise PermissionDenied("changing the registry needs the engineer role")
+
+    def check_object_permissions(self, request: Request, obj: object) -> None:
+        super().check_object_permissions(request, obj)
+        if request.method not in SAFE_METHODS:
+            model = obj if isinstance(obj, Model) else obj.model  # type: ignore[attr-defined]
+            self.require(Role.ENGINEER, model.tenant_id, "changing a model")
 
 
 @extend_schema_view(
@@ -106,27 +112,42 @@ class EngineerWrites:
     destroy=extend_schema(parameters=[NAME], responses={204: None, **errors(
         403, 404, 409, e409="The model has versions that are not retired.")}),
 )
-class ModelViewSet(EngineerWrites, viewsets.ModelViewSet):
-    queryset = Model.objects.select_related("fallback").prefetch_related("versions")
+class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
+    queryset = Model.objects.select_related("fallback", "tenant").prefetch_related("versions", "shared_with")
     serializer_class = ModelSerializer
     lookup_field = "name"
     lookup_value_regex = MODEL_NAME_PATTERN
     parser_classes = [JSONParser]
 
+    def scope(self, queryset):  # noqa: ANN001, ANN201
+        return visible_models(self.request.user, queryset)
+
     def perform_create(self, serializer: ModelSerializer) -> None:
+        data = serializer.validated_data
+        tenant = data["tenant"] if "tenant" in data else owner_by_default(self.request.user)
+        self.require(Role.ENGINEER, tenant, "registering a model")
+        serializer.validated_data["tenant"] = tenant
         self._save_named(serializer)
 
     def perform_update(self, serializer: ModelSerializer) -> None:
         self._save_named(serializer)
 
     def _save_named(self, serializer: ModelSerializer) -> None:
-        name = serializer.validated_data.get("name")
-        others = Model.objects.exclude(pk=serializer.instance.pk) if serializer.instance else Model.objects
+        data = serializer.validated_data
+        sharing = {k: data.pop(k) for k in ("visibility", "shared_with") if k in data}
+        instance = serializer.instance
+        if sharing and _changes_sharing(instance, sharing):
+            tenant = instance.tenant if instance is not None else data["tenant"]
+            self.require(Role.ADMIN, tenant, "changing who sees a model")
+        name = data.get("name")
+        others = Model.objects.exclude(pk=instance.pk) if instance else Model.objects
         if name is not None and others.filter(name=name).exists():
             raise Conflict(f"a model named {name!r} exists already")
         try:
             with transaction.atomic():
-                serializer.save()
+                model = serializer.save()
+                if sharing:
+                    set_visibility(model=model, actor=self.request.user, **sharing)
         except IntegrityError:  # created by someone else since the check
             raise Conflict(f"a model named {name!r} exists already") from None
 
@@ -136,14 +157,32 @@ class ModelViewSet(EngineerWrites, viewsets.ModelViewSet):
         instance.delete()
 
 
+def owner_by_default(user: object) -> object:
+    """The tenant a new model belongs to when the request names none: the caller's only tenant; none
+    (a platform model) for staff in no tenant."""
+    tenants = [m.tenant for m in user.memberships.select_related("tenant")]  # type: ignore[attr-defined]
+    if len(tenants) == 1:
+        return tenants[0]
+    if not tenants and getattr(user, "is_staff", False):
+        return None
+    raise serializers.ValidationError({"tenant": ["name the tenant that owns the model"]})
+
+
+def _changes_sharing(model: Model | None, sharing: dict) -> bool:
+    if model is None:  # a new model: anything but the default, private and shared with nobody
+        return sharing.get("visibility", Visibility.PRIVATE) != Visibility.PRIVATE or bool(sharing.get("shared_with"))
+    if "visibility" in sharing and sharing["visibility"] != model.visibility:
+        return True
+    return "shared_with" in sharing and set(sharing["shared_with"]) != set(model.shared_with.all())
+
+
 @extend_schema(parameters=[name_parameter("model_name")])
 @extend_schema_view(
     list=extend_schema(responses={200: ModelVersionSerializer(many=True), **errors(400, 403, 404)}),
     retrieve=extend_schema(parameters=[VERSION_PARAMETER],
                            responses={200: ModelVersionSerializer, **errors(403, 404)}),
 )
-class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.RetrieveModelMixin,
-                          viewsets.GenericViewSet):
+class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     serializer_class = ModelVersionSerializer
     lookup_field = "version"
     lookup_value_regex = VERSION_PATTERN
@@ -155,14 +194,20 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
             return [MultiPartParser()]
         return [JSONParser()]
 
-    def get_queryset(self):  # noqa: ANN201
-        if getattr(self, "swagger_fake_view", False):  # schema generation: no URL kwargs
-            return ModelVersion.objects.none()
-        return ModelVersion.objects.filter(model__name=self.kwargs["model_name"]).select_related("model")
+    queryset = ModelVersion.objects.select_related("model")
+
+    def scope(self, queryset):  # noqa: ANN001, ANN201
+        models = visible_models(self.request.user).filter(name=self.kwargs["model_name"])
+        return queryset.filter(model__in=models)
+
+    def visible_model(self) -> Model:
+        model = visible_models(self.request.user).filter(name=self.kwargs["model_name"]).first()
+        if model is None:
+            raise NotFound(f"unknown model '{self.kwargs['model_name']}'")
+        return model
 
     def list(self, request: Request, *args: object, **kwargs: object) -> Response:
-        if not Model.objects.filter(name=self.kwargs["model_name"]).exists():
-            raise NotFound(f"unknown model '{self.kwargs['model_name']}'")
+        self.visible_model()
         return super().list(request, *args, **kwargs)
 
     @extend_schema(
@@ -170,9 +215,11 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
             VersionUploadSerializer, encoding={part: {"contentType": "application/json"} for part in UPLOAD_JSON_PARTS},
         )},
         responses={201: ModelVersionSerializer, **errors(
-            400, 403, 404, 413, 415, 422,
-            e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload).",
+            400, 403, 404, 409, 413, 415, 422,
+            e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload,"
+                 " a tenant the caller is not in), or the new model's tenant is ambiguous.",
             e404="No endpoint: the model name in the path is not a valid name.",
+            e409="A model of that name exists that the caller may not see.",
             e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
         )},
     )
@@ -191,20 +238,38 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
             raise UnsupportedMediaType(
                 request.content_type, "an upload is multipart/form-data, with the artifact as a file part"
             )
-        form = VersionUploadSerializer(data=request.data)
+        form = VersionUploadSerializer(data=request.data, context=self.get_serializer_context())
         form.is_valid(raise_exception=True)
         data = dict(form.validated_data)
         artifact = data.pop("artifact")
+        tenant = self._upload_owner(data.pop("tenant", None))
         try:
             version = register_version(
                 model_name=self.kwargs["model_name"], artifact_file=artifact, fmt=data.pop("format"),
                 inputs=data.pop("inputs"), outputs=data.pop("outputs"), sha256=data.pop("sha256", None),
-                task=data.pop("task", None), description=data.pop("description", None), **data,
+                task=data.pop("task", None), description=data.pop("description", None), tenant=tenant, **data,
             )
         except RegistrationError as exc:
             raise RegistrationFailed(exc) from None
         version.refresh_from_db()
         return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+    def _upload_owner(self, named: object) -> object:
+        """The tenant of the model the upload goes to (checked: engineer there), for a new model the one
+        named or the caller's only one. A taken name the caller may not see is a conflict, as when
+        creating a model of that name."""
+        name = self.kwargs["model_name"]
+        existing = Model.objects.filter(name=name).first()
+        if existing is None:
+            tenant = named if named is not None else owner_by_default(self.request.user)
+            self.require(Role.ENGINEER, tenant, "registering a model")
+            return tenant
+        if not visible_models(self.request.user).filter(pk=existing.pk).exists():
+            raise Conflict(f"a model named {name!r} exists already")
+        if named is not None and named.pk != existing.tenant_id:
+            raise serializers.ValidationError({"tenant": [f"model {name!r} belongs to another tenant"]})
+        self.require(Role.ENGINEER, existing.tenant_id, "adding a version to a model")
+        return existing.tenant
 
     @extend_schema(
         parameters=[VERSION_PARAMETER],
@@ -217,6 +282,7 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
     )
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Change the version's batching settings; the data plane picks them up once committed."""
+        self.get_object()  # 404 and 403 before the body's validation says anything
         form = BatchingUpdateSerializer(data=request.data)
         form.is_valid(raise_exception=True)
         changes = form.validated_data
