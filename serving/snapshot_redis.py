@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 
 import orjson
 import redis
@@ -26,6 +27,8 @@ PREFIX = "ferry:snapshot"
 VALUE_KEY = PREFIX
 SERIAL_KEY = f"{PREFIX}:serial"
 CHANNEL = f"{PREFIX}:changed"
+# Followers name their connections after their process, so CLIENT LIST shows who follows the feed.
+CLIENT_NAME_PREFIX = "ferry-snapshots-"
 
 
 def _plain(value: object) -> object:
@@ -89,7 +92,7 @@ async def follow(url: str, hub: SnapshotHub, *, ready: asyncio.Event | None = No
     """Keep `hub` on the latest published snapshot until cancelled; reconnects after Redis errors."""
     backoff = 0.5
     while True:
-        client = aioredis.Redis.from_url(url)
+        client = aioredis.Redis.from_url(url, client_name=f"{CLIENT_NAME_PREFIX}{os.getpid()}")
         try:
             async with client.pubsub() as pubsub:
                 await pubsub.subscribe(CHANNEL)
