@@ -4,6 +4,10 @@ The control plane publishes each snapshot as one value (`ferry:snapshot`) with a
 serial from INCR, then announces the serial on a pub/sub channel. Gateways and nodes read the
 value at start and again on each announcement, so none of them queries PostgreSQL to serve, and
 a missed announcement is repaired by the next one (the value is always the latest).
+
+A publisher takes its serial before it reads the registry, and the value is replaced only by a
+higher serial (one script call), so a slow publisher that read the registry before a change (a
+revocation) cannot overwrite the snapshot that carries the change.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ferry:snapshot"
 VALUE_KEY = PREFIX
-SERIAL_KEY = f"{PREFIX}:serial"
+SERIAL_KEY = f"{PREFIX}:serial"  # the last serial handed out
+STORED_KEY = f"{PREFIX}:stored"  # the serial of the value
+KEYS = (VALUE_KEY, SERIAL_KEY, STORED_KEY)
 CHANNEL = f"{PREFIX}:changed"
 # Followers name their connections after their process, so CLIENT LIST shows who follows the feed.
 CLIENT_NAME_PREFIX = "ferry-snapshots-"
@@ -65,20 +71,32 @@ def decode(raw: bytes) -> RoutingSnapshot:
     return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys)
 
 
+# KEYS: value, stored serial; ARGV: serial, encoded snapshot, channel. 1 if stored and announced.
+_STORE_IF_NEWER = """
+if tonumber(ARGV[1]) <= tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('PUBLISH', ARGV[3], ARGV[1])
+return 1
+"""
+
+
 class RedisSnapshotStore:
     def __init__(self, url: str) -> None:
         self.url = url
         self._client = redis.Redis.from_url(url)
+        self._store_if_newer = self._client.register_script(_STORE_IF_NEWER)
 
-    def publish(self, snapshot: RoutingSnapshot) -> RoutingSnapshot:
-        """Store the snapshot under a fresh cluster-wide serial and announce it; returns it renumbered."""
-        serial = int(self._client.incr(SERIAL_KEY))
-        numbered = dataclasses.replace(snapshot, serial=serial)
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(VALUE_KEY, encode(numbered))
-        pipe.publish(CHANNEL, str(serial))
-        pipe.execute()
-        return numbered
+    def next_serial(self) -> int:
+        """A fresh cluster-wide serial; take it before reading the registry for the snapshot."""
+        return int(self._client.incr(SERIAL_KEY))
+
+    def publish(self, snapshot: RoutingSnapshot) -> bool:
+        """Store the snapshot and announce it, unless one with a higher serial is stored already
+        (then False: that one was read from the registry later)."""
+        stored = self._store_if_newer(keys=[VALUE_KEY, STORED_KEY],
+                                      args=[snapshot.serial, encode(snapshot), CHANNEL])
+        return bool(stored)
 
     def load(self) -> RoutingSnapshot | None:
         raw = self._client.get(VALUE_KEY)

@@ -26,6 +26,7 @@ from django.db import connection
 from django.utils import timezone
 
 from serving import snapshot_redis
+from serving.snapshot import build_snapshot
 from tests.conftest import free_port, register, tenant
 from tests.test_inference_http import Resp, assert_error, call, digits_request, infer
 
@@ -56,10 +57,10 @@ def redis_snapshots(settings) -> Iterator[redis.Redis]:  # noqa: ANN001
     """This process publishes to the test Redis database (on commit, like the API and console), which
     starts empty of snapshots. A Redis that does not answer fails here."""
     client = redis.Redis.from_url(REDIS_URL)
-    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    client.delete(*snapshot_redis.KEYS)
     settings.REDIS_URL = REDIS_URL
     yield client
-    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    client.delete(*snapshot_redis.KEYS)
     client.close()
 
 
@@ -180,6 +181,11 @@ def test_revoked_key_is_refused_by_every_gateway_within_2s(gateways: list[Gatewa
         assert time.monotonic() < deadline, "a new key did not reach every gateway within 2 s"
         time.sleep(POLL_S)
     assert_served_by_all(gateways, token)
+    # and a publisher that read the registry before the revocation and stores after it (a periodic
+    # republish in flight)
+    store = snapshot_redis.RedisSnapshotStore(REDIS_URL)
+    slow = build_snapshot(store.next_serial())
+    assert key.prefix in slow.keys
     # when it is revoked the way the API and console do (revoke_key; publication on commit)
     since = time.time()
     revoke_key(key=key)
@@ -187,6 +193,12 @@ def test_revoked_key_is_refused_by_every_gateway_within_2s(gateways: list[Gatewa
     flipped = refused_within(gateways, token, since, "revoked")
     print(f"seconds from the change to each gateway's first refusal: {flipped}")
     assert max(flipped.values()) <= BOUND_S, flipped
+    # and the slow publisher cannot bring the key back
+    assert store.publish(slow) is False
+    store.close()
+    time.sleep(0.2)  # what an announcement would have taken to arrive
+    for gateway in gateways:
+        assert_error(ask(gateway, token), 401, "revoked")
 
 
 def test_expired_key_is_refused_by_every_gateway_within_2s(gateways: list[Gateway]) -> None:

@@ -17,10 +17,10 @@ REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 @pytest.fixture
 def redis_url(settings):  # noqa: ANN001, ANN201
     client = redis.Redis.from_url(REDIS_URL)
-    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    client.delete(*snapshot_redis.KEYS)
     settings.REDIS_URL = REDIS_URL
     yield REDIS_URL
-    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    client.delete(*snapshot_redis.KEYS)
     client.close()
 
 
@@ -40,6 +40,29 @@ def test_publish_numbers_serials_cluster_wide(db, model_files, redis_url) -> Non
     stored = snapshot_redis.RedisSnapshotStore(redis_url).load()
     assert stored is not None and stored.serial == second.serial
     assert stored.models["digits"].versions[1].servable
+
+
+def test_a_slow_publisher_cannot_bring_back_a_revoked_key(db, redis_url) -> None:  # noqa: ANN001
+    from tenants.actions import create_key, revoke_key
+    from tests.conftest import tenant
+
+    store = snapshot_redis.RedisSnapshotStore(redis_url)
+    key, _ = create_key(tenant=tenant(), name="k", scopes=["infer"])
+    # given a publisher that took its serial and read the registry while the key was live (the
+    # periodic republish, say), and is slow to store it
+    slow = build_snapshot(store.next_serial())
+    assert key.prefix in slow.keys
+    # when the key is revoked and that change published meanwhile
+    revoke_key(key=key)
+    revoked = publish_snapshot()  # what the on_commit hook does (this test's transaction never commits)
+    assert key.prefix not in revoked.keys and revoked.serial > slow.serial
+    # then the slow snapshot is refused: the stored one still leaves the key out
+    assert store.publish(slow) is False
+    stored = store.load()
+    assert stored is not None and stored.serial == revoked.serial and key.prefix not in stored.keys
+    # while a later publication is stored
+    assert publish_snapshot().serial == store.load().serial > revoked.serial
+    store.close()
 
 
 async def test_follower_sees_each_publication(transactional_db, model_files, redis_url) -> None:  # noqa: ANN001
