@@ -71,6 +71,19 @@ def decode(raw: bytes) -> RoutingSnapshot:
     return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys)
 
 
+# A serial sequence starts at Redis' clock in milliseconds, not at 1: when Redis loses its data (a
+# restart without persistence, a flush) the new serials are still above what running gateways hold,
+# which otherwise would ignore every publication, revocations included, until the count caught up.
+# This holds while the cluster averages under 1,000 publications a second. KEYS: serial.
+_NEXT_SERIAL = """
+local serial = redis.call('INCR', KEYS[1])
+if serial == 1 then
+  local now = redis.call('TIME')
+  serial = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  redis.call('SET', KEYS[1], string.format('%d', serial))
+end
+return serial
+"""
 # KEYS: value, stored serial; ARGV: serial, encoded snapshot, channel. 1 if stored and announced.
 _STORE_IF_NEWER = """
 if tonumber(ARGV[1]) <= tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
@@ -85,11 +98,12 @@ class RedisSnapshotStore:
     def __init__(self, url: str) -> None:
         self.url = url
         self._client = redis.Redis.from_url(url)
+        self._next_serial = self._client.register_script(_NEXT_SERIAL)
         self._store_if_newer = self._client.register_script(_STORE_IF_NEWER)
 
     def next_serial(self) -> int:
         """A fresh cluster-wide serial; take it before reading the registry for the snapshot."""
-        return int(self._client.incr(SERIAL_KEY))
+        return int(self._next_serial(keys=[SERIAL_KEY]))
 
     def publish(self, snapshot: RoutingSnapshot) -> bool:
         """Store the snapshot and announce it, unless one with a higher serial is stored already

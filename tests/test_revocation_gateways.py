@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from serving import snapshot_redis
 from serving.snapshot import build_snapshot
+from serving.snapshot import hub as process_hub
 from tests.conftest import free_port, register, tenant
 from tests.test_inference_http import Resp, assert_error, call, digits_request, infer
 
@@ -59,7 +60,9 @@ def redis_snapshots(settings) -> Iterator[redis.Redis]:  # noqa: ANN001
     client = redis.Redis.from_url(REDIS_URL)
     client.delete(*snapshot_redis.KEYS)
     settings.REDIS_URL = REDIS_URL
+    held = process_hub.current  # put back after: see tests/test_snapshot_redis.py's redis_url
     yield client
+    process_hub.current = held
     client.delete(*snapshot_redis.KEYS)
     client.close()
 
