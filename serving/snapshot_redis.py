@@ -120,27 +120,42 @@ class RedisSnapshotStore:
         self._client.close()
 
 
+# Between announcements a follower compares the stored serial with its own this often, so an
+# announcement lost while the connection looked alive (one that died without a FIN or RST reaching
+# this side, where a blocked read would wait forever) costs about this long, not beat's 30 s.
+CHECK_SECONDS = 1.0
+SOCKET_TIMEOUT_SECONDS = 5.0  # a reply slower than this: the connection is dropped and reopened
+
+
+async def _catch_up(client: aioredis.Redis, hub: SnapshotHub) -> None:
+    """Load the stored snapshot into `hub` when it is newer. The serial is read first: pub/sub ignores
+    database numbers, so another deployment's announcements on this Redis cost a small GET, no decode."""
+    stored = await client.get(STORED_KEY)
+    if stored is not None and hub.current is not None and int(stored) <= hub.current.serial:
+        return
+    raw = await client.get(VALUE_KEY)
+    if raw:
+        hub.set(decode(raw))
+
+
 async def follow(url: str, hub: SnapshotHub, *, ready: asyncio.Event | None = None) -> None:
     """Keep `hub` on the latest published snapshot until cancelled; reconnects after Redis errors."""
     backoff = 0.5
     while True:
-        client = aioredis.Redis.from_url(url, client_name=f"{CLIENT_NAME_PREFIX}{os.getpid()}")
+        client = aioredis.Redis.from_url(url, client_name=f"{CLIENT_NAME_PREFIX}{os.getpid()}",
+                                         socket_timeout=SOCKET_TIMEOUT_SECONDS)
         try:
             async with client.pubsub() as pubsub:
                 await pubsub.subscribe(CHANNEL)
-                # Read the value after subscribing, so a publish in between is not missed.
-                raw = await client.get(VALUE_KEY)
-                if raw:
-                    hub.set(decode(raw))
+                # Read after subscribing, so a publish in between is not missed.
+                await _catch_up(client, hub)
                 if ready is not None:
                     ready.set()
                 backoff = 0.5
-                async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    raw = await client.get(VALUE_KEY)
-                    if raw:
-                        hub.set(decode(raw))
+                while True:
+                    # An announcement, or CHECK_SECONDS without one: compare serials either way.
+                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=CHECK_SECONDS)
+                    await _catch_up(client, hub)
         except asyncio.CancelledError:
             raise
         except (redis.RedisError, OSError) as exc:

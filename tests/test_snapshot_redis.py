@@ -136,6 +136,37 @@ async def test_follower_sees_each_publication(transactional_db, model_files, red
         await sync_to_async(connections.close_all)()
 
 
+async def test_follower_catches_up_on_a_lost_announcement(transactional_db, model_files, redis_url) -> None:  # noqa: ANN001
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    await sync_to_async(register)(model_files.digits, "digits")
+    hub = SnapshotHub()
+    fed = asyncio.Event()
+    task = asyncio.create_task(snapshot_redis.follow(redis_url, hub, ready=fed))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await asyncio.wait_for(fed.wait(), 10)
+        assert hub.current is not None and hub.current.models
+        # given a snapshot stored whose announcement never reached the follower (no PUBLISH at all)
+        store = snapshot_redis.RedisSnapshotStore(redis_url)
+        missed = dataclasses.replace(hub.current, serial=store.next_serial(), models={})
+        store.close()
+        client.set(snapshot_redis.VALUE_KEY, snapshot_redis.encode(missed))
+        client.set(snapshot_redis.STORED_KEY, missed.serial)
+        # then the follower's periodic serial check loads it (nothing else would: no beat runs here)
+        async with asyncio.timeout(10):
+            while hub.current.serial != missed.serial:
+                await asyncio.sleep(0.05)
+        assert hub.current == missed
+    finally:
+        client.close()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sync_to_async(connections.close_all)()
+
+
 async def test_follower_survives_unreachable_redis() -> None:
     # given a Redis address nothing listens on / when following / then it retries instead of raising
     hub = SnapshotHub()
