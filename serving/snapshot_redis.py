@@ -1,9 +1,10 @@
 """Routing snapshots through Redis, for distributed mode.
 
 The control plane publishes each snapshot as one value (`ferry:snapshot`) with a cluster-wide
-serial from INCR, then announces the serial on a pub/sub channel. Gateways and nodes read the
-value at start and again on each announcement, so none of them queries PostgreSQL to serve, and
-a missed announcement is repaired by the next one (the value is always the latest).
+serial from a Redis counter, then announces the serial on a pub/sub channel. Gateways and nodes
+read the value at start, on each announcement, and whenever the stored serial (checked every
+second) is newer than theirs, so none of them queries PostgreSQL to serve, and a missed
+announcement costs about a second (the value is always the latest).
 
 A publisher takes its serial before it reads the registry, and the value is replaced only by a
 higher serial (one script call), so a slow publisher that read the registry before a change (a
