@@ -132,7 +132,7 @@ def unservable_entry(v: Any, model_name: str, reason: str) -> VersionEntry:
     )
 
 
-def build_snapshot() -> RoutingSnapshot:
+def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
     from serving.models import Model, State
     from tenants.models import ApiKey
 
@@ -167,7 +167,8 @@ def build_snapshot() -> RoutingSnapshot:
         )
         for k in ApiKey.objects.filter(revoked_at__isnull=True)
     }
-    return RoutingSnapshot(serial=next(_serial), built_at=time.time(), models=models, keys=keys)
+    serial = next(_serial) if serial is None else serial
+    return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys)
 
 
 class SnapshotHub:
@@ -204,14 +205,18 @@ def publish_snapshot() -> RoutingSnapshot:
     """Build from the registry and hand to this process; with Redis, to every gateway and node too."""
     from django.conf import settings
 
-    snapshot = build_snapshot()
-    if settings.REDIS_URL:
-        from serving.snapshot_redis import RedisSnapshotStore
+    if not settings.REDIS_URL:
+        snapshot = build_snapshot()
+        hub.set(snapshot)
+        return snapshot
+    from serving.snapshot_redis import RedisSnapshotStore
 
-        store = RedisSnapshotStore(settings.REDIS_URL)
-        try:
-            snapshot = store.publish(snapshot)
-        finally:
-            store.close()
-    hub.set(snapshot)
+    store = RedisSnapshotStore(settings.REDIS_URL)
+    try:
+        # The serial before the read: whichever snapshot carries a higher serial read the registry later.
+        snapshot = build_snapshot(store.next_serial())
+        if store.publish(snapshot):
+            hub.set(snapshot)
+    finally:
+        store.close()
     return snapshot

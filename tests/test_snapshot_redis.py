@@ -9,6 +9,7 @@ import redis
 
 from serving import snapshot_redis
 from serving.snapshot import SnapshotHub, build_snapshot, publish_snapshot
+from serving.snapshot import hub as process_hub
 from tests.conftest import register
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -17,10 +18,14 @@ REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 @pytest.fixture
 def redis_url(settings):  # noqa: ANN001, ANN201
     client = redis.Redis.from_url(REDIS_URL)
-    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    client.delete(*snapshot_redis.KEYS)
     settings.REDIS_URL = REDIS_URL
+    # Redis serials start at a clock reading, far above this process's embedded ones: put the process's
+    # hub back, or later embedded-mode tests' snapshots would all look older than the last Redis one.
+    held = process_hub.current
     yield REDIS_URL
-    client.delete(snapshot_redis.VALUE_KEY, snapshot_redis.SERIAL_KEY)
+    process_hub.current = held
+    client.delete(*snapshot_redis.KEYS)
     client.close()
 
 
@@ -40,6 +45,58 @@ def test_publish_numbers_serials_cluster_wide(db, model_files, redis_url) -> Non
     stored = snapshot_redis.RedisSnapshotStore(redis_url).load()
     assert stored is not None and stored.serial == second.serial
     assert stored.models["digits"].versions[1].servable
+
+
+def test_a_slow_publisher_cannot_bring_back_a_revoked_key(db, redis_url) -> None:  # noqa: ANN001
+    from tenants.actions import create_key, revoke_key
+    from tests.conftest import tenant
+
+    store = snapshot_redis.RedisSnapshotStore(redis_url)
+    key, _ = create_key(tenant=tenant(), name="k", scopes=["infer"])
+    # given a publisher that took its serial and read the registry while the key was live (the
+    # periodic republish, say), and is slow to store it
+    slow = build_snapshot(store.next_serial())
+    assert key.prefix in slow.keys
+    # when the key is revoked and that change published meanwhile
+    revoke_key(key=key)
+    revoked = publish_snapshot()  # what the on_commit hook does (this test's transaction never commits)
+    assert key.prefix not in revoked.keys and revoked.serial > slow.serial
+    # then the slow snapshot is refused: the stored one still leaves the key out
+    assert store.publish(slow) is False
+    stored = store.load()
+    assert stored is not None and stored.serial == revoked.serial and key.prefix not in stored.keys
+    # while a later publication is stored
+    assert publish_snapshot().serial == store.load().serial > revoked.serial
+    store.close()
+
+
+async def test_serials_keep_rising_after_redis_loses_its_data(transactional_db, model_files, redis_url) -> None:  # noqa: ANN001
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    await sync_to_async(register)(model_files.digits, "digits")
+    hub = SnapshotHub()
+    fed = asyncio.Event()
+    task = asyncio.create_task(snapshot_redis.follow(redis_url, hub, ready=fed))
+    try:
+        await asyncio.wait_for(fed.wait(), 10)
+        before = hub.current
+        assert before is not None
+        # given Redis restarted empty (no persistence), while the follower keeps the last snapshot
+        client = redis.Redis.from_url(redis_url)
+        client.delete(*snapshot_redis.KEYS)
+        client.close()
+        # when the control plane publishes again / then the new serial is above the old one and followed
+        after = await sync_to_async(publish_snapshot)()
+        assert after.serial > before.serial
+        async with asyncio.timeout(10):
+            while hub.current.serial != after.serial:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sync_to_async(connections.close_all)()
 
 
 async def test_follower_sees_each_publication(transactional_db, model_files, redis_url) -> None:  # noqa: ANN001
@@ -73,6 +130,37 @@ async def test_follower_sees_each_publication(transactional_db, model_files, red
         hub.set(newer)
         assert hub.current is newer
     finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sync_to_async(connections.close_all)()
+
+
+async def test_follower_catches_up_on_a_lost_announcement(transactional_db, model_files, redis_url) -> None:  # noqa: ANN001
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    await sync_to_async(register)(model_files.digits, "digits")
+    hub = SnapshotHub()
+    fed = asyncio.Event()
+    task = asyncio.create_task(snapshot_redis.follow(redis_url, hub, ready=fed))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await asyncio.wait_for(fed.wait(), 10)
+        assert hub.current is not None and hub.current.models
+        # given a snapshot stored whose announcement never reached the follower (no PUBLISH at all)
+        store = snapshot_redis.RedisSnapshotStore(redis_url)
+        missed = dataclasses.replace(hub.current, serial=store.next_serial(), models={})
+        store.close()
+        client.set(snapshot_redis.VALUE_KEY, snapshot_redis.encode(missed))
+        client.set(snapshot_redis.STORED_KEY, missed.serial)
+        # then the follower's periodic serial check loads it (nothing else would: no beat runs here)
+        async with asyncio.timeout(10):
+            while hub.current.serial != missed.serial:
+                await asyncio.sleep(0.05)
+        assert hub.current == missed
+    finally:
+        client.close()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
