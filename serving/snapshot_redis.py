@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from serving.batching import BatchingConfig
 from serving.protocol import TensorSpec
-from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ def decode(raw: bytes) -> RoutingSnapshot:
                          expires_at=k["expires_at"])
         for prefix, k in doc.get("keys", {}).items()
     }
-    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys)
+    tenants = {int(tid): TenantEntry(**t) for tid, t in doc.get("tenants", {}).items()}
+    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys,
+                           tenants=tenants)
 
 
 class RedisSnapshotStore:

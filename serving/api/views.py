@@ -18,6 +18,7 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from serving import quota_counts
 from serving.actions import RegistrationError, register_version
 from serving.api.pagination import BoundedLimitOffsetPagination
 from serving.api.serializers import (
@@ -44,6 +45,8 @@ _ERRORS = {
     413: "The request body is larger than the server accepts.",
     415: "The body is not of the content type the operation takes.",
     422: "The artifact is not a model the server can load.",
+    429: "The owning tenant's quota is full (the message names it: max_models, max_versions). No"
+         " Retry-After: waiting does not help; retire or delete something, or request an increase.",
 }
 
 
@@ -97,7 +100,7 @@ class EngineerWrites:
 @extend_schema_view(
     list=extend_schema(responses={200: ModelSerializer(many=True), **errors(400, 403)}),
     create=extend_schema(responses={201: ModelSerializer, **errors(
-        400, 403, 409, 413, 415, e409="A model of that name exists.")}),
+        400, 403, 409, 413, 415, 429, e409="A model of that name exists.")}),
     retrieve=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(403, 404)}),
     update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
         400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
@@ -121,12 +124,17 @@ class ModelViewSet(EngineerWrites, viewsets.ModelViewSet):
 
     def _save_named(self, serializer: ModelSerializer) -> None:
         name = serializer.validated_data.get("name")
+        creating = serializer.instance is None
         others = Model.objects.exclude(pk=serializer.instance.pk) if serializer.instance else Model.objects
         if name is not None and others.filter(name=name).exists():
             raise Conflict(f"a model named {name!r} exists already")
         try:
             with transaction.atomic():
-                serializer.save()
+                model = serializer.save()
+                if creating:
+                    quota_counts.check_new_model(model)
+        except RegistrationError as exc:  # the owning tenant's max_models (429)
+            raise RegistrationFailed(exc) from None
         except IntegrityError:  # created by someone else since the check
             raise Conflict(f"a model named {name!r} exists already") from None
 
@@ -170,7 +178,7 @@ class ModelVersionViewSet(EngineerWrites, mixins.ListModelMixin, mixins.Retrieve
             VersionUploadSerializer, encoding={part: {"contentType": "application/json"} for part in UPLOAD_JSON_PARTS},
         )},
         responses={201: ModelVersionSerializer, **errors(
-            400, 403, 404, 413, 415, 422,
+            400, 403, 404, 413, 415, 422, 429,
             e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload).",
             e404="No endpoint: the model name in the path is not a valid name.",
             e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
