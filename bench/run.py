@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import capacity, loadgen, overload, overload_report, raw
+from bench import capacity, loadgen, overload, overload_report, ratelimit, raw
 from bench.loadgen import LoadResult
 from bench.report import (
     DIGITS_MODELS,
@@ -353,11 +353,13 @@ def main(argv: list[str] | None = None) -> int:
             overload_report.plot(a.docs, over)
         else:
             lines = overload_report.section(over, o) if over is not None else []
-            # The back-to-back comparison of two revisions (bench.compare --record) is not rerun here: keep it.
+            # The back-to-back comparison of two revisions (bench.compare --record) and the rate-limit run
+            # (bench.ratelimit) are not rerun here: keep their sections.
             report = a.docs / "benchmarks.md"
-            kept = compare_section(report.read_text()) if report.exists() else ""
-            if kept:
-                lines = [*lines, "", kept]
+            text = report.read_text() if report.exists() else ""
+            for kept in (compare_section(text), ratelimit.kept_section(text)):
+                if kept:
+                    lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
                          phase.seconds, a.quick, command_line(), time.monotonic() - _T0, only, lines)  # fmt: skip
             plot(a.docs, raw_rows, sweeps)
