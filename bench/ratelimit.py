@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from bench.loadgen import LoadResult, arun, run
-from bench.server import ROOT, Server, counters, free_port, manage, say, scrape
+from bench.server import HEADERS, ROOT, Server, counters, free_port, manage, say, scrape
 
 START, END = "<!-- ratelimit:start -->", "<!-- ratelimit:end -->"
 MODEL = "digits"
@@ -102,6 +102,7 @@ async def measure(base: str, tokens: dict[str, str], limit: int, b_rate: float, 
 
 def run_mode(env: dict[str, str], data_dir: Path, label: str, a: argparse.Namespace) -> dict[str, Any]:
     tokens = {slug: (data_dir / f"{slug}.key").read_text().strip() for slug in ("tenant-a", "tenant-b")}
+    HEADERS["Authorization"] = f"Bearer {tokens['tenant-b']}"  # the readiness probes' key
     with Server(env, free_port(), data_dir / f"server-ratelimit-{label.split()[0]}.log") as server:
         server.wait_ready((MODEL,))
         result = arun(measure(server.base, tokens, a.rate_limit, a.b_rate, a.duration))

@@ -141,6 +141,16 @@ class InProcessQuota:
             state.used += 1
         return decision
 
+    def seed(self, tenant_id: int, tokens: float) -> None:
+        """Set the tenant's bucket to `tokens` now: the shared limiter's last word, so that deciding here
+        (Redis away) starts from what the tenant had left instead of a full bucket."""
+        now = self.clock()
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            self._tenants[tenant_id] = _TenantState(Bucket(tokens, now))
+        else:
+            state.bucket.tokens, state.bucket.at = tokens, now
+
     def release(self, tenant_id: int) -> None:
         state = self._tenants.get(tenant_id)
         if state is not None and state.in_flight > 0:

@@ -4,8 +4,11 @@ While Redis does not answer (an error, or no reply within its timeout) the gatew
 with the tenant's limits divided by the number of gateways (`serving.quota.scaled`), counts it in
 `ferry_quota_fallback_total`, and does not try Redis again for `retry_s`, so an outage costs one timeout
 per `retry_s`, not one per request. A request is never answered 500 and never admitted unlimited
-because Redis is away. The monthly budget cannot be counted in-process across gateways: during an
-outage only a tenant Redis last refused for its month stays refused; otherwise its rate bounds it.
+because Redis is away. The in-process bucket starts from what Redis last said the tenant had left
+(scaled), not full, and what this gateway admitted on its own is a debt charged to the tenant's
+bucket and month at its next Redis call, so a timeout (a slow moment, not an outage) does not hand
+the tenant extra requests. The monthly budget cannot be enforced across gateways during an outage:
+only a tenant Redis last refused for its month stays refused; otherwise its rate bounds it.
 """
 
 from __future__ import annotations
@@ -54,19 +57,25 @@ class QuotaGate:
         self._clock = clock
         self._redis_down_until = 0.0
         self._month_spent: dict[int, int] = {}  # tenant -> the month (YYYYMM) Redis refused it for
+        self._debt: dict[int, int] = {}  # tenant -> requests admitted here, not yet charged in Redis
         self._releases: set[asyncio.Task[None]] = set()
 
     async def admit(self, tenant_id: int, limits: TenantEntry) -> Ticket:
         """A ticket for an admitted request, or QuotaExceeded with the refusal."""
         if self.shared is not None and self._clock() >= self._redis_down_until:
+            debt = self._debt.pop(tenant_id, 0)
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    decision, lease = await self.shared.admit(tenant_id, limits)
+                    decision, lease = await self.shared.admit(tenant_id, limits, debt)
             except (redis.RedisError, OSError, TimeoutError) as exc:
+                if debt:  # perhaps charged, perhaps not: keep it (charging twice errs on the strict side)
+                    self._debt[tenant_id] = self._debt.get(tenant_id, 0) + debt
                 self._redis_down_until = self._clock() + self.retry_s
                 log.warning("quota check through Redis failed (%s); deciding in-process for %.0f s",
-                            exc or type(exc).__name__, self.retry_s)
+                            str(exc) or f"{type(exc).__name__} after {self.timeout_s * 1000:.0f} ms",
+                            self.retry_s)
             else:
+                self.local.seed(tenant_id, max(0, decision.remaining) / self.gateways)
                 if decision.reason == MONTHLY:
                     self._month_spent[tenant_id] = month_of(self._clock())
                 if not decision.admitted:
@@ -87,6 +96,8 @@ class QuotaGate:
         decision = self.local.admit(tenant_id, limits)
         if not decision.admitted:
             raise QuotaExceeded(decision)
+        if fallback:
+            self._debt[tenant_id] = self._debt.get(tenant_id, 0) + 1
         return Ticket(tenant_id, decision, None)
 
     def release(self, ticket: Ticket) -> None:

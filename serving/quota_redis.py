@@ -42,7 +42,9 @@ local function month_of(now)
 end
 """
 
-# KEYS: state hash, in-flight set. ARGV: rate, burst, max_in_flight, monthly, lease id, lease seconds.
+# KEYS: state hash, in-flight set. ARGV: rate, burst, max_in_flight, monthly, lease id, lease seconds,
+# debt (requests this gateway admitted on its own while Redis did not answer: charged to the bucket,
+# down to at most one burst's worth below empty, and to the month).
 # Returns {reason ('' when admitted), tokens left, in flight, used this month, Redis time}; numbers
 # that may be fractional travel as strings (a Lua number would be truncated to an integer reply).
 ADMIT = MONTH_LUA + """
@@ -56,10 +58,12 @@ local tokens, at = tonumber(st[1]), tonumber(st[2])
 if tokens == nil or at == nil then tokens, at = burst, now end
 local elapsed = now - at
 if elapsed < 0 then elapsed = 0 end
-tokens = math.min(burst, tokens + elapsed * rate)
+local debt = tonumber(ARGV[7])
+tokens = math.max(-burst, math.min(burst, tokens + elapsed * rate - debt))
 local month = month_of(now)
 local used = tonumber(st[4]) or 0
 if tonumber(st[3]) ~= month then used = 0 end
+used = used + debt
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local in_flight = redis.call('ZCARD', KEYS[2])
 local reason = ''
@@ -121,12 +125,14 @@ class RedisQuota:
         client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, lease_s=lease_s)
 
-    async def admit(self, tenant_id: int, limits: TenantEntry) -> tuple[Decision, str]:
+    async def admit(self, tenant_id: int, limits: TenantEntry, debt: int = 0) -> tuple[Decision, str]:
+        """The decision for one request, and its lease id; `debt` requests admitted elsewhere are charged
+        first (see `QuotaGate`)."""
         lease = f"{self._origin}{next(self._ids)}"
         reply = await self._script(
             keys=keys_of(tenant_id),
             args=[repr(float(limits.requests_per_second)), limits.burst, limits.max_in_flight,
-                  limits.monthly_requests, lease, repr(float(self.lease_s))],
+                  limits.monthly_requests, lease, repr(float(self.lease_s)), debt],
         )
         return decision_from(limits, reply), lease
 

@@ -167,3 +167,12 @@ def test_the_tenant_tier_is_a_floor_on_the_requested_priority(asked: int, tier: 
 def test_a_bad_priority_is_still_a_400() -> None:
     with pytest.raises(ProtocolError):
         _priority({"priority": -1}, 2)
+
+
+def test_seed_sets_the_bucket_to_what_the_shared_limiter_left() -> None:
+    clock = FakeClock()
+    quota = InProcessQuota(clock=clock)
+    quota.seed(1, 1.0)  # a tenant this process has not seen
+    assert quota.admit(1, limits()).admitted and not quota.admit(1, limits()).admitted
+    quota.seed(1, 2.0)  # and one it has
+    assert quota.admit(1, limits()).remaining == 1

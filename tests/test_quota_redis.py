@@ -253,3 +253,45 @@ async def test_a_month_redis_refused_stays_refused_while_redis_is_down(tenant_id
         assert refused.value.decision.reason == MONTHLY
     finally:
         await gate.close()
+
+
+async def test_a_debt_is_charged_to_the_bucket_and_the_month(limiter, tenant_id) -> None:  # noqa: ANN001
+    # given a fresh bucket of 5 / when a request arrives with 3 admitted elsewhere to charge
+    decision, _ = await limiter.admit(tenant_id, limits(burst=5), debt=3)
+    # then the bucket lost 4 tokens and the month counts 4
+    assert decision.admitted and decision.remaining == 1
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert int(client.hget(keys_of(tenant_id)[0], "used")) == 4
+    finally:
+        client.close()
+    # a debt larger than the bucket leaves it at most one burst below empty: refused, not forever
+    refused, _ = await limiter.admit(tenant_id, limits(burst=5, requests_per_second=1), debt=100)
+    assert refused.reason == RATE and refused.retry_after == pytest.approx(6.0, abs=0.1)
+
+
+async def test_what_the_fallback_admitted_is_charged_when_redis_answers_again(tenant_id) -> None:  # noqa: ANN001
+    clock = FakeClock()
+    gate = QuotaGate(shared=RedisQuota.from_url(REDIS_URL, timeout_s=2.0, lease_s=60), gateways=1,
+                     timeout_s=2.0, retry_s=1.0, clock=clock)
+    try:
+        # given Redis said 4 of a bucket of 5 are left
+        first = await gate.admit(tenant_id, limits(burst=5))
+        assert first.decision.remaining == 4
+        # when Redis is away, the gateway's own bucket starts from those 4, not from 5
+        gate._redis_down_until = clock.now + 1.0
+        local = [await gate.admit(tenant_id, limits(burst=5)) for _ in range(4)]
+        assert [t.lease for t in local] == [None] * 4
+        with pytest.raises(QuotaExceeded):
+            await gate.admit(tenant_id, limits(burst=5))
+        # when Redis answers again, the 4 admitted here are charged before the next decision
+        clock.now += 1.0
+        with pytest.raises(QuotaExceeded):
+            await gate.admit(tenant_id, limits(burst=5))
+    finally:
+        await gate.close()
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert int(client.hget(keys_of(tenant_id)[0], "used")) == 5
+    finally:
+        client.close()
