@@ -11,7 +11,8 @@ Then, on one server (`manage.py serve`):
 Each run warms up for a second first (not measured), which also drains A's burst, so the measured
 window sees the steady rate. With `--redis-url` the quotas live in that Redis (FERRY_QUOTA_REDIS_URL,
 one script call per request) and the run is repeated there after the in-process one.
-The result replaces the rate-limit section of docs/benchmarks.md.
+The result replaces the rate-limit section of docs/benchmarks.md. `make bench` (bench.run, phase
+`ratelimit`) runs the in-process half with the defaults.
 """
 
 from __future__ import annotations
@@ -100,15 +101,28 @@ async def measure(base: str, tokens: dict[str, str], limit: int, b_rate: float, 
             "refusals": refused}
 
 
-def run_mode(env: dict[str, str], data_dir: Path, label: str, a: argparse.Namespace) -> dict[str, Any]:
-    tokens = {slug: (data_dir / f"{slug}.key").read_text().strip() for slug in ("tenant-a", "tenant-b")}
-    HEADERS["Authorization"] = f"Bearer {tokens['tenant-b']}"  # the readiness probes' key
+def run_all(env: dict[str, str], data_dir: Path, *, rate_limit: int = 200, b_rate: float = 50.0,
+            duration: float = 10.0, redis_url: str | None = None) -> list[dict[str, Any]]:
+    """Set up the two tenants (and `digits`, unless the data dir has it) and measure: in-process, then,
+    with `redis_url`, with the quotas in that Redis. `make bench` runs the in-process half (~40 s)."""
+    manage(["shell", "-c", SETUP.format(rate_a=rate_limit, data_dir=data_dir)], env)
+    results = [run_mode(env, data_dir, "in-process (embedded)", rate_limit, b_rate, duration)]
+    if redis_url:
+        results.append(run_mode({**env, "FERRY_QUOTA_REDIS_URL": redis_url}, data_dir, "Redis (shared)",
+                                rate_limit, b_rate, duration))
+    return results
+
+
+def run_mode(env: dict[str, str], data_dir: Path, label: str, rate_limit: int, b_rate: float,
+             duration: float) -> dict[str, Any]:
     from bench.run import OtherCpu  # not at the top: bench.run imports this module
 
+    tokens = {slug: (data_dir / f"{slug}.key").read_text().strip() for slug in ("tenant-a", "tenant-b")}
+    HEADERS["Authorization"] = f"Bearer {tokens['tenant-b']}"  # the readiness probes' key
     with Server(env, free_port(), data_dir / f"server-ratelimit-{label.split()[0]}.log") as server:
         server.wait_ready((MODEL,))
         with OtherCpu(server.pids()) as other:
-            result = arun(measure(server.base, tokens, a.rate_limit, a.b_rate, a.duration))
+            result = arun(measure(server.base, tokens, rate_limit, b_rate, duration))
     result["label"] = label
     result["other_cpu"] = other.cores
     return result
@@ -165,6 +179,7 @@ def section(results: list[dict[str, Any]], command: str, seconds: float) -> list
 
 
 def splice(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else "# Ferry benchmarks\n"
     block = "\n".join(lines)
     pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
@@ -199,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         manage(["migrate", "--noinput", "-v0"], env)
-        manage(["shell", "-c", SETUP.format(rate_a=a.rate_limit, data_dir=data_dir)], env)
-        results = [run_mode(env, data_dir, "in-process (embedded)", a)]
-        if a.redis_url:
-            results.append(run_mode({**env, "FERRY_QUOTA_REDIS_URL": a.redis_url}, data_dir, "Redis (shared)", a))
+        results = run_all(env, data_dir, rate_limit=a.rate_limit, b_rate=a.b_rate, duration=a.duration,
+                          redis_url=a.redis_url)
         command = "python -m bench.ratelimit" + (" --redis-url URL" if a.redis_url else "")
         splice(a.docs / "benchmarks.md", section(results, command, time.monotonic() - started))
         if a.json:
