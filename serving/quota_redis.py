@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import socket
 
 import redis.asyncio as aioredis
@@ -116,8 +117,9 @@ class RedisQuota:
         self.client = client
         self.lease_s = lease_s
         self._script = client.register_script(ADMIT)
-        # Lease ids unique across gateways: host, process, a counter.
-        self._origin = f"{socket.gethostname()}:{os.getpid()}:"
+        # Lease ids unique across gateways and restarts (a container's pid is often 1 every time): host,
+        # process, a random start-up token, a counter.
+        self._origin = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:"
         self._ids = itertools.count()
 
     @classmethod

@@ -274,3 +274,42 @@ def test_repository_load_over_accelerator_quota_is_429(transactional_db, model_f
         assert "retry-after" not in resp.headers
     finally:
         server.stop()
+
+
+# -- the tenant's priority tier -------------------------------------------------------------------------
+
+class RecordingTransport:
+    """Answers zeros and records the priority each request was queued at."""
+
+    def __init__(self) -> None:
+        self.priorities: list[int] = []
+
+    async def infer(self, entry, inputs, rows, deadline, priority, *, nbytes=0, gone=None):  # noqa: ANN001, ANN201
+        import numpy as np
+
+        self.priorities.append(priority)
+        return {spec.name: np.zeros((rows, *spec.shape), np.float32) for spec in entry.outputs}
+
+
+def test_the_gateway_queues_at_the_tenant_tier_or_lower(db, model_files) -> None:  # noqa: ANN001
+    import asyncio
+
+    import orjson
+
+    from serving.gateway import Gateway
+    from serving.snapshot import SnapshotHub, build_snapshot
+
+    register(model_files.digits, "digits")
+    hub = SnapshotHub()
+    hub.set(build_snapshot())
+    transport = RecordingTransport()
+    gateway = Gateway(hub, transport)
+
+    def body(priority: int) -> bytes:
+        return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}],
+                             "parameters": {"priority": priority}})
+
+    # a tier-2 tenant: no priority asks for its tier; asking for 1 gets 2; asking for 3 gets 3
+    for asked in (0, 1, 3):
+        assert asyncio.run(gateway.infer("digits", None, body(asked), None, None, tier=2)).status == 200
+    assert transport.priorities == [2, 2, 3]

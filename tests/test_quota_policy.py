@@ -176,3 +176,4 @@ def test_seed_sets_the_bucket_to_what_the_shared_limiter_left() -> None:
     assert quota.admit(1, limits()).admitted and not quota.admit(1, limits()).admitted
     quota.seed(1, 2.0)  # and one it has
     assert quota.admit(1, limits()).remaining == 1
+
