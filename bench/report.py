@@ -108,7 +108,7 @@ def write_report(
     quick: bool,
     command: str,
     elapsed: float,
-    only: tuple[str, ...] = ("ceiling", "batching", "digits", "overload"),
+    only: tuple[str, ...] = ("ceiling", "batching", "digits", "overload", "ratelimit"),
     extra_sections: list[str] | None = None,
 ) -> None:
     """The whole page. `only`: the phases that ran (the others say so); `extra_sections`: lines placed
@@ -122,7 +122,7 @@ def write_report(
         f" in {elapsed / 60:.1f} min."
         " Every figure on this page comes from that one run."
         + (" **Quick mode: short steps, smoke-test only.**" if quick else "")
-        + ("" if len(only) == 4 else f" Phases run: {', '.join(only)}."),
+        + ("" if len(only) == 5 else f" Phases run: {', '.join(only)}."),
         "",
         "## Machine",
         "",

@@ -5,13 +5,14 @@ docs/bench-batching.png and docs/bench-overload.png.
 
 Phases, in this order: `ceiling` (the load generator against a trivial server), `batching` (the wide
 MLP raw, then served batched and unbatched, then raw at the served mean batch), `digits` (the demo
-classifiers served), `overload` (bench.overload: ramps past capacity with admission on and off).
+classifiers served), `overload` (bench.overload: ramps past capacity with admission on and off),
+`ratelimit` (bench.ratelimit, in-process quotas: a tenant at twice its rate limit beside another).
 Order matters: the raw model loop and the generator's own ceiling are measured first, while no server
 is running, so they do not compete for cores; then a fresh data dir is set up, the server is started,
 and each model is swept with the open-loop generator; the overload phase starts its own servers.
 
-`--only overload` rewrites only the overload section of an existing report; any other `--only` writes
-a whole report in which the phases not run say so (point `--docs` elsewhere to keep docs/ as it is).
+`--only overload` (or `--only ratelimit`) rewrites only that section of an existing report; any other
+`--only` writes a whole report in which the phases not run say so (point `--docs` elsewhere to keep docs/ as it is).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import capacity, loadgen, overload, overload_report, raw
+from bench import capacity, loadgen, overload, overload_report, ratelimit, raw
 from bench.loadgen import LoadResult
 from bench.report import (
     DIGITS_MODELS,
@@ -48,7 +49,7 @@ from bench.report import (
 )
 from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say, use_key
 
-PHASES = ("ceiling", "batching", "digits", "overload")
+PHASES = ("ceiling", "batching", "digits", "overload", "ratelimit")
 _T0 = time.monotonic()
 
 
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     capacity.measure_ceiling(p99_budget_ms=P99_BUDGET_MS, max_error_ratio=MAX_ERROR_RATIO,
                                             duration=s.ceiling_step, warmup=s.warmup, refine_steps=s.refine_steps)
                 )  # fmt: skip
-        demo = "digits" in only or "overload" in only
+        demo = "digits" in only or "overload" in only or "ratelimit" in only
         with phase("data dir: migrate" + (", build_demo_models" if demo else "")
                    + (", register_model x2" if model_path else "")):  # fmt: skip
             setup_data_dir(env, model_path, demo)
@@ -346,18 +347,29 @@ def main(argv: list[str] | None = None) -> int:
             with phase("overload ramps (admission on, off; digits)"):
                 over = overload.run_overload(env, data_dir, o, fast_capacity=known)
 
+        limits: list[str] = []
+        if "ratelimit" in only:
+            with phase("rate limits: two tenants, one at twice its limit (in-process quotas)"):
+                started = time.monotonic()
+                results = ratelimit.run_all(env, data_dir)
+                limits = ratelimit.section(results, command_line(), time.monotonic() - started)
+
         rt = ratios(raw_rows, sweeps)
         a.docs.mkdir(parents=True, exist_ok=True)
-        if only == ("overload",) and over is not None:
+        if only == ("ratelimit",):
+            ratelimit.splice(a.docs / "benchmarks.md", limits)
+        elif only == ("overload",) and over is not None:
             overload_report.splice(a.docs / "benchmarks.md", overload_report.section(over, o, command_line()))
             overload_report.plot(a.docs, over)
         else:
             lines = overload_report.section(over, o) if over is not None else []
-            # The back-to-back comparison of two revisions (bench.compare --record) is not rerun here: keep it.
+            # The back-to-back comparison of two revisions (bench.compare --record) is not rerun here: keep
+            # it; the rate-limit section is this run's, or the one already there when that phase did not run.
             report = a.docs / "benchmarks.md"
-            kept = compare_section(report.read_text()) if report.exists() else ""
-            if kept:
-                lines = [*lines, "", kept]
+            text = report.read_text() if report.exists() else ""
+            for kept in (compare_section(text), "\n".join(limits) or ratelimit.kept_section(text)):
+                if kept:
+                    lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
                          phase.seconds, a.quick, command_line(), time.monotonic() - _T0, only, lines)  # fmt: skip
             plot(a.docs, raw_rows, sweeps)

@@ -161,6 +161,16 @@ FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else c
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
+# Per-tenant quotas on /v2 inference (docs/design.md, "Quotas"). Shared through Redis (one script call
+# per request, FERRY_QUOTA_REDIS_TIMEOUT_MS at most) when FERRY_QUOTA_REDIS_URL (default REDIS_URL) is
+# set, in-process otherwise. While Redis does not answer, each gateway enforces its share: the tenant's
+# limits divided by FERRY_QUOTA_GATEWAYS, the number of gateways you run. An in-flight lease a gateway
+# never releases (it died) expires after FERRY_QUOTA_LEASE_S: keep it above the longest request timeout.
+FERRY_QUOTAS = env_bool("FERRY_QUOTAS", True)
+FERRY_QUOTA_REDIS_URL = env_str("FERRY_QUOTA_REDIS_URL", REDIS_URL)
+FERRY_QUOTA_REDIS_TIMEOUT_MS = env_int("FERRY_QUOTA_REDIS_TIMEOUT_MS", 100, minimum=1)
+FERRY_QUOTA_GATEWAYS = env_int("FERRY_QUOTA_GATEWAYS", 1, minimum=1)
+FERRY_QUOTA_LEASE_S = env_int("FERRY_QUOTA_LEASE_S", 120, minimum=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
 FILE_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
 

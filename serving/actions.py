@@ -13,6 +13,8 @@ from serving.models import MODEL_NAME, Model, ModelVersion, State
 from serving.protocol import TensorSpec
 from serving.snapshot import RoutingSnapshot, publish_snapshot
 
+NOT_LOADED = "not loaded: "  # failure_reason of a ready version left unloaded by its tenant's quota
+
 
 class RegistrationError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
@@ -51,11 +53,17 @@ def register_version(
     metrics: dict | None = None,
     validate: str = "async",
     tenant: object | None = None,
+    tenant_id: int | None = None,
     **batching: object,
 ) -> ModelVersion:
     """Store the artifact, create the next version of the model (creating the model if new, owned by
-    `tenant`, a Tenant or None for a platform model) and validate it: "async" queues the Celery task after
-    commit, "sync" validates before returning, "none" leaves it registered for the caller to queue."""
+    `tenant`, a Tenant, or `tenant_id`; neither: a platform model) and validate it: "async" queues the
+    Celery task after commit, "sync" validates before returning, "none" leaves it registered for the
+    caller to queue. The owner's quota of models and versions is checked (RegistrationError 429 when full)."""
+    from serving import quota_counts
+
+    if tenant is not None:
+        tenant_id = tenant.pk  # type: ignore[attr-defined]
     if validate not in ("async", "sync", "none"):
         raise ValueError(f"validate must be async, sync or none, not {validate!r}")
     try:
@@ -73,8 +81,11 @@ def register_version(
     with transaction.atomic():
         model, created = Model.objects.select_for_update().get_or_create(
             name=model_name,
-            defaults={"task": task or "classification", "description": description or "", "tenant": tenant},
+            defaults={"task": task or "classification", "description": description or "", "tenant_id": tenant_id},
         )
+        if created:
+            quota_counts.check_new_model(model)
+        quota_counts.check_new_version(model.tenant_id)
         if not created and (task or description):
             model.task = task or model.task
             model.description = description if description is not None else model.description
@@ -146,7 +157,19 @@ def set_visibility(*, model: Model, visibility: str | None = None, shared_with: 
 
 
 def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
-    """The repository extension's load/unload: the desired state of every live version of a model."""
+    """The repository extension's load/unload: the desired state of every live version of a model.
+    Loading a tenant's private model must fit its accelerator memory quota (RegistrationError 429)."""
+    from serving import quota_counts
+
     with transaction.atomic():
-        ModelVersion.objects.filter(model__name=model_name).exclude(state=State.RETIRED).update(loaded=loaded)
+        if loaded:
+            model = Model.objects.filter(name=model_name).first()
+            if model is not None:
+                ready = ModelVersion.objects.filter(model=model, state=State.READY)
+                needs = sum(v.memory_bytes or 0 for v in ready)
+                quota_counts.check_accelerator_bytes(model, needs, excluding_model=True)
+        live = ModelVersion.objects.filter(model__name=model_name).exclude(state=State.RETIRED)
+        live.update(loaded=loaded)
+        if loaded:  # a version validation left unloaded for want of quota is loaded now
+            live.filter(failure_reason__startswith=NOT_LOADED).update(failure_reason="")
     return publish_snapshot()

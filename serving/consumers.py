@@ -31,7 +31,9 @@ from serving.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.errors import NotFound, ServingError, Unavailable
 from serving.gateway import CLIENT_CLOSED, parse_version
 from serving.protocol import error_body
-from serving.snapshot import VersionEntry
+from serving.quota import IN_FLIGHT, MONTHLY, RATE, Decision
+from serving.quota_gate import QuotaExceeded, Ticket
+from serving.snapshot import TenantEntry, VersionEntry
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,22 @@ SERVER_METADATA = orjson.dumps(
 
 class MethodNotAllowed(ServingError):
     status = 405
+
+
+class OverQuota(ServingError):
+    """429 with Retry-After and the RateLimit headers of the limit that refused."""
+
+    status = 429
+
+    def __init__(self, decision: Decision) -> None:
+        messages = {
+            RATE: "requests per second over the tenant's quota",
+            IN_FLIGHT: "too many requests in flight for the tenant's quota",
+            MONTHLY: "the tenant's monthly request budget is spent",
+        }
+        super().__init__(f"{messages[decision.reason]} ({decision.reason} limit {decision.limit});"
+                         f" retry after {math.ceil(decision.retry_after)} s")
+        self.headers = tuple(decision.headers())
 
 
 class InferenceConsumer(AsyncHttpConsumer):
@@ -172,9 +190,19 @@ class InferenceConsumer(AsyncHttpConsumer):
         gateway = plane.gateway
         if action == "infer":
             _method(method, "POST")
+            # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
             self._shed_if_saturated(plane, name, version, viewer)
-            header_length = self._header_length()
-            reply = await gateway.infer(name, version, body, header_length, viewer, gone=self.scope.get("ferry.gone"))
+            limits = gateway.snapshot.tenants.get(viewer)
+            ticket = await self._admit(plane, limits, name, version, viewer)
+            try:
+                header_length = self._header_length()
+                reply = await gateway.infer(name, version, body, header_length, viewer,
+                                            gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1)
+            finally:
+                if ticket is not None:
+                    plane.quota.release(ticket)  # type: ignore[union-attr]
+            if ticket is not None:
+                return reply.status, reply.body, [*reply.headers, *ticket.decision.headers()]
             return reply.status, reply.body, reply.headers
         _method(method, "GET")
         model = gateway.model(name, viewer)
@@ -213,7 +241,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             caller.require("manage")
             _json_options(body, {"parameters": dict})
-            from serving.actions import set_loaded
+            from serving.actions import RegistrationError, set_loaded
 
             name, load = parts[1], parts[2] == "load"
             model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
@@ -221,7 +249,10 @@ class InferenceConsumer(AsyncHttpConsumer):
                 # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
                 # its own tenant's call.
                 raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
-            snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
+            try:
+                snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
+            except RegistrationError as exc:  # over the tenant's accelerator memory quota (429)
+                raise ServingError(exc.message, status=exc.status) from None
             await plane.wait_reconciled(snapshot.serial)
             if load:
                 failures = [f.reason for k, f in plane.node.failures.items() if k.startswith(f"{name}:")]
@@ -229,6 +260,22 @@ class InferenceConsumer(AsyncHttpConsumer):
                     raise ServingError(f"load failed: {failures[0]}", status=409)
             return 200, b"", JSON
         raise NotFound("no such repository endpoint")
+
+    async def _admit(
+        self, plane: dataplane.DataPlane, limits: TenantEntry | None, name: str, version: str | None, viewer: int
+    ) -> Ticket | None:
+        """The tenant's quota ticket for this request, or 429 (counted) when a limit refuses it. None when
+        quotas are off, or the snapshot carries no quota for the tenant (published by an older build)."""
+        if plane.quota is None or limits is None:
+            return None
+        try:
+            return await plane.quota.admit(viewer, limits)
+        except QuotaExceeded as refused:
+            decision = refused.decision
+            metrics.QUOTA_REFUSALS.labels(limits.slug, decision.reason).inc()
+            entry = self._routed_or_none(plane, name, version, viewer)
+            metrics.REQUESTS.labels(entry.model if entry else "", str(entry.version) if entry else "", "429").inc()
+            raise OverQuota(decision) from None
 
     def _shed_if_saturated(
         self, plane: dataplane.DataPlane, name: str, version: str | None, viewer: int

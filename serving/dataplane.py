@@ -21,6 +21,8 @@ from serving.errors import ServingError
 from serving.frontdoor import GATE
 from serving.gateway import Gateway
 from serving.node import Node
+from serving.quota_gate import QuotaGate
+from serving.quota_gate import from_settings as quota_gate_from_settings
 from serving.runtime import configure_torch_threads
 from serving.snapshot import RoutingSnapshot, hub, publish_snapshot
 from serving.transport import InProcessTransport
@@ -48,6 +50,8 @@ class DataPlane:
     # Prefixes of the API keys used since the last flush of last_used_at (a set add per request).
     used_keys: set[str] = field(default_factory=set)
     key_flusher: asyncio.Task[None] | None = None
+    # Per-tenant quotas on inference (None: FERRY_QUOTAS=false).
+    quota: QuotaGate | None = None
     _fingerprint: tuple | None = None
     _reconciling: asyncio.Task[None] | None = None
     _pending: RoutingSnapshot | None = None
@@ -145,14 +149,17 @@ def _registry_fingerprint() -> tuple:
     from django.db.models import Count, Max
 
     from serving.models import Model, ModelVersion
-    from tenants.models import ApiKey
+    from tenants.models import ApiKey, Quota
 
     versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     # A key created or revoked by another process (manage.py revoke_api_key) takes effect at the next
     # refresh; last_used_at is written with update(), which leaves updated_at (and this) alone.
     api_keys = ApiKey.objects.aggregate(n=Count("id"), t=Max("updated_at"))
-    return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"])
+    # A quota approved in another process (the console, a Celery worker) is in force at the next refresh.
+    quotas = Quota.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"],
+            quotas["n"], quotas["t"])
 
 
 def _record_key_use(prefixes: set[str]) -> None:
@@ -185,7 +192,7 @@ async def start() -> DataPlane:
     )
     gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION)
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
-                      pepper=pepper_from(settings.SECRET_KEY))
+                      pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings())
     hub.subscribe(plane.on_snapshot)
     _current = plane
     GATE.count = plane.count_frontend_shed
@@ -240,6 +247,8 @@ async def stop() -> None:
         await plane.flush_key_use()
     except Exception as exc:
         log.warning("recording API key use at shutdown failed: %s", exc)
+    if plane.quota is not None:
+        await plane.quota.close()
     await plane.node.close()
     from django.db import connections
 

@@ -73,8 +73,10 @@ class Gateway:
 
     async def infer(
         self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None,
-        gone: Callable[[], bool] | None = None,
+        gone: Callable[[], bool] | None = None, tier: int = 1,
     ) -> Reply:
+        """Route, run and answer one inference request. `tier` is the caller's tenant's priority tier: a
+        request may ask for a lower priority (a higher level), never a higher one."""
         arrived = self._clock()
         entry = self.route(name, version, viewer)
         asked = vm = metrics.for_version(entry.model, entry.version)
@@ -88,7 +90,7 @@ class Gateway:
                 if unknown:
                     raise ProtocolError(f"model '{name}' has no output {unknown[0]!r}")
             deadline = arrived + self._timeout(entry, request.parameters)
-            priority = _priority(request.parameters)
+            priority = _priority(request.parameters, tier)
             served = entry
             try:
                 outputs = await self.transport.infer(
@@ -160,9 +162,10 @@ class Gateway:
         return min(raw / 1e6, MAX_TIMEOUT_S)
 
 
-def _priority(parameters: dict) -> int:
-    # Triton: 0 means the model's default level, 1 is the highest; we default to level 1.
+def _priority(parameters: dict, tier: int = 1) -> int:
+    # Triton: 0 means the default level, 1 is the highest; the default is the tenant's tier, and the
+    # tier is also the highest level its requests may ask for.
     raw = parameters.get("priority", 0)
     if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
         raise ProtocolError("parameter 'priority' must be a non-negative integer")
-    return raw or 1
+    return max(raw, tier)

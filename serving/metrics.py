@@ -34,6 +34,10 @@ POISON = Counter("ferry_poison_requests", "Requests the model failed on, found b
 ABANDONED = Counter("ferry_abandoned", "Queued requests dropped unrun because their caller went away",
                     ["model", "version"])
 LOOP_LAG = Gauge("ferry_event_loop_lag_seconds", "How late this process's event loop runs its timers (smoothed)")
+QUOTA_REFUSALS = Counter("ferry_quota_refusals", "Requests refused by their tenant's quota (429)",
+                         ["tenant", "reason"])
+QUOTA_FALLBACKS = Counter("ferry_quota_fallback", "Quota decisions made in this process because Redis did not"
+                          " answer in time (the tenant's limits divided by FERRY_QUOTA_GATEWAYS)")
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 
 

@@ -1,4 +1,4 @@
-"""Registry and API key changes republish the routing snapshot once the transaction commits."""
+"""Registry, API key and quota changes republish the routing snapshot once the transaction commits."""
 
 from django.db import transaction
 from django.db.models.signals import m2m_changed, post_delete, post_save
@@ -6,7 +6,7 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 from serving.models import Model, ModelVersion
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Quota, Tenant
 
 
 @receiver(post_save, sender=ModelVersion)
@@ -16,6 +16,7 @@ from tenants.models import ApiKey, Tenant
 @receiver(post_save, sender=ApiKey)
 @receiver(post_delete, sender=ApiKey)
 @receiver(post_delete, sender=Tenant)
+@receiver(post_save, sender=Quota)
 def registry_changed(**_: object) -> None:
     from serving.snapshot import publish_snapshot
 

@@ -77,11 +77,24 @@ class KeyEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantEntry:
+    """A tenant's request-path quota (`tenants.models.Quota`), enforced by `serving.quota`."""
+
+    slug: str
+    requests_per_second: float  # a float only where `serving.quota.scaled` divided it
+    burst: int
+    max_in_flight: int
+    monthly_requests: int
+    priority: int  # admission tier, 1 runs first: a floor on the priority its requests may ask for
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingSnapshot:
     serial: int
     built_at: float
     models: dict[str, ModelEntry] = field(default_factory=dict)
     keys: dict[str, KeyEntry] = field(default_factory=dict)  # by prefix; revoked keys are left out
+    tenants: dict[int, TenantEntry] = field(default_factory=dict)  # by tenant id
 
     def hosted_versions(self) -> list[VersionEntry]:
         return [v for m in self.models.values() for v in m.servable_versions()]
@@ -134,7 +147,7 @@ def unservable_entry(v: Any, model_name: str, reason: str) -> VersionEntry:
 
 def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
     from serving.models import Model, State
-    from tenants.models import ApiKey
+    from tenants.models import ApiKey, Quota, Tenant
 
     models: dict[str, ModelEntry] = {}
     queryset = Model.objects.select_related("fallback").prefetch_related("versions", "shared_with")
@@ -167,8 +180,16 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
         )
         for k in ApiKey.objects.filter(revoked_at__isnull=True)
     }
+    default = Quota()  # a tenant whose row is missing (created with a raw save) gets the defaults
+    tenants = {}
+    for t in Tenant.objects.select_related("quota"):
+        q = getattr(t, "quota", None) or default
+        tenants[t.pk] = TenantEntry(
+            slug=t.slug, requests_per_second=q.requests_per_second, burst=q.burst,
+            max_in_flight=q.max_in_flight, monthly_requests=q.monthly_requests, priority=q.priority,
+        )
     serial = next(_serial) if serial is None else serial
-    return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys)
+    return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys, tenants=tenants)
 
 
 class SnapshotHub:

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from serving.batching import BatchingConfig
 from serving.protocol import TensorSpec
-from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ def decode(raw: bytes) -> RoutingSnapshot:
                          expires_at=k["expires_at"])
         for prefix, k in doc.get("keys", {}).items()
     }
-    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys)
+    tenants = {int(tid): TenantEntry(**t) for tid, t in doc.get("tenants", {}).items()}
+    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys,
+                           tenants=tenants)
 
 
 # A serial sequence starts at Redis' clock in milliseconds, not at 1: when Redis loses its data (a

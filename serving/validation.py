@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 
 import torch
+from django.db import transaction
 
-from serving import artifacts
+from serving import artifacts, quota_counts
+from serving.actions import NOT_LOADED
 from serving.models import ModelVersion, State
 from serving.node import warmup_sizes
 from serving.protocol import TensorSpec
@@ -40,8 +42,15 @@ def validate(version: ModelVersion) -> ModelVersion:
     version.load_seconds = runtime.load_seconds
     version.state = State.READY
     version.failure_reason = ""
-    version.save(update_fields=["latency_profile", "memory_bytes", "load_seconds", "state", "failure_reason",
-                                "updated_at"])
+    with transaction.atomic():
+        try:
+            quota_counts.check_accelerator_bytes(version.model, version.memory_bytes or 0)
+        except quota_counts.QuotaFull as full:
+            # Ready but not loaded: the tenant loads it (repository load) once it has room.
+            version.loaded = False
+            version.failure_reason = f"{NOT_LOADED}{full.message}"
+        version.save(update_fields=["latency_profile", "memory_bytes", "load_seconds", "state", "failure_reason",
+                                    "loaded", "updated_at"])
     return version
 
 

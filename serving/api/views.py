@@ -18,6 +18,7 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from serving import quota_counts
 from serving.actions import RegistrationError, register_version, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
@@ -45,6 +46,8 @@ _ERRORS = {
     413: "The request body is larger than the server accepts.",
     415: "The body is not of the content type the operation takes.",
     422: "The artifact is not a model the server can load.",
+    429: "The owning tenant's quota is full (the message names it: max_models, max_versions). No"
+         " Retry-After: waiting does not help; retire or delete something, or request an increase.",
 }
 
 
@@ -103,7 +106,7 @@ class RegistryViewSet(TenantScopedViewSet):
 @extend_schema_view(
     list=extend_schema(responses={200: ModelSerializer(many=True), **errors(400, 403)}),
     create=extend_schema(responses={201: ModelSerializer, **errors(
-        400, 403, 409, 413, 415, e409="A model of that name exists.")}),
+        400, 403, 409, 413, 415, 429, e409="A model of that name exists.")}),
     retrieve=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(403, 404)}),
     update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
         400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
@@ -141,6 +144,7 @@ class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
             self.require(Role.ADMIN, tenant, "changing who sees a model")
         name = data.get("name")
         others = Model.objects.exclude(pk=instance.pk) if instance else Model.objects
+        creating = instance is None
         if name is not None and others.filter(name=name).exists():
             raise Conflict(f"a model named {name!r} exists already")
         try:
@@ -148,6 +152,10 @@ class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
                 model = serializer.save()
                 if sharing:
                     set_visibility(model=model, actor=self.request.user, **sharing)
+                if creating:
+                    quota_counts.check_new_model(model)
+        except RegistrationError as exc:  # the owning tenant's max_models (429)
+            raise RegistrationFailed(exc) from None
         except IntegrityError:  # created by someone else since the check
             raise Conflict(f"a model named {name!r} exists already") from None
 
@@ -215,7 +223,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
             VersionUploadSerializer, encoding={part: {"contentType": "application/json"} for part in UPLOAD_JSON_PARTS},
         )},
         responses={201: ModelVersionSerializer, **errors(
-            400, 403, 404, 409, 413, 415, 422,
+            400, 403, 404, 409, 413, 415, 422, 429,
             e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload,"
                  " a tenant the caller is not in), or the new model's tenant is ambiguous.",
             e404="No endpoint: the model name in the path is not a valid name.",

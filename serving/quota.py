@@ -1,0 +1,161 @@
+"""Per-tenant request quotas: a token bucket (rate + burst), requests in flight, a monthly budget.
+
+Plain Python with an injected clock (epoch seconds): the in-process limiter of embedded mode, the
+fallback of distributed mode while Redis is down, and the reference the Redis script
+(`serving.quota_redis`) mirrors. A decision is made in one step, in this order: the monthly budget,
+then in-flight, then the bucket; a refused request takes nothing (no token, no in-flight slot, no
+monthly count), so refusals cannot drain a budget.
+"""
+
+from __future__ import annotations
+
+import calendar
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from serving.snapshot import TenantEntry
+
+RATE, IN_FLIGHT, MONTHLY = "rate", "in_flight", "monthly"
+# Retry-After for a tenant whose rate or burst is 0 (it may send nothing until its quota changes) and
+# for in-flight (a slot frees when one of its own requests is answered: we cannot know when).
+DISABLED_RETRY_S = 60.0
+IN_FLIGHT_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the limiter decided, with the numbers of the RateLimit headers. On a refusal, `limit`,
+    `remaining` and `reset` describe the limit that refused; on admission, the token bucket."""
+
+    admitted: bool
+    reason: str  # "" when admitted, else RATE | IN_FLIGHT | MONTHLY
+    limit: int
+    remaining: int
+    reset: float  # seconds until `remaining` is back to `limit` (bucket full; month over)
+    retry_after: float  # seconds; 0 when admitted
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """RateLimit-* (draft-ietf-httpapi-ratelimit-headers, the separate-fields form), and
+        Retry-After on a refusal."""
+        out = [
+            (b"ratelimit-limit", str(self.limit).encode()),
+            (b"ratelimit-remaining", str(max(0, self.remaining)).encode()),
+            (b"ratelimit-reset", str(math.ceil(self.reset)).encode()),
+        ]
+        if not self.admitted:
+            out.append((b"retry-after", str(max(1, math.ceil(self.retry_after))).encode()))
+        return out
+
+
+@dataclass(slots=True)
+class Bucket:
+    tokens: float
+    at: float
+
+    def refill(self, now: float, rate: float, burst: float) -> None:
+        elapsed = max(0.0, now - self.at)  # a clock stepped back refills nothing
+        self.tokens = min(float(burst), self.tokens + elapsed * rate)
+        self.at = now
+
+
+def month_of(epoch: float) -> int:
+    """The calendar month (UTC) of `epoch` as YYYYMM."""
+    t = time.gmtime(epoch)
+    return t.tm_year * 100 + t.tm_mon
+
+
+def seconds_to_next_month(epoch: float) -> float:
+    """Seconds from `epoch` to 00:00 UTC on the first day of the next month."""
+    t = time.gmtime(epoch)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    return calendar.timegm((year, month, 1, 0, 0, 0)) - epoch
+
+
+def decide(
+    limits: TenantEntry, *, tokens: float, in_flight: int, used: int, now: float
+) -> Decision:
+    """The decision for one request, given the refilled bucket, the tenant's requests in flight and its
+    requests so far this month. Admitting takes one token, one in-flight slot and one monthly request."""
+    rate, burst = limits.requests_per_second, limits.burst
+    if used >= limits.monthly_requests:
+        return Decision(False, MONTHLY, limits.monthly_requests, limits.monthly_requests - used,
+                        seconds_to_next_month(now), seconds_to_next_month(now))
+    if in_flight >= limits.max_in_flight:
+        return Decision(False, IN_FLIGHT, limits.max_in_flight, 0, IN_FLIGHT_RETRY_S, IN_FLIGHT_RETRY_S)
+    if rate <= 0 or burst < 1:
+        return Decision(False, RATE, burst, 0, DISABLED_RETRY_S, DISABLED_RETRY_S)
+    if tokens < 1.0:
+        wait = (1.0 - tokens) / rate
+        return Decision(False, RATE, burst, 0, (burst - tokens) / rate, wait)
+    left = tokens - 1.0
+    return Decision(True, "", burst, math.floor(left), (burst - left) / rate, 0.0)
+
+
+def scaled(limits: TenantEntry, share: int) -> TenantEntry:
+    """`limits` divided among `share` gateways (the fallback while Redis is down): each gateway allows
+    its part, at least one request, so together they stay near the tenant's limit."""
+    if share <= 1:
+        return limits
+    return replace(
+        limits,
+        requests_per_second=limits.requests_per_second / share,
+        burst=max(1, limits.burst // share) if limits.burst else 0,
+        max_in_flight=max(1, math.ceil(limits.max_in_flight / share)) if limits.max_in_flight else 0,
+    )
+
+
+@dataclass(slots=True)
+class _TenantState:
+    bucket: Bucket
+    in_flight: int = 0
+    month: int = 0
+    used: int = 0
+
+
+@dataclass
+class InProcessQuota:
+    """Every tenant's bucket, in-flight count and monthly count in this process.
+
+    `admit` and `release` run on the event loop's thread only (no lock). In-flight cannot leak here:
+    the caller releases in a `finally`, in the same process that counted it."""
+
+    clock: Callable[[], float] = time.time
+    _tenants: dict[int, _TenantState] = field(default_factory=dict)
+
+    def admit(self, tenant_id: int, limits: TenantEntry) -> Decision:
+        now = self.clock()
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now))
+        state.bucket.refill(now, limits.requests_per_second, limits.burst)
+        month = month_of(now)
+        if state.month != month:
+            state.month, state.used = month, 0
+        decision = decide(limits, tokens=state.bucket.tokens, in_flight=state.in_flight, used=state.used,
+                          now=now)
+        if decision.admitted:
+            state.bucket.tokens -= 1.0
+            state.in_flight += 1
+            state.used += 1
+        return decision
+
+    def seed(self, tenant_id: int, tokens: float) -> None:
+        """Set the tenant's bucket to `tokens` now: the shared limiter's last word, so that deciding here
+        (Redis away) starts from what the tenant had left instead of a full bucket."""
+        now = self.clock()
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            self._tenants[tenant_id] = _TenantState(Bucket(tokens, now))
+        else:
+            state.bucket.tokens, state.bucket.at = tokens, now
+
+    def release(self, tenant_id: int) -> None:
+        state = self._tenants.get(tenant_id)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+
+    def in_flight(self, tenant_id: int) -> int:
+        state = self._tenants.get(tenant_id)
+        return state.in_flight if state is not None else 0

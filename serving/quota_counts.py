@@ -1,0 +1,75 @@
+"""The registry's share of a tenant's quota: how many models and versions it registers, and how much
+accelerator memory its loaded private models take. Checked when they are registered or loaded, never
+per request.
+
+A refusal is a RegistrationError with status 429 naming the quota, and no Retry-After: waiting does
+not help; deleting or retiring something, or a raised quota, does. Each check locks the tenant's
+Quota row (select_for_update), so two registrations at once cannot both take the last slot; call
+them inside the transaction that creates the row.
+"""
+
+from __future__ import annotations
+
+from django.db.models import Sum
+
+from serving.actions import RegistrationError
+from serving.models import Model, ModelVersion, State, Visibility
+from tenants.models import Quota
+
+
+class QuotaFull(RegistrationError):
+    def __init__(self, quota: str, message: str) -> None:
+        super().__init__(f"{message} (quota {quota}); retire or delete something, or request an increase", 429)
+        self.quota = quota
+
+
+def _locked_quota(tenant_id: int) -> Quota:
+    quota, _ = Quota.objects.select_for_update().get_or_create(tenant_id=tenant_id)
+    return quota
+
+
+def check_new_model(model: Model) -> None:
+    """Whether `model`, just created in this transaction, fits its tenant's count of models (platform
+    models, tenant None, have no quota). Raises QuotaFull, for the caller to roll the creation back."""
+    tenant_id = model.tenant_id
+    if tenant_id is None:
+        return
+    quota = _locked_quota(tenant_id)
+    count = Model.objects.filter(tenant_id=tenant_id).exclude(pk=model.pk).count()
+    if count + 1 > quota.max_models:
+        raise QuotaFull("max_models", f"the tenant has {count} of its {quota.max_models} models")
+
+
+def check_new_version(tenant_id: int | None) -> None:
+    """Room for one more live (not retired) version among the tenant's models."""
+    if tenant_id is None:
+        return
+    quota = _locked_quota(tenant_id)
+    count = ModelVersion.objects.filter(model__tenant_id=tenant_id).exclude(state=State.RETIRED).count()
+    if count + 1 > quota.max_versions:
+        raise QuotaFull("max_versions", f"the tenant has {count} of its {quota.max_versions} live versions")
+
+
+def loaded_private_bytes(tenant_id: int, *, excluding_model: int | None = None) -> int:
+    """Accelerator memory of the tenant's private models' versions that are ready and loaded."""
+    rows = ModelVersion.objects.filter(
+        model__tenant_id=tenant_id, model__visibility=Visibility.PRIVATE, state=State.READY, loaded=True,
+    )
+    if excluding_model is not None:
+        rows = rows.exclude(model_id=excluding_model)
+    return int(rows.aggregate(total=Sum("memory_bytes"))["total"] or 0)
+
+
+def check_accelerator_bytes(model: Model, adding: int, *, excluding_model: bool = False) -> None:
+    """Room for `adding` more bytes of `model` (a private model of a tenant) on the accelerator; with
+    `excluding_model`, `adding` replaces what the model's loaded versions hold now."""
+    if model.tenant_id is None or model.visibility != Visibility.PRIVATE:
+        return
+    quota = _locked_quota(model.tenant_id)
+    used = loaded_private_bytes(model.tenant_id, excluding_model=model.pk if excluding_model else None)
+    if used + adding > quota.max_accelerator_bytes:
+        raise QuotaFull(
+            "max_accelerator_bytes",
+            f"loading {model.name} needs {adding} bytes of accelerator memory; the tenant's private models"
+            f" hold {used} of its {quota.max_accelerator_bytes}",
+        )

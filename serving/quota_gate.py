@@ -1,0 +1,140 @@
+"""The data plane's quota check: Redis when configured, in-process otherwise, and what happens between.
+
+While Redis does not answer (an error, or no reply within its timeout) the gateway decides in-process
+with the tenant's limits divided by the number of gateways (`serving.quota.scaled`), counts it in
+`ferry_quota_fallback_total`, and does not try Redis again for `retry_s`, so an outage costs one timeout
+per `retry_s`, not one per request. A request is never answered 500 and never admitted unlimited
+because Redis is away. The in-process bucket starts from what Redis last said the tenant had left
+(scaled), not full, and what this gateway admitted on its own is a debt charged to the tenant's
+bucket and month at its next Redis call, so a timeout (a slow moment, not an outage) does not hand
+the tenant extra requests. The monthly budget cannot be enforced across gateways during an outage:
+only a tenant Redis last refused for its month stays refused; otherwise its rate bounds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from serving import metrics
+from serving.quota import MONTHLY, Decision, InProcessQuota, month_of, scaled, seconds_to_next_month
+from serving.quota_redis import RedisQuota
+from serving.snapshot import TenantEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """An admitted request's hold on its tenant's in-flight count; hand it back to `release`."""
+
+    tenant_id: int
+    decision: Decision
+    lease: str | None  # the Redis lease; None when this process counted it
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+
+
+class QuotaGate:
+    def __init__(
+        self, *, shared: RedisQuota | None, gateways: int = 1, timeout_s: float = 0.05, retry_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.shared = shared
+        self.local = InProcessQuota(clock=clock)
+        self.gateways = gateways
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._redis_down_until = 0.0
+        self._month_spent: dict[int, int] = {}  # tenant -> the month (YYYYMM) Redis refused it for
+        self._debt: dict[int, int] = {}  # tenant -> requests admitted here, not yet charged in Redis
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def admit(self, tenant_id: int, limits: TenantEntry) -> Ticket:
+        """A ticket for an admitted request, or QuotaExceeded with the refusal."""
+        if self.shared is not None and self._clock() >= self._redis_down_until:
+            debt = self._debt.pop(tenant_id, 0)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    decision, lease = await self.shared.admit(tenant_id, limits, debt)
+            except (redis.RedisError, OSError, TimeoutError) as exc:
+                if debt:  # perhaps charged, perhaps not: keep it (charging twice errs on the strict side)
+                    self._debt[tenant_id] = self._debt.get(tenant_id, 0) + debt
+                self._redis_down_until = self._clock() + self.retry_s
+                log.warning("quota check through Redis failed (%s); deciding in-process for %.0f s",
+                            str(exc) or f"{type(exc).__name__} after {self.timeout_s * 1000:.0f} ms",
+                            self.retry_s)
+            else:
+                self.local.seed(tenant_id, max(0, decision.remaining) / self.gateways)
+                if decision.reason == MONTHLY:
+                    self._month_spent[tenant_id] = month_of(self._clock())
+                if not decision.admitted:
+                    raise QuotaExceeded(decision)
+                return Ticket(tenant_id, decision, lease)
+            return self._admit_here(tenant_id, scaled(limits, self.gateways), fallback=True)
+        if self.shared is not None:
+            return self._admit_here(tenant_id, scaled(limits, self.gateways), fallback=True)
+        return self._admit_here(tenant_id, limits, fallback=False)
+
+    def _admit_here(self, tenant_id: int, limits: TenantEntry, *, fallback: bool) -> Ticket:
+        if fallback:
+            metrics.QUOTA_FALLBACKS.inc()
+            now = self._clock()
+            if self._month_spent.get(tenant_id) == month_of(now):
+                wait = seconds_to_next_month(now)
+                raise QuotaExceeded(Decision(False, MONTHLY, limits.monthly_requests, 0, wait, wait))
+        decision = self.local.admit(tenant_id, limits)
+        if not decision.admitted:
+            raise QuotaExceeded(decision)
+        if fallback:
+            self._debt[tenant_id] = self._debt.get(tenant_id, 0) + 1
+        return Ticket(tenant_id, decision, None)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give the ticket's in-flight slot back, without waiting: a Redis lease is removed by a task
+        (if that fails, the lease expires on its own)."""
+        if ticket.lease is None:
+            self.local.release(ticket.tenant_id)
+            return
+        assert self.shared is not None
+        task = asyncio.get_running_loop().create_task(self._release(ticket))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, ticket: Ticket) -> None:
+        assert self.shared is not None and ticket.lease is not None
+        try:
+            async with asyncio.timeout(self.timeout_s * 4):
+                await self.shared.release(ticket.tenant_id, ticket.lease)
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            log.warning("releasing an in-flight lease failed (%s); it expires on its own", exc)
+
+    async def close(self) -> None:
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
+        if self.shared is not None:
+            await self.shared.close()
+
+
+def from_settings() -> QuotaGate | None:
+    """The gate this process's settings ask for; None with quotas off (FERRY_QUOTAS=false)."""
+    from django.conf import settings
+
+    if not settings.FERRY_QUOTAS:
+        return None
+    timeout_s = settings.FERRY_QUOTA_REDIS_TIMEOUT_MS / 1000
+    shared = None
+    if settings.FERRY_QUOTA_REDIS_URL:
+        shared = RedisQuota.from_url(settings.FERRY_QUOTA_REDIS_URL, timeout_s=timeout_s,
+                                     lease_s=settings.FERRY_QUOTA_LEASE_S)
+    return QuotaGate(shared=shared, gateways=settings.FERRY_QUOTA_GATEWAYS, timeout_s=timeout_s)

@@ -1,0 +1,145 @@
+"""Per-tenant quotas shared by every gateway: one Redis script call per request.
+
+The script (`ADMIT`) refills the tenant's token bucket, drops expired in-flight leases, counts the
+month, decides as `serving.quota.decide` does and, when it admits, takes a token, adds an in-flight
+lease and counts the request, atomically. Time is Redis' own (TIME), so gateways with skewed clocks
+share one bucket and agree on the month. Keys are hash-tagged by tenant, so a Redis Cluster keeps a
+tenant's keys in one slot:
+
+    ferry:quota:{<tenant id>}           hash: tokens, at, month (YYYYMM), used
+    ferry:quota:{<tenant id>}:inflight  sorted set: lease id -> expiry (Redis time, seconds)
+
+In-flight is a set of leases rather than a counter so that a gateway that dies with requests in
+flight cannot leak them: a lease the gateway never releases expires after `lease_s`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+
+import redis.asyncio as aioredis
+
+from serving.quota import DISABLED_RETRY_S, IN_FLIGHT_RETRY_S, Decision, seconds_to_next_month
+from serving.snapshot import TenantEntry
+
+PREFIX = "ferry:quota"
+
+# YYYYMM of `now` (epoch seconds, UTC): Howard Hinnant's civil_from_days, in Lua.
+MONTH_LUA = """
+local function month_of(now)
+  local z = math.floor(now / 86400) + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y * 100 + m
+end
+"""
+
+# KEYS: state hash, in-flight set. ARGV: rate, burst, max_in_flight, monthly, lease id, lease seconds,
+# debt (requests this gateway admitted on its own while Redis did not answer: charged to the bucket,
+# down to at most one burst's worth below empty, and to the month).
+# Returns {reason ('' when admitted), tokens left, in flight, used this month, Redis time}; numbers
+# that may be fractional travel as strings (a Lua number would be truncated to an integer reply).
+ADMIT = MONTH_LUA + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max_in_flight, monthly = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease_s = tonumber(ARGV[6])
+local st = redis.call('HMGET', KEYS[1], 'tokens', 'at', 'month', 'used')
+local tokens, at = tonumber(st[1]), tonumber(st[2])
+if tokens == nil or at == nil then tokens, at = burst, now end
+local elapsed = now - at
+if elapsed < 0 then elapsed = 0 end
+local debt = tonumber(ARGV[7])
+tokens = math.max(-burst, math.min(burst, tokens + elapsed * rate - debt))
+local month = month_of(now)
+local used = tonumber(st[4]) or 0
+if tonumber(st[3]) ~= month then used = 0 end
+used = used + debt
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local in_flight = redis.call('ZCARD', KEYS[2])
+local reason = ''
+if used >= monthly then reason = 'monthly'
+elseif in_flight >= max_in_flight then reason = 'in_flight'
+elseif rate <= 0 or burst < 1 or tokens < 1 then reason = 'rate'
+end
+if reason == '' then
+  tokens = tokens - 1
+  used = used + 1
+  in_flight = in_flight + 1
+  redis.call('ZADD', KEYS[2], now + lease_s, ARGV[5])
+  redis.call('EXPIRE', KEYS[2], math.ceil(lease_s))
+end
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'at', string.format('%.6f', now),
+           'month', month, 'used', used)
+redis.call('EXPIRE', KEYS[1], 40 * 86400)
+return {reason, string.format('%.6f', tokens), in_flight, used, string.format('%.6f', now)}
+"""
+
+
+def keys_of(tenant_id: int) -> tuple[str, str]:
+    base = f"{PREFIX}:{{{tenant_id}}}"
+    return base, f"{base}:inflight"
+
+
+def decision_from(limits: TenantEntry, reply: list) -> Decision:
+    """The script's reply as the pure policy's Decision (same numbers, Redis' clock)."""
+    reason = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    tokens, used, now = float(reply[1]), int(reply[3]), float(reply[4])
+    rate, burst = limits.requests_per_second, limits.burst
+    if reason == "monthly":
+        wait = seconds_to_next_month(now)
+        return Decision(False, reason, limits.monthly_requests, limits.monthly_requests - used, wait, wait)
+    if reason == "in_flight":
+        return Decision(False, reason, limits.max_in_flight, 0, IN_FLIGHT_RETRY_S, IN_FLIGHT_RETRY_S)
+    if reason == "rate":
+        if rate <= 0 or burst < 1:
+            return Decision(False, reason, burst, 0, DISABLED_RETRY_S, DISABLED_RETRY_S)
+        return Decision(False, reason, burst, 0, (burst - tokens) / rate, (1.0 - tokens) / rate)
+    return Decision(True, "", burst, int(tokens), (burst - tokens) / rate, 0.0)
+
+
+class RedisQuota:
+    """The shared limiter: `admit` is the one script call (EVALSHA, reloaded on NOSCRIPT by redis-py's
+    Script), `release` removes the lease. Raises redis' errors (and TimeoutError) for the caller to
+    fall back on."""
+
+    def __init__(self, client: aioredis.Redis, *, lease_s: float) -> None:
+        self.client = client
+        self.lease_s = lease_s
+        self._script = client.register_script(ADMIT)
+        # Lease ids unique across gateways and restarts (a container's pid is often 1 every time): host,
+        # process, a random start-up token, a counter.
+        self._origin = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:"
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float, lease_s: float) -> RedisQuota:
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return cls(client, lease_s=lease_s)
+
+    async def admit(self, tenant_id: int, limits: TenantEntry, debt: int = 0) -> tuple[Decision, str]:
+        """The decision for one request, and its lease id; `debt` requests admitted elsewhere are charged
+        first (see `QuotaGate`)."""
+        lease = f"{self._origin}{next(self._ids)}"
+        reply = await self._script(
+            keys=keys_of(tenant_id),
+            args=[repr(float(limits.requests_per_second)), limits.burst, limits.max_in_flight,
+                  limits.monthly_requests, lease, repr(float(self.lease_s)), debt],
+        )
+        return decision_from(limits, reply), lease
+
+    async def release(self, tenant_id: int, lease: str) -> None:
+        await self.client.zrem(keys_of(tenant_id)[1], lease)
+
+    async def close(self) -> None:
+        await self.client.aclose()
