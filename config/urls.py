@@ -5,6 +5,7 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
 from serving import views as console
+from usage import views as usage_console
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="console-models", permanent=False)),
@@ -12,8 +13,10 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("console/models/", console.models_page, name="console-models"),
     path("console/models/live/", console.models_live, name="console-models-live"),
+    path("console/usage/", usage_console.usage_page, name="console-usage"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/", include("usage.api.urls")),
     path("api/", include("serving.api.urls")),
     path("admin/", admin.site.urls),
 ]

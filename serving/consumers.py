@@ -241,6 +241,8 @@ class InferenceConsumer(AsyncHttpConsumer):
             vm = metrics.for_version(entry.model, entry.version)
             vm.answered(503, waited_ms / 1000)
             vm.shed("frontend", 0)
+            if plane.gateway.usage is not None:
+                plane.gateway.usage.record(viewer, entry.model, entry.version, 503, 0, 0.0, waited_ms / 1000)
         else:
             metrics.SHED.labels(name, "", "frontend", "0").inc()
         raise Unavailable(
