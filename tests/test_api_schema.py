@@ -52,6 +52,10 @@ ALLOWANCES = {
     "PATCH /api/models/{model_name}/versions/{version}/": (
         ("400",), "`preferred_batch_sizes` must lie within `max_batch_size` (the request's or the stored one)",
     ),
+    "GET /api/usage/": (
+        ("400",), "`from` must come before `to`, and the range may span at most 1 day of minutes, 14 days of hours"
+        " or 92 days of days: rules across parameters",
+    ),
 }
 
 

@@ -129,6 +129,9 @@ def test_csv_by_format_parameter_and_by_accept_header(world) -> None:  # noqa: A
         rows = list(csv.DictReader(io.StringIO(response.content.decode())))
         assert len(rows) == 3 and {r["tenant"] for r in rows} == {"acme"}
         assert sum(int(r["requests"]) for r in rows) == 6
+    # and OPTIONS (DRF's metadata) is JSON even when CSV was asked for
+    options = alice.options(URL + "?format=csv")
+    assert options.status_code == 200 and options["Content-Type"].startswith("application/json")
     # and an error stays JSON even when CSV was asked for
     bad = alice.get(URL, {"format": "csv", "granularity": "week"})
     assert bad.status_code == 400 and bad["Content-Type"].startswith("application/json")
@@ -138,6 +141,8 @@ def test_csv_by_format_parameter_and_by_accept_header(world) -> None:  # noqa: A
     ({"granularity": "week"}, "granularity"),
     ({"from": "yesterday"}, "from"),
     ({"to": "2025-13-40T00:00:00Z"}, "to"),
+    ({"to": ""}, "to"),
+    ({"version": ""}, "version"),
     ({"from": "2025-01-02T00:00:00Z", "to": "2025-01-01T00:00:00Z"}, "from"),
     ({"from": "2025-01-01T00:00:00Z", "to": "2025-01-03T00:00:00Z"}, "to"),  # 2 days of minutes
     ({"granularity": "day", "from": "2025-01-01T00:00:00Z", "to": "2025-06-01T00:00:00Z"}, "to"),

@@ -97,7 +97,8 @@ class UsageView(generics.ListAPIView):
         },
     )
     def get(self, request: Request, *args: object, **kwargs: object) -> Response:
-        query = UsageQuerySerializer(data=request.query_params)
+        # A plain dict: from a QueryDict DRF reads an empty `from=` or `to=` as absent, not as malformed.
+        query = UsageQuerySerializer(data=dict(request.query_params.items()))
         query.is_valid(raise_exception=True)
         params = query.validated_data
         granularity = params["granularity"]
@@ -125,6 +126,11 @@ class UsageView(generics.ListAPIView):
             return Response(data, headers={"Content-Disposition": f'attachment; filename="{name}"'})
         page = self.paginate_queryset(rows)
         return self.get_paginated_response(UsageRowSerializer(page, many=True).data)
+
+    def perform_content_negotiation(self, request: Request, force: bool = False) -> tuple:
+        if request.method != "GET":  # OPTIONS' metadata, a 405: JSON, whatever the caller asked for
+            return JSONRenderer(), JSONRenderer.media_type
+        return super().perform_content_negotiation(request, force)
 
     def handle_exception(self, exc: Exception) -> Response:
         # Errors are JSON whatever the caller asked for.
