@@ -26,7 +26,7 @@ from serving.snapshot import RoutingSnapshot, hub, publish_snapshot
 from serving.transport import InProcessTransport
 from tenants.keys import pepper_from
 from usage.flusher import UsageFlusher
-from usage.recorder import UsageRecorder
+from usage.recorder import Drained, UsageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +172,11 @@ def _registry_fingerprint() -> tuple:
     return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"])
 
 
-def _send_usage(batch_id: str, rows: list[dict]) -> None:
-    # Eager in embedded mode: the task writes the database here, on asgiref's thread, not the event loop.
+def _send_usage(batch_id: str, drained: Drained) -> None:
+    # On asgiref's thread, not the event loop. Eager in embedded mode: the task writes the database here.
     from usage.tasks import record_usage
 
-    record_usage.delay(batch_id, rows)
+    record_usage.delay(batch_id, drained.rows())
 
 
 def _record_key_use(prefixes: set[str]) -> None:

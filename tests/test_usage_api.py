@@ -32,7 +32,7 @@ def put_usage(tenant: Tenant, at: datetime, *answers: tuple[int, int, float, flo
     rec = UsageRecorder(lambda: at.timestamp())
     for status, items, compute, latency in answers:
         rec.record(tenant.pk, model, version, status, items, compute, latency)
-    ingest(batch or f"{tenant.slug}-{model}-{version}-{at.isoformat()}", rec.drain().rows)
+    ingest(batch or f"{tenant.slug}-{model}-{version}-{at.isoformat()}", rec.drain().rows())
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def drained(tenant: Tenant, *answers: tuple[int, int, float, float], minute: int
     rec = UsageRecorder(lambda: minute * 60.0 + 5)
     for status, items, compute, latency in answers:
         rec.record(tenant.pk, model, 1, status, items, compute, latency)
-    return rec.drain().rows
+    return rec.drain().rows()
 
 
 @pytest.fixture

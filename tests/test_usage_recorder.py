@@ -8,7 +8,7 @@ import pytest
 
 from usage import sketch
 from usage.flusher import UNMETERED, UsageFlusher
-from usage.recorder import UsageRecorder
+from usage.recorder import Drained, UsageRecorder
 
 
 class FakeClock:
@@ -69,7 +69,7 @@ def test_recorder_counts_per_tenant_model_version_and_minute() -> None:
     rec.record(1, "digits", 1, 200, 8, 0.004, 0.030)
     drained = rec.drain()
     # then there is one row per key, with its counts and its latency sketch
-    rows = {(r["tenant"], r["minute"]): r for r in drained.rows}
+    rows = {(r["tenant"], r["minute"]): r for r in drained.rows()}
     assert set(rows) == {(1, 30_000_000), (2, 30_000_000), (1, 30_000_001)}
     first = rows[(1, 30_000_000)]
     assert (first["requests"], first["errors_4xx"], first["errors_5xx"], first["items"]) == (4, 1, 1, 5)
@@ -78,7 +78,7 @@ def test_recorder_counts_per_tenant_model_version_and_minute() -> None:
     assert all(isinstance(k, str) for k in first["latency"])  # JSON-ready
     assert drained.overflowed == 0
     # and draining starts afresh
-    assert rec.drain().rows == [] and len(rec) == 0
+    assert rec.drain().rows() == [] and len(rec) == 0
 
 
 def test_recorder_is_bounded_and_counts_what_it_left_out() -> None:
@@ -91,8 +91,8 @@ def test_recorder_is_bounded_and_counts_what_it_left_out() -> None:
     rec.record(1, "c", 1, 200, 1, 0.0, 0.01)
     rec.record(1, "a", 1, 200, 1, 0.0, 0.01)
     drained = rec.drain()
-    assert len(drained.rows) == 2 and drained.overflowed == 2
-    assert sum(r["requests"] for r in drained.rows) == 3
+    assert len(drained.rows()) == 2 and drained.overflowed == 2
+    assert sum(r["requests"] for r in drained.rows()) == 3
     with pytest.raises(ValueError):
         UsageRecorder(max_keys=0)
 
@@ -103,10 +103,10 @@ async def test_flusher_resends_a_failed_batch_under_the_same_id() -> None:
     sent: list[tuple[str, list[dict]]] = []
     failures = [RuntimeError("broker down")]
 
-    async def send(batch_id: str, rows: list[dict]) -> None:
+    async def send(batch_id: str, drained: Drained) -> None:
         if failures:
             raise failures.pop()
-        sent.append((batch_id, rows))
+        sent.append((batch_id, drained.rows()))
 
     flusher = UsageFlusher(rec, send)
     rec.record(1, "digits", 1, 200, 1, 0.0, 0.01)
@@ -127,7 +127,7 @@ async def test_flusher_resends_a_failed_batch_under_the_same_id() -> None:
 async def test_flusher_outbox_is_bounded_and_counts_what_it_dropped() -> None:
     rec = UsageRecorder(FakeClock())
 
-    async def send(batch_id: str, rows: list[dict]) -> None:
+    async def send(batch_id: str, drained: Drained) -> None:
         raise RuntimeError("down")
 
     flusher = UsageFlusher(rec, send, max_pending=2)

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import Counter
 
-from usage.recorder import UsageRecorder
+from usage.recorder import Drained, UsageRecorder
 
 UNMETERED = Counter(
     "ferry_usage_unmetered", "Answers left out of usage: recorder full, or their batch dropped while unsendable",
@@ -23,14 +23,15 @@ UNMETERED = Counter(
 )
 BATCHES = Counter("ferry_usage_batches", "Usage batches handed to Celery, by outcome", ["outcome"])
 
-Send = Callable[[str, list[dict]], Awaitable[object]]
+# Called with a batch id and the drained cells; builds the rows and queues the task (off the event loop).
+Send = Callable[[str, Drained], Awaitable[object]]
 
 
 class UsageFlusher:
     def __init__(self, recorder: UsageRecorder, send: Send, *, max_pending: int = 60) -> None:
         self.recorder = recorder
         self._send = send
-        self.pending: deque[tuple[str, list[dict]]] = deque()
+        self.pending: deque[tuple[str, Drained]] = deque()
         self.max_pending = max_pending
 
     def drain(self) -> None:
@@ -38,12 +39,12 @@ class UsageFlusher:
         drained = self.recorder.drain()
         if drained.overflowed:
             UNMETERED.labels("recorder_full").inc(drained.overflowed)
-        if not drained.rows:
+        if not drained.cells:
             return
-        self.pending.append((uuid.uuid4().hex, drained.rows))
+        self.pending.append((uuid.uuid4().hex, drained))
         while len(self.pending) > self.max_pending:
-            _, rows = self.pending.popleft()
-            UNMETERED.labels("outbox_full").inc(sum(r["requests"] for r in rows))
+            _, dropped = self.pending.popleft()
+            UNMETERED.labels("outbox_full").inc(dropped.requests)
             BATCHES.labels("dropped").inc()
 
     async def flush(self) -> int:
@@ -52,9 +53,9 @@ class UsageFlusher:
         self.drain()
         sent = 0
         while self.pending:
-            batch_id, rows = self.pending[0]
+            batch_id, drained = self.pending[0]
             try:
-                await self._send(batch_id, rows)
+                await self._send(batch_id, drained)
             except Exception:
                 BATCHES.labels("failed").inc()
                 raise

@@ -32,8 +32,24 @@ class Cell:
 
 @dataclass(frozen=True, slots=True)
 class Drained:
-    rows: list[dict]  # one per cell, JSON-ready: what usage.tasks.record_usage takes
+    cells: dict[Key, Cell]  # no longer touched by the recorder: safe to read on another thread
     overflowed: int  # answers not metered since the last drain because the cells were full
+
+    @property
+    def requests(self) -> int:
+        return sum(c.requests for c in self.cells.values())
+
+    def rows(self) -> list[dict]:
+        """One JSON-ready row per cell: what usage.tasks.record_usage takes. Built off the event loop
+        (20,000 cells take about 15 ms)."""
+        return [
+            {
+                "tenant": tenant, "model": model, "version": version, "minute": minute,
+                "requests": c.requests, "errors_4xx": c.errors_4xx, "errors_5xx": c.errors_5xx,
+                "items": c.items, "compute_seconds": c.compute_seconds, "latency": to_json(c.latency),
+            }
+            for (tenant, model, version, minute), c in self.cells.items()
+        ]
 
 
 class UsageRecorder:
@@ -73,16 +89,8 @@ class UsageRecorder:
         sketch[bucket] = sketch.get(bucket, 0) + 1
 
     def drain(self) -> Drained:
-        """Everything counted since the last drain, and start afresh. The current minute is drained too:
-        its later answers arrive in the next batch and the database adds them up."""
+        """Everything counted since the last drain, and start afresh: two swaps, whatever the size. The
+        current minute is drained too: its later answers go in the next batch and the database adds up."""
         cells, self._cells = self._cells, {}
         overflowed, self.overflowed = self.overflowed, 0
-        rows = [
-            {
-                "tenant": tenant, "model": model, "version": version, "minute": minute,
-                "requests": c.requests, "errors_4xx": c.errors_4xx, "errors_5xx": c.errors_5xx,
-                "items": c.items, "compute_seconds": c.compute_seconds, "latency": to_json(c.latency),
-            }
-            for (tenant, model, version, minute), c in cells.items()
-        ]
-        return Drained(rows, overflowed)
+        return Drained(cells, overflowed)
