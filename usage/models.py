@@ -5,14 +5,6 @@ from django.db import models
 from tenants.models import Tenant
 
 
-class UsageMinuteQuerySet(models.QuerySet):
-    def visible_to(self, user: object) -> "UsageMinuteQuerySet":
-        """Staff see every tenant's usage; anyone else only that of the tenants they belong to."""
-        if getattr(user, "is_staff", False):
-            return self
-        return self.filter(tenant__memberships__user=user)
-
-
 class UsageMinute(models.Model):
     """One minute of one version's use by one tenant, summed over every gateway that served it.
 
@@ -30,8 +22,6 @@ class UsageMinute(models.Model):
     items = models.PositiveBigIntegerField(default=0, help_text="rows served (successful answers only)")
     compute_seconds = models.FloatField(default=0.0, help_text="the requests' shares of their batches' device time")
     latency = models.JSONField(default=dict, help_text="usage.sketch bucket index -> answers")
-
-    objects = UsageMinuteQuerySet.as_manager()
 
     class Meta:
         constraints = [
