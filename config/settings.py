@@ -42,6 +42,7 @@ INSTALLED_APPS = [
     "tenants",
     "serving",
     "rollout",
+    "usage",
 ]
 
 MIDDLEWARE = [
@@ -96,6 +97,7 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
+    "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -193,3 +195,11 @@ FERRY_UPLOAD_READ_TIMEOUT_S = env_int("FERRY_UPLOAD_READ_TIMEOUT_S", 600, minimu
 FERRY_MAX_FORM_BODY_BYTES = env_int("FERRY_MAX_FORM_BODY_BYTES", 1024 * 1024, minimum=1024)
 # Request body bytes held in memory by the process across all requests: 503 + Retry-After past it.
 FERRY_MAX_INFLIGHT_BODY_BYTES = env_int("FERRY_MAX_INFLIGHT_BODY_BYTES", 256 * 1024 * 1024, minimum=1024 * 1024)
+
+# Usage metering (usage/): each data-plane process drains its counts every FERRY_USAGE_FLUSH_SECONDS and
+# sends them to Celery; past FERRY_USAGE_MAX_KEYS distinct (tenant, model, version, minute) cells between
+# drains, answers go unmetered and are counted in ferry_usage_unmetered_total.
+FERRY_USAGE_FLUSH_SECONDS = env_int("FERRY_USAGE_FLUSH_SECONDS", 10, minimum=1)
+FERRY_USAGE_MAX_KEYS = env_int("FERRY_USAGE_MAX_KEYS", 20_000, minimum=1)
+FERRY_USAGE_RETENTION_DAYS = env_int("FERRY_USAGE_RETENTION_DAYS", 400, minimum=1)
+FERRY_USAGE_BATCH_DAYS = env_int("FERRY_USAGE_BATCH_DAYS", 7, minimum=1)

@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView
 
 from serving import views as console
 from tenants import views as tenant_console
+from usage import views as usage_console
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="console-models", permanent=False)),
@@ -20,8 +21,10 @@ urlpatterns = [
     path("console/tenants/<slug:slug>/quota/", tenant_console.quota_page, name="console-quota"),
     path("console/quota-requests/", tenant_console.quota_review_page, name="console-quota-review"),
     path("console/audit/", tenant_console.audit_page, name="console-audit"),
+    path("console/usage/", usage_console.usage_page, name="console-usage"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/", include("usage.api.urls")),
     path("api/", include("serving.api.urls")),
     path("admin/", admin.site.urls),
 ]

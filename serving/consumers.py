@@ -275,6 +275,9 @@ class InferenceConsumer(AsyncHttpConsumer):
             metrics.QUOTA_REFUSALS.labels(limits.slug, decision.reason).inc()
             entry = self._routed_or_none(plane, name, version, viewer)
             metrics.REQUESTS.labels(entry.model if entry else "", str(entry.version) if entry else "", "429").inc()
+            usage = plane.gateway.usage
+            if usage is not None and entry is not None:  # the tenant sees its refusals in its usage too
+                usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self._waited)
             raise OverQuota(decision) from None
 
     def _shed_if_saturated(
@@ -294,6 +297,8 @@ class InferenceConsumer(AsyncHttpConsumer):
             vm = metrics.for_version(entry.model, entry.version)
             vm.answered(503, waited_ms / 1000)
             vm.shed("frontend", 0)
+            if plane.gateway.usage is not None:
+                plane.gateway.usage.record(viewer, entry.model, entry.version, 503, 0, 0.0, waited_ms / 1000)
         else:
             metrics.SHED.labels(name, "", "frontend", "0").inc()
         raise Unavailable(

@@ -27,6 +27,8 @@ from serving.runtime import configure_torch_threads
 from serving.snapshot import RoutingSnapshot, hub, publish_snapshot
 from serving.transport import InProcessTransport
 from tenants.keys import pepper_from
+from usage.flusher import UsageFlusher
+from usage.recorder import Drained, UsageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,9 @@ class DataPlane:
     key_flusher: asyncio.Task[None] | None = None
     # Per-tenant quotas on inference (None: FERRY_QUOTAS=false).
     quota: QuotaGate | None = None
+    # Usage metered by the gateway, sent to Celery every FERRY_USAGE_FLUSH_SECONDS (usage.flusher).
+    usage: UsageFlusher | None = None
+    usage_task: asyncio.Task[None] | None = None
     _fingerprint: tuple | None = None
     _reconciling: asyncio.Task[None] | None = None
     _pending: RoutingSnapshot | None = None
@@ -136,6 +141,18 @@ class DataPlane:
             except Exception as exc:
                 log.warning("recording API key use failed, will retry: %s", exc)
 
+    async def flush_usage(self) -> int:
+        """Hand the usage counted since the last flush to Celery; returns the batches sent."""
+        return await self.usage.flush() if self.usage is not None else 0
+
+    async def _flush_usage_forever(self) -> None:
+        while True:
+            await asyncio.sleep(settings.FERRY_USAGE_FLUSH_SECONDS)
+            try:
+                await self.flush_usage()
+            except Exception as exc:
+                log.warning("sending usage failed, will retry: %s", exc)
+
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_SECONDS)
@@ -160,6 +177,13 @@ def _registry_fingerprint() -> tuple:
     quotas = Quota.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"],
             quotas["n"], quotas["t"])
+
+
+def _send_usage(batch_id: str, drained: Drained) -> None:
+    # On asgiref's thread, not the event loop. Eager in embedded mode: the task writes the database here.
+    from usage.tasks import record_usage
+
+    record_usage.delay(batch_id, drained.rows())
 
 
 def _record_key_use(prefixes: set[str]) -> None:
@@ -190,14 +214,17 @@ async def start() -> DataPlane:
         max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
         admission=settings.FERRY_ADMISSION,
     )
-    gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION)
+    recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
+    gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder)
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
-                      pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings())
+                      pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
+                      usage=UsageFlusher(recorder, sync_to_async(_send_usage)))
     hub.subscribe(plane.on_snapshot)
     _current = plane
     GATE.count = plane.count_frontend_shed
     plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
     plane.key_flusher = plane.loop.create_task(plane._flush_key_use_forever())
+    plane.usage_task = plane.loop.create_task(plane._flush_usage_forever())
     if settings.REDIS_URL:
         await _follow_redis(plane)
     else:
@@ -240,13 +267,17 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch, plane.key_flusher):
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task):
         if task is not None:
             task.cancel()
     try:
         await plane.flush_key_use()
     except Exception as exc:
         log.warning("recording API key use at shutdown failed: %s", exc)
+    try:
+        await plane.flush_usage()
+    except Exception as exc:
+        log.warning("sending usage at shutdown failed; %d batches lost: %s", len(plane.usage.pending), exc)
     if plane.quota is not None:
         await plane.quota.close()
     await plane.node.close()

@@ -15,6 +15,7 @@ from serving.errors import NotFound, ServingError, Shed, Unavailable
 from serving.protocol import ProtocolError, encode_infer_response, parse_infer_request
 from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.transport import Transport
+from usage.recorder import UsageRecorder
 
 MAX_TIMEOUT_S = 60.0
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
@@ -36,13 +37,15 @@ class Reply:
 
 class Gateway:
     def __init__(
-        self, hub: SnapshotHub, transport: Transport, clock=time.monotonic, *, fallback: bool = True  # noqa: ANN001
+        self, hub: SnapshotHub, transport: Transport, clock=time.monotonic, *, fallback: bool = True,  # noqa: ANN001
+        usage: UsageRecorder | None = None,
     ) -> None:
         self.hub = hub
         self.transport = transport
         self._clock = clock
         # Off only with admission off (FERRY_ADMISSION=false), for contrast runs.
         self.use_fallback = fallback
+        self.usage = usage  # per-tenant metering; None meters nothing
 
     @property
     def snapshot(self) -> RoutingSnapshot:
@@ -80,6 +83,7 @@ class Gateway:
         arrived = self._clock()
         entry = self.route(name, version, viewer)
         asked = vm = metrics.for_version(entry.model, entry.version)
+        counted = entry
         try:
             request = parse_infer_request(
                 body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size
@@ -109,6 +113,7 @@ class Gateway:
                 # The answer counts for the version that served it; the refusal, for the one asked.
                 metrics.FALLBACKS.labels(entry.model, str(entry.version), served.model).inc()
                 vm = metrics.for_version(served.model, served.version)
+                counted = served
             fell_back = served is not entry
             payload, headers = encode_infer_response(
                 model_name=served.model,
@@ -123,16 +128,25 @@ class Gateway:
             if fell_back:
                 headers.append((b"x-ferry-fallback-from", entry.key.encode()))
         except ProtocolError as exc:
-            vm.answered(exc.status, self._clock() - arrived)
+            self._answered(vm, counted, viewer, exc.status, self._clock() - arrived)
             raise ServingError(exc.message, status=exc.status) from None
         except ServingError as exc:
-            vm.answered(exc.status, self._clock() - arrived)
+            self._answered(vm, counted, viewer, exc.status, self._clock() - arrived)
             if isinstance(exc, Shed):
                 asked.shed(exc.reason, exc.tier)
             raise
-        vm.answered(200, self._clock() - arrived)
+        self._answered(vm, counted, viewer, 200, self._clock() - arrived, request.rows,
+                       getattr(outputs, "compute_seconds", 0.0))
         asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
+
+    def _answered(
+        self, vm: metrics.VersionMetrics, entry: VersionEntry, viewer: int | None, status: int, latency: float,
+        rows: int = 0, compute_seconds: float = 0.0,
+    ) -> None:
+        vm.answered(status, latency)
+        if self.usage is not None and viewer is not None:
+            self.usage.record(viewer, entry.model, entry.version, status, rows, compute_seconds, latency)
 
     def _fallback(self, entry: VersionEntry, name: str, rows: int, viewer: int | None) -> VersionEntry | None:
         """The model's smaller fallback, when the caller may see it, it takes the same inputs, gives the

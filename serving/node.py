@@ -26,6 +26,7 @@ from serving.batching import BatchQueue, LatencyProfile, Pending, QueueFull
 from serving.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
 from serving.runtime import ModelRuntime, RuntimeFailure, pick_device
 from serving.snapshot import RoutingSnapshot, VersionEntry
+from serving.transport import Outputs
 
 log = logging.getLogger(__name__)
 
@@ -325,9 +326,7 @@ class Node:
         hosted.metrics.batch_size.observe(rows)
         hosted.metrics.live.batch(rows)
         self._busy.inc(seconds)
-        for p, result in zip(live, results, strict=True):
-            if not p.payload.future.done():
-                p.payload.future.set_result(result)
+        _answer(live, results, seconds, rows)
 
     async def _on_device(
         self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int
@@ -367,7 +366,7 @@ class Node:
             if not half:
                 continue
             try:
-                results, _, _ = await self._on_device(
+                results, seconds, _ = await self._on_device(
                     hosted, [p.payload.inputs for p in half], sum(p.rows for p in half)
                 )
             except RuntimeFailure as failure:
@@ -376,9 +375,13 @@ class Node:
                 for p in half:
                     _fail(p, Unavailable(f"inference failed on the device: {type(other).__name__}", retry_after=1))
             else:
-                for p, result in zip(half, results, strict=True):
-                    if not p.payload.future.done():
-                        p.payload.future.set_result(result)
+                _answer(half, results, seconds, sum(p.rows for p in half))
+
+
+def _answer(live: list[Pending], results: list[dict[str, np.ndarray]], seconds: float, rows: int) -> None:
+    for p, result in zip(live, results, strict=True):
+        if not p.payload.future.done():
+            p.payload.future.set_result(Outputs(result, seconds * p.rows / rows))
 
 
 def _fail(pending: Pending, error: Exception) -> None:

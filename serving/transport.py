@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from serving.node import Node
 
 
+class Outputs(dict[str, np.ndarray]):
+    """One request's output tensors, with its share of its batch's device seconds (by rows) for usage
+    metering. Still a plain dict to everything else."""
+
+    __slots__ = ("compute_seconds",)
+
+    def __init__(self, tensors: dict[str, np.ndarray], compute_seconds: float = 0.0) -> None:
+        super().__init__(tensors)
+        self.compute_seconds = compute_seconds
+
+
 class Transport(Protocol):
     async def infer(
         self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from serving.batching import BatchingConfig
 from serving.node import Node
@@ -82,3 +83,31 @@ async def test_a_load_past_the_memory_budget_fails_with_the_reason_and_others_ke
         assert out["scores"].shape == (1, 10)
     finally:
         await node.close()
+
+
+class Slow(StandIn):
+    def run(self, requests):  # noqa: ANN001, ANN201
+        import time
+
+        time.sleep(0.02)  # device time the node measures; only a floor is asserted, never a ceiling
+        return super().run(requests)
+
+
+async def test_each_answer_carries_its_rows_share_of_the_batchs_device_time() -> None:
+    # given a request of 1 row and one of 3 queued together, filling a batch of 4
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    hosted = node.host(entry("s", max_batch=4), Slow(), {1: 0.001, 4: 0.001}, start=False)
+    tasks = [asyncio.ensure_future(node.infer("s:1", rows(n), n, clock.now + 100, 1)) for n in (1, 3)]
+    await asyncio.sleep(0)
+    try:
+        # when the batch runs
+        assert await hosted.batcher.process_one_batch()
+        one, three = await asyncio.gather(*tasks)
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
+    # then the outputs are still the plain tensors, and the device time is split 1:3 between them
+    assert set(one) == {"scores"} and one["scores"].shape == (1, 2)
+    assert three.compute_seconds == pytest.approx(3 * one.compute_seconds)
+    assert one.compute_seconds + three.compute_seconds >= 0.02

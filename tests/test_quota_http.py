@@ -73,6 +73,11 @@ def test_monthly_budget_answers_429_and_a_raised_quota_is_in_force_without_resta
     after = metrics(served)
     assert grew(before, after, "ferry_requests_total", model="digits", version="1", status="429") == 1
     assert grew(before, after, "ferry_quota_refusals_total", tenant="test", reason="monthly") == 1
+    # and the refusal is in the tenant's usage, as a 4xx answer of digits:1
+    from serving import dataplane
+
+    cells = dict(dataplane.current().gateway.usage._cells)
+    assert sum(c.errors_4xx for (t, m, v, _), c in cells.items() if (t, m, v) == (tenant().pk, "digits", 1)) == 1
     # when staff raise the quota (saved: republished on commit) / then the next request is served
     set_quota(monthly_requests=100)
     assert infer(served, "digits", ZERO).status == 200
