@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import loadgen
 from bench.report import COMPARE_END, COMPARE_START, Settings, compare_section
 from bench.run import digits_body, mlp_body, sweep
-from bench.server import ROOT, Server, free_port, manage, say, use_key
+from bench.server import ROOT, Server, free_port, manage, say, unbind_quota, use_key
 
 
 def git(*args: str, cwd: Path = ROOT) -> str:
@@ -77,6 +77,7 @@ class Checkout:
         manage(["build_demo_models"], self.env(), cwd=self.tree)
         # Its demo API key, where the revision has API keys (older ones write none and need none).
         manage(["ensure_demo_user"], self.env(), cwd=self.tree)
+        unbind_quota(self.env(), cwd=self.tree)
 
 
 def measure(co: Checkout, model: str, s: Settings) -> float | None:

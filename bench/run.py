@@ -47,7 +47,7 @@ from bench.report import (
     verdict,
     write_report,
 )
-from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say, use_key
+from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say, unbind_quota, use_key
 
 PHASES = ("ceiling", "batching", "digits", "overload", "ratelimit")
 _T0 = time.monotonic()
@@ -237,7 +237,8 @@ class Phases:
 def setup_data_dir(env: dict[str, str], model_path: Path | None, demo: bool) -> None:
     """Migrate; build the demo models (skipped where already built) when `demo`; register the wide MLP
     batched and unbatched when `model_path` (platform models: no tenant, visible to every key); then
-    `ensure_demo_user`, whose demo API key every request of the run sends (bench.server.use_key)."""
+    `ensure_demo_user`, whose demo API key every request of the run sends (bench.server.use_key), and the
+    demo tenant's quota lifted out of the way (bench.server.unbind_quota)."""
     manage(["migrate", "--noinput", "-v0"], env)
     if demo:
         manage(["build_demo_models"], env)
@@ -248,6 +249,7 @@ def setup_data_dir(env: dict[str, str], model_path: Path | None, demo: bool) -> 
             manage(["register_model", name, str(model_path), *common, "--max-batch-size", max_batch,
                     "--max-queue-delay-ms", delay], env)  # fmt: skip
     manage(["ensure_demo_user"], env)
+    unbind_quota(env)
     if use_key(Path(env["FERRY_DATA_DIR"])) is None:
         raise RuntimeError("ensure_demo_user wrote no demo API key")
 

@@ -36,6 +36,18 @@ def manage(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> None:
         raise RuntimeError(f"manage.py {args[0]} exited with {proc.returncode}")
 
 
+# The demo tenant's quota for capacity runs: checked on every request, as in production, but far above
+# what one machine can offer, so the quota never decides a measurement (bench.ratelimit measures quotas).
+UNBINDING_QUOTA = ["requests_per_second=10000000", "burst=10000000", "max_in_flight=1000000",
+                   "monthly_requests=1000000000000"]
+
+
+def unbind_quota(env: dict[str, str], cwd: Path = ROOT) -> None:
+    """Give the demo tenant UNBINDING_QUOTA, where the checkout has quotas (older revisions have none)."""
+    if (cwd / "tenants" / "management" / "commands" / "set_quota.py").exists():
+        manage(["set_quota", "demo", *UNBINDING_QUOTA], env, cwd=cwd)
+
+
 def use_key(data_dir: Path) -> str | None:
     """Send the demo API key of `data_dir` (from `manage.py ensure_demo_user`) on every request from now on:
     HEADERS is updated in place, so the sweeps, probes and ramps that hold it send it too. None, and no

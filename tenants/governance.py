@@ -145,3 +145,22 @@ def decide(*, request: QuotaRequest, approve: bool, note: str, actor: object) ->
                      after={**quota.limits(), "note": request.decision_note})
         transaction.on_commit(publish_snapshot)
     return request
+
+
+def set_quota(*, tenant: Tenant, changes: object, actor: object) -> Quota:
+    """Set limits directly (platform staff, or an operator's command): validated like a request, audited,
+    and in force once the routing snapshot republishes on commit."""
+    from serving.snapshot import publish_snapshot
+
+    cleaned = clean_changes(changes)
+    with transaction.atomic():
+        Quota.objects.get_or_create(tenant=tenant)
+        quota = Quota.objects.select_for_update().get(tenant=tenant)
+        before = quota.limits()
+        for name, value in cleaned.items():
+            setattr(quota, name, value)
+        quota.save()
+        audit.record(actor, "quota.set", f"quota of {tenant.slug}", tenant=tenant, before=before,
+                     after=quota.limits())
+        transaction.on_commit(publish_snapshot)
+    return quota

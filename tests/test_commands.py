@@ -223,3 +223,21 @@ def test_create_and_revoke_api_key_commands() -> None:
                      stdout=StringIO(), stderr=StringIO())
     with pytest.raises(CommandError, match="no API key"):
         call_command("revoke_api_key", "zzzzzzzzzz", stdout=StringIO())
+
+
+@pytest.mark.django_db
+def test_set_quota_validates_audits_and_changes_the_limits() -> None:
+    from tenants.models import AuditEntry, Quota, Tenant
+
+    acme = Tenant.objects.create(name="Acme", slug="acme")
+    call_command("set_quota", "acme", "requests_per_second=5000", "burst=9000", stdout=StringIO())
+    quota = Quota.objects.get(tenant=acme)
+    assert (quota.requests_per_second, quota.burst) == (5000, 9000)
+    entry = AuditEntry.objects.get(action="quota.set")
+    assert entry.actor_name == "system" and entry.before["burst"] != 9000 and entry.after["burst"] == 9000
+    for bad in (["burst=0"], ["bogus=1"], ["burst"], ["burst=lots"]):
+        with pytest.raises(CommandError):
+            call_command("set_quota", "acme", *bad)
+    with pytest.raises(CommandError, match="no tenant"):
+        call_command("set_quota", "nobody", "burst=1")
+    assert Quota.objects.get(tenant=acme).burst == 9000
