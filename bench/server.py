@@ -94,13 +94,15 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
 class Server:
     """`manage.py serve` in its own process group, always terminated on exit (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, env: dict[str, str], port: int, log_path: Path, cwd: Path = ROOT) -> None:
+    def __init__(self, env: dict[str, str], port: int, log_path: Path, cwd: Path = ROOT,
+                 launcher: list[str] | None = None) -> None:
         self.env, self.port, self.log_path, self.cwd = env, port, log_path, cwd
+        self.launcher = launcher or [sys.executable, "manage.py", "serve"]  # what takes --host/--port
         self.proc: subprocess.Popen[bytes] | None = None
         self.base = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> Server:
-        cmd = [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [*self.launcher, "--host", "127.0.0.1", "--port", str(self.port)]
         say(f"$ {' '.join(cmd)}  (log: {self.log_path})")
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
