@@ -58,7 +58,10 @@ class QuotaGate:
         self._redis_down_until = 0.0
         self._month_spent: dict[int, int] = {}  # tenant -> the month (YYYYMM) Redis refused it for
         self._debt: dict[int, int] = {}  # tenant -> requests admitted here, not yet charged in Redis
-        self._releases: set[asyncio.Task[None]] = set()
+        # Redis leases answered and not yet removed, sent as one pipeline per event-loop turn (not a task
+        # and a round trip per request).
+        self._to_release: list[tuple[int, str]] = []
+        self._releasing: asyncio.Task[None] | None = None
 
     async def admit(self, tenant_id: int, limits: TenantEntry) -> Ticket:
         """A ticket for an admitted request, or QuotaExceeded with the refusal."""
@@ -101,27 +104,29 @@ class QuotaGate:
         return Ticket(tenant_id, decision, None)
 
     def release(self, ticket: Ticket) -> None:
-        """Give the ticket's in-flight slot back, without waiting: a Redis lease is removed by a task
-        (if that fails, the lease expires on its own)."""
+        """Give the ticket's in-flight slot back, without waiting: Redis leases are removed in batches by
+        a task (if that fails, the lease expires on its own)."""
         if ticket.lease is None:
             self.local.release(ticket.tenant_id)
             return
-        assert self.shared is not None
-        task = asyncio.get_running_loop().create_task(self._release(ticket))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._to_release.append((ticket.tenant_id, ticket.lease))
+        if self._releasing is None or self._releasing.done():
+            self._releasing = asyncio.get_running_loop().create_task(self._release_batches())
 
-    async def _release(self, ticket: Ticket) -> None:
-        assert self.shared is not None and ticket.lease is not None
-        try:
-            async with asyncio.timeout(self.timeout_s * 4):
-                await self.shared.release(ticket.tenant_id, ticket.lease)
-        except (redis.RedisError, OSError, TimeoutError) as exc:
-            log.warning("releasing an in-flight lease failed (%s); it expires on its own", exc)
+    async def _release_batches(self) -> None:
+        assert self.shared is not None
+        await asyncio.sleep(0)  # let the answers of this loop turn join the batch
+        while self._to_release:
+            batch, self._to_release = self._to_release, []
+            try:
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await self.shared.release_many(batch)
+            except (redis.RedisError, OSError, TimeoutError) as exc:
+                log.warning("releasing %d in-flight leases failed (%s); they expire on their own", len(batch), exc)
 
     async def close(self) -> None:
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+        if self._releasing is not None:
+            await asyncio.gather(self._releasing, return_exceptions=True)
         if self.shared is not None:
             await self.shared.close()
 

@@ -141,5 +141,15 @@ class RedisQuota:
     async def release(self, tenant_id: int, lease: str) -> None:
         await self.client.zrem(keys_of(tenant_id)[1], lease)
 
+    async def release_many(self, leases: list[tuple[int, str]]) -> None:
+        """Remove many leases in one round trip: one ZREM per tenant, pipelined."""
+        by_tenant: dict[int, list[str]] = {}
+        for tenant_id, lease in leases:
+            by_tenant.setdefault(tenant_id, []).append(lease)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for tenant_id, ids in by_tenant.items():
+                pipe.zrem(keys_of(tenant_id)[1], *ids)
+            await pipe.execute()
+
     async def close(self) -> None:
         await self.client.aclose()

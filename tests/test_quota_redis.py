@@ -295,3 +295,30 @@ async def test_what_the_fallback_admitted_is_charged_when_redis_answers_again(te
         assert int(client.hget(keys_of(tenant_id)[0], "used")) == 5
     finally:
         client.close()
+
+
+async def test_answered_leases_leave_redis_in_batches(tenant_id) -> None:  # noqa: ANN001
+    live = RedisQuota.from_url(REDIS_URL, timeout_s=2.0, lease_s=60)
+    gate = QuotaGate(shared=live, gateways=1, timeout_s=2.0)
+    calls = []
+    release_many = live.release_many
+
+    async def counted(leases):  # noqa: ANN001, ANN202
+        calls.append(len(leases))
+        await release_many(leases)
+
+    live.release_many = counted  # type: ignore[method-assign]
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        # given five requests admitted through Redis: five leases held
+        tickets = [await gate.admit(tenant_id, limits()) for _ in range(5)]
+        assert client.zcard(keys_of(tenant_id)[1]) == 5
+        # when all five are answered in one turn of the event loop
+        for ticket in tickets:
+            gate.release(ticket)
+        await gate.close()
+        # then one round trip removed them all
+        assert calls == [5]
+        assert client.zcard(keys_of(tenant_id)[1]) == 0
+    finally:
+        client.close()
