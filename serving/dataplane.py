@@ -105,7 +105,8 @@ class DataPlane:
             # shut the gate, while a backlog that lasts raises it within two or three ticks.
             self.loop_lag = 0.7 * self.loop_lag + 0.3 * lag
             metrics.LOOP_LAG.set(self.loop_lag)
-            GATE.steer(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000)
+            seen, GATE.seen = GATE.seen, 0
+            GATE.steer(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000, seen)
 
     def count_frontend_shed(self, url: bytes) -> None:
         """Count a request the front door's gate refused, under the version it would have gone to."""

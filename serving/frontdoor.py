@@ -59,8 +59,13 @@ class ShedGate:
     proportional controller in the manner of PIE): refusing all of them while the loop is late
     and none once it has caught up would swing between overload and idling."""
 
+    # Requests per tick below which a late loop is not blamed on requests (a model loading, a collection):
+    # refusing the few there are would not bring the loop back, only fail them.
+    MIN_PRESSURE = 5
+
     def __init__(self) -> None:
         self.drop = 0.0
+        self.seen = 0  # requests begun since the last tick (the protocol counts, the ticker reads and resets)
         self.count: Callable[[bytes], None] = lambda url: None  # counts a refusal under its model
         self._random = random.random
         self.set_reason("")
@@ -69,10 +74,11 @@ class ShedGate:
     def shedding(self) -> bool:
         return self.drop > 0.0 and self._random() < self.drop
 
-    def steer(self, lag: float, target: float) -> None:
+    def steer(self, lag: float, target: float, requests: int | None = None) -> None:
         """One tick: raise the drop share while the loop runs later than `target` (seconds), in
-        proportion to how much later; lower it slowly once it runs well within it."""
-        if lag > target:
+        proportion to how much later, if `requests` (begun since the last tick) are enough to be the
+        cause; lower it slowly once it runs well within it."""
+        if lag > target and (requests is None or requests >= self.MIN_PRESSURE):
             self.drop = min(0.98, self.drop + 0.05 + 0.1 * (lag / target - 1.0))
         elif lag < target / 2 and self.drop:
             self.drop = max(0.0, self.drop - 0.02)
@@ -168,6 +174,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        GATE.seen += 1
         now = time.monotonic()
         scope = self.scope
         scope["ferry.first_byte"] = now  # type: ignore[typeddict-unknown-key]

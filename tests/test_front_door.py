@@ -522,6 +522,11 @@ def test_the_shed_gate_steers_its_refusals_by_the_loop_lag() -> None:
     for _ in range(100):
         gate.steer(0.005, 0.040)
     assert gate.drop == 0
+    # and a late loop with too few requests to be their doing (a model loading) refuses nothing
+    gate.steer(0.200, 0.040, requests=gate.MIN_PRESSURE - 1)
+    assert gate.drop == 0
+    gate.steer(0.200, 0.040, requests=gate.MIN_PRESSURE)
+    assert gate.drop > 0
 
 
 def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connection(  # noqa: ANN001
