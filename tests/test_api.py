@@ -653,3 +653,19 @@ def test_admin_saves_valid_batching(admin_client_) -> None:
 
 def test_a_path_with_a_newline_is_a_json_404(bob) -> None:
     assert_json_error(bob.post("/api/models/a%0Ab/versions/", {}, format="multipart"), 404)
+
+
+def test_model_create_through_the_api_counts_against_the_tenants_max_models(bob) -> None:
+    from tenants.models import Quota
+
+    # given tenant acme may hold one model
+    Quota.objects.filter(tenant__slug="acme").update(max_models=1)
+    # when its engineer creates one / then it is acme's
+    first = bob.post("/api/models/", {"name": "first", "tenant": "acme"}, format="json")
+    assert first.status_code == 201, first.content
+    assert Model.objects.get(name="first").tenant.slug == "acme"
+    # when a second / then 429 naming the quota, with no Retry-After (waiting does not help), and no model
+    second = bob.post("/api/models/", {"name": "second", "tenant": "acme"}, format="json")
+    assert second.status_code == 429, second.content
+    assert "max_models" in second.json()["error"] and "Retry-After" not in second.headers
+    assert not Model.objects.filter(name="second").exists()
