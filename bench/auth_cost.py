@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from bench import loadgen
-from bench.report import Settings
+from bench.report import Settings, splice_section
 from bench.run import digits_body, setup_data_dir, sweep
 from bench.server import Server, free_port, say
 
@@ -77,17 +77,6 @@ def section(runs: dict[str, list[float | None]], command: str) -> str:
     return "\n".join(lines)
 
 
-def record(path: Path, text_section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    old = kept_section(text)
-    if old:
-        text = text.replace(old, text_section)
-    else:
-        marker = "\n## Every step"
-        text = text.replace(marker, f"\n{text_section}\n{marker}", 1) if marker in text else f"{text}\n{text_section}\n"
-    path.write_text(text)
-
-
 def kept_section(text: str) -> str:
     start, end = text.find(START), text.find(END)
     return text[start : end + len(END)] if 0 <= start < end else ""
@@ -115,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(runs, " ".join(["python -m bench.auth_cost", *(argv if argv is not None else sys.argv[1:])]))
     print(text)
     if a.record:
-        record(a.record, text)
+        splice_section(a.record, START, END, text)
     return 0 if all(v is not None for vs in runs.values() for v in vs) else 1
 
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench import loadgen
-from bench.report import COMPARE_END, COMPARE_START, Settings, compare_section
+from bench.report import COMPARE_END, COMPARE_START, Settings, splice_section
 from bench.run import digits_body, mlp_body, sweep
 from bench.server import ROOT, Server, free_port, manage, say, unbind_quota, use_key
 
@@ -159,16 +159,7 @@ def record(path: Path, a: argparse.Namespace, shas: dict[str, str], figures: dic
     for key, rev in (("a", a.rev_a), ("b", a.rev_b)):
         lines.append(f"| {rev} | {shas[key][:12]} | {', '.join(fmt(v) for v in figures[key])} | **{fmt(med[key])}** |")
     lines += ["", f"Ratio {a.rev_b} / {a.rev_a}: **{'n/a' if ratio is None else f'{ratio:.3f}'}**.", "", COMPARE_END]
-    section = "\n".join(lines)
-    text = path.read_text() if path.exists() else ""
-    old = compare_section(text)
-    if old:
-        text = text.replace(old, section)
-    else:
-        marker = "\n## Every step"
-        text = text.replace(marker, f"\n{section}\n{marker}", 1) if marker in text else f"{text}\n{section}\n"
-    path.write_text(text)
-
+    splice_section(path, COMPARE_START, COMPARE_END, "\n".join(lines))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -89,6 +89,19 @@ def verdict(v: float | None) -> str:
 COMPARE_START, COMPARE_END = "<!-- compare:start -->", "<!-- compare:end -->"
 
 
+def splice_section(path: Path, start: str, end: str, section: str) -> None:
+    """Put `section` (which begins with `start` and ends with `end`) into the report at `path`: in place of
+    the one already there, else before "## Every step", else at the end."""
+    text = path.read_text() if path.exists() else ""
+    i, j = text.find(start), text.find(end)
+    if 0 <= i < j:
+        text = text[:i] + section + text[j + len(end):]
+    else:
+        marker = "\n## Every step"
+        text = text.replace(marker, f"\n{section}\n{marker}", 1) if marker in text else f"{text}\n{section}\n"
+    path.write_text(text)
+
+
 def compare_section(text: str) -> str:
     """The section `bench.compare --record` wrote into an existing report, to keep when the page is rewritten."""
     start, end = text.find(COMPARE_START), text.find(COMPARE_END)

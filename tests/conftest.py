@@ -7,7 +7,11 @@ temporary directory per session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -221,3 +225,34 @@ def digits_server(transactional_db, model_files: Artifacts) -> Iterator[LiveServ
 
 
 __all__ = ["Digits", "register", "tenant", "mint_key", "DIGITS_IO", "TOKENS_IO", "LiveServer"]
+
+
+@contextlib.contextmanager
+def celery_worker(log_dir: Path, broker: str, **extra_env: str) -> Iterator[subprocess.Popen]:
+    """A real Celery worker process (`-P solo`) on the test database, with `broker` as its broker; stopped
+    on exit. Its log is `log_dir/worker.log`."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "REDIS_URL": broker,
+        "FERRY_DATA_DIR": str(log_dir),
+        "CELERY_TASK_ALWAYS_EAGER": "false",
+        **extra_env,
+    }
+    with (log_dir / "worker.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "config", "worker", "-P", "solo", "-Q", "celery",
+             "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "info"],
+            cwd=Path(__file__).resolve().parent.parent, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()

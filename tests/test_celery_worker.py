@@ -1,48 +1,23 @@
 """Validation as a real Celery worker runs it in distributed mode: broker on the real Redis."""
 
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from celery import Celery
 from django.conf import settings as django_settings
-from django.db import connection
 
 from serving.actions import register_version
 from serving.models import ModelVersion, State
-from tests.conftest import DIGITS_IO
+from tests.conftest import DIGITS_IO, celery_worker
 
 BROKER = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def worker(transactional_db, tmp_path):  # noqa: ANN001, ANN201
-    db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "REDIS_URL": BROKER,
-        "FERRY_ARTIFACT_ROOT": str(django_settings.FERRY_ARTIFACT_ROOT),
-        "FERRY_DATA_DIR": str(tmp_path),
-        "CELERY_TASK_ALWAYS_EAGER": "false",
-    }
-    log = (tmp_path / "worker.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-P", "solo", "-Q", "celery",
-         "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "info"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with celery_worker(tmp_path, BROKER, FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT)) as proc:
+        yield proc
 
 
 def test_worker_validates_a_queued_version(worker, model_files) -> None:  # noqa: ANN001

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from celery import Celery
-from django.db import connection, connections
+from django.db import connections
 from django.utils import timezone
 
 from tenants.models import Tenant
+from tests.conftest import celery_worker
 from usage.ingest import ingest
 from usage.models import UsageBatch, UsageMinute
 from usage.recorder import UsageRecorder
@@ -23,7 +21,6 @@ from usage.sketch import quantile
 from usage.tasks import prune_usage
 
 MINUTE = 29_000_000  # 2025-02-20 03:20 UTC, in minutes since the epoch
-ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
@@ -132,27 +129,8 @@ def test_prune_deletes_old_usage_and_old_batch_ids(acme, settings) -> None:  # n
 @pytest.fixture
 def worker(transactional_db, tmp_path):  # noqa: ANN001, ANN201
     """A real Celery worker process on the test database, its broker the test Redis database."""
-    db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "REDIS_URL": BROKER,
-        "FERRY_DATA_DIR": str(tmp_path),
-        "CELERY_TASK_ALWAYS_EAGER": "false",
-    }
-    log = (tmp_path / "worker.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-P", "solo", "-Q", "celery",
-         "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "info"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with celery_worker(tmp_path, BROKER) as proc:
+        yield proc
 
 
 def test_worker_adds_a_batch_once_however_often_it_is_delivered(worker) -> None:  # noqa: ANN001
