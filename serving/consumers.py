@@ -32,7 +32,7 @@ from serving.errors import NotFound, ServingError, Unavailable
 from serving.gateway import CLIENT_CLOSED, parse_version
 from serving.protocol import error_body
 from serving.quota import IN_FLIGHT, MONTHLY, RATE, Decision
-from serving.quota_gate import QuotaExceeded, Ticket
+from serving.quota_gate import QuotaExceeded
 from serving.snapshot import TenantEntry, VersionEntry
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,16 @@ class InferenceConsumer(AsyncHttpConsumer):
             # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
             self._shed_if_saturated(plane, name, version, viewer)
             limits = gateway.snapshot.tenants.get(viewer)
-            ticket = await self._admit(plane, limits, name, version, viewer)
+            quota = plane.quota
+            try:
+                if quota is None or limits is None:  # quotas off, or a snapshot from a build without them
+                    ticket = None
+                elif quota.shared is None:  # in-process: decided without a coroutine
+                    ticket = quota.admit_here(viewer, limits)
+                else:
+                    ticket = await quota.admit(viewer, limits)
+            except QuotaExceeded as refused:
+                self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
             try:
                 header_length = self._header_length()
                 reply = await gateway.infer(name, version, body, header_length, viewer,
@@ -261,24 +270,18 @@ class InferenceConsumer(AsyncHttpConsumer):
             return 200, b"", JSON
         raise NotFound("no such repository endpoint")
 
-    async def _admit(
-        self, plane: dataplane.DataPlane, limits: TenantEntry | None, name: str, version: str | None, viewer: int
-    ) -> Ticket | None:
-        """The tenant's quota ticket for this request, or 429 (counted) when a limit refuses it. None when
-        quotas are off, or the snapshot carries no quota for the tenant (published by an older build)."""
-        if plane.quota is None or limits is None:
-            return None
-        try:
-            return await plane.quota.admit(viewer, limits)
-        except QuotaExceeded as refused:
-            decision = refused.decision
-            metrics.QUOTA_REFUSALS.labels(limits.slug, decision.reason).inc()
-            entry = self._routed_or_none(plane, name, version, viewer)
-            metrics.REQUESTS.labels(entry.model if entry else "", str(entry.version) if entry else "", "429").inc()
-            usage = plane.gateway.usage
-            if usage is not None and entry is not None:  # the tenant sees its refusals in its usage too
-                usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self._waited)
-            raise OverQuota(decision) from None
+    def _over_quota(
+        self, plane: dataplane.DataPlane, limits: TenantEntry, name: str, version: str | None, viewer: int,
+        decision: Decision,
+    ) -> None:
+        """Answer 429 for a request its tenant's quota refused: counted, and metered as the tenant's."""
+        metrics.QUOTA_REFUSALS.labels(limits.slug, decision.reason).inc()
+        entry = self._routed_or_none(plane, name, version, viewer)
+        metrics.REQUESTS.labels(entry.model if entry else "", str(entry.version) if entry else "", "429").inc()
+        usage = plane.gateway.usage
+        if usage is not None and entry is not None:  # the tenant sees its refusals in its usage too
+            usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self._waited)
+        raise OverQuota(decision)
 
     def _shed_if_saturated(
         self, plane: dataplane.DataPlane, name: str, version: str | None, viewer: int

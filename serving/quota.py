@@ -24,7 +24,7 @@ DISABLED_RETRY_S = 60.0
 IN_FLIGHT_RETRY_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request, and a frozen dataclass's __init__ costs more
 class Decision:
     """What the limiter decided, with the numbers of the RateLimit headers. On a refusal, `limit`,
     `remaining` and `reset` describe the limit that refused; on admission, the token bucket."""
@@ -123,6 +123,10 @@ class InProcessQuota:
 
     clock: Callable[[], float] = time.time
     _tenants: dict[int, _TenantState] = field(default_factory=dict)
+    # The current month (YYYYMM) and when the next begins: the calendar is read once a month, not per request.
+    _month: int = 0
+    _month_since: float = math.inf
+    _month_until: float = -math.inf
 
     def admit(self, tenant_id: int, limits: TenantEntry) -> Decision:
         now = self.clock()
@@ -130,7 +134,12 @@ class InProcessQuota:
         if state is None:
             state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now))
         state.bucket.refill(now, limits.requests_per_second, limits.burst)
-        month = month_of(now)
+        if not self._month_since <= now < self._month_until:  # a new month (or a clock stepped back)
+            t = time.gmtime(now)
+            self._month = t.tm_year * 100 + t.tm_mon
+            self._month_since = float(calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)))
+            self._month_until = now + seconds_to_next_month(now)
+        month = self._month
         if state.month != month:
             state.month, state.used = month, 0
         decision = decide(limits, tokens=state.bucket.tokens, in_flight=state.in_flight, used=state.used,

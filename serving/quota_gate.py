@@ -29,7 +29,7 @@ from serving.snapshot import TenantEntry
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request
 class Ticket:
     """An admitted request's hold on its tenant's in-flight count; hand it back to `release`."""
 
@@ -87,6 +87,11 @@ class QuotaGate:
             return self._admit_here(tenant_id, scaled(limits, self.gateways), fallback=True)
         if self.shared is not None:
             return self._admit_here(tenant_id, scaled(limits, self.gateways), fallback=True)
+        return self._admit_here(tenant_id, limits, fallback=False)
+
+    def admit_here(self, tenant_id: int, limits: TenantEntry) -> Ticket:
+        """The decision without a shared limiter (embedded mode): synchronous, so the request path spends
+        no coroutine on it. QuotaExceeded on a refusal."""
         return self._admit_here(tenant_id, limits, fallback=False)
 
     def _admit_here(self, tenant_id: int, limits: TenantEntry, *, fallback: bool) -> Ticket:
