@@ -10,7 +10,11 @@ them inside the transaction that creates the row.
 
 from __future__ import annotations
 
+import math
+from datetime import datetime, timedelta
+
 from django.db.models import Sum
+from django.utils import timezone
 
 from serving.actions import RegistrationError
 from serving.models import Model, ModelVersion, State, Visibility
@@ -73,3 +77,24 @@ def check_accelerator_bytes(model: Model, adding: int, *, excluding_model: bool 
             f"loading {model.name} needs {adding} bytes of accelerator memory; the tenant's private models"
             f" hold {used} of its {quota.max_accelerator_bytes}",
         )
+
+
+def usage_against_quota(tenant_id: int, now: datetime | None = None) -> dict[str, int]:
+    """What the tenant uses of each limit that can be read from the registry and its metered usage: requests
+    this month (metered, so up to one usage flush behind), the busiest minute's rate in the last hour,
+    its models, live versions and the accelerator memory of its loaded private models."""
+    from usage.models import UsageMinute
+
+    now = now or timezone.now()
+    month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    usage = UsageMinute.objects.filter(tenant_id=tenant_id)
+    this_month = usage.filter(minute__gte=month_start).aggregate(total=Sum("requests"))["total"] or 0
+    busiest = (usage.filter(minute__gte=now - timedelta(hours=1)).values("minute")
+               .annotate(n=Sum("requests")).order_by("-n").values_list("n", flat=True).first()) or 0
+    return {
+        "monthly_requests": int(this_month),
+        "requests_per_second": math.ceil(busiest / 60),
+        "max_models": Model.objects.filter(tenant_id=tenant_id).count(),
+        "max_versions": ModelVersion.objects.filter(model__tenant_id=tenant_id).exclude(state=State.RETIRED).count(),
+        "max_accelerator_bytes": loaded_private_bytes(tenant_id),
+    }

@@ -16,6 +16,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods
 
+from serving.quota_counts import usage_against_quota
 from tenants import keys
 from tenants.actions import KeyRequestError, create_key, revoke_key
 from tenants.governance import GovernanceError, decide, remove_member, request_quota, set_role
@@ -120,7 +121,9 @@ def quota_page(request: HttpRequest, slug: str) -> HttpResponse:
     quota, _ = Quota.objects.get_or_create(tenant=tenant)
 
     def context() -> dict:
-        return {"tenant": tenant, "limits": quota.limits(), "is_admin": has_role(request.user, Role.ADMIN, tenant),
+        used = usage_against_quota(tenant.pk)
+        return {"tenant": tenant, "limits": [(name, value, used.get(name)) for name, value in quota.limits().items()],
+                "is_admin": has_role(request.user, Role.ADMIN, tenant),
                 "requests": QuotaRequest.objects.filter(tenant=tenant).select_related("requested_by", "decided_by")}
 
     if request.method == "GET":
@@ -160,8 +163,11 @@ def quota_review_page(request: HttpRequest) -> HttpResponse:
     filed = QuotaRequest.objects.filter(pk=int(raw)).first() if raw.isdigit() and int(raw) < 2**31 else None
     if filed is None:
         raise Http404("no such quota request")
+    decision = request.POST.get("decision")
+    if decision not in ("approve", "reject"):
+        return _bad(request, "console/quota_review.html", context(), "the decision must be approve or reject")
     try:
-        decide(request=filed, approve=request.POST.get("decision") == "approve",
+        decide(request=filed, approve=decision == "approve",
                note=request.POST.get("note", ""), actor=request.user)
     except GovernanceError as exc:
         return _bad(request, "console/quota_review.html", context(), exc.message)

@@ -3,6 +3,8 @@ entry with who, what, before and after; and the rules each enforces."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
@@ -266,3 +268,32 @@ def test_admin_visibility_change_is_audited(superuser_client, acme: Tenant) -> N
     entry = only_entry(action="model.visibility")
     assert entry.before == {"visibility": "private", "shared_with": []}
     assert entry.after == {"visibility": "shared", "shared_with": ["partner"]}
+
+
+def test_the_quota_page_shows_use_against_each_limit(alice: APIClient, acme: Tenant) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from usage.models import UsageMinute
+
+    # given acme has one model and 1,200 requests metered in one minute of the last hour
+    Model.objects.create(name="acme-model", tenant=acme)
+    minute = (timezone.now() - timedelta(minutes=5)).replace(second=0, microsecond=0)
+    UsageMinute.objects.create(tenant=acme, model_name="acme-model", version=1, minute=minute, requests=1200)
+    # when its admin opens the quota page / then each limit shows what is used of it
+    page = alice.get(f"/console/tenants/{acme.slug}/quota/").content.decode()
+    assert '<tr data-limit="monthly_requests"><td>monthly_requests</td><td class="value">' in page
+    used = dict(re.findall(r'<tr data-limit="(\w+)">.*?<td class="used">([^<]*)</td>', page))
+    assert used["monthly_requests"] == "1200" and used["requests_per_second"] == "20"
+    assert used["max_models"] == "1" and used["burst"] == "—"
+
+
+def test_a_quota_decision_must_be_approve_or_reject(alice: APIClient, root: APIClient, acme: Tenant) -> None:
+    filed = alice.post(f"/api/tenants/{acme.slug}/quota-requests/",
+                       {"changes": {"burst": 5000}, "justification": "launch"}, format="json")
+    assert filed.status_code == 201, filed.content
+    pk = filed.json()["id"]
+    response = root.post("/console/quota-requests/", {"id": str(pk), "note": "?"})
+    assert response.status_code == 400 and b"approve or reject" in response.content
+    assert QuotaRequest.objects.get(pk=pk).state == QuotaRequest.State.PENDING
