@@ -6,13 +6,17 @@ start plus the scheduler's delay (the lead time), so replicas are sized for the 
 `now + lead`, not for the rate now.
 
 Per version, each tick:
-- rates: arrivals per second over a short window (catches bursts) and a long one, from the
-  version's cumulative arrival counter (a Prometheus-style counter: a drop is a reset);
+- rates: arrivals per second over a short window and a long one, from the version's cumulative
+  arrival counter (a Prometheus-style counter: a drop is a reset). The long window's rate is
+  reported, not decided on: it is what a slow policy would size for;
 - forecast: Holt's linear trend (double exponential smoothing) of the per-tick rates, with
   smoothing factors from time constants so uneven ticks weigh right
   (`alpha = 1 - exp(-dt / level_tau)`, `beta = 1 - exp(-dt / trend_tau)`), read at `now + lead`;
-  the short window's rate overrides it upward (a falling trend must not scale in below what
-  arrives now), so `demand = max(forecast, short rate)`;
+  the short window's rate overrides it upward (a falling trend, or one still catching up with
+  a step, must not size below what arrives now), so `demand = max(forecast, short rate)`. The
+  time constants are seconds, not the windows': a trend seen within ten seconds is what lets a
+  30 s cold start be ordered in time, and a burst looks like the start of a ramp, so the trend
+  also jumps on one (scale-out is the safe side of that mistake; the cool-down then holds it);
 - capacity of one replica (`replica_capacity`): full batches of `b` rows taking `t(b)` serve
   `b / t(b)` requests a second; a request arriving as a batch starts waits for it and then runs
   in the next, `2 t(b)`, which must fit `HEADROOM` of the p99 budget (admission's share of it),
@@ -171,21 +175,26 @@ class Autoscaler:
             raise ValueError("need 0 < short_window <= long_window")
         if level_tau <= 0 or trend_tau <= 0:
             raise ValueError("level_tau and trend_tau must be positive")
-        self.level_tau = level_tau
-        self.trend_tau = trend_tau
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
-        self.node_memory = dict(node_memory)
+        self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
         self.short_window = short_window
         self.long_window = long_window
+        self.level_tau = level_tau
+        self.trend_tau = trend_tau
         self._tracks: dict[str, _Track] = {}
 
     def tick(self, now: float, observations: Iterable[Observation]) -> Plan:
+        observed = list(observations)
+        for obs in observed:  # all checked before any history changes, so a refused tick leaves none
+            node = self.node_memory.get(obs.config.accelerator)
+            if node is None:
+                raise ValueError(f"no node memory known for accelerator {obs.config.accelerator!r}")
+            if obs.config.memory_bytes > node:
+                raise ValueError(f"a replica of {obs.version} does not fit one {obs.config.accelerator} node")
         decisions: dict[str, Decision] = {}
         configs: dict[str, ScalingConfig] = {}
-        for obs in observations:
-            if obs.config.accelerator not in self.node_memory:
-                raise ValueError(f"no node memory known for accelerator {obs.config.accelerator!r}")
+        for obs in observed:
             configs[obs.version] = obs.config
             decisions[obs.version] = self._decide(now, obs)
         for gone in set(self._tracks) - set(configs):  # a version no longer observed starts afresh

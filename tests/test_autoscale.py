@@ -223,6 +223,19 @@ def test_config_refuses_settings_that_cannot_hold() -> None:
         config(latency_budget=0.0)
     with pytest.raises(ValueError, match="accelerator 'tpu'"):
         Autoscaler({"gpu": GB}).tick(0.0, [Observation("m:1", config(accelerator="tpu"), 0, 1, per_row)])
+    with pytest.raises(ValueError, match="node memory must be positive"):
+        Autoscaler({"gpu": 0})
+
+
+def test_a_refused_tick_changes_no_history() -> None:
+    # given a tick whose second version's replica is larger than a node
+    scaler = Autoscaler({"gpu": 16 * GB})
+    fits = Observation("a:1", config(), 0, 1, per_row)
+    too_big = Observation("b:1", config(memory_bytes=20 * GB), 0, 1, per_row)
+    with pytest.raises(ValueError, match="a replica of b:1 does not fit one gpu node"):
+        scaler.tick(0.0, [fits, too_big])
+    # then the first version was not recorded either: its next tick is still its first
+    assert scaler.tick(1.0, [fits]).decisions["a:1"].reason == "no_data"
 
 
 def test_a_counter_reset_counts_the_new_total() -> None:
