@@ -1,0 +1,301 @@
+"""Autoscaling policy: how many replicas each version wants, decided ahead of its cold start.
+
+Plain Python, no Django, time passed in: the node, the gateway's control plane and the fleet
+simulator call the same `Autoscaler.tick(now, observations)`. Loading a replica takes its cold
+start plus the scheduler's delay (the lead time), so replicas are sized for the rate forecast at
+`now + lead`, not for the rate now.
+
+Per version, each tick:
+- rates: arrivals per second over a short window and a long one, from the version's cumulative
+  arrival counter (a Prometheus-style counter: a drop is a reset). The long window's rate is
+  reported, not decided on: it is what a slow policy would size for;
+- forecast: Holt's linear trend (double exponential smoothing) of the per-tick rates, with
+  smoothing factors from time constants so uneven ticks weigh right
+  (`alpha = 1 - exp(-dt / level_tau)`, `beta = 1 - exp(-dt / trend_tau)`), read at `now + lead`;
+  the short window's rate overrides it upward (a falling trend, or one still catching up with
+  a step, must not size below what arrives now), so `demand = max(forecast, short rate)`. The
+  time constants are seconds, not the windows': a trend seen within ten seconds is what lets a
+  30 s cold start be ordered in time, and a burst looks like the start of a ramp, so the trend
+  also jumps on one (scale-out is the safe side of that mistake; the cool-down then holds it);
+- capacity of one replica (`replica_capacity`): full batches of `b` rows taking `t(b)` serve
+  `b / t(b)` requests a second; a request arriving as a batch starts waits for it and then runs
+  in the next, `2 t(b)`, which must fit `HEADROOM` of the p99 budget (admission's share of it),
+  so `b* = max{b <= max_batch_size : 2 t(b) <= HEADROOM x budget}` and the capacity is
+  `b* / t(b*)`;
+- recommendation: `ceil(demand / (capacity x target_utilisation)) + warm_pool`, clamped to
+  `[min, max]`; a version with `min_replicas = 0` keeps one replica until it has seen no
+  arrival for `idle_to_zero` seconds, then goes to zero;
+- cool-down: the answer is the largest recommendation of the last `cool_down` seconds (a
+  stabilisation window, as Kubernetes' HPA does it), so scale-out happens at once and scale-in
+  only after the lower number has held for the whole cool-down. Going to zero after the idle time
+  is not held again: the idle time is its own, longer, hold.
+
+Demand per accelerator type: the replicas wanted of every version on that type, times each
+version's memory footprint, over one node's memory, rounded up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from serving.admission import HEADROOM
+
+Estimate = Callable[[int], float]
+
+_EPS = 1e-9  # float slack in window boundaries
+# Demand within a hundredth of a replica over n replicas' worth asks for n: the smoothed rate
+# approaches a steady load from above or below, and must not hold an extra replica for a crumb.
+_SLACK = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingConfig:
+    """One version's scaling settings; times in seconds, memory in bytes."""
+
+    accelerator: str
+    memory_bytes: int  # footprint of one replica on its accelerator
+    cold_start: float  # measured load time on this accelerator type
+    latency_budget: float  # the p99 a replica must keep
+    max_batch_size: int = 1
+    target_utilisation: float = 0.7
+    warm_pool: int = 0
+    min_replicas: int = 1
+    max_replicas: int = 100
+    cool_down: float = 300.0
+    idle_to_zero: float | None = None  # None: never scale to zero
+    scheduling_delay: float = 5.0  # placing the replica before its load starts
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target_utilisation <= 1.0:
+            raise ValueError("target_utilisation must be in (0, 1]")
+        if self.min_replicas < 0 or self.max_replicas < max(self.min_replicas, 1):
+            raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
+        if self.warm_pool < 0 or self.memory_bytes < 0 or self.max_batch_size < 1:
+            raise ValueError("warm_pool and memory_bytes must not be negative, max_batch_size >= 1")
+        if self.cold_start < 0 or self.scheduling_delay < 0 or self.cool_down < 0:
+            raise ValueError("cold_start, scheduling_delay and cool_down must not be negative")
+        if self.latency_budget <= 0:
+            raise ValueError("latency_budget must be positive")
+        if self.idle_to_zero is not None and self.idle_to_zero < 0:
+            raise ValueError("idle_to_zero must not be negative")
+
+    @property
+    def lead_time(self) -> float:
+        return self.cold_start + self.scheduling_delay
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one tick knows of a version: its settings, arrival counter, replicas and profile."""
+
+    version: str
+    config: ScalingConfig
+    arrivals_total: int  # cumulative arrivals, as a counter metric reports them
+    replicas: int  # replicas serving or loading now
+    estimate: Estimate  # compute seconds per batch size (LatencyProfile.estimate)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    batch: int  # the largest batch whose queueing and compute fit the budget
+    rate: float  # requests a second one replica serves at that batch size
+    fits_budget: bool  # False: even a batch of one misses the budget (rate is batch one's)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    version: str
+    replicas: int
+    reason: str  # forecast | short_window | min | max | cool_down | idle | no_data | no_profile
+    demand: float  # requests a second the replicas were sized for
+    forecast: float  # the trend's rate at now + lead time
+    short_rate: float
+    long_rate: float
+    capacity: Capacity | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDemand:
+    replicas: int
+    memory_bytes: int
+    nodes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    decisions: dict[str, Decision]
+    accelerators: dict[str, NodeDemand]
+
+
+def replica_capacity(estimate: Estimate, max_batch_size: int, latency_budget: float) -> Capacity | None:
+    """Requests a second one replica serves within its budget; None when the profile is empty."""
+    limit = HEADROOM * latency_budget
+    best: Capacity | None = None
+    for b in range(1, max_batch_size + 1):
+        t = estimate(b)
+        if t <= 0:
+            return None
+        if 2 * t <= limit and (best is None or b / t > best.rate):
+            best = Capacity(b, b / t, True)
+    if best is None:
+        return Capacity(1, 1 / estimate(1), False)
+    return best
+
+
+@dataclass
+class _Track:
+    """One version's history between ticks."""
+
+    last_at: float
+    last_total: int
+    last_arrival: float
+    samples: deque[tuple[float, float, int]] = field(default_factory=deque)  # (start, end, arrivals)
+    recommended: deque[tuple[float, int]] = field(default_factory=deque)  # (at, replicas)
+    level: float | None = None  # Holt's smoothed rate, as of the middle of the last tick
+    trend: float = 0.0  # its slope, requests a second per second
+    last_dt: float = 0.0
+
+
+class Autoscaler:
+    """Desired replicas per version, one `tick` at a time; state is the history of past ticks."""
+
+    def __init__(
+        self,
+        node_memory: Mapping[str, int],
+        *,
+        short_window: float = 10.0,
+        long_window: float = 120.0,
+        level_tau: float = 5.0,
+        trend_tau: float = 10.0,
+    ) -> None:
+        if not 0 < short_window <= long_window:
+            raise ValueError("need 0 < short_window <= long_window")
+        if level_tau <= 0 or trend_tau <= 0:
+            raise ValueError("level_tau and trend_tau must be positive")
+        if any(memory <= 0 for memory in node_memory.values()):
+            raise ValueError("node memory must be positive")
+        self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
+        self.short_window = short_window
+        self.long_window = long_window
+        self.level_tau = level_tau
+        self.trend_tau = trend_tau
+        self._tracks: dict[str, _Track] = {}
+
+    def tick(self, now: float, observations: Iterable[Observation]) -> Plan:
+        observed = list(observations)
+        for obs in observed:  # all checked before any history changes, so a refused tick leaves none
+            node = self.node_memory.get(obs.config.accelerator)
+            if node is None:
+                raise ValueError(f"no node memory known for accelerator {obs.config.accelerator!r}")
+            if obs.config.memory_bytes > node:
+                raise ValueError(f"a replica of {obs.version} does not fit one {obs.config.accelerator} node")
+        decisions: dict[str, Decision] = {}
+        configs: dict[str, ScalingConfig] = {}
+        for obs in observed:
+            configs[obs.version] = obs.config
+            decisions[obs.version] = self._decide(now, obs)
+        for gone in set(self._tracks) - set(configs):  # a version no longer observed starts afresh
+            del self._tracks[gone]
+        return Plan(decisions, self._node_demand(decisions, configs))
+
+    def _decide(self, now: float, obs: Observation) -> Decision:
+        cfg = obs.config
+        track = self._tracks.get(obs.version)
+        if track is None:
+            self._tracks[obs.version] = _Track(now, obs.arrivals_total, now)
+            held = min(max(obs.replicas, cfg.min_replicas), cfg.max_replicas)
+            return Decision(obs.version, held, "no_data", 0.0, 0.0, 0.0, 0.0, None)
+        self._record(track, now, obs.arrivals_total)
+        short = self._rate(track, now, self.short_window)
+        long = self._rate(track, now, self.long_window)
+        forecast = max(self._forecast(track, cfg.lead_time), 0.0)
+        demand = max(forecast, short)
+        capacity = replica_capacity(obs.estimate, cfg.max_batch_size, cfg.latency_budget)
+
+        if cfg.min_replicas == 0 and cfg.idle_to_zero is not None and now - track.last_arrival >= cfg.idle_to_zero:
+            track.recommended.clear()
+            return Decision(obs.version, 0, "idle", demand, forecast, short, long, capacity)
+
+        if capacity is None:
+            want, reason = max(obs.replicas, cfg.min_replicas, 1), "no_profile"
+        else:
+            if demand > 0:
+                want = math.ceil(demand / (capacity.rate * cfg.target_utilisation) - _SLACK) + cfg.warm_pool
+            else:
+                want = cfg.warm_pool
+            reason = "forecast" if forecast >= short else "short_window"
+        floor = max(cfg.min_replicas, 1)  # min 0 still keeps one until the idle time has passed
+        if want < floor:
+            want, reason = floor, "min"
+        if want > cfg.max_replicas:
+            want, reason = cfg.max_replicas, "max"
+
+        recommended = track.recommended
+        recommended.append((now, want))
+        while recommended and recommended[0][0] < now - cfg.cool_down:
+            recommended.popleft()
+        held = max(r for _, r in recommended)
+        if held > want:
+            want, reason = held, "cool_down"
+        return Decision(obs.version, want, reason, demand, forecast, short, long, capacity)
+
+    def _record(self, track: _Track, now: float, total: int) -> None:
+        if now <= track.last_at:
+            return  # a repeated or out-of-order tick adds no interval
+        count = total - track.last_total if total >= track.last_total else total  # a drop is a reset
+        track.samples.append((track.last_at, now, count))
+        self._smooth(track, now - track.last_at, count / (now - track.last_at))
+        if count > 0:
+            track.last_arrival = now
+        track.last_at, track.last_total = now, total
+        while track.samples and track.samples[0][0] < now - self.long_window - _EPS:
+            track.samples.popleft()
+
+    @staticmethod
+    def _rate(track: _Track, now: float, window: float) -> float:
+        """Arrivals a second over the ticks that began within `window` of now."""
+        arrivals, start = 0, now
+        for begin, _end, count in reversed(track.samples):
+            if begin < now - window - _EPS:
+                break
+            arrivals += count
+            start = begin
+        return arrivals / (now - start) if now > start else 0.0
+
+    def _smooth(self, track: _Track, dt: float, rate: float) -> None:
+        """One Holt step over a tick of `dt` seconds that saw `rate` arrivals a second."""
+        track.last_dt = dt
+        if track.level is None:
+            track.level = rate
+            return
+        alpha = 1.0 - math.exp(-dt / self.level_tau)
+        beta = 1.0 - math.exp(-dt / self.trend_tau)
+        prior = track.level + track.trend * dt
+        level = prior + alpha * (rate - prior)
+        track.trend += beta * ((level - track.level) / dt - track.trend)
+        track.level = level
+
+    @staticmethod
+    def _forecast(track: _Track, lead: float) -> float:
+        """The smoothed rate `lead` seconds from now (the level stands at the last tick's middle)."""
+        if track.level is None:
+            return 0.0
+        return track.level + track.trend * (lead + track.last_dt / 2)
+
+    def _node_demand(
+        self, decisions: Mapping[str, Decision], configs: Mapping[str, ScalingConfig]
+    ) -> dict[str, NodeDemand]:
+        """Nodes wanted per accelerator type: total memory over one node's, a lower bound on packing."""
+        replicas: dict[str, int] = {}
+        memory: dict[str, int] = {}
+        for version, decision in decisions.items():
+            cfg = configs[version]
+            replicas[cfg.accelerator] = replicas.get(cfg.accelerator, 0) + decision.replicas
+            memory[cfg.accelerator] = memory.get(cfg.accelerator, 0) + decision.replicas * cfg.memory_bytes
+        return {
+            kind: NodeDemand(replicas[kind], memory[kind], -(-memory[kind] // self.node_memory[kind]))
+            for kind in sorted(replicas)
+        }

@@ -1,0 +1,328 @@
+"""Tests for serving.autoscale: the autoscaling policy, driven tick by tick on a fake clock.
+
+Most tests use a profile where every row costs 10 ms whatever the batch, so one replica serves
+100 requests a second, and a target utilisation of 0.5, so each replica is sized for 50.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+
+from serving.autoscale import Autoscaler, Capacity, Observation, ScalingConfig, replica_capacity
+from serving.batching import LatencyProfile
+
+GB = 1 << 30
+
+
+def per_row(rows: int) -> float:
+    return 0.010 * rows
+
+
+def config(**changes: object) -> ScalingConfig:
+    params: dict = {
+        "accelerator": "gpu",
+        "memory_bytes": 10 * GB,
+        "cold_start": 30.0,
+        "scheduling_delay": 5.0,
+        "latency_budget": 1.0,
+        "max_batch_size": 8,
+        "target_utilisation": 0.5,
+        "cool_down": 60.0,
+        **changes,
+    }
+    return ScalingConfig(**params)
+
+
+class Driver:
+    """One version fed to an autoscaler once a second: `rate(t)` arrivals in the second ending at t."""
+
+    def __init__(self, cfg: ScalingConfig, *, short_window: float = 10.0, long_window: float = 60.0) -> None:
+        self.cfg = cfg
+        self.scaler = Autoscaler({"gpu": 80 * GB, "cpu": 16 * GB}, short_window=short_window, long_window=long_window)
+        self.total = 0
+        self.replicas = cfg.min_replicas
+        self.now = 0.0
+        self.scaler.tick(0.0, [self.observe()])
+
+    def observe(self) -> Observation:
+        return Observation("m:1", self.cfg, self.total, self.replicas, per_row)
+
+    def run(self, seconds: int, rate: Callable[[float], float]):
+        decisions = []
+        for _ in range(seconds):
+            self.now += 1.0
+            self.total += int(rate(self.now))
+            decision = self.scaler.tick(self.now, [self.observe()]).decisions["m:1"]
+            self.replicas = decision.replicas
+            decisions.append((self.now, decision))
+        return decisions
+
+
+# --- capacity ---------------------------------------------------------------------------------
+
+
+def test_capacity_from_a_latency_profile_worked_by_hand() -> None:
+    # given a measured profile (ms): 1 -> 10, 8 -> 20, 16 -> 30, 32 -> 50, interpolated between,
+    # and a p99 budget of 110 ms, of which admission's HEADROOM (0.8) is 88 ms
+    profile = LatencyProfile({1: 0.010, 8: 0.020, 16: 0.030, 32: 0.050})
+    # when the capacity is derived
+    capacity = replica_capacity(profile.estimate, 32, 0.110)
+    # then the largest batch with 2 t(b) <= 88 ms is the one with t(b) <= 44 ms:
+    # t(b) = 30 + (b - 16) x 1.25 ms <= 44  =>  b <= 27.2, so b = 27 with t(27) = 43.75 ms,
+    # and a replica serves 27 / 0.04375 = 617.14 requests a second
+    assert capacity is not None
+    assert capacity.batch == 27
+    assert capacity.rate == pytest.approx(617.142857, rel=1e-6)
+    assert capacity.fits_budget
+    # and a larger max batch than the budget allows does not raise it; a smaller one caps it
+    assert replica_capacity(profile.estimate, 8, 0.110) == Capacity(8, pytest.approx(400.0), True)
+
+
+def test_a_budget_no_batch_meets_is_flagged_and_an_empty_profile_has_no_capacity() -> None:
+    profile = LatencyProfile({1: 0.010, 8: 0.020})
+    # 2 x 10 ms does not fit 80% of 20 ms: batch one's rate, flagged
+    assert replica_capacity(profile.estimate, 8, 0.020) == Capacity(1, pytest.approx(100.0), False)
+    assert replica_capacity(LatencyProfile().estimate, 8, 1.0) is None
+
+
+# --- steady load, ramps and bursts -----------------------------------------------------------
+
+
+def test_steady_load_gives_stable_replicas() -> None:
+    # given 200 requests a second, alternating 190 and 210, on replicas sized for 55 a second each
+    driver = Driver(config(target_utilisation=0.55))
+    # when it runs for five minutes
+    decisions = driver.run(300, lambda t: 190 if int(t) % 2 else 210)
+    # then past the start-up (the trend's first seconds overshoot, and the cool-down holds that for
+    # 60 s) the answer is 4 replicas every time (3 x 55 < 210, 4 x 55 >= 210), the noise moving the
+    # forecast by a few requests only
+    settled = [d for t, d in decisions if t > 120]
+    assert {d.replicas for d in settled} == {4}
+    assert all(abs(d.forecast - 200) < 5 for d in settled)
+
+
+def test_a_ramp_scales_out_ahead_of_demand_by_the_lead_time() -> None:
+    # given 100 requests a second, then from t = 60 a ramp of 10 more each second, a 30 s cold start
+    # and a 5 s scheduling delay (lead time 35 s); the count of each second is the rate at its middle
+    def rate(t: float) -> float:
+        return 100 if t <= 60 else 100 + 10 * (t - 0.5 - 60)
+
+    driver = Driver(config(max_replicas=100))
+    decisions = dict(driver.run(300, rate))
+
+    # then, once the trend has caught up with the ramp, the forecast is the rate 35 s ahead
+    assert decisions[200].forecast == pytest.approx(rate(235.5), rel=1e-4)
+    assert decisions[200].reason == "forecast"
+    # and 40 replicas (sized for 50 a second each: more than 1950 a second) are asked for by
+    # t = 211, while the rate itself passes 1950 only at t = 246: a whole lead time earlier
+    asked = min(t for t, d in decisions.items() if d.replicas >= 40)
+    needed = min(t for t in decisions if rate(t) > 1950)
+    assert (asked, needed) == (211, 246)
+    assert asked <= needed - driver.cfg.lead_time
+
+
+def test_a_burst_raises_replicas_at_the_first_tick_where_the_long_window_would_not() -> None:
+    # given 100 a second for four minutes, then five seconds at 600
+    driver = Driver(config())
+    driver.run(240, lambda t: 100)
+    before = driver.replicas
+    burst = driver.run(5, lambda t: 600)
+    # then the short window (10 s) sees it at once: after one second of it the short rate is 150,
+    # and the replicas rise at that very tick, by at least what the short window alone asks for
+    assert before == 2
+    first = burst[0][1]
+    assert first.short_rate == pytest.approx(150.0)
+    assert first.replicas >= math.ceil(150 / 50) > before
+    # while the long window's (60 s) rate barely moves: sized on it, the burst would find 3 replicas
+    last = burst[-1][1]
+    assert last.short_rate == pytest.approx(350.0)
+    assert last.long_rate == pytest.approx((55 * 100 + 5 * 600) / 60)
+    assert math.ceil(last.long_rate / 50) == 3
+    assert last.replicas >= math.ceil(350 / 50)
+
+
+def test_after_a_fall_the_short_window_keeps_what_arrives_now() -> None:
+    # given a load falling from 400 to 100 a second in a second: the trend turns steeply down
+    driver = Driver(config(cool_down=0.0))
+    driver.run(120, lambda t: 400)
+    after = driver.run(3, lambda t: 100)
+    # then the forecast 35 s ahead falls below what arrives now, and the short window decides
+    _, d = after[-1]
+    assert d.forecast < d.short_rate
+    assert d.reason == "short_window"
+    assert d.replicas == math.ceil(d.short_rate / 50 - 0.01)
+
+
+# --- cool-down, idle, clamps ------------------------------------------------------------------
+
+
+def test_cool_down_holds_scale_in_then_releases_it_and_scale_out_is_immediate() -> None:
+    driver = Driver(config(cool_down=60.0))
+    driver.run(120, lambda t: 400)
+    assert driver.replicas == 8
+    # when the load drops to 100 a second
+    after = driver.run(200, lambda t: 100)
+    # then for the whole cool-down the replicas stay at 8, held by it
+    assert all(d.replicas == 8 for t, d in after if t <= 120 + 60)
+    assert any(d.reason == "cool_down" for t, d in after if t <= 120 + 60)
+    # then they come down, never up, and settle at 2
+    counts = [d.replicas for _, d in after]
+    assert counts == sorted(counts, reverse=True)
+    assert counts[-1] == 2
+    # and a step up is answered at the very next tick, with no cool-down
+    ((_, up),) = driver.run(1, lambda t: 1000)
+    assert up.replicas > 2 and up.reason == "forecast"
+
+
+def test_idle_scales_to_zero_when_allowed() -> None:
+    driver = Driver(config(min_replicas=0, idle_to_zero=300.0))
+    driver.run(100, lambda t: 100)
+    # when no request arrives after t = 100
+    idle = dict(driver.run(400, lambda t: 0))
+    # then one replica is kept until 300 s without an arrival, then none
+    assert all(d.replicas >= 1 for t, d in idle.items() if t < 400)
+    assert idle[399].replicas == 1 and idle[399].reason == "min"
+    assert idle[400].replicas == 0 and idle[400].reason == "idle"
+    assert all(d.replicas == 0 for t, d in idle.items() if t >= 400)
+    # and a request for the version scaled to zero brings a replica back at the next tick
+    ((_, back),) = driver.run(1, lambda t: 1)
+    assert back.replicas == 1
+
+
+def test_idle_never_scales_to_zero_with_a_minimum_of_one() -> None:
+    driver = Driver(config(min_replicas=1, idle_to_zero=300.0))
+    driver.run(100, lambda t: 100)
+    idle = driver.run(600, lambda t: 0)
+    assert {d.replicas for _, d in idle[-300:]} == {1}
+    assert idle[-1][1].reason == "min"
+
+
+def test_min_and_max_clamp_and_the_warm_pool_adds() -> None:
+    busy = Driver(config(max_replicas=20))
+    (_, d), = busy.run(120, lambda t: 5000)[-1:]
+    assert (d.replicas, d.reason) == (20, "max")
+
+    quiet = Driver(config(min_replicas=3))
+    (_, d), = quiet.run(120, lambda t: 10)[-1:]
+    assert (d.replicas, d.reason) == (3, "min")
+
+    warm = Driver(config(warm_pool=2))
+    (_, d), = warm.run(120, lambda t: 200)[-1:]
+    assert (d.replicas, d.reason) == (4 + 2, "forecast")
+
+
+def test_config_refuses_settings_that_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="target_utilisation"):
+        config(target_utilisation=0.0)
+    with pytest.raises(ValueError, match="min_replicas"):
+        config(min_replicas=5, max_replicas=4)
+    with pytest.raises(ValueError, match="latency_budget"):
+        config(latency_budget=0.0)
+    with pytest.raises(ValueError, match="accelerator 'tpu'"):
+        Autoscaler({"gpu": GB}).tick(0.0, [Observation("m:1", config(accelerator="tpu"), 0, 1, per_row)])
+    with pytest.raises(ValueError, match="node memory must be positive"):
+        Autoscaler({"gpu": 0})
+
+
+def test_a_refused_tick_changes_no_history() -> None:
+    # given a tick whose second version's replica is larger than a node
+    scaler = Autoscaler({"gpu": 16 * GB})
+    fits = Observation("a:1", config(), 0, 1, per_row)
+    too_big = Observation("b:1", config(memory_bytes=20 * GB), 0, 1, per_row)
+    with pytest.raises(ValueError, match="a replica of b:1 does not fit one gpu node"):
+        scaler.tick(0.0, [fits, too_big])
+    # then the first version was not recorded either: its next tick is still its first
+    assert scaler.tick(1.0, [fits]).decisions["a:1"].reason == "no_data"
+
+
+def test_a_counter_reset_counts_the_new_total() -> None:
+    driver = Driver(config())
+    driver.run(20, lambda t: 100)
+    # the node restarted: its counter starts again from 0 and reads 100 a second later
+    driver.total = 0
+    ((_, d),) = driver.run(1, lambda t: 100)
+    assert d.short_rate == pytest.approx(100.0)
+
+
+# --- demand per accelerator type ---------------------------------------------------------------
+
+
+def test_demand_per_accelerator_type_in_nodes() -> None:
+    # given two 30 GB versions on 80 GB GPU nodes (3 and 2 replicas) and a 4 GB CPU version
+    scaler = Autoscaler({"gpu": 80 * GB, "cpu": 16 * GB})
+    big = config(memory_bytes=30 * GB)
+    small = config(accelerator="cpu", memory_bytes=4 * GB)
+    observations = [
+        Observation("a:1", big, 0, 3, per_row),
+        Observation("b:1", big, 0, 2, per_row),
+        Observation("c:1", small, 0, 1, per_row),
+    ]
+    # when the first tick holds what runs
+    plan = scaler.tick(0.0, observations)
+    # then 150 GB of GPU replicas want two 80 GB nodes, and 4 GB of CPU replicas one 16 GB node
+    assert {v: d.replicas for v, d in plan.decisions.items()} == {"a:1": 3, "b:1": 2, "c:1": 1}
+    assert plan.accelerators["gpu"].replicas == 5
+    assert plan.accelerators["gpu"].memory_bytes == 150 * GB
+    assert plan.accelerators["gpu"].nodes == 2
+    assert plan.accelerators["cpu"].nodes == 1
+
+
+# --- predictive against reactive ----------------------------------------------------------------
+
+
+def test_predictive_scaling_under_provisions_a_ramp_far_less_than_reactive() -> None:
+    # given a ramp from 1000 to 5000 requests a second in one minute after two steady minutes,
+    # 30 s cold starts, replicas of 100 a second at a target utilisation of 0.7
+    cold = 30
+    cfg = config(cold_start=float(cold), scheduling_delay=0.0, target_utilisation=0.7, max_replicas=200)
+
+    def rate(t: float) -> float:
+        return 1000 + min(max(t - 120, 0), 60) * 4000 / 60
+
+    def simulate(policy: Callable[[float, int, int], int]) -> list[float]:
+        """Per second: the policy asks, loads finish `cold` s later, scale-in is at once; returns
+        the requests a second above ready capacity, second by second."""
+        ready, loading, total = 15, [], 0
+        over = []
+        for step in range(1, 301):
+            now = float(step)
+            arrivals = int(rate(now))
+            total += arrivals
+            ready += sum(1 for at in loading if at <= now)
+            loading = [at for at in loading if at > now]
+            over.append(max(0.0, arrivals - ready * 100))
+            want = policy(now, total, ready + len(loading))
+            if want > ready + len(loading):
+                loading += [now + cold] * (want - ready - len(loading))
+            while want < ready + len(loading):
+                if loading:
+                    loading.pop()
+                else:
+                    ready -= 1
+        return over
+
+    scaler = Autoscaler({"gpu": 80 * GB})
+    scaler.tick(0.0, [Observation("m:1", cfg, 0, 15, per_row)])
+
+    def predictive(now: float, total: int, replicas: int) -> int:
+        return scaler.tick(now, [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"].replicas
+
+    last = {"total": 0}
+
+    def reactive(now: float, total: int, replicas: int) -> int:
+        current = total - last["total"]
+        last["total"] = total
+        return math.ceil(current / (100 * 0.7))
+
+    ahead, behind = simulate(predictive), simulate(reactive)
+    # then neither can help the ramp's first 30 s (what was ordered before it is all that can be
+    # ready), but once the trend shows, predictive scaling has capacity ready where reactive
+    # scaling, ordering for the rate of 30 s ago, stays short until the ramp ends
+    assert sum(behind) > 1.5 * sum(ahead)
+    late_ahead = [t for t, over in enumerate(ahead, 1) if over and t > 120 + cold + 10]
+    late_behind = [t for t, over in enumerate(behind, 1) if over and t > 120 + cold + 10]
+    assert late_ahead == []
+    assert late_behind and max(late_behind) >= 175
