@@ -484,3 +484,21 @@ def test_a_pinned_loading_version_is_503_with_retry_after(two_versions_server) -
     # and unpinned traffic keeps going to the stable version
     assert served_version(infer(server, "routed", ZERO)) == "1"
     assert State.READY == ModelVersion.objects.get(model__name="routed", version=2).state
+
+
+@pytest.mark.django_db
+def test_route_model_command_promotes_weights_and_pins(model_files) -> None:
+    from django.core.management import CommandError, call_command
+
+    register(model_files.digits, "routed", max_batch_size=2)
+    register(model_files.digits, "routed", max_batch_size=2)
+    t = tenant("pinned")
+    call_command("route_model", "routed", "--weights", "1=0.9,2=0.1", "--tenant", "pinned=2")
+    m = Model.objects.get(name="routed")
+    assert m.route_table() == RouteTable(stable=1, weights={1: 0.9, 2: 0.1}, tenants={t.pk: 2})
+    call_command("route_model", "routed", "--promote", "2", "--tenant", "pinned=")
+    m.refresh_from_db()
+    assert m.route_table() == RouteTable(stable=2)
+    with pytest.raises(CommandError, match="sum to 1"):
+        call_command("route_model", "routed", "--experiment", "1=0.5")
+    assert AuditEntry.objects.filter(action__in=["model.routing", "model.promote"]).count() == 3
