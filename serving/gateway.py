@@ -156,7 +156,7 @@ class Gateway:
             self.usage.record(viewer, entry.model, entry.version, status, rows, compute_seconds, latency)
 
     def _fallback(
-        self, entry: VersionEntry, name: str, rows: int, viewer: int | None, routing_key: str,
+        self, entry: VersionEntry, name: str, rows: int, viewer: int | None, routing_key: str = "",
     ) -> VersionEntry | None:
         """The model's smaller fallback, when the caller may see it, it takes the same inputs, gives the
         same outputs and takes a batch this large."""
