@@ -173,3 +173,52 @@ def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
         if loaded:  # a version validation left unloaded for want of quota is loaded now
             live.filter(failure_reason__startswith=NOT_LOADED).update(failure_reason="")
     return publish_snapshot()
+
+
+def promote(*, model: Model, version: int, actor: object = None) -> Model:
+    """Make `version` the model's stable version: all unpinned traffic the other rules leave goes to it.
+    The rollout weights end with it (they split traffic between the old stable and a canary); tenant pins
+    and experiment arms stay. Only a ready version can be promoted (RegistrationError 409 otherwise)."""
+    from tenants import audit
+
+    with transaction.atomic():
+        model = Model.objects.select_for_update().get(pk=model.pk)
+        target = ModelVersion.objects.filter(model=model, version=version).first()
+        if target is None:
+            raise RegistrationError(f"model '{model.name}' has no version {version}", 404)
+        if target.state != State.READY:
+            raise RegistrationError(f"version {version} of '{model.name}' is {target.state}: only a ready version"
+                                    " can be promoted", 409)
+        before = model.routing_state()
+        model.stable_version = version
+        model.rollout_weights = {}
+        after = model.routing_state()
+        if after != before:
+            model.save(update_fields=["stable_version", "rollout_weights", "updated_at"])
+            audit.record(actor, "model.promote", f"model {model.name} version {version}", tenant=model.tenant,
+                         before=before, after=after)
+    return model
+
+
+def set_routing(*, model: Model, actor: object = None, **rules: object) -> Model:
+    """Replace some of `model`'s routing rules (`rollout_weights`, `experiment_arms`, `tenant_versions`,
+    keyword-named; the stable version changes by `promote`), validated by `Model.clean` and audited, in
+    one transaction. Invalid rules: django's ValidationError, nothing changed."""
+    from tenants import audit
+
+    unknown = set(rules) - {"rollout_weights", "experiment_arms", "tenant_versions"}
+    if unknown:
+        raise TypeError(f"set_routing() got unknown rules {sorted(unknown)}")
+    with transaction.atomic():
+        model = Model.objects.select_for_update().get(pk=model.pk)
+        before = model.routing_state()
+        for field, value in rules.items():
+            # JSON keys are strings: store them so, whichever way the caller wrote them.
+            setattr(model, field, {str(k): v for k, v in value.items()} if isinstance(value, dict) else value)
+        model.clean()
+        after = model.routing_state()
+        if after != before:
+            model.save(update_fields=[*rules, "updated_at"])
+            audit.record(actor, "model.routing", f"model {model.name}", tenant=model.tenant,
+                         before=before, after=after)
+    return model

@@ -17,8 +17,10 @@ class VersionInline(admin.TabularInline):
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "tenant", "visibility", "task", "fallback", "updated_at"]
+    list_display = ["name", "tenant", "visibility", "task", "fallback", "stable_version", "updated_at"]
     inlines = [VersionInline]
+    # Routing changes go through serving.actions (promote, set_routing), which audit them.
+    readonly_fields = ["stable_version", "rollout_weights", "experiment_arms", "tenant_versions"]
 
     def save_model(self, request, obj, form, change) -> None:  # noqa: ANN001
         # Read before the admin writes: shared_with is saved later, in save_related.

@@ -188,6 +188,7 @@ class InferenceConsumer(AsyncHttpConsumer):
             raise NotFound("no such endpoint")
         action = rest[0] if rest else ""
         gateway = plane.gateway
+        routing_key = _routing_key(self.scope["headers"], caller)
         if action == "infer":
             _method(method, "POST")
             # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
@@ -206,7 +207,8 @@ class InferenceConsumer(AsyncHttpConsumer):
             try:
                 header_length = self._header_length()
                 reply = await gateway.infer(name, version, body, header_length, viewer,
-                                            gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1)
+                                            gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1,
+                                            routing_key=routing_key)
             finally:
                 if ticket is not None:
                     plane.quota.release(ticket)  # type: ignore[union-attr]
@@ -218,7 +220,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
         if action == "ready":
-            entry = gateway.route(name, version, viewer)
+            entry = gateway.route(name, version, viewer, routing_key)
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
@@ -226,7 +228,7 @@ class InferenceConsumer(AsyncHttpConsumer):
             entry = model.versions[int(version)] if version is not None else _newest(model.versions)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
-            entry = gateway.route(name, version, viewer)
+            entry = gateway.route(name, version, viewer, routing_key)
             return 200, orjson.dumps(_config(entry)), JSON
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
@@ -339,6 +341,15 @@ class InferenceConsumer(AsyncHttpConsumer):
                 except ValueError:
                     raise ServingError("Inference-Header-Content-Length is not an integer", status=400) from None
         return None
+
+
+def _routing_key(headers: list[tuple[bytes, bytes]], caller: Caller) -> str:
+    """What keeps a caller on one side of an experiment or a canary: X-Ferry-Routing-Key (an end user's
+    id, say), else the API key's prefix, so one key's traffic all goes one way."""
+    for key, value in headers:
+        if key == b"x-ferry-routing-key":
+            return value.decode("latin-1")
+    return caller.prefix
 
 
 def _json_options(body: bytes, allowed: dict[str, type]) -> dict:

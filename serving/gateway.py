@@ -38,7 +38,7 @@ class Reply:
 class Gateway:
     def __init__(
         self, hub: SnapshotHub, transport: Transport, clock=time.monotonic, *, fallback: bool = True,  # noqa: ANN001
-        usage: UsageRecorder | None = None,
+        usage: UsageRecorder | None = None, ready: Callable[[str], bool] | None = None,
     ) -> None:
         self.hub = hub
         self.transport = transport
@@ -46,6 +46,9 @@ class Gateway:
         # Off only with admission off (FERRY_ADMISSION=false), for contrast runs.
         self.use_fallback = fallback
         self.usage = usage  # per-tenant metering; None meters nothing
+        # Whether a version (by key) is loaded and ready on a node: routing chooses no other. None trusts the
+        # snapshot's state (tests with stand-in transports).
+        self.ready = ready
 
     @property
     def snapshot(self) -> RoutingSnapshot:
@@ -62,7 +65,9 @@ class Gateway:
             raise NotFound(f"unknown model '{name}'")
         return entry
 
-    def route(self, name: str, version: str | None, viewer: int | None) -> VersionEntry:
+    def route(self, name: str, version: str | None, viewer: int | None, routing_key: str = "") -> VersionEntry:
+        """The version that serves a request (rollout.routing): pinned by `version`, else by the rules for
+        tenant `viewer` and the sticky `routing_key`, among the versions ready on a node."""
         model = self.model(name, viewer)
         pinned = None
         if version is not None:
@@ -70,18 +75,19 @@ class Gateway:
             if pinned is None:
                 raise NotFound(f"model '{name}' has no version '{version}'")
         try:
-            return choose_version(model, pinned)
+            return choose_version(model, pinned, tenant_id=viewer, routing_key=routing_key, ready=self.ready)
         except RouteError as exc:
             raise ServingError(exc.message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
 
     async def infer(
         self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None,
-        gone: Callable[[], bool] | None = None, tier: int = 1,
+        gone: Callable[[], bool] | None = None, tier: int = 1, routing_key: str = "",
     ) -> Reply:
         """Route, run and answer one inference request. `tier` is the caller's tenant's priority tier: a
-        request may ask for a lower priority (a higher level), never a higher one."""
+        request may ask for a lower priority (a higher level), never a higher one. `routing_key` keeps a
+        caller on one side of an experiment or a canary (X-Ferry-Routing-Key, else its API key's prefix)."""
         arrived = self._clock()
-        entry = self.route(name, version, viewer)
+        entry = self.route(name, version, viewer, routing_key)
         asked = vm = metrics.for_version(entry.model, entry.version)
         counted = entry
         try:
@@ -101,7 +107,7 @@ class Gateway:
                     entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone
                 )
             except Unavailable as refused:
-                served = self._fallback(entry, name, request.rows, viewer) if self.use_fallback else None
+                served = self._fallback(entry, name, request.rows, viewer, routing_key) if self.use_fallback else None
                 if served is None:
                     raise
                 try:
@@ -125,6 +131,7 @@ class Gateway:
                 binary_output=request.binary_output,
                 parameters={"fallback_from": entry.key} if fell_back else None,
             )
+            headers.append((b"x-ferry-model-version", str(served.version).encode()))
             if fell_back:
                 headers.append((b"x-ferry-fallback-from", entry.key.encode()))
         except ProtocolError as exc:
@@ -148,7 +155,9 @@ class Gateway:
         if self.usage is not None and viewer is not None:
             self.usage.record(viewer, entry.model, entry.version, status, rows, compute_seconds, latency)
 
-    def _fallback(self, entry: VersionEntry, name: str, rows: int, viewer: int | None) -> VersionEntry | None:
+    def _fallback(
+        self, entry: VersionEntry, name: str, rows: int, viewer: int | None, routing_key: str = "",
+    ) -> VersionEntry | None:
         """The model's smaller fallback, when the caller may see it, it takes the same inputs, gives the
         same outputs and takes a batch this large."""
         fallback_name = self.snapshot.models[name].fallback
@@ -156,7 +165,7 @@ class Gateway:
         if fallback is None or not fallback.visible_to(viewer):
             return None
         try:
-            candidate = choose_version(fallback)
+            candidate = choose_version(fallback, tenant_id=viewer, routing_key=routing_key, ready=self.ready)
         except RouteError:
             return None
         if candidate.inputs != entry.inputs or candidate.outputs != entry.outputs:

@@ -6,6 +6,8 @@ from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models, transaction
 
+from rollout.routing import RouteTable
+
 # A model name, unanchored: the API's URLs and OpenAPI schema use this same expression.
 MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
 MODEL_NAME = RegexValidator(
@@ -20,6 +22,16 @@ _CONFIG_MESSAGE_FIELD = {
     "max_queue_delay": "max_queue_delay_ms",
     "max_queue_size": "max_queue_size",
     "preferred batch size": "preferred_batch_sizes",
+}
+# The field each of RouteTable's messages is about, by the word it starts with.
+_ROUTING_MESSAGE_FIELD = {
+    "stable": "stable_version",
+    "weights": "rollout_weights",
+    "rollout_weights": "rollout_weights",
+    "experiment": "experiment_arms",
+    "experiment_arms": "experiment_arms",
+    "tenants": "tenant_versions",
+    "tenant_versions": "tenant_versions",
 }
 
 
@@ -62,6 +74,21 @@ class Model(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
         help_text="A smaller model that answers when this one is saturated.",
     )
+    # Routing (rollout.routing): the version unpinned traffic goes to, and the rules that send some of it
+    # elsewhere. Changed through serving.actions (promote, set_routing), which validate and audit.
+    stable_version = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The version unpinned traffic goes to; set when the first version is"
+                                         " ready, then by promotion.",
+    )
+    rollout_weights = models.JSONField(
+        default=dict, blank=True, help_text='{version: share} summing to 1, e.g. {"3": 0.95, "4": 0.05}',
+    )
+    experiment_arms = models.JSONField(
+        default=dict, blank=True, help_text='A/B arms, {version: share} summing to 1, sticky per routing key',
+    )
+    tenant_versions = models.JSONField(
+        default=dict, blank=True, help_text='{tenant id: version}: the version each named tenant is served',
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -70,6 +97,53 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def route_table(self) -> RouteTable:
+        """The stored routing rules as the policy takes them; ValueError when they are malformed."""
+        def numbered(raw: object, what: str) -> dict[int, object]:
+            if not isinstance(raw, dict):
+                raise ValueError(f"{what} must be an object of version numbers")
+            try:
+                return {int(k): v for k, v in raw.items()}
+            except ValueError:
+                raise ValueError(f"{what}: keys must be integers") from None
+
+        return RouteTable(
+            stable=self.stable_version,
+            weights=numbered(self.rollout_weights, "rollout_weights"),  # type: ignore[arg-type]
+            experiment=numbered(self.experiment_arms, "experiment_arms"),  # type: ignore[arg-type]
+            tenants=numbered(self.tenant_versions, "tenant_versions"),  # type: ignore[arg-type]
+        )
+
+    def clean(self) -> None:
+        """Routing rules the policy can use, naming only this model's live versions and existing tenants."""
+        from tenants.models import Tenant
+
+        super().clean()
+        try:
+            table = self.route_table()
+        except ValueError as exc:
+            raise ValidationError({_ROUTING_MESSAGE_FIELD.get(str(exc).split(":")[0].split(" ")[0],
+                                                              NON_FIELD_ERRORS): str(exc)}) from None
+        if self.pk is None:
+            if table.versions():
+                raise ValidationError({NON_FIELD_ERRORS: "a new model has no versions to route to"})
+            return
+        live = set(self.versions.exclude(state=State.RETIRED).values_list("version", flat=True))
+        missing = sorted(table.versions() - live)
+        if missing:
+            raise ValidationError({NON_FIELD_ERRORS: f"routing names versions that are not live: {missing}"})
+        if table.stable is not None and not self.versions.filter(version=table.stable, state=State.READY).exists():
+            raise ValidationError({"stable_version": f"version {table.stable} is not ready"})
+        unknown = sorted(set(table.tenants) - set(Tenant.objects.filter(pk__in=table.tenants)
+                                                  .values_list("pk", flat=True)))
+        if unknown:
+            raise ValidationError({"tenant_versions": f"no such tenants: {unknown}"})
+
+    def routing_state(self) -> dict:
+        """What the audit log keeps of a model's routing."""
+        return {"stable_version": self.stable_version, "rollout_weights": self.rollout_weights,
+                "experiment_arms": self.experiment_arms, "tenant_versions": self.tenant_versions}
 
     def next_version_number(self) -> int:
         last = self.versions.order_by("-version").values_list("version", flat=True).first()
@@ -166,4 +240,29 @@ class ModelVersion(models.Model):
 
     @transaction.atomic
     def retire(self) -> None:
+        """Stop serving this version; the routing rules that named it no longer do."""
         self.mark(State.RETIRED)
+        model = Model.objects.select_for_update().get(pk=self.model_id)
+        if drop_version_from_routes(model, self.version):
+            model.save(update_fields=["stable_version", "rollout_weights", "experiment_arms", "tenant_versions",
+                                      "updated_at"])
+
+
+def drop_version_from_routes(model: Model, version: int) -> bool:
+    """Remove `version` from `model`'s routing rules (unsaved); True when any named it. A split it was in
+    loses it whole (the split's remaining shares would not sum to 1): its traffic goes to the stable version."""
+    changed = False
+    if model.stable_version == version:
+        model.stable_version = None
+        changed = True
+    for field in ("rollout_weights", "experiment_arms"):
+        shares = getattr(model, field) or {}
+        if str(version) in shares or version in shares:
+            setattr(model, field, {})
+            changed = True
+    pins = model.tenant_versions or {}
+    kept = {t: v for t, v in pins.items() if v != version}
+    if kept != pins:
+        model.tenant_versions = kept
+        changed = True
+    return changed

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.routing import NO_ROUTES, RouteTable
 from serving.batching import BatchingConfig
 from serving.protocol import TensorSpec
 
@@ -53,6 +54,7 @@ class ModelEntry:
     tenant_id: int | None = None  # None: a platform model, visible to every tenant
     visibility: str = "public"  # private | shared | public
     shared_with: frozenset[int] = frozenset()
+    routes: RouteTable = NO_ROUTES  # stable version, tenant pins, experiment arms, rollout weights
 
     def servable_versions(self) -> list[VersionEntry]:
         return [v for _, v in sorted(self.versions.items()) if v.servable]
@@ -145,6 +147,17 @@ def unservable_entry(v: Any, model_name: str, reason: str) -> VersionEntry:
     )
 
 
+def route_table(model: Any) -> RouteTable:
+    """A `serving.models.Model` row's routing rules. Rules stored around validation (a raw update) that do
+    not hold are dropped with an error logged, keeping the stable version, so the model still serves."""
+    try:
+        return model.route_table()
+    except ValueError as exc:
+        log.error("routing rules of %s dropped, serving its stable version only: %s", model.name, exc)
+        stable = model.stable_version
+        return RouteTable(stable=stable) if type(stable) is int and stable >= 1 else NO_ROUTES
+
+
 def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
     from serving.models import Model, State
     from tenants.models import ApiKey, Quota, Tenant
@@ -170,6 +183,7 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
             tenant_id=model.tenant_id,
             visibility=model.visibility,
             shared_with=frozenset(t.pk for t in model.shared_with.all()),
+            routes=route_table(model),
         )
     keys = {
         k.prefix: KeyEntry(

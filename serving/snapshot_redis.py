@@ -22,6 +22,7 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 
+from rollout.routing import RouteTable
 from serving.batching import BatchingConfig
 from serving.protocol import TensorSpec
 from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
@@ -45,7 +46,10 @@ def _plain(value: object) -> object:
 
 
 def encode(snapshot: RoutingSnapshot) -> bytes:
-    return orjson.dumps(dataclasses.asdict(snapshot), option=orjson.OPT_NON_STR_KEYS, default=_plain)
+    doc = dataclasses.asdict(snapshot)
+    for name, model in snapshot.models.items():  # the rules only: the receiver recomputes the cumulative weights
+        doc["models"][name]["routes"] = model.routes.to_dict()
+    return orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS, default=_plain)
 
 
 def decode(raw: bytes) -> RoutingSnapshot:
@@ -63,7 +67,8 @@ def decode(raw: bytes) -> RoutingSnapshot:
         models[name] = ModelEntry(name=m["name"], task=m["task"], description=m["description"],
                                   fallback=m["fallback"], versions=versions, tenant_id=m.get("tenant_id"),
                                   visibility=m.get("visibility", "public"),
-                                  shared_with=frozenset(m.get("shared_with", ())))
+                                  shared_with=frozenset(m.get("shared_with", ())),
+                                  routes=RouteTable.from_dict(m.get("routes") or {}))
     keys = {
         prefix: KeyEntry(digest=k["digest"], tenant_id=k["tenant_id"], scopes=tuple(k["scopes"]),
                          expires_at=k["expires_at"])

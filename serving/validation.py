@@ -9,7 +9,7 @@ from django.db import transaction
 
 from serving import artifacts, quota_counts
 from serving.actions import NOT_LOADED
-from serving.models import ModelVersion, State
+from serving.models import Model, ModelVersion, State
 from serving.node import warmup_sizes
 from serving.protocol import TensorSpec
 from serving.runtime import ModelRuntime, RuntimeFailure, pick_device
@@ -51,7 +51,19 @@ def validate(version: ModelVersion) -> ModelVersion:
             version.failure_reason = f"{NOT_LOADED}{full.message}"
         version.save(update_fields=["latency_profile", "memory_bytes", "load_seconds", "state", "failure_reason",
                                     "loaded", "updated_at"])
+        _stable_if_first(version)
     return version
+
+
+def _stable_if_first(version: ModelVersion) -> None:
+    """A model's first ready version becomes its stable version (one that had none: its first version, or
+    the first to pass after earlier ones failed or were retired). Every later version waits for a promotion
+    or a rollout, so registering it moves no traffic. The row lock orders two validations finishing at once."""
+    model = Model.objects.select_for_update().get(pk=version.model_id)
+    if model.stable_version is None:
+        model.stable_version = version.version
+        model.save(update_fields=["stable_version", "updated_at"])
+        version.model.stable_version = version.version
 
 
 def _check_batch_independence(runtime: ModelRuntime) -> None:

@@ -311,13 +311,13 @@ def test_viewer_cannot_change_a_model(charlie, registry) -> None:
 
 
 def test_engineer_retires_a_version(bob, registry) -> None:
-    # when an engineer retires digits v1
-    response = bob.post("/api/models/digits/versions/1/retire/")
-    # then it is retired and v2 is untouched
+    # when an engineer retires digits v2 (v1, ready first, is the stable version)
+    response = bob.post("/api/models/digits/versions/2/retire/")
+    # then it is retired and v1 is untouched
     assert response.status_code == 200, response.content
     assert response.json()["state"] == State.RETIRED
     states = dict(ModelVersion.objects.filter(model__name="digits").values_list("version", "state"))
-    assert states == {1: State.RETIRED, 2: State.READY}
+    assert states == {1: State.READY, 2: State.RETIRED}
 
 
 @pytest.mark.parametrize("who", ["charlie", "dave"])

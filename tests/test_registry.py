@@ -400,11 +400,12 @@ def test_snapshot_names_the_fallback_and_serials_increase(model_files) -> None:
     assert first.hosted_versions() == []
 
 
-def test_choose_version_picks_the_newest_servable(three_versions) -> None:
-    # given v1, v2 ready and v3 failed
+def test_choose_version_picks_the_stable_version(three_versions) -> None:
+    # given v1, v2 ready and v3 failed: v1, ready first, is stable
     model = build_snapshot().models["routed"]
-    # then an unpinned request goes to v2, the newest that can serve
-    assert choose_version(model).version == 2
+    assert model.routes.stable == 1
+    # then an unpinned request goes to v1, not to the newer v2 nobody promoted
+    assert choose_version(model).version == 1
     # and a pinned request goes where it is pinned
     assert choose_version(model, pinned=1).version == 1
 
@@ -439,9 +440,13 @@ def test_choose_version_unloaded_versions_are_503(three_versions) -> None:
     assert caught.value.status == 503 and "no ready version" in caught.value.message
 
 
-def test_choose_version_skips_an_unloaded_newest_version(three_versions) -> None:
-    ModelVersion.objects.filter(model__name="routed", version=2).update(loaded=False)
-    assert choose_version(build_snapshot().models["routed"]).version == 1
+def test_choose_version_never_falls_over_to_an_unpromoted_version(three_versions) -> None:
+    # given the stable v1 unloaded, v2 ready but never promoted
+    ModelVersion.objects.filter(model__name="routed", version=1).update(loaded=False)
+    # then unpinned traffic is refused (503), not sent to v2
+    with pytest.raises(RouteError) as caught:
+        choose_version(build_snapshot().models["routed"])
+    assert caught.value.status == 503 and "stable version 1 is unloaded" in caught.value.message
 
 
 def test_choose_version_retired_pinned_version_is_404(three_versions) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
+from rollout.routing import RouteTable
 from serving.errors import ServingError, Shed
 from serving.gateway import Gateway
 from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
@@ -49,8 +50,8 @@ def metered() -> tuple[Gateway, UsageRecorder]:
     clock = Clock()
     hub = SnapshotHub()
     hub.set(RoutingSnapshot(serial=1, built_at=0.0, models={
-        "big": ModelEntry("big", "", "", "small", {1: entry("big")}),
-        "small": ModelEntry("small", "", "", None, {1: entry("small")}),
+        "big": ModelEntry("big", "", "", "small", {1: entry("big")}, routes=RouteTable(stable=1)),
+        "small": ModelEntry("small", "", "", None, {1: entry("small")}, routes=RouteTable(stable=1)),
     }))
     recorder = UsageRecorder(clock)
     return Gateway(hub, Transport(clock), clock, usage=recorder), recorder

@@ -188,11 +188,15 @@ class ModelSerializer(serializers.ModelSerializer):
     description = TextField(required=False, allow_blank=True)
     fallback = FallbackField(slug_field="name", queryset=Model.objects.all(), allow_null=True, required=False)
     versions = ModelVersionSerializer(many=True, read_only=True)
+    stable_version = serializers.IntegerField(
+        read_only=True, allow_null=True,
+        help_text="the version unpinned traffic goes to (null until a version is ready); changed by promote",
+    )
 
     class Meta:
         model = Model
         fields = ["name", "tenant", "visibility", "shared_with", "description", "task", "fallback", "versions",
-                  "created_at", "updated_at"]
+                  "stable_version", "created_at", "updated_at"]
         read_only_fields = ["created_at", "updated_at"]
 
     def validate_fallback(self, value: Model | None) -> Model | None:

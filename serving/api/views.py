@@ -19,7 +19,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from serving import quota_counts
-from serving.actions import RegistrationError, register_version, set_visibility
+from serving.actions import RegistrationError, promote, register_version, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
     BatchingUpdateSerializer,
@@ -314,10 +314,33 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         return Response(ModelVersionSerializer(version).data)
 
     @extend_schema(parameters=[VERSION_PARAMETER], request=None,
-                   responses={200: ModelVersionSerializer, **errors(403, 404)})
+                   responses={200: ModelVersionSerializer, **errors(
+                       403, 404, 409, e409="The version is the model's stable version and another version is"
+                                           " ready: promote that one first.")})
     @action(detail=True, methods=["post"])
     def retire(self, request: Request, *args: object, **kwargs: object) -> Response:
-        """Retire the version: it stops serving and is left out of the routing snapshot."""
+        """Retire the version: it stops serving and is left out of the routing snapshot. The stable version
+        retires only when no other version is ready to take its traffic by promotion."""
         version = self.get_object()
+        model = version.model
+        if model.stable_version == version.version and model.versions.filter(state=State.READY).exclude(
+                pk=version.pk).exists():
+            raise Conflict(f"version {version.version} is the stable version of '{model.name}': promote another"
+                           " version before retiring it")
         version.retire()
         return Response(ModelVersionSerializer(version).data)
+
+    @extend_schema(parameters=[VERSION_PARAMETER], request=None,
+                   responses={200: ModelSerializer, **errors(
+                       403, 404, 409, e409="The version is not ready (registered, validating, failed or retired).")})
+    @action(detail=True, methods=["post"])
+    def promote(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Make the version the model's stable version: unpinned traffic goes to it (ending any rollout
+        weights); tenant-specific versions and experiment arms stay. Needs the engineer role in the owning
+        tenant."""
+        version = self.get_object()
+        try:
+            model = promote(model=version.model, version=version.version, actor=request.user)
+        except RegistrationError as exc:
+            raise RegistrationFailed(exc) from None
+        return Response(ModelSerializer(model, context=self.get_serializer_context()).data)
