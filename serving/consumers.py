@@ -33,7 +33,7 @@ from serving.gateway import CLIENT_CLOSED, parse_version
 from serving.protocol import error_body
 from serving.quota import IN_FLIGHT, MONTHLY, RATE, Decision
 from serving.quota_gate import QuotaExceeded
-from serving.snapshot import TenantEntry, VersionEntry
+from serving.snapshot import ModelEntry, TenantEntry, VersionEntry
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class InferenceConsumer(AsyncHttpConsumer):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
         if action == "":
-            entry = model.versions[int(version)] if version is not None else _newest(model.versions)
+            entry = model.versions[int(version)] if version is not None else _default(model)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
             entry = gateway.route(name, version, viewer, routing_key)
@@ -376,9 +376,15 @@ def _method(method: str, allowed: str) -> None:
         raise MethodNotAllowed(f"method {method} not allowed here; use {allowed}")
 
 
-def _newest(versions: dict[int, VersionEntry]) -> VersionEntry:
+def _default(model: ModelEntry) -> VersionEntry:
+    """The version unversioned metadata describes: the stable one (what unpinned traffic gets), else the
+    newest servable, else the newest."""
+    versions = model.versions
     if not versions:
         raise Unavailable("model has no versions", retry_after=1)
+    stable = versions.get(model.routes.stable) if model.routes.stable is not None else None
+    if stable is not None:
+        return stable
     ready = [v for v in versions.values() if v.servable]
     return max(ready or versions.values(), key=lambda v: v.version)
 

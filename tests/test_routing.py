@@ -17,7 +17,7 @@ import pytest
 from django.apps import apps
 from django.core.exceptions import ValidationError
 
-from rollout.routing import RouteError, RouteTable, choose_version, key_points
+from rollout.routing import NO_ROUTES, RouteError, RouteTable, choose_version, key_points
 from serving import snapshot_redis
 from serving.actions import RegistrationError, promote, register_version, set_routing
 from serving.batching import BatchingConfig
@@ -122,6 +122,15 @@ def test_a_new_version_takes_no_unpinned_traffic() -> None:
     # then every key goes to 1, and 4 only when pinned
     assert set(split(m, 1000)) == {1}
     assert choose_version(m, 4).version == 4
+
+
+def test_unversioned_metadata_describes_the_stable_version() -> None:
+    from serving.consumers import _default
+
+    # given a model whose stable version is 1 of 4 / then unversioned metadata is version 1's
+    assert _default(model(RouteTable(stable=1))).version == 1
+    # and without a stable version (a model whose versions never became ready): the newest servable one
+    assert _default(model(NO_ROUTES, v4={"state": "failed"})).version == 3
 
 
 def test_a_loading_version_is_never_routed_to() -> None:
