@@ -86,6 +86,11 @@ def measure(co: Checkout, model: str, s: Settings) -> float | None:
     with Server(co.env(), free_port(), co.base / "server.log", cwd=co.tree) as server:
         server.wait_ready((model,))
         result = loadgen.arun(sweep(server.base, model, body, s))
+    for step in result.steps:  # what failed each failing step: a shed (503), a deadline (504) or a timeout
+        if step.errors:
+            kinds = {**{f"HTTP {k}": v for k, v in step.errors_by_status.items()}, **step.client_errors_by_kind}
+            say(f"{co.rev}: {step.offered_rate:,.1f} req/s: {step.errors} errors of {step.count}"
+                f" ({', '.join(f'{k} x{v}' for k, v in kinds.items())}), p99 {step.p99_ms:.1f} ms")
     if result.best is None:
         say(f"{co.rev}: no rate passed ({result.error or 'see the steps above'})")
         return None
