@@ -188,7 +188,6 @@ class InferenceConsumer(AsyncHttpConsumer):
             raise NotFound("no such endpoint")
         action = rest[0] if rest else ""
         gateway = plane.gateway
-        routing_key = _routing_key(self.scope["headers"], caller)
         if action == "infer":
             _method(method, "POST")
             # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
@@ -205,8 +204,8 @@ class InferenceConsumer(AsyncHttpConsumer):
             except QuotaExceeded as refused:
                 self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
             try:
-                header_length = self._header_length()
-                reply = await gateway.infer(name, version, body, header_length, viewer,
+                raw_length, routing_key = self._headers(caller)
+                reply = await gateway.infer(name, version, body, _header_length(raw_length), viewer,
                                             gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1,
                                             routing_key=routing_key)
             finally:
@@ -220,7 +219,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
         if action == "ready":
-            entry = gateway.route(name, version, viewer, routing_key)
+            entry = gateway.route(name, version, viewer, self._headers(caller)[1])
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
@@ -228,7 +227,7 @@ class InferenceConsumer(AsyncHttpConsumer):
             entry = model.versions[int(version)] if version is not None else _default(model)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
-            entry = gateway.route(name, version, viewer, routing_key)
+            entry = gateway.route(name, version, viewer, self._headers(caller)[1])
             return 200, orjson.dumps(_config(entry)), JSON
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
@@ -333,23 +332,27 @@ class InferenceConsumer(AsyncHttpConsumer):
                 return
         metrics.REQUESTS.labels("", "", str(status)).inc()
 
-    def _header_length(self) -> int | None:
+    def _headers(self, caller: Caller) -> tuple[bytes | None, str]:
+        """One pass over the headers (the first of each counts): the raw Inference-Header-Content-Length
+        (binary data), and the routing key: X-Ferry-Routing-Key (an end user's id, say), else the API key's
+        prefix, so one key's traffic all goes one way through an experiment or a canary."""
+        length: bytes | None = None
+        routing: bytes | None = None
         for key, value in self.scope["headers"]:
-            if key == b"inference-header-content-length":
-                try:
-                    return int(value)
-                except ValueError:
-                    raise ServingError("Inference-Header-Content-Length is not an integer", status=400) from None
+            if key == b"inference-header-content-length" and length is None:
+                length = value
+            elif key == b"x-ferry-routing-key" and routing is None:
+                routing = value
+        return length, routing.decode("latin-1") if routing is not None else caller.prefix
+
+
+def _header_length(raw: bytes | None) -> int | None:
+    if raw is None:
         return None
-
-
-def _routing_key(headers: list[tuple[bytes, bytes]], caller: Caller) -> str:
-    """What keeps a caller on one side of an experiment or a canary: X-Ferry-Routing-Key (an end user's
-    id, say), else the API key's prefix, so one key's traffic all goes one way."""
-    for key, value in headers:
-        if key == b"x-ferry-routing-key":
-            return value.decode("latin-1")
-    return caller.prefix
+    try:
+        return int(raw)
+    except ValueError:
+        raise ServingError("Inference-Header-Content-Length is not an integer", status=400) from None
 
 
 def _json_options(body: bytes, allowed: dict[str, type]) -> dict:

@@ -365,17 +365,16 @@ class Node:
             half = [p for p in half if not p.payload.future.done()]
             if not half:
                 continue
+            rows = sum(p.rows for p in half)
             try:
-                results, seconds, _ = await self._on_device(
-                    hosted, [p.payload.inputs for p in half], sum(p.rows for p in half)
-                )
+                results, seconds, _ = await self._on_device(hosted, [p.payload.inputs for p in half], rows)
             except RuntimeFailure as failure:
                 await self._isolate(hosted, half, failure)
             except Exception as other:
                 for p in half:
                     _fail(p, Unavailable(f"inference failed on the device: {type(other).__name__}", retry_after=1))
             else:
-                _answer(half, results, seconds, sum(p.rows for p in half))
+                _answer(half, results, seconds, rows)
 
 
 def _answer(live: list[Pending], results: list[dict[str, np.ndarray]], seconds: float, rows: int) -> None:
