@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import loadgen
+from bench import loadgen, report
 from bench.report import Settings, splice_section
 from bench.run import digits_body, setup_data_dir, sweep
 from bench.server import Server, free_port, say
@@ -78,8 +78,7 @@ def section(runs: dict[str, list[float | None]], command: str) -> str:
 
 
 def kept_section(text: str) -> str:
-    start, end = text.find(START), text.find(END)
-    return text[start : end + len(END)] if 0 <= start < end else ""
+    return report.kept_section(text, START, END)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from bench import report
 from bench.loadgen import LoadResult, arun, run
 from bench.server import HEADERS, ROOT, Server, counters, free_port, manage, say, scrape
 
@@ -190,8 +191,7 @@ def splice(path: Path, lines: list[str]) -> None:
 
 def kept_section(text: str) -> str:
     """This benchmark's section of an existing report, for bench.run to keep when it rewrites the page."""
-    start, end = text.find(START), text.find(END)
-    return text[start : end + len(END)] if 0 <= start < end else ""
+    return report.kept_section(text, START, END)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,10 +102,16 @@ def splice_section(path: Path, start: str, end: str, section: str) -> None:
     path.write_text(text)
 
 
+def kept_section(text: str, start: str, end: str) -> str:
+    """The section between the markers `start` and `end` (included) of an existing report, to keep when
+    the page is rewritten; "" when there is none."""
+    i, j = text.find(start), text.find(end)
+    return text[i : j + len(end)] if 0 <= i < j else ""
+
+
 def compare_section(text: str) -> str:
     """The section `bench.compare --record` wrote into an existing report, to keep when the page is rewritten."""
-    start, end = text.find(COMPARE_START), text.find(COMPARE_END)
-    return text[start : end + len(COMPARE_END)] if 0 <= start < end else ""
+    return kept_section(text, COMPARE_START, COMPARE_END)
 
 
 def write_report(

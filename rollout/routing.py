@@ -132,13 +132,6 @@ def choose_version(
 ) -> VersionEntry:
     """The version that serves this request (the module's docstring has the order). `ready(key)` says
     whether a version is loaded and ready on a node; None trusts the registry's own state."""
-
-    def usable(number: int | None) -> VersionEntry | None:
-        entry = model.versions.get(number) if number is not None else None
-        if entry is None or not entry.servable or (ready is not None and not ready(entry.key)):
-            return None
-        return entry
-
     if pinned is not None:
         entry = model.versions.get(pinned)
         if entry is None:
@@ -150,23 +143,31 @@ def choose_version(
         return entry
     routes = model.routes
     if tenant_id is not None and routes.tenants:
-        chosen = usable(routes.tenants.get(tenant_id))
+        chosen = _usable(model, routes.tenants.get(tenant_id), ready)
         if chosen is not None:
             return chosen
     if routes._arms[0] or routes._rollout[0]:
         arm_point, rollout_point = key_points(model.name, routing_key)
         if routes._arms[0]:
-            chosen = usable(_pick(routes._arms, arm_point))
+            chosen = _usable(model, _pick(routes._arms, arm_point), ready)
             if chosen is not None:
                 return chosen
         if routes._rollout[0]:
-            chosen = usable(_pick(routes._rollout, rollout_point))
+            chosen = _usable(model, _pick(routes._rollout, rollout_point), ready)
             if chosen is not None:
                 return chosen
-    chosen = usable(routes.stable)
+    chosen = _usable(model, routes.stable, ready)
     if chosen is not None:
         return chosen
     raise RouteError(_no_route(model, routes.stable), 503)
+
+
+def _usable(model: ModelEntry, number: int | None, ready: Callable[[str], bool] | None) -> VersionEntry | None:
+    """Version `number` of `model` if it can serve now (servable, and ready on a node), else None."""
+    entry = model.versions.get(number) if number is not None else None
+    if entry is None or not entry.servable or (ready is not None and not ready(entry.key)):
+        return None
+    return entry
 
 
 def _no_route(model: ModelEntry, stable: int | None) -> str:

@@ -117,8 +117,6 @@ def request_quota(*, tenant: Tenant, changes: object, justification: str, actor:
 def decide(*, request: QuotaRequest, approve: bool, note: str, actor: object) -> QuotaRequest:
     """Approve (the changes become the tenant's quota) or reject a pending request. The data plane reads
     quotas from the routing snapshot, republished when this commits."""
-    from serving.snapshot import publish_snapshot
-
     if len(note or "") > 2000:
         raise GovernanceError("the note is limited to 2000 characters")
     with transaction.atomic():
@@ -134,33 +132,29 @@ def decide(*, request: QuotaRequest, approve: bool, note: str, actor: object) ->
                          before={"state": "pending"}, after={"state": request.state, "note": request.decision_note})
             return request
         # Validated again: the limits' bounds may have changed since it was filed.
-        changes = clean_changes(request.changes)
-        Quota.objects.get_or_create(tenant=request.tenant)
-        quota = Quota.objects.select_for_update().get(tenant=request.tenant)
-        before = quota.limits()
-        for name, value in changes.items():
-            setattr(quota, name, value)
-        quota.save()
+        quota, before = _apply_limits(request.tenant, clean_changes(request.changes))
         audit.record(actor, "quota.approve", target, tenant=request.tenant, before=before,
                      after={**quota.limits(), "note": request.decision_note})
-        transaction.on_commit(publish_snapshot)
     return request
+
+
+def _apply_limits(tenant: Tenant, cleaned: dict[str, int]) -> tuple[Quota, dict[str, int]]:
+    """Lock the tenant's quota, set `cleaned` on it and save; returns it with its limits before. The save
+    republishes the routing snapshot on commit (serving.signals), so the data plane holds the new limits."""
+    quota, _ = Quota.objects.select_for_update().get_or_create(tenant=tenant)
+    before = quota.limits()
+    for name, value in cleaned.items():
+        setattr(quota, name, value)
+    quota.save()
+    return quota, before
 
 
 def set_quota(*, tenant: Tenant, changes: object, actor: object) -> Quota:
     """Set limits directly (platform staff, or an operator's command): validated like a request, audited,
     and in force once the routing snapshot republishes on commit."""
-    from serving.snapshot import publish_snapshot
-
     cleaned = clean_changes(changes)
     with transaction.atomic():
-        Quota.objects.get_or_create(tenant=tenant)
-        quota = Quota.objects.select_for_update().get(tenant=tenant)
-        before = quota.limits()
-        for name, value in cleaned.items():
-            setattr(quota, name, value)
-        quota.save()
+        quota, before = _apply_limits(tenant, cleaned)
         audit.record(actor, "quota.set", f"quota of {tenant.slug}", tenant=tenant, before=before,
                      after=quota.limits())
-        transaction.on_commit(publish_snapshot)
     return quota

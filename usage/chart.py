@@ -28,10 +28,10 @@ def _nice(top: float) -> float:
     scale = 1.0
     while scale * 10 < top:
         scale *= 10
-    for step in (1, 2, 5, 10):
+    for step in (1, 2, 5):
         if step * scale >= top:
             return step * scale
-    return 10 * scale
+    return 10 * scale  # scale * 10 >= top, from the loop above
 
 
 def usage_svg(points: list[Point], *, time_format: str = "%H:%M") -> str:

@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from usage.api.views import visible_tenants
+from tenants.scoping import visible_tenants
 from usage.chart import Point, usage_svg
 from usage.models import UsageMinute
 from usage.report import DEFAULT_RANGE, GRANULARITY, Period, periods, truncate

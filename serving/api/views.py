@@ -290,13 +290,12 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
     )
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Change the version's batching settings; the data plane picks them up once committed."""
-        self.get_object()  # 404 and 403 before the body's validation says anything
+        found = self.get_object()  # 404 and 403 before the body's validation says anything
         form = BatchingUpdateSerializer(data=request.data)
         form.is_valid(raise_exception=True)
         changes = form.validated_data
         with transaction.atomic():
-            version = self.get_object()
-            version = ModelVersion.objects.select_for_update().get(pk=version.pk)
+            version = ModelVersion.objects.select_for_update().get(pk=found.pk)
             for field, value in changes.items():
                 setattr(version, field, value)
             others = [f.name for f in ModelVersion._meta.concrete_fields if f.name not in BATCHING_FIELDS]

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 
 from serving.api.pagination import BoundedLimitOffsetPagination
 from serving.api.serializers import ErrorSerializer
-from tenants.models import Tenant
+from tenants.scoping import visible_tenants
 from usage.api.serializers import UsageQuerySerializer, UsageRowSerializer
 from usage.models import UsageMinute
 from usage.report import DEFAULT_RANGE, MAX_RANGE, TooMuchUsage, periods
@@ -46,13 +46,6 @@ def _inert(value: object) -> object:
     if isinstance(value, str) and value[:1] in ("=", "+", "-", "@"):
         return "'" + value
     return value
-
-
-def visible_tenants(user: object):  # noqa: ANN201
-    """The tenants whose usage `user` may read: staff every one, anyone else their own."""
-    if getattr(user, "is_staff", False):
-        return Tenant.objects.all()
-    return Tenant.objects.filter(memberships__user=user)
 
 
 def usage_range(granularity: str, start: datetime | None, end: datetime | None) -> tuple[datetime, datetime]:

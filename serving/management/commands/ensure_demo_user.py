@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand
 from serving.demo import give_to_tenant
 from tenants import keys
 from tenants.actions import create_key
-from tenants.models import ROLE_RANK, ApiKey, Membership, Role, Tenant
+from tenants.models import ApiKey, Membership, Role, Tenant
 
 KEY_FILE = "demo-api-key"
 
@@ -56,8 +56,7 @@ class Command(BaseCommand):
 
     def _demo_tenant(self, user: object) -> None:
         demo, _ = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
-        highest = max(ROLE_RANK, key=ROLE_RANK.__getitem__)
-        Membership.objects.update_or_create(user=user, tenant=demo, defaults={"role": highest})
+        Membership.objects.update_or_create(user=user, tenant=demo, defaults={"role": Role.ADMIN})
         given = give_to_tenant(demo)
         if given:
             self.stdout.write(f"demo models now public models of tenant demo: {', '.join(given)}")
