@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _rounds(body: bytes, auth: list[tuple[bytes, bytes]], n: int, rounds: int) -> None:
     from config.asgi import application
-    from serving import dataplane
+    from serving import wiring
 
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *auth]
 
@@ -76,7 +76,7 @@ async def _rounds(body: bytes, auth: list[tuple[bytes, bytes]], n: int, rounds: 
         if sent[0]["status"] != 200:
             raise RuntimeError(f"answered {sent[0]['status']}: {sent[1].get('body', b'')[:200]!r}")
 
-    await dataplane.start()
+    await wiring.start()
     try:
         for r in range(rounds):
             gate = asyncio.Semaphore(32)
@@ -90,7 +90,7 @@ async def _rounds(body: bytes, auth: list[tuple[bytes, bytes]], n: int, rounds: 
             print(f"round {r}: {(time.thread_time() - cpu) / n * 1e6:.1f} µs main-thread CPU per request,"
                   f" {(time.perf_counter() - wall) / n * 1e6:.1f} µs wall", flush=True)  # fmt: skip
     finally:
-        await dataplane.stop()
+        await wiring.stop()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """ASGI entry point: /v2 and /metrics go to the lean inference consumer, the rest to Django.
 
-Every request passes the front door (serving.frontdoor) first: its body is counted against the
+Every request passes the front door (serving.dataplane.frontdoor) first: its body is counted against the
 process's budget of body bytes held, and a body for Django is bounded before Django reads it.
 """
 
@@ -13,8 +13,8 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_app = get_asgi_application()
 
-from serving.consumers import InferenceConsumer  # noqa: E402
-from serving.frontdoor import bounded  # noqa: E402
+from serving.dataplane.consumers import InferenceConsumer  # noqa: E402
+from serving.django_door import bounded  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
 
 inference_app = InferenceConsumer.as_asgi()

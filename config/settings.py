@@ -185,7 +185,7 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 
-# Front door (serving.frontdoor): bounds every request meets before Django or the inference consumer.
+# Front door (serving.dataplane.frontdoor): bounds every request meets before Django or the inference consumer.
 # Whole-request read deadline: head and body, from the request's first byte (a silent new connection
 # gets as long); 408 JSON, then the connection is closed.
 FERRY_REQUEST_READ_TIMEOUT_S = env_int("FERRY_REQUEST_READ_TIMEOUT_S", 10, minimum=1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serving.snapshot import ModelEntry, VersionEntry
+    from serving.dataplane.snapshot import ModelEntry, VersionEntry
 
 WEIGHT_TOLERANCE = 1e-6  # how far from 1 a weight sum may be (decimal shares such as 0.1 do not add up exactly)
 _SCALE = float(2**64)

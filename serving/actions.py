@@ -8,10 +8,11 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from serving import artifacts
-from serving.batching import BatchingConfig
+from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.snapshot import RoutingSnapshot
 from serving.models import MODEL_NAME, Model, ModelVersion, State
-from serving.protocol import TensorSpec
-from serving.snapshot import RoutingSnapshot, publish_snapshot
+from serving.policies.batching import BatchingConfig
+from serving.publish import publish_snapshot
 
 NOT_LOADED = "not loaded: "  # failure_reason of a ready version left unloaded by its tenant's quota
 

@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 from django.conf import settings
 
-from serving import archive_check
+from serving.dataplane import archive_check
 from serving.models import Artifact
 
 CHUNK = 1024 * 1024

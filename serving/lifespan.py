@@ -4,7 +4,7 @@ import logging
 
 from django.conf import settings
 
-from serving import dataplane
+from serving import wiring
 
 log = logging.getLogger(__name__)
 
@@ -16,13 +16,13 @@ class Lifespan:
             if message["type"] == "lifespan.startup":
                 try:
                     if settings.FERRY_EMBEDDED_NODE:
-                        await dataplane.start()
+                        await wiring.start()
                 except Exception as exc:
                     log.exception("data plane failed to start")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await dataplane.stop()
+                await wiring.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

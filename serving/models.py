@@ -203,13 +203,13 @@ class ModelVersion(models.Model):
         return f"{self.model.name}:{self.version}"
 
     def clean(self) -> None:
-        """Batching settings the data plane can serve: what `serving.batching.BatchingConfig` accepts.
+        """Batching settings the data plane can serve: what `serving.policies.batching.BatchingConfig` accepts.
 
         Runs in `full_clean()` (the admin, the API's batching PATCH, registration). A number field that
         holds something other than a number has failed its own validation, which reported it; the
         combination is then not checked.
         """
-        from serving.batching import BatchingConfig
+        from serving.policies.batching import BatchingConfig
 
         super().clean()
         if self.preferred_batch_sizes is None:  # an emptied form field: no preferred sizes

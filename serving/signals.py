@@ -18,7 +18,7 @@ from tenants.models import ApiKey, Quota, Tenant
 @receiver(post_delete, sender=Tenant)
 @receiver(post_save, sender=Quota)
 def registry_changed(**_: object) -> None:
-    from serving.snapshot import publish_snapshot
+    from serving.publish import publish_snapshot
 
     transaction.on_commit(publish_snapshot)
 

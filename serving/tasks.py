@@ -13,6 +13,6 @@ def validate_version(version_id: int) -> str:
 @shared_task(ignore_result=True)
 def publish_routing_snapshot() -> int:
     """Periodic repair: republish so a gateway that missed an announcement converges."""
-    from serving.snapshot import publish_snapshot
+    from serving.publish import publish_snapshot
 
     return publish_snapshot().serial

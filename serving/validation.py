@@ -9,11 +9,11 @@ from django.db import transaction
 
 from serving import artifacts, quota_counts
 from serving.actions import NOT_LOADED
+from serving.dataplane.node import warmup_sizes
+from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
 from serving.models import Model, ModelVersion, State
-from serving.node import warmup_sizes
-from serving.protocol import TensorSpec
-from serving.runtime import ModelRuntime, RuntimeFailure, pick_device
-from serving.snapshot import version_entry
+from serving.publish import version_entry
 
 log = logging.getLogger(__name__)
 

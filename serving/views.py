@@ -6,8 +6,9 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
 
-from serving import dataplane, metrics
 from serving.actions import set_visibility
+from serving.dataplane import metrics
+from serving.dataplane import plane as dataplane
 from serving.models import Model, Visibility
 from tenants.models import Role, Tenant
 from tenants.scoping import can_write, visible_models

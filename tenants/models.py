@@ -99,7 +99,7 @@ def has_role(user: object, role: str, tenant: Tenant | int | None = None) -> boo
 
 
 class Tier(models.IntegerChoices):
-    """Admission's priority tier for a tenant's requests (1 runs first; see serving.batching.tier_share)."""
+    """Admission's priority tier for a tenant's requests (1 runs first; see serving.policies.batching.tier_share)."""
 
     HIGH = 1
     STANDARD = 2

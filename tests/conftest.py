@@ -159,7 +159,7 @@ class LiveServer:
         import uvicorn
 
         from config.asgi import application
-        from serving.frontdoor import uvicorn_config
+        from serving.dataplane.frontdoor import uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -184,7 +184,7 @@ class LiveServer:
         self.thread.join(timeout=30)
 
     def plane(self):  # noqa: ANN201
-        from serving import dataplane
+        from serving.dataplane import plane as dataplane
 
         return dataplane.current()
 

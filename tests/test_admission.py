@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from serving import admission
-from serving.batching import BatchingConfig
-from serving.errors import DeadlineExceeded, ServingError, Shed
-from serving.node import Node
-from serving.protocol import TensorSpec
-from serving.snapshot import VersionEntry
+from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed
+from serving.dataplane.node import Node
+from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.snapshot import VersionEntry
+from serving.policies import admission
+from serving.policies.batching import BatchingConfig
 
 X = (TensorSpec("input", "FP32", (4,)),)
 Y = (TensorSpec("scores", "FP32", (2,)),)

@@ -23,9 +23,9 @@ from rest_framework.test import APIClient
 from torch import nn
 
 from serving.actions import RegistrationError, register_version
+from serving.dataplane.runtime import RuntimeFailure, load_module
 from serving.demo import save_artifact
 from serving.models import Model, ModelVersion, State
-from serving.runtime import RuntimeFailure, load_module
 from tenants.models import Membership, Role, Tenant
 from tests.conftest import DIGITS_IO, register
 

@@ -223,7 +223,7 @@ def test_fallback_only_to_a_model_the_caller_may_see(world: World) -> None:
 def test_snapshot_carries_keys_but_not_revoked_ones(db) -> None:  # noqa: ANN001
     from django.conf import settings
 
-    from serving.snapshot import build_snapshot
+    from serving.publish import build_snapshot
     from tenants.actions import create_key, revoke_key
     from tenants.keys import matches, pepper_from, split
 
@@ -240,8 +240,8 @@ def test_snapshot_carries_keys_but_not_revoked_ones(db) -> None:  # noqa: ANN001
 
 
 def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() -> None:
-    from serving import auth
-    from serving.snapshot import KeyEntry, RoutingSnapshot
+    from serving.dataplane import auth
+    from serving.dataplane.snapshot import KeyEntry, RoutingSnapshot
     from tenants import keys
 
     pepper = b"p" * 32
@@ -269,8 +269,8 @@ def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() ->
 
 
 def test_the_memo_of_verified_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving import auth
-    from serving.snapshot import KeyEntry, RoutingSnapshot
+    from serving.dataplane import auth
+    from serving.dataplane.snapshot import KeyEntry, RoutingSnapshot
     from tenants import keys
 
     pepper = b"p" * 32

@@ -1,4 +1,4 @@
-"""Tests for serving.autoscale: the autoscaling policy, driven tick by tick on a fake clock.
+"""Tests for serving.policies.autoscale: the autoscaling policy, driven tick by tick on a fake clock.
 
 Most tests use a profile where every row costs 10 ms whatever the batch, so one replica serves
 100 requests a second, and a target utilisation of 0.5, so each replica is sized for 50.
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from serving.autoscale import Autoscaler, Capacity, Observation, ScalingConfig, replica_capacity
-from serving.batching import LatencyProfile
+from serving.policies.autoscale import Autoscaler, Capacity, Observation, ScalingConfig, replica_capacity
+from serving.policies.batching import LatencyProfile
 
 GB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Tests for serving.batcher: the asyncio driver around a BatchQueue, with a fake clock.
+"""Tests for serving.dataplane.batcher: the asyncio driver around a BatchQueue, with a fake clock.
 
 `process_one_batch()` is driven directly; the background loop is exercised with a zero window so
 no test depends on how fast anything runs. Waits on events carry a generous timeout only so that
@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from serving.batcher import Batcher
-from serving.batching import BatchingConfig, BatchQueue, Pending, QueueFull
+from serving.dataplane.batcher import Batcher
+from serving.policies.batching import BatchingConfig, BatchQueue, Pending, QueueFull
 
 INF = float("inf")
 GUARD = 10.0  # seconds; only a hang guard, never a timing assertion

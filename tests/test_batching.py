@@ -1,4 +1,4 @@
-"""Tests for serving.batching: the pure dynamic-batching policy, driven by a fake clock.
+"""Tests for serving.policies.batching: the pure dynamic-batching policy, driven by a fake clock.
 
 Times are plain floats handed to `poll(now)`; dyadic values (0.25, 0.5, 1.5...) keep the
 arithmetic exact so boundaries can be asserted with `==`.
@@ -12,7 +12,15 @@ from dataclasses import FrozenInstanceError
 import numpy as np
 import pytest
 
-from serving.batching import BatchingConfig, BatchQueue, Decision, LatencyProfile, Pending, QueueFull, tier_share
+from serving.policies.batching import (
+    BatchingConfig,
+    BatchQueue,
+    Decision,
+    LatencyProfile,
+    Pending,
+    QueueFull,
+    tier_share,
+)
 
 INF = float("inf")
 

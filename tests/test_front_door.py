@@ -1,4 +1,4 @@
-"""The front door (serving.frontdoor) over real sockets against a live server: body bounds before
+"""The front door (serving.dataplane.frontdoor) over real sockets against a live server: body bounds before
 Django reads a byte, the whole-request read deadline, the in-flight body budget, and the JSON answer
 at the connection limit.
 
@@ -502,7 +502,7 @@ def test_bytes_that_are_not_http_get_a_json_400(transactional_db, request) -> No
 
 
 def test_the_shed_gate_steers_its_refusals_by_the_loop_lag() -> None:
-    from serving.frontdoor import ShedGate
+    from serving.dataplane.frontdoor import ShedGate
 
     gate = ShedGate()
     # given a loop on time / then nothing is refused
@@ -535,7 +535,7 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
     import http.client
     import json
 
-    from serving.frontdoor import GATE
+    from serving.dataplane.frontdoor import GATE
     from tests.test_inference_http import digits_request, grew, metrics
 
     x, _ = digits_samples

@@ -794,7 +794,7 @@ def test_metrics_after_inferences(digits_server, digits_samples) -> None:  # noq
 
 
 def test_serving_survives_registry_outage(digits_server, digits_samples, monkeypatch, caplog) -> None:  # noqa: ANN001
-    from serving import dataplane
+    from serving.dataplane import plane as dataplane
 
     x, y = digits_samples
     plane = digits_server.plane()
@@ -806,8 +806,8 @@ def test_serving_survives_registry_outage(digits_server, digits_samples, monkeyp
         raise OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused")
 
     # given the registry becomes unreachable, and the refresh loop runs often
-    caplog.set_level(logging.WARNING, logger="serving.dataplane")
-    monkeypatch.setattr(dataplane, "_registry_fingerprint", unreachable)
+    caplog.set_level(logging.WARNING, logger="serving.dataplane.plane")
+    monkeypatch.setattr(plane, "fingerprint", unreachable)
     monkeypatch.setattr(dataplane, "REFRESH_SECONDS", 0.05)
 
     # when a refresh is attempted directly / then it fails with the database error and keeps the snapshot

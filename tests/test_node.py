@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from serving.batching import BatchingConfig
-from serving.node import Node
-from serving.runtime import RuntimeFailure
-from serving.snapshot import VersionEntry
+from serving.dataplane.node import Node
+from serving.dataplane.runtime import RuntimeFailure
+from serving.dataplane.snapshot import VersionEntry
+from serving.policies.batching import BatchingConfig
 from tests.test_admission import Clock, StandIn, entry, rows
 
 
@@ -59,7 +59,7 @@ async def test_a_load_past_the_memory_budget_fails_with_the_reason_and_others_ke
     node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
 
     def digits(name: str) -> VersionEntry:
-        from serving.protocol import TensorSpec
+        from serving.dataplane.protocol import TensorSpec
 
         return VersionEntry(
             model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",

@@ -13,7 +13,7 @@ import pytest
 import redis
 from django.utils import timezone
 
-from serving.quota_redis import keys_of
+from serving.dataplane.quota_redis import keys_of
 from tests.conftest import DIGITS_IO, LiveServer, free_port, register, tenant
 from tests.test_inference_http import assert_error, call, digits_request, grew, infer, metrics, sample
 
@@ -74,7 +74,7 @@ def test_monthly_budget_answers_429_and_a_raised_quota_is_in_force_without_resta
     assert grew(before, after, "ferry_requests_total", model="digits", version="1", status="429") == 1
     assert grew(before, after, "ferry_quota_refusals_total", tenant="test", reason="monthly") == 1
     # and the refusal is in the tenant's usage, as a 4xx answer of digits:1
-    from serving import dataplane
+    from serving.dataplane import plane as dataplane
 
     cells = dict(dataplane.current().gateway.usage._cells)
     assert sum(c.errors_4xx for (t, m, v, _), c in cells.items() if (t, m, v) == (tenant().pk, "digits", 1)) == 1
@@ -301,8 +301,9 @@ def test_the_gateway_queues_at_the_tenant_tier_or_lower(db, model_files) -> None
 
     import orjson
 
-    from serving.gateway import Gateway
-    from serving.snapshot import SnapshotHub, build_snapshot
+    from serving.dataplane.gateway import Gateway
+    from serving.dataplane.snapshot import SnapshotHub
+    from serving.publish import build_snapshot
 
     register(model_files.digits, "digits")
     hub = SnapshotHub()

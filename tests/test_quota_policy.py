@@ -1,4 +1,4 @@
-"""The quota policy (`serving.quota`) on a fake clock: every branch of the decision, the bucket, the month."""
+"""The quota policy (`serving.policies.quota`) on a fake clock: every branch of the decision, the bucket, the month."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import calendar
 
 import pytest
 
-from serving.gateway import _priority
-from serving.protocol import ProtocolError
-from serving.quota import (
+from serving.dataplane.gateway import _priority
+from serving.dataplane.protocol import ProtocolError
+from serving.dataplane.snapshot import TenantEntry
+from serving.policies.quota import (
     DISABLED_RETRY_S,
     IN_FLIGHT,
     IN_FLIGHT_RETRY_S,
@@ -22,7 +23,6 @@ from serving.quota import (
     scaled,
     seconds_to_next_month,
 )
-from serving.snapshot import TenantEntry
 
 JAN_31_LATE = calendar.timegm((2026, 1, 31, 23, 59, 0))
 

@@ -12,11 +12,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from serving import metrics
-from serving.quota import IN_FLIGHT, MONTHLY, RATE, month_of, seconds_to_next_month
-from serving.quota_gate import QuotaExceeded, QuotaGate
-from serving.quota_redis import MONTH_LUA, RedisQuota, keys_of
-from serving.snapshot import TenantEntry
+from serving.dataplane import metrics
+from serving.dataplane.quota_gate import QuotaExceeded, QuotaGate
+from serving.dataplane.quota_redis import MONTH_LUA, RedisQuota, keys_of
+from serving.dataplane.snapshot import TenantEntry
+from serving.policies.quota import IN_FLIGHT, MONTHLY, RATE, month_of, seconds_to_next_month
 from tests.conftest import free_port
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -14,7 +14,7 @@ from rollout.routing import RouteError, choose_version
 from serving import artifacts
 from serving.actions import RegistrationError, register_version
 from serving.models import Artifact, Model, ModelVersion, State
-from serving.snapshot import build_snapshot
+from serving.publish import build_snapshot
 from tests.conftest import DIGITS_IO, TOKENS_IO, register
 
 pytestmark = pytest.mark.django_db

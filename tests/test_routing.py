@@ -18,11 +18,12 @@ from django.apps import apps
 from django.core.exceptions import ValidationError
 
 from rollout.routing import NO_ROUTES, RouteError, RouteTable, choose_version, key_points
-from serving import snapshot_redis
 from serving.actions import RegistrationError, promote, register_version, set_routing
-from serving.batching import BatchingConfig
+from serving.dataplane import snapshot_redis
+from serving.dataplane.snapshot import ModelEntry, VersionEntry
 from serving.models import Model, ModelVersion, State
-from serving.snapshot import ModelEntry, VersionEntry, build_snapshot
+from serving.policies.batching import BatchingConfig
+from serving.publish import build_snapshot
 from serving.validation import validate
 from tenants.models import AuditEntry
 from tests.conftest import DIGITS_IO, LiveServer, mint_key, register, tenant
@@ -125,7 +126,7 @@ def test_a_new_version_takes_no_unpinned_traffic() -> None:
 
 
 def test_unversioned_metadata_describes_the_stable_version() -> None:
-    from serving.consumers import _default
+    from serving.dataplane.consumers import _default
 
     # given a model whose stable version is 1 of 4 / then unversioned metadata is version 1's
     assert _default(model(RouteTable(stable=1))).version == 1

@@ -7,9 +7,10 @@ import os
 import pytest
 import redis
 
-from serving import snapshot_redis
-from serving.snapshot import SnapshotHub, build_snapshot, publish_snapshot
-from serving.snapshot import hub as process_hub
+from serving.dataplane import snapshot_redis
+from serving.dataplane.snapshot import SnapshotHub
+from serving.dataplane.snapshot import hub as process_hub
+from serving.publish import build_snapshot, publish_snapshot
 from tests.conftest import register
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -8,10 +8,10 @@ import orjson
 import pytest
 
 from rollout.routing import RouteTable
-from serving.errors import ServingError, Shed
-from serving.gateway import Gateway
-from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
-from serving.transport import Outputs
+from serving.dataplane.errors import ServingError, Shed
+from serving.dataplane.gateway import Gateway
+from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
+from serving.dataplane.transport import Outputs
 from tests.test_admission import entry
 from usage.recorder import UsageRecorder
 from usage.sketch import bucket_of

@@ -8,7 +8,7 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.response import Response
 from rest_framework.views import exception_handler, set_rollback
 
-from serving.metrics import INTERNAL_ERRORS
+from serving.dataplane.metrics import INTERNAL_ERRORS
 
 log = logging.getLogger(__name__)
 

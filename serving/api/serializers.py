@@ -12,8 +12,8 @@ from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from serving.dataplane.protocol import DATATYPES
 from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Task, Visibility
-from serving.protocol import DATATYPES
 from tenants.models import Tenant
 from tenants.scoping import member_tenant_ids, visible_models, visible_tenants
 

@@ -29,7 +29,7 @@ from serving.api.serializers import (
     VersionUploadSerializer,
 )
 from serving.models import BATCHING_FIELDS, MODEL_NAME_PATTERN, Model, ModelVersion, State, Visibility
-from serving.snapshot import publish_snapshot
+from serving.publish import publish_snapshot
 from tenants.models import Role, has_role
 from tenants.scoping import TenantScopedViewSet, visible_models
 

@@ -2,7 +2,7 @@ import uvicorn
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from serving.frontdoor import uvicorn_config
+from serving.dataplane.frontdoor import uvicorn_config
 
 
 class Command(BaseCommand):

@@ -1,7 +1,7 @@
 """Per-tenant quotas shared by every gateway: one Redis script call per request.
 
 The script (`ADMIT`) refills the tenant's token bucket, drops expired in-flight leases, counts the
-month, decides as `serving.quota.decide` does and, when it admits, takes a token, adds an in-flight
+month, decides as `serving.policies.quota.decide` does and, when it admits, takes a token, adds an in-flight
 lease and counts the request, atomically. Time is Redis' own (TIME), so gateways with skewed clocks
 share one bucket and agree on the month. Keys are hash-tagged by tenant, so a Redis Cluster keeps a
 tenant's keys in one slot:
@@ -22,8 +22,8 @@ import socket
 
 import redis.asyncio as aioredis
 
-from serving.quota import DISABLED_RETRY_S, IN_FLIGHT_RETRY_S, Decision, seconds_to_next_month
-from serving.snapshot import TenantEntry
+from serving.dataplane.snapshot import TenantEntry
+from serving.policies.quota import DISABLED_RETRY_S, IN_FLIGHT_RETRY_S, Decision, seconds_to_next_month
 
 PREFIX = "ferry:quota"
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from serving.errors import ServingError
-from serving.snapshot import KeyEntry, RoutingSnapshot
+from serving.dataplane.errors import ServingError
+from serving.dataplane.snapshot import KeyEntry, RoutingSnapshot
 from tenants import keys
 
 CHALLENGE = (b"www-authenticate", b'Bearer realm="ferry"')

@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from serving.admission import HEADROOM
+from serving.policies.admission import HEADROOM
 
 Estimate = Callable[[int], float]
 

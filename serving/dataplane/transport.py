@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from serving.snapshot import VersionEntry
+from serving.dataplane.snapshot import VersionEntry
 
 if TYPE_CHECKING:
-    from serving.node import Node
+    from serving.dataplane.node import Node
 
 
 class Outputs(dict[str, np.ndarray]):

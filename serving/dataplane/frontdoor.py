@@ -7,12 +7,10 @@ Two layers, both built for the hot path (no task per request; at most one timer 
   connection that sends nothing gets the same time) answered 408 JSON, and uvicorn's concurrency
   limit answered as 503 JSON with Retry-After instead of text. It stamps `scope["ferry.first_byte"]`
   (time.monotonic() when the request's first byte was read) and puts a hook in
-  `scope["ferry.extend_read_deadline"]`, which `bounded` uses for an engineer's upload.
-- ASGI wrappers used by `config.asgi`: `metered` counts every body against a process-wide budget of
-  body bytes held (FERRY_MAX_INFLIGHT_BODY_BYTES, 503 past it) and can bound one body; `bounded`
-  puts every non-/v2 body under FERRY_MAX_FORM_BODY_BYTES, except an upload to
-  `POST /api/models/<name>/versions/` by an engineer, authenticated here before any body byte is
-  read, which may carry the artifact limit. Past its bound a body is answered 413 and not passed on.
+  `scope["ferry.extend_read_deadline"]`, which Django's door uses for an engineer's upload.
+- `metered`, an ASGI wrapper that counts every body against a process-wide budget of body bytes
+  held (FERRY_MAX_INFLIGHT_BODY_BYTES, 503 past it) and can bound one body. Django's door
+  (`serving.django_door.bounded`, which reads sessions and users) wraps it for every non-/v2 route.
 
 `uvicorn_config` is the one place a server is configured: `manage.py serve` and the tests use it.
 """
@@ -20,18 +18,14 @@ Two layers, both built for the hot path (no task per request; at most one timer 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import random
-import re
 import time
 from collections.abc import Awaitable, Callable
-from importlib import import_module
 from typing import Any
 
 import orjson
 import uvicorn
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.signals import setting_changed
 from prometheus_client import Counter, Gauge
@@ -99,7 +93,6 @@ class ShedGate:
 GATE = ShedGate()
 
 DISCONNECT = {"type": "http.disconnect"}
-UPLOAD_ROUTE = re.compile(r"/api/models/[^/]+/versions/")  # ModelVersionViewSet's create
 
 
 def json_head(status: int, body: bytes, retry_after: int | None = None) -> dict:
@@ -379,7 +372,7 @@ async def metered(app: App, scope: Scope, receive: Receive, send: Send, limit: i
                 _BUDGET.inc()
                 if not started:
                     started = True
-                    await _send_over_budget(send)
+                    await send_over_budget(send)
                 return DISCONNECT
         return message
 
@@ -396,134 +389,11 @@ async def metered(app: App, scope: Scope, receive: Receive, send: Send, limit: i
         _inflight -= charged
 
 
-async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
-    """Django's door: bound the body before Django reads (and spools) it; then `metered`.
-
-    An upload (POST /api/models/<name>/versions/) is the one request whose credentials are checked
-    here, before its body is read: an engineer's may carry the artifact limit and gets
-    FERRY_UPLOAD_READ_TIMEOUT_S to arrive; anyone else's gets the form bound like any other body.
-    """
-    limit = settings.FERRY_MAX_FORM_BODY_BYTES
-    declared = _content_length(scope["headers"])
-    error = f"request body exceeds {limit} bytes"
-    if scope["method"] == "POST" and UPLOAD_ROUTE.fullmatch(scope["path"]):
-        from serving.api.views import FORM_OVERHEAD  # the view's own allowance for the form around the file
-
-        artifact_limit = settings.FERRY_MAX_ARTIFACT_BYTES + FORM_OVERHEAD
-        artifact_error = f"artifact exceeds the {settings.FERRY_MAX_ARTIFACT_BYTES} byte limit"
-        if declared is not None and declared > artifact_limit:
-            _TOO_LARGE.inc()
-            return await send_json(send, 413, artifact_error)
-        try:
-            engineer = await _is_engineer(scope["headers"])
-        except Exception:  # the database, most likely; Django could not authenticate either
-            log.exception("checking upload credentials failed")
-            return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
-        if engineer:
-            limit, error = artifact_limit, artifact_error
-            extend = scope.get("ferry.extend_read_deadline")
-            if extend is not None:
-                extend(scope, settings.FERRY_UPLOAD_READ_TIMEOUT_S)
-        else:
-            error += "; a larger artifact upload needs an engineer's session or HTTP Basic credentials"
-    if declared is not None:
-        if declared > limit:
-            _TOO_LARGE.inc()
-            return await send_json(send, 413, error)
-        if _inflight + min(declared, settings.FILE_UPLOAD_MAX_MEMORY_SIZE) > settings.FERRY_MAX_INFLIGHT_BODY_BYTES:
-            _BUDGET.inc()
-            return await _send_over_budget(send)
-    # Django keeps a body in memory up to FILE_UPLOAD_MAX_MEMORY_SIZE and spools the rest to disk.
-    await metered(app, scope, receive, send, limit, error, settings.FILE_UPLOAD_MAX_MEMORY_SIZE)
-
-
-async def _send_over_budget(send: Send) -> None:
+async def send_over_budget(send: Send) -> None:
     budget = settings.FERRY_MAX_INFLIGHT_BODY_BYTES
     await send_json(send, 503, f"server holds {budget} bytes of request bodies; retry shortly", retry_after=1)
 
 
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    for name, value in headers:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the streaming count still bounds it
-    return None
-
-
-# -- who is asking (before any body byte is read) ---------------------------------------------------
-
-
-async def _is_engineer(headers: list[tuple[bytes, bytes]]) -> bool:
-    cookie = authorization = None
-    for name, value in headers:
-        if name == b"cookie":
-            cookie = value if cookie is None else cookie + b"; " + value
-        elif name == b"authorization":
-            authorization = value
-    if cookie is None and authorization is None:
-        return False
-    return await sync_to_async(_engineer_credentials)(cookie, authorization)
-
-
-def _engineer_credentials(cookie: bytes | None, authorization: bytes | None) -> bool:
-    """Whether the request's credentials are an engineer's, in DRF's order: an active session user if
-    there is one, else HTTP Basic. Nothing is written (Django's own handling of the request does that)."""
-    from django.http.cookie import parse_cookie
-
-    from tenants.models import Role, has_role
-
-    user = None
-    if cookie is not None:
-        key = parse_cookie(cookie.decode("latin-1")).get(settings.SESSION_COOKIE_NAME)
-        if key:
-            user = _session_user(key)
-    if user is None and authorization is not None:
-        user = _basic_user(authorization)
-    return user is not None and has_role(user, Role.ENGINEER)
-
-
-def _session_user(key: str):  # noqa: ANN202
-    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
-    from django.core.exceptions import ValidationError
-    from django.utils.crypto import constant_time_compare
-
-    session = import_module(settings.SESSION_ENGINE).SessionStore(key)
-    try:
-        user_id = get_user_model()._meta.pk.to_python(session[SESSION_KEY])
-        backend_path = session[BACKEND_SESSION_KEY]
-    except (KeyError, ValidationError):
-        return None
-    if backend_path not in settings.AUTHENTICATION_BACKENDS:
-        return None
-    user = load_backend(backend_path).get_user(user_id)
-    if user is None or not user.is_active:
-        return None
-    # As django.contrib.auth.get_user verifies it, against the current SECRET_KEY only: a session
-    # signed under SECRET_KEY_FALLBACKS gets the form bound here until Django re-keys it.
-    session_hash = session.get(HASH_SESSION_KEY)
-    if not session_hash or not constant_time_compare(session_hash, user.get_session_auth_hash()):
-        return None
-    return user
-
-
-def _basic_user(authorization: bytes):  # noqa: ANN202
-    from django.contrib.auth import authenticate, get_user_model
-
-    scheme, _, encoded = authorization.strip().partition(b" ")
-    if scheme.lower() != b"basic":
-        return None
-    try:
-        raw = base64.b64decode(encoded.strip())
-    except ValueError:
-        return None
-    try:
-        decoded = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        decoded = raw.decode("latin-1")
-    userid, sep, password = decoded.partition(":")
-    if not sep:
-        return None
-    user = authenticate(None, **{get_user_model().USERNAME_FIELD: userid, "password": password})
-    return user if user is not None and user.is_active else None
+def held() -> int:
+    """Body bytes held by requests in progress in this process."""
+    return _inflight

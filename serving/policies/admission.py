@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from serving.batching import tier_share
+from serving.policies.batching import tier_share
 
 Estimate = Callable[[int], float]
 

@@ -18,7 +18,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from serving.protocol import DATATYPES, TensorSpec
+from serving.dataplane.protocol import DATATYPES, TensorSpec
 
 
 class RuntimeFailure(Exception):
@@ -39,8 +39,8 @@ def pick_device(preferred: str = "") -> torch.device:
 
 
 def load_module(path: Path, fmt: str, device: torch.device) -> torch.nn.Module:
-    """Load an artifact after the same archive check as registration (serving.archive_check)."""
-    from serving.archive_check import ArchiveRefused
+    """Load an artifact after the same archive check as registration (serving.dataplane.archive_check)."""
+    from serving.dataplane.archive_check import ArchiveRefused
 
     try:
         if fmt == "torchscript":
@@ -68,7 +68,7 @@ def load_module(path: Path, fmt: str, device: torch.device) -> torch.nn.Module:
 
 
 def _check_archive(source: Path | BinaryIO, fmt: str) -> None:
-    from serving.archive_check import ArchiveRefused, check_archive
+    from serving.dataplane.archive_check import ArchiveRefused, check_archive
 
     kind = check_archive(source)
     if fmt == "torch_export" and kind != "torch_export":
@@ -86,7 +86,7 @@ def _load_exported_program(f: BinaryIO) -> torch.export.ExportedProgram:
     from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
     from torch.export.pt2_archive._package import PT2ArchiveReader, _load_constants, _load_state_dict
 
-    from serving.archive_check import MODEL, PROGRAM, check_pt2_records
+    from serving.dataplane.archive_check import MODEL, PROGRAM, check_pt2_records
 
     reader = PT2ArchiveReader(f)
     check_pt2_records(reader.get_file_names(), reader.read_bytes)

@@ -19,14 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving import admission, metrics
-from serving.admission import DeviceShare
-from serving.batcher import Batcher
-from serving.batching import BatchQueue, LatencyProfile, Pending, QueueFull
-from serving.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
-from serving.runtime import ModelRuntime, RuntimeFailure, pick_device
-from serving.snapshot import RoutingSnapshot, VersionEntry
-from serving.transport import Outputs
+from serving.dataplane import metrics
+from serving.dataplane.batcher import Batcher
+from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
+from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
+from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
+from serving.dataplane.transport import Outputs
+from serving.policies import admission
+from serving.policies.admission import DeviceShare
+from serving.policies.batching import BatchQueue, LatencyProfile, Pending, QueueFull
 
 log = logging.getLogger(__name__)
 

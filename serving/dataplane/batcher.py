@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from serving.batching import BatchingConfig, BatchQueue, Pending, QueueFull
+from serving.policies.batching import BatchingConfig, BatchQueue, Pending, QueueFull
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import redis
 import redis.asyncio as aioredis
 
 from rollout.routing import RouteTable
-from serving.batching import BatchingConfig
-from serving.protocol import TensorSpec
-from serving.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
+from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
+from serving.policies.batching import BatchingConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.routing import RouteError, choose_version
-from serving import metrics
-from serving.errors import NotFound, ServingError, Shed, Unavailable
-from serving.protocol import ProtocolError, encode_infer_response, parse_infer_request
-from serving.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.transport import Transport
+from serving.dataplane import metrics
+from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
+from serving.dataplane.protocol import ProtocolError, encode_infer_response, parse_infer_request
+from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.dataplane.transport import Transport
 from usage.recorder import UsageRecorder
 
 MAX_TIMEOUT_S = 60.0

@@ -1,7 +1,7 @@
 """The data plane's quota check: Redis when configured, in-process otherwise, and what happens between.
 
 While Redis does not answer (an error, or no reply within its timeout) the gateway decides in-process
-with the tenant's limits divided by the number of gateways (`serving.quota.scaled`), counts it in
+with the tenant's limits divided by the number of gateways (`serving.policies.quota.scaled`), counts it in
 `ferry_quota_fallback_total`, and does not try Redis again for `retry_s`, so an outage costs one timeout
 per `retry_s`, not one per request. A request is never answered 500 and never admitted unlimited
 because Redis is away. The in-process bucket starts from what Redis last said the tenant had left
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import redis
 
-from serving import metrics
-from serving.quota import MONTHLY, Decision, InProcessQuota, month_of, scaled, seconds_to_next_month
-from serving.quota_redis import RedisQuota
-from serving.snapshot import TenantEntry
+from serving.dataplane import metrics
+from serving.dataplane.quota_redis import RedisQuota
+from serving.dataplane.snapshot import TenantEntry
+from serving.policies.quota import MONTHLY, Decision, InProcessQuota, month_of, scaled, seconds_to_next_month
 
 log = logging.getLogger(__name__)
 

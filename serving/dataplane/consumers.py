@@ -6,7 +6,7 @@ and /metrics. Every failure answers {"error": "..."} with its status. Bad input 
 validation; an unexpected exception is a bug: a 500, logged and counted, never relabelled.
 
 /v2 (server metadata), /v2/health/{live,ready} and /metrics are anonymous (probes, scrapers); every
-other endpoint needs an API key (`serving.auth`): 401 without a usable one, 403 without the scope
+other endpoint needs an API key (`serving.dataplane.auth`): 401 without a usable one, 403 without the scope
 (load/unload need `manage`, the rest `infer`) or for load/unload of a model another tenant owns, and 404
 for a model the key's tenant may not see.
 """
@@ -26,14 +26,15 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import dataplane, frontdoor, metrics
-from serving.auth import Caller, Forbidden, Unauthenticated, authenticate
-from serving.errors import NotFound, ServingError, Unavailable
-from serving.gateway import CLIENT_CLOSED, parse_version
-from serving.protocol import error_body
-from serving.quota import IN_FLIGHT, MONTHLY, RATE, Decision
-from serving.quota_gate import QuotaExceeded
-from serving.snapshot import ModelEntry, TenantEntry, VersionEntry
+from serving.dataplane import frontdoor, metrics
+from serving.dataplane import plane as dataplane
+from serving.dataplane.auth import Caller, Forbidden, Unauthenticated, authenticate
+from serving.dataplane.errors import NotFound, ServingError, Unavailable
+from serving.dataplane.gateway import CLIENT_CLOSED, parse_version
+from serving.dataplane.protocol import error_body
+from serving.dataplane.quota_gate import QuotaExceeded
+from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry
+from serving.policies.quota import IN_FLIGHT, MONTHLY, RATE, Decision
 
 log = logging.getLogger(__name__)
 
@@ -251,18 +252,15 @@ class InferenceConsumer(AsyncHttpConsumer):
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             caller.require("manage")
             _json_options(body, {"parameters": dict})
-            from serving.actions import RegistrationError, set_loaded
-
             name, load = parts[1], parts[2] == "load"
             model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
             if model.tenant_id != caller.tenant_id:
                 # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
                 # its own tenant's call.
                 raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
-            try:
-                snapshot = await sync_to_async(set_loaded)(model_name=name, loaded=load)
-            except RegistrationError as exc:  # over the tenant's accelerator memory quota (429)
-                raise ServingError(exc.message, status=exc.status) from None
+            if plane.set_loaded is None:
+                raise Unavailable("this process cannot change what is loaded; use the control plane's API")
+            snapshot = await sync_to_async(plane.set_loaded)(name, load)
             await plane.wait_reconciled(snapshot.serial)
             if load:
                 failures = [f.reason for k, f in plane.node.failures.items() if k.startswith(f"{name}:")]

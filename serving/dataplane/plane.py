@@ -1,0 +1,185 @@
+"""This process's data plane: its gateway, its node, and the loops that keep them current.
+
+`serving.wiring` builds one from the settings and installs it; the consumers find it with
+`current()`. The loops that touch the database (the registry fingerprint, publishing a snapshot,
+writing keys' last use) are callables the wiring hands in, so nothing here imports the ORM.
+If the database is unreachable those loops log it and the last snapshot keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from serving.dataplane import metrics
+from serving.dataplane.errors import ServingError
+from serving.dataplane.frontdoor import GATE
+from serving.dataplane.gateway import Gateway
+from serving.dataplane.node import Node
+from serving.dataplane.quota_gate import QuotaGate
+from serving.dataplane.snapshot import RoutingSnapshot
+from usage.flusher import UsageFlusher
+
+log = logging.getLogger(__name__)
+
+REFRESH_SECONDS = 2.0
+LAG_SAMPLE_SECONDS = 0.05
+KEY_USE_FLUSH_SECONDS = 5.0  # how often API keys' last_used_at is written, off the request path
+
+
+@dataclass
+class DataPlane:
+    gateway: Gateway
+    node: Node
+    loop: asyncio.AbstractEventLoop
+    refresher: asyncio.Task[None] | None = None
+    lag_watch: asyncio.Task[None] | None = None
+    # How late the event loop runs its callbacks: past FERRY_MAX_LOOP_LAG_MS the process is
+    # saturated before requests even reach a queue, and new inference is refused at once.
+    loop_lag: float = 0.0
+    # The API key pepper, derived once from SECRET_KEY (tenants.keys.pepper_from).
+    pepper: bytes = b""
+    # Prefixes of the API keys used since the last flush of last_used_at (a set add per request).
+    used_keys: set[str] = field(default_factory=set)
+    key_flusher: asyncio.Task[None] | None = None
+    # Per-tenant quotas on inference (None: FERRY_QUOTAS=false).
+    quota: QuotaGate | None = None
+    # Usage metered by the gateway, sent to Celery every FERRY_USAGE_FLUSH_SECONDS (usage.flusher).
+    usage: UsageFlusher | None = None
+    usage_task: asyncio.Task[None] | None = None
+    # The control plane's side, handed in by `serving.wiring` (each reads or writes the database, so
+    # each runs on asgiref's thread): the registry's fingerprint, building and publishing a snapshot,
+    # writing API keys' last_used_at.
+    fingerprint: Callable[[], tuple] | None = None
+    publish: Callable[[], object] | None = None
+    record_key_use: Callable[[set[str]], None] | None = None
+    # The repository extension's load/unload of a model (a registry write): model name, load or not;
+    # returns the snapshot that carries the change, or raises ServingError with its status.
+    set_loaded: Callable[[str, bool], RoutingSnapshot] | None = None
+    _fingerprint: tuple | None = None
+    _reconciling: asyncio.Task[None] | None = None
+    _pending: RoutingSnapshot | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.gateway.hub.current is not None and self.node.reconciled_serial > 0
+
+    def on_snapshot(self, snapshot: RoutingSnapshot) -> None:
+        """Hub callback; may come from any thread (a sync view that registered a model)."""
+        self.loop.call_soon_threadsafe(self._schedule_reconcile, snapshot)
+
+    def _schedule_reconcile(self, snapshot: RoutingSnapshot) -> None:
+        self._pending = snapshot
+        if self._reconciling is None or self._reconciling.done():
+            self._reconciling = self.loop.create_task(self._reconcile_latest())
+
+    async def _reconcile_latest(self) -> None:
+        while self._pending is not None:
+            snapshot, self._pending = self._pending, None
+            try:
+                await self.node.reconcile(snapshot)
+            except Exception:
+                log.exception("reconcile failed")
+
+    async def wait_reconciled(self, serial: int, timeout: float = 300.0) -> None:
+        async with asyncio.timeout(timeout):
+            while self.node.reconciled_serial < serial:
+                await asyncio.sleep(0.05)
+
+    async def refresh_once(self) -> bool:
+        """Rebuild and publish the snapshot if the registry changed. True when it did."""
+        if self.fingerprint is None or self.publish is None:
+            return False
+        fingerprint = await sync_to_async(self.fingerprint)()
+        if fingerprint == self._fingerprint:
+            return False
+        await sync_to_async(self.publish)()
+        self._fingerprint = fingerprint
+        return True
+
+    async def _watch_loop_lag(self) -> None:
+        while True:
+            expected = self.loop.time() + LAG_SAMPLE_SECONDS
+            await asyncio.sleep(LAG_SAMPLE_SECONDS)
+            lag = max(0.0, self.loop.time() - expected)
+            # Smoothed over a few samples: one late tick (a collection, a burst of start-up work) does not
+            # shut the gate, while a backlog that lasts raises it within two or three ticks.
+            self.loop_lag = 0.7 * self.loop_lag + 0.3 * lag
+            metrics.LOOP_LAG.set(self.loop_lag)
+            seen, GATE.seen = GATE.seen, 0
+            GATE.steer(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000, seen)
+
+    def count_frontend_shed(self, url: bytes) -> None:
+        """Count a request the front door's gate refused, under the version it would have gone to."""
+        parts = url.split(b"?", 1)[0].decode("latin-1").split("/")  # /v2/models/NAME[/versions/V]/infer
+        name = parts[3] if len(parts) > 3 else ""
+        version = parts[5] if len(parts) > 6 and parts[4] == "versions" else None
+        try:
+            entry = self.gateway.route(name, version, None)  # before authentication: count only
+        except ServingError:
+            metrics.SHED.labels(name, "", "frontend", "0").inc()
+            return
+        vm = metrics.for_version(entry.model, entry.version)
+        vm.answered(503, 0.0)
+        vm.shed("frontend", 0)
+
+    async def flush_key_use(self) -> None:
+        """Write last_used_at for the keys used since the last flush; on failure (database down) keep
+        them for the next one."""
+        if not self.used_keys or self.record_key_use is None:
+            return
+        used, self.used_keys = self.used_keys, set()
+        try:
+            await sync_to_async(self.record_key_use)(used)
+        except Exception:
+            self.used_keys |= used
+            raise
+
+    async def _flush_key_use_forever(self) -> None:
+        while True:
+            await asyncio.sleep(KEY_USE_FLUSH_SECONDS)
+            try:
+                await self.flush_key_use()
+            except Exception as exc:
+                log.warning("recording API key use failed, will retry: %s", exc)
+
+    async def flush_usage(self) -> int:
+        """Hand the usage counted since the last flush to Celery; returns the batches sent."""
+        return await self.usage.flush() if self.usage is not None else 0
+
+    async def _flush_usage_forever(self) -> None:
+        while True:
+            await asyncio.sleep(settings.FERRY_USAGE_FLUSH_SECONDS)
+            try:
+                await self.flush_usage()
+            except Exception as exc:
+                log.warning("sending usage failed, will retry: %s", exc)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            try:
+                await self.refresh_once()
+            except Exception as exc:  # the database may be down: keep serving the last snapshot
+                log.warning("snapshot refresh failed, serving the last one: %s", exc)
+
+
+_current: DataPlane | None = None
+
+
+def current() -> DataPlane | None:
+    return _current
+
+
+
+
+def install(plane: DataPlane | None) -> DataPlane | None:
+    """Make `plane` this process's data plane; returns the one it replaces."""
+    global _current
+    previous, _current = _current, plane
+    return previous

@@ -1,0 +1,127 @@
+"""The routing snapshot: everything the data plane needs, built by the control plane (`serving.publish`).
+
+Gateways and nodes serve from the last snapshot they were handed and never query the database
+per request; if the database goes away they keep serving on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollout.routing import NO_ROUTES, RouteTable
+from serving.dataplane.protocol import TensorSpec
+from serving.policies.batching import BatchingConfig
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEntry:
+    model: str
+    version: int
+    state: str
+    loaded: bool
+    artifact_sha256: str
+    format: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batching: BatchingConfig
+    default_timeout_ms: int
+    latency_profile: dict[int, float]  # batch size -> seconds
+    failure_reason: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}:{self.version}"
+
+    @property
+    def servable(self) -> bool:
+        return self.state == "ready" and self.loaded
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    task: str
+    description: str
+    fallback: str | None
+    versions: dict[int, VersionEntry]
+    tenant_id: int | None = None  # None: a platform model, visible to every tenant
+    visibility: str = "public"  # private | shared | public
+    shared_with: frozenset[int] = frozenset()
+    routes: RouteTable = NO_ROUTES  # stable version, tenant pins, experiment arms, rollout weights
+
+    def servable_versions(self) -> list[VersionEntry]:
+        return [v for _, v in sorted(self.versions.items()) if v.servable]
+
+    def visible_to(self, tenant_id: int | None) -> bool:
+        """Whether a caller of `tenant_id` may see this model; None is the data plane itself (metrics)."""
+        if tenant_id is None or self.tenant_id is None or self.visibility == "public":
+            return True
+        if self.tenant_id == tenant_id:
+            return True
+        return self.visibility == "shared" and tenant_id in self.shared_with
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """An API key as the data plane checks it: the HMAC of its secret, whose it is, what it may do."""
+
+    digest: str
+    tenant_id: int
+    scopes: tuple[str, ...]
+    expires_at: float | None  # epoch seconds; None: never
+
+
+@dataclass(frozen=True, slots=True)
+class TenantEntry:
+    """A tenant's request-path quota (`tenants.models.Quota`), enforced by `serving.policies.quota`."""
+
+    slug: str
+    requests_per_second: float  # a float only where `serving.policies.quota.scaled` divided it
+    burst: int
+    max_in_flight: int
+    monthly_requests: int
+    priority: int  # admission tier, 1 runs first: a floor on the priority its requests may ask for
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSnapshot:
+    serial: int
+    built_at: float
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+    keys: dict[str, KeyEntry] = field(default_factory=dict)  # by prefix; revoked keys are left out
+    tenants: dict[int, TenantEntry] = field(default_factory=dict)  # by tenant id
+
+    def hosted_versions(self) -> list[VersionEntry]:
+        return [v for m in self.models.values() for v in m.servable_versions()]
+
+
+class SnapshotHub:
+    """Holds the current snapshot in this process and tells subscribers when it changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: RoutingSnapshot | None = None
+        self._subscribers: list[Callable[[RoutingSnapshot], None]] = []
+
+    def subscribe(self, callback: Callable[[RoutingSnapshot], None]) -> None:
+        with self._lock:
+            self._subscribers.append(callback)
+
+    def unsubscribe(self, callback: Callable[[RoutingSnapshot], None]) -> None:
+        with self._lock:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+    def set(self, snapshot: RoutingSnapshot) -> None:
+        with self._lock:
+            if self.current is not None and snapshot.serial <= self.current.serial:
+                return
+            self.current = snapshot
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(snapshot)
+
+
+hub = SnapshotHub()

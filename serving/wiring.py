@@ -1,0 +1,163 @@
+"""Wire this process's data plane from the settings: its gateway, its in-process node, and the loops.
+
+Embedded mode runs all of it inside the web process. The refresh loop is the control plane's
+periodic step in small: it rebuilds the snapshot when the registry changed (registrations from
+another process such as `manage.py register_model` included) and tells the node to reconcile.
+This module is the control plane's side (it reads the registry); `serving.dataplane.plane` is
+what it builds, and it never imports the ORM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from serving import artifacts
+from serving.dataplane import plane as planes
+from serving.dataplane.errors import ServingError
+from serving.dataplane.frontdoor import GATE
+from serving.dataplane.gateway import Gateway
+from serving.dataplane.node import Node
+from serving.dataplane.plane import DataPlane
+from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
+from serving.dataplane.runtime import configure_torch_threads
+from serving.dataplane.snapshot import RoutingSnapshot, hub
+from serving.dataplane.transport import InProcessTransport
+from serving.publish import publish_snapshot
+from tenants.keys import pepper_from
+from usage.flusher import UsageFlusher
+from usage.recorder import Drained, UsageRecorder
+
+log = logging.getLogger(__name__)
+
+
+def _registry_fingerprint() -> tuple:
+    from django.db.models import Count, Max
+
+    from serving.models import Model, ModelVersion
+    from tenants.models import ApiKey, Quota
+
+    versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    # A key created or revoked by another process (manage.py revoke_api_key) takes effect at the next
+    # refresh; last_used_at is written with update(), which leaves updated_at (and this) alone.
+    api_keys = ApiKey.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    # A quota approved in another process (the console, a Celery worker) is in force at the next refresh.
+    quotas = Quota.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"],
+            quotas["n"], quotas["t"])
+
+
+def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
+    from serving.actions import RegistrationError, set_loaded
+
+    try:
+        return set_loaded(model_name=name, loaded=loaded)
+    except RegistrationError as exc:  # over the tenant's accelerator memory quota (429)
+        raise ServingError(exc.message, status=exc.status) from None
+
+
+def _send_usage(batch_id: str, drained: Drained) -> None:
+    # On asgiref's thread, not the event loop. Eager in embedded mode: the task writes the database here.
+    from usage.tasks import record_usage
+
+    record_usage.delay(batch_id, drained.rows())
+
+
+def _record_key_use(prefixes: set[str]) -> None:
+    from django.utils import timezone
+
+    from tenants.models import ApiKey
+
+    ApiKey.objects.filter(prefix__in=sorted(prefixes)).update(last_used_at=timezone.now())
+
+
+async def start() -> DataPlane:
+    """Start this process's data plane: build the first snapshot and load what it names."""
+    if planes.current() is not None:
+        return planes.current()
+    configure_torch_threads(settings.FERRY_TORCH_THREADS)
+    node = Node(
+        artifact_path=artifacts.verified_path,
+        device=settings.FERRY_DEVICE,
+        memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
+        max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
+        admission=settings.FERRY_ADMISSION,
+    )
+    recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
+    gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder,
+                      ready=node.is_ready)
+    plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
+                      pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
+                      usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
+                      fingerprint=_registry_fingerprint, publish=publish_snapshot, record_key_use=_record_key_use,
+                      set_loaded=_set_loaded)
+    hub.subscribe(plane.on_snapshot)
+    planes.install(plane)
+    GATE.count = plane.count_frontend_shed
+    plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
+    plane.key_flusher = plane.loop.create_task(plane._flush_key_use_forever())
+    plane.usage_task = plane.loop.create_task(plane._flush_usage_forever())
+    if settings.REDIS_URL:
+        await _follow_redis(plane)
+    else:
+        try:
+            await plane.refresh_once()
+        except Exception as exc:
+            log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
+        plane.refresher = plane.loop.create_task(plane._refresh_forever())
+    if hub.current is not None:
+        await plane.wait_reconciled(hub.current.serial)
+    # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
+    # out of the collector's full passes, which otherwise stall the event loop for tens of ms.
+    gc.collect()
+    gc.freeze()
+    return plane
+
+
+async def _follow_redis(plane: DataPlane) -> None:
+    """Distributed mode: snapshots arrive through Redis; publish one from the registry if none exists yet."""
+    from serving.dataplane.snapshot_redis import follow
+
+    fed = asyncio.Event()
+    plane.refresher = plane.loop.create_task(follow(settings.REDIS_URL, hub, ready=fed))
+    try:
+        await asyncio.wait_for(fed.wait(), timeout=10)
+    except TimeoutError:
+        log.error("Redis at REDIS_URL does not answer; starting without a routing snapshot")
+        return
+    if hub.current is None:
+        try:
+            await sync_to_async(publish_snapshot)()
+        except Exception as exc:
+            log.error("no snapshot in Redis and the registry is unreachable: %s", exc)
+
+
+async def stop() -> None:
+    plane = planes.install(None)
+    if plane is None:
+        return
+    hub.unsubscribe(plane.on_snapshot)
+    GATE.reset()
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task):
+        if task is not None:
+            task.cancel()
+    try:
+        await plane.flush_key_use()
+    except Exception as exc:
+        log.warning("recording API key use at shutdown failed: %s", exc)
+    try:
+        await plane.flush_usage()
+    except Exception as exc:
+        log.warning("sending usage at shutdown failed; %d batches lost: %s", len(plane.usage.pending), exc)
+    if plane.quota is not None:
+        await plane.quota.close()
+    await plane.node.close()
+    from django.db import connections
+
+    # The refresh loop's queries ran on asgiref's worker thread: close its connections there.
+    await sync_to_async(connections.close_all)()
