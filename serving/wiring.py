@@ -19,6 +19,7 @@ from django.conf import settings
 from serving import artifacts
 from serving.dataplane import plane as planes
 from serving.dataplane.errors import ServingError
+from serving.dataplane.fleet import FleetView
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
@@ -26,6 +27,7 @@ from serving.dataplane.plane import DataPlane
 from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.runtime import configure_torch_threads
 from serving.dataplane.snapshot import RoutingSnapshot, hub
+from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
 from serving.publish import publish_snapshot
 from tenants.keys import pepper_from
@@ -81,16 +83,19 @@ async def start() -> DataPlane:
     if planes.current() is not None:
         return planes.current()
     configure_torch_threads(settings.FERRY_TORCH_THREADS)
-    node = Node(
-        artifact_path=artifacts.verified_path,
-        device=settings.FERRY_DEVICE,
-        memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
-        max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
-        admission=settings.FERRY_ADMISSION,
-    )
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
-    gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder,
-                      ready=node.is_ready)
+    if settings.REDIS_URL and not settings.FERRY_EMBEDDED_NODE:
+        node, transport = await _remote_nodes()
+    else:
+        node = Node(
+            artifact_path=artifacts.verified_path,
+            device=settings.FERRY_DEVICE,
+            memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
+            max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
+            admission=settings.FERRY_ADMISSION,
+        )
+        transport = InProcessTransport(node)
+    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder, ready=node.is_ready)
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
@@ -110,13 +115,23 @@ async def start() -> DataPlane:
         except Exception as exc:
             log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
         plane.refresher = plane.loop.create_task(plane._refresh_forever())
-    if hub.current is not None:
+    if hub.current is not None and isinstance(node, Node):
         await plane.wait_reconciled(hub.current.serial)
     # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
     # out of the collector's full passes, which otherwise stall the event loop for tens of ms.
     gc.collect()
     gc.freeze()
     return plane
+
+
+async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
+    """Distributed mode without an embedded node: `manage.py runnode` processes serve, through Redis streams;
+    the fleet they announce says which versions are ready on a live node."""
+    fleet = FleetView(settings.REDIS_URL)
+    fleet.start()
+    transport = RedisStreamsTransport(settings.REDIS_URL, max_bytes=settings.FERRY_MAX_QUEUE_BYTES)
+    await transport.start()
+    return fleet, transport
 
 
 async def _follow_redis(plane: DataPlane) -> None:
@@ -157,6 +172,8 @@ async def stop() -> None:
     if plane.quota is not None:
         await plane.quota.close()
     await plane.node.close()
+    if isinstance(plane.gateway.transport, RedisStreamsTransport):
+        await plane.gateway.transport.close()
     from django.db import connections
 
     # The refresh loop's queries ran on asgiref's worker thread: close its connections there.
