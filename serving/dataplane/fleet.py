@@ -52,6 +52,7 @@ class NodeInfo:
     serial: int  # the last routing snapshot this node reconciled
     ready: frozenset[str] = frozenset()  # version keys loaded and consuming
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
+    counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
 
     def to_hash(self) -> dict[str, bytes]:
         doc = {
@@ -59,7 +60,7 @@ class NodeInfo:
             "device": self.device, "accelerator": self.accelerator, "accelerator_count": self.accelerator_count,
             "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
-            "serial": self.serial, "ready": sorted(self.ready), "failures": self.failures,
+            "serial": self.serial, "ready": sorted(self.ready), "failures": self.failures, "counts": self.counts,
         }
         return {k: orjson.dumps(v) for k, v in doc.items()}
 

@@ -148,7 +148,7 @@ class NodeProcess:
             memory_used=sum(h.runtime.memory_bytes for h in node.hosted.values()),
             labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
             serial=self.reconciled_serial, ready=frozenset(k for k in node.hosted if k in self._grouped),
-            failures={k: f.reason for k, f in node.failures.items()},
+            failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
         )
 
     async def heartbeat_once(self) -> None:
