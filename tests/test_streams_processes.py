@@ -294,3 +294,79 @@ def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:
     after = [status for status, _, sent in results if sent > killed_at + fleet.TTL_SECONDS + 1]
     assert after and set(after) == {200}, Counter(after)
     wait_for("node-a to be lost", lambda: not redis_db.exists(fleet.node_key("node-a")), [web, node_b], timeout=10)
+
+
+def redis_server(port: int, tmp_path: Path) -> subprocess.Popen:
+    """A throwaway redis-server without persistence: a restart comes back empty, the harder case."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed"
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    client.close()
+    return proc
+
+
+def test_redis_outage_answers_503_quickly_and_recovers_without_a_restart(
+    transactional_db, model_files, tmp_path,  # noqa: ANN001
+) -> None:
+    register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
+    key = mint_key()
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = redis_server(port, tmp_path)
+    procs = [start_web(tmp_path, url), start_node("node-a", tmp_path, url)]
+    web, node = procs
+    client = redis.Redis(port=port)
+    try:
+        wait_for("the node ready", lambda: ready_on(client, "node-a", "digits:1"), procs)
+        wait_for("the web process ready", lambda: web_ready(web), procs)
+        # given inference served through Redis
+        resp, _ = digits(web, key)
+        assert resp.status == 200, resp.body
+
+        # when Redis stops
+        server.terminate()
+        server.wait(timeout=10)
+        time.sleep(0.5)
+        # then inference answers 503 with Retry-After, quickly: not at the 1 s deadline, not hanging
+        for _ in range(10):
+            resp, seconds = digits(web, key)
+            assert resp.status == 503, (resp.status, resp.body)
+            assert resp.headers.get("retry-after") == "1", resp.headers
+            assert seconds < 0.5, seconds
+
+        # when Redis comes back, empty (no persistence), on the same port
+        server = redis_server(port, tmp_path)
+        # then inference recovers by itself: the node re-announces itself and re-creates its consumer group,
+        # the gateway its reply stream, and both keep the routing snapshot they hold
+        restarted = time.monotonic()
+        statuses: list[int] = []
+        while not statuses or statuses[-1] != 200:
+            assert time.monotonic() - restarted < 15, Counter(statuses)
+            resp, seconds = digits(web, key)
+            statuses.append(resp.status)
+            assert resp.status in (200, 503), (resp.status, resp.body)
+            time.sleep(0.1)
+        print(f"recovered {time.monotonic() - restarted:.2f}s after Redis returned: {Counter(statuses)}")
+        for _ in range(20):
+            resp, _ = digits(web, key)
+            assert resp.status == 200, resp.body
+        for proc in procs:
+            proc.alive()  # the same processes
+    finally:
+        for proc in procs:
+            proc.stop()
+        server.terminate()
+        server.wait(timeout=10)
+        client.close()
+        for proc in procs:
+            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-6000:]}")

@@ -134,7 +134,7 @@ class NodeProcess:
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
-        self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"))
+        self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
 
     # -- membership ------------------------------------------------------------------------
 
@@ -362,6 +362,9 @@ class NodeProcess:
         while True:
             try:
                 await self.consume_once()
+                if backoff > 0.05:  # back from an outage: the replies' pooled connection died in it
+                    await self._pipe.reset()
+                    log.info("reading requests works again")
                 backoff = 0.05
             except (redis.RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying in %.2fs", exc, backoff)

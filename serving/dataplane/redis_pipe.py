@@ -28,8 +28,13 @@ def client(url: str, *, socket_timeout: float = COMMAND_TIMEOUT_S, name: str | N
 
 
 class Pipe:
-    def __init__(self, redis_client: aioredis.Redis) -> None:
+    """`retry_once`: send a batch again, once, when its connection failed. For idempotent work only (a node's
+    replies: a second copy of a reply is ignored, XACK and XDEL are idempotent): a command may have reached
+    Redis before its connection broke."""
+
+    def __init__(self, redis_client: aioredis.Redis, *, retry_once: bool = False) -> None:
         self.client = redis_client
+        self.retry_once = retry_once
         self._pending: list[tuple[tuple, asyncio.Future | None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -64,11 +69,8 @@ class Pipe:
             batch, self._pending = self._pending, []
             if not batch:
                 continue
-            pipe = self.client.pipeline(transaction=False)
-            for args, _ in batch:
-                pipe.execute_command(*args)
             try:
-                results = await pipe.execute(raise_on_error=False)
+                results = await self._execute(batch)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the connection: every command of the batch failed
@@ -87,3 +89,21 @@ class Pipe:
                         future.set_exception(result)
                     else:
                         future.set_result(result)
+
+    async def _execute(self, batch: list[tuple[tuple, asyncio.Future | None]]) -> list:
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for args, _ in batch:
+                pipe.execute_command(*args)
+            try:
+                return await pipe.execute(raise_on_error=False)
+            except (ConnectionError, OSError, aioredis.ConnectionError) as exc:
+                # A pooled connection that died in an outage fails its first use; the pool opens a new one.
+                if attempt == 2 or not self.retry_once:
+                    raise
+                log.info("redis pipeline failed (%s); sending it again on a new connection", exc)
+        raise AssertionError("unreachable")
+
+    async def reset(self) -> None:
+        """Drop the pooled connections (after an outage), so the next batch does not fail on a dead one."""
+        await self.client.connection_pool.disconnect()

@@ -184,8 +184,9 @@ class RedisStreamsTransport:
             while True:
                 try:
                     await self._ensure_reply_stream(client)
-                    if not self.connected:
-                        log.info("Redis reachable again: accepting requests")
+                    if not self.connected and self._pipe is not None:
+                        await self._pipe.reset()  # its connection died with the outage
+                        log.info("Redis reachable: accepting requests")
                     self.connected = True
                     backoff = 0.05
                     while True:
