@@ -28,7 +28,16 @@ from django.conf import settings as django_settings
 from django.db import connection
 
 from serving.dataplane import fleet
-from serving.dataplane.stream_codec import FIELD, GROUP, StreamRequest, decode_reply, encode_request, request_stream
+from serving.dataplane.stream_codec import (
+    FIELD,
+    GROUP,
+    REPLIES,
+    StreamRequest,
+    decode_reply,
+    encode_request,
+    request_stream,
+    unpack_replies,
+)
 from tests.conftest import free_port, mint_key, register
 from tests.test_inference_http import Resp, call, digits_request
 
@@ -120,6 +129,13 @@ def ready_on(client: redis.Redis, name: str, key: str) -> bool:
 def node_counts(client: redis.Redis, name: str) -> dict[str, int]:
     raw = client.hgetall(fleet.node_key(name))
     return fleet.NodeInfo.from_hash(raw).counts if raw else {}
+
+
+def replies_on(client: redis.Redis, reply_to: bytes) -> list:
+    """Every reply on the reply stream `reply_to` so far (waits up to a second for one)."""
+    answer = client.xread({reply_to: "0-0"}, block=1000, count=1000)
+    return [decode_reply(r) for _, entries in answer for _, f in entries if REPLIES in f
+            for r in unpack_replies(f[REPLIES])]
 
 
 def web_ready(web: Proc) -> bool:
@@ -239,18 +255,16 @@ def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:
     stream = request_stream("digits:1")
     request = StreamRequest(1, reply_to, time.time() + 20, None, 1, 1,
                             {"input": np.zeros((1, 64), np.float32)}, None)
-    redis_db.xadd(stream, {FIELD: encode_request(request)})
-    taken = redis_db.xreadgroup(GROUP, "ghost:0", {stream: ">"}, count=1)
-    # (the live nodes race the ghost for the entry; retry until the ghost holds one)
-    while not taken or not taken[0][1]:
-        redis_db.xadd(stream, {FIELD: encode_request(request)})
-        taken = redis_db.xreadgroup(GROUP, "ghost:0", {stream: ">"}, count=1)
-    answer = redis_db.xread({reply_to: "0-0"}, block=10_000, count=10)
-    replies = [decode_reply(f[FIELD]) for _, entries in answer for _, f in entries if FIELD in f]
+    # (added and read by the ghost in one transaction: no live node can take it first)
+    atomic = redis_db.pipeline(transaction=True)
+    atomic.xadd(stream, {FIELD: encode_request(request)})
+    atomic.xreadgroup(GROUP, "ghost:0", {stream: ">"}, count=1)
+    added, taken = atomic.execute()
+    assert taken[0][1][0][0] == added
     deadline = time.monotonic() + 10
+    replies = replies_on(redis_db, reply_to)
     while not any(r.error is None and r.id == 1 for r in replies) and time.monotonic() < deadline:
-        answer = redis_db.xread({reply_to: "0-0"}, block=1000, count=100)
-        replies = [decode_reply(f[FIELD]) for _, entries in answer for _, f in entries if FIELD in f]
+        replies = replies_on(redis_db, reply_to)
     assert any(r.error is None and r.outputs["scores"].shape == (1, 10) for r in replies), replies
     wait_for("a node to report the claim", lambda: sum(
         node_counts(redis_db, n).get("claimed", 0) for n in ("node-a", "node-b")) >= 1, [web, node_a, node_b],
@@ -266,9 +280,7 @@ def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:
     deadline = time.monotonic() + 10
     errors = []
     while not errors and time.monotonic() < deadline:
-        answer = redis_db.xread({reply_to: "0-0"}, block=1000, count=100)
-        errors = [r for _, entries in answer for _, f in entries if FIELD in f
-                  for r in [decode_reply(f[FIELD])] if r.id == 2]
+        errors = [r for r in replies_on(redis_db, reply_to) if r.id == 2]
     assert errors and errors[0].error.status == 500 and "malformed" in errors[0].error.message, errors
     node_a.alive()
     node_b.alive()

@@ -36,10 +36,12 @@ from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub
 from serving.dataplane.stream_codec import (
     FIELD,
     GROUP,
+    REPLIES,
     MalformedMessage,
     decode_request,
     encode_error,
     encode_success,
+    pack_replies,
     request_stream,
 )
 
@@ -130,6 +132,9 @@ class NodeProcess:
         self._reconciling: asyncio.Task[None] | None = None
         self._pending: RoutingSnapshot | None = None
         self.reconciled_serial = 0
+        self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
+        self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
+        self._flush_scheduled = False
         self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0}
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
@@ -271,8 +276,9 @@ class NodeProcess:
             self.counts["errors"] += 1
             metrics.INTERNAL_ERRORS.labels("node_stream").inc()
             log.exception("serving stream entry %s of %s failed", entry_id, key)
-        self._pipe.send("XACK", stream, GROUP, entry_id, wait=False)
-        self._pipe.send("XDEL", stream, entry_id, wait=False)
+        # After its reply (queued first, flushed first): an entry is acknowledged once answered.
+        self._acks.setdefault(stream, []).append(entry_id)
+        self._schedule_flush()
 
     async def _answer(self, key: str, raw: bytes | None) -> None:
         try:
@@ -308,8 +314,26 @@ class NodeProcess:
         self._reply(request.reply_to, payload)
 
     def _reply(self, reply_to: bytes, payload: bytes) -> None:
-        # NOMKSTREAM: a gateway that died took its reply stream with it (TTL); no stream is left behind.
-        self._pipe.send("XADD", reply_to, "NOMKSTREAM", "MAXLEN", "~", REPLY_MAXLEN, "*", FIELD, payload, wait=False)
+        self._outbox.setdefault(reply_to, []).append(payload)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """What this turn of the loop answered: one XADD per gateway, one XACK and one XDEL per stream."""
+        self._flush_scheduled = False
+        outbox, self._outbox = self._outbox, {}
+        acks, self._acks = self._acks, {}
+        for reply_to, payloads in outbox.items():
+            # NOMKSTREAM: a gateway that died took its reply stream with it (TTL); no stream is left behind.
+            self._pipe.send("XADD", reply_to, "NOMKSTREAM", "MAXLEN", "~", REPLY_MAXLEN, "*", REPLIES,
+                            pack_replies(payloads), wait=False)
+        for stream, ids in acks.items():
+            self._pipe.send("XACK", stream, GROUP, *ids, wait=False)
+            self._pipe.send("XDEL", stream, *ids, wait=False)
 
     # -- lost nodes ------------------------------------------------------------------------
 

@@ -21,7 +21,10 @@ from serving.dataplane.errors import DeadlineExceeded, ModelFailed, NotFound, Se
 from serving.dataplane.protocol import DATATYPES
 from serving.dataplane.transport import Outputs
 
-FIELD = b"m"  # each stream entry holds one field: the msgpack message
+FIELD = b"m"  # a request stream entry holds one field: the msgpack request
+# A reply stream entry holds one field: the replies a node had ready for that gateway at once (the requests
+# of a batch finish together), as a msgpack array of encoded replies. One XADD per gateway per flush.
+REPLIES = b"r"
 GROUP = "nodes"  # one consumer group per version stream; every node hosting the version is a consumer
 # The dtypes a tensor may carry: the protocol's, by their numpy names ("<f4", "|b1", ...).
 _DTYPES = {dtype.str: dtype for dtype in DATATYPES.values()}
@@ -200,3 +203,17 @@ def decode_reply(raw: bytes) -> StreamReply:
     if retry_after is not None and (not isinstance(retry_after, float | int) or isinstance(retry_after, bool)):
         retry_after = None
     return StreamReply(request_id, error=_error(status, message, retry_after, doc.get("shed")))
+
+
+def pack_replies(replies: list[bytes]) -> bytes:
+    return msgpack.packb(replies)
+
+
+def unpack_replies(raw: bytes) -> list[bytes]:
+    try:
+        replies = msgpack.unpackb(raw)
+    except Exception as exc:
+        raise MalformedMessage(f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(replies, list) or not all(isinstance(r, bytes) for r in replies):
+        raise MalformedMessage("a reply entry must be an array of replies")
+    return replies

@@ -33,11 +33,13 @@ from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unava
 from serving.dataplane.snapshot import VersionEntry
 from serving.dataplane.stream_codec import (
     FIELD,
+    REPLIES,
     MalformedMessage,
     StreamRequest,
     decode_reply,
     encode_request,
     request_stream,
+    unpack_replies,
 )
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,17 @@ class RedisStreamsTransport:
 
     # -- replies ---------------------------------------------------------------------------
 
+    def _resolve_all(self, raw: bytes) -> None:
+        try:
+            replies = unpack_replies(raw)
+        except MalformedMessage as exc:
+            self.malformed_replies += 1
+            metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
+            log.error("malformed reply entry on %s: %s", self.reply_to.decode(), exc)
+            return  # whoever waited for these gets 504 at their deadline
+        for reply in replies:
+            self._resolve(reply)
+
     def _resolve(self, raw: bytes) -> None:
         try:
             reply = decode_reply(raw)
@@ -194,9 +207,9 @@ class RedisStreamsTransport:
                         for _, entries in answer:
                             for entry_id, fields in entries:
                                 last = entry_id
-                                raw = fields.get(FIELD)
+                                raw = fields.get(REPLIES)
                                 if raw is not None:
-                                    self._resolve(raw)
+                                    self._resolve_all(raw)
                 except asyncio.CancelledError:
                     raise
                 except (redis.RedisError, OSError) as exc:

@@ -37,7 +37,9 @@ class Command(BaseCommand):
         facts = facts_for(options["name"], device, options["accelerator"], memory, labels,
                           settings.FERRY_NODE_MEMORY_BYTES)
         try:
-            asyncio.run(self._run(facts))
+            # uvloop, as the web process runs (frontdoor.uvicorn_config): the stream hop is mostly event-loop work.
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(self._run(facts))
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
 
@@ -55,3 +57,11 @@ class Command(BaseCommand):
         self.stdout.flush()
         await stopping.wait()
         await process.stop()
+
+
+def _loop_factory():  # noqa: ANN202
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
