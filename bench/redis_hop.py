@@ -1,15 +1,16 @@
 """What the Redis Streams hop costs: embedded mode against one web process + one `runnode` process.
 
-Same data dir (SQLite, the demo models), same model (digits), same open-loop load from `bench.loadgen`
-(request i leaves at t0 + i/rate; latency from the scheduled time). Per mode, requests one at a time
-(no queueing: the difference between the modes is the hop alone), then two open-loop steps:
-- a light fixed rate, where queueing is small: p50/p99 there are mostly the path itself, so the
-  difference between the modes is what the hop adds;
-- a heavy fixed rate: the throughput each mode achieves at it (completed 2xx/s) and its tail.
-Quotas are off in both modes (FERRY_QUOTAS=false), so the distributed numbers carry no quota round trip
-to Redis: only the hop. Under 2 minutes on the 2-core dev box.
+Both run side by side on one data dir (SQLite; the digits network, briefly trained) with quotas off
+(FERRY_QUOTAS=false), so the distributed numbers carry no quota round trip to Redis: only the hop.
+- One at a time: requests alternate between the two, one after another: no queueing, and whatever else
+  loads the machine loads both alike, so the difference is the hop.
+- Open loop (`bench.loadgen`: request i leaves at t0 + i/rate, latency from the scheduled time) at a light
+  rate (the path's latency) and a heavy one (the throughput each achieves and its tail), the modes
+  alternating round by round; medians over the rounds.
+Under 2 minutes on the 2-core dev box.
 
-    python -m bench.redis_hop [--redis redis://127.0.0.1:6379/4] [--light 100] [--heavy 600] [--seconds 6]
+    python -m bench.redis_hop [--redis redis://127.0.0.1:6379/4] [--light 100] [--heavy 600] [--seconds 5]
+                              [--rounds 2] [--record docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import redis
 
-from bench import loadgen
+from bench import loadgen, report
+from bench.report import splice_section
 from bench.run import digits_body
 from bench.server import HEADERS, ROOT, Server, free_port, manage, say, use_key
+
+START, END = "<!-- redishop:start -->", "<!-- redishop:end -->"
 
 
 def setup(env: dict[str, str]) -> None:
@@ -76,39 +81,99 @@ class Node:
                 self.proc.wait()
 
 
-def one_at_a_time(port: int, n: int = 300) -> tuple[float, float]:
-    """p50 and p99 (ms) of `n` requests sent one after another on one keep-alive connection: no queueing
-    at all, so the difference between the modes is the hop alone."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+MODES = ("embedded", "web+node")
+
+
+def one_at_a_time(ports: dict[str, int], n: int = 400) -> dict[str, tuple[float, float]]:
+    """p50 and p99 (ms) per mode of `n` requests each sent one after another on a keep-alive connection,
+    alternating between the modes request by request: no queueing, and whatever else loads the machine
+    loads both alike, so the difference between the modes is the hop."""
+    conns = {mode: http.client.HTTPConnection("127.0.0.1", port, timeout=10) for mode, port in ports.items()}
     body = digits_body()
-    latencies = []
+    latencies: dict[str, list[float]] = {mode: [] for mode in ports}
     try:
         for _ in range(n):
-            started = time.perf_counter()
-            conn.request("POST", "/v2/models/digits/infer", body=body, headers=HEADERS)
-            resp = conn.getresponse()
-            resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"one-at-a-time probe answered {resp.status}")
-            latencies.append((time.perf_counter() - started) * 1000)
-            time.sleep(0.002)
+            for mode, conn in conns.items():
+                started = time.perf_counter()
+                conn.request("POST", "/v2/models/digits/infer", body=body, headers=HEADERS)
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{mode}: one-at-a-time probe answered {resp.status}")
+                latencies[mode].append((time.perf_counter() - started) * 1000)
+                time.sleep(0.001)
     finally:
-        conn.close()
-    p50, p99 = np.percentile(latencies, [50, 99])
-    say(f"  one at a time: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
-    return float(p50), float(p99)
+        for conn in conns.values():
+            conn.close()
+    result = {mode: tuple(float(v) for v in np.percentile(values, [50, 99])) for mode, values in latencies.items()}
+    for mode, (p50, p99) in result.items():
+        say(f"  {mode}, one at a time: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    return result  # type: ignore[return-value]
 
 
-def measure(base: str, rates: tuple[float, float], seconds: float) -> list[loadgen.LoadResult]:
-    url = f"{base}/v2/models/digits/infer"
+@dataclass
+class Step:
+    """One offered rate, run `rounds` times per mode with the modes alternating; medians over the rounds."""
+
+    rate: float
+    runs: dict[str, list[loadgen.LoadResult]]
+
+    def median(self, mode: str, field: str) -> float:
+        return float(np.median([getattr(r, field) for r in self.runs[mode]]))
+
+
+def open_loop(bases: dict[str, str], rate: float, seconds: float, rounds: int) -> Step:
     body = digits_body()
-    results = []
-    for rate in rates:
-        result = loadgen.arun(loadgen.run(url, body, dict(HEADERS), rate, seconds, warmup=1.0, progress=False))
-        say(f"  {rate:.0f} req/s offered: {result.achieved_rate:.0f}/s ok, p50 {result.p50_ms:.2f} ms,"
-            f" p99 {result.p99_ms:.2f} ms, errors {result.errors_by_status or {}} {result.client_errors_by_kind or {}}")
-        results.append(result)
-    return results
+    runs: dict[str, list[loadgen.LoadResult]] = {mode: [] for mode in bases}
+    for rnd in range(rounds):
+        order = list(bases) if rnd % 2 == 0 else list(reversed(bases))
+        for mode in order:
+            url = f"{bases[mode]}/v2/models/digits/infer"
+            r = loadgen.arun(loadgen.run(url, body, dict(HEADERS), rate, seconds, warmup=1.0, progress=False))
+            say(f"  {mode}, {rate:.0f} req/s offered: {r.achieved_rate:.0f}/s ok, p50 {r.p50_ms:.2f} ms,"
+                f" p99 {r.p99_ms:.2f} ms, errors {r.errors_by_status or {}} {r.client_errors_by_kind or {}}")
+            runs[mode].append(r)
+    return Step(rate, runs)
+
+
+def section(a: argparse.Namespace, alone: dict[str, tuple[float, float]], steps: list[Step], command: str) -> str:
+    e, d = MODES
+    rows = [("p50 ms, one at a time", alone[e][0], alone[d][0]), ("p99 ms, one at a time", alone[e][1], alone[d][1])]
+    for step in steps:
+        rows += [(f"throughput /s at {step.rate:.0f}/s offered", step.median(e, "achieved_rate"),
+                  step.median(d, "achieved_rate")),
+                 (f"p50 ms at {step.rate:.0f}/s", step.median(e, "p50_ms"), step.median(d, "p50_ms")),
+                 (f"p99 ms at {step.rate:.0f}/s", step.median(e, "p99_ms"), step.median(d, "p99_ms"))]
+    errors = [f"{mode} at {step.rate:.0f}/s: {r.errors_by_status} {r.client_errors_by_kind}"
+              for step in steps for mode, results in step.runs.items() for r in results if r.errors]
+    hop = alone[d][0] - alone[e][0]
+    load = os.getloadavg()[0]
+    lines = [
+        START,
+        "## What the Redis hop costs",
+        "",
+        f"`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, digits (max batch 64, 2 ms window),"
+        " quotas off in both modes, both running side by side: **embedded** is one `manage.py serve`;"
+        " **web+node** is `serve` with `FERRY_EMBEDDED_NODE=false` and one `manage.py runnode`, through Redis."
+        " One at a time: 400 requests to each, alternating request by request, no queueing. Then open loop"
+        f" at each rate, {a.rounds} rounds of {a.seconds:.0f} s per mode, the modes alternating; medians over"
+        f" the rounds. Load average {load:.1f} on this machine's {os.cpu_count()} cores at the end (other work"
+        " shares them).",
+        "",
+        "| | embedded | web+node | added |",
+        "|---|---|---|---|",
+        *(f"| {label} | {ev:.2f} | {dv:.2f} | {dv - ev:+.2f} |" for label, ev, dv in rows),
+        "",
+        f"The hop adds **{hop:.2f} ms at p50** one at a time (target < 2 ms: {'met' if hop < 2.0 else 'NOT met'}).",
+        *(["", f"Errors: {'; '.join(errors)}."] if errors else []),
+        "",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def kept_section(text: str) -> str:
+    return report.kept_section(text, START, END)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,46 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis", default="redis://127.0.0.1:6379/4", help="a Redis database this run may flush")
     p.add_argument("--light", type=float, default=100.0, help="req/s of the latency step")
     p.add_argument("--heavy", type=float, default=600.0, help="req/s of the throughput step")
-    p.add_argument("--seconds", type=float, default=6.0, help="measured seconds per step")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
+    p.add_argument("--rounds", type=int, default=2, help="runs per rate and mode, the modes alternating")
+    p.add_argument("--record", type=Path, help="write the result into this report (e.g. docs/benchmarks.md)")
     a = p.parse_args(argv)
-    rates = (a.light, a.heavy)
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-hop-"))
     env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "FERRY_QUOTAS": "false"}
     for name in ("REDIS_URL", "DATABASE_URL"):
         env.pop(name, None)  # SQLite in the data dir for both modes: the hop is the only difference
+    remote_env = {**env, "REDIS_URL": a.redis, "FERRY_EMBEDDED_NODE": "false"}
     client = redis.Redis.from_url(a.redis)
     try:
         setup(env)
-        say("embedded mode: one process, in-process node")
-        with Server(env, free_port(), data_dir / "embedded.log") as server:
-            server.wait_ready(("digits",))
-            embedded_alone = one_at_a_time(server.port)
-            embedded = measure(server.base, rates, a.seconds)
-        say(f"distributed mode: web (FERRY_EMBEDDED_NODE=false) + runnode, through Redis at {a.redis}")
         client.flushdb()
-        remote_env = {**env, "REDIS_URL": a.redis, "FERRY_EMBEDDED_NODE": "false"}
-        with Server(remote_env, free_port(), data_dir / "web.log") as server, Node(remote_env, data_dir / "node.log"):
-            server.wait_ready(("digits",))
-            distributed_alone = one_at_a_time(server.port)
-            distributed = measure(server.base, rates, a.seconds)
+        say(f"embedded: one process; web+node: FERRY_EMBEDDED_NODE=false + runnode, through Redis at {a.redis}")
+        with (Server(env, free_port(), data_dir / "embedded.log") as embedded,
+              Server(remote_env, free_port(), data_dir / "web.log") as web, Node(remote_env, data_dir / "node.log")):
+            embedded.wait_ready(("digits",))
+            web.wait_ready(("digits",))
+            alone = one_at_a_time({"embedded": embedded.port, "web+node": web.port})
+            bases = {"embedded": embedded.base, "web+node": web.base}
+            steps = [open_loop(bases, rate, a.seconds, a.rounds) for rate in (a.light, a.heavy)]
     finally:
         client.flushdb()
         client.close()
         shutil.rmtree(data_dir, ignore_errors=True)
-    print(f"\nRedis hop on digits (open loop, {a.seconds:.0f} s measured per step, quotas off)")
-    print(f"{'':24}{'embedded':>12}{'web+node':>12}{'added':>10}")
-    for label, e, d in (("p50 ms one at a time", embedded_alone[0], distributed_alone[0]),
-                        ("p99 ms one at a time", embedded_alone[1], distributed_alone[1])):
-        print(f"{label:24}{e:12.2f}{d:12.2f}{d - e:+10.2f}")
-    for label, pick in (("p50 ms", "p50_ms"), ("p99 ms", "p99_ms")):
-        e, d = getattr(embedded[0], pick), getattr(distributed[0], pick)
-        print(f"{label + f' @ {a.light:.0f}/s':24}{e:12.2f}{d:12.2f}{d - e:+10.2f}")
-    for label, pick in (("throughput /s", "achieved_rate"), ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms")):
-        e, d = getattr(embedded[1], pick), getattr(distributed[1], pick)
-        print(f"{label + f' @ {a.heavy:.0f}/s':24}{e:12.2f}{d:12.2f}{d - e:+10.2f}")
-    hop = distributed_alone[0] - embedded_alone[0]
-    print(f"\nhop adds {hop:.2f} ms at p50 one at a time, {distributed[0].p50_ms - embedded[0].p50_ms:.2f} ms at"
-          f" {a.light:.0f}/s (target < 2 ms): {'met' if hop < 2.0 else 'NOT met'} one at a time")
+    command = " ".join(["python -m bench.redis_hop", *(argv if argv is not None else sys.argv[1:])])
+    text = section(a, alone, steps, command)
+    print(text)
+    if a.record:
+        splice_section(a.record, START, END, text)
     return 0
 
 

@@ -68,8 +68,7 @@ async def served() -> AsyncIterator[Served]:
     process = NodeProcess(node, REDIS_URL, Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30))
     await process.claim_name()
     await process.ensure_groups()
-    process._pipe.start()
-    consuming = asyncio.get_running_loop().create_task(process._consume_forever())
+    process.serve()
     transport = RedisStreamsTransport(REDIS_URL)
     await transport.start()
     async with asyncio.timeout(10):
@@ -78,7 +77,6 @@ async def served() -> AsyncIterator[Served]:
     try:
         yield Served(process, transport, runtime, client)
     finally:
-        consuming.cancel()
         await transport.close()
         await process.stop(drain_seconds=1)
         client.flushdb()

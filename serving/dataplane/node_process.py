@@ -166,13 +166,19 @@ class NodeProcess:
         await pipe.execute()
 
     async def claim_name(self) -> None:
-        """Refuse to start under the name of a live node: two processes would overwrite one heartbeat."""
-        raw = await self._client.hgetall(fleet.node_key(self.facts.name))
-        if raw:
+        """Join the fleet under this node's name. A heartbeat hash under it that is still renewed is a live
+        node: refuse (two processes would overwrite one heartbeat). One that is not (a node killed moments
+        ago, restarted at once) expires within the TTL: wait for that."""
+        key = fleet.node_key(self.facts.name)
+        deadline = self._clock() + fleet.TTL_SECONDS + 1
+        while raw := await self._client.hgetall(key):
             other = fleet.NodeInfo.from_hash(raw)
-            if other.instance != self.instance:
+            if other.instance == self.instance:
+                break
+            if self._clock() > deadline:
                 raise RuntimeError(f"a live node named {self.facts.name!r} exists (pid {other.pid} on {other.host});"
-                                   f" pick another --name or wait {fleet.TTL_SECONDS}s after it stopped")
+                                   " pick another --name")
+            await asyncio.sleep(0.25)
         await self.heartbeat_once()
 
     async def leave(self) -> None:
@@ -391,15 +397,21 @@ class NodeProcess:
                     log.info("reading requests works again")
                 backoff = 0.05
             except (redis.RedisError, OSError) as exc:
-                log.warning("reading requests failed (%s); retrying in %.2fs", exc, backoff)
+                (log.warning if backoff == 0.05 else log.debug)("reading requests failed (%s); retrying", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+
+    def serve(self) -> None:
+        """Start consuming the hosted versions' streams, answering, and claiming from lost nodes."""
+        loop = asyncio.get_running_loop()
+        self._pipe.start()
+        self._loops.append(loop.create_task(self._consume_forever()))
+        self._loops.append(loop.create_task(self._every(RECLAIM_SECONDS, self.reclaim_once, "claiming")))
 
     async def start(self, first_snapshot_timeout: float = 60.0) -> None:
         """Join the fleet, follow the snapshot, load what it hosts, then serve."""
         await self.claim_name()
         loop = asyncio.get_running_loop()
-        self._pipe.start()
         self._loops.append(loop.create_task(self._every(fleet.HEARTBEAT_SECONDS, self.heartbeat_once, "heartbeat")))
         self.hub.subscribe(self.on_snapshot)
         self._loops.append(loop.create_task(snapshot_redis.follow(self.url, self.hub)))
@@ -409,8 +421,7 @@ class NodeProcess:
         if self.reconciled_serial == 0:
             log.warning("no routing snapshot in Redis after %.0fs; serving once one is published",
                         first_snapshot_timeout)
-        self._loops.append(loop.create_task(self._consume_forever()))
-        self._loops.append(loop.create_task(self._every(RECLAIM_SECONDS, self.reclaim_once, "claiming")))
+        self.serve()
         await self.heartbeat_once()
         log.info("node %s (%s, %s) serving %s", self.facts.name, self.facts.accelerator, self.node.device,
                  sorted(self.node.hosted) or "nothing yet")
