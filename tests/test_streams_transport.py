@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import redis
 
+from serving.dataplane import fleet
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, Shed, Unavailable
 from serving.dataplane.node import Node
 from serving.dataplane.node_process import Facts, NodeProcess
@@ -146,3 +147,21 @@ async def test_a_gateway_without_redis_refuses_at_once() -> None:
         assert caught.value.retry_after == 1
     finally:
         await transport.close()
+
+
+async def test_a_second_node_under_a_live_node_s_name_refuses_to_start(served: Served) -> None:
+    # given the node "unit" heartbeating
+    beating = asyncio.get_running_loop().create_task(
+        served.process._every(fleet.HEARTBEAT_SECONDS, served.process.heartbeat_once, "heartbeat"))
+    twin = NodeProcess(Node(artifact_path=lambda sha: None, device="cpu"), REDIS_URL,  # type: ignore[arg-type]
+                       Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+    try:
+        # when another process starts under its name, it waits out a heartbeat's TTL, then refuses
+        with pytest.raises(RuntimeError, match="a live node named 'unit' exists"):
+            await twin.claim_name()
+        # and the live node's heartbeat is its own still
+        assert fleet.NodeInfo.from_hash(served.client.hgetall(fleet.node_key("unit"))).instance == \
+            served.process.instance
+    finally:
+        beating.cancel()
+        await twin.stop(drain_seconds=0)

@@ -54,6 +54,10 @@ class NodeInfo:
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
 
+    @staticmethod
+    def encode_field(value: object) -> bytes:
+        return orjson.dumps(value)
+
     def to_hash(self) -> dict[str, bytes]:
         doc = {
             "name": self.name, "instance": self.instance, "host": self.host, "pid": self.pid,
@@ -62,7 +66,7 @@ class NodeInfo:
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
             "serial": self.serial, "ready": sorted(self.ready), "failures": self.failures, "counts": self.counts,
         }
-        return {k: orjson.dumps(v) for k, v in doc.items()}
+        return {k: self.encode_field(v) for k, v in doc.items()}
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> NodeInfo:

@@ -182,10 +182,9 @@ class NodeProcess:
         await self.heartbeat_once()
 
     async def leave(self) -> None:
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(fleet.node_key(self.facts.name))
-        pipe.srem(fleet.NODES_KEY, self.facts.name)
-        await pipe.execute()
+        """Remove this node's heartbeat, if it is this process's (not a namesake's that refused this one)."""
+        await self._client.eval(_LEAVE, 2, fleet.node_key(self.facts.name), fleet.NODES_KEY,
+                                fleet.NodeInfo.encode_field(self.instance), self.facts.name)
 
     # -- what it hosts ---------------------------------------------------------------------
 
@@ -438,14 +437,27 @@ class NodeProcess:
             log.warning("leaving the fleet failed (%s); the heartbeat expires in %ds", exc, fleet.TTL_SECONDS)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=drain_seconds)
-        try:
-            await self._pipe.send("PING")  # the replies queued before it are sent once it answers
-        except (redis.RedisError, OSError):
-            pass
+        if self._pipe.started:
+            try:
+                async with asyncio.timeout(redis_pipe.COMMAND_TIMEOUT_S * 2):
+                    await self._pipe.send("PING")  # the replies queued before it are sent once it answers
+            except (redis.RedisError, OSError, TimeoutError):
+                pass
         await self._pipe.close()
         await self.node.close()
         for client in (self._client, self._reader, self._pipe.client):
             await client.aclose()
+
+
+# KEYS: the node's hash, the fleet set; ARGV: its instance (as the hash stores it), its name.
+_LEAVE = """
+if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+"""
 
 
 def _key_of(stream: bytes | str) -> str:

@@ -39,6 +39,10 @@ class Pipe:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ferry-redis-pipe")
 
