@@ -138,6 +138,13 @@ async def test_an_entry_past_its_deadline_is_never_run(served: Served) -> None:
     assert served.process.counts["served"] == 0
 
 
+async def test_a_request_whose_client_left_is_never_sent(served: Served) -> None:
+    with pytest.raises(Exception) as caught:
+        await served.transport.infer(entry("m"), rows(1), 1, deadline(), 1, gone=lambda: True)
+    assert caught.value.status == 499
+    assert served.client.xlen(request_stream("m:1")) == 0 and served.runtime.calls is None
+
+
 async def test_a_gateway_without_redis_refuses_at_once() -> None:
     transport = RedisStreamsTransport(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     await transport.start()

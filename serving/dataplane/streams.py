@@ -111,6 +111,8 @@ class RedisStreamsTransport:
         now = self._clock()
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was sent")
+        if gone is not None and gone():  # its client left before it was sent: never sent, never run
+            raise ServingError("the client closed the connection", status=499)
         if not self.connected or self._pipe is None:
             raise Unavailable("the request queue (Redis) is unreachable", retry_after=1)
         key = entry.key
