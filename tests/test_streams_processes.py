@@ -194,12 +194,19 @@ def join(threads_of_load: list[threading.Thread]) -> None:
         assert not w.is_alive(), "a client still waits for an answer"
 
 
+def clear(client: redis.Redis) -> None:
+    """Remove what Ferry keeps in the test database (snapshots, streams, the fleet, reply streams)."""
+    keys = list(client.scan_iter("ferry:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
 @pytest.fixture
 def redis_db() -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()  # this test's own database number: snapshots, streams, fleet
+    clear(client)  # snapshots, streams, fleet: every ferry key of the test database
     yield client
-    client.flushdb()
+    clear(client)
     client.close()
 
 

@@ -27,6 +27,7 @@ from serving.dataplane.streams import RedisStreamsTransport
 from tests.conftest import free_port
 from tests.test_admission import StandIn, rows
 from tests.test_admission import entry as admission_entry
+from tests.test_streams_processes import clear
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 LONG = 30.0  # seconds: a deadline no test waits for
@@ -62,7 +63,7 @@ class Served:
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
     client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()  # this suite's own database number
+    clear(client)  # every ferry key of the test database: streams, fleet
     node = Node(artifact_path=lambda sha: None, device="cpu")  # type: ignore[arg-type]
     runtime = Recording()
     node.host(entry("m", max_batch=4), runtime, {1: 0.001, 4: 0.001})
@@ -80,7 +81,7 @@ async def served() -> AsyncIterator[Served]:
     finally:
         await transport.close()
         await process.stop(drain_seconds=1)
-        client.flushdb()
+        clear(client)
         client.close()
 
 
