@@ -19,7 +19,7 @@ import redis
 from serving.dataplane import fleet
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, Shed, Unavailable
 from serving.dataplane.node import Node
-from serving.dataplane.node_process import Facts, NodeProcess
+from serving.dataplane.node_process import Facts, NodeProcess, parse_bytes, parse_labels
 from serving.dataplane.runtime import RuntimeFailure
 from serving.dataplane.snapshot import VersionEntry
 from serving.dataplane.stream_codec import FIELD, StreamRequest, encode_request, request_stream
@@ -173,3 +173,23 @@ async def test_a_second_node_under_a_live_node_s_name_refuses_to_start(served: S
     finally:
         beating.cancel()
         await twin.stop(drain_seconds=0)
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("24GiB", 24 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    ("16 gib", 16 * 1024**3),
+])
+def test_runnode_reads_memory_sizes(text: str, size: int) -> None:
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "24GiBs", "-1GiB", "1e9"])
+def test_runnode_refuses_what_is_no_size(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes(text)
+
+
+def test_runnode_reads_labels() -> None:
+    assert parse_labels(["zone=a,tier=gold", "pool = spot"]) == {"zone": "a", "tier": "gold", "pool": "spot"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_labels(["zone"])
