@@ -146,7 +146,19 @@ class InferenceConsumer(AsyncHttpConsumer):
             self._count_unrouted(500)
             status, payload, headers = 500, error_body("internal error; the server logged it"), list(JSON)
         headers = [*headers, (b"content-length", str(len(payload)).encode())]
-        await self.send_response(status, payload, headers=headers)
+        try:
+            head = frontdoor.render_head(headers)
+        except ValueError:
+            log.exception("unsafe response header on %s", self.scope.get("path"))
+            metrics.INTERNAL_ERRORS.labels("inference").inc()
+            self._count_unrouted(500)
+            payload = error_body("internal error; the server logged it")
+            headers = [*JSON, (b"content-length", str(len(payload)).encode())]
+            status, head = 500, frontdoor.render_head(headers)
+        # Standard ASGI messages; "ferry.head" lets the front door's LeanCycle skip uvicorn's per-header work.
+        await self.send({"type": "http.response.start", "status": status, "headers": headers,
+                         "ferry.head": head, "ferry.length": len(payload)})
+        await self.send({"type": "http.response.body", "body": payload})
 
     async def _dispatch(self, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         path = self.scope["path"].rstrip("/")
