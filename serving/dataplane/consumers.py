@@ -179,8 +179,10 @@ class InferenceConsumer(AsyncHttpConsumer):
             if parts[1] == "ready" and not plane.ready:
                 raise Unavailable("not ready: models are loading", retry_after=1)
             return 200, b"", JSON
+        # The headers as a dict, built in C (reversed: the first of a repeated header counts).
+        self.request_headers = headers = dict(reversed(self.scope["headers"]))
         # Everything else needs a key: one dict lookup and one HMAC, against the snapshot in memory.
-        caller = authenticate(self.scope["headers"], plane.gateway.snapshot, plane.pepper, time.time())
+        caller = authenticate(headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
         plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
         if head == "models" and len(parts) >= 2:
             return await self._model_path(plane, caller, method, parts[1:], body)
@@ -217,10 +219,10 @@ class InferenceConsumer(AsyncHttpConsumer):
             except QuotaExceeded as refused:
                 self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
             try:
-                raw_length, routing_key = self._headers(caller)
+                raw_length = self.request_headers.get(b"inference-header-content-length")
                 reply = await gateway.infer(name, version, body, _header_length(raw_length), viewer,
                                             gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1,
-                                            routing_key=routing_key)
+                                            routing_key=self._routing_key(caller))
             finally:
                 if ticket is not None:
                     plane.quota.release(ticket)  # type: ignore[union-attr]
@@ -232,7 +234,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
         if action == "ready":
-            entry = gateway.route(name, version, viewer, self._headers(caller)[1])
+            entry = gateway.route(name, version, viewer, self._routing_key(caller))
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
@@ -240,7 +242,7 @@ class InferenceConsumer(AsyncHttpConsumer):
             entry = model.versions[int(version)] if version is not None else _default(model)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
-            entry = gateway.route(name, version, viewer, self._headers(caller)[1])
+            entry = gateway.route(name, version, viewer, self._routing_key(caller))
             return 200, orjson.dumps(_config(entry)), JSON
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
@@ -342,18 +344,11 @@ class InferenceConsumer(AsyncHttpConsumer):
                 return
         metrics.REQUESTS.labels("", "", str(status)).inc()
 
-    def _headers(self, caller: Caller) -> tuple[bytes | None, str]:
-        """One pass over the headers (the first of each counts): the raw Inference-Header-Content-Length
-        (binary data), and the routing key: X-Ferry-Routing-Key (an end user's id, say), else the API key's
-        prefix, so one key's traffic all goes one way through an experiment or a canary."""
-        length: bytes | None = None
-        routing: bytes | None = None
-        for key, value in self.scope["headers"]:
-            if key == b"inference-header-content-length" and length is None:
-                length = value
-            elif key == b"x-ferry-routing-key" and routing is None:
-                routing = value
-        return length, routing.decode("latin-1") if routing is not None else caller.prefix
+    def _routing_key(self, caller: Caller) -> str:
+        """X-Ferry-Routing-Key (an end user's id, say), else the API key's prefix, so one key's traffic all
+        goes one way through an experiment or a canary."""
+        routing = self.request_headers.get(b"x-ferry-routing-key")
+        return routing.decode("latin-1") if routing is not None else caller.prefix
 
 
 def _header_length(raw: bytes | None) -> int | None:
