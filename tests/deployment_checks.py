@@ -123,6 +123,11 @@ def _celery_problem(args: list[str]) -> str | None:
     return None
 
 
+def cpu_cores(quantity: str | int | float) -> float:
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
 def option(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
@@ -292,6 +297,11 @@ def _container_problems(where: str, container: Doc, volumes: dict[str, Doc], com
     if component == "node":
         if str(resources.get("limits", {}).get(GPU)) != "1":
             problems.append(f"{where}: a node hosts one GPU: limits {GPU}: 1")
+        threads = env.get("FERRY_TORCH_THREADS")
+        cores = cpu_cores(resources.get("limits", {}).get("cpu", "0"))
+        if not threads or not 0 < int(threads) < max(cores, 2):
+            problems.append(f"{where}: set FERRY_TORCH_THREADS below its CPU limit ({cores:g}): the default "
+                            "counts the machine's cores, not the pod's")
         accelerator = option(argv, "--accelerator")
         if accelerator != labels.get("ferry.dev/accelerator"):
             problems.append(f"{where}: --accelerator {accelerator} differs from its pods' label "

@@ -190,6 +190,9 @@ def container(docs: list[dict], name: str) -> dict:
      "must drop ALL capabilities"),
     (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-node-a10g")["spec"]["template"]["spec"]
      ["securityContext"].pop("runAsNonRoot"), "pods must set runAsNonRoot"),
+    (lambda d: container(d, "ferry-node-a10g")["env"].pop(), "set FERRY_TORCH_THREADS below its CPU limit (4)"),
+    (lambda d: container(d, "ferry-node-a10g")["resources"]["limits"].update(cpu="2000m"),
+     "set FERRY_TORCH_THREADS below its CPU limit (2)"),
     (lambda d: container(d, "ferry-node-a10g")["resources"]["limits"].pop("nvidia.com/gpu"),
      "a node hosts one GPU"),
     (lambda d: container(d, "ferry-node-a10g")["envFrom"][1]["secretRef"].update(name="ferry-secrets"),
