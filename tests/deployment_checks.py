@@ -20,10 +20,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "platform" / "k8s"
 COMPOSE = ROOT / "platform" / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
 # Set in a manifest but not a Ferry setting: the pod's own name, which the node's command line uses.
 DOWNWARD_API = {"POD_NAME"}
 IMAGES = {"ferry", "ferry-cuda"}  # what the Dockerfile builds (docs/operating.md, "Kubernetes")
-IMAGE_WORKDIR = "/app"  # the Dockerfile's WORKDIR, on the read-only root
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 GPU = "nvidia.com/gpu"
 
@@ -322,6 +322,49 @@ def _container_problems(where: str, container: Doc, volumes: dict[str, Doc], com
             problems.append(f"{where}: {probe_name} path {get['path']} does not answer 200 on a live server")
     if component == "web" and not container.get("readinessProbe"):
         problems.append(f"{where}: web needs a readiness probe (out of the Service while not ready)")
+    return problems
+
+
+# The image ----------------------------------------------------------------------------------------------
+
+def dockerfile_final_stage(text: str) -> dict[str, str]:
+    """WORKDIR, USER and the ENV values of the Dockerfile's last stage (continuation lines joined)."""
+    lines = text.replace("\\\n", " ").splitlines()
+    stage: dict[str, str] = {}
+    for line in lines:
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "FROM":
+            stage = {}
+        elif words[0] in ("WORKDIR", "USER"):
+            stage[words[0]] = words[1]
+        elif words[0] == "ENV":
+            for pair in words[1:]:
+                key, _, value = pair.partition("=")
+                stage[f"ENV {key}"] = value
+    return stage
+
+
+IMAGE = dockerfile_final_stage(DOCKERFILE.read_text())
+IMAGE_WORKDIR = IMAGE.get("WORKDIR", "/")  # on the read-only root
+
+
+def check_image_agrees(docs: list[Doc], stage: dict[str, str] = IMAGE) -> list[str]:
+    """The pods run as the image's user, and find its data directory where the image puts it."""
+    problems: list[str] = []
+    uid = stage.get("USER", "root").split(":")[0]
+    if not uid.isdigit() or uid == "0":
+        problems.append(f"Dockerfile: USER {uid} must be a numeric non-root uid (runAsNonRoot checks it)")
+    for doc in docs:
+        spec = pod_spec(doc)
+        if spec is not None and str(spec.get("securityContext", {}).get("runAsUser")) != uid:
+            problems.append(f"{doc['kind']} {doc['metadata']['name']}: runAsUser is not the image's user {uid}")
+        if doc["kind"] == "ConfigMap":
+            data_dir = doc.get("data", {}).get("FERRY_DATA_DIR")
+            if data_dir and data_dir != stage.get("ENV FERRY_DATA_DIR"):
+                problems.append(f"ConfigMap {doc['metadata']['name']}: FERRY_DATA_DIR {data_dir} is not the image's "
+                                f"{stage.get('ENV FERRY_DATA_DIR')} (owned by its user)")
     return problems
 
 

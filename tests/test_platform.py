@@ -215,6 +215,22 @@ def test_ferrys_checks_catch_a_broken_manifest(docs: list[dict], breakage, expec
     assert any(expected in problem for problem in problems), problems
 
 
+def test_the_pods_run_as_the_images_user_with_its_data_directory(docs: list[dict]) -> None:
+    assert checks.IMAGE["WORKDIR"] == "/app"
+    assert checks.check_image_agrees(docs) == []
+
+
+def test_the_image_check_catches_a_root_image_and_a_moved_data_directory(docs: list[dict]) -> None:
+    # Given a Dockerfile whose last stage runs as root with its data elsewhere
+    stage = checks.dockerfile_final_stage(checks.DOCKERFILE.read_text() + "\nFROM x\nUSER root\n"
+                                          "ENV FERRY_DATA_DIR=/data \\\n    OTHER=1\n")
+    assert stage == {"USER": "root", "ENV FERRY_DATA_DIR": "/data", "ENV OTHER": "1"}
+    problems = checks.check_image_agrees(docs, stage)
+    # Then both are reported
+    assert "Dockerfile: USER root must be a numeric non-root uid (runAsNonRoot checks it)" in problems
+    assert any("FERRY_DATA_DIR /var/lib/ferry is not the image's /data" in p for p in problems), problems
+
+
 def test_compose_starts_real_entry_points_with_real_settings(compose: dict) -> None:
     assert checks.check_compose(compose, missing_commands=PENDING) == []
 
