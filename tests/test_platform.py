@@ -72,9 +72,9 @@ def test_every_manifest_matches_the_kubernetes_schema(path: Path) -> None:
     ("port as a word", lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(
         containerPort="eight thousand")),
     ("no containers", lambda d: d["spec"]["template"]["spec"].pop("containers")),
-    ("probe without a handler field", lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    ("probe without a port", lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
      .update(httpGet={"path": "/v2/health/ready"})),
-])
+], ids=lambda breakage: breakage[0])
 def test_the_schema_check_refuses_a_broken_manifest(docs: list[dict], breakage: tuple) -> None:
     # Given the web Deployment, broken one way
     broken = copy.deepcopy(web_deployment(docs))
@@ -102,7 +102,7 @@ def test_kustomize_renders_valid_objects(overlay: str) -> None:
     for doc in docs:
         k8s_valid(doc)
         assert doc["kind"] == "Namespace" or doc["metadata"].get("namespace") == "ferry", doc["metadata"]
-    secrets = [d for d in checks.load(checks.K8S / "base" / "secret.example.yaml")]
+    secrets = checks.load(checks.K8S / "base" / "secret.example.yaml")
     assert checks.check_manifests(docs + secrets, missing_commands=PENDING) == []
     assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "ConfigMap",
                                          "PodDisruptionBudget", "HorizontalPodAutoscaler"}
