@@ -157,7 +157,11 @@ def selects(selector: Doc, labels: dict[str, str]) -> bool:
         value = labels.get(expression["key"])
         if expression["operator"] == "In" and value not in expression["values"]:
             return False
+        if expression["operator"] == "NotIn" and value in expression["values"]:
+            return False
         if expression["operator"] == "Exists" and value is None:
+            return False
+        if expression["operator"] == "DoesNotExist" and value is not None:
             return False
     return bool(wanted or selector.get("matchExpressions"))
 
@@ -181,12 +185,18 @@ def check_manifests(docs: list[Doc], *, missing_commands: Iterable[str] = (),
     for doc in workloads:
         problems += _workload_problems(doc, by_kind, config_keys, secret_keys, settings_names,
                                        set(missing_commands), path_answers)
-    templates = {doc["metadata"]["name"]: pod_labels(doc) for doc in workloads}
     for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
         for name, doc in by_kind.get(kind, {}).items():
             selector = doc["spec"]["podSelector"] if kind == "NetworkPolicy" else doc["spec"]["selector"]
-            if not any(selects(selector, labels) for labels in templates.values()):
+            selected = [w for w in workloads if selects(selector, pod_labels(w))]
+            if not selected:
                 problems.append(f"{kind} {name}: its selector matches no workload's pods")
+            if kind != "Service":
+                continue
+            named = {port.get("name") for w in selected for c in containers(pod_spec(w)) for port in c.get("ports", [])}
+            for port in doc["spec"].get("ports", []):
+                if isinstance(port.get("targetPort"), str) and port["targetPort"] not in named:
+                    problems.append(f"Service {name}: targetPort {port['targetPort']} is no port its pods name")
     for name, doc in by_kind.get("HorizontalPodAutoscaler", {}).items():
         target = doc["spec"]["scaleTargetRef"]
         if target["name"] not in by_kind.get(target["kind"], {}):

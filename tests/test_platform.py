@@ -203,6 +203,8 @@ def container(docs: list[dict], name: str) -> dict:
     (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-beat")["spec"].update(replicas=2),
      "beat must be exactly one"),
     (lambda d: web_deployment(d)["spec"].update(replicas=3), "sets replicas, which every apply would reset"),
+    (lambda d: next(x for x in d if x["kind"] == "Service" and x["metadata"]["name"] == "ferry-web")["spec"]
+     ["ports"][0].update(targetPort="htp"), "targetPort htp is no port its pods name"),
     (lambda d: next(x for x in d if x["kind"] == "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(
         {"app.kubernetes.io/component": "wbe"}), "its selector matches no workload's pods"),
 ])
