@@ -80,8 +80,15 @@ class InferenceConsumer(AsyncHttpConsumer):
         self._waited = time.monotonic() - first_byte if first_byte is not None else 0.0
         self._received = self._charged = 0
         try:
-            # Most requests arrive in one message; a body still coming must keep coming.
+            # Most requests arrive in one message: handled here without a dispatch or a body list. A body
+            # still coming must keep coming.
             message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body"):
+                chunk = message.get("body", b"")
+                if chunk:
+                    await self._count(chunk)
+                await self.handle(chunk)
+                return
             while True:
                 await self.dispatch(message)
                 message = await asyncio.wait_for(receive(), settings.FERRY_BODY_TIMEOUT_S)
@@ -103,18 +110,23 @@ class InferenceConsumer(AsyncHttpConsumer):
         chunk = message.get("body", b"")
         if chunk:
             self.body.append(chunk)
-            self._received += len(chunk)
-            if self._received > frontdoor.LIMITS.max_infer_body:
-                await self._too_large()
-            # The process-wide budget of body bytes held (the front door's, shared with Django's routes).
-            if not frontdoor.charge(len(chunk)):
-                await self._over_budget()
-            self._charged += len(chunk)
+            await self._count(chunk)
         if not message.get("more_body"):
             try:
                 await self.handle(b"".join(self.body))
             finally:
                 raise StopConsumer()
+
+    async def _count(self, chunk: bytes) -> None:
+        """Count a chunk against this request's bound and the process's budget of body bytes held (the
+        front door's, shared with Django's routes); past either, answer and stop."""
+        size = len(chunk)
+        self._received += size
+        if self._received > frontdoor.LIMITS.max_infer_body:
+            await self._too_large()
+        if not frontdoor.charge(size):
+            await self._over_budget()
+        self._charged += size
 
     async def _too_large(self) -> None:
         limit = settings.FERRY_MAX_INFER_BODY_BYTES
