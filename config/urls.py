@@ -25,6 +25,7 @@ urlpatterns = [
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/", include("usage.api.urls")),
+    path("api/", include("rollout.api.urls")),
     path("api/", include("serving.api.urls")),
     path("admin/", admin.site.urls),
 ]
