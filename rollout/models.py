@@ -9,6 +9,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 from rollout.gates import Thresholds
 
@@ -65,7 +66,7 @@ class Rollout(models.Model):
     # Decisive verdicts (each step passed, the gate that failed), oldest first; and the latest evaluation.
     verdicts = models.JSONField(default=list, blank=True)
     last_verdict = models.JSONField(null=True, blank=True)
-    started_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(default=timezone.now)
     phase_started_at = models.DateTimeField(help_text="when the shadow or the current step began")
     finished_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)

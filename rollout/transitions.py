@@ -103,7 +103,7 @@ def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] |
         raise RolloutError(str(exc), 400) from None
     _require(actor, Role.ENGINEER, model, "starting a rollout")
     with transaction.atomic():
-        model = Model.objects.select_for_update().select_related("tenant").get(pk=model.pk)
+        model = Model.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=model.pk)
         if model.stable_version is None:
             raise RolloutError(f"model '{model.name}' has no stable version to roll out against: promote one first")
         if candidate == model.stable_version:
@@ -121,7 +121,7 @@ def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] |
             model=model, candidate=candidate, baseline=model.stable_version,
             started_by=actor if _person(actor) else None, steps=steps, shadow_seconds=shadow_seconds,
             bake_seconds=bake_seconds,
-            step_timeout_seconds=step_timeout_seconds, phase_started_at=now,
+            step_timeout_seconds=step_timeout_seconds, started_at=now, phase_started_at=now,
             max_error_rate_increase=thresholds.max_error_rate_increase, max_p99_ratio=thresholds.max_p99_ratio,
             p99_slack_ms=thresholds.p99_slack_ms, min_agreement=thresholds.min_agreement,
             min_requests=thresholds.min_requests, min_compared=thresholds.min_compared,
