@@ -409,3 +409,54 @@ def test_a_celery_worker_evaluates_and_advances(people, canaried, tmp_path) -> N
     assert (rollout.state, rollout.step) == (RolloutState.CANARY, 1), (tmp_path / "worker.log").read_text()
     assert weights(canaried) == {"2": 0.5, "1": 0.5}
     assert AuditEntry.objects.filter(action="rollout.step", actor_name="system").count() == 1
+
+
+# -- the console's panel --------------------------------------------------------------------------------
+
+
+def test_console_panel_shows_buttons_only_to_those_allowed_and_checks_again(people, canaried) -> None:  # noqa: ANN001
+    from django.test import Client
+
+    rollout = start(canaried, people["eng"], steps=[100])
+
+    def page(user: str) -> str:
+        client = Client()
+        client.force_login(people[user])
+        response = client.get("/console/models/canaried/")
+        assert response.status_code == 200
+        return response.content.decode()
+
+    viewer_page, eng_page, approver_page = page("viewer"), page("eng"), page("approver")
+    assert "version 1 → 2" in viewer_page and "100%" in viewer_page
+    assert ">Approve<" not in viewer_page and ">Roll back<" not in viewer_page
+    # the starter, an engineer: roll back only (approving is someone else's)
+    assert ">Roll back<" in eng_page and ">Approve<" not in eng_page and ">Promote<" not in eng_page
+    assert ">Approve<" in approver_page and ">Reject<" in approver_page and ">Promote<" not in approver_page
+    # a viewer's forged POST is refused; another tenant's person does not find it
+    viewer, outsider, approver = Client(), Client(), Client()
+    viewer.force_login(people["viewer"])
+    outsider.force_login(people["outsider"])
+    approver.force_login(people["approver"])
+    assert viewer.post(f"/console/rollouts/{rollout.pk}/approve/").status_code == 403
+    assert outsider.post(f"/console/rollouts/{rollout.pk}/approve/").status_code == 404
+    # the approver approves: promoted once the step passes; the page then offers nothing
+    response = approver.post(f"/console/rollouts/{rollout.pk}/approve/")
+    assert response.status_code == 302
+    rollout.refresh_from_db()
+    assert rollout.approved and rollout.state == RolloutState.CANARY
+    assert ">Promote<" in page("approver")
+    assert approver.post(f"/console/rollouts/{rollout.pk}/promote/").status_code == 302
+    after = page("approver")
+    assert "Promoted" in after and ">Approve<" not in after and ">Roll back<" not in after
+    # and an engineer may start the next one from the page (version 1 is the only other ready version now)
+    eng_page = page("eng")
+    assert "Start rollout" in eng_page and '<option value="1">1</option>' in eng_page
+    assert "Start rollout" not in page("viewer")
+    eng = Client()
+    eng.force_login(people["eng"])
+    response = eng.post("/console/models/canaried/rollouts/", {"candidate": "1", "steps": "50 100",
+                                                               "shadow_seconds": "0", "bake_seconds": "30"})
+    assert response.status_code == 302
+    latest = Rollout.objects.get(state=RolloutState.CANARY)
+    assert (latest.baseline, latest.candidate, latest.steps, latest.bake_seconds) == (2, 1, [50, 100], 30)
+    assert eng.post("/console/models/canaried/rollouts/", {"candidate": "1"}).status_code == 409
