@@ -349,6 +349,7 @@ def test_api_lifecycle_with_roles(people, canaried) -> None:  # noqa: ANN001
     assert outsider.post(f"/api/rollouts/{rid}/roll-back/").status_code == 404
     assert [r["id"] for r in viewer.get("/api/rollouts/?model=canaried&state=canary").json()["results"]] == [rid]
     assert viewer.get("/api/rollouts/?state=nonsense").status_code == 400
+    assert viewer.get("/api/rollouts/?model=").status_code == 400
     # roles: an engineer advances but may not approve; the starter may not approve alone
     assert eng.post(f"/api/rollouts/{rid}/approve/").status_code == 403
     response = eng.post(f"/api/rollouts/{rid}/advance/")

@@ -79,7 +79,9 @@ class RolloutViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.Retrieve
     def scope(self, queryset: QuerySet) -> QuerySet:
         queryset = queryset.filter(model__in=visible_models(self.request.user))
         if self.action == "list":
-            form = ListFilterSerializer(data=self.request.query_params)
+            # A plain dict, not the QueryDict: DRF reads an empty form value of an optional field as absent,
+            # and `?model=` is not a name.
+            form = ListFilterSerializer(data=dict(self.request.query_params.items()))
             form.is_valid(raise_exception=True)
             if "model" in form.validated_data:
                 queryset = queryset.filter(model__name=form.validated_data["model"])
