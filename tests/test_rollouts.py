@@ -461,3 +461,22 @@ def test_console_panel_shows_buttons_only_to_those_allowed_and_checks_again(peop
     latest = Rollout.objects.get(state=RolloutState.CANARY)
     assert (latest.baseline, latest.candidate, latest.steps, latest.bake_seconds) == (2, 1, [50, 100], 30)
     assert eng.post("/console/models/canaried/rollouts/", {"candidate": "1"}).status_code == 409
+
+
+def test_self_approval_is_set_by_staff_in_the_admin_and_audited(people) -> None:  # noqa: ANN001
+    from django.test import Client
+
+    staff = User.objects.create_user("staff", "staff@example.org", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    acme = tenant("acme")
+    form = {"name": acme.name, "slug": acme.slug, "allow_self_approval": "on", "memberships-TOTAL_FORMS": "0",
+            "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000"}
+    response = client.post(f"/admin/tenants/tenant/{acme.pk}/change/", form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    acme.refresh_from_db()
+    assert acme.allow_self_approval
+    entry = AuditEntry.objects.get(action="tenant.self_approval")
+    assert (entry.actor_name, entry.before, entry.after) == ("staff", {"allow_self_approval": False},
+                                                             {"allow_self_approval": True})
+    assert client_for(people["viewer"]).get("/api/tenants/acme/").json()["allow_self_approval"] is True
