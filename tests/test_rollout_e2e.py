@@ -46,7 +46,7 @@ class Slow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ones(384, 384)
-        for _ in range(30):
+        for _ in range(40):
             y = torch.tanh(y @ self.weight)
         return self.inner(x) + 0.0 * y.sum()
 
