@@ -480,3 +480,17 @@ def test_self_approval_is_set_by_staff_in_the_admin_and_audited(people) -> None:
     assert (entry.actor_name, entry.before, entry.after) == ("staff", {"allow_self_approval": False},
                                                              {"allow_self_approval": True})
     assert client_for(people["viewer"]).get("/api/tenants/acme/").json()["allow_self_approval"] is True
+
+
+def test_the_admin_shows_rollouts_read_only(people, canaried) -> None:  # noqa: ANN001
+    from django.test import Client
+
+    rollout = start(canaried, people["eng"])
+    staff = User.objects.create_user("staff", "staff@example.org", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    assert client.get("/admin/rollout/rollout/").status_code == 200
+    assert client.get(f"/admin/rollout/rollout/{rollout.pk}/change/").status_code == 200  # a view, not a form
+    client.post(f"/admin/rollout/rollout/{rollout.pk}/change/", {"state": "promoted"})
+    rollout.refresh_from_db()
+    assert rollout.state == RolloutState.CANARY
