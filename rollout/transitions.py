@@ -97,10 +97,7 @@ def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] |
     at once when `shadow_seconds` is 0."""
     now = now or timezone.now()
     steps = check_steps(steps if steps is not None else [1, 5, 25, 50, 100])
-    try:
-        thresholds = thresholds or gates.Thresholds()
-    except ValueError as exc:
-        raise RolloutError(str(exc), 400) from None
+    thresholds = thresholds or gates.Thresholds()
     _require(actor, Role.ENGINEER, model, "starting a rollout")
     with transaction.atomic():
         model = Model.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=model.pk)
@@ -120,8 +117,7 @@ def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] |
         rollout = Rollout(
             model=model, candidate=candidate, baseline=model.stable_version,
             started_by=actor if _person(actor) else None, steps=steps, shadow_seconds=shadow_seconds,
-            bake_seconds=bake_seconds,
-            step_timeout_seconds=step_timeout_seconds, started_at=now, phase_started_at=now,
+            bake_seconds=bake_seconds, step_timeout_seconds=step_timeout_seconds, started_at=now, phase_started_at=now,
             max_error_rate_increase=thresholds.max_error_rate_increase, max_p99_ratio=thresholds.max_p99_ratio,
             p99_slack_ms=thresholds.p99_slack_ms, min_agreement=thresholds.min_agreement,
             min_requests=thresholds.min_requests, min_compared=thresholds.min_compared,
