@@ -22,6 +22,7 @@ from serving.dataplane.errors import ServingError
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
+from serving.dataplane.packing import LoadReport
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.runtime import configure_torch_threads
@@ -61,6 +62,33 @@ def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
         raise ServingError(exc.message, status=exc.status) from None
 
 
+def _record_placement(report: LoadReport) -> None:
+    """A node's measurements of a version it loaded (footprint and cold start on its accelerator type), or
+    why it can never hold one. Measurements leave `updated_at` alone (no snapshot rebuild for each load);
+    an unschedulable verdict, or its end, moves it, so the snapshot and the registry API carry the reason."""
+    from django.db import transaction
+    from django.utils import timezone
+
+    from serving.models import ModelVersion
+
+    with transaction.atomic():
+        version = (ModelVersion.objects.select_for_update()
+                   .filter(model__name=report.model, version=report.version).first())
+        if version is None:
+            return
+        rows = ModelVersion.objects.filter(pk=version.pk)
+        if report.unschedulable:
+            rows.update(unschedulable_reason=report.unschedulable[:2000], updated_at=timezone.now())
+            return
+        measured = dict(version.placement_measurements or {})
+        measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
+                                        "cold_start_seconds": round(report.cold_start, 4)}
+        changes: dict = {"placement_measurements": measured}
+        if version.unschedulable_reason:  # it did load after all (constraints or budget changed)
+            changes.update(unschedulable_reason="", updated_at=timezone.now())
+        rows.update(**changes)
+
+
 def _send_usage(batch_id: str, drained: Drained) -> None:
     # On asgiref's thread, not the event loop. Eager in embedded mode: the task writes the database here.
     from usage.tasks import record_usage
@@ -87,10 +115,12 @@ async def start() -> DataPlane:
         memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
         max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
         admission=settings.FERRY_ADMISSION,
+        accelerator=settings.FERRY_NODE_ACCELERATOR,
+        report=sync_to_async(_record_placement),
     )
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder,
-                      ready=node.is_ready)
+                      ready=node.routable)
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),

@@ -102,7 +102,7 @@ def test_footprint_over_the_whole_budget_is_permanent():
     verdict = fit(spec("big:1", 12), node(budget_gb=10))
     assert not verdict.fits and verdict.constraint == MEMORY and verdict.permanent
     assert verdict.short_bytes == 2 * GB
-    assert "big:1" in verdict.reason and "2048.0 MiB short" in verdict.reason
+    assert "big:1" in verdict.reason and "2.0 GiB short" in verdict.reason
 
 
 def test_accelerator_type_not_allowed_is_permanent():

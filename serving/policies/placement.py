@@ -109,7 +109,11 @@ class Fit:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Bytes for a reason a person reads: 512 B, 96.0 KiB, 1.5 MiB, 2.0 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def check_constraints(spec: VersionSpec, node: NodeState) -> Fit | None:
