@@ -17,6 +17,7 @@ MODEL_NAME = RegexValidator(
 # The batching fields, and the field each of BatchingConfig's messages is about (by the name it starts with).
 BATCHING_FIELDS = ("max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes", "max_queue_size",
                    "default_timeout_ms")
+PLACEMENT_FIELDS = ("min_memory_bytes", "accelerators", "pinned", "min_replicas")
 _CONFIG_MESSAGE_FIELD = {
     "max_batch_size": "max_batch_size",
     "max_queue_delay": "max_queue_delay_ms",

@@ -66,6 +66,15 @@ def _record_placement(report: LoadReport) -> None:
     """A node's measurements of a version it loaded (footprint and cold start on its accelerator type), or
     why it can never hold one. Measurements leave `updated_at` alone (no snapshot rebuild for each load);
     an unschedulable verdict, or its end, moves it, so the snapshot and the registry API carry the reason."""
+    from django.db import connection
+
+    try:
+        _write_placement(report)
+    finally:
+        connection.close()  # on a pool thread (see start()), which no request cycle closes
+
+
+def _write_placement(report: LoadReport) -> None:
     from django.db import transaction
     from django.utils import timezone
 
@@ -116,7 +125,8 @@ async def start() -> DataPlane:
         max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
         admission=settings.FERRY_ADMISSION,
         accelerator=settings.FERRY_NODE_ACCELERATOR,
-        report=sync_to_async(_record_placement),
+        # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
+        report=sync_to_async(_record_placement, thread_sensitive=False),
     )
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder,
