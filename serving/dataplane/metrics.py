@@ -44,8 +44,10 @@ EVICTIONS = Counter("ferry_evictions", "Versions unloaded from this node to make
                     ["model", "version", "reason"])
 COLD_LOADS = Counter("ferry_cold_loads", "Requests that found their version cold, by what happened to them",
                      ["model", "version", "outcome"])
-COLD_START = Histogram("ferry_cold_start_seconds", "Load time of a version on this node, evictions and warm-up"
-                       " included", ["model"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+COLD_START = Histogram(
+    "ferry_cold_start_seconds", "Load time of a version on this node, evictions and warm-up included", ["model"],
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120),
+)
 UNSCHEDULABLE = Counter("ferry_unschedulable", "Versions found unable to fit this node, by constraint",
                         ["model", "version", "constraint"])
 

@@ -383,9 +383,9 @@ class Node:
         now = self._clock()
         ticket = self.packing.loading.get(key)
         if ticket is None:
-            estimate = self.packing.cold_start(entry) + self.packing.queued_ahead(now)
+            ready_at = self.packing.ready_at(entry, now)
             task = asyncio.get_running_loop().create_task(self._load_on_demand(entry))
-            ticket = self.packing.loading[key] = Ticket(task, now, estimate)
+            ticket = self.packing.loading[key] = Ticket(task, ready_at)
         remaining = ticket.remaining(now)
         compute = LatencyProfile(entry.latency_profile).estimate(rows) if entry.latency_profile else 0.0
         if remaining + compute > admission.HEADROOM * (deadline - now):

@@ -55,14 +55,14 @@ class Event:
 
 @dataclass(slots=True)
 class Ticket:
-    """A load requests wait on."""
+    """A load requests wait on. Loads run one at a time, so it is expected to end its own cold start after
+    the loads queued before it."""
 
     task: asyncio.Task[object]
-    started: float  # node clock
-    estimate: float  # seconds from `started`, loads queued ahead included
+    ready_at: float  # node clock
 
     def remaining(self, now: float) -> float:
-        return max(0.0, self.started + self.estimate - now)
+        return max(0.0, self.ready_at - now)
 
 
 def constraints(entry: VersionEntry) -> tuple:
@@ -141,9 +141,10 @@ class Packing:
             return found[1]
         return None
 
-    def queued_ahead(self, now: float, but: str = "") -> float:
-        """Seconds of loads already waited on (loads run one at a time)."""
-        return sum(t.remaining(now) for k, t in self.loading.items() if k != but)
+    def ready_at(self, entry: VersionEntry, now: float) -> float:
+        """When a load of `entry` queued now should end: after the loads already queued, its cold start."""
+        start = max((t.ready_at for t in self.loading.values()), default=now)
+        return max(start, now) + self.cold_start(entry)
 
     # -- records -------------------------------------------------------------------------------
 
