@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -34,6 +35,7 @@ import orjson
 from bench.server import Server, counters, free_port, manage, say, scrape
 
 MODEL = "packed"
+SAMPLES: list[str] = []  # bodies of the first refusals, to show what they said
 
 SETUP = """
 import tempfile
@@ -112,7 +114,9 @@ async def client(port: int, token: str, versions: list[int], weights: list[float
                     length = int(value)
                 elif name == "retry-after":
                     retry_after = True
-            await reader.readexactly(length)
+            body = await reader.readexactly(length)
+            if status != 200 and len(SAMPLES) < 200:
+                SAMPLES.append(body.decode(errors="replace"))
             results.append((version, status, retry_after, time.monotonic() - started))
     finally:
         writer.close()
@@ -210,7 +214,7 @@ def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], b
     requests = grew("ferry_requests_total", model=MODEL)
     cold = grew("ferry_cold_loads_total", model=MODEL)
     outcomes = {o: grew("ferry_cold_loads_total", model=MODEL, outcome=o)
-                for o in ("waited", "refused", "deadline", "failed")}
+                for o in ("waited", "refused", "load_queue_full", "deadline", "failed")}
     evictions = grew("ferry_evictions_total", model=MODEL)
     p50 = histogram_quantile(after, "ferry_cold_start_seconds", 0.5)
     p99 = histogram_quantile(after, "ferry_cold_start_seconds", 0.99)
@@ -231,6 +235,9 @@ def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], b
     if p50 is not None and p99 is not None:
         print(f"  cold start (load + evictions + warm-up, node histogram, interpolated): p50 {p50 * 1000:.0f} ms,"
               f" p99 {p99 * 1000:.0f} ms")
+    kinds = Counter(re.sub(r"packed:[0-9]+", "packed:N", sample)[:160] for sample in SAMPLES)
+    for kind, n in kinds.most_common(4):
+        print(f"  refusal seen ({n} of the first {len(SAMPLES)}): {kind}")
     if ok.size:
         print(f"  client latency of 200s: p50 {np.percentile(ok, 50):.1f} ms, p99 {np.percentile(ok, 99):.1f} ms,"
               f" max {ok.max():.1f} ms")

@@ -125,6 +125,7 @@ async def start() -> DataPlane:
         max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
         admission=settings.FERRY_ADMISSION,
         accelerator=settings.FERRY_NODE_ACCELERATOR,
+        max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
         # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
         report=sync_to_async(_record_placement, thread_sensitive=False),
     )

@@ -88,6 +88,7 @@ class Node:
         clock: Callable[[], float] = time.monotonic,
         accelerator: str = "",
         report: Callable[[LoadReport], Awaitable[object]] | None = None,
+        max_queued_loads: int = 4,
     ) -> None:
         self.device = pick_device(device)
         self.memory_budget = memory_budget
@@ -113,6 +114,7 @@ class Node:
         self.accelerator = accelerator or self.device.type
         self.packing = Packing(self.accelerator, warmup_sizes, report=report)
         self._load_lock = asyncio.Lock()
+        self.max_queued_loads = max_queued_loads  # loads requests may queue (one runs at a time)
 
     # -- control -------------------------------------------------------------------------
 
@@ -173,6 +175,9 @@ class Node:
             if hosted is not None:
                 return hosted
             started = self._clock()
+            ticket = self.packing.loading.get(entry.key)
+            if ticket is not None:
+                ticket.started = started
             if not await self._make_room(entry, self.packing.spec(entry), evict):
                 return None
             loop = asyncio.get_running_loop()
@@ -187,7 +192,7 @@ class Node:
                 return None
             # The estimate it was placed by may have been low (another device, or none measured yet): kept as
             # measured, so a version that fits no better is not loaded again to find out.
-            self.packing.measured[entry.key] = (runtime.memory_bytes, self._clock() - started)
+            self.packing.measure(entry, runtime.memory_bytes, self._clock() - started)
             if not await self._make_room(entry, self.packing.spec(entry, runtime.memory_bytes), evict):
                 runtime.module = None
                 return None
@@ -197,7 +202,7 @@ class Node:
             hosted = self.host(entry, runtime, profile)
             hosted.last_used = self._clock()
             cold_start = hosted.last_used - started
-            self.packing.measured[entry.key] = (runtime.memory_bytes, cold_start)
+            self.packing.measure(entry, runtime.memory_bytes, cold_start)
             self.packing.record("load", entry.key, f"{cold_start:.2f} s, {runtime.memory_bytes} bytes")
             metrics.COLD_START.labels(entry.model).observe(cold_start)
             self.packing.send(LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes,
@@ -382,11 +387,20 @@ class Node:
         vm = metrics.COLD_LOADS
         now = self._clock()
         ticket = self.packing.loading.get(key)
+        if ticket is None and len(self.packing.loading) >= self.max_queued_loads:
+            # Bounded: a burst over many cold versions would otherwise queue loads that evict one another
+            # before their callers could use them.
+            vm.labels(entry.model, str(entry.version), "load_queue_full").inc()
+            drain = self.packing.remaining(now) + self.packing.cold_start(entry)
+            raise Unavailable(
+                f"model version {key} is cold and this node is already loading {len(self.packing.loading)}"
+                f" versions (its limit); try again in about {drain:.1f} s", retry_after=admission.retry_after(drain),
+            )
         if ticket is None:
-            ready_at = self.packing.ready_at(entry, now)
             task = asyncio.get_running_loop().create_task(self._load_on_demand(entry))
-            ticket = self.packing.loading[key] = Ticket(task, ready_at)
-        remaining = ticket.remaining(now)
+            self.packing.loading[key] = Ticket(task, self.packing.cold_start(entry))
+            ticket = self.packing.loading[key]
+        remaining = self.packing.remaining(now, key)
         compute = LatencyProfile(entry.latency_profile).estimate(rows) if entry.latency_profile else 0.0
         if remaining + compute > admission.HEADROOM * (deadline - now):
             vm.labels(entry.model, str(entry.version), "refused").inc()

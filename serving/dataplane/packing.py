@@ -5,8 +5,9 @@ A node holds in its memory budget the versions it serves hot; the others it may 
 `serving.policies.placement`'s (fit, LRU eviction); this module keeps the state they need on a node:
 - footprints and cold starts measured here (a cold start is the whole load: evictions, reading the
   artifact, warm-up), and the estimates used before one is measured: what another node of the same
-  accelerator type reported to the registry, else validation's load time plus the warm-up the profile
-  implies, else the mean of the cold starts measured here;
+  accelerator type reported to the registry, else that of another version of the same artifact here,
+  else validation's load time plus the warm-up the profile implies (pessimistic: validation is often a
+  process's first load), else the mean of the cold starts measured here;
 - the loads in progress that requests wait on (`Ticket`), so a second request for the same cold
   version joins the first load instead of starting another;
 - the versions found unschedulable, with the constraints they were judged on, so a version that can
@@ -55,14 +56,16 @@ class Event:
 
 @dataclass(slots=True)
 class Ticket:
-    """A load requests wait on. Loads run one at a time, so it is expected to end its own cold start after
-    the loads queued before it."""
+    """A load requests wait on: its expected cold start, and when it began (None while it waits its turn)."""
 
     task: asyncio.Task[object]
-    ready_at: float  # node clock
+    cold_start: float
+    started: float | None = None
 
-    def remaining(self, now: float) -> float:
-        return max(0.0, self.ready_at - now)
+    def left(self, now: float) -> float:
+        if self.started is None:
+            return self.cold_start
+        return max(0.0, self.cold_start - (now - self.started))
 
 
 def constraints(entry: VersionEntry) -> tuple:
@@ -83,6 +86,7 @@ class Packing:
         self.unschedulable: dict[str, tuple[tuple, str]] = {}  # key -> (constraints judged on, reason)
         self.no_room: dict[str, str] = {}  # key -> why its last load found no room (what must stay held it)
         self.measured: dict[str, tuple[int, float]] = {}  # key -> (footprint, cold start) on this node
+        self.by_artifact: dict[str, float] = {}  # sha256 -> the last cold start of any version of it here
         self.stable: frozenset[str] = frozenset()  # the models' stable versions, by key
         self.events: deque[Event] = deque(maxlen=events)
         self.evictions = 0
@@ -118,6 +122,9 @@ class Packing:
         reported = entry.placement.on(self.accelerator)
         if reported is not None and reported[1] > 0:
             return reported[1]
+        same = self.by_artifact.get(entry.artifact_sha256)
+        if same is not None:  # another version of the same bytes, loaded here
+            return same
         if entry.placement.load_seconds > 0:
             profile = entry.latency_profile
             warmup = sum(profile.get(size, 0.0) for size in self._warmup_sizes(entry)) * WARMUP_REPEATS
@@ -125,6 +132,10 @@ class Packing:
         if self.measured:
             return sum(c for _, c in self.measured.values()) / len(self.measured)
         return DEFAULT_COLD_START
+
+    def measure(self, entry: VersionEntry, footprint: int, cold_start: float) -> None:
+        self.measured[entry.key] = (footprint, cold_start)
+        self.by_artifact[entry.artifact_sha256] = cold_start
 
     def spec(self, entry: VersionEntry, footprint: int | None = None) -> VersionSpec:
         p = entry.placement
@@ -141,10 +152,16 @@ class Packing:
             return found[1]
         return None
 
-    def ready_at(self, entry: VersionEntry, now: float) -> float:
-        """When a load of `entry` queued now should end: after the loads already queued, its cold start."""
-        start = max((t.ready_at for t in self.loading.values()), default=now)
-        return max(start, now) + self.cold_start(entry)
+    def remaining(self, now: float, key: str | None = None) -> float:
+        """Seconds until the load of `key` ends: loads run one at a time, in the order requests queued them
+        (the load lock is first come, first served), so what is left of the ones ahead, then its own. With
+        no `key`, until every queued load ends."""
+        total = 0.0
+        for queued, ticket in self.loading.items():
+            total += ticket.left(now)
+            if queued == key:
+                break
+        return total
 
     # -- records -------------------------------------------------------------------------------
 
