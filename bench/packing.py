@@ -1,6 +1,6 @@
 """Multi-model packing: many versions, a node budget that holds a quarter of them, a Zipf-skewed stream.
 
-    .venv/bin/python -m bench.packing [--versions 200] [--hold 50] [--duration 30] [--zipf 1.0]
+    .venv/bin/python -m bench.packing [--versions 200] [--hold 50] [--duration 30] [--zipf 1.0] [--record]
 
 A fresh data dir in embedded mode (SQLite, the in-process node). One small model (64 -> 32 -> 10, untrained:
 packing, not accuracy, is measured) is registered and validated once, then registered again as versions
@@ -13,7 +13,8 @@ shuffled so popularity is unrelated to version number or load order.
 Reported: every request's answer (200, or 503 with Retry-After; anything else is a failure of the run), the
 hot-version hit rate (requests that found their version loaded, from the node's counters), evictions, cold
 loads, the cold start (load on the node, evictions and warm-up included) p50/p99 interpolated from its
-histogram, and the client's latency p50/p99 over all 200s.
+histogram, and the client's latency p50/p99 over all 200s. `--record` also writes them into the packing
+section of docs/benchmarks.md (which `bench.run` keeps when it rewrites the page).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from bench import report as reports
 from bench.server import Server, counters, free_port, manage, say, scrape
 
 MODEL = "packed"
+START, END = "<!-- packing:start -->", "<!-- packing:end -->"
 SAMPLES: list[str] = []  # bodies of the first refusals, to show what they said
 
 SETUP = """
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0, help="the Zipf exponent s")
     p.add_argument("--timeout-ms", type=int, default=1000, help="the versions' default request timeout")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--record", action="store_true", help="write the packing section of docs/benchmarks.md")
+    p.add_argument("--docs", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
     a = p.parse_args(argv)
     started = time.monotonic()
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-packing-"))
@@ -195,14 +200,17 @@ def main(argv: list[str] | None = None) -> int:
 
             asyncio.run(drive())
             after = scrape(server.base)
-        report(a, results, before, after, footprint, time.monotonic() - started)
+        lines = report(a, results, before, after, footprint, time.monotonic() - started)
+        print("\n".join(lines))
+        if a.record:
+            splice(a.docs / "benchmarks.md", section(a, lines))
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     return 0
 
 
 def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], before: str | None,
-           after: str | None, footprint: int, seconds: float) -> None:
+           after: str | None, footprint: int, seconds: float) -> list[str]:
     statuses = Counter(status for _, status, _, _ in results)
     unanswered_503 = sum(1 for _, status, retry, _ in results if status == 503 and not retry)
     other = sum(n for status, n in statuses.items() if status not in (200, 503))
@@ -219,28 +227,66 @@ def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], b
     p50 = histogram_quantile(after, "ferry_cold_start_seconds", 0.5)
     p99 = histogram_quantile(after, "ferry_cold_start_seconds", 0.99)
     loads = total(after, "ferry_cold_start_seconds_count", model=MODEL)
-    print()
-    print(f"bench.packing: {a.versions} versions, budget {a.hold:g} of them ({footprint} bytes each),"
-          f" Zipf s={a.zipf}, {a.concurrency} clients for {a.duration:g} s; {seconds:.0f} s in all")
-    print(f"  requests sent {len(results)} ({len(results) / a.duration:.0f}/s);"
-          f" answers {dict(sorted(statuses.items()))}")
-    print(f"  every request answered 200 or 503 with Retry-After: "
-          f"{'yes' if not other and not unanswered_503 else f'NO ({other} other, {unanswered_503} 503 without)'}")
-    print(f"  distinct versions asked for: {len({v for v, *_ in results})}")
+    out: list[str] = []
+    out.append(f"bench.packing: {a.versions} versions, budget {a.hold:g} of them ({footprint} bytes each),"
+               f" Zipf s={a.zipf}, {a.concurrency} clients for {a.duration:g} s; {seconds:.0f} s in all")
+    out.append(f"  requests sent {len(results)} ({len(results) / a.duration:.0f}/s);"
+               f" answers {dict(sorted(statuses.items()))}")
+    out.append(f"  every request answered 200 or 503 with Retry-After: "
+               f"{'yes' if not other and not unanswered_503 else f'NO ({other} other, {unanswered_503} 503 without)'}")
+    out.append(f"  distinct versions asked for: {len({v for v, *_ in results})}")
     if requests:
-        print(f"  hot-version hit rate: {1 - cold / requests:.1%} ({requests - cold:.0f} of {requests:.0f} found"
-              f" their version loaded)")
-    print(f"  cold requests: {cold:.0f} ({', '.join(f'{k} {v:.0f}' for k, v in outcomes.items())})")
-    print(f"  evictions: {evictions:.0f}; loads on the node (start-up included): {loads:.0f}")
+        out.append(f"  hot-version hit rate: {1 - cold / requests:.1%} ({requests - cold:.0f} of {requests:.0f} found"
+                   f" their version loaded)")
+    out.append(f"  cold requests: {cold:.0f} ({', '.join(f'{k} {v:.0f}' for k, v in outcomes.items())})")
+    out.append(f"  evictions: {evictions:.0f}; loads on the node (start-up included): {loads:.0f}")
     if p50 is not None and p99 is not None:
-        print(f"  cold start (load + evictions + warm-up, node histogram, interpolated): p50 {p50 * 1000:.0f} ms,"
-              f" p99 {p99 * 1000:.0f} ms")
+        out.append(f"  cold start (load + evictions + warm-up, node histogram, interpolated): p50 {p50 * 1000:.0f} ms,"
+                   f" p99 {p99 * 1000:.0f} ms")
     kinds = Counter(re.sub(r"packed:[0-9]+", "packed:N", sample)[:160] for sample in SAMPLES)
     for kind, n in kinds.most_common(4):
-        print(f"  refusal seen ({n} of the first {len(SAMPLES)}): {kind}")
+        out.append(f"  refusal seen ({n} of the first {len(SAMPLES)}): {kind}")
     if ok.size:
-        print(f"  client latency of 200s: p50 {np.percentile(ok, 50):.1f} ms, p99 {np.percentile(ok, 99):.1f} ms,"
-              f" max {ok.max():.1f} ms")
+        out.append(f"  client latency of 200s: p50 {np.percentile(ok, 50):.1f} ms, p99 {np.percentile(ok, 99):.1f} ms,"
+                   f" max {ok.max():.1f} ms")
+    return out
+
+
+def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
+    from datetime import UTC, datetime
+
+    return [START, "## Multi-model packing", "",
+            f"`python -m bench.packing` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC} (embedded mode, one in-process"
+            " node). Versions of one small model, a node budget that holds a quarter of them, closed-loop clients"
+            " whose requests are pinned to versions drawn from a Zipf law; a request for a cold version loads it"
+            " (evicting idle versions, least recently used first) and waits when its cold start fits the deadline,"
+            " else 503 with Retry-After, as does one that finds the node's load queue full"
+            " (`FERRY_MAX_QUEUED_LOADS`). The hit rate counts requests that found their version loaded; Zipf"
+            f" s={a.zipf:g} puts {top_share(a):.0%} of requests on the most popular quarter, the best a static"
+            " placement of that quarter could do.", "",
+            f"Load average (1 min) at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+            " (other work on the machine shares them).", "", "```", *(line.strip() for line in lines), "```", END]
+
+
+def top_share(a: argparse.Namespace) -> float:
+    weights = sorted(zipf_weights(a.versions, a.zipf, a.seed), reverse=True)
+    return sum(weights[: int(a.hold)]) / sum(weights)
+
+
+def splice(path: Path, lines: list[str]) -> None:
+    text = path.read_text() if path.exists() else "# Ferry benchmarks\n"
+    block = "\n".join(lines)
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
+    path.write_text(text.rstrip("\n") + "\n")
+    say(f"wrote the packing section of {path}")
+
+
+def kept_section(text: str) -> str:
+    """This benchmark's section of an existing report, for bench.run to keep when it rewrites the page."""
+    return reports.kept_section(text, START, END)
+
+
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ async def start() -> DataPlane:
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder,
                       ready=node.routable)
+    gateway.unready_reason = node.unready_reason
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),

@@ -188,8 +188,8 @@ def test_a_version_that_can_never_fit_is_unschedulable_with_its_reason(serve, ve
     wait_until(lambda: ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason != "",
                "the unschedulable reason in the registry")
     assert "min_memory" in ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason
-    # and a request for it is refused, without a load being tried
-    assert infer_version(server, 2, digits_request(x[:1])).status == 503
+    # and a request for it is refused with the reason, without a load being tried
+    assert_error(infer_version(server, 2, digits_request(x[:1])), 503, "cannot be served", "unschedulable", "h100")
     # and later snapshots (the report itself moved updated_at) do not try it again
     server.refresh()
     events = [(e.kind, e.key) for e in server.plane().node.packing.events if e.key in ("pack:2", "pack:3")]

@@ -256,6 +256,10 @@ class Node:
             self.packing.send(LoadReport(entry.model, entry.version, self.accelerator,
                                          self.packing.footprint(entry), unschedulable=reason))
 
+    def unready_reason(self, key: str) -> str:
+        failure = self.failures.get(key)
+        return failure.reason if failure is not None else ""
+
     def routable(self, key: str) -> bool:
         """Whether routing may send a request here: loaded, or cold and loadable (the request loads it)."""
         return key in self.hosted or key in self.packing.cold
