@@ -137,3 +137,28 @@ def test_placement_facts_survive_redis_encoding() -> None:
     doc = orjson.loads(encode(snapshot))
     del doc["models"]["m"]["versions"]["1"]["placement"]
     assert decode(orjson.dumps(doc)).models["m"].versions[1] == dataclasses.replace(entry, placement=PlacementEntry())
+
+
+async def test_a_load_queued_behind_cannot_evict_the_one_its_waiters_are_about_to_use(model_files) -> None:  # noqa: ANN001
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
+    try:
+        first = await node.load(digits("probe"))
+        assert first is not None
+        footprint = first.runtime.memory_bytes
+        await node.unload("probe:1")
+        # given a budget for one version and two cold ones, each asked for at once
+        node.memory_budget = int(footprint * 1.5)
+        node.packing.cold["x:1"] = digits("x", memory_bytes=footprint)
+        node.packing.cold["y:1"] = digits("y", memory_bytes=footprint)
+        x_answer = asyncio.ensure_future(node.infer("x:1", x(), 1, node._clock() + 30, 1))
+        y_answer = asyncio.ensure_future(node.infer("y:1", x(), 1, node._clock() + 30, 1))
+        # when x's load lands, y's (queued behind it) runs before x's caller resumes
+        done = await asyncio.gather(x_answer, y_answer, return_exceptions=True)
+        # then x's caller is served: its version was held for it, so y found no room instead of evicting it
+        assert not isinstance(done[0], BaseException), done[0]
+        assert done[0]["scores"].shape == (1, 10)
+        assert isinstance(done[1], Unavailable) and "could not be loaded" in done[1].message
+        assert not [e for e in node.packing.events if e.kind == "evict"]
+        assert node.hosted["x:1"].in_flight == 0
+    finally:
+        await node.close()

@@ -201,6 +201,9 @@ class Node:
             self.packing.no_room.pop(entry.key, None)
             hosted = self.host(entry, runtime, profile)
             hosted.last_used = self._clock()
+            if ticket is not None:
+                hosted.in_flight += ticket.waiters
+                ticket.hosted = hosted
             cold_start = hosted.last_used - started
             self.packing.measure(entry, runtime.memory_bytes, cold_start)
             self.packing.record("load", entry.key, f"{cold_start:.2f} s, {runtime.memory_bytes} bytes")
@@ -412,12 +415,18 @@ class Node:
                 f"model version {key} is cold and loading, about {remaining:.1f} s left: more than this request's"
                 f" deadline allows", retry_after=admission.retry_after(remaining),
             )
+        ticket.waiters += 1
         try:
             async with asyncio.timeout(deadline - now):
                 await asyncio.shield(ticket.task)
         except TimeoutError:
             vm.labels(entry.model, str(entry.version), "deadline").inc()
             raise DeadlineExceeded(f"request deadline passed while model version {key} loaded") from None
+        finally:
+            ticket.waiters -= 1
+            if isinstance(ticket.hosted, Hosted):
+                # From here to its own place in the queue nothing awaits: the hold can go.
+                ticket.hosted.in_flight -= 1
         hosted = self.hosted.get(key)
         if hosted is None:
             vm.labels(entry.model, str(entry.version), "failed").inc()

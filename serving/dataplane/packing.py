@@ -61,6 +61,10 @@ class Ticket:
     task: asyncio.Task[object]
     cold_start: float
     started: float | None = None
+    # Requests waiting on it. Once it is hosted they count as its work in flight until each resumes, so a
+    # load queued behind it cannot evict it before they reach its queue.
+    waiters: int = 0
+    hosted: object | None = None  # what it loaded (node.Hosted), holding the waiters' work
 
     def left(self, now: float) -> float:
         if self.started is None:
