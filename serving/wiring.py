@@ -79,23 +79,31 @@ def _write_placement(report: LoadReport) -> None:
     from django.utils import timezone
 
     from serving.models import ModelVersion
+    from tenants import audit
 
     with transaction.atomic():
-        version = (ModelVersion.objects.select_for_update()
+        version = (ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant")
                    .filter(model__name=report.model, version=report.version).first())
         if version is None:
             return
         rows = ModelVersion.objects.filter(pk=version.pk)
+        before = version.unschedulable_reason
         if report.unschedulable:
-            rows.update(unschedulable_reason=report.unschedulable[:2000], updated_at=timezone.now())
-            return
-        measured = dict(version.placement_measurements or {})
-        measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
-                                        "cold_start_seconds": round(report.cold_start, 4)}
-        changes: dict = {"placement_measurements": measured}
-        if version.unschedulable_reason:  # it did load after all (constraints or budget changed)
-            changes.update(unschedulable_reason="", updated_at=timezone.now())
-        rows.update(**changes)
+            after = report.unschedulable[:2000]
+            rows.update(unschedulable_reason=after, updated_at=timezone.now())
+        else:
+            measured = dict(version.placement_measurements or {})
+            measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
+                                            "cold_start_seconds": round(report.cold_start, 4)}
+            after = ""  # it loaded: whatever was unschedulable about it no longer holds
+            changes: dict = {"placement_measurements": measured}
+            if before:
+                changes.update(unschedulable_reason="", updated_at=timezone.now())
+            rows.update(**changes)
+        if after != before:  # a state change of the version, made by the system (a node)
+            audit.record(None, "version.unschedulable" if after else "version.schedulable",
+                         f"model {report.model} version {report.version}", tenant=version.model.tenant,
+                         before={"unschedulable_reason": before}, after={"unschedulable_reason": after})
 
 
 def _send_usage(batch_id: str, drained: Drained) -> None:

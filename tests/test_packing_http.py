@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from serving.models import ModelVersion
+from tenants.models import AuditEntry
 from tests.conftest import LiveServer, register
 from tests.test_inference_http import assert_error, call, digits_request, scores, wait_until
 
@@ -188,6 +189,10 @@ def test_a_version_that_can_never_fit_is_unschedulable_with_its_reason(serve, ve
     wait_until(lambda: ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason != "",
                "the unschedulable reason in the registry")
     assert "min_memory" in ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason
+    # and the verdict is in the audit log, as the system's
+    wait_until(lambda: AuditEntry.objects.filter(action="version.unschedulable").count() == 2, "the audit entries")
+    entry = AuditEntry.objects.get(action="version.unschedulable", target="model pack version 2")
+    assert entry.actor_name == "system" and "h100" in entry.after["unschedulable_reason"]
     # and a request for it is refused with the reason, without a load being tried
     assert_error(infer_version(server, 2, digits_request(x[:1])), 503, "cannot be served", "unschedulable", "h100")
     # and later snapshots (the report itself moved updated_at) do not try it again
