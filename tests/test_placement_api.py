@@ -76,3 +76,12 @@ def test_the_schema_documents_the_placement_patch(bob) -> None:  # noqa: ANN001,
     body = schema["components"]["schemas"]["PatchedPlacementUpdate"]
     assert body["additionalProperties"] is False
     assert set(body["properties"]) == {"min_memory_bytes", "accelerators", "pinned", "min_replicas"}
+
+
+def test_the_console_marks_unschedulable_and_pinned_versions(bob, digits) -> None:  # noqa: ANN001, F811
+    ModelVersion.objects.filter(pk=digits.pk).update(unschedulable_reason="unschedulable (memory): too big",
+                                                     pinned=True)
+    for url in ("/console/models/", "/console/models/digits/"):
+        page = bob.get(url).content.decode()
+        assert 'title="unschedulable (memory): too big">unschedulable</small>' in page
+        assert '<small class="pinned">pinned</small>' in page
