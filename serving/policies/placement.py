@@ -14,7 +14,9 @@ simulator call the same functions.
   a node where the artifact is warm (in host memory, so the load skips the disk), then one that needs no
   eviction, then the tightest fit. Versions are placed pinned first, then largest first (best fit
   decreasing), so large versions are not left without a hole. What cannot be placed comes back as
-  unschedulable with the reason.
+  unschedulable with the reason. A version the plan wants fewer replicas of loses its least recently
+  used idle ones; one the plan does not mention stays where it is hot, but may be evicted (LRU, when
+  idle and not kept) to make room for what the plan wants.
 - `nodes_wanted(desired, specs, node_types)`: nodes wanted per accelerator type for the desired replicas,
   by first fit decreasing with one replica of a version per node: the demand an autoscaler reports to the
   cluster's own autoscaler. Not a lower bound by memory alone: a bin that holds 0.6 of a node twice is
