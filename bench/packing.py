@@ -243,6 +243,11 @@ def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], b
     if p50 is not None and p99 is not None:
         out.append(f"  cold start (load + evictions + warm-up, node histogram, interpolated): p50 {p50 * 1000:.0f} ms,"
                    f" p99 {p99 * 1000:.0f} ms")
+    w50 = histogram_quantile(after, "ferry_cold_wait_seconds", 0.5)
+    w99 = histogram_quantile(after, "ferry_cold_wait_seconds", 0.99)
+    if w50 is not None and w99 is not None:
+        out.append(f"  wait of a served cold request for its load (node histogram, interpolated):"
+                   f" p50 {w50 * 1000:.0f} ms, p99 {w99 * 1000:.0f} ms")
     kinds = Counter(re.sub(r"packed:[0-9]+", "packed:N", sample)[:160] for sample in SAMPLES)
     for kind, n in kinds.most_common(4):
         out.append(f"  refusal seen ({n} of the first {len(SAMPLES)}): {kind}")

@@ -73,12 +73,14 @@ def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_version(se
     assert infer_version(server, 1, digits_request(x[:1])).status == 200
     evicted_before = counter("ferry_evictions_total", model="pack", version="2", reason="lru")
     waited_before = counter("ferry_cold_loads_total", model="pack", version="3", outcome="waited")
+    wait_observed_before = counter("ferry_cold_wait_seconds_count", model="pack")
     # when a request asks for the cold version 3
     resp = infer_version(server, 3, digits_request(x[:2]))
     # then it waited for the load and was answered by version 3
     assert resp.status == 200 and resp.headers["x-ferry-model-version"] == "3"
     assert scores(resp).shape == (2, 10)
     assert counter("ferry_cold_loads_total", model="pack", version="3", outcome="waited") == waited_before + 1
+    assert counter("ferry_cold_wait_seconds_count", model="pack") == wait_observed_before + 1
     # and version 2, the idle least recently used, was evicted, counted and recorded with the reason
     assert hosted(server) == {"pack:1", "pack:3"}
     assert counter("ferry_evictions_total", model="pack", version="2", reason="lru") == evicted_before + 1

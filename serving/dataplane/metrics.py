@@ -48,6 +48,10 @@ COLD_START = Histogram(
     "ferry_cold_start_seconds", "Load time of a version on this node, evictions and warm-up included", ["model"],
     buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120),
 )
+COLD_WAIT = Histogram(
+    "ferry_cold_wait_seconds", "How long a request for a cold version waited for its load (served ones)", ["model"],
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60),
+)
 UNSCHEDULABLE = Counter("ferry_unschedulable", "Versions found unable to fit this node, by constraint",
                         ["model", "version", "constraint"])
 

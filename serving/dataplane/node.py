@@ -434,6 +434,7 @@ class Node:
             why = failure.reason if failure else self.packing.no_room.get(key, "evicted again while loading")
             raise Unavailable(f"model version {key} could not be loaded: {why}", retry_after=1)
         vm.labels(entry.model, str(entry.version), "waited").inc()
+        metrics.COLD_WAIT.labels(entry.model).observe(self._clock() - now)
         return hosted
 
     async def _load_on_demand(self, entry: VersionEntry) -> None:
