@@ -88,7 +88,7 @@ class Node:
         clock: Callable[[], float] = time.monotonic,
         accelerator: str = "",
         report: Callable[[LoadReport], Awaitable[object]] | None = None,
-        max_queued_loads: int = 4,
+        max_queued_loads: int = 16,
     ) -> None:
         self.device = pick_device(device)
         self.memory_budget = memory_budget
