@@ -201,6 +201,13 @@ def test_a_version_that_can_never_fit_is_unschedulable_with_its_reason(serve, ve
     server.refresh()
     events = [(e.kind, e.key) for e in server.plane().node.packing.events if e.key in ("pack:2", "pack:3")]
     assert events == [("unschedulable", "pack:2"), ("unschedulable", "pack:3")]
+    # when version 2's constraint is lifted (what the placement PATCH does)
+    ModelVersion.objects.filter(pk=versions[1].pk).update(accelerators=[], unschedulable_reason="")
+    versions[1].model.save()
+    server.refresh()
+    # then it is judged again, loads, and serves
+    assert "pack:2" in hosted(server) and index(server)["pack:2"]["state"] == "READY"
+    assert infer_version(server, 2, digits_request(x[:1])).status == 200
 
 
 def test_a_footprint_over_the_whole_budget_is_unschedulable(serve, versions) -> None:  # noqa: ANN001

@@ -241,6 +241,9 @@ class Node:
         if verdict.permanent:
             self._unschedulable(entry, verdict)
         else:
+            failed = self.failures.get(entry.key)
+            if failed is not None and failed.reason.startswith("unschedulable"):
+                del self.failures[entry.key]  # its constraints changed: it may fit, only not now
             self.packing.cold[entry.key] = entry
             if not verdict.fits:
                 self.packing.no_room[entry.key] = verdict.reason
