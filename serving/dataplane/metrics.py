@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from serving.dataplane.fastmetrics import CounterChild, CounterFamily, HistogramFamily
 
