@@ -95,9 +95,14 @@ CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", REDIS_URL or "cache+mem
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
+# Rollouts (rollout/): how often every active rollout's gates are evaluated (Celery beat; in embedded mode
+# the process's own loop). Usage reaches the gates every FERRY_USAGE_FLUSH_SECONDS, so faster is no fresher.
+FERRY_ROLLOUT_EVALUATE_SECONDS = env_int("FERRY_ROLLOUT_EVALUATE_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
+    "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
+                          "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -161,6 +166,10 @@ FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minim
 FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
+# The accelerator type this node declares to placement constraints; "" names the device's kind (cpu, cuda).
+FERRY_NODE_ACCELERATOR = env_str("FERRY_NODE_ACCELERATOR", "")
+# Loads of cold versions that requests may queue on a node; past it a request for another cold version is 503.
+FERRY_MAX_QUEUED_LOADS = env_int("FERRY_MAX_QUEUED_LOADS", 16, minimum=1)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
 # Per-tenant quotas on /v2 inference (docs/design.md, "Quotas"). Shared through Redis (one script call

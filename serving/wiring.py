@@ -23,6 +23,7 @@ from serving.dataplane.fleet import FleetView
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
+from serving.dataplane.packing import LoadReport
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.runtime import configure_torch_threads
@@ -63,11 +64,75 @@ def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
         raise ServingError(exc.message, status=exc.status) from None
 
 
+def _record_placement(report: LoadReport) -> None:
+    """A node's measurements of a version it loaded (footprint and cold start on its accelerator type), or
+    why it can never hold one. Measurements leave `updated_at` alone (no snapshot rebuild for each load);
+    an unschedulable verdict, or its end, moves it, so the snapshot and the registry API carry the reason."""
+    from django.db import connection
+
+    try:
+        _write_placement(report)
+    finally:
+        connection.close()  # on a pool thread (see start()), which no request cycle closes
+
+
+def _write_placement(report: LoadReport) -> None:
+    from django.db import transaction
+    from django.utils import timezone
+
+    from serving.models import ModelVersion
+    from tenants import audit
+
+    with transaction.atomic():
+        version = (ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant")
+                   .filter(model__name=report.model, version=report.version).first())
+        if version is None:
+            return
+        rows = ModelVersion.objects.filter(pk=version.pk)
+        before = version.unschedulable_reason
+        if report.unschedulable:
+            after = report.unschedulable[:2000]
+            rows.update(unschedulable_reason=after, updated_at=timezone.now())
+        else:
+            measured = dict(version.placement_measurements or {})
+            measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
+                                            "cold_start_seconds": round(report.cold_start, 4)}
+            after = ""  # it loaded: whatever was unschedulable about it no longer holds
+            changes: dict = {"placement_measurements": measured}
+            if before:
+                changes.update(unschedulable_reason="", updated_at=timezone.now())
+            rows.update(**changes)
+        if after != before:  # a state change of the version, made by the system (a node)
+            audit.record(None, "version.unschedulable" if after else "version.schedulable",
+                         f"model {report.model} version {report.version}", tenant=version.model.tenant,
+                         before={"unschedulable_reason": before}, after={"unschedulable_reason": after})
+
+
 def _send_usage(batch_id: str, drained: Drained) -> None:
     # On asgiref's thread, not the event loop. Eager in embedded mode: the task writes the database here.
     from usage.tasks import record_usage
 
     record_usage.delay(batch_id, drained.rows())
+
+
+def _evaluate_rollouts() -> None:
+    from rollout.tasks import evaluate_rollouts
+
+    evaluate_rollouts()
+
+
+async def _evaluate_rollouts_forever() -> None:
+    """Embedded mode's stand-in for Celery beat's rollout evaluation (there is no beat without a broker)."""
+    while True:
+        await asyncio.sleep(settings.FERRY_ROLLOUT_EVALUATE_SECONDS)
+        try:
+            await sync_to_async(_evaluate_rollouts)()
+        except Exception as exc:  # the database may be down: try again at the next tick
+            log.warning("evaluating rollouts failed: %s", exc)
+
+
+# Control-plane loops this process runs beside its data plane (embedded mode), cancelled by stop().
+_control_tasks: list[asyncio.Task[None]] = []
 
 
 def _record_key_use(prefixes: set[str]) -> None:
@@ -93,9 +158,14 @@ async def start() -> DataPlane:
             memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
             max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
             admission=settings.FERRY_ADMISSION,
+            accelerator=settings.FERRY_NODE_ACCELERATOR,
+            max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+            # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
+            report=sync_to_async(_record_placement, thread_sensitive=False),
         )
         transport = InProcessTransport(node)
-    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder, ready=node.is_ready)
+    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder, ready=node.routable)
+    gateway.unready_reason = node.unready_reason
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
@@ -115,6 +185,7 @@ async def start() -> DataPlane:
         except Exception as exc:
             log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
         plane.refresher = plane.loop.create_task(plane._refresh_forever())
+        _control_tasks.append(plane.loop.create_task(_evaluate_rollouts_forever()))
     if hub.current is not None and isinstance(node, Node):
         await plane.wait_reconciled(hub.current.serial)
     # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
@@ -158,9 +229,10 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task):
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, *_control_tasks):
         if task is not None:
             task.cancel()
+    _control_tasks.clear()
     try:
         await plane.flush_key_use()
     except Exception as exc:

@@ -50,7 +50,8 @@ class NodeInfo:
     started_at: float
     heartbeat_at: float
     serial: int  # the last routing snapshot this node reconciled
-    ready: frozenset[str] = frozenset()  # version keys loaded and consuming
+    ready: frozenset[str] = frozenset()  # version keys it consumes: loaded, or cold and loaded on request
+    hot: frozenset[str] = frozenset()  # of those, the loaded ones
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
 
@@ -64,7 +65,8 @@ class NodeInfo:
             "device": self.device, "accelerator": self.accelerator, "accelerator_count": self.accelerator_count,
             "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
-            "serial": self.serial, "ready": sorted(self.ready), "failures": self.failures, "counts": self.counts,
+            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot), "failures": self.failures,
+            "counts": self.counts,
         }
         return {k: self.encode_field(v) for k, v in doc.items()}
 
@@ -72,6 +74,7 @@ class NodeInfo:
     def from_hash(cls, raw: dict[bytes, bytes]) -> NodeInfo:
         doc = {k.decode(): orjson.loads(v) for k, v in raw.items()}
         doc["ready"] = frozenset(doc.get("ready", ()))
+        doc["hot"] = frozenset(doc.get("hot", ()))
         return cls(**doc)
 
 
@@ -123,6 +126,14 @@ class FleetView:
 
     def is_ready(self, key: str) -> bool:
         return key in self._ready
+
+    def routable(self, key: str) -> bool:
+        """Ready on a live node: loaded, or cold there and loaded by the request (the node's packing)."""
+        return key in self._ready
+
+    def unready_reason(self, key: str) -> str:
+        failure = self.failures.get(key)
+        return failure.reason if failure is not None else ""
 
     def queue_depth(self, key: str) -> int:
         return 0  # queues live on the nodes

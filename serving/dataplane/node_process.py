@@ -32,7 +32,7 @@ import redis
 from serving.dataplane import fleet, metrics, redis_pipe, snapshot_redis
 from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.node import Node
-from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub
+from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.stream_codec import (
     FIELD,
     GROUP,
@@ -152,7 +152,8 @@ class NodeProcess:
             memory_budget=self.facts.memory_budget,
             memory_used=sum(h.runtime.memory_bytes for h in node.hosted.values()),
             labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
-            serial=self.reconciled_serial, ready=frozenset(k for k in node.hosted if k in self._grouped),
+            serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
+            hot=frozenset(node.hosted),
             failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
         )
 
@@ -204,7 +205,7 @@ class NodeProcess:
 
     async def reconcile(self, snapshot: RoutingSnapshot) -> None:
         await self.node.reconcile(snapshot, keys=set(self.hosted(snapshot)))
-        self._grouped &= set(self.node.hosted)
+        self._grouped &= set(self.servable())
         try:
             await self.ensure_groups()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -215,7 +216,8 @@ class NodeProcess:
         """Each hosted version's stream has the group. Created reading from the stream's start, not `$`:
         what gateways added before the first node came (or while a restarted Redis had no group) is served
         if its deadline allows, never skipped."""
-        for key in list(keys if keys is not None else self.node.hosted):
+        servable = self.servable()
+        for key in list(keys if keys is not None else servable):
             if keys is None and key in self._grouped:
                 continue
             try:
@@ -223,15 +225,23 @@ class NodeProcess:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-            if key in self.node.hosted:
+            if key in servable:
                 self._grouped.add(key)
+
+    def servable(self) -> dict[str, VersionEntry]:
+        """The versions whose requests this node takes: loaded, or cold (the node's packing keeps them out of
+        memory until a request comes, then loads them, evicting idle ones, while the deadline allows)."""
+        entries = {key: hosted.entry for key, hosted in self.node.hosted.items()}
+        for key, entry in self.node.packing.cold.items():
+            entries.setdefault(key, entry)
+        return entries
 
     # -- serving ---------------------------------------------------------------------------
 
     def _readable(self) -> dict[str, str]:
         streams = {}
-        for key, version in self.node.hosted.items():
-            if key in self._grouped and self._held.get(key, 0) < READ_AHEAD * version.entry.batching.max_batch_size:
+        for key, entry in self.servable().items():
+            if key in self._grouped and self._held.get(key, 0) < READ_AHEAD * entry.batching.max_batch_size:
                 streams[request_stream(key)] = ">"
         return streams
 
@@ -246,7 +256,7 @@ class NodeProcess:
             except TimeoutError:
                 pass
             return 0
-        count = max(h.entry.batching.max_batch_size for h in self.node.hosted.values())
+        count = max(e.batching.max_batch_size for e in self.servable().values())
         try:
             answer = await self._reader.xreadgroup(GROUP, self.consumer, streams, count=count, block=READ_BLOCK_MS)
         except redis.ResponseError as exc:
@@ -349,7 +359,7 @@ class NodeProcess:
         live = {f"{n.name}:{n.instance}" for n in await fleet.read_fleet(self._client)}
         live.add(self.consumer)
         claimed = 0
-        for key in [k for k in self.node.hosted if k in self._grouped]:
+        for key in [k for k in self.servable() if k in self._grouped]:
             stream = request_stream(key)
             pending = await self._client.xpending_range(stream, GROUP, min="-", max="+", count=1000,
                                                         idle=CLAIM_MIN_IDLE_MS)
@@ -423,7 +433,7 @@ class NodeProcess:
         self.serve()
         await self.heartbeat_once()
         log.info("node %s (%s, %s) serving %s", self.facts.name, self.facts.accelerator, self.node.device,
-                 sorted(self.node.hosted) or "nothing yet")
+                 sorted(self.servable()) or "nothing yet")
 
     async def stop(self, drain_seconds: float = 10.0) -> None:
         """Leave the fleet (gateways stop routing here at their next read), finish what it holds, close."""

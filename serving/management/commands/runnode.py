@@ -45,7 +45,8 @@ class Command(BaseCommand):
 
     async def _run(self, facts) -> None:  # noqa: ANN001
         node = Node(artifact_path=artifacts.verified_path, device=facts.device, memory_budget=facts.memory_budget,
-                    max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION)
+                    max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
+                    accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS)
         process = NodeProcess(node, settings.REDIS_URL, facts)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
