@@ -237,6 +237,12 @@ def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:
     assert (info.accelerator, info.memory_budget, info.labels) == ("a10g", 24 * 1024**3, {"zone": "node-a"})
     assert info.memory_used > 0
 
+    # and the web process's repository index and readiness read it
+    index = call(web, "POST", "/v2/repository/index", {}, auth=key)
+    assert index.status == 200, index.body
+    assert {"name": "digits", "version": "1", "state": "READY", "reason": ""} in index.json(), index.json()
+    assert call(web, "GET", "/v2/models/digits/ready", auth=key).status == 200
+
     # -- when several clients call the web process
     resp, _ = digits(web, key)
     assert resp.status == 200, resp.body

@@ -85,6 +85,15 @@ class LoadFailure:
     reason: str
 
 
+@dataclass(frozen=True)
+class FleetPacking:
+    """What the repository index reads of an embedded node's packing (`Node.packing`), across the fleet."""
+
+    cold: frozenset[str] = frozenset()  # served by a live node, loaded on none: the next request loads it
+    loading: frozenset[str] = frozenset()  # loads in progress: not announced by nodes yet
+    no_room: dict[str, str] = field(default_factory=dict)
+
+
 async def read_fleet(client: aioredis.Redis) -> list[NodeInfo]:
     """The live nodes: those whose heartbeat hash has not expired (names left by lost nodes are dropped)."""
     names = sorted(n.decode() for n in await client.smembers(NODES_KEY))
@@ -114,7 +123,9 @@ class FleetView:
     def __init__(self, url: str) -> None:
         self.url = url
         self.nodes: list[NodeInfo] = []
-        self._ready: frozenset[str] = frozenset()
+        self._ready: frozenset[str] = frozenset()  # served by some live node, loaded or cold
+        self._hot: frozenset[str] = frozenset()  # loaded on some live node
+        self.packing = FleetPacking()
         self.failures: dict[str, LoadFailure] = {}
         self.reconciled_serial = 0
         self._client: aioredis.Redis | None = None
@@ -125,7 +136,8 @@ class FleetView:
         self._task = asyncio.get_running_loop().create_task(self._refresh_forever(), name="ferry-fleet")
 
     def is_ready(self, key: str) -> bool:
-        return key in self._ready
+        """Loaded on a live node (an embedded `Node.is_ready`)."""
+        return key in self._hot
 
     def routable(self, key: str) -> bool:
         """Ready on a live node: loaded, or cold there and loaded by the request (the node's packing)."""
@@ -141,6 +153,8 @@ class FleetView:
     def update(self, nodes: list[NodeInfo]) -> None:
         self.nodes = nodes
         self._ready = frozenset().union(*(n.ready for n in nodes))
+        self._hot = frozenset().union(*(n.hot for n in nodes))
+        self.packing = FleetPacking(cold=self._ready - self._hot)
         self.failures = {key: LoadFailure(reason) for n in nodes for key, reason in n.failures.items()
                          if key not in self._ready}
         # Every live node has reconciled this serial: what a repository load waits for.
