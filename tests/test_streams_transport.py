@@ -193,3 +193,42 @@ def test_runnode_reads_labels() -> None:
     assert parse_labels(["zone=a,tier=gold", "pool = spot"]) == {"zone": "a", "tier": "gold", "pool": "spot"}
     with pytest.raises(ValueError, match="key=value"):
         parse_labels(["zone"])
+
+
+async def test_a_cold_version_is_loaded_by_its_first_request_through_its_stream(model_files) -> None:  # noqa: ANN001
+    from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot
+    from tests.test_packing_node import digits
+
+    # given a node process whose budget holds one digits model, serving two versions: one hot, one cold
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu", memory_budget=30_000)
+    process = NodeProcess(node, REDIS_URL, Facts("packer", "cpu", "cpu", 0, 30_000, 30_000))
+    hot, cold = digits("hot"), digits("cold")
+    snapshot = RoutingSnapshot(serial=1, built_at=0.0, models={
+        e.model: ModelEntry(e.model, "t", "", None, {1: e}) for e in (hot, cold)})
+    transport = RedisStreamsTransport(REDIS_URL)
+    try:
+        await process.claim_name()
+        await process.reconcile(snapshot)
+        process.serve()
+        await transport.start()
+        async with asyncio.timeout(10):
+            while not transport.connected:
+                await asyncio.sleep(0.01)
+        info = process.info()
+        assert (info.ready, info.hot) == ({"hot:1", "cold:1"}, {"hot:1"})
+        # when a request for the cold version arrives through its stream
+        outputs = await transport.infer(cold, rows_of_digits(), 1, deadline(), 1)
+        # then the node loads it (evicting the idle one) and answers
+        assert outputs["scores"].shape == (1, 10)
+        assert process.info().hot == {"cold:1"}
+    finally:
+        await transport.close()
+        await process.stop(drain_seconds=1)
+        clear(client)
+        client.close()
+
+
+def rows_of_digits() -> dict[str, np.ndarray]:
+    return {"input": np.zeros((1, 64), np.float32)}

@@ -440,7 +440,8 @@ class NodeProcess:
         self.hub.unsubscribe(self.on_snapshot)
         for task in self._loops:
             task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        if self._loops:  # bounded, as the gateway's close (streams.RedisStreamsTransport.close)
+            await asyncio.wait(self._loops, timeout=redis_pipe.COMMAND_TIMEOUT_S)
         try:
             await self.leave()
         except (redis.RedisError, OSError) as exc:

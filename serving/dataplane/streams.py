@@ -95,7 +95,9 @@ class RedisStreamsTransport:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Bounded: redis-py shields a command in flight from cancellation, and a blocked XREAD was seen to
+        # outlive its BLOCK here (tests/test_streams_transport.py's cold-load test); shutdown must not wait on it.
+        await asyncio.wait(self._tasks, timeout=READ_BLOCK_MS / 1000 + 1)
         self._fail_all(Unavailable("the gateway is shutting down", retry_after=1))
         if self._pipe is not None:
             await self._pipe.close()
