@@ -25,6 +25,7 @@ from serving.dataplane.node import Node
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.runtime import configure_torch_threads
+from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot, hub
 from serving.dataplane.transport import InProcessTransport
 from serving.publish import publish_snapshot
@@ -68,6 +69,18 @@ def _send_usage(batch_id: str, drained: Drained) -> None:
     record_usage.delay(batch_id, drained.rows())
 
 
+def _send_shadow(pairs: list[Pair]) -> None:
+    # On asgiref's thread: the comparison runs here, off the event loop, and the task stores it (eager in
+    # embedded mode).
+    import uuid
+
+    from rollout.shadow_compare import aggregate
+    from rollout.tasks import record_shadow
+
+    rows, samples = aggregate(pairs)
+    record_shadow.delay(uuid.uuid4().hex, rows, samples)
+
+
 def _record_key_use(prefixes: set[str]) -> None:
     from django.utils import timezone
 
@@ -89,19 +102,25 @@ async def start() -> DataPlane:
         admission=settings.FERRY_ADMISSION,
     )
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
-    gateway = Gateway(hub, InProcessTransport(node), fallback=settings.FERRY_ADMISSION, usage=recorder,
-                      ready=node.is_ready)
+    transport = InProcessTransport(node)
+    mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
+                    workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
+                    max_pair_bytes=settings.FERRY_SHADOW_MAX_PAIR_BYTES, ready=node.is_ready)
+    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder,
+                      ready=node.is_ready, mirror=mirror)
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
                       fingerprint=_registry_fingerprint, publish=publish_snapshot, record_key_use=_record_key_use,
-                      set_loaded=_set_loaded)
+                      set_loaded=_set_loaded, mirror=mirror, send_shadow=_send_shadow)
     hub.subscribe(plane.on_snapshot)
     planes.install(plane)
     GATE.count = plane.count_frontend_shed
     plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
     plane.key_flusher = plane.loop.create_task(plane._flush_key_use_forever())
     plane.usage_task = plane.loop.create_task(plane._flush_usage_forever())
+    mirror.start()
+    plane.shadow_task = plane.loop.create_task(plane._flush_shadow_forever())
     if settings.REDIS_URL:
         await _follow_redis(plane)
     else:
@@ -143,9 +162,15 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task):
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, plane.shadow_task):
         if task is not None:
             task.cancel()
+    if plane.mirror is not None:
+        await plane.mirror.stop()
+        try:
+            await plane.flush_shadow()
+        except Exception as exc:
+            log.warning("sending shadow comparison at shutdown failed: %s", exc)
     try:
         await plane.flush_key_use()
     except Exception as exc:

@@ -367,12 +367,19 @@ class BatchQueue:
         return expired
 
 
+# Mirrored (shadow) requests: below every tier a caller may ask for (the gateway caps callers' levels
+# under it), with the smallest share, so they are refused before any caller's request as a backlog grows.
+SHADOW_PRIORITY = 10
+
+
 def tier_share(priority: int) -> float:
     """The share of a queue's bounds that a priority tier may fill: tier 1 (and 0) all of it,
-    tier 2 three quarters, lower tiers half. So under pressure the lowest tiers are refused first,
-    and the room they leave is what higher tiers queue into."""
+    tier 2 three quarters, lower tiers half, mirrored requests a quarter. So under pressure the lowest
+    tiers are refused first, and the room they leave is what higher tiers queue into."""
     if priority <= 1:
         return 1.0
     if priority == 2:
         return 0.75
+    if priority >= SHADOW_PRIORITY:
+        return 0.25
     return 0.5
