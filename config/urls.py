@@ -4,6 +4,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from rollout import views as rollout_console
 from serving import views as console
 from tenants import views as tenant_console
 from usage import views as usage_console
@@ -15,6 +16,7 @@ urlpatterns = [
     path("console/models/", console.models_page, name="console-models"),
     path("console/live/", console.models_live, name="console-models-live"),
     path("console/models/<str:name>/", console.model_page, name="console-model"),
+    path("console/models/<str:name>/shadow/", rollout_console.shadow_page, name="console-shadow"),
     path("console/tenants/", tenant_console.tenants_page, name="console-tenants"),
     path("console/tenants/<slug:slug>/", tenant_console.tenant_page, name="console-tenant"),
     path("console/tenants/<slug:slug>/keys/", tenant_console.keys_page, name="console-keys"),

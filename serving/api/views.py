@@ -18,6 +18,7 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from rollout.api.views import ShadowReportMixin
 from serving import quota_counts
 from serving.actions import RegistrationError, promote, register_version, set_routing, set_visibility
 from serving.api.serializers import (
@@ -115,7 +116,7 @@ class RegistryViewSet(TenantScopedViewSet):
     destroy=extend_schema(parameters=[NAME], responses={204: None, **errors(
         403, 404, 409, e409="The model has versions that are not retired.")}),
 )
-class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
+class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
     queryset = Model.objects.select_related("fallback", "tenant").prefetch_related("versions", "shared_with")
     serializer_class = ModelSerializer
     lookup_field = "name"
