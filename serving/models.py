@@ -144,6 +144,8 @@ class Model(models.Model):
                 raise ValidationError({NON_FIELD_ERRORS: "a new model has no versions to route to"})
             return
         live = set(self.versions.exclude(state=State.RETIRED).values_list("version", flat=True))
+        if table.shadow is not None and table.shadow not in live:
+            raise ValidationError({"shadow_version": f"version {table.shadow} is not live"})
         missing = sorted(table.versions() - live)
         if missing:
             raise ValidationError({NON_FIELD_ERRORS: f"routing names versions that are not live: {missing}"})
