@@ -3,6 +3,8 @@ server as inline SVG charts and a heat table."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -40,6 +42,27 @@ def _heat(confusion: dict | None) -> dict | None:
     }
 
 
+def _minutes(report: dict) -> list[tuple]:
+    """One point per minute of the window, minutes that compared nothing included (as gaps)."""
+    by_minute = {p["minute"]: p for p in report["series"]}
+    at = report["since"].replace(second=0, microsecond=0)
+    points = []
+    while at <= report["until"]:
+        p = by_minute.get(at)
+        points.append((at, p["agreement"] if p else None, p["compared"] if p else 0))
+        at += timedelta(minutes=1)
+    return points
+
+
+def _rounded(value: object) -> object:
+    """Tensor rows for the page: numbers to 4 significant digits, nesting kept."""
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
 def _latency_bins(latency: dict) -> list[tuple[str, int, int | None]]:
     """Both versions' latency histograms over the union of their bins (the bins line up: same sketch)."""
     edges: dict[tuple[float, float], list[int]] = {}
@@ -68,8 +91,7 @@ def shadow_page(request: HttpRequest, name: str) -> HttpResponse:
         differences = report["differences"]["histogram"]
         context.update(
             report=report,
-            agreement_chart=mark_safe(charts.agreement_svg(  # noqa: S308 (numbers and times only)
-                [(p["minute"], p["agreement"], p["compared"]) for p in report["series"]])),
+            agreement_chart=mark_safe(charts.agreement_svg(_minutes(report))),  # noqa: S308 (numbers, times only)
             difference_chart=mark_safe(charts.histogram_svg(  # noqa: S308
                 [(f"≤{charts.number(b['high'])}", b["count"]) for b in differences],
                 css="shadow-differences", label="distribution of per-row output differences")),
@@ -77,5 +99,7 @@ def shadow_page(request: HttpRequest, name: str) -> HttpResponse:
                 _latency_bins(report["latency"]), css="shadow-latency",
                 label="latency distributions of the baseline and the candidate")),
             heat=_heat(report["confusion"]),
+            disagreements=[{**d, "inputs": _rounded(d["inputs"]), "primary": _rounded(d["primary"]),
+                            "shadow": _rounded(d["shadow"])} for d in report["disagreements"]],
         )
     return render(request, "console/shadow.html", context)
