@@ -169,6 +169,23 @@ def test_a_full_mirror_queue_drops_and_counts_by_items_and_by_bytes() -> None:
     assert dropped("queue_full") == before + 2
 
 
+def test_mirrors_queued_together_travel_in_one_call_up_to_a_batch() -> None:
+    mirror = Mirror(transport=None)  # type: ignore[arg-type]
+    shadow, other = version(2), version(3)
+
+    def offer(rows: int, candidate: VersionEntry = shadow, width: int = 64) -> None:
+        inputs = {"input": np.zeros((rows, width), np.float32)}
+        assert mirror.offer("classification", version(1), candidate, inputs, rows, 10, {}, 0.0)
+
+    for rows in (3, 4, 2, 1):  # the batch holds 8: 3 + 4, then 2 + 1
+        offer(rows)
+    offer(1, other)  # another candidate travels apart
+    offer(1, width=32)  # and so do inputs that do not stack
+    batches = [[i.rows for i in mirror.take_batch()] for _ in range(4)]
+    assert batches == [[3, 4], [2, 1], [1], [1]]
+    assert not mirror.queue and mirror.queued_bytes == 0
+
+
 def test_the_pair_buffer_is_bounded_and_drained_whole() -> None:
     mirror = Mirror(transport=None, max_pairs=2)  # type: ignore[arg-type]
     before = dropped("uncompared")
@@ -247,8 +264,7 @@ async def test_a_full_mirror_queue_never_holds_or_fails_the_primary(digits_node:
     assert all(orjson.loads(r.body)["model_version"] == "1" for r in replies)
     assert len(mirror.queue) == 1 and dropped("queue_full") == before + 4
     # and the waiting mirror, once sent, leaves a pair of identical answers (same weights in both versions)
-    item = mirror.take()
-    await mirror.send(item)
+    await mirror.send([mirror.take()])
     (kept,) = mirror.drain()
     assert kept.shadow_status == 200 and kept.item.baseline.version == 1 and kept.item.candidate.version == 2
     np.testing.assert_allclose(kept.shadow["scores"], kept.item.primary["scores"], rtol=1e-5)

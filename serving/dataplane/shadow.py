@@ -2,8 +2,10 @@
 
 The gateway calls `Mirror.offer` once its primary has been answered: a few attribute reads and, for a
 sampled request, one append to a bounded queue (items and bytes). Nothing here is awaited by the
-primary, and nothing here can fail it: a full queue drops the mirror and counts it. Worker tasks send
-queued mirrors to the transport at `SHADOW_PRIORITY`, the lowest tier, whose share of every queue and
+primary, and nothing here can fail it: a full queue drops the mirror and counts it. A few worker tasks
+send queued mirrors to the transport, those queued together stacked into one call of up to a batch (so
+mirroring costs the node few admissions and few device calls), at `SHADOW_PRIORITY`, the lowest tier,
+whose share of every queue and
 deadline budget is the smallest, so admission refuses mirrors before any caller's request as a backlog
 grows (those refusals are counted too, never retried). Each finished mirror leaves a `Pair` (both
 answers, both latencies, both statuses, the inputs) in a bounded buffer that the data plane's flush
@@ -79,11 +81,18 @@ class Pair:
         return self.item.nbytes + outputs
 
 
+def _stackable(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    """Whether two requests' inputs concatenate along the rows: same names, dtypes and per-row shapes."""
+    if a.keys() != b.keys():
+        return False
+    return all(a[k].dtype == b[k].dtype and a[k].shape[1:] == b[k].shape[1:] for k in a)
+
+
 class Mirror:
     """The mirror queue, its workers and the pairs they leave. Belongs to one event loop."""
 
     def __init__(
-        self, transport: Transport, *, max_items: int = 256, max_bytes: int = 16 * 2**20, workers: int = 16,
+        self, transport: Transport, *, max_items: int = 256, max_bytes: int = 16 * 2**20, workers: int = 2,
         max_pairs: int = 4096, max_pair_bytes: int = 32 * 2**20, ready: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
     ) -> None:
@@ -175,9 +184,9 @@ class Mirror:
                 wake.clear()
                 await wake.wait()
                 continue
-            item = self.take()
-            if item is not None:
-                await self.send(item)
+            items = self.take_batch()
+            if items:
+                await self.send(items)
 
     def take(self) -> Mirrored | None:
         """The next mirror still within its deadline (older ones are dropped, counted), or None."""
@@ -189,19 +198,43 @@ class Mirror:
             DROPPED.labels(item.candidate.model, str(item.candidate.version), "expired").inc()
         return None
 
-    async def send(self, item: Mirrored) -> None:
-        """Run one mirror on the shadow and keep the pair. A shed is counted as a drop; any other failure
-        is the shadow's answer, kept with the pair."""
-        candidate = item.candidate
+    def take_batch(self) -> list[Mirrored]:
+        """The next mirror and those queued behind it that can travel with it in one call: same candidate,
+        same inputs but for the rows, up to the candidate's largest batch. One call instead of many costs the
+        node one admission, one future and a share of one batch, which is what keeps mirroring cheap."""
+        first = self.take()
+        if first is None:
+            return []
+        items, rows = [first], first.rows
+        limit = first.candidate.batching.max_batch_size
+        while self.queue:
+            following = self.queue[0]
+            if following.candidate != first.candidate or rows + following.rows > limit \
+                    or not _stackable(first.inputs, following.inputs):
+                break
+            item = self.take()
+            if item is not None:
+                items.append(item)
+                rows += item.rows
+        return items
+
+    async def send(self, items: list[Mirrored]) -> None:
+        """Run mirrors (of one candidate, stackable) on the shadow in one call and keep a pair for each. A
+        shed is counted as a drop; any other failure is the shadow's answer, kept with each pair."""
+        candidate = items[0].candidate
+        rows = sum(i.rows for i in items)
+        inputs = items[0].inputs if len(items) == 1 else {
+            name: np.concatenate([i.inputs[name] for i in items]) for name in items[0].inputs
+        }
         started = self._clock()
         shadow: dict[str, np.ndarray] | None = None
         error = ""
         try:
-            shadow = await self.transport.infer(candidate, item.inputs, item.rows, item.deadline, SHADOW_PRIORITY,
-                                                nbytes=item.nbytes)
+            shadow = await self.transport.infer(candidate, inputs, rows, min(i.deadline for i in items),
+                                                SHADOW_PRIORITY, nbytes=sum(i.nbytes for i in items))
             status = 200
         except Shed:
-            DROPPED.labels(candidate.model, str(candidate.version), "shed").inc()
+            DROPPED.labels(candidate.model, str(candidate.version), "shed").inc(len(items))
             return
         except ServingError as exc:
             status, error = exc.status, exc.message
@@ -211,8 +244,13 @@ class Mirror:
             log.exception("mirroring to %s failed", candidate.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()
             status, error = 500, f"{type(exc).__name__}: {exc}"
-        MIRRORED.labels(candidate.model, str(candidate.version), "ok" if status == 200 else "error").inc()
-        self.keep(Pair(item, shadow, status, self._clock() - started, error))
+        seconds = self._clock() - started
+        MIRRORED.labels(candidate.model, str(candidate.version), "ok" if status == 200 else "error").inc(len(items))
+        start = 0
+        for item in items:
+            mine = None if shadow is None else {k: v[start:start + item.rows] for k, v in shadow.items()}
+            start += item.rows
+            self.keep(Pair(item, mine, status, seconds, error))
 
     def keep(self, pair: Pair) -> None:
         size = pair.nbytes
