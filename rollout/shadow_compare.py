@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from usage.sketch import Sketch, bucket_of, to_json
+from usage.sketch import _INV_LOG_GROWTH, FLOOR_SECONDS, TOP_INDEX, Sketch, to_json
 
 if TYPE_CHECKING:
     from serving.dataplane.shadow import Pair
@@ -101,12 +101,13 @@ class Cell:
         rows = int(comparison.agree.size)
         self.compared += rows
         self.agreed += int(comparison.agree.sum())
-        _count(self.difference, (bucket_of(float(d)) for d in comparison.difference))
-        if comparison.top1 is not None:
+        _count(self.difference, comparison.difference)
+        if comparison.top1 is not None and rows:
             confusion = self.confusion
-            for a, b in zip(comparison.top1[0].tolist(), comparison.top1[1].tolist(), strict=True):
+            classes, counts = np.unique(np.stack(comparison.top1, axis=1), axis=0, return_counts=True)
+            for (a, b), n in zip(classes.tolist(), counts.tolist(), strict=True):
                 key = f"{a},{b}"
-                confusion[key] = confusion.get(key, 0) + 1
+                confusion[key] = confusion.get(key, 0) + n
         if comparison.abs_count:
             self.abs_sum += comparison.abs_sum
             self.abs_count += comparison.abs_count
@@ -129,9 +130,22 @@ class Cell:
         }
 
 
-def _count(sketch: Sketch, buckets: Iterable[int]) -> None:
-    for b in buckets:
-        sketch[b] = sketch.get(b, 0) + 1
+def buckets_of(values: np.ndarray) -> np.ndarray:
+    """`usage.sketch.bucket_of` over an array at once."""
+    values = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        index = np.log(np.maximum(values, FLOOR_SECONDS) / FLOOR_SECONDS) * _INV_LOG_GROWTH
+    index = np.where(values <= FLOOR_SECONDS, 0, np.nan_to_num(index, nan=0.0).astype(np.int64) + 1)
+    return np.minimum(index, TOP_INDEX)
+
+
+def _count(sketch: Sketch, values: np.ndarray) -> None:
+    """Add each value of `values` to its bucket of `sketch`."""
+    if not len(values):
+        return
+    buckets, counts = np.unique(buckets_of(values), return_counts=True)
+    for b, n in zip(buckets.tolist(), counts.tolist(), strict=True):
+        sketch[b] = sketch.get(b, 0) + n
 
 
 def _json_floats(array: np.ndarray) -> list:
@@ -168,18 +182,23 @@ def _sample(pair: Pair, row: int | None, summary: str, difference: float | None)
 
 
 def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-minute cells (JSON-ready rows) and a bounded sample of disagreements, from drained pairs."""
+    """Per-minute cells (JSON-ready rows) and a bounded sample of disagreements, from drained pairs. The
+    rows of every pair of a cell are compared in one vectorised call (the flush holds the GIL while it
+    computes, and the event loop shares it)."""
     cells: dict[Key, Cell] = {}
+    latencies: dict[Key, tuple[list[float], list[float]]] = {}
     samples: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[Key, str, tuple[int, ...]], list[Pair]] = {}
     for pair in pairs:
         item = pair.item
         key = (item.baseline.model, item.baseline.version, item.candidate.version, int(item.at // 60))
         cell = cells.get(key)
         if cell is None:
             cell = cells[key] = Cell(item.task)
+            latencies[key] = ([], [])
         cell.mirrored += 1
-        _count(cell.primary_latency, (bucket_of(item.primary_seconds),))
-        _count(cell.shadow_latency, (bucket_of(pair.shadow_seconds),))
+        latencies[key][0].append(item.primary_seconds)
+        latencies[key][1].append(pair.shadow_seconds)
         kept = samples.setdefault(key[:3], [])
         if pair.shadow is None:
             cell.shadow_errors += 1
@@ -189,18 +208,31 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
                 kept.append(_sample(pair, None, f"shadow failed ({pair.shadow_status}): {pair.error}"[:500], None))
             continue
         out = next(iter(item.primary))
-        try:
-            comparison = compare(item.task, item.primary[out], pair.shadow[out])
-        except (KeyError, ValueError) as exc:
+        primary, shadow = item.primary[out], pair.shadow.get(out)
+        if shadow is None or primary.shape != shadow.shape or not primary.ndim:
             cell.incomparable += 1
             if len(kept) < SAMPLES_PER_FLUSH:
-                kept.append(_sample(pair, None, f"incomparable: {exc}"[:500], None))
+                why = "no output" if shadow is None else f"shapes {tuple(primary.shape)} and {tuple(shadow.shape)}"
+                kept.append(_sample(pair, None, f"incomparable: {why} {out!r}"[:500], None))
             continue
-        cell.add(comparison)
-        if len(kept) < SAMPLES_PER_FLUSH and not comparison.agree.all():
-            for row in np.flatnonzero(~comparison.agree)[: SAMPLES_PER_FLUSH - len(kept)].tolist():
-                difference = float(comparison.difference[row])
-                kept.append(_sample(pair, row, _summary(item.task, comparison, row), difference))
+        groups.setdefault((key, out, tuple(primary.shape[1:])), []).append(pair)
+    for (key, out, _), members in groups.items():
+        task = cells[key].task
+        primary = np.concatenate([m.item.primary[out] for m in members])
+        shadow = np.concatenate([m.shadow[out] for m in members])  # type: ignore[index]
+        comparison = compare(task, primary, shadow)
+        cells[key].add(comparison)
+        kept = samples[key[:3]]
+        room = SAMPLES_PER_FLUSH - len(kept)
+        if room > 0 and not comparison.agree.all():
+            offsets = np.cumsum([0] + [m.item.primary[out].shape[0] for m in members])
+            for row in np.flatnonzero(~comparison.agree)[:room].tolist():
+                at = int(np.searchsorted(offsets, row, side="right")) - 1
+                kept.append(_sample(members[at], row - int(offsets[at]), _summary(task, comparison, row),
+                                    float(comparison.difference[row])))
+    for key, (primary_seconds, shadow_seconds) in latencies.items():
+        _count(cells[key].primary_latency, np.asarray(primary_seconds))
+        _count(cells[key].shadow_latency, np.asarray(shadow_seconds))
     rows = [cell.row(key) for key, cell in cells.items()]
     return rows, [s for kept in samples.values() for s in kept]
 

@@ -21,6 +21,7 @@ from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub,
 from serving.dataplane.transport import InProcessTransport
 from serving.policies import admission
 from serving.policies.batching import SHADOW_PRIORITY, BatchingConfig, BatchQueue, Pending, tier_share
+from usage.sketch import bucket_of
 
 DIGITS_IN = (TensorSpec("input", "FP32", (64,)),)
 DIGITS_OUT = (TensorSpec("scores", "FP32", (10,)),)
@@ -129,11 +130,20 @@ def test_aggregate_sums_a_minute_and_keeps_a_bounded_sample_with_inputs() -> Non
     assert sum(row["primary_latency"].values()) == sum(row["shadow_latency"].values()) == 8
     # the sample is bounded per flush, and each disagreement carries its row's inputs and both outputs
     assert len(samples) == shadow_compare.SAMPLES_PER_FLUSH
-    first = samples[0]
+    (failure,) = [s for s in samples if s["summary"].startswith("shadow failed (422)")]
+    assert failure["shadow"] is None and failure["inputs"] == {"input": [list(range(64))]}  # the whole request
+    first = next(s for s in samples if s["summary"].startswith("class "))
     assert first["summary"] == "class 0 vs 3"
     assert first["inputs"] == {"input": list(range(64))}
     assert first["primary"] == eye[0].tolist() and first["shadow"] == eye[3].tolist()
-    assert samples[3]["summary"].startswith("shadow failed (422)") and samples[3]["shadow"] is None
+    # the rows of the fourth pair (the first of `many`) map back to their own inputs
+    later = [s for s in samples if s["summary"].startswith("class ")][3]
+    assert later["summary"] == "class 0 vs 1" and later["inputs"] == {"input": list(range(64))}
+
+
+def test_vectorised_buckets_are_the_sketchs() -> None:
+    values = np.concatenate([[0.0, 1e-5, 1e-4, 1.5e-4], np.geomspace(1e-4, 1e3, 500)])
+    assert shadow_compare.buckets_of(values).tolist() == [bucket_of(float(v)) for v in values]
 
 
 # -- the mirror's sampling and bounds -------------------------------------------------------------
