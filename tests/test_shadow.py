@@ -282,13 +282,13 @@ async def test_a_full_mirror_queue_never_holds_or_fails_the_primary(digits_node:
 
 async def test_workers_mirror_every_request_at_the_shadow_tier(digits_node: Node) -> None:
     # given a started mirror at 100%
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     transport = InProcessTransport(digits_node)
     original = transport.infer
 
     async def watching(entry, inputs, rows, deadline, priority, **kw):  # noqa: ANN001, ANN202
         if entry.version == 2:
-            seen.append(priority)
+            seen.append((priority, rows))
         return await original(entry, inputs, rows, deadline, priority, **kw)
 
     transport.infer = watching  # type: ignore[method-assign]
@@ -304,7 +304,48 @@ async def test_workers_mirror_every_request_at_the_shadow_tier(digits_node: Node
             await asyncio.sleep(0.01)
     finally:
         await mirror.stop()
-    # then each was sent once, at the shadow's tier, and compared equal
-    assert seen == [SHADOW_PRIORITY] * 6
+    # then each was sent once (those queued together in one call), at the shadow's tier, and compared equal
+    assert {priority for priority, _ in seen} == {SHADOW_PRIORITY}
+    assert sum(rows for _, rows in seen) == 6
     rows, _ = shadow_compare.aggregate(mirror.drain())
     assert sum(r["compared"] for r in rows) == sum(r["agreed"] for r in rows) == 6
+
+
+async def test_the_node_runs_a_batch_of_mirrors_only_when_no_callers_work_waits() -> None:
+    from tests.test_admission import Clock, StandIn, entry, rows
+
+    order: list[str] = []
+
+    class Recording(StandIn):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def run(self, requests):  # noqa: ANN001, ANN201
+            order.append(self.name)
+            return super().run(requests)
+
+    # given a node with a caller's version and a shadow version, their batchers driven by hand
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    caller = node.host(entry("caller"), Recording("caller"), {1: 0.001, 8: 0.001}, start=False)
+    shadow = node.host(entry("shadow"), Recording("shadow"), {1: 0.001, 8: 0.001}, start=False)
+    try:
+        mirrored = asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 100, SHADOW_PRIORITY))
+        called = asyncio.ensure_future(node.infer("caller:1", rows(1), 1, clock.now + 100, 1))
+        await asyncio.sleep(0)
+        # when the shadow's batch is due while a caller's request is queued on the other version
+        clock.now += 20  # past both batch windows (10 s)
+        shadow_step = asyncio.ensure_future(shadow.batcher.process_one_batch())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        # then it holds the device back: nothing has run
+        assert order == [] and not shadow_step.done()
+        # and once the caller's batch has run, the mirrors' follows
+        assert await caller.batcher.process_one_batch()
+        assert await asyncio.wait_for(shadow_step, 10)
+        assert order == ["caller", "shadow"]
+        assert (await called)["scores"].shape == (await mirrored)["scores"].shape == (1, 2)
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)

@@ -27,7 +27,7 @@ from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
 from serving.dataplane.transport import Outputs
 from serving.policies import admission
 from serving.policies.admission import DeviceShare
-from serving.policies.batching import BatchQueue, LatencyProfile, Pending, QueueFull
+from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfile, Pending, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class Node:
         # share the thread, so admission counts this work for every request.
         self._device_work: dict[int, float] = {}
         self._running_since: float | None = None
+        # Set whenever a batch leaves the device: a batch of mirrored requests waits on it for callers' work
+        # to be done (see _yield_to_callers).
+        self._device_quiet = asyncio.Event()
 
     # -- control -------------------------------------------------------------------------
 
@@ -279,6 +282,8 @@ class Node:
         others = []
         for h in self._hosted_list:
             queued = h.batcher.queue.rows
+            if queued and h is not hosted and priority < SHADOW_PRIORITY:
+                queued = h.batcher.queue.rows_ahead(SHADOW_PRIORITY - 1)  # mirrored work yields to callers
             if queued and h is not hosted:
                 others.append(admission.VersionLoad(queued, h.entry.batching.max_batch_size, h.profile.estimate))
         in_flight = self._in_flight(now) if self._device_work else 0.0
@@ -303,6 +308,9 @@ class Node:
     async def _run_batch(self, hosted: Hosted, batch: list[Pending]) -> None:
         live = [p for p in batch if not p.payload.future.done()]
         hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
+        if live and live[0].priority >= SHADOW_PRIORITY:  # a batch takes its queue's highest tier first
+            await self._yield_to_callers(hosted, live)
+            live = [p for p in live if not p.payload.future.done()]
         if not live:
             return
         started = self._clock()
@@ -329,6 +337,23 @@ class Node:
         self._busy.inc(seconds)
         _answer(live, results, seconds, rows)
 
+    async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> None:
+        """Hold a batch of mirrored (shadow) requests until the device has no callers' work: nothing in
+        flight, and no other version with callers' requests queued. A batch cannot be preempted, so this is
+        what keeps a mirror from delaying a caller's request by more than the batch it may find running.
+        Mirrors that wait past their deadline are answered 504 by their timers (the mirror counts them)."""
+        while not all(p.payload.future.done() for p in live):
+            if not self._device_work and not any(
+                h is not hosted and h.batcher.queue.rows and h.batcher.queue.rows_ahead(SHADOW_PRIORITY - 1)
+                for h in self._hosted_list
+            ):
+                return
+            self._device_quiet.clear()
+            try:  # bounded: a queue whose batcher has stopped never sets the event
+                await asyncio.wait_for(self._device_quiet.wait(), 0.05)
+            except TimeoutError:
+                pass
+
     async def _on_device(
         self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int
     ) -> tuple[list[dict[str, np.ndarray]], float, float]:
@@ -342,6 +367,7 @@ class Node:
             )
         finally:
             del self._device_work[token]
+            self._device_quiet.set()
 
     def _timed(
         self, runtime: ModelRuntime, requests: list[dict[str, np.ndarray]]

@@ -7,7 +7,8 @@ send queued mirrors to the transport, those queued together stacked into one cal
 mirroring costs the node few admissions and few device calls), at `SHADOW_PRIORITY`, the lowest tier,
 whose share of every queue and
 deadline budget is the smallest, so admission refuses mirrors before any caller's request as a backlog
-grows (those refusals are counted too, never retried). Each finished mirror leaves a `Pair` (both
+grows (those refusals are counted too, never retried), and the node runs a batch of mirrors only when
+no caller's work waits for the device. Each finished mirror leaves a `Pair` (both
 answers, both latencies, both statuses, the inputs) in a bounded buffer that the data plane's flush
 hands to the control plane (`rollout.shadow_compare` aggregates, `rollout.tasks.record_shadow` stores),
 so the comparison runs off the request path.
@@ -29,7 +30,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from serving.dataplane import metrics
-from serving.dataplane.errors import ServingError, Shed
+from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed
 from serving.dataplane.snapshot import ModelEntry, VersionEntry
 from serving.dataplane.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
@@ -235,6 +236,9 @@ class Mirror:
             status = 200
         except Shed:
             DROPPED.labels(candidate.model, str(candidate.version), "shed").inc(len(items))
+            return
+        except DeadlineExceeded:  # at the lowest tier a mirror waits for callers' work: no fault of the candidate
+            DROPPED.labels(candidate.model, str(candidate.version), "expired").inc(len(items))
             return
         except ServingError as exc:
             status, error = exc.status, exc.message
