@@ -349,3 +349,40 @@ async def test_the_node_runs_a_batch_of_mirrors_only_when_no_callers_work_waits(
     finally:
         node._device_pool.shutdown(wait=False)
         node._load_pool.shutdown(wait=False)
+
+
+async def test_mirrors_run_ahead_of_callers_work_that_is_not_due_before_they_finish() -> None:
+    from tests.test_admission import Clock, StandIn, entry, rows
+
+    order: list[str] = []
+
+    class Recording(StandIn):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def run(self, requests):  # noqa: ANN001, ANN201
+            order.append(self.name)
+            return super().run(requests)
+
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    caller = node.host(entry("caller"), Recording("caller"), {1: 0.001, 8: 0.001}, start=False)
+    shadow = node.host(entry("shadow"), Recording("shadow"), {1: 0.001, 8: 0.001}, start=False)
+    try:
+        # given mirrors past their window, and a caller's request that has just arrived (its 10 s window open)
+        mirrored = asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 100, SHADOW_PRIORITY))
+        await asyncio.sleep(0)
+        clock.now += 20
+        called = asyncio.ensure_future(node.infer("caller:1", rows(1), 1, clock.now + 100, 1))
+        await asyncio.sleep(0)
+        # when the mirrors' batch is due: it runs at once, finishing (1 ms) long before the caller's is due
+        assert await asyncio.wait_for(shadow.batcher.process_one_batch(), 10)
+        assert order == ["shadow"] and not called.done()
+        await mirrored
+        clock.now += 20
+        assert await caller.batcher.process_one_batch()
+        await called
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)

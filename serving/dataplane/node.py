@@ -338,21 +338,41 @@ class Node:
         _answer(live, results, seconds, rows)
 
     async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> None:
-        """Hold a batch of mirrored (shadow) requests until the device has no callers' work: nothing in
-        flight, and no other version with callers' requests queued. A batch cannot be preempted, so this is
-        what keeps a mirror from delaying a caller's request by more than the batch it may find running.
-        Mirrors that wait past their deadline are answered 504 by their timers (the mirror counts them)."""
+        """Hold a batch of mirrored (shadow) requests while it would delay callers' work: a batch is on the
+        device, or another version's callers' batch would come due before this one could finish (by the
+        profile's estimate). A batch cannot be preempted, so this keeps a mirror from holding up a caller's
+        request. A caller's request queued behind the mirrors on this same version lets them go at once (it
+        runs next). Mirrors that wait past their deadline are answered 504 by their timers (the mirror
+        counts them as dropped)."""
+        rows = sum(p.rows for p in live)
+        callers = SHADOW_PRIORITY - 1
         while not all(p.payload.future.done() for p in live):
-            if not self._device_work and not any(
-                h is not hosted and h.batcher.queue.rows and h.batcher.queue.rows_ahead(SHADOW_PRIORITY - 1)
-                for h in self._hosted_list
-            ):
+            if hosted.batcher.queue.rows and hosted.batcher.queue.rows_ahead(callers):
                 return
+            if not self._device_work:
+                finish = self._clock() + hosted.profile.estimate(rows)
+                if not any(self._callers_due(h, finish) for h in self._hosted_list if h is not hosted):
+                    return
             self._device_quiet.clear()
-            try:  # bounded: a queue whose batcher has stopped never sets the event
+            try:  # bounded: a queue emptied without a batch (expiry, a stopped batcher) sets no event
                 await asyncio.wait_for(self._device_quiet.wait(), 0.05)
             except TimeoutError:
                 pass
+
+    @staticmethod
+    def _callers_due(hosted: Hosted, by: float) -> bool:
+        """Whether `hosted` has callers' requests whose batch comes due before `by` (full, or its window ends)."""
+        queue = hosted.batcher.queue
+        if not queue.rows:
+            return False
+        waiting = queue.rows_ahead(SHADOW_PRIORITY - 1)
+        if not waiting:
+            return False
+        batching = hosted.entry.batching
+        if waiting >= batching.max_batch_size:
+            return True
+        oldest = queue.oldest_arrival(SHADOW_PRIORITY - 1)
+        return oldest is None or oldest + batching.max_queue_delay <= by
 
     async def _on_device(
         self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int

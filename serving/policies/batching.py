@@ -150,6 +150,18 @@ class BatchQueue:
             return self.rows
         return sum(self._level_rows[p] for p in self._order if p <= priority)
 
+    def oldest_arrival(self, priority: int) -> float | None:
+        """When the oldest request of `priority` or a higher tier still waiting arrived; None when none waits.
+        (Each level is in arrival order.)"""
+        oldest = None
+        for p in self._order:
+            if p > priority:
+                break
+            arrival = self._levels[p][0].arrival
+            if oldest is None or arrival < oldest:
+                oldest = arrival
+        return oldest
+
     def put(self, item: Pending) -> list[Pending]:
         """Queue `item`; returns lower-tier requests evicted to make room (answer them 503).
 
