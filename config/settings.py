@@ -95,9 +95,14 @@ CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", REDIS_URL or "cache+mem
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
+# Rollouts (rollout/): how often every active rollout's gates are evaluated (Celery beat; in embedded mode
+# the process's own loop). Usage reaches the gates every FERRY_USAGE_FLUSH_SECONDS, so faster is no fresher.
+FERRY_ROLLOUT_EVALUATE_SECONDS = env_int("FERRY_ROLLOUT_EVALUATE_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
+    "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
+                          "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -215,3 +220,6 @@ FERRY_SHADOW_MAX_PAIRS = env_int("FERRY_SHADOW_MAX_PAIRS", 4096, minimum=1)
 FERRY_SHADOW_MAX_PAIR_BYTES = env_int("FERRY_SHADOW_MAX_PAIR_BYTES", 32 * 1024 * 1024, minimum=1024)
 FERRY_SHADOW_FLUSH_SECONDS = env_int("FERRY_SHADOW_FLUSH_SECONDS", 10, minimum=1)
 FERRY_SHADOW_SAMPLES = env_int("FERRY_SHADOW_SAMPLES", 100, minimum=1)
+# The share of live requests a rollout mirrors to its candidate while it shadows (until it ends), in percent.
+FERRY_ROLLOUT_SHADOW_PERCENT = env_int("FERRY_ROLLOUT_SHADOW_PERCENT", 100, minimum=1)
+FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100

@@ -4,6 +4,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
 from serving import views as console
 from tenants import views as tenant_console
@@ -16,7 +17,9 @@ urlpatterns = [
     path("console/models/", console.models_page, name="console-models"),
     path("console/live/", console.models_live, name="console-models-live"),
     path("console/models/<str:name>/", console.model_page, name="console-model"),
-    path("console/models/<str:name>/shadow/", rollout_console.shadow_page, name="console-shadow"),
+    path("console/models/<str:name>/shadow/", shadow_console.shadow_page, name="console-shadow"),
+    path("console/models/<str:name>/rollouts/", rollout_console.rollout_start, name="console-rollout-start"),
+    path("console/rollouts/<int:pk>/<str:move>/", rollout_console.rollout_action, name="console-rollout-action"),
     path("console/tenants/", tenant_console.tenants_page, name="console-tenants"),
     path("console/tenants/<slug:slug>/", tenant_console.tenant_page, name="console-tenant"),
     path("console/tenants/<slug:slug>/keys/", tenant_console.keys_page, name="console-keys"),
@@ -27,6 +30,7 @@ urlpatterns = [
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/", include("usage.api.urls")),
+    path("api/", include("rollout.api.urls")),
     path("api/", include("serving.api.urls")),
     path("admin/", admin.site.urls),
 ]

@@ -1,105 +1,114 @@
-"""The console's shadow report page: the same report as the API (rollout.shadow_report), drawn on the
-server as inline SVG charts and a heat table."""
+"""The console's rollout panel on a model's page, and the POST forms behind its buttons.
+
+A button is shown only to someone allowed to press it, and every POST is checked again here (through
+`rollout.transitions`, which checks the role in the model's tenant): the page is a convenience, not the guard.
+"""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from typing import Any
 
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
-from django.utils import timezone
-from django.utils.safestring import mark_safe
+from django.shortcuts import redirect
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST
 
-from rollout import charts, shadow_report
-from rollout.models import ShadowMinute
+from rollout import transitions
+from rollout.models import Rollout
+from serving.models import Model, State
 from tenants.models import Role
 from tenants.scoping import can_write, visible_models
 
-WINDOWS = (60, 360, 1440)  # minutes
+RECENT = 5  # ended rollouts the panel lists under the active one
 
 
-def _int(text: str | None, default: int | None, *, low: int, high: int) -> int | None:
-    if text is None or not text.isdigit() or not low <= int(text) <= high:
-        return default
-    return int(text)
+def panel(user: Any, model: Model) -> dict:
+    """The panel's context: the model's rollouts (active first), each with the buttons `user` may press, and
+    whether (and with which candidates) `user` may start one."""
+    engineer = can_write(user, Role.ENGINEER, model.tenant_id)
+    approver = can_write(user, Role.APPROVER, model.tenant_id)
+    self_ok = model.tenant is not None and model.tenant.allow_self_approval
+    rollouts = list(model.rollouts.select_related("started_by").prefetch_related("approvals")[:RECENT + 1])
+    rows = []
+    for r in rollouts:
+        approvers = {a.user_id for a in r.approvals.all()}
+        own = getattr(user, "pk", None) == r.started_by_id
+        rows.append({
+            "rollout": r,
+            "steps": [{"percent": p, "current": r.step == i and r.active, "done": r.step is not None and i < r.step}
+                      for i, p in enumerate(r.steps)],
+            "failed": [g for v in r.verdicts[-1:] for g in v.get("gates", []) if g.get("status") == "fail"],
+            "buttons": [name for name, shown in (
+                ("approve", approver and r.active and (self_ok or not own) and user.pk not in approvers),
+                ("reject", approver and r.active),
+                ("promote", approver and r.active and r.approved),
+                ("roll-back", engineer and r.active),
+            ) if shown],
+        })
+    active = any(r.active for r in rollouts)
+    candidates = []
+    if engineer and not active and model.stable_version is not None:
+        candidates = list(model.versions.filter(state=State.READY).exclude(version=model.stable_version)
+                          .values_list("version", flat=True))
+    return {"rollouts": rows, "rollout_candidates": candidates}
 
 
-def _heat(confusion: dict | None) -> dict | None:
-    """The confusion matrix as table rows of (count, opacity 0..1), the diagonal marked."""
-    if not confusion:
-        return None
-    top = max((c for row in confusion["matrix"] for c in row), default=0) or 1
-    return {
-        "labels": confusion["labels"],
-        "rows": [
-            {"label": a, "cells": [
-                {"count": c, "alpha": round(0.08 + 0.92 * c / top, 3) if c else 0, "diagonal": a == b}
-                for b, c in zip(confusion["labels"], row, strict=True)
-            ]}
-            for a, row in zip(confusion["labels"], confusion["matrix"], strict=True)
-        ],
-    }
-
-
-def _minutes(report: dict) -> list[tuple]:
-    """One point per minute of the window, minutes that compared nothing included (as gaps)."""
-    by_minute = {p["minute"]: p for p in report["series"]}
-    at = report["since"].replace(second=0, microsecond=0)
-    points = []
-    while at <= report["until"]:
-        p = by_minute.get(at)
-        points.append((at, p["agreement"] if p else None, p["compared"] if p else 0))
-        at += timedelta(minutes=1)
-    return points
-
-
-def _rounded(value: object) -> object:
-    """Tensor rows for the page: numbers to 4 significant digits, nesting kept."""
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    return float(f"{value:.4g}") if isinstance(value, float) else value
-
-
-def _latency_bins(latency: dict) -> list[tuple[str, int, int | None]]:
-    """Both versions' latency histograms over the union of their bins (the bins line up: same sketch)."""
-    edges: dict[tuple[float, float], list[int]] = {}
-    for who, index in (("baseline", 0), ("candidate", 1)):
-        for b in latency[who]["histogram"]:
-            edges.setdefault((b["low_ms"], b["high_ms"]), [0, 0])[index] = b["count"]
-    return [(f"{charts.number(high)} ms", a, c) for (_, high), (a, c) in sorted(edges.items())]
+_MOVES = {
+    "approve": transitions.approve,
+    "reject": transitions.reject,
+    "promote": transitions.promote,
+    "roll-back": transitions.roll_back,
+}
 
 
 @login_required
-def shadow_page(request: HttpRequest, name: str) -> HttpResponse:
-    """A model's shadow report. Anyone who sees the model reads it; the rollout actions (gate verdicts, Approve,
-    Reject, Promote, Roll back) are shown only to an approver of the tenant that owns the model."""
-    model = visible_models(request.user).select_related("tenant").filter(name=name).first()
+@require_POST
+def rollout_action(request: HttpRequest, pk: int, move: str) -> HttpResponse:
+    """Press a panel button. A rollout of a model the user may not see is a 404; a missing role a 403; a move
+    its state no longer allows (someone else was faster) goes back to the page, which shows the state."""
+    if move not in _MOVES:
+        raise Http404("no such action")
+    rollout = Rollout.objects.filter(pk=pk, model__in=visible_models(request.user)).select_related("model").first()
+    if rollout is None:
+        raise Http404("no such rollout")
+    kwargs = {"note": request.POST.get("note", "")[:2000]} if move != "promote" else {}
+    try:
+        _MOVES[move](rollout=rollout, actor=request.user, **kwargs)
+    except transitions.RolloutError as exc:
+        if exc.status == 403:
+            raise PermissionDenied(exc.message) from None
+        if exc.status != 409:
+            raise
+    back = request.POST.get("next", "")  # the page the button was on (the model's, or its shadow report)
+    if back.startswith("/console/") and url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
+        return redirect(back)
+    return redirect("console-model", name=rollout.model.name)
+
+
+@login_required
+@require_POST
+def rollout_start(request: HttpRequest, name: str) -> HttpResponse:
+    """Start a rollout from the panel's form, with the default gates and the steps and times given."""
+    model = visible_models(request.user).filter(name=name).first()
     if model is None:
         raise Http404("no such model")
-    candidates = sorted(set(ShadowMinute.objects.filter(model_name=model.name)
-                            .values_list("candidate", flat=True).distinct()) | ({model.shadow_version} - {None}))
-    candidate = _int(request.GET.get("candidate"), model.shadow_version or (candidates[-1] if candidates else None),
-                     low=1, high=2**31 - 1)
-    minutes = _int(request.GET.get("minutes"), 60, low=1, high=7 * 24 * 60)
-    context: dict = {"model": model, "candidate": candidate, "candidates": candidates, "minutes": minutes,
-                     "windows": WINDOWS, "can_act": can_write(request.user, Role.APPROVER, model.tenant_id)}
-    if candidate is not None:
-        report = shadow_report.build(model, candidate, until=timezone.now(), minutes=minutes)  # type: ignore[arg-type]
-        differences = report["differences"]["histogram"]
-        context.update(
-            report=report,
-            agreement_chart=mark_safe(charts.agreement_svg(_minutes(report))),  # noqa: S308 (numbers, times only)
-            difference_chart=mark_safe(charts.histogram_svg(  # noqa: S308
-                [(f"≤{charts.number(b['high'])}", b["count"]) for b in differences],
-                css="shadow-differences", label="distribution of per-row output differences")),
-            latency_chart=mark_safe(charts.paired_svg(  # noqa: S308
-                _latency_bins(report["latency"]), css="shadow-latency",
-                label="latency distributions of the baseline and the candidate")),
-            heat=_heat(report["confusion"]),
-            disagreements=[{**d, "inputs": _rounded(d["inputs"]), "primary": _rounded(d["primary"]),
-                            "shadow": _rounded(d["shadow"])} for d in report["disagreements"]],
-        )
-    return render(request, "console/shadow.html", context)
+    try:
+        candidate = int(request.POST.get("candidate", ""))
+        steps = [int(s) for s in request.POST.get("steps", "1 5 25 50 100").replace(",", " ").split()]
+        shadow = int(request.POST.get("shadow_seconds", "600"))
+        bake = int(request.POST.get("bake_seconds", "600"))
+        if shadow < 0 or bake < 0:
+            raise ValueError
+    except ValueError:
+        return HttpResponse("candidate, steps and seconds must be whole non-negative numbers", status=400,
+                            content_type="text/plain")
+    try:
+        transitions.start(model=model, candidate=candidate, actor=request.user, steps=steps,
+                          shadow_seconds=shadow, bake_seconds=bake)
+    except transitions.RolloutError as exc:
+        if exc.status == 403:
+            raise PermissionDenied(exc.message) from None
+        return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
+    return redirect("console-model", name=model.name)

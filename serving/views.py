@@ -6,6 +6,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
 
+from rollout.views import panel
 from serving.actions import set_visibility
 from serving.dataplane import metrics
 from serving.dataplane import plane as dataplane
@@ -89,15 +90,15 @@ def model_page(request: HttpRequest, name: str) -> HttpResponse:
         missing = sorted(set(slugs) - {t.slug for t in shared})
         if visibility not in Visibility.values or missing:
             error = f"no tenant {missing[0]!r}" if missing else "choose private, shared or public"
-            return render(request, "console/model.html", _model_context(model, may_share) | {"error": error},
-                          status=400)
+            context = _model_context(model, may_share, request.user) | {"error": error}
+            return render(request, "console/model.html", context, status=400)
         set_visibility(model=model, visibility=visibility, shared_with=shared, actor=request.user)
         return redirect("console-model", name=model.name)
-    return render(request, "console/model.html", _model_context(model, may_share))
+    return render(request, "console/model.html", _model_context(model, may_share, request.user))
 
 
-def _model_context(model: Model, may_share: bool) -> dict:
+def _model_context(model: Model, may_share: bool, user: object) -> dict:
     versions = [{"v": v, "profile": _profile(v)} for v in model.versions.all()]
     shared = sorted(model.shared_with.values_list("slug", flat=True)) if may_share else []
     return {"model": model, "versions": versions, "may_share": may_share, "shared_with": " ".join(shared),
-            "visibilities": Visibility.values}
+            "visibilities": Visibility.values, **panel(user, model)}

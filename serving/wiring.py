@@ -81,6 +81,26 @@ def _send_shadow(pairs: list[Pair]) -> None:
     record_shadow.delay(uuid.uuid4().hex, rows, samples)
 
 
+def _evaluate_rollouts() -> None:
+    from rollout.tasks import evaluate_rollouts
+
+    evaluate_rollouts()
+
+
+async def _evaluate_rollouts_forever() -> None:
+    """Embedded mode's stand-in for Celery beat's rollout evaluation (there is no beat without a broker)."""
+    while True:
+        await asyncio.sleep(settings.FERRY_ROLLOUT_EVALUATE_SECONDS)
+        try:
+            await sync_to_async(_evaluate_rollouts)()
+        except Exception as exc:  # the database may be down: try again at the next tick
+            log.warning("evaluating rollouts failed: %s", exc)
+
+
+# Control-plane loops this process runs beside its data plane (embedded mode), cancelled by stop().
+_control_tasks: list[asyncio.Task[None]] = []
+
+
 def _record_key_use(prefixes: set[str]) -> None:
     from django.utils import timezone
 
@@ -129,6 +149,7 @@ async def start() -> DataPlane:
         except Exception as exc:
             log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
         plane.refresher = plane.loop.create_task(plane._refresh_forever())
+        _control_tasks.append(plane.loop.create_task(_evaluate_rollouts_forever()))
     if hub.current is not None:
         await plane.wait_reconciled(hub.current.serial)
     # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
@@ -162,9 +183,11 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, plane.shadow_task):
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, plane.shadow_task,
+                 *_control_tasks):
         if task is not None:
             task.cancel()
+    _control_tasks.clear()
     if plane.mirror is not None:
         await plane.mirror.stop()
         try:

@@ -12,9 +12,17 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["name", "slug", "created_at"]
+    list_display = ["name", "slug", "allow_self_approval", "created_at"]
     prepopulated_fields = {"slug": ["name"]}
     inlines = [MembershipInline]
+
+    def save_model(self, request, obj, form, change) -> None:  # noqa: ANN001
+        """Loosening (or restoring) the four-eyes rule on rollouts is a change the audit log keeps."""
+        super().save_model(request, obj, form, change)
+        if change and "allow_self_approval" in form.changed_data:
+            audit.record(request.user, "tenant.self_approval", f"tenant {obj.slug}", tenant=obj,
+                         before={"allow_self_approval": not obj.allow_self_approval},
+                         after={"allow_self_approval": obj.allow_self_approval})
 
     def save_formset(self, request, form, formset, change) -> None:  # noqa: ANN001
         """Role changes made here go into the audit log like the console's (the admin's view runs in one

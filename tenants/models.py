@@ -19,6 +19,9 @@ class Role(models.TextChoices):
 class Tenant(models.Model):
     name = models.CharField(max_length=100, unique=True)
     slug = models.SlugField(max_length=50, unique=True)
+    allow_self_approval = models.BooleanField(
+        default=False, help_text="whether the person who started a rollout may approve it alone",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

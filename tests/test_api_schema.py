@@ -58,6 +58,7 @@ ALLOWANCES = {
     "POST /api/tenants/{slug}/members/": (("400",), "`username` must name an existing user"),
     "POST /api/tenants/{slug}/keys/": (("400",), "`expires_at` must lie in the future"),
     "POST /api/tenants/{slug}/quota-requests/": (("400",), "the justification must hold more than whitespace"),
+    "POST /api/rollouts/": (("400",), "`steps` must increase and end at 100: a rule across the list's items"),
     "GET /api/usage/": (
         ("400",), "`from` must come before `to`, and the range may span at most 1 day of minutes, 14 days of hours"
         " or 92 days of days: rules across parameters",

@@ -246,13 +246,13 @@ def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() ->
 
     pepper = b"p" * 32
     minted = keys.mint(pepper)
-    header = [(b"authorization", b"Bearer " + minted.token.encode())]
+    header = b"Bearer " + minted.token.encode()
     entry = KeyEntry(digest=minted.digest, tenant_id=7, scopes=("infer",), expires_at=1000.0)
     first = RoutingSnapshot(serial=1, built_at=0.0, keys={minted.prefix: entry})
     # given a key verified once / then a repeat against the same snapshot is the same caller, from the memo
     caller = auth.authenticate(header, first, pepper, now=10.0)
     assert caller.tenant_id == 7 and auth.authenticate(header, first, pepper, now=11.0) is caller
-    assert header[0][1] in auth._memo
+    assert header in auth._memo
     # when its expiry passes with no new snapshot / then the memo does not keep it alive
     with pytest.raises(auth.Unauthenticated, match="expired"):
         auth.authenticate(header, first, pepper, now=1000.0)
@@ -260,12 +260,12 @@ def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() ->
     revoked = RoutingSnapshot(serial=2, built_at=0.0, keys={})
     with pytest.raises(auth.Unauthenticated, match="unknown or revoked"):
         auth.authenticate(header, revoked, pepper, now=11.0)
-    assert header[0][1] not in auth._memo
+    assert header not in auth._memo
     # and a wrong secret under a known prefix is refused and never remembered
-    forged = [(b"authorization", f"Bearer fy_{minted.prefix}_{'x' * 43}".encode())]
+    forged = f"Bearer fy_{minted.prefix}_{'x' * 43}".encode()
     with pytest.raises(auth.Unauthenticated):
         auth.authenticate(forged, first, pepper, now=11.0)
-    assert forged[0][1] not in auth._memo
+    assert forged not in auth._memo
 
 
 def test_the_memo_of_verified_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,5 +279,5 @@ def test_the_memo_of_verified_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -
     snapshot = RoutingSnapshot(serial=3, built_at=0.0, keys={
         m.prefix: KeyEntry(digest=m.digest, tenant_id=1, scopes=("infer",), expires_at=None) for m in minted})
     for m in minted:
-        auth.authenticate([(b"authorization", b"Bearer " + m.token.encode())], snapshot, pepper, now=0.0)
+        auth.authenticate(b"Bearer " + m.token.encode(), snapshot, pepper, now=0.0)
         assert len(auth._memo) <= 3

@@ -574,3 +574,85 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
     after = metrics(digits_server)
     assert grew(before, after, "ferry_requests_total", model="digits", version="1", status="503") == 1
     assert grew(before, after, "ferry_shed_total", model="digits", version="1", reason="frontend", tier="0") == 1
+
+
+# -- the lean response head (LeanCycle) ----------------------------------------------------------
+
+
+def raw_heads(reply: bytes) -> list[tuple[str, list[tuple[str, str]], bytes]]:
+    """Split raw bytes holding consecutive responses (each with content-length) into (status line,
+    header pairs in order, body)."""
+    out = []
+    while reply:
+        head_bytes, _, rest = reply.partition(b"\r\n\r\n")
+        lines = head_bytes.decode("latin-1").split("\r\n")
+        pairs = [tuple(line.split(": ", 1)) for line in lines[1:]]
+        length = int(dict((k.lower(), v) for k, v in pairs).get("content-length", "0"))
+        out.append((lines[0], pairs, rest[:length]))
+        reply = rest[length:]
+    return out
+
+
+def test_inference_answers_keep_their_heads_on_one_keep_alive_connection(digits_server, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    body = orjson.dumps(digits_request(x[:1]))
+    request = head("POST", "/v2/models/digits/infer", {
+        "Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}",
+        "Content-Length": str(len(body))}) + body
+    bad = head("POST", "/v2/models/digits/infer", {
+        "Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}",
+        "Content-Length": "2"}) + b"{]"
+    with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
+        # given three requests pipelined on one connection: served, malformed, served
+        sock.sendall(request + bad + request)
+        reply = b""
+        while len(raw_heads(reply)) < 3 or len(raw_heads(reply)[-1][2]) < int(
+                dict(raw_heads(reply)[-1][1])["content-length"]):
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            reply += chunk
+    answers = raw_heads(reply)
+    # then each answer is a well-formed head: the status, uvicorn's date and server, every header once
+    assert [a[0] for a in answers] == ["HTTP/1.1 200 OK", "HTTP/1.1 400 Bad Request", "HTTP/1.1 200 OK"]
+    for _, pairs, payload in answers:
+        names = [k.lower() for k, _ in pairs]
+        assert len(names) == len(set(names)), names
+        assert {"date", "server", "content-type", "content-length"} <= set(names)
+        assert "connection" not in names  # kept alive
+        assert int(dict(pairs)["content-length"]) == len(payload)
+        orjson.loads(payload)
+    served = dict(answers[0][1])
+    assert served["x-ferry-model-version"] == "1" and "ratelimit-remaining" in served
+
+
+def test_inference_answer_to_a_closing_client_says_connection_close(digits_server, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    body = orjson.dumps(digits_request(x[:1]))
+    reply = exchange(digits_server.port, head("POST", "/v2/models/digits/infer", {
+        "Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}",
+        "Content-Length": str(len(body)), "Connection": "close"}) + body)
+    assert reply.status == 200 and reply.headers["connection"] == "close"
+    assert len(scores(reply)) == 1
+
+
+def test_head_request_gets_the_head_without_a_body(digits_server) -> None:  # noqa: ANN001
+    with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head("HEAD", "/v2/models/digits/infer", {"Authorization": f"Bearer {digits_server.key}"})
+                     + head("GET", "/v2/health/live", {}))
+        reply = b""
+        while b"HTTP/1.1 200" not in reply:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            reply += chunk
+    first, _, rest = reply.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 405")
+    assert rest.startswith(b"HTTP/1.1 200")  # no body between the two heads
+
+
+def test_render_head_refuses_values_that_would_split_the_head() -> None:
+    from serving.dataplane.frontdoor import render_head
+
+    assert render_head([(b"a", b"1"), (b"b", b"two")]) == b"a: 1\r\nb: two\r\n"
+    for value in (b"x\r\nset-cookie: y", b"x\ny", b"x\0y"):
+        with pytest.raises(ValueError):
+            render_head([(b"x-ferry-fallback-from", value)])

@@ -83,7 +83,7 @@ def test_data_plane_never_reaches_the_orm(module: str) -> None:
     assert forbidden(module, ORM) == []
 
 
-@pytest.mark.parametrize("module", [*modules_under("serving.policies"), "rollout.routing"])
+@pytest.mark.parametrize("module", [*modules_under("serving.policies"), "rollout.routing", "rollout.gates"])
 def test_policies_import_no_django(module: str) -> None:
     # Plain Python, shared with the simulator: not even settings.
     assert forbidden(module, ("django", "channels", "celery", *ORM)) == []

@@ -1,111 +1,84 @@
-"""The shadow report's query and its JSON, as the OpenAPI schema documents them (rollout.shadow_report
-builds the dict)."""
+"""Request and response shapes of the rollout API (strict, as the registry API's are)."""
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from serving.api.serializers import StrictIntegerField
+from rollout.models import Approval, Rollout, RolloutState
+from serving.api.serializers import ModelNameField, StrictFloatField, StrictIntegerField, TextField
 
+MAX_SECONDS = 30 * 86400  # a phase longer than a month is a mistake, not a plan
 MAX_VERSION = 2**31 - 1
-MAX_MINUTES = 7 * 24 * 60
 
 
-class ShadowQuerySerializer(serializers.Serializer):
-    candidate = serializers.IntegerField(min_value=1, max_value=MAX_VERSION,
-                                         help_text="the shadow version to report on")
-    baseline = serializers.IntegerField(min_value=1, max_value=MAX_VERSION, required=False,
-                                        help_text="compare against this version only (default: every version"
-                                                  " whose requests were mirrored to the candidate)")
-    minutes = serializers.IntegerField(min_value=1, max_value=MAX_MINUTES, required=False, default=60,
-                                       help_text="the window, in minutes up to now")
+class ApprovalSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Approval
+        fields = ["username", "note", "at"]
+        read_only_fields = fields
 
 
-class ShadowConfigSerializer(serializers.Serializer):
-    version = StrictIntegerField(allow_null=True, help_text="the model's current shadow version")
-    fraction = serializers.FloatField(help_text="the share of live requests mirrored to it now")
+@extend_schema_field({"type": "object", "nullable": True, "additionalProperties": True,
+                      "description": "a gate verdict: outcome (pass, fail, no_data), gates with their status,"
+                                     " reason and numbers, the windows read, and the action taken"})
+class VerdictField(serializers.JSONField):
+    pass
 
 
-class ShadowTotalsSerializer(serializers.Serializer):
-    mirrored = serializers.IntegerField(help_text="mirrored requests the candidate answered or failed")
-    shadow_errors = serializers.IntegerField(help_text="of those, failed on the candidate")
-    incomparable = serializers.IntegerField(help_text="answered with outputs of another shape")
-    compared = serializers.IntegerField(help_text="rows compared")
-    agreed = serializers.IntegerField(help_text="rows that agreed (top-1 class, tolerance, or cosine >= 0.99)")
-    agreement = serializers.FloatField(allow_null=True, help_text="agreed / compared; null when none compared")
-    shadow_error_rate = serializers.FloatField(allow_null=True)
-    shadow_errors_by_status = serializers.DictField(child=serializers.IntegerField())
+class RolloutSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True)
+    started_by = serializers.CharField(source="started_by.username", read_only=True, allow_null=True, default=None)
+    percent = serializers.FloatField(read_only=True, help_text="the candidate's share of unpinned traffic now")
+    approvals = ApprovalSerializer(many=True, read_only=True)
+    verdicts = serializers.ListField(child=VerdictField(), read_only=True,
+                                     help_text="the decisive verdicts, oldest first")
+    last_verdict = VerdictField(read_only=True, help_text="the latest evaluation")
+
+    class Meta:
+        model = Rollout
+        fields = ["id", "model", "candidate", "baseline", "state", "step", "percent", "steps", "shadow_seconds",
+                  "bake_seconds", "step_timeout_seconds", "max_error_rate_increase", "max_p99_ratio",
+                  "p99_slack_ms", "min_agreement", "min_requests", "min_compared", "approved", "approvals",
+                  "started_by", "reason", "verdicts", "last_verdict", "started_at", "phase_started_at",
+                  "finished_at"]
+        read_only_fields = fields
 
 
-class ShadowPointSerializer(serializers.Serializer):
-    minute = serializers.DateTimeField()
-    mirrored = serializers.IntegerField()
-    compared = serializers.IntegerField()
-    agreed = serializers.IntegerField()
-    shadow_errors = serializers.IntegerField()
-    agreement = serializers.FloatField(allow_null=True)
+class RolloutCreateSerializer(serializers.Serializer):
+    """Start a rollout of `candidate` against the model's stable version. Every setting but the two names
+    has a default."""
+
+    model = ModelNameField(help_text="the model's name")
+    candidate = StrictIntegerField(min_value=1, max_value=MAX_VERSION, help_text="the version to roll out")
+    steps = serializers.ListField(
+        child=StrictIntegerField(min_value=1, max_value=100), min_length=1, max_length=20, required=False,
+        help_text="canary shares in percent, increasing, ending at 100 (default [1, 5, 25, 50, 100])",
+    )
+    shadow_seconds = StrictIntegerField(min_value=0, max_value=MAX_SECONDS, required=False,
+                                        help_text="how long to shadow first; 0 starts the canary at once")
+    bake_seconds = StrictIntegerField(min_value=0, max_value=MAX_SECONDS, required=False,
+                                      help_text="the least time each canary step runs")
+    step_timeout_seconds = StrictIntegerField(min_value=1, max_value=MAX_SECONDS, required=False,
+                                              help_text="a phase still without enough evidence this long rolls back")
+    max_error_rate_increase = StrictFloatField(min_value=0, max_value=1, required=False)
+    max_p99_ratio = StrictFloatField(min_value=1, max_value=1000, required=False)
+    p99_slack_ms = StrictFloatField(min_value=0, max_value=60_000, required=False)
+    min_agreement = StrictFloatField(min_value=0, max_value=1, required=False, allow_null=True,
+                                     help_text="null: no shadow agreement gate")
+    min_requests = StrictIntegerField(min_value=1, max_value=10**9, required=False)
+    min_compared = StrictIntegerField(min_value=1, max_value=10**9, required=False)
 
 
-class BinSerializer(serializers.Serializer):
-    low = serializers.FloatField()
-    high = serializers.FloatField()
-    count = serializers.IntegerField()
+class NoteSerializer(serializers.Serializer):
+    note = TextField(max_length=2000, required=False, help_text="why, for the audit log")
 
 
-class DifferencesSerializer(serializers.Serializer):
-    histogram = BinSerializer(many=True, help_text="per-row difference: largest absolute difference of the"
-                                                   " outputs (classification, regression) or 1 - cosine (embedding)")
-    mean_abs = serializers.FloatField(allow_null=True, help_text="regression: mean absolute difference")
-    max_abs = serializers.FloatField(allow_null=True, help_text="regression: largest absolute difference")
-    mean_cosine = serializers.FloatField(allow_null=True, help_text="embedding: mean cosine similarity")
-    min_cosine = serializers.FloatField(allow_null=True, help_text="embedding: lowest cosine similarity")
+class RolloutReportSerializer(serializers.Serializer):
+    rollout = RolloutSerializer()
+    current = VerdictField(help_text="the gates on the evidence now (null once the rollout has ended)")
 
 
-class LatencyBinSerializer(serializers.Serializer):
-    low_ms = serializers.FloatField()
-    high_ms = serializers.FloatField()
-    count = serializers.IntegerField()
+class ListFilterSerializer(serializers.Serializer):
+    """The list's query parameters (limit and offset are the paginator's)."""
 
-
-class LatencySerializer(serializers.Serializer):
-    count = serializers.IntegerField()
-    p50_ms = serializers.FloatField(allow_null=True)
-    p90_ms = serializers.FloatField(allow_null=True)
-    p99_ms = serializers.FloatField(allow_null=True)
-    histogram = LatencyBinSerializer(many=True)
-
-
-class LatenciesSerializer(serializers.Serializer):
-    baseline = LatencySerializer(help_text="the serving versions, from dispatch to answer")
-    candidate = LatencySerializer(help_text="the candidate on the mirrored requests, from dispatch to answer")
-
-
-class ConfusionSerializer(serializers.Serializer):
-    labels = serializers.ListField(child=serializers.IntegerField())
-    matrix = serializers.ListField(child=serializers.ListField(child=serializers.IntegerField()),
-                                   help_text="rows: the baseline's class; columns: the candidate's")
-
-
-class DisagreementSerializer(serializers.Serializer):
-    at = serializers.DateTimeField()
-    baseline = serializers.IntegerField()
-    summary = serializers.CharField()
-    difference = serializers.FloatField(allow_null=True)
-    output = serializers.CharField()
-    inputs = serializers.JSONField(allow_null=True, help_text="the row's inputs by name; null when too large")
-    primary = serializers.JSONField(allow_null=True, help_text="the baseline's output row")
-    shadow = serializers.JSONField(allow_null=True, help_text="the candidate's output row; null when it failed")
-
-
-class ShadowReportSerializer(serializers.Serializer):
-    model = serializers.CharField()
-    task = serializers.CharField()
-    candidate = serializers.IntegerField()
-    baselines = serializers.ListField(child=serializers.IntegerField())
-    since = serializers.DateTimeField()
-    until = serializers.DateTimeField()
-    shadow = ShadowConfigSerializer()
-    totals = ShadowTotalsSerializer()
-    series = ShadowPointSerializer(many=True, help_text="agreement per minute")
-    differences = DifferencesSerializer()
-    latency = LatenciesSerializer()
-    confusion = ConfusionSerializer(allow_null=True, help_text="classification only: top-1 class pairs")
-    disagreements = DisagreementSerializer(many=True, help_text="the newest rows that disagreed, with inputs")
+    model = ModelNameField(required=False)
+    state = serializers.ChoiceField(choices=RolloutState.values, required=False)

@@ -18,7 +18,7 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from rollout.api.views import ShadowReportMixin
+from rollout.api.shadow import ShadowReportMixin
 from serving import quota_counts
 from serving.actions import RegistrationError, promote, register_version, set_routing, set_visibility
 from serving.api.serializers import (

@@ -13,7 +13,6 @@ so it tells a prober nothing about other keys (the dict's hash is randomised per
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from serving.dataplane.errors import ServingError
@@ -48,14 +47,6 @@ class Caller:
             raise Forbidden(f"this API key lacks the '{scope}' scope this endpoint needs")
 
 
-def authorization(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
-    """The request's Authorization header value (ASGI headers: lower-case names), or 401."""
-    for name, raw in headers:
-        if name == b"authorization":
-            return raw
-    raise Unauthenticated("an API key is required: send 'Authorization: Bearer fy_...'")
-
-
 def bearer_token(value: bytes) -> str:
     """The token of an Authorization header value."""
     scheme, _, token = value.partition(b" ")
@@ -74,12 +65,12 @@ _memo_of: RoutingSnapshot | None = None  # the snapshot the memo's verdicts hold
 _memo: dict[bytes, tuple[KeyEntry, Caller]] = {}  # Authorization value -> its key and caller
 
 
-def authenticate(
-    headers: Iterable[tuple[bytes, bytes]], snapshot: RoutingSnapshot, pepper: bytes, now: float
-) -> Caller:
-    """The caller behind the request's API key, or Unauthenticated (401). `now` is epoch seconds."""
+def authenticate(value: bytes | None, snapshot: RoutingSnapshot, pepper: bytes, now: float) -> Caller:
+    """The caller behind the request's Authorization header value (None: the request has none), or
+    Unauthenticated (401). `now` is epoch seconds."""
     global _memo_of
-    value = authorization(headers)
+    if value is None:
+        raise Unauthenticated("an API key is required: send 'Authorization: Bearer fy_...'")
     if snapshot is not _memo_of:
         _memo.clear()
         _memo_of = snapshot

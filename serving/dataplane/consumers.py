@@ -80,8 +80,15 @@ class InferenceConsumer(AsyncHttpConsumer):
         self._waited = time.monotonic() - first_byte if first_byte is not None else 0.0
         self._received = self._charged = 0
         try:
-            # Most requests arrive in one message; a body still coming must keep coming.
+            # Most requests arrive in one message: handled here without a dispatch or a body list. A body
+            # still coming must keep coming.
             message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body"):
+                chunk = message.get("body", b"")
+                if chunk:
+                    await self._count(chunk)
+                await self.handle(chunk)
+                return
             while True:
                 await self.dispatch(message)
                 message = await asyncio.wait_for(receive(), settings.FERRY_BODY_TIMEOUT_S)
@@ -103,18 +110,23 @@ class InferenceConsumer(AsyncHttpConsumer):
         chunk = message.get("body", b"")
         if chunk:
             self.body.append(chunk)
-            self._received += len(chunk)
-            if self._received > frontdoor.LIMITS.max_infer_body:
-                await self._too_large()
-            # The process-wide budget of body bytes held (the front door's, shared with Django's routes).
-            if not frontdoor.charge(len(chunk)):
-                await self._over_budget()
-            self._charged += len(chunk)
+            await self._count(chunk)
         if not message.get("more_body"):
             try:
                 await self.handle(b"".join(self.body))
             finally:
                 raise StopConsumer()
+
+    async def _count(self, chunk: bytes) -> None:
+        """Count a chunk against this request's bound and the process's budget of body bytes held (the
+        front door's, shared with Django's routes); past either, answer and stop."""
+        size = len(chunk)
+        self._received += size
+        if self._received > frontdoor.LIMITS.max_infer_body:
+            await self._too_large()
+        if not frontdoor.charge(size):
+            await self._over_budget()
+        self._charged += size
 
     async def _too_large(self) -> None:
         limit = settings.FERRY_MAX_INFER_BODY_BYTES
@@ -146,7 +158,19 @@ class InferenceConsumer(AsyncHttpConsumer):
             self._count_unrouted(500)
             status, payload, headers = 500, error_body("internal error; the server logged it"), list(JSON)
         headers = [*headers, (b"content-length", str(len(payload)).encode())]
-        await self.send_response(status, payload, headers=headers)
+        try:
+            head = frontdoor.render_head(headers)
+        except ValueError:
+            log.exception("unsafe response header on %s", self.scope.get("path"))
+            metrics.INTERNAL_ERRORS.labels("inference").inc()
+            self._count_unrouted(500)
+            payload = error_body("internal error; the server logged it")
+            headers = [*JSON, (b"content-length", str(len(payload)).encode())]
+            status, head = 500, frontdoor.render_head(headers)
+        # Standard ASGI messages; "ferry.head" lets the front door's LeanCycle skip uvicorn's per-header work.
+        await self.send({"type": "http.response.start", "status": status, "headers": headers,
+                         "ferry.head": head, "ferry.length": len(payload)})
+        await self.send({"type": "http.response.body", "body": payload})
 
     async def _dispatch(self, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         path = self.scope["path"].rstrip("/")
@@ -167,8 +191,10 @@ class InferenceConsumer(AsyncHttpConsumer):
             if parts[1] == "ready" and not plane.ready:
                 raise Unavailable("not ready: models are loading", retry_after=1)
             return 200, b"", JSON
+        # The headers as a dict, built in C (reversed: the first of a repeated header counts).
+        self.request_headers = headers = dict(reversed(self.scope["headers"]))
         # Everything else needs a key: one dict lookup and one HMAC, against the snapshot in memory.
-        caller = authenticate(self.scope["headers"], plane.gateway.snapshot, plane.pepper, time.time())
+        caller = authenticate(headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
         plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
         if head == "models" and len(parts) >= 2:
             return await self._model_path(plane, caller, method, parts[1:], body)
@@ -205,10 +231,10 @@ class InferenceConsumer(AsyncHttpConsumer):
             except QuotaExceeded as refused:
                 self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
             try:
-                raw_length, routing_key = self._headers(caller)
+                raw_length = self.request_headers.get(b"inference-header-content-length")
                 reply = await gateway.infer(name, version, body, _header_length(raw_length), viewer,
                                             gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1,
-                                            routing_key=routing_key)
+                                            routing_key=self._routing_key(caller))
             finally:
                 if ticket is not None:
                     plane.quota.release(ticket)  # type: ignore[union-attr]
@@ -220,7 +246,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
         if action == "ready":
-            entry = gateway.route(name, version, viewer, self._headers(caller)[1])
+            entry = gateway.route(name, version, viewer, self._routing_key(caller))
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
             return 200, b"", JSON
@@ -228,7 +254,7 @@ class InferenceConsumer(AsyncHttpConsumer):
             entry = model.versions[int(version)] if version is not None else _default(model)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
         if action == "config":
-            entry = gateway.route(name, version, viewer, self._headers(caller)[1])
+            entry = gateway.route(name, version, viewer, self._routing_key(caller))
             return 200, orjson.dumps(_config(entry)), JSON
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
@@ -330,18 +356,11 @@ class InferenceConsumer(AsyncHttpConsumer):
                 return
         metrics.REQUESTS.labels("", "", str(status)).inc()
 
-    def _headers(self, caller: Caller) -> tuple[bytes | None, str]:
-        """One pass over the headers (the first of each counts): the raw Inference-Header-Content-Length
-        (binary data), and the routing key: X-Ferry-Routing-Key (an end user's id, say), else the API key's
-        prefix, so one key's traffic all goes one way through an experiment or a canary."""
-        length: bytes | None = None
-        routing: bytes | None = None
-        for key, value in self.scope["headers"]:
-            if key == b"inference-header-content-length" and length is None:
-                length = value
-            elif key == b"x-ferry-routing-key" and routing is None:
-                routing = value
-        return length, routing.decode("latin-1") if routing is not None else caller.prefix
+    def _routing_key(self, caller: Caller) -> str:
+        """X-Ferry-Routing-Key (an end user's id, say), else the API key's prefix, so one key's traffic all
+        goes one way through an experiment or a canary."""
+        routing = self.request_headers.get(b"x-ferry-routing-key")
+        return routing.decode("latin-1") if routing is not None else caller.prefix
 
 
 def _header_length(raw: bytes | None) -> int | None:

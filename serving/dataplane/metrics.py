@@ -8,19 +8,22 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
+
+from serving.dataplane.fastmetrics import CounterChild, CounterFamily, HistogramFamily
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-REQUESTS = Counter("ferry_requests", "Inference requests answered", ["model", "version", "status"])
-QUEUE_WAIT = Histogram("ferry_queue_wait_seconds", "Time from arrival to batch start", ["model", "version"],
-                       buckets=LATENCY_BUCKETS)
-COMPUTE = Histogram("ferry_compute_seconds", "Model compute time per batch", ["model", "version"],
-                    buckets=LATENCY_BUCKETS)
-TOTAL = Histogram("ferry_request_seconds", "Time from arrival to answer", ["model", "version"],
-                  buckets=LATENCY_BUCKETS)
-BATCH_SIZE = Histogram("ferry_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS)
+# Written per request or per batch: the cheap families (serving.dataplane.fastmetrics).
+REQUESTS = CounterFamily("ferry_requests", "Inference requests answered", ["model", "version", "status"])
+QUEUE_WAIT = HistogramFamily("ferry_queue_wait_seconds", "Time from arrival to batch start", ["model", "version"],
+                             buckets=LATENCY_BUCKETS)
+COMPUTE = HistogramFamily("ferry_compute_seconds", "Model compute time per batch", ["model", "version"],
+                          buckets=LATENCY_BUCKETS)
+TOTAL = HistogramFamily("ferry_request_seconds", "Time from arrival to answer", ["model", "version"],
+                        buckets=LATENCY_BUCKETS)
+BATCH_SIZE = HistogramFamily("ferry_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("ferry_queue_depth", "Requests waiting", ["model", "version"])
 DEVICE_BUSY = Counter("ferry_device_busy_seconds", "Seconds the device spent computing", ["device"])
 FALLBACKS = Counter("ferry_fallbacks", "Requests a saturated version passed to its fallback model",
@@ -129,7 +132,7 @@ class VersionMetrics:
         self.loaded = LOADED.labels(*labels)
         self.poison = POISON.labels(*labels)
         self.abandoned = ABANDONED.labels(*labels)
-        self._status: dict[int, Counter] = {}
+        self._status: dict[int, CounterChild] = {}
         self._shed: dict[tuple[str, int], Counter] = {}
         # Answers by kind over the live window: admitted (200), fallback, shed; for the console's
         # saturation indicator.

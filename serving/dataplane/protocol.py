@@ -4,7 +4,7 @@ tensor extension: a JSON header of `Inference-Header-Content-Length` bytes, then
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
@@ -55,6 +55,9 @@ class TensorSpec:
     # Upper bound of each dimension: equal to `shape` for fixed dims, the declared maximum (or
     # DEFAULT_MAX_DIM) for variable ones. A request beyond it is refused with 400.
     max_shape: tuple[int, ...] | None = None
+    # The dimensions after the batch one as a list when none is variable: a request's shape is then
+    # checked with one list comparison (see _check_shape).
+    fixed_dims: list[int] | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -79,6 +82,7 @@ class TensorSpec:
             if d != -1 and m != d:
                 raise ValueError(f"tensor {self.name!r}: max_shape must equal shape on fixed dimensions")
         object.__setattr__(self, "max_shape", tuple(maxima))
+        object.__setattr__(self, "fixed_dims", None if -1 in self.shape else list(self.shape))
 
     @property
     def variable(self) -> bool:
@@ -159,7 +163,14 @@ def _parse_outputs(raw: Any, binary_output: bool) -> list[RequestedOutput] | Non
     return result
 
 
+_INTS = {int}
+
+
 def _check_shape(name: str, shape: Any, spec: TensorSpec) -> tuple[int, ...]:
+    fixed = spec.fixed_dims
+    if (fixed is not None and type(shape) is list and shape[1:] == fixed and len(shape) == len(fixed) + 1
+            and set(map(type, shape)) == _INTS and shape[0] >= 1):
+        return tuple(shape)  # the common case, in C: every dimension an int, all but the batch's as declared
     if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
         raise ProtocolError(f"input {name!r}: 'shape' must be a list of non-negative integers")
     expected = [-1, *spec.shape]

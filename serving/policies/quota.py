@@ -39,13 +39,14 @@ class Decision:
     def headers(self) -> list[tuple[bytes, bytes]]:
         """RateLimit-* (draft-ietf-httpapi-ratelimit-headers, the separate-fields form), and
         Retry-After on a refusal."""
+        remaining = self.remaining
         out = [
-            (b"ratelimit-limit", str(self.limit).encode()),
-            (b"ratelimit-remaining", str(max(0, self.remaining)).encode()),
-            (b"ratelimit-reset", str(math.ceil(self.reset)).encode()),
+            (b"ratelimit-limit", b"%d" % self.limit),
+            (b"ratelimit-remaining", b"%d" % remaining if remaining > 0 else b"0"),
+            (b"ratelimit-reset", b"%d" % math.ceil(self.reset)),
         ]
         if not self.admitted:
-            out.append((b"retry-after", str(max(1, math.ceil(self.retry_after))).encode()))
+            out.append((b"retry-after", b"%d" % max(1, math.ceil(self.retry_after))))
         return out
 
 
@@ -142,8 +143,16 @@ class InProcessQuota:
         month = self._month
         if state.month != month:
             state.month, state.used = month, 0
-        decision = decide(limits, tokens=state.bucket.tokens, in_flight=state.in_flight, used=state.used,
-                          now=now)
+        tokens, rate, burst = state.bucket.tokens, limits.requests_per_second, limits.burst
+        if (tokens >= 1.0 and state.in_flight < limits.max_in_flight and state.used < limits.monthly_requests
+                and rate > 0 and burst >= 1):
+            # What `decide` answers when every limit has room, without its call: the common case.
+            left = tokens - 1.0
+            state.bucket.tokens = left
+            state.in_flight += 1
+            state.used += 1
+            return Decision(True, "", burst, math.floor(left), (burst - left) / rate, 0.0)
+        decision = decide(limits, tokens=tokens, in_flight=state.in_flight, used=state.used, now=now)
         if decision.admitted:
             state.bucket.tokens -= 1.0
             state.in_flight += 1

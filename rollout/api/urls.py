@@ -1,0 +1,9 @@
+from django.urls import include, re_path
+from rest_framework.routers import SimpleRouter
+
+from rollout.api.views import RolloutViewSet
+
+router = SimpleRouter()
+router.register("rollouts", RolloutViewSet, basename="rollout")
+
+urlpatterns = [re_path("", include(router.urls))]
