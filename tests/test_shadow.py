@@ -386,3 +386,34 @@ async def test_mirrors_run_ahead_of_callers_work_that_is_not_due_before_they_fin
     finally:
         node._device_pool.shutdown(wait=False)
         node._load_pool.shutdown(wait=False)
+
+
+async def test_a_caller_queued_behind_mirrors_on_their_own_version_lets_them_go() -> None:
+    from tests.test_admission import Clock, StandIn, entry, rows
+
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    other = node.host(entry("other"), StandIn(), {1: 0.001, 8: 0.001}, start=False)
+    shadow = node.host(entry("shadow"), StandIn(), {1: 0.001, 8: 0.001}, start=False)
+    try:
+        # given mirrors held back by callers' work due on another version
+        mirrored = asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 100, SHADOW_PRIORITY))
+        waiting = asyncio.ensure_future(node.infer("other:1", rows(1), 1, clock.now + 100, 1))
+        await asyncio.sleep(0)
+        clock.now += 20
+        shadow_step = asyncio.ensure_future(shadow.batcher.process_one_batch())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not shadow_step.done()
+        # when a caller's request (pinned to the shadow version) queues behind them
+        pinned = asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 100, 1))
+        # then the mirrors go at once, so the caller's batch is next
+        assert await asyncio.wait_for(shadow_step, 10)
+        await mirrored
+        assert not pinned.done() and shadow.batcher.queue.rows == 1
+        clock.now += 20
+        assert await other.batcher.process_one_batch() and await shadow.batcher.process_one_batch()
+        await asyncio.gather(waiting, pinned)
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
