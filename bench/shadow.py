@@ -118,7 +118,7 @@ def phase(base: str, label: str, rate: float, seconds: float) -> tuple[loadgen.L
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=150.0, help="offered requests per second (default 150)")
-    parser.add_argument("--seconds", type=float, default=15.0, help="measured seconds per phase (default 15)")
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase (default 12)")
     parser.add_argument("--keep", action="store_true", help="keep the data dir")
     a = parser.parse_args(argv)
     started = time.monotonic()
