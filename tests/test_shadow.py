@@ -166,6 +166,16 @@ def test_a_shadow_that_is_not_ready_is_skipped_and_counted() -> None:
     assert dropped("not_ready") == before + 1
 
 
+def test_a_shadow_with_other_inputs_is_skipped_and_counted() -> None:
+    from dataclasses import replace
+
+    entry = model()
+    entry.versions[2] = replace(version(2), inputs=(TensorSpec("input", "FP32", (32,)),))
+    before = dropped("incompatible")
+    assert Mirror(transport=None).candidate(entry, entry.versions[1]) is None  # type: ignore[arg-type]
+    assert dropped("incompatible") == before + 1
+
+
 def test_a_full_mirror_queue_drops_and_counts_by_items_and_by_bytes() -> None:
     mirror = Mirror(transport=None, max_items=2, max_bytes=1000)  # type: ignore[arg-type]
     before = dropped("queue_full")

@@ -42,7 +42,8 @@ MIRRORED = Counter("ferry_shadow_mirrored", "Mirrored requests the shadow versio
 DROPPED = Counter(
     "ferry_shadow_dropped",
     "Mirrored requests dropped: queue_full (no room in the mirror queue), shed (refused by admission),"
-    " expired (waited past their deadline), not_ready (shadow not loaded), uncompared (pair buffer full)",
+    " expired (waited past their deadline), not_ready (shadow not loaded), incompatible (other inputs than the"
+    " version that served), uncompared (pair buffer full, or their flush failed)",
     ["model", "version", "reason"],
 )
 
@@ -134,7 +135,7 @@ class Mirror:
             DROPPED.labels(model.name, str(routes.shadow), "not_ready").inc()
             return None
         if shadow.inputs != served.inputs:  # a shadow that takes other inputs cannot be asked the same thing
-            DROPPED.labels(model.name, str(routes.shadow), "not_ready").inc()
+            DROPPED.labels(model.name, str(routes.shadow), "incompatible").inc()
             return None
         return shadow
 
