@@ -2,7 +2,8 @@
 flushed by the data plane, and the gates evaluated by the embedded process's own periodic loop (the one that
 stands in for Celery beat), with short bake times.
 
-- a second `digits` version goes through the canary steps, is approved, and is promoted, with an audit trail;
+- a second `digits` version is shadowed (the report fills from live traffic), goes through the canary steps,
+  is approved, and is promoted, with an audit trail;
 - a version with wrong outputs is rolled back by the shadow agreement gate, without a human;
 - a slower version is rolled back by the p99 gate, without a human.
 
@@ -137,26 +138,32 @@ def start(people: dict, **body: object) -> dict:
     return response.json()
 
 
-def test_a_second_digits_version_is_canaried_approved_and_promoted(server, people, model_files,  # noqa: ANN001
-                                                                   digits_samples) -> None:
+def test_a_second_digits_version_is_shadowed_canaried_approved_and_promoted(server, people, model_files,  # noqa: ANN001
+                                                                            digits_samples, settings) -> None:
+    settings.FERRY_SHADOW_FLUSH_SECONDS = 1
     # given digits v1 serving and v2 (the same network, as a torch.export program) loaded but taking no traffic
     candidate = add_version(server, model_files.digits_export, "torch_export")
     rows, _ = digits_samples
     with Load(server, rows) as load:
-        # when an engineer starts a canary of v2 in two steps, short bakes, p99 given room for a busy machine
-        doc = start(people, candidate=candidate, steps=[25, 100], shadow_seconds=0, bake_seconds=2,
-                    min_requests=30, p99_slack_ms=100, step_timeout_seconds=300)
+        # when an engineer starts a rollout of v2: a short shadow, then two canary steps with short bakes, p99
+        # given room for a busy machine
+        doc = start(people, candidate=candidate, steps=[25, 100], shadow_seconds=2, bake_seconds=2,
+                    min_requests=30, min_compared=30, p99_slack_ms=100, step_timeout_seconds=300)
         # and an approver approves while it runs
         approver = client_for(people["approver"])
         response = approver.post(f"/api/rollouts/{doc['id']}/approve/", {"note": "go"}, format="json")
         assert response.status_code == 200 and response.json()["approved"], response.content
-        # then the periodic evaluation takes it through both steps to promotion, with no human after that
+        # then the periodic evaluation takes it through the shadow and both steps to promotion, with no human
         rollout = ended(doc["id"])
     assert rollout.state == RolloutState.PROMOTED, rollout.reason
-    assert [v["percent"] for v in rollout.verdicts] == [25.0, 100.0]
+    assert [(v["phase"], v["percent"]) for v in rollout.verdicts] == [("shadow", 0.0), ("canary", 25.0),
+                                                                       ("canary", 100.0)]
     assert all(v["outcome"] == "pass" and v["action"] == "advance" for v in rollout.verdicts)
     model = Model.objects.get(name="digits")
-    assert (model.stable_version, model.rollout_weights) == (candidate, {})
+    assert (model.stable_version, model.rollout_weights, model.shadow_version) == (candidate, {}, None)
+    # the shadow report filled from the live traffic mirrored to v2, and the two agreed
+    report = client_for(people["eng"]).get(f"/api/models/digits/shadow/?candidate={candidate}&baseline=1").json()
+    assert report["totals"]["compared"] >= 30 and report["totals"]["agreement"] >= 0.95, report["totals"]
     # the traffic saw no errors, and both versions served it
     assert set(load.statuses) == {200}, load.statuses
     assert load.versions.get("1") and load.versions.get(str(candidate))
@@ -165,12 +172,12 @@ def test_a_second_digits_version_is_canaried_approved_and_promoted(server, peopl
     # and the audit trail shows each step, who did what
     trail = list(AuditEntry.objects.filter(target__startswith=f"rollout #{rollout.pk} ").order_by("at", "pk")
                  .values_list("action", "actor_name"))
-    assert trail == [("rollout.start", "eng"), ("rollout.step", "eng"), ("rollout.approve", "approver"),
+    assert trail == [("rollout.start", "eng"), ("rollout.approve", "approver"), ("rollout.step", "system"),
                      ("rollout.step", "system"), ("rollout.promote", "system")]
     assert AuditEntry.objects.filter(action="model.promote", actor_name="system").count() == 1
     # the report reads the same over the API
     report = client_for(people["eng"]).get(f"/api/rollouts/{rollout.pk}/report/").json()
-    assert report["rollout"]["state"] == "promoted" and len(report["rollout"]["verdicts"]) == 2
+    assert report["rollout"]["state"] == "promoted" and len(report["rollout"]["verdicts"]) == 3
 
 
 def test_wrong_outputs_are_rolled_back_by_the_agreement_gate(server, people, model_files, digits_samples,  # noqa: ANN001
