@@ -103,6 +103,7 @@ CELERY_BEAT_SCHEDULE = {
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
     "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
                           "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
+    "prune-shadow": {"task": "rollout.tasks.prune_shadow", "schedule": 3600.0},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -220,6 +221,8 @@ FERRY_SHADOW_MAX_PAIRS = env_int("FERRY_SHADOW_MAX_PAIRS", 4096, minimum=1)
 FERRY_SHADOW_MAX_PAIR_BYTES = env_int("FERRY_SHADOW_MAX_PAIR_BYTES", 32 * 1024 * 1024, minimum=1024)
 FERRY_SHADOW_FLUSH_SECONDS = env_int("FERRY_SHADOW_FLUSH_SECONDS", 10, minimum=1)
 FERRY_SHADOW_SAMPLES = env_int("FERRY_SHADOW_SAMPLES", 100, minimum=1)
+# Shadow comparisons and disagreements older than this are deleted (rollout.tasks.prune_shadow, hourly).
+FERRY_SHADOW_RETENTION_DAYS = env_int("FERRY_SHADOW_RETENTION_DAYS", 30, minimum=1)
 # The share of live requests a rollout mirrors to its candidate while it shadows (until it ends), in percent.
 FERRY_ROLLOUT_SHADOW_PERCENT = env_int("FERRY_ROLLOUT_SHADOW_PERCENT", 100, minimum=1)
 FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100

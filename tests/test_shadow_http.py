@@ -203,3 +203,24 @@ def test_the_report_api_is_scoped_to_those_who_see_the_model(people) -> None:  #
     assert response.status_code == 400 and "candidate" in response.json()["fields"]
     assert people["viewer"].get("/api/models/acme-digits/shadow/").status_code == 400
     assert ShadowMinute.objects.count() == 2
+
+
+def test_old_comparisons_are_pruned(people, settings) -> None:  # noqa: ANN001
+    from datetime import UTC, datetime
+
+    from rollout.models import ShadowBatch
+    from rollout.tasks import prune_shadow
+
+    settings.FERRY_SHADOW_RETENTION_DAYS = 30
+    now = int(time.time() // 60)
+    old = now - 31 * 24 * 60
+    ingest("old", [stored_minute(2, 1, 1, old)], [{"model": "acme-digits", "baseline": 1, "candidate": 2,
+                                                    "at": old * 60.0, "summary": "old", "difference": None,
+                                                    "inputs": None, "output": "scores", "primary": [], "shadow": []}])
+    ingest("new", [stored_minute(2, 1, 1, now)], [])
+    ShadowBatch.objects.filter(batch_id="old").update(recorded_at=datetime(2000, 1, 1, tzinfo=UTC))
+    assert prune_shadow() == (1, 1, 1)
+    assert list(ShadowMinute.objects.values_list("minute", flat=True)) == [
+        datetime.fromtimestamp(now * 60, tz=UTC)]
+    assert not ShadowDisagreement.objects.exists() and list(ShadowBatch.objects.values_list("batch_id", flat=True)) == [
+        "new"]
