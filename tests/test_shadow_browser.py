@@ -58,6 +58,7 @@ def open_report(page, username: str) -> None:  # noqa: ANN001
     log_in(page, username, PASSWORD)
     page.get_by_role("link", name="Shadow report").click()
     expect(page.locator("h2.shadow-summary")).to_contain_text("agreement over 40 rows")
+    expect(page.locator("main")).not_to_contain_text("#}")  # no template markup shows
 
 
 def assert_charts(page) -> None:  # noqa: ANN001
