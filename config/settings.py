@@ -167,6 +167,10 @@ FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minim
 FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
+# The accelerator type this node declares to placement constraints; "" names the device's kind (cpu, cuda).
+FERRY_NODE_ACCELERATOR = env_str("FERRY_NODE_ACCELERATOR", "")
+# Loads of cold versions that requests may queue on a node; past it a request for another cold version is 503.
+FERRY_MAX_QUEUED_LOADS = env_int("FERRY_MAX_QUEUED_LOADS", 16, minimum=1)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
 # Per-tenant quotas on /v2 inference (docs/design.md, "Quotas"). Shared through Redis (one script call

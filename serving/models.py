@@ -17,6 +17,7 @@ MODEL_NAME = RegexValidator(
 # The batching fields, and the field each of BatchingConfig's messages is about (by the name it starts with).
 BATCHING_FIELDS = ("max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes", "max_queue_size",
                    "default_timeout_ms")
+PLACEMENT_FIELDS = ("min_memory_bytes", "accelerators", "pinned", "min_replicas")
 _CONFIG_MESSAGE_FIELD = {
     "max_batch_size": "max_batch_size",
     "max_queue_delay": "max_queue_delay_ms",
@@ -201,6 +202,18 @@ class ModelVersion(models.Model):
     memory_bytes = models.BigIntegerField(null=True, blank=True)
     load_seconds = models.FloatField(null=True, blank=True)
     metrics = models.JSONField(default=dict, blank=True, help_text="e.g. held-out accuracy")
+    # Placement (serving.policies.placement): constraints a node must meet, and what keeps the version loaded.
+    min_memory_bytes = models.BigIntegerField(
+        default=0, validators=[MinValueValidator(0)], help_text="a node's device memory must be at least this")
+    accelerators = models.JSONField(
+        default=list, blank=True, help_text="accelerator types allowed to host it, e.g. a10g, h100; empty: any")
+    pinned = models.BooleanField(default=False, help_text="never evicted to make room for another version")
+    min_replicas = models.PositiveIntegerField(
+        default=0, help_text="replicas kept loaded; the stable version with a minimum is never evicted")
+    # What nodes measured when they loaded it, per accelerator type: {type: {memory_bytes, cold_start_seconds}}.
+    placement_measurements = models.JSONField(default=dict, blank=True)
+    # Why no node can hold it (too big for the budget, constraints no node meets); empty when placeable.
+    unschedulable_reason = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

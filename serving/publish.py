@@ -13,7 +13,15 @@ from typing import Any
 
 from rollout.routing import NO_ROUTES, RouteTable
 from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, TenantEntry, VersionEntry, hub
+from serving.dataplane.snapshot import (
+    KeyEntry,
+    ModelEntry,
+    PlacementEntry,
+    RoutingSnapshot,
+    TenantEntry,
+    VersionEntry,
+    hub,
+)
 from serving.policies.batching import BatchingConfig
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,24 @@ def version_entry(v: Any, model_name: str) -> VersionEntry:
         default_timeout_ms=v.default_timeout_ms,
         latency_profile={int(k): float(s) for k, s in (v.latency_profile or {}).items()},
         failure_reason=v.failure_reason,
+        placement=placement_entry(v),
+    )
+
+
+def placement_entry(v: Any) -> PlacementEntry:
+    measured = []
+    for kind, m in sorted((v.placement_measurements or {}).items()):
+        if isinstance(m, dict):
+            measured.append((str(kind), int(m.get("memory_bytes") or 0), float(m.get("cold_start_seconds") or 0.0)))
+    return PlacementEntry(
+        memory_bytes=int(v.memory_bytes or 0),
+        load_seconds=float(v.load_seconds or 0.0),
+        measured=tuple(measured),
+        min_memory=int(v.min_memory_bytes or 0),
+        accelerators=frozenset(str(a) for a in (v.accelerators or ())),
+        pinned=bool(v.pinned),
+        min_replicas=int(v.min_replicas or 0),
+        unschedulable=v.unschedulable_reason,
     )
 
 

@@ -22,6 +22,7 @@ from serving.dataplane.errors import ServingError
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
+from serving.dataplane.packing import LoadReport
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.runtime import configure_torch_threads
@@ -60,6 +61,50 @@ def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
         return set_loaded(model_name=name, loaded=loaded)
     except RegistrationError as exc:  # over the tenant's accelerator memory quota (429)
         raise ServingError(exc.message, status=exc.status) from None
+
+
+def _record_placement(report: LoadReport) -> None:
+    """A node's measurements of a version it loaded (footprint and cold start on its accelerator type), or
+    why it can never hold one. Measurements leave `updated_at` alone (no snapshot rebuild for each load);
+    an unschedulable verdict, or its end, moves it, so the snapshot and the registry API carry the reason."""
+    from django.db import connection
+
+    try:
+        _write_placement(report)
+    finally:
+        connection.close()  # on a pool thread (see start()), which no request cycle closes
+
+
+def _write_placement(report: LoadReport) -> None:
+    from django.db import transaction
+    from django.utils import timezone
+
+    from serving.models import ModelVersion
+    from tenants import audit
+
+    with transaction.atomic():
+        version = (ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant")
+                   .filter(model__name=report.model, version=report.version).first())
+        if version is None:
+            return
+        rows = ModelVersion.objects.filter(pk=version.pk)
+        before = version.unschedulable_reason
+        if report.unschedulable:
+            after = report.unschedulable[:2000]
+            rows.update(unschedulable_reason=after, updated_at=timezone.now())
+        else:
+            measured = dict(version.placement_measurements or {})
+            measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
+                                            "cold_start_seconds": round(report.cold_start, 4)}
+            after = ""  # it loaded: whatever was unschedulable about it no longer holds
+            changes: dict = {"placement_measurements": measured}
+            if before:
+                changes.update(unschedulable_reason="", updated_at=timezone.now())
+            rows.update(**changes)
+        if after != before:  # a state change of the version, made by the system (a node)
+            audit.record(None, "version.unschedulable" if after else "version.schedulable",
+                         f"model {report.model} version {report.version}", tenant=version.model.tenant,
+                         before={"unschedulable_reason": before}, after={"unschedulable_reason": after})
 
 
 def _send_usage(batch_id: str, drained: Drained) -> None:
@@ -120,14 +165,20 @@ async def start() -> DataPlane:
         memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
         max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
         admission=settings.FERRY_ADMISSION,
+        accelerator=settings.FERRY_NODE_ACCELERATOR,
+        max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+        # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
+        report=sync_to_async(_record_placement, thread_sensitive=False),
     )
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     transport = InProcessTransport(node)
+    # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
     mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
                     workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
                     max_pair_bytes=settings.FERRY_SHADOW_MAX_PAIR_BYTES, ready=node.is_ready)
     gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder,
-                      ready=node.is_ready, mirror=mirror)
+                      ready=node.routable, mirror=mirror)
+    gateway.unready_reason = node.unready_reason
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),

@@ -54,30 +54,33 @@ async def test_a_poison_request_is_found_by_bisection_not_by_rerunning_each_alon
     assert hosted.metrics.poison._value.get() == poison_before + 1
 
 
-async def test_a_load_past_the_memory_budget_fails_with_the_reason_and_others_keep_serving(model_files) -> None:  # noqa: ANN001
-    # given a node whose budget holds one digits model but not two
+async def test_a_version_bigger_than_the_budget_is_unschedulable_and_others_keep_serving(model_files) -> None:  # noqa: ANN001
+    # given a node whose budget holds one digits model
     node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
 
-    def digits(name: str) -> VersionEntry:
+    def digits(name: str, footprint: int = 0) -> VersionEntry:
         from serving.dataplane.protocol import TensorSpec
+        from serving.dataplane.snapshot import PlacementEntry
 
         return VersionEntry(
             model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",
             inputs=(TensorSpec("input", "FP32", (64,)),), outputs=(TensorSpec("scores", "FP32", (10,)),),
             batching=BatchingConfig(8, 0.0, 100), default_timeout_ms=1000, latency_profile={},
+            placement=PlacementEntry(memory_bytes=footprint),
         )
 
     try:
         first = await node.load(digits("one"))
         assert first is not None
         node.memory_budget = int(first.runtime.memory_bytes * 1.5)
-        # when a second one is loaded
-        second = await node.load(digits("two"))
-        # then it fails, saying how much it needs against the budget and what is in use
+        # when another is loaded whose registered footprint is larger than the node's whole budget
+        second = await node.load(digits("two", footprint=node.memory_budget + 1))
+        # then it is unschedulable without a load, saying how much it needs against the budget, and evicts
+        # nothing
         assert second is None
         reason = node.failures["two:1"].reason
-        assert "budget" in reason and str(node.memory_budget) in reason
-        assert "two:1" not in node.hosted
+        assert reason.startswith("unschedulable (memory)") and "whole budget" in reason
+        assert "two:1" not in node.hosted and "two:1" not in node.packing.cold
         # and the first keeps serving
         out = await node.infer("one:1", {"input": np.zeros((1, 64), np.float32)}, 1, node._clock() + 5, 1)
         assert out["scores"].shape == (1, 10)

@@ -164,9 +164,11 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "model", "version", "state", "failure_reason", "loaded", "format", "artifact_sha256",
             "inputs", "outputs", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes",
             "max_queue_size", "default_timeout_ms", "latency_profile", "memory_bytes", "load_seconds",
-            "metrics", "created_at", "updated_at",
+            "metrics", "min_memory_bytes", "accelerators", "pinned", "min_replicas", "placement_measurements",
+            "unschedulable_reason", "created_at", "updated_at",
         ]
-        read_only_fields = fields  # changed through the batching PATCH, uploads and the repository extension
+        # Changed through the batching and placement PATCHes, uploads and the repository extension.
+        read_only_fields = fields
 
 
 class _AnyTenantSlug(serializers.SlugRelatedField):
@@ -249,6 +251,37 @@ class BatchingUpdateSerializer(serializers.Serializer):
         return attrs
 
 
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean only: no "true" strings or 0/1."""
+
+    def to_internal_value(self, data: object) -> bool:
+        if type(data) is not bool:
+            self.fail("invalid")
+        return data
+
+
+class PlacementUpdateSerializer(serializers.Serializer):
+    """A version's placement constraints and what keeps it loaded; any subset."""
+
+    min_memory_bytes = StrictIntegerField(min_value=0, max_value=2**62, required=False,
+                                          help_text="a node's device memory must be at least this")
+    accelerators = serializers.ListField(
+        child=serializers.RegexField(r"^[a-z0-9][a-z0-9._-]{0,63}$"), max_length=32, required=False,
+        help_text="accelerator types allowed to host it (lower case, e.g. a10g); empty: any",
+    )
+    pinned = StrictBooleanField(required=False, help_text="never evicted to make room for another version")
+    min_replicas = StrictIntegerField(min_value=0, max_value=1000, required=False,
+                                      help_text="replicas kept; the stable version with a minimum is never evicted")
+
+    def validate(self, attrs: dict) -> dict:
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: ["not a placement setting"] for name in unknown})
+        if "accelerators" in attrs:
+            attrs["accelerators"] = sorted(set(attrs["accelerators"]))
+        return attrs
+
+
 class ClosedObjectExtension(OpenApiSerializerExtension):
     """The batching PATCH refuses properties it does not know, so its schema says so."""
 
@@ -258,6 +291,10 @@ class ClosedObjectExtension(OpenApiSerializerExtension):
         schema = auto_schema._map_serializer(self.target, direction, bypass_extensions=True)
         schema["additionalProperties"] = False
         return schema
+
+
+class ClosedPlacementExtension(ClosedObjectExtension):
+    target_class = PlacementUpdateSerializer
 
 
 TENSOR_SPEC_SCHEMA = {

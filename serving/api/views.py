@@ -27,9 +27,18 @@ from serving.api.serializers import (
     ErrorSerializer,
     ModelSerializer,
     ModelVersionSerializer,
+    PlacementUpdateSerializer,
     VersionUploadSerializer,
 )
-from serving.models import BATCHING_FIELDS, MODEL_NAME_PATTERN, Model, ModelVersion, State, Visibility
+from serving.models import (
+    BATCHING_FIELDS,
+    MODEL_NAME_PATTERN,
+    PLACEMENT_FIELDS,
+    Model,
+    ModelVersion,
+    State,
+    Visibility,
+)
 from serving.publish import publish_snapshot
 from tenants.models import Role, has_role
 from tenants.scoping import TenantScopedViewSet, visible_models
@@ -318,6 +327,42 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
                 ModelVersion.objects.filter(pk=version.pk).update(
                     updated_at=version.updated_at, **{f: getattr(version, f) for f in changes}
                 )
+                transaction.on_commit(publish_snapshot)
+        return Response(ModelVersionSerializer(version).data)
+
+    @extend_schema(
+        parameters=[VERSION_PARAMETER],
+        request=PlacementUpdateSerializer,
+        responses={200: ModelVersionSerializer, **errors(
+            400, 403, 404, 413, 415, e400="A setting is malformed or unknown.",
+        )},
+    )
+    @action(detail=True, methods=["patch"])
+    def placement(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Change the version's placement constraints (minimum device memory, allowed accelerator types) and
+        what keeps it loaded (pinned, minimum replicas). A version found unschedulable is judged again on
+        the new constraints. Audited; the data plane picks the change up once committed."""
+        from tenants import audit
+
+        found = self.get_object()  # 404 and 403 before the body's validation says anything
+        form = PlacementUpdateSerializer(data=request.data)
+        form.is_valid(raise_exception=True)
+        changes = form.validated_data
+        with transaction.atomic():
+            version = ModelVersion.objects.select_for_update().select_related("model").get(pk=found.pk)
+            before = {f: getattr(version, f) for f in PLACEMENT_FIELDS}
+            for field, value in changes.items():
+                setattr(version, field, value)
+            after = {f: getattr(version, f) for f in PLACEMENT_FIELDS}
+            if after != before:
+                version.unschedulable_reason = ""
+                version.updated_at = timezone.now()
+                # update(), not save(): the registry signal would publish a second snapshot for the same change.
+                ModelVersion.objects.filter(pk=version.pk).update(
+                    updated_at=version.updated_at, unschedulable_reason="", **after
+                )
+                audit.record(request.user, "version.placement", f"model {version.model.name} version"
+                             f" {version.version}", tenant=version.model.tenant, before=before, after=after)
                 transaction.on_commit(publish_snapshot)
         return Response(ModelVersionSerializer(version).data)
 

@@ -451,9 +451,17 @@ def _repository_state(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
         return "READY"
     if entry.key in plane.node.failures:
         return "UNAVAILABLE"
+    if entry.key in plane.node.packing.cold:  # loadable; a request loads it
+        return "LOADING" if entry.key in plane.node.packing.loading else "UNAVAILABLE"
     return "LOADING" if entry.loaded else "UNAVAILABLE"
 
 
 def _load_failure(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
     failure = plane.node.failures.get(entry.key)
-    return failure.reason if failure else ""
+    if failure is not None:
+        return failure.reason
+    packing = plane.node.packing
+    if entry.key in packing.cold and entry.key not in packing.loading:
+        held = packing.no_room.get(entry.key)
+        return f"cold: no room now ({held})" if held else "cold: not in memory; the next request loads it"
+    return ""

@@ -56,6 +56,8 @@ class Gateway:
         # snapshot's state (tests with stand-in transports).
         self.ready = ready
         self.mirror = mirror  # shadow traffic (serving.dataplane.shadow); None mirrors nothing
+        # Why a version the node will not serve is not ready (its load failed, it can never fit), if known.
+        self.unready_reason: Callable[[str], str] | None = None
 
     @property
     def snapshot(self) -> RoutingSnapshot:
@@ -84,7 +86,12 @@ class Gateway:
         try:
             return choose_version(model, pinned, tenant_id=viewer, routing_key=routing_key, ready=self.ready)
         except RouteError as exc:
-            raise ServingError(exc.message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
+            message = exc.message
+            known = pinned is not None and exc.status == 503 and self.unready_reason is not None
+            why = self.unready_reason(f"{name}:{pinned}") if known else ""  # type: ignore[misc]
+            if why:  # the node knows better than "loading": a failed load, a version that can never fit
+                message = f"model '{name}' version {pinned} cannot be served: {why}"
+            raise ServingError(message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
 
     async def infer(
         self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None,

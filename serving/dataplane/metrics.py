@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from serving.dataplane.fastmetrics import CounterChild, CounterFamily, HistogramFamily
 
@@ -42,6 +42,21 @@ QUOTA_REFUSALS = Counter("ferry_quota_refusals", "Requests refused by their tena
 QUOTA_FALLBACKS = Counter("ferry_quota_fallback", "Quota decisions made in this process because Redis did not"
                           " answer in time (the tenant's limits divided by FERRY_QUOTA_GATEWAYS)")
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
+# Packing (serving.dataplane.packing): versions evicted to make room, loads a request asked for, cold starts.
+EVICTIONS = Counter("ferry_evictions", "Versions unloaded from this node to make room for another (LRU)",
+                    ["model", "version", "reason"])
+COLD_LOADS = Counter("ferry_cold_loads", "Requests that found their version cold, by what happened to them",
+                     ["model", "version", "outcome"])
+COLD_START = Histogram(
+    "ferry_cold_start_seconds", "Load time of a version on this node, evictions and warm-up included", ["model"],
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120),
+)
+COLD_WAIT = Histogram(
+    "ferry_cold_wait_seconds", "How long a request for a cold version waited for its load (served ones)", ["model"],
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60),
+)
+UNSCHEDULABLE = Counter("ferry_unschedulable", "Versions found unable to fit this node, by constraint",
+                        ["model", "version", "constraint"])
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@
 Inference runs on one device thread per node (the device does one thing at a time anyway), so
 the event loop stays free to parse, queue and answer while a batch computes. Loading happens on
 a separate thread so a cold load never stalls the versions already serving.
+
+Versions are packed into the node's memory budget (`serving.policies.placement`): a reconcile loads
+what fits, a version that does not stays cold, and a request for a cold version loads it, evicting idle
+versions least recently used first (`serving.dataplane.packing` keeps what that needs).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +26,14 @@ import torch
 from serving.dataplane import metrics
 from serving.dataplane.batcher import Batcher
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
+from serving.dataplane.packing import LoadReport, Packing, Ticket, constraints
 from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
 from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
 from serving.dataplane.transport import Outputs
 from serving.policies import admission
 from serving.policies.admission import DeviceShare
 from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfile, Pending, QueueFull
+from serving.policies.placement import Fit, NodeState, Resident, VersionSpec, fit
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,9 @@ class Hosted:
     # first, so a lower tier also waits behind what they add later; across versions the turns that
     # admission already counts bound the wait.
     share: DeviceShare = field(default_factory=DeviceShare)
+    # For packing: the LRU order of evictions, and requests queued or running (never evicted then).
+    last_used: float = 0.0
+    in_flight: int = 0
 
 
 @dataclass
@@ -77,6 +86,9 @@ class Node:
         max_queue_bytes: int = 64 * 1024**2,
         admission: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        accelerator: str = "",
+        report: Callable[[LoadReport], Awaitable[object]] | None = None,
+        max_queued_loads: int = 16,
     ) -> None:
         self.device = pick_device(device)
         self.memory_budget = memory_budget
@@ -100,6 +112,12 @@ class Node:
         # Set whenever a batch leaves the device: a batch of mirrored requests waits on it for callers' work
         # to be done (see _yield_to_callers).
         self._device_quiet = asyncio.Event()
+        # Packing: the accelerator type placement constraints name (the device's kind unless declared), and
+        # one load at a time, so a fit and its evictions hold until the load lands.
+        self.accelerator = accelerator or self.device.type
+        self.packing = Packing(self.accelerator, warmup_sizes, report=report)
+        self._load_lock = asyncio.Lock()
+        self.max_queued_loads = max_queued_loads  # loads requests may queue (one runs at a time)
 
     # -- control -------------------------------------------------------------------------
 
@@ -107,9 +125,13 @@ class Node:
         """Load what the snapshot says this node serves, unload the rest."""
         async with self._reconcile_lock:
             desired = {v.key: v for v in snapshot.hosted_versions()}
+            self.packing.update(snapshot, desired)
             for key in [k for k in self.hosted if k not in desired]:
                 await self.unload(key)
-            for key, entry in desired.items():
+            # What must stay loaded first, then stable versions, then the rest while they fit.
+            order = sorted(desired.values(), key=lambda e: (not self._kept(e), e.key not in self.packing.stable))
+            for entry in order:
+                key = entry.key
                 hosted = self.hosted.get(key)
                 if hosted is not None:
                     if hosted.entry.batching != entry.batching:
@@ -119,8 +141,14 @@ class Node:
                 failed = self.failures.get(key)
                 if failed is not None and failed.entry == entry:
                     continue  # same version, same failure: wait for a change rather than loop
-                await self.load(entry)
+                if self.packing.refused(entry) is not None or (key in self.packing.cold and not self._kept(entry)):
+                    continue  # cannot fit ever, or cold: a request loads it
+                # Only what must stay evicts others here: the rest fills free memory and waits cold for a request.
+                await self.load(entry, evict=self._kept(entry))
             self.reconciled_serial = snapshot.serial
+
+    def _kept(self, entry: VersionEntry) -> bool:
+        return self.packing.spec(entry).kept
 
     def _reconfigure(self, hosted: Hosted, entry: VersionEntry) -> None:
         """New batching settings apply to queued work too; what can no longer fit a batch is answered."""
@@ -140,20 +168,110 @@ class Node:
                 hosted.metrics.abandoned.inc()
                 _fail(pending, ServingError("the client closed the connection", status=499))
 
-    async def load(self, entry: VersionEntry) -> Hosted | None:
-        loop = asyncio.get_running_loop()
-        try:
-            runtime, profile = await loop.run_in_executor(self._load_pool, self._load_blocking, entry)
-        except Exception as exc:
-            reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-            log.error("loading %s failed: %s", entry.key, reason)
-            self.failures[entry.key] = LoadFailure(entry, reason)
-            return None
-        self.failures.pop(entry.key, None)
-        hosted = self.host(entry, runtime, profile)
-        log.info("loaded %s on %s in %.2fs (%d bytes)", entry.key, self.device, runtime.load_seconds,
-                 runtime.memory_bytes)
+    async def load(self, entry: VersionEntry, *, evict: bool = True) -> Hosted | None:
+        """Load `entry` within the memory budget. With `evict`, idle versions are evicted least recently used
+        first to make room; without, a version that does not fit stays cold until a request asks for it. A
+        version that can never fit this node is marked unschedulable, with the reason, and not tried again
+        until its artifact or constraints change."""
+        async with self._load_lock:
+            hosted = self.hosted.get(entry.key)
+            if hosted is not None:
+                return hosted
+            started = self._clock()
+            ticket = self.packing.loading.get(entry.key)
+            if ticket is not None:
+                ticket.started = started
+            if not await self._make_room(entry, self.packing.spec(entry), evict):
+                return None
+            loop = asyncio.get_running_loop()
+            try:
+                runtime, profile = await loop.run_in_executor(self._load_pool, self._load_blocking, entry)
+            except Exception as exc:
+                reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                log.error("loading %s failed: %s", entry.key, reason)
+                self.failures[entry.key] = LoadFailure(entry, reason)
+                self.packing.cold.pop(entry.key, None)
+                self.packing.record("load_failed", entry.key, reason)
+                return None
+            # The estimate it was placed by may have been low (another device, or none measured yet): kept as
+            # measured, so a version that fits no better is not loaded again to find out.
+            self.packing.measure(entry, runtime.memory_bytes, self._clock() - started)
+            if not await self._make_room(entry, self.packing.spec(entry, runtime.memory_bytes), evict):
+                runtime.module = None
+                return None
+            self.failures.pop(entry.key, None)
+            self.packing.cold.pop(entry.key, None)
+            self.packing.no_room.pop(entry.key, None)
+            hosted = self.host(entry, runtime, profile)
+            hosted.last_used = self._clock()
+            if ticket is not None:
+                hosted.in_flight += ticket.waiters
+                ticket.hosted = hosted
+            cold_start = hosted.last_used - started
+            self.packing.measure(entry, runtime.memory_bytes, cold_start)
+            self.packing.record("load", entry.key, f"{cold_start:.2f} s, {runtime.memory_bytes} bytes")
+            metrics.COLD_START.labels(entry.model).observe(cold_start)
+            self.packing.send(LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes,
+                                         cold_start))
+        log.info("loaded %s on %s in %.2fs (%d bytes)", entry.key, self.device, cold_start, runtime.memory_bytes)
         return hosted
+
+    def placement_state(self) -> NodeState:
+        """This node as the placement policy sees it: budget, accelerator, what is hot and how it is used."""
+        hot = {
+            key: Resident(self.packing.spec(h.entry, h.runtime.memory_bytes), h.last_used, h.in_flight)
+            for key, h in self.hosted.items()
+        }
+        return NodeState("local", self.accelerator, self.memory_budget, hot)
+
+    async def _make_room(self, entry: VersionEntry, spec: VersionSpec, evict: bool) -> bool:
+        """Whether `entry` (as `spec`) may load now, after evicting what the policy names; if not, it is left
+        cold (it may fit later), or marked unschedulable when it never can."""
+        verdict = fit(spec, self.placement_state(), now=self._clock())
+        if verdict.fits and (evict or not verdict.evict):
+            # Detached at once, before any await, so no request can reach a victim between the verdict and here.
+            victims = [self.hosted.pop(k) for k in verdict.evict]
+            self._hosted_list = tuple(self.hosted.values())
+            for victim in victims:
+                reason = f"LRU: room for {entry.key}"
+                metrics.EVICTIONS.labels(victim.entry.model, str(victim.entry.version), "lru").inc()
+                self.packing.record("evict", victim.entry.key, reason)
+                self.packing.cold[victim.entry.key] = victim.entry
+                log.info("evicting %s (idle since %.1f s): %s", victim.entry.key,
+                         self._clock() - victim.last_used, reason)
+                await self._release(victim, f"model version {victim.entry.key} was evicted")
+            return True
+        if verdict.permanent:
+            self._unschedulable(entry, verdict)
+        else:
+            failed = self.failures.get(entry.key)
+            if failed is not None and failed.reason.startswith("unschedulable"):
+                del self.failures[entry.key]  # its constraints changed: it may fit, only not now
+            self.packing.cold[entry.key] = entry
+            if not verdict.fits:
+                self.packing.no_room[entry.key] = verdict.reason
+                self.packing.record("no_room", entry.key, verdict.reason)
+        return False
+
+    def _unschedulable(self, entry: VersionEntry, verdict: Fit) -> None:
+        reason = f"unschedulable ({verdict.constraint}): {verdict.reason}"
+        self.packing.unschedulable[entry.key] = (constraints(entry), reason)
+        self.packing.cold.pop(entry.key, None)
+        self.failures[entry.key] = LoadFailure(entry, reason)
+        metrics.UNSCHEDULABLE.labels(entry.model, str(entry.version), verdict.constraint).inc()
+        self.packing.record("unschedulable", entry.key, reason)
+        log.error("%s", reason)
+        if entry.placement.unschedulable != reason:
+            self.packing.send(LoadReport(entry.model, entry.version, self.accelerator,
+                                         self.packing.footprint(entry), unschedulable=reason))
+
+    def unready_reason(self, key: str) -> str:
+        failure = self.failures.get(key)
+        return failure.reason if failure is not None else ""
+
+    def routable(self, key: str) -> bool:
+        """Whether routing may send a request here: loaded, or cold and loadable (the request loads it)."""
+        return key in self.hosted or key in self.packing.cold
 
     def host(self, entry: VersionEntry, runtime: ModelRuntime, profile: dict[int, float], *,
              start: bool = True) -> Hosted:
@@ -179,21 +297,21 @@ class Node:
             self._artifact_path(entry.artifact_sha256), entry.format, entry.inputs, entry.outputs, self.device
         )
         runtime.load()
-        used = sum(h.runtime.memory_bytes for h in self.hosted.values())
-        if used + runtime.memory_bytes > self.memory_budget:
-            raise Unavailable(
-                f"{entry.key} needs {runtime.memory_bytes} bytes; node budget {self.memory_budget}, {used} in use"
-            )
         return runtime, runtime.profile(warmup_sizes(entry), repeats=3)
 
     async def unload(self, key: str) -> None:
+        self.packing.cold.pop(key, None)
         hosted = self.hosted.pop(key, None)
         if hosted is None:
             return
         self._hosted_list = tuple(self.hosted.values())
+        await self._release(hosted, f"model version {key} was unloaded")
+
+    async def _release(self, hosted: Hosted, why: str) -> None:
+        key = hosted.entry.key
         waiting = await hosted.batcher.close()
         for pending in waiting:
-            _fail(pending, Unavailable(f"model version {key} was unloaded", retry_after=1))
+            _fail(pending, Unavailable(why, retry_after=1))
         hosted.metrics.loaded.set(0)
         hosted.metrics.queue_depth.set(0)
         hosted.runtime.module = None
@@ -222,15 +340,14 @@ class Node:
     ) -> dict[str, np.ndarray]:
         hosted = self.hosted.get(key)
         if hosted is None:
-            failure = self.failures.get(key)
-            detail = f": {failure.reason}" if failure else " yet"
-            raise Unavailable(f"model version {key} is not loaded on this node{detail}", retry_after=1)
+            hosted = await self._wake(key, rows, deadline)
         if rows > hosted.entry.batching.max_batch_size:
             raise ServingError(
                 f"batch of {rows} rows exceeds {key}'s max_batch_size {hosted.entry.batching.max_batch_size}",
                 status=400,
             )
         now = self._clock()
+        hosted.last_used = now
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
         if self.admission:
@@ -261,12 +378,79 @@ class Node:
             ))
         hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
         timer = loop.call_at(loop.time() + (deadline - now), _expire_future, future)
+        hosted.in_flight += 1
         try:
             return await future
         finally:
+            hosted.in_flight -= 1
             timer.cancel()
             if not future.done():  # the caller went away: the queue drops it before it runs
                 future.cancel()
+
+    async def _wake(self, key: str, rows: int, deadline: float) -> Hosted:
+        """A request for a version not loaded here: if it is cold (loadable), start its load, or join the one
+        under way, and wait when the load's remaining time (measured cold start, or an estimate) and the
+        request's compute fit its deadline; otherwise 503 with Retry-After the remaining load time, which
+        the gateway answers with the model's fallback when it has one."""
+        entry = self.packing.cold.get(key)
+        if entry is None:
+            failure = self.failures.get(key)
+            detail = f": {failure.reason}" if failure else " yet"
+            raise Unavailable(f"model version {key} is not loaded on this node{detail}", retry_after=1)
+        vm = metrics.COLD_LOADS
+        now = self._clock()
+        ticket = self.packing.loading.get(key)
+        if ticket is None and len(self.packing.loading) >= self.max_queued_loads:
+            # Bounded: a burst over many cold versions would otherwise queue loads that evict one another
+            # before their callers could use them.
+            vm.labels(entry.model, str(entry.version), "load_queue_full").inc()
+            drain = self.packing.remaining(now) + self.packing.cold_start(entry)
+            raise Unavailable(
+                f"model version {key} is cold and this node is already loading {len(self.packing.loading)}"
+                f" versions (its limit); try again in about {drain:.1f} s", retry_after=admission.retry_after(drain),
+            )
+        if ticket is None:
+            task = asyncio.get_running_loop().create_task(self._load_on_demand(entry))
+            self.packing.loading[key] = Ticket(task, self.packing.cold_start(entry))
+            ticket = self.packing.loading[key]
+        remaining = self.packing.remaining(now, key)
+        compute = LatencyProfile(entry.latency_profile).estimate(rows) if entry.latency_profile else 0.0
+        if remaining + compute > admission.HEADROOM * (deadline - now):
+            vm.labels(entry.model, str(entry.version), "refused").inc()
+            raise Unavailable(
+                f"model version {key} is cold and loading, about {remaining:.1f} s left: more than this request's"
+                f" deadline allows", retry_after=admission.retry_after(remaining),
+            )
+        ticket.waiters += 1
+        try:
+            async with asyncio.timeout(deadline - now):
+                await asyncio.shield(ticket.task)
+        except TimeoutError:
+            vm.labels(entry.model, str(entry.version), "deadline").inc()
+            raise DeadlineExceeded(f"request deadline passed while model version {key} loaded") from None
+        finally:
+            ticket.waiters -= 1
+            if isinstance(ticket.hosted, Hosted):
+                # From here to its own place in the queue nothing awaits: the hold can go.
+                ticket.hosted.in_flight -= 1
+        hosted = self.hosted.get(key)
+        if hosted is None:
+            vm.labels(entry.model, str(entry.version), "failed").inc()
+            failure = self.failures.get(key)
+            why = failure.reason if failure else self.packing.no_room.get(key, "evicted again while loading")
+            raise Unavailable(f"model version {key} could not be loaded: {why}", retry_after=1)
+        vm.labels(entry.model, str(entry.version), "waited").inc()
+        metrics.COLD_WAIT.labels(entry.model).observe(self._clock() - now)
+        return hosted
+
+    async def _load_on_demand(self, entry: VersionEntry) -> None:
+        try:
+            await self.load(entry, evict=True)
+        except Exception:  # a bug: every waiter's shield sees it too, and answers 500
+            log.exception("loading %s on demand failed", entry.key)
+            raise
+        finally:
+            self.packing.loading.pop(entry.key, None)
 
     def _in_flight(self, now: float) -> float:
         """Estimated seconds of device work already handed to the device thread."""

@@ -16,6 +16,31 @@ from serving.policies.batching import BatchingConfig
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementEntry:
+    """What placement knows of a version from the registry: its footprint and cold start (validation's, then
+    what nodes measured, per accelerator type), its constraints, and what keeps it loaded."""
+
+    memory_bytes: int = 0  # validation's measured footprint: the estimate before a node measures its own
+    load_seconds: float = 0.0  # validation's load time (without the node's warm-up)
+    measured: tuple[tuple[str, int, float], ...] = ()  # (accelerator, footprint bytes, cold start seconds)
+    min_memory: int = 0
+    accelerators: frozenset[str] = frozenset()  # empty: any
+    pinned: bool = False
+    min_replicas: int = 0
+    unschedulable: str = ""  # the reason a node gave, as the registry holds it
+
+    def on(self, accelerator: str) -> tuple[int, float] | None:
+        """Footprint and cold start a node of `accelerator` measured, if one did."""
+        for kind, footprint, cold_start in self.measured:
+            if kind == accelerator:
+                return footprint, cold_start
+        return None
+
+
+NO_PLACEMENT = PlacementEntry()
+
+
+@dataclass(frozen=True, slots=True)
 class VersionEntry:
     model: str
     version: int
@@ -29,6 +54,7 @@ class VersionEntry:
     default_timeout_ms: int
     latency_profile: dict[int, float]  # batch size -> seconds
     failure_reason: str = ""
+    placement: PlacementEntry = NO_PLACEMENT
 
     @property
     def key(self) -> str:

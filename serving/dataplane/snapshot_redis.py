@@ -24,7 +24,16 @@ import redis.asyncio as aioredis
 
 from rollout.routing import RouteTable
 from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import KeyEntry, ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
+from serving.dataplane.snapshot import (
+    NO_PLACEMENT,
+    KeyEntry,
+    ModelEntry,
+    PlacementEntry,
+    RoutingSnapshot,
+    SnapshotHub,
+    TenantEntry,
+    VersionEntry,
+)
 from serving.policies.batching import BatchingConfig
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,14 @@ def encode(snapshot: RoutingSnapshot) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS, default=_plain)
 
 
+def _placement(p: dict | None) -> PlacementEntry:
+    """A version's placement facts; a snapshot from a publisher that predates them has none."""
+    if not p:
+        return NO_PLACEMENT
+    return PlacementEntry(**{**p, "measured": tuple(tuple(m) for m in p.get("measured", ())),
+                             "accelerators": frozenset(p.get("accelerators", ()))})
+
+
 def decode(raw: bytes) -> RoutingSnapshot:
     doc = orjson.loads(raw)
     models = {}
@@ -63,6 +80,7 @@ def decode(raw: bytes) -> RoutingSnapshot:
             v["outputs"] = tuple(TensorSpec.from_dict(s) for s in v["outputs"])
             v["batching"] = BatchingConfig(**v["batching"])
             v["latency_profile"] = {int(k): float(s) for k, s in v["latency_profile"].items()}
+            v["placement"] = _placement(v.get("placement"))
             versions[int(number)] = VersionEntry(**v)
         models[name] = ModelEntry(name=m["name"], task=m["task"], description=m["description"],
                                   fallback=m["fallback"], versions=versions, tenant_id=m.get("tenant_id"),
