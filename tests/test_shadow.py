@@ -427,3 +427,15 @@ async def test_a_caller_queued_behind_mirrors_on_their_own_version_lets_them_go(
     finally:
         node._device_pool.shutdown(wait=False)
         node._load_pool.shutdown(wait=False)
+
+
+async def test_a_mirror_never_loads_a_version_that_is_not_loaded() -> None:
+    from serving.dataplane.errors import Shed
+
+    node = Node(artifact_path=lambda sha: None, device="cpu")  # type: ignore[arg-type]
+    try:
+        with pytest.raises(Shed, match="mirrors do not load it") as refused:
+            await node.infer("m:2", {"input": np.zeros((1, 64), np.float32)}, 1, 1e12, SHADOW_PRIORITY)
+        assert refused.value.reason == "not_loaded" and not node.hosted
+    finally:
+        await node.close()

@@ -340,6 +340,9 @@ class Node:
     ) -> dict[str, np.ndarray]:
         hosted = self.hosted.get(key)
         if hosted is None:
+            if priority >= SHADOW_PRIORITY:  # a mirror never pays for a load, nor evicts what callers use
+                raise Shed(f"model version {key} is not loaded; mirrors do not load it", reason="not_loaded",
+                           tier=priority)
             hosted = await self._wake(key, rows, deadline)
         if rows > hosted.entry.batching.max_batch_size:
             raise ServingError(
