@@ -1,0 +1,332 @@
+"""Placement: which versions a node holds in its memory budget, and which nodes get a version's replicas.
+
+Plain Python, no Django, time passed in: the in-process node, the placement reconciler and the fleet
+simulator call the same functions.
+
+- `fit(spec, node, now=...)`: does one version fit one node now, and if only after evictions, which.
+  Evicted are idle versions, least recently used first; never a pinned version, a stable version with
+  minimum replicas, or a version with work in flight. A version that cannot fit the node even empty
+  (its accelerator type not allowed, the node's memory under its minimum, a footprint over the budget)
+  gets a permanent refusal naming the constraint; one blocked only by what must stay gets a transient
+  refusal with the bytes it is short, so a caller can tell "never here" from "not now".
+- `place(desired, specs, nodes, now=...)`: nodes for each version's desired replicas. Replicas already
+  hot stay where they are; new ones go by best fit by memory among allowed accelerator types, preferring
+  a node where the artifact is warm (in host memory, so the load skips the disk), then one that needs no
+  eviction, then the tightest fit. Versions are placed pinned first, then largest first (best fit
+  decreasing), so large versions are not left without a hole. What cannot be placed comes back as
+  unschedulable with the reason.
+- `nodes_wanted(desired, specs, node_types)`: nodes wanted per accelerator type for the desired replicas,
+  by first fit decreasing with one replica of a version per node: the demand an autoscaler reports to the
+  cluster's own autoscaler. Not a lower bound by memory alone: a bin that holds 0.6 of a node twice is
+  two nodes.
+
+Tiers: hot is on the device and uses the budget; warm is in host memory (it costs no device memory and
+only shortens a load); cold is the node's disk cache, not modelled here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+ACCELERATOR = "accelerator"  # the node's accelerator type is not among the allowed
+MIN_MEMORY = "min_memory"  # the node's memory is under the version's minimum
+MEMORY = "memory"  # the footprint is over the node's whole budget
+HELD = "held"  # it would fit, but what must stay (pinned, minimum replicas, in flight) holds the memory
+REPLICAS = "replicas"  # fewer eligible nodes than replicas wanted
+PERMANENT = frozenset({ACCELERATOR, MIN_MEMORY, MEMORY})
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpec:
+    """One version as placement sees it: footprint, constraints and the flags that keep it loaded."""
+
+    key: str
+    footprint: int  # measured bytes on the device (an estimate before the first load)
+    min_memory: int = 0  # a node's device memory must be at least this (activations, not only weights)
+    accelerators: frozenset[str] = frozenset()  # allowed accelerator types; empty: any
+    pinned: bool = False
+    stable: bool = False
+    min_replicas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.footprint < 0 or self.min_memory < 0 or self.min_replicas < 0:
+            raise ValueError("footprint, min_memory and min_replicas must not be negative")
+
+    @property
+    def kept(self) -> bool:
+        """Never evicted to make room: pinned, or the stable version of a model that asks for replicas."""
+        return self.pinned or (self.stable and self.min_replicas > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """A version hot on a node: when it last served and how much of its work is in flight."""
+
+    spec: VersionSpec
+    last_used: float
+    in_flight: int = 0
+
+    @property
+    def evictable(self) -> bool:
+        return not self.spec.kept and self.in_flight == 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    name: str
+    accelerator: str
+    memory_budget: int  # bytes this node may fill with versions
+    hot: Mapping[str, Resident] = field(default_factory=dict)  # by version key
+    warm: frozenset[str] = frozenset()  # version keys whose artifacts sit in host memory
+    memory_total: int | None = None  # the device's memory, for minimum-memory constraints; None: the budget
+
+    @property
+    def used(self) -> int:
+        return sum(r.spec.footprint for r in self.hot.values())
+
+    @property
+    def free(self) -> int:
+        return self.memory_budget - self.used
+
+    @property
+    def device_memory(self) -> int:
+        return self.memory_budget if self.memory_total is None else self.memory_total
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    fits: bool
+    evict: tuple[str, ...] = ()  # keys to evict first, least recently used first
+    constraint: str = ""  # when it does not fit: one of ACCELERATOR, MIN_MEMORY, MEMORY, HELD
+    short_bytes: int = 0  # memory missing even after every allowed eviction
+    reason: str = ""
+
+    @property
+    def permanent(self) -> bool:
+        """The node can never take it, whatever leaves: retrying here is pointless."""
+        return self.constraint in PERMANENT
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def check_constraints(spec: VersionSpec, node: NodeState) -> Fit | None:
+    """The permanent refusal for this node, or None when an empty node of its kind could hold it."""
+    if spec.accelerators and node.accelerator not in spec.accelerators:
+        allowed = ", ".join(sorted(spec.accelerators))
+        return Fit(False, constraint=ACCELERATOR,
+                   reason=f"{spec.key} runs only on {allowed}; node {node.name} is {node.accelerator}")
+    if node.device_memory < spec.min_memory:
+        short = spec.min_memory - node.device_memory
+        return Fit(False, constraint=MIN_MEMORY, short_bytes=short,
+                   reason=f"{spec.key} needs a device of at least {_mib(spec.min_memory)}; node {node.name} has"
+                          f" {_mib(node.device_memory)} ({_mib(short)} short)")
+    if spec.footprint > node.memory_budget:
+        short = spec.footprint - node.memory_budget
+        return Fit(False, constraint=MEMORY, short_bytes=short,
+                   reason=f"{spec.key} needs {_mib(spec.footprint)}, over node {node.name}'s whole budget of"
+                          f" {_mib(node.memory_budget)} ({_mib(short)} short)")
+    return None
+
+
+def fit(
+    spec: VersionSpec, node: NodeState, *, now: float = 0.0, min_idle: float = 0.0,
+    keep: Iterable[str] = (),
+) -> Fit:
+    """Whether `spec` fits `node` now, and which idle versions to evict (LRU) if it fits only after that.
+
+    A resident used less than `min_idle` seconds before `now` is not evicted (it is about to be used
+    again; evicting it would thrash), nor is any key in `keep` (what a caller has just placed there).
+    """
+    refused = check_constraints(spec, node)
+    if refused is not None:
+        return refused
+    if spec.key in node.hot:
+        return Fit(True)
+    free = node.free
+    if spec.footprint <= free:
+        return Fit(True)
+    keep = set(keep)
+    candidates = sorted(
+        (r for key, r in node.hot.items()
+         if r.evictable and key not in keep and now - r.last_used >= min_idle),
+        key=lambda r: (r.last_used, r.spec.key),
+    )
+    evict: list[str] = []
+    for resident in candidates:
+        evict.append(resident.spec.key)
+        free += resident.spec.footprint
+        if spec.footprint <= free:
+            return Fit(True, tuple(evict))
+    short = spec.footprint - free
+    held = sorted(key for key, r in node.hot.items() if key not in evict)
+    return Fit(False, constraint=HELD, short_bytes=short,
+               reason=f"{spec.key} needs {_mib(spec.footprint)}; node {node.name} is {_mib(short)} short after"
+                      f" evicting every idle version (held by {', '.join(held) or 'nothing'})")
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    key: str
+    constraint: str
+    reason: str
+    short_bytes: int = 0
+    placed: int = 0  # replicas that did find a node
+    wanted: int = 0
+
+    @property
+    def permanent(self) -> bool:
+        return self.constraint in PERMANENT
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    assignments: dict[str, tuple[str, ...]]  # version key -> node names holding its replicas (kept and new)
+    loads: dict[str, tuple[str, ...]]  # node -> version keys to load there
+    evictions: dict[str, tuple[str, ...]]  # node -> version keys to unload first (LRU, or scaled in)
+    unschedulable: dict[str, Unschedulable]
+
+
+@dataclass
+class _Bin:
+    """A node while the plan fills it."""
+
+    state: NodeState
+    hot: dict[str, Resident]
+    keep: set[str] = field(default_factory=set)
+    loads: list[str] = field(default_factory=list)
+    evictions: list[str] = field(default_factory=list)
+
+    def view(self) -> NodeState:
+        return NodeState(self.state.name, self.state.accelerator, self.state.memory_budget, self.hot,
+                         self.state.warm, self.state.memory_total)
+
+
+def place(
+    desired: Mapping[str, int], specs: Mapping[str, VersionSpec], nodes: Sequence[NodeState], *,
+    now: float = 0.0, min_idle: float = 0.0,
+) -> Placement:
+    """Nodes for the desired replicas of each version (key -> count); see the module's docstring."""
+    bins = {n.name: _Bin(n, dict(n.hot)) for n in nodes}
+    if len(bins) != len(nodes):
+        raise ValueError("node names must be unique")
+    for key in desired:
+        if key not in specs:
+            raise ValueError(f"no spec for {key}")
+    assignments: dict[str, list[str]] = {}
+    # Replicas already hot stay (most recently used first); extras beyond the desired count are scaled in.
+    for key in desired:
+        holders = sorted((b for b in bins.values() if key in b.hot), key=lambda b: -b.hot[key].last_used)
+        kept = holders[: max(0, desired[key])]
+        assignments[key] = [b.state.name for b in kept]
+        for b in kept:
+            b.keep.add(key)
+            # What the plan wants serves now: a later placement may not evict it.
+            b.hot[key] = Resident(specs[key], b.hot[key].last_used, b.hot[key].in_flight)
+        for b in holders[len(kept):]:
+            if b.hot[key].in_flight == 0 and not b.hot[key].spec.kept:
+                del b.hot[key]
+                b.evictions.append(key)
+    unschedulable: dict[str, Unschedulable] = {}
+    order = sorted(desired, key=lambda k: (not specs[k].pinned, -specs[k].footprint, k))
+    for key in order:
+        spec = specs[key]
+        want = max(0, desired[key])
+        last: Fit | None = None
+        while len(assignments[key]) < want:
+            choice = _best(spec, [b for b in bins.values() if b.state.name not in assignments[key]], now, min_idle)
+            if isinstance(choice, Fit) or choice is None:
+                last = choice
+                break
+            target, verdict = choice
+            for victim in verdict.evict:
+                del target.hot[victim]
+                target.evictions.append(victim)
+            target.hot[key] = Resident(spec, now)
+            target.keep.add(key)
+            target.loads.append(key)
+            assignments[key].append(target.state.name)
+        placed = len(assignments[key])
+        if placed < want:
+            unschedulable[key] = _refusal(spec, nodes, last, placed, want)
+    return Placement(
+        {k: tuple(v) for k, v in assignments.items()},
+        {name: tuple(b.loads) for name, b in bins.items() if b.loads},
+        {name: tuple(b.evictions) for name, b in bins.items() if b.evictions},
+        unschedulable,
+    )
+
+
+def _best(spec: VersionSpec, bins: list[_Bin], now: float, min_idle: float) -> tuple[_Bin, Fit] | Fit | None:
+    """The best bin for one more replica; else the most telling refusal (a transient one over a permanent
+    one, then the smallest shortfall); None when no node is left to try."""
+    best: tuple[tuple[int, int, int, str], _Bin, Fit] | None = None
+    refusal: Fit | None = None
+    for b in bins:
+        verdict = fit(spec, b.view(), now=now, min_idle=min_idle, keep=b.keep)
+        if not verdict.fits:
+            if refusal is None or (refusal.permanent, refusal.short_bytes) > (verdict.permanent, verdict.short_bytes):
+                refusal = verdict
+            continue
+        freed = sum(b.hot[k].spec.footprint for k in verdict.evict)
+        leftover = b.state.memory_budget - sum(r.spec.footprint for r in b.hot.values()) + freed - spec.footprint
+        rank = (spec.key not in b.state.warm, len(verdict.evict), leftover, b.state.name)
+        if best is None or rank < best[0]:
+            best = (rank, b, verdict)
+    if best is not None:
+        return best[1], best[2]
+    return refusal
+
+
+def _refusal(spec: VersionSpec, nodes: Sequence[NodeState], last: Fit | None, placed: int, want: int) -> Unschedulable:
+    if last is None:  # every eligible node already holds a replica
+        eligible = sum(1 for n in nodes if check_constraints(spec, n) is None)
+        return Unschedulable(spec.key, REPLICAS,
+                             f"{spec.key} wants {want} replicas, one per node; {eligible} eligible nodes",
+                             placed=placed, wanted=want)
+    return Unschedulable(spec.key, last.constraint, last.reason, last.short_bytes, placed, want)
+
+
+def nodes_wanted(
+    desired: Mapping[str, int], specs: Mapping[str, VersionSpec], node_types: Mapping[str, int],
+    *, device_memory: Mapping[str, int] | None = None,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Nodes wanted per accelerator type to hold the desired replicas, and the versions no type can hold.
+
+    `node_types` is each type's memory budget per node, in order of preference: a version allowed on
+    several types goes to the first that can hold it. Replicas are packed first fit decreasing, one per
+    node per version, so the count is what a packer needs, not only total memory over a node's.
+    """
+    chosen: dict[str, list[tuple[int, str, int]]] = {kind: [] for kind in node_types}
+    impossible: dict[str, str] = {}
+    for key, count in desired.items():
+        spec = specs[key]
+        if count <= 0:
+            continue
+        kind = next(
+            (t for t, budget in node_types.items()
+             if (not spec.accelerators or t in spec.accelerators) and spec.footprint <= budget
+             and (device_memory or {}).get(t, budget) >= spec.min_memory),
+            None,
+        )
+        if kind is None:
+            impossible[key] = f"{spec.key} fits no accelerator type on offer ({', '.join(node_types) or 'none'})"
+            continue
+        chosen[kind].append((spec.footprint, key, count))
+    wanted: dict[str, int] = {}
+    for kind, items in chosen.items():
+        budget = node_types[kind]
+        bins: list[tuple[int, set[str]]] = []  # (free bytes, versions in it)
+        for footprint, key, count in sorted(items, key=lambda i: (-i[0], i[1])):
+            for _ in range(count):
+                for i, (free, held) in enumerate(bins):
+                    if key not in held and footprint <= free:
+                        held.add(key)
+                        bins[i] = (free - footprint, held)
+                        break
+                else:
+                    bins.append((budget - footprint, {key}))
+        wanted[kind] = len(bins)
+    return wanted, impossible
