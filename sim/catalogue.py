@@ -42,6 +42,8 @@ class SimVersion:
     arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
     in_service: int = 0  # rows on a device now
     demand: float = 0.0  # requests a second the scaling policy last sized it for
+    observed: float = 0.0  # requests a second arriving now (smoothed over ~10 s)
+    counted: int = 0  # arrivals_total when `observed` was last updated
 
     def __post_init__(self) -> None:
         self.estimate = self.profile.estimate

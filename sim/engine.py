@@ -32,7 +32,7 @@ from serving.policies.admission import HEADROOM, VersionLoad, completion_seconds
 from serving.policies.batching import Pending
 from sim import catalogue, scaling
 from sim.catalogue import SimModel, SimVersion
-from sim.fleet import Device, Fleet, Replica, replicas_for
+from sim.fleet import Device, Fleet, Replica, replicas_for, staying
 from sim.metrics import Metrics
 from sim.scenario import Scenario
 
@@ -88,6 +88,7 @@ class Simulation:
         self.jitter = (-sigma * sigma / 2, sigma)
         self.ready = lambda key: self.by_key[key].ready_count > 0
         self.snap: dict[str, float] = {}
+        self._last_tick = 0.0
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -134,8 +135,9 @@ class Simulation:
         target = self.sc.scaling.target_utilisation
         static = isinstance(self.policy, scaling.Static)
         for v in sorted(self.versions, key=lambda v: -v.memory_bytes):
+            v.observed = rate0 * v.model.popularity * v.weight
             if not static:
-                v.demand = rate0 * v.model.popularity * v.weight
+                v.demand = v.observed
             warm = self.sc.scaling.warm_pool
             want = self.policy.desired(0.0)[v] if static else replicas_for(v, v.demand, target) + warm
             for _ in range(want):
@@ -358,6 +360,11 @@ class Simulation:
             v.model.routes_dirty = True
         d = r.device
         d.refresh()
+        old = r.replaces
+        if old is not None:
+            r.replaces = None
+            if not old.removed:
+                self.fleet.drop(old, now)
         if not d.running and d.wake_at > now:
             d.wake_at = now
             self._push(now, WAKE, d)
@@ -367,6 +374,13 @@ class Simulation:
         for m in self.models:
             self._advance(m, now)
             self._resample(m, now)
+        last = self._last_tick
+        if now > last:
+            keep = math.exp(-(now - last) / 10.0)
+            for v in self.versions:
+                v.observed = keep * v.observed + (1 - keep) * (v.arrivals_total - v.counted) / (now - last)
+                v.counted = v.arrivals_total
+        self._last_tick = now
         desired = self.policy.desired(now)
         self._reconcile(desired, now)
         for d in self.fleet.powered():
@@ -382,11 +396,12 @@ class Simulation:
     def _reconcile(self, desired: dict[SimVersion, int], now: float) -> None:
         grow = []
         for v, want in desired.items():
-            have = len(v.replicas)
+            have = staying(v)
             if want < have:
                 for _ in range(have - want):
                     was_ready = v.ready_count
-                    self.fleet.remove(v, now)
+                    if self.fleet.remove(v, now) is None:
+                        break
                     if was_ready and not v.ready_count:
                         self._unload(v, now)
             elif want > have:
@@ -395,6 +410,7 @@ class Simulation:
             for _ in range(extra):
                 if self.fleet.add(v, now) is None:
                     break
+        self.fleet.moves += self.fleet.rebalance(now)
         for at, replica in self.fleet.events:
             self._push(at, READY, replica)
         self.fleet.events.clear()

@@ -28,6 +28,8 @@ class Replica:
     ready_at: float
     ready: bool = False
     removed: bool = False
+    draining: bool = False  # a replacement is loading elsewhere; it leaves when that one is ready
+    replaces: Replica | None = None  # the draining replica this one moves away from an overloaded device
 
 
 @dataclass(eq=False)
@@ -54,12 +56,24 @@ class Device:
         turn can take. Called whenever a replica here becomes ready or leaves."""
         self.ready_turn = sum(r.version.full_batch for r in self.hosted if r.ready)
 
-    def planned_load(self) -> float:
-        return sum(r.version.busy_share(r.version.demand / max(len(r.version.replicas), 1)) for r in self.hosted)
+    def planned_load(self, observed: bool = False) -> float:
+        """Device seconds a second its staying replicas take: at the demand they were sized for, or at
+        the rate arriving now (`observed`), which is what tells an overloaded device from a forecast."""
+        total = 0.0
+        for r in self.hosted:
+            if not r.draining:
+                v = r.version
+                total += v.busy_share((v.observed if observed else v.demand) / max(staying(v), 1))
+        return total
 
     def state(self) -> NodeState:
         hot = {r.version.key: Resident(spec_of(r.version), 0.0) for r in self.hosted}
         return NodeState(self.name, self.kind.name, self.memory_budget, hot)
+
+
+def staying(v: SimVersion) -> int:
+    """Replicas of `v` that are not on their way out."""
+    return sum(1 for r in v.replicas if not r.draining)
 
 
 _SPECS: dict[int, VersionSpec] = {}
@@ -84,14 +98,15 @@ class Fleet:
         }
         self.unschedulable = 0  # replicas wanted that found no node, summed over ticks
         self.cold_starts = 0
+        self.moves = 0
         self.events: list[tuple[float, Replica]] = []  # replicas started; the engine schedules their readiness
 
     def powered(self) -> list[Device]:
         return [d for ds in self.devices.values() for d in ds if d.on]
 
-    def add(self, v: SimVersion, now: float, *, warm: bool = False) -> Replica | None:
-        """Start one more replica of `v`; None when no node can take it."""
-        u = v.busy_share(v.demand / max(len(v.replicas) + 1, 1))
+    def add(self, v: SimVersion, now: float, *, warm: bool = False, replaces: Replica | None = None) -> Replica | None:
+        """Start one more replica of `v` (or a replacement for `replaces`); None when no node can take it."""
+        u = v.busy_share(v.demand / (staying(v) + (0 if replaces else 1)))
         pool = self.devices[v.node.name]
         spare = [d for d in pool if d.on and d.planned_load() + u <= self.max_load]
         device = self._place(v, spare, now)
@@ -105,7 +120,9 @@ class Fleet:
             if device is None:  # footprint over a whole node: the scenario is wrong
                 raise ValueError(f"{v.key} does not fit an empty {v.node.name} node")
         ready_at = now if warm else now + self.lead + v.scaling.cold_start
-        replica = Replica(v, device, ready_at, ready=warm)
+        replica = Replica(v, device, ready_at, ready=warm, replaces=replaces)
+        if replaces is not None:
+            replaces.draining = True
         device.hosted.append(replica)
         v.replicas.append(replica)
         if warm:
@@ -127,11 +144,20 @@ class Fleet:
         by_name = {d.name: d for d in candidates}
         return by_name[names[0]]
 
-    def remove(self, v: SimVersion, now: float) -> Replica:
+    def remove(self, v: SimVersion, now: float) -> Replica | None:
         """Scale `v` in by one: a loading replica first (its cold start is wasted, not served), else the
-        ready one whose device hosts the fewest replicas, so devices empty and power off."""
-        loading = [r for r in v.replicas if not r.ready]
-        victim = loading[-1] if loading else min(v.replicas, key=lambda r: (len(r.device.hosted), r.device.name))
+        ready one whose device hosts the fewest replicas, so devices empty and power off. A replica in
+        a move (draining, or the replacement loading for it) is left to finish the move."""
+        candidates = [r for r in v.replicas if not r.draining and r.replaces is None]
+        if not candidates:
+            return None
+        loading = [r for r in candidates if not r.ready]
+        victim = loading[-1] if loading else min(candidates, key=lambda r: (len(r.device.hosted), r.device.name))
+        self.drop(victim, now)
+        return victim
+
+    def drop(self, victim: Replica, now: float) -> None:
+        v = victim.version
         v.replicas.remove(victim)
         victim.removed = True
         device = victim.device
@@ -141,7 +167,22 @@ class Fleet:
             device.refresh()
         if not device.hosted and not device.running:
             self._power(device, False, now)
-        return victim
+
+    def rebalance(self, now: float) -> int:
+        """Move one replica off each device whose replicas now need more than all of it (their versions'
+        demand grew where they were packed): make before break, the old one leaves when the new is ready."""
+        moved = 0
+        for device in self.powered():
+            if device.planned_load(observed=True) <= 1.0:
+                continue
+            movable = [r for r in device.hosted if r.ready and not r.draining and r.replaces is None
+                       and not any(o.replaces is not None for o in r.version.replicas)]
+            if len(movable) < 2:  # alone on its device, a replica is the scaling policy's to multiply
+                continue
+            busiest = max(movable, key=lambda r: r.version.busy_share(r.version.observed / max(staying(r.version), 1)))
+            if self.add(busiest.version, now, replaces=busiest) is not None:
+                moved += 1
+        return moved
 
     def release_if_empty(self, device: Device, now: float) -> None:
         if device.on and not device.hosted and not device.running:

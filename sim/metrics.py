@@ -28,6 +28,16 @@ def percentile(hist: np.ndarray, q: float) -> float:
     return float(np.sqrt(EDGES[i] * EDGES[i + 1]))
 
 
+def percentile_all(hist: np.ndarray, failed: float, q: float) -> float | None:
+    """The q-quantile over every request, a refused or timed-out one counting as slower than any answer:
+    None when that quantile falls among the failures (more than 1 - q of requests failed)."""
+    answered = hist.sum()
+    rank = q * (answered + failed)
+    if rank > answered or answered <= 0:
+        return None
+    return percentile(hist, rank / answered)
+
+
 class Window:
     __slots__ = ("lat", "weight", "counts", "shed_reasons", "gauges")
 
@@ -101,6 +111,7 @@ class Metrics:
                 "rate": offered / self.window,
                 "p50_ms": percentile(self.hists[i], 0.50) * 1000,
                 "p99_ms": percentile(self.hists[i], 0.99) * 1000,
+                "p99_all_ms": _ms(percentile_all(self.hists[i], w.counts["shed"] + w.counts["expired"], 0.99)),
                 "shed_share": w.counts["shed"] / offered if offered else 0.0,
                 "fallback_share": w.counts["fallback"] / offered if offered else 0.0,
                 "expired_share": w.counts["expired"] / offered if offered else 0.0,
@@ -110,3 +121,7 @@ class Metrics:
                 row[name] = float(np.mean(values))
             rows.append(row)
         return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000

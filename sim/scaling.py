@@ -4,9 +4,10 @@
   now + cold start + scheduling delay, warm pool, cool-down);
 - reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency
   over the last `window` seconds / a replica's target concurrency), where a replica's target is what
-  it holds at the predictive policy's target utilisation with batches of its capacity batch (one
-  batch on the device, half of the next gathering: 1.5 x b*). Scale-out at once, scale-in only after
-  the same cool-down (the largest answer of the last `cool_down` seconds);
+  it holds serving the predictive policy's target utilisation of its capacity: batches of b rows with
+  b = rate x t(b) (a busy device gathers the next batch while one runs), one batch on the device and
+  half of the next gathering, 1.5 b. Scale-out at once, scale-in only after the same cool-down (the
+  largest answer of the last `cool_down` seconds);
 - static: the replicas the scenario's peak needs at the target utilisation, loaded before the start.
 """
 
@@ -17,7 +18,7 @@ from collections import deque
 
 from serving.policies.autoscale import Autoscaler, Observation
 from sim.catalogue import SimVersion
-from sim.fleet import replicas_for
+from sim.fleet import replicas_for, staying
 from sim.scenario import Scenario
 
 
@@ -32,7 +33,7 @@ class Predictive:
 
     def desired(self, now: float) -> dict[SimVersion, int]:
         plan = self.autoscaler.tick(now, [
-            Observation(v.key, v.scaling, v.arrivals_total, len(v.replicas), v.estimate) for v in self.versions
+            Observation(v.key, v.scaling, v.arrivals_total, staying(v), v.estimate) for v in self.versions
         ])
         self.nodes_wanted = {kind: demand.nodes for kind, demand in plan.accelerators.items()}
         out: dict[SimVersion, int] = {}
@@ -55,6 +56,7 @@ class Reactive:
         self._samples: dict[str, deque[tuple[float, int, int]]] = {v.key: deque() for v in versions}
         self._answers: dict[str, deque[tuple[float, int]]] = {v.key: deque() for v in versions}
         self.nodes_wanted: dict[str, int] = {}
+        self.per_replica = {v.key: 1.5 * _batch_at(v, self.target * v.capacity.rate) for v in versions}
 
     def desired(self, now: float) -> dict[SimVersion, int]:
         out: dict[SimVersion, int] = {}
@@ -64,9 +66,11 @@ class Reactive:
             while samples[0][0] < now - self.window:
                 samples.popleft()
             concurrency = sum(s[1] for s in samples) / len(samples)
-            per_replica = self.target * 1.5 * v.capacity.batch
+            per_replica = self.per_replica[v.key]
             want = min(max(1, math.ceil(concurrency / per_replica)), v.scaling.max_replicas)
             answers = self._answers[v.key]
+            if not answers:  # the replicas it starts with count as an answer: the cool-down holds them too
+                answers.append((now, staying(v)))
             answers.append((now, want))
             while answers[0][0] < now - self.cool_down:
                 answers.popleft()
@@ -75,6 +79,14 @@ class Reactive:
             if span > 0:  # what placement plans each replica's load on: the arrival rate now
                 v.demand = (v.arrivals_total - samples[0][2]) / span
         return out
+
+
+def _batch_at(v: SimVersion, rate: float) -> float:
+    """The batch a replica settles at serving `rate`: the fixed point of b = rate x t(b) in [1, max batch]."""
+    b = 1.0
+    for _ in range(50):
+        b = min(max(rate * v.estimate(max(1, round(b))), 1.0), float(v.max_batch))
+    return b
 
 
 class Static:
