@@ -143,7 +143,8 @@ def _version(rng: np.random.Generator, model: SimModel, number: int, family: Fam
     # Warm-up measures the profile at powers of two up to the largest batch, as the node does.
     sizes = sorted({1 << k for k in range(family.max_batch_size.bit_length()) if 1 << k <= family.max_batch_size}
                    | {family.max_batch_size})
-    profile = LatencyProfile({b: base + per_row * b for b in sizes})
+    measured = {b: ms / 1000 / node.speed for b, ms in family.profile_ms}
+    profile = LatencyProfile(measured or {b: base + per_row * b for b in sizes})
     batching = BatchingConfig(max_batch_size=family.max_batch_size,
                               max_queue_delay=family.max_queue_delay_ms / 1000,
                               max_queue_size=scaling.max_queue_size)

@@ -71,6 +71,7 @@ class Family:
     per_row_ms: tuple[float, float]
     max_batch_size: int = 32
     max_queue_delay_ms: float = 5.0
+    profile_ms: tuple[tuple[int, float], ...] = ()  # measured (batch, ms) points: used as they are, at speed 1
 
 
 @dataclass(frozen=True)
@@ -151,9 +152,13 @@ def from_dict(doc: dict[str, Any]) -> Scenario:
             per_row_ms=_pair(spec["per_row_ms"]),
             max_batch_size=int(spec.get("max_batch_size", 32)),
             max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
+            profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in (spec.get("profile_ms") or {}).items())),
         )
         for name, spec in doc["families"].items()
     )
+    for family in families:
+        if family.profile_ms and family.max_batch_size not in dict(family.profile_ms):
+            raise ValueError(f"family {family.name}'s measured profile lacks its max_batch_size")
     fleet = tuple(NodeType(name=name, **spec) for name, spec in doc["fleet"].items())
     known = {k: doc[k] for k in ("versions", "canary_share", "canary_weight", "fallback_share", "zipf", "seed",
                                  "window", "jitter") if k in doc}
