@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from serving.policies.placement import NodeState, Resident, VersionSpec, nodes_wanted, place
+from serving.policies.placement import NodeState, Resident, VersionSpec, place
 from sim.catalogue import SimVersion
 from sim.scenario import NodeType, Scenario
 
@@ -203,13 +203,6 @@ class Fleet:
                 if d.on:
                     d.on_seconds += now - d.on_since
                     d.on_since = now
-
-    def nodes_wanted(self, desired: dict[SimVersion, int]) -> dict[str, int]:
-        """What the cluster autoscaler would be told: nodes per type to hold `desired` by memory."""
-        specs = {v.key: spec_of(v) for v in desired}
-        budgets = {kind: ds[0].memory_budget for kind, ds in self.devices.items() if ds}
-        wanted, _ = nodes_wanted({v.key: n for v, n in desired.items()}, specs, budgets)
-        return wanted
 
 
 def replicas_for(v: SimVersion, rate: float, target: float) -> int:
