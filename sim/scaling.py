@@ -98,7 +98,8 @@ class Static:
         self.replicas: dict[SimVersion, int] = {}
         for v in versions:
             v.demand = peak * v.model.popularity * v.weight
-            self.replicas[v] = replicas_for(v, v.demand, target)
+            fixed = scenario.scaling.fixed_replicas
+            self.replicas[v] = fixed if fixed > 0 else replicas_for(v, v.demand, target)
         self.nodes_wanted: dict[str, int] = {}
 
     def desired(self, now: float) -> dict[SimVersion, int]:

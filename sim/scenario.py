@@ -96,6 +96,7 @@ class Scaling:
     timeout: float = 1.0  # each request's deadline after its arrival
     max_queue_size: int = 4096  # rows per version
     max_device_load: float = 0.85  # placement: share of a device's throughput its replicas may plan on
+    fixed_replicas: int = 0  # static policy: this many replicas of every version (0: what the peak needs)
 
 
 @dataclass(frozen=True)
