@@ -69,7 +69,8 @@ class Answer:
     explanation: str
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """For JSON: an unbounded latency (utilisation at or past 1) is None."""
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
 
 
 def answer(w: WhatIf) -> Answer:
