@@ -54,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="scenario names (default: every shipped one)")
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--duration", type=float, help="simulate only this many seconds of each (a quick look)")
+    p.add_argument("--render-only", action="store_true",
+                   help="run nothing: rewrite the page from docs/simulation.json (after sim.validate, say)")
     args = p.parse_args(argv)
 
-    paths = [path for path in scenarios.shipped() if not args.only or path.stem in args.only]
+    paths = [] if args.render_only else [p for p in scenarios.shipped() if not args.only or p.stem in args.only]
     loaded = {str(path): scenarios.load(path) for path in paths}
     jobs = [(str(path), policy) for path, sc in loaded.items() for policy in sc.policies]
     log(f"{len(jobs)} runs ({len(paths)} scenarios) on {args.jobs} processes")
@@ -71,16 +73,27 @@ def main(argv: list[str] | None = None) -> int:
                 f" {100 * r['shed_share']:.2f}%, {r['accelerator_hours']:.2f} accelerator-hours,"
                 f" {r['cpu_s']:.0f} s CPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    by_scenario: list[dict[str, Any]] = []
+    # Scenarios not run this time keep their last results (`--only` refreshes some of the page).
+    json_path = args.out / "simulation.json"
+    partial = args.only or args.render_only
+    kept = json.loads(json_path.read_text()) if json_path.exists() and partial else {}
+    runs_by_name = {name: list(by_policy.values()) for name, by_policy in kept.items()}
     for path, sc in loaded.items():
-        runs = [results[(path, policy)] for policy in sc.policies]
-        png = scenario_plot(sc.name, sc.title, runs, args.out / f"sim-{sc.name}.png",
-                            budget_ms=sc.scaling.latency_budget * 1000)
-        by_scenario.append({"name": sc.name, "title": sc.title, "file": Path(path).name, "scenario": sc,
+        runs_by_name[sc.name] = [results[(path, policy)] for policy in sc.policies]
+    by_scenario: list[dict[str, Any]] = []
+    for path in scenarios.shipped():
+        sc = scenarios.load(path)
+        runs = runs_by_name.get(sc.name)
+        if not runs:
+            continue
+        png = args.out / f"sim-{sc.name}.png"
+        if sc.name in {s.name for s in loaded.values()} or not png.exists():
+            scenario_plot(sc.name, sc.title, runs, png, budget_ms=sc.scaling.latency_budget * 1000)
+        by_scenario.append({"name": sc.name, "title": sc.title, "file": path.name, "scenario": sc,
                             "runs": runs, "plot": png.name})
     validation_path = args.out / "sim-validation.json"
     validation = json.loads(validation_path.read_text()) if validation_path.exists() else None
-    (args.out / "simulation.json").write_text(json.dumps(
+    json_path.write_text(json.dumps(
         {s["name"]: {r["policy"]: r for r in s["runs"]} for s in by_scenario}, indent=1))
     (args.out / "simulation.md").write_text(render(by_scenario, validation, time.perf_counter() - started))
     log(f"wrote {args.out / 'simulation.md'} in {time.perf_counter() - started:.0f} s")
