@@ -8,9 +8,10 @@ model's measured latency profile and batching settings from the registry's API, 
   `duration` seconds, and reports throughput and latency from the client;
 - simulates: one version with that profile on one node, the same rate and duration.
 The simulator models queueing and compute, not HTTP: the front end's cost per request (parse, route,
-encode, loopback) is measured separately at 20 requests a second, where nothing queues (its p50 less
-the batch window and the profile's batch of one), and added to the simulated latencies. The profile is
-measured again at the end by the node's own `ModelRuntime.profile`, 30 calls a size, on the idle machine.
+encode, loopback) is measured separately at 20 requests a second, where nothing queues (the client's p50
+less the node's own mean request time), and added to the simulated latencies. The profile is the one the
+node measured while serving (`ferry_compute_seconds` per batch over `ferry_batch_size`, quiet and loaded):
+on a shared machine a profile measured at registration says little about the run.
 Prints both and writes docs/sim-validation.json, which `python -m sim.report` puts in docs/simulation.md.
 Under two minutes once the demo models are built in the kept data dir (the first run trains them).
 """
@@ -30,7 +31,7 @@ from typing import Any
 from bench.loadgen import arun
 from bench.loadgen import run as loadgen_run
 from bench.run import digits_body, setup_data_dir
-from bench.server import HEADERS, Server, free_port, say
+from bench.server import HEADERS, Server, counters, free_port, say, scrape
 from sim.engine import simulate
 from sim.scenario import from_dict
 
@@ -50,22 +51,36 @@ def _version(base: str, model: str) -> dict[str, Any]:
     return min(rows, key=lambda r: r["version"])
 
 
-def measure_profile(data_dir: Path, version: dict[str, Any], repeats: int = 30) -> dict[int, float]:
-    """The version's latency profile measured now, by the node's own `ModelRuntime.profile` (median of
-    `repeats` calls per batch size, the node's thread count), on an otherwise idle server: the registry's
-    profile was measured once at registration, whatever else the machine was doing then."""
-    from serving.dataplane.protocol import TensorSpec
-    from serving.dataplane.runtime import ModelRuntime, configure_torch_threads, pick_device
+SERIES = ("ferry_compute_seconds_sum", "ferry_compute_seconds_count", "ferry_batch_size_sum",
+          "ferry_batch_size_count", "ferry_request_seconds_sum", "ferry_request_seconds_count")
 
-    configure_torch_threads(0)
-    sha = version["artifact_sha256"]
-    path = data_dir / "artifacts" / sha[:2] / sha
-    runtime = ModelRuntime(path, version["format"], [TensorSpec.from_dict(d) for d in version["inputs"]],
-                           [TensorSpec.from_dict(d) for d in version["outputs"]], pick_device())
-    runtime.load()
-    top = int(version["max_batch_size"])
-    sizes = sorted({1, top, *(2**i for i in range(1, top.bit_length()) if 2**i <= top)})
-    return runtime.profile(sizes, repeats=repeats)
+
+def _totals(base: str, model: str) -> dict[str, float]:
+    """The node's own counters for `model`, summed over its series (bench.server reads /metrics)."""
+    out = dict.fromkeys(SERIES, 0.0)
+    for (name, labels), value in counters(scrape(base), SERIES).items():
+        if ("model", model) in labels:
+            out[name] += value
+    return out
+
+
+def _phase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Means over one load phase: seconds of compute per batch, rows per batch, seconds per request."""
+    d = {k: after[k] - before[k] for k in SERIES}
+    batches = max(d["ferry_batch_size_count"], 1.0)
+    return {"compute": d["ferry_compute_seconds_sum"] / max(d["ferry_compute_seconds_count"], 1.0),
+            "batch": d["ferry_batch_size_sum"] / batches,
+            "request": d["ferry_request_seconds_sum"] / max(d["ferry_request_seconds_count"], 1.0)}
+
+
+def served_profile(idle: dict[str, float], loaded: dict[str, float], max_batch: int) -> dict[int, float]:
+    """The latency profile the node measured while serving these loads (`ferry_compute_seconds` over
+    `ferry_batch_size`): a line through the quiet phase's (batch, compute) and the loaded phase's, so the
+    profile holds whatever else the machine was doing at the time. Flat when the batches did not grow."""
+    b0, t0, b1, t1 = idle["batch"], idle["compute"], loaded["batch"], loaded["compute"]
+    slope = max(0.0, (t1 - t0) / (b1 - b0)) if b1 > b0 + 0.5 else 0.0
+    sizes = sorted({1, max_batch, *(2**i for i in range(1, max_batch.bit_length()) if 2**i <= max_batch)})
+    return {b: max(t0 + slope * (b - b0), 1e-5) for b in sizes}
 
 
 def simulated(version: dict[str, Any], rate: float, duration: float, seed: int = 1) -> dict[str, Any]:
@@ -110,14 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         url = f"{server.base}/v2/models/{args.model}/infer"
         say(f"{args.model}: profile {version['latency_profile']}, max batch {version['max_batch_size']},"
             f" window {version['max_queue_delay_ms']} ms")
+        t0 = _totals(server.base, args.model)
         idle = arun(loadgen_run(url, body, HEADERS, 20.0, 5.0, warmup=1.0, progress=False))
+        t1 = _totals(server.base, args.model)
         measured = arun(loadgen_run(url, body, HEADERS, args.rate, args.duration, warmup=2.0))
+        t2 = _totals(server.base, args.model)
+    quiet, busy = _phase(t0, t1), _phase(t1, t2)
     registry_profile = version["latency_profile"]
-    profile = measure_profile(data_dir, version)
+    profile = served_profile(quiet, busy, int(version["max_batch_size"]))
     version = {**version, "latency_profile": profile}
-    say(f"{args.model}: profile measured now {profile}")
-    # Alone at 20 requests/s, a request waits the whole batch window and then runs as a batch of one.
-    front_end_ms = max(0.0, idle.p50_ms - version["max_queue_delay_ms"] - profile[1] * 1000)
+    say(f"{args.model}: quiet {quiet}, loaded {busy}; profile {profile}")
+    # Alone at 20 requests/s nothing queues: what the client saw beyond the node's own time is the front end's.
+    front_end_ms = max(0.0, idle.p50_ms - quiet["request"] * 1000)
     sim = simulated(version, args.rate, args.duration)
     sim_throughput = (sim["outcomes"]["served"] + sim["outcomes"]["fallback"]) / args.duration
     sim_p50 = sim["latency_ms"]["p50"] + front_end_ms
@@ -128,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "duration": args.duration,
         "profile_ms": {b: round(s * 1000, 3) for b, s in sorted(profile.items())},
         "registry_profile_ms": {b: round(s * 1000, 3) for b, s in registry_profile.items()},
+        "quiet_phase": quiet,
+        "loaded_phase": busy,
         "front_end_ms": front_end_ms,
         "measured": {"throughput": measured.achieved_rate, "p50_ms": measured.p50_ms, "p99_ms": measured.p99_ms,
                      "errors": measured.errors, "send_lag_p99_ms": measured.send_lag_p99_ms},
@@ -136,9 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["throughput_ok"] = abs(sim_throughput - measured.achieved_rate) <= WITHIN * measured.achieved_rate
     result["p50_ok"] = abs(sim_p50 - measured.p50_ms) <= WITHIN * measured.p50_ms
-    result["note"] = (f"The front end's cost, {front_end_ms:.2f} ms a request (p50 alone at 20 requests/s less"
-                      " the batch window and the profile's batch of one), is added to the simulated latencies.")
-    args.out.write_text(json.dumps(result, indent=1))
+    result["note"] = (f"The profile is the node's own (ferry_compute_seconds over ferry_batch_size, a line through"
+                      f" the quiet and the loaded phase); the front end's cost, {front_end_ms:.2f} ms a request (the"
+                      " client's p50 at 20 requests/s less the node's mean request time), is added to the simulated"
+                      " latencies.")
+    # One entry per model: a run for one model keeps the others' last results.
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if "model" in previous:  # the one-result layout of before
+        previous = {previous["model"]: previous}
+    args.out.write_text(json.dumps({**previous, args.model: result}, indent=1))
     for name, row in (("measured", result["measured"]), ("simulated", result["simulated"])):
         print(f"{name:10} {row['throughput']:8.1f} req/s  p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms")
     print(f"throughput within 20%: {result['throughput_ok']}; p50 within 20%: {result['p50_ok']} -> {args.out}")
