@@ -80,9 +80,9 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
 VALIDATION_NOTE = """\
 Where the device is the bottleneck (`digits-wide`, a compute-bound convnet), the simulator is meant to
 agree, and the table says whether it did. Where the process is (`digits`, a ~2 ms model, on the 2-core
-machine this runs on, shared with the load generator and other work), the requests wait for the
-event loop, not the device, and the simulator, which models no gateway CPU, comes out faster than the
-server: `docs/design.md` (Risks that remain) describes that front-end cliff. p99s differ more than
+machine this runs on, shared with the load generator and other work), requests wait for the event
+loop, not the device; the simulator models no gateway CPU, so there it can only come out faster than
+the server (`docs/design.md`, Risks that remain, describes that front-end cliff). p99s differ more than
 p50s: the server's tail holds the machine's other work (scheduling, collections), which the simulator
 leaves out (see below)."""
 
@@ -93,9 +93,10 @@ LEFT_OUT = """\
 - **The network and the gateway.** The simulated latency is queueing plus compute on the device; the
   gateway's parsing, authentication, quota script, routing and the network round trips are not in it.
   In one datacentre that is about 0.2-1 ms of round trip plus the tensor's transfer (1 MB at 10 Gb/s is
-  about 1 ms) plus the gateway's own work (about 0.5 ms a request in `docs/benchmarks.md`): a few
-  milliseconds added to every latency. Against p99s of tens of milliseconds and a 300 ms budget it moves
-  no verdict; it would move the admission decisions only for requests already near their deadline.
+  about 1 ms) plus the gateway's own work (about 0.3 ms of a core a request: `docs/benchmarks.md` serves
+  `digits` at about 3,600 requests/s on one event loop): a few milliseconds added to every latency.
+  Against p99s of tens of milliseconds and a 300 ms budget it moves no verdict; it would move the
+  admission decisions only for requests already near their deadline.
 - **GC pauses and event-loop stalls** in gateways and nodes. A CPython gen-2 collection or a loop stall
   of 10-100 ms delays everything that process holds. If one 50 ms pause hits each gateway every 10 s,
   0.5% of requests wait up to 50 ms more: p99 rises by up to that much where the pause lands on the tail;
