@@ -105,9 +105,10 @@ LEFT_OUT = """\
 - **Noisy neighbours on packed devices.** A device runs one batch at a time and its versions take turns
   (what the node does: one device thread); the switch between versions costs nothing here, and kernels of
   co-located versions never contend for memory bandwidth or caches, as they would with MPS or MIG slices.
-  Measured co-location slowdowns of 10-30% would cut the capacity of packed devices by that much: the
-  packed tail of the catalogue (most versions, a minority of the traffic) would need up to 30% more of
-  its devices, a few percent of accelerator-hours in all; the hot versions, one per device, would not move.
+  If co-location slowed each batch by 10-30% (an assumption, not measured here), the devices hosting
+  several versions (the catalogue's quiet tail) would lose that much capacity and need up to that many
+  more devices; the hot versions, alone on their devices, would not move, and admission would shed
+  before p99 did.
 - **Other simplifications.** One queue per version shared by its replicas (the design's stream per
   version; the node today has a queue per node); admission's estimate counts the version's queue split
   evenly over its replicas and the other versions of its first replica's device; one priority tier and
