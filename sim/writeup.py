@@ -71,6 +71,18 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             f" predictive {pred['windows_p99_all_over_300ms']}, reactive {reac['windows_p99_all_over_300ms']}."
             f" Predictive under 300 ms where reactive is not: {_holds(pred_ok and not reac_ok)}."
         )
+        sc = next(s["scenario"] for s in scenarios if s["name"] == "ramp-30s-cold")
+        t = sc.traffic
+        lead = max(n.cold_start for n in sc.fleet) + sc.scaling.scheduling_delay
+        growth = t.at(t.start + lead) / t.at(t.start)
+        out.append(
+            f"  A replica ordered when the ramp starts is ready {lead:.0f} s later (cold start plus scheduling), when"
+            f" the rate is {growth:.1f}x the opening one; a fleet sized at {sc.scaling.target_utilisation:.0%}"
+            f" utilisation for the opening rate serves {1 / sc.scaling.target_utilisation:.2f}x it. Whatever"
+            " forecasts from the rate alone cannot hold the first part of this ramp without that much headroom"
+            " (a warm pool or a lower target); the runs show how much each policy sheds there and how fast it"
+            " recovers."
+        )
     for name, runs in by.items():
         hours = "; ".join(f"{p} {r['accelerator_hours']:.2f} h (${r['cost']:.2f})" for p, r in runs.items())
         out.append(f"- Accelerator-hours, {name}: {hours}.")
