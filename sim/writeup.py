@@ -90,13 +90,15 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
 
 
 VALIDATION_NOTE = """\
-Where the device is the bottleneck (`digits-wide`, a compute-bound convnet), the simulator is meant to
-agree, and the table says whether it did. Where the process is (`digits`, a ~2 ms model, on the 2-core
-machine this runs on, shared with the load generator and other work), requests wait for the event
-loop, not the device; the simulator models no gateway CPU, so there it can only come out faster than
-the server (`docs/design.md`, Risks that remain, describes that front-end cliff). p99s differ more than
-p50s: the server's tail holds the machine's other work (scheduling, collections), which the simulator
-leaves out (see below)."""
+The acceptance names the `digits` model; other rows are further checks. The front end's cost is measured
+where nothing queues (20 requests/s); under load the event loop's work per request can grow (it parses
+and answers while the device thread holds a core of this 2-core machine, which the load generator also
+uses), and that growth is not in the simulated latency, so a row can miss on p50 for the front end's
+sake rather than the device's. Where the process rather than the device is the bottleneck (`digits`
+near its capacity), the simulator, which models no gateway CPU, can only come out faster than the server
+(`docs/design.md`, Risks that remain, describes that front-end cliff). p99s differ more than p50s: the
+server's tail holds the machine's other work (scheduling, collections), which the simulator leaves out
+(see below)."""
 
 
 LEFT_OUT = """\
