@@ -26,6 +26,11 @@ from sim.plots import scenario_plot
 from sim.writeup import render
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+ORDER = ("steady-50k", "ramp-30s-cold", "spike-3x", "diurnal-day")  # the page's order; others follow by name
+
+
+def _order(path: Path) -> tuple[int, str]:
+    return (ORDER.index(path.stem) if path.stem in ORDER else len(ORDER), path.stem)
 
 
 def log(msg: str) -> None:
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, sc in loaded.items():
         runs_by_name[sc.name] = [results[(path, policy)] for policy in sc.policies]
     by_scenario: list[dict[str, Any]] = []
-    for path in scenarios.shipped():
+    for path in sorted(scenarios.shipped(), key=_order):
         sc = scenarios.load(path)
         runs = runs_by_name.get(sc.name)
         if not runs:
