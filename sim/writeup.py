@@ -136,8 +136,9 @@ def render(scenarios: list[dict[str, Any]], validation: dict[str, Any] | None, s
     lines = [
         "# Fleet simulation",
         "",
-        "Written by `python -m sim.report` (`make sim`); every number below is what a run of it produced"
-        f" (the last took {seconds:.0f} s). The simulator (`sim/`) is a discrete-event simulation on a virtual clock",
+        "Written by `python -m sim.report` (`make sim`); every number below is what a run of it produced (each"
+        " row gives its run's CPU and wall time).",
+        "The simulator (`sim/`) is a discrete-event simulation on a virtual clock",
         "driving the production policy classes themselves: `serving.policies.batching.BatchQueue` forms every",
         "batch, `serving.policies.admission` admits or sheds, `serving.policies.autoscale.Autoscaler` is the",
         "predictive policy, `serving.policies.placement.place` picks nodes, `rollout.routing.choose_version`",
