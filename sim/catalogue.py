@@ -17,7 +17,7 @@ from rollout.routing import RouteTable
 from serving.dataplane.snapshot import ModelEntry, VersionEntry
 from serving.policies.autoscale import Capacity, ScalingConfig, replica_capacity
 from serving.policies.batching import BatchingConfig, BatchQueue, LatencyProfile
-from sim.scenario import Family, NodeType, Scenario
+from sim.scenario import Family, NodeType, Scaling, Scenario
 
 GB = 2**30
 ROUTING_KEYS = tuple(f"caller-{i}" for i in range(1000))  # callers whose sticky hashes split a model's traffic
@@ -136,7 +136,7 @@ def _cost(model: SimModel) -> float:
 
 
 def _version(rng: np.random.Generator, model: SimModel, number: int, family: Family, node: NodeType,
-             scaling, weight: float) -> SimVersion:
+             scaling: Scaling, weight: float) -> SimVersion:
     base = rng.uniform(*family.base_ms) / 1000 / node.speed
     per_row = rng.uniform(*family.per_row_ms) / 1000 / node.speed
     memory = int(rng.uniform(*family.memory_gb) * GB)
