@@ -54,7 +54,10 @@ def planner_page(request: HttpRequest) -> HttpResponse:
         return JsonResponse(result.as_dict())
     context = _context(what, "") | {"answer": result}
     if request.method == "POST":
-        run, png = simulate(what)
+        try:
+            run, png = simulate(what)
+        except ValueError as exc:
+            return render(request, "console/planner.html", context | {"error": str(exc)}, status=400)
         context["sim"] = run
         context["plot"] = base64.b64encode(png).decode()
     return render(request, "console/planner.html", context)

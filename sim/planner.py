@@ -26,6 +26,7 @@ TARGET_UTILISATION = 0.7
 MAX_BATCH = 32
 SIM_SECONDS = 20.0
 MAX_SIM_REQUESTS = 400_000  # a check is a few seconds of one core, not a benchmark
+MAX_SIM_REPLICAS = 2_000  # replicas x models placed for a check: placement is quadratic in the fleet
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,11 @@ def scenario_doc(w: WhatIf, seconds: float = SIM_SECONDS) -> dict[str, Any]:
 
 
 def simulate(w: WhatIf) -> tuple[dict[str, Any], bytes]:
-    """Run the short check; the summary and a PNG of latency and load over time."""
+    """Run the short check; the summary and a PNG of latency and load over time. ValueError when the
+    what-if is too large to check in a request (the analytic answer still stands)."""
+    if w.replicas * w.models > MAX_SIM_REPLICAS:
+        raise ValueError(f"{w.replicas} replicas x {w.models} models is too large to simulate here"
+                         f" (at most {MAX_SIM_REPLICAS}); `python -m sim.report` runs fleets of any size")
     from sim.engine import simulate as run
     from sim.scenario import from_dict
 

@@ -37,6 +37,11 @@ def test_the_page_answers_json_and_refuses_nonsense(client, django_user_model): 
     assert bad.status_code == 400
     assert "must be a number" in bad.json()["error"]
     assert client.get("/console/planner/", {"replicas": "0", "device": "cpu"}).status_code == 400
+    # a fleet too large to simulate in a request is refused with the reason, the analytic answer kept
+    big = client.post("/console/planner/", {"replicas": "1000", "models": "200", "device": "accelerator"})
+    assert big.status_code == 400
+    assert b"too large to simulate here" in big.content
+    assert b"Bottleneck:" in big.content
 
 
 def test_anonymous_visitors_are_sent_to_log_in(client):  # noqa: ANN001
