@@ -365,15 +365,17 @@ def main(argv: list[str] | None = None) -> int:
             overload_report.plot(a.docs, over)
         else:
             lines = overload_report.section(over, o) if over is not None else []
-            # The back-to-back comparison of two revisions (bench.compare --record) and the keys-and-quotas
-            # cost (bench.auth_cost --record) are not rerun here: keep them; the rate-limit section is this
-            # run's, or the one already there when that phase did not run.
-            from bench import auth_cost, packing  # auth_cost imports this module
+            # The back-to-back comparison of two revisions (bench.compare --record), the keys-and-quotas
+            # cost (bench.auth_cost --record), packing (bench.packing --record) and the Redis hop
+            # (bench.redis_hop --record) are not rerun here: keep them; the rate-limit section is this run's,
+            # or the one already there when that phase did not run.
+            from bench import auth_cost, packing, redis_hop  # auth_cost and redis_hop import this module
 
             report = a.docs / "benchmarks.md"
             text = report.read_text() if report.exists() else ""
             for kept in (compare_section(text), auth_cost.kept_section(text),
-                         "\n".join(limits) or ratelimit.kept_section(text), packing.kept_section(text)):
+                         "\n".join(limits) or ratelimit.kept_section(text), packing.kept_section(text),
+                         redis_hop.kept_section(text)):
                 if kept:
                     lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,

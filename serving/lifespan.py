@@ -15,7 +15,8 @@ class Lifespan:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    if settings.FERRY_EMBEDDED_NODE:
+                    # Without an embedded node the gateway needs Redis to reach the node processes.
+                    if settings.FERRY_EMBEDDED_NODE or settings.REDIS_URL:
                         await wiring.start()
                 except Exception as exc:
                     log.exception("data plane failed to start")

@@ -19,6 +19,7 @@ from django.conf import settings
 from serving import artifacts
 from serving.dataplane import plane as planes
 from serving.dataplane.errors import ServingError
+from serving.dataplane.fleet import FleetView
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
@@ -28,6 +29,7 @@ from serving.dataplane.quota_gate import from_settings as quota_gate_from_settin
 from serving.dataplane.runtime import configure_torch_threads
 from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot, hub
+from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
 from serving.publish import publish_snapshot
 from tenants.keys import pepper_from
@@ -159,19 +161,22 @@ async def start() -> DataPlane:
     if planes.current() is not None:
         return planes.current()
     configure_torch_threads(settings.FERRY_TORCH_THREADS)
-    node = Node(
-        artifact_path=artifacts.verified_path,
-        device=settings.FERRY_DEVICE,
-        memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
-        max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
-        admission=settings.FERRY_ADMISSION,
-        accelerator=settings.FERRY_NODE_ACCELERATOR,
-        max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
-        # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
-        report=sync_to_async(_record_placement, thread_sensitive=False),
-    )
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
-    transport = InProcessTransport(node)
+    if settings.REDIS_URL and not settings.FERRY_EMBEDDED_NODE:
+        node, transport = await _remote_nodes()
+    else:
+        node = Node(
+            artifact_path=artifacts.verified_path,
+            device=settings.FERRY_DEVICE,
+            memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
+            max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
+            admission=settings.FERRY_ADMISSION,
+            accelerator=settings.FERRY_NODE_ACCELERATOR,
+            max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+            # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
+            report=sync_to_async(_record_placement, thread_sensitive=False),
+        )
+        transport = InProcessTransport(node)
     # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
     mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
                     workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
@@ -201,13 +206,23 @@ async def start() -> DataPlane:
             log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
         plane.refresher = plane.loop.create_task(plane._refresh_forever())
         _control_tasks.append(plane.loop.create_task(_evaluate_rollouts_forever()))
-    if hub.current is not None:
+    if hub.current is not None and isinstance(node, Node):
         await plane.wait_reconciled(hub.current.serial)
     # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
     # out of the collector's full passes, which otherwise stall the event loop for tens of ms.
     gc.collect()
     gc.freeze()
     return plane
+
+
+async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
+    """Distributed mode without an embedded node: `manage.py runnode` processes serve, through Redis streams;
+    the fleet they announce says which versions are ready on a live node."""
+    fleet = FleetView(settings.REDIS_URL)
+    fleet.start()
+    transport = RedisStreamsTransport(settings.REDIS_URL, max_bytes=settings.FERRY_MAX_QUEUE_BYTES)
+    await transport.start()
+    return fleet, transport
 
 
 async def _follow_redis(plane: DataPlane) -> None:
@@ -256,6 +271,8 @@ async def stop() -> None:
     if plane.quota is not None:
         await plane.quota.close()
     await plane.node.close()
+    if isinstance(plane.gateway.transport, RedisStreamsTransport):
+        await plane.gateway.transport.close()
     from django.db import connections
 
     # The refresh loop's queries ran on asgiref's worker thread: close its connections there.

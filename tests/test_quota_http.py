@@ -289,7 +289,7 @@ class RecordingTransport:
     def __init__(self) -> None:
         self.priorities: list[int] = []
 
-    async def infer(self, entry, inputs, rows, deadline, priority, *, nbytes=0, gone=None):  # noqa: ANN001, ANN201
+    async def infer(self, entry, inputs, rows, deadline, priority, *, nbytes=0, gone=None, **_):  # noqa: ANN001, ANN003, ANN201
         import numpy as np
 
         self.priorities.append(priority)

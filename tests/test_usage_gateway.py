@@ -33,7 +33,7 @@ class Transport:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
 
-    async def infer(self, entry, inputs, rows, deadline, priority, *, nbytes=0, gone=None):  # noqa: ANN001, ANN201
+    async def infer(self, entry, inputs, rows, deadline, priority, *, nbytes=0, gone=None, **_):  # noqa: ANN001, ANN003, ANN201
         if entry.model == "big":
             raise Shed("big is saturated", reason="deadline", tier=priority)
         self.clock.now += 0.25

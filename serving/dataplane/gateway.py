@@ -116,10 +116,13 @@ class Gateway:
             deadline = arrived + self._timeout(entry, request.parameters)
             priority = _priority(request.parameters, tier)
             served = entry
+            # Who asks and for which outputs: a remote node answers with only those (stream_codec).
+            asking = {"tenant": viewer, "outputs": tuple(o.name for o in request.outputs)
+                      if request.outputs is not None else None}
             try:
                 dispatched = self._clock()
                 outputs = await self.transport.infer(
-                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone
+                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone, **asking
                 )
                 if self.mirror is not None:
                     self._mirror(entry, request.inputs, request.rows, len(body), outputs, dispatched)
@@ -129,7 +132,8 @@ class Gateway:
                     raise
                 try:
                     outputs = await self.transport.infer(
-                        served, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone
+                        served, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone,
+                        **asking,
                     )
                 except Unavailable:
                     raise refused from None  # the caller asked for the primary: its refusal is the answer

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,10 +121,11 @@ class Node:
 
     # -- control -------------------------------------------------------------------------
 
-    async def reconcile(self, snapshot: RoutingSnapshot) -> None:
-        """Load what the snapshot says this node serves, unload the rest."""
+    async def reconcile(self, snapshot: RoutingSnapshot, keys: Collection[str] | None = None) -> None:
+        """Load what the snapshot says this node serves (of it, only `keys` when given: a node process
+        hosts what its placement picks), unload the rest."""
         async with self._reconcile_lock:
-            desired = {v.key: v for v in snapshot.hosted_versions()}
+            desired = {v.key: v for v in snapshot.hosted_versions() if keys is None or v.key in keys}
             self.packing.update(snapshot, desired)
             for key in [k for k in self.hosted if k not in desired]:
                 await self.unload(key)

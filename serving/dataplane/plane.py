@@ -18,6 +18,7 @@ from django.conf import settings
 
 from serving.dataplane import metrics
 from serving.dataplane.errors import ServingError
+from serving.dataplane.fleet import FleetView
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
@@ -37,7 +38,8 @@ KEY_USE_FLUSH_SECONDS = 5.0  # how often API keys' last_used_at is written, off 
 @dataclass
 class DataPlane:
     gateway: Gateway
-    node: Node
+    # The embedded node, or in distributed mode the fleet of node processes as Redis announces it.
+    node: Node | FleetView
     loop: asyncio.AbstractEventLoop
     refresher: asyncio.Task[None] | None = None
     lag_watch: asyncio.Task[None] | None = None

@@ -28,11 +28,13 @@ class Outputs(dict[str, np.ndarray]):
 class Transport(Protocol):
     async def infer(
         self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0, gone: Callable[[], bool] | None = None,
+        *, nbytes: int = 0, gone: Callable[[], bool] | None = None, tenant: int | None = None,
+        outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         """Answer one request or raise a `ServingError`; `deadline` is on the monotonic clock; `nbytes`
         is what the request holds in memory while it waits (queues are bounded in bytes too); `gone`
-        says whether its client has left (its request is then dropped unrun, answered 499)."""
+        says whether its client has left (its request is then dropped unrun, answered 499); `tenant`
+        and `outputs` (the output names asked for, None: all) travel with a request to a remote node."""
         ...
 
 
@@ -42,6 +44,7 @@ class InProcessTransport:
 
     async def infer(
         self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0, gone: Callable[[], bool] | None = None,
+        *, nbytes: int = 0, gone: Callable[[], bool] | None = None, tenant: int | None = None,
+        outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         return await self.node.infer(entry.key, inputs, rows, deadline, priority, nbytes, gone)

@@ -1,0 +1,475 @@
+"""A node process (`manage.py runnode`): hosts versions on its `Node` and serves their Redis streams.
+
+Its loops, each a single step the loop repeats (a test drives one step directly):
+- `heartbeat_once`: its facts, the versions it has ready and the snapshot serial it reconciled, in
+  `ferry:node:<name>` with a TTL (`serving.dataplane.fleet`);
+- the snapshot follower (`serving.dataplane.snapshot_redis.follow`), then `Node.reconcile` on what
+  `hosted(snapshot)` picks;
+- `consume_once`: one XREADGROUP over the streams of its ready versions, COUNT up to the batch size,
+  a short BLOCK, each entry handed to `Node.infer` (its batcher, admission and runtime), answered on
+  the entry's reply stream, then acknowledged and deleted;
+- `reclaim_once`: the pending entries of consumers whose node is lost are claimed and served while
+  their deadline allows.
+
+A stream is read only while this node holds few of its requests (READ_AHEAD batches), so a busy node
+leaves the backlog to the other replicas, and a node that dies leaves little pending behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import redis
+
+from serving.dataplane import fleet, metrics, redis_pipe, snapshot_redis
+from serving.dataplane.errors import DeadlineExceeded, ServingError
+from serving.dataplane.node import Node
+from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.dataplane.stream_codec import (
+    FIELD,
+    GROUP,
+    REPLIES,
+    MalformedMessage,
+    decode_request,
+    encode_error,
+    encode_success,
+    pack_replies,
+    request_stream,
+)
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 20  # short: the set of streams worth reading changes as this node's queues fill and drain
+READ_AHEAD = 2  # batches of a version this node holds at most (queued or running) before it stops reading
+RECLAIM_SECONDS = 0.5
+CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the entry no longer idle
+REPLY_MAXLEN = 10_000
+UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+         "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """`24GiB`, `512MiB`, `1.5GB`, `4096` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in UNITS:
+        raise ValueError(f"not a size: {text!r} (say 24GiB, 512MiB or a number of bytes)")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    labels = {}
+    for item in items:
+        for pair in item.split(","):
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"a label is key=value, not {pair!r}")
+            labels[key.strip()] = value.strip()
+    return labels
+
+
+def hosted(snapshot: RoutingSnapshot) -> set[str]:
+    """The versions this node hosts: in this slice every ready, loaded version, as the embedded node does.
+    The seam where a placement reconciler's decision for this node comes in later."""
+    return {v.key for v in snapshot.hosted_versions()}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a node declares about itself. On CUDA the accelerator and memory are the device's own."""
+
+    name: str
+    device: str
+    accelerator: str
+    accelerator_count: int
+    memory_total: int
+    memory_budget: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def facts_for(name: str, device: str, accelerator: str | None, memory: int | None, labels: dict[str, str],
+              default_memory: int) -> Facts:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(index)
+        budget = min(memory, props.total_memory) if memory else props.total_memory
+        return Facts(name, device, props.name, torch.cuda.device_count(), props.total_memory, budget, labels)
+    memory = memory or default_memory
+    return Facts(name, device, accelerator or "cpu", 1 if accelerator else 0, memory, memory, labels)
+
+
+class NodeProcess:
+    def __init__(
+        self, node: Node, url: str, facts: Facts, *, hub: SnapshotHub | None = None,
+        hosted: Callable[[RoutingSnapshot], Collection[str]] = hosted,
+        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.node = node
+        self.url = url
+        self.facts = facts
+        self.hub = hub or SnapshotHub()
+        self.hosted = hosted
+        self._clock = clock
+        self._wall = wall
+        self.instance = uuid.uuid4().hex[:12]
+        self.consumer = f"{facts.name}:{self.instance}"  # a restart under the same name is a new consumer
+        self.started_at = wall()
+        self._grouped: set[str] = set()  # version keys whose stream has its group (created or checked)
+        self._held: dict[str, int] = {}  # version key -> its requests this node holds (queued or running)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+        self._reconciling: asyncio.Task[None] | None = None
+        self._pending: RoutingSnapshot | None = None
+        self.reconciled_serial = 0
+        self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
+        self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
+        self._flush_scheduled = False
+        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0}
+        self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
+        self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
+                                         name=f"ferry-node-reader-{facts.name}")
+        self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
+
+    # -- membership ------------------------------------------------------------------------
+
+    def info(self) -> fleet.NodeInfo:
+        node = self.node
+        return fleet.NodeInfo(
+            name=self.facts.name, instance=self.instance, host=socket.gethostname(), pid=os.getpid(),
+            device=str(node.device), accelerator=self.facts.accelerator,
+            accelerator_count=self.facts.accelerator_count, memory_total=self.facts.memory_total,
+            memory_budget=self.facts.memory_budget,
+            memory_used=sum(h.runtime.memory_bytes for h in node.hosted.values()),
+            labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
+            serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
+            hot=frozenset(node.hosted),
+            failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
+        )
+
+    async def heartbeat_once(self) -> None:
+        key = fleet.node_key(self.facts.name)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(key)  # fields of an older shape must not linger
+        pipe.hset(key, mapping=self.info().to_hash())
+        pipe.expire(key, fleet.TTL_SECONDS)
+        pipe.sadd(fleet.NODES_KEY, self.facts.name)
+        await pipe.execute()
+
+    async def claim_name(self) -> None:
+        """Join the fleet under this node's name. A heartbeat hash under it that is still renewed is a live
+        node: refuse (two processes would overwrite one heartbeat). One that is not (a node killed moments
+        ago, restarted at once) expires within the TTL: wait for that."""
+        key = fleet.node_key(self.facts.name)
+        deadline = self._clock() + fleet.TTL_SECONDS + 1
+        while raw := await self._client.hgetall(key):
+            other = fleet.NodeInfo.from_hash(raw)
+            if other.instance == self.instance:
+                break
+            if self._clock() > deadline:
+                raise RuntimeError(f"a live node named {self.facts.name!r} exists (pid {other.pid} on {other.host});"
+                                   " pick another --name")
+            await asyncio.sleep(0.25)
+        await self.heartbeat_once()
+
+    async def leave(self) -> None:
+        """Remove this node's heartbeat, if it is this process's (not a namesake's that refused this one)."""
+        await self._client.eval(_LEAVE, 2, fleet.node_key(self.facts.name), fleet.NODES_KEY,
+                                fleet.NodeInfo.encode_field(self.instance), self.facts.name)
+
+    # -- what it hosts ---------------------------------------------------------------------
+
+    def on_snapshot(self, snapshot: RoutingSnapshot) -> None:
+        """Hub callback, on this loop (the follower runs here)."""
+        self._pending = snapshot
+        if self._reconciling is None or self._reconciling.done():
+            self._reconciling = asyncio.get_running_loop().create_task(self._reconcile_latest())
+
+    async def _reconcile_latest(self) -> None:
+        while self._pending is not None:
+            snapshot, self._pending = self._pending, None
+            try:
+                await self.reconcile(snapshot)
+            except Exception:
+                log.exception("reconcile failed")
+
+    async def reconcile(self, snapshot: RoutingSnapshot) -> None:
+        await self.node.reconcile(snapshot, keys=set(self.hosted(snapshot)))
+        self._grouped &= set(self.servable())
+        try:
+            await self.ensure_groups()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            log.warning("creating consumer groups failed (%s); the consumer loop retries", exc)
+        self.reconciled_serial = snapshot.serial
+
+    async def ensure_groups(self, keys: Collection[str] | None = None) -> None:
+        """Each hosted version's stream has the group. Created reading from the stream's start, not `$`:
+        what gateways added before the first node came (or while a restarted Redis had no group) is served
+        if its deadline allows, never skipped."""
+        servable = self.servable()
+        for key in list(keys if keys is not None else servable):
+            if keys is None and key in self._grouped:
+                continue
+            try:
+                await self._client.xgroup_create(request_stream(key), GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            if key in servable:
+                self._grouped.add(key)
+
+    def servable(self) -> dict[str, VersionEntry]:
+        """The versions whose requests this node takes: loaded, or cold (the node's packing keeps them out of
+        memory until a request comes, then loads them, evicting idle ones, while the deadline allows)."""
+        entries = {key: hosted.entry for key, hosted in self.node.hosted.items()}
+        for key, entry in self.node.packing.cold.items():
+            entries.setdefault(key, entry)
+        return entries
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def _readable(self) -> dict[str, str]:
+        streams = {}
+        for key, entry in self.servable().items():
+            if key in self._grouped and self._held.get(key, 0) < READ_AHEAD * entry.batching.max_batch_size:
+                streams[request_stream(key)] = ">"
+        return streams
+
+    async def consume_once(self) -> int:
+        """One read over the streams with room; returns the entries handed to the node."""
+        streams = self._readable()
+        if not streams:
+            self._room.clear()
+            try:
+                async with asyncio.timeout(READ_BLOCK_MS / 1000):
+                    await self._room.wait()
+            except TimeoutError:
+                pass
+            return 0
+        count = max(e.batching.max_batch_size for e in self.servable().values())
+        try:
+            answer = await self._reader.xreadgroup(GROUP, self.consumer, streams, count=count, block=READ_BLOCK_MS)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("a consumer group is missing (Redis restarted empty?); creating them again")
+            await self.ensure_groups(list(self._grouped))
+            return 0
+        taken = 0
+        for stream, entries in answer or ():
+            key = _key_of(stream)
+            for entry_id, fields in entries:
+                self._start(key, stream, entry_id, fields.get(FIELD))
+                taken += 1
+        return taken
+
+    def _start(self, key: str, stream: bytes | str, entry_id: bytes, raw: bytes | None) -> None:
+        self._held[key] = self._held.get(key, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._serve(key, stream, entry_id, raw))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._done(key, t))
+
+    def _done(self, key: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._held[key] -= 1
+        self._room.set()
+
+    async def _serve(self, key: str, stream: bytes | str, entry_id: bytes, raw: bytes | None) -> None:
+        try:
+            await self._answer(key, raw)
+        except Exception:  # a bug here must not end the consumer loop; the entry is still acknowledged
+            self.counts["errors"] += 1
+            metrics.INTERNAL_ERRORS.labels("node_stream").inc()
+            log.exception("serving stream entry %s of %s failed", entry_id, key)
+        # After its reply (queued first, flushed first): an entry is acknowledged once answered.
+        self._acks.setdefault(stream, []).append(entry_id)
+        self._schedule_flush()
+
+    async def _answer(self, key: str, raw: bytes | None) -> None:
+        try:
+            request = decode_request(raw if raw is not None else b"")
+        except MalformedMessage as exc:
+            self.counts["malformed"] += 1
+            metrics.INTERNAL_ERRORS.labels("stream_request").inc()
+            log.error("malformed request on %s: %s", key, exc)
+            if exc.request_id is not None and exc.reply_to is not None:
+                self._reply(exc.reply_to, encode_error(
+                    exc.request_id, ServingError(f"malformed request on the stream: {exc}")))
+            return
+        left = request.deadline - self._wall()
+        if left <= 0:
+            # The gateway answered 504 at this deadline already: never run it, never answer it twice.
+            self.counts["expired"] += 1
+            return
+        try:
+            outputs = await self.node.infer(key, request.inputs, request.rows, self._clock() + left,
+                                            request.priority, nbytes=len(raw or b""))
+            payload = encode_success(request.id, outputs, request.outputs)
+            self.counts["served"] += 1
+        except DeadlineExceeded:
+            self.counts["expired"] += 1
+            return  # the gateway's own timer answers it
+        except ServingError as exc:
+            payload = encode_error(request.id, exc)
+        except Exception:
+            self.counts["errors"] += 1
+            metrics.INTERNAL_ERRORS.labels("node_stream").inc()
+            log.exception("inference on %s failed unexpectedly", key)
+            payload = encode_error(request.id, ServingError("internal error on the node; it logged it"))
+        self._reply(request.reply_to, payload)
+
+    def _reply(self, reply_to: bytes, payload: bytes) -> None:
+        self._outbox.setdefault(reply_to, []).append(payload)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """What this turn of the loop answered: one XADD per gateway, one XACK and one XDEL per stream."""
+        self._flush_scheduled = False
+        outbox, self._outbox = self._outbox, {}
+        acks, self._acks = self._acks, {}
+        for reply_to, payloads in outbox.items():
+            # NOMKSTREAM: a gateway that died took its reply stream with it (TTL); no stream is left behind.
+            self._pipe.send("XADD", reply_to, "NOMKSTREAM", "MAXLEN", "~", REPLY_MAXLEN, "*", REPLIES,
+                            pack_replies(payloads), wait=False)
+        for stream, ids in acks.items():
+            self._pipe.send("XACK", stream, GROUP, *ids, wait=False)
+            self._pipe.send("XDEL", stream, *ids, wait=False)
+
+    # -- lost nodes ------------------------------------------------------------------------
+
+    async def reclaim_once(self) -> int:
+        """Claim and serve the pending entries of consumers whose node is lost; drop such consumers once they
+        hold nothing. Not XAUTOCLAIM: it claims by idle time alone, so it would also take entries from a
+        live node that is merely busy and run them twice. Returns the entries claimed."""
+        live = {f"{n.name}:{n.instance}" for n in await fleet.read_fleet(self._client)}
+        live.add(self.consumer)
+        claimed = 0
+        for key in [k for k in self.servable() if k in self._grouped]:
+            stream = request_stream(key)
+            pending = await self._client.xpending_range(stream, GROUP, min="-", max="+", count=1000,
+                                                        idle=CLAIM_MIN_IDLE_MS)
+            orphans = [p["message_id"] for p in pending if p["consumer"].decode() not in live]
+            if orphans:
+                entries = await self._client.xclaim(stream, GROUP, self.consumer, CLAIM_MIN_IDLE_MS, orphans)
+                for entry_id, fields in entries:
+                    if fields is None:  # deleted meanwhile (trimmed)
+                        continue
+                    self._start(key, stream, entry_id, fields.get(FIELD))
+                    claimed += 1
+            for consumer in await self._client.xinfo_consumers(stream, GROUP):
+                name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+                if name not in live and consumer["pending"] == 0:
+                    await self._client.xgroup_delconsumer(stream, GROUP, name)
+        self.counts["claimed"] += claimed
+        if claimed:
+            log.info("claimed %d requests left pending by lost nodes", claimed)
+        return claimed
+
+    # -- the loops -------------------------------------------------------------------------
+
+    async def _every(self, seconds: float, step: Callable[[], object], what: str) -> None:
+        failing = False
+        while True:
+            try:
+                await step()  # type: ignore[misc]
+                if failing:
+                    log.info("%s works again", what)
+                failing = False
+            except (redis.RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("%s failed (%s); retrying", what, exc)
+                failing = True
+            await asyncio.sleep(seconds)
+
+    async def _consume_forever(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                await self.consume_once()
+                if backoff > 0.05:  # back from an outage: the replies' pooled connection died in it
+                    await self._pipe.reset()
+                    log.info("reading requests works again")
+                backoff = 0.05
+            except (redis.RedisError, OSError) as exc:
+                (log.warning if backoff == 0.05 else log.debug)("reading requests failed (%s); retrying", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    def serve(self) -> None:
+        """Start consuming the hosted versions' streams, answering, and claiming from lost nodes."""
+        loop = asyncio.get_running_loop()
+        self._pipe.start()
+        self._loops.append(loop.create_task(self._consume_forever()))
+        self._loops.append(loop.create_task(self._every(RECLAIM_SECONDS, self.reclaim_once, "claiming")))
+
+    async def start(self, first_snapshot_timeout: float = 60.0) -> None:
+        """Join the fleet, follow the snapshot, load what it hosts, then serve."""
+        await self.claim_name()
+        loop = asyncio.get_running_loop()
+        self._loops.append(loop.create_task(self._every(fleet.HEARTBEAT_SECONDS, self.heartbeat_once, "heartbeat")))
+        self.hub.subscribe(self.on_snapshot)
+        self._loops.append(loop.create_task(snapshot_redis.follow(self.url, self.hub)))
+        deadline = self._clock() + first_snapshot_timeout
+        while self.reconciled_serial == 0 and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+        if self.reconciled_serial == 0:
+            log.warning("no routing snapshot in Redis after %.0fs; serving once one is published",
+                        first_snapshot_timeout)
+        self.serve()
+        await self.heartbeat_once()
+        log.info("node %s (%s, %s) serving %s", self.facts.name, self.facts.accelerator, self.node.device,
+                 sorted(self.servable()) or "nothing yet")
+
+    async def stop(self, drain_seconds: float = 10.0) -> None:
+        """Leave the fleet (gateways stop routing here at their next read), finish what it holds, close."""
+        self.hub.unsubscribe(self.on_snapshot)
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        try:
+            await self.leave()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("leaving the fleet failed (%s); the heartbeat expires in %ds", exc, fleet.TTL_SECONDS)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=drain_seconds)
+        if self._pipe.started:
+            try:
+                async with asyncio.timeout(redis_pipe.COMMAND_TIMEOUT_S * 2):
+                    await self._pipe.send("PING")  # the replies queued before it are sent once it answers
+            except (redis.RedisError, OSError, TimeoutError):
+                pass
+        await self._pipe.close()
+        await self.node.close()
+        for client in (self._client, self._reader, self._pipe.client):
+            await client.aclose()
+
+
+# KEYS: the node's hash, the fleet set; ARGV: its instance (as the hash stores it), its name.
+_LEAVE = """
+if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def _key_of(stream: bytes | str) -> str:
+    text = stream.decode() if isinstance(stream, bytes) else stream
+    return text[text.index("{") + 1: text.rindex("}")]

@@ -1,0 +1,260 @@
+"""The gateway's side of the Redis Streams transport (distributed mode).
+
+Each request is one XADD to its version's stream (`stream_codec.request_stream`), read by the nodes
+hosting the version through the stream's consumer group. The answer comes back on this process's
+reply stream, where one reader task resolves the waiting futures by request id. Every accepted
+request gets exactly one answer: the node's result or error, or 504 at its deadline, or 503 when
+Redis is lost while it waits.
+
+What this process has outstanding per version is bounded in requests (the version's
+max_queue_size) and bytes (FERRY_MAX_QUEUE_BYTES): past either, 503 with Retry-After at once.
+
+The reply stream lives as long as this process renews its TTL. Nodes reply with NOMKSTREAM, so a
+reply to a gateway that died is dropped instead of leaving a stream behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from serving.dataplane import metrics, redis_pipe
+from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unavailable
+from serving.dataplane.snapshot import VersionEntry
+from serving.dataplane.stream_codec import (
+    FIELD,
+    REPLIES,
+    MalformedMessage,
+    StreamRequest,
+    decode_reply,
+    encode_request,
+    request_stream,
+    unpack_replies,
+)
+
+log = logging.getLogger(__name__)
+
+REPLY_TTL_S = 30  # a dead gateway's reply stream disappears this long after its last renewal
+RENEW_S = 1.0  # renewal, and re-creation after Redis lost its data
+READ_BLOCK_MS = 1000
+READ_COUNT = 512
+REQUEST_STREAM_MAXLEN = 10_000  # approximate; nodes delete what they answered, so this bounds only a backlog
+RECONNECT_MAX_S = 1.0  # an outage is noticed, and its end too, within about this
+
+
+@dataclass(slots=True)
+class _Waiting:
+    future: asyncio.Future
+    key: str
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    items: int = 0
+    nbytes: int = 0
+
+
+class RedisStreamsTransport:
+    def __init__(
+        self, url: str, *, max_bytes: int = 64 * 1024**2,
+        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url
+        self.max_bytes = max_bytes  # per version, what this process holds waiting
+        self._clock = clock
+        self._wall = wall
+        self.reply_to = f"ferry:reply:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Waiting] = {}
+        self._outstanding: dict[str, _Outstanding] = {}
+        # False from a Redis error until the reply reader is connected again: requests are refused at once
+        # rather than each spending a connection attempt.
+        self.connected = False
+        self._pipe: redis_pipe.Pipe | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.malformed_replies = 0
+
+    async def start(self) -> None:
+        self._pipe = redis_pipe.Pipe(redis_pipe.client(self.url, name=f"ferry-gateway-{os.getpid()}"))
+        self._pipe.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_replies(), name="ferry-replies"),
+                       loop.create_task(self._renew_forever(), name="ferry-reply-ttl")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all(Unavailable("the gateway is shutting down", retry_after=1))
+        if self._pipe is not None:
+            await self._pipe.close()
+            await self._pipe.client.aclose()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def infer(
+        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
+        *, nbytes: int = 0, gone: Callable[[], bool] | None = None, tenant: int | None = None,
+        outputs: tuple[str, ...] | None = None,
+    ) -> dict[str, np.ndarray]:
+        now = self._clock()
+        if deadline <= now:
+            raise DeadlineExceeded("request deadline passed before it was sent")
+        if gone is not None and gone():  # its client left before it was sent: never sent, never run
+            raise ServingError("the client closed the connection", status=499)
+        if not self.connected or self._pipe is None:
+            raise Unavailable("the request queue (Redis) is unreachable", retry_after=1)
+        key = entry.key
+        held = self._outstanding.get(key)
+        if held is None:
+            held = self._outstanding[key] = _Outstanding()
+        if held.items >= entry.batching.max_queue_size or held.nbytes + nbytes > self.max_bytes:
+            raise Shed(f"{key}: this gateway holds {held.items} requests ({held.nbytes} bytes) for it already",
+                       reason="queue_full", tier=priority, retry_after=1)
+        request_id = next(self._ids)
+        message = encode_request(StreamRequest(
+            request_id, self.reply_to, self._wall() + (deadline - now), tenant, priority, rows, inputs, outputs,
+        ))
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = _Waiting(future, key, nbytes)
+        held.items += 1
+        held.nbytes += nbytes
+        try:
+            try:
+                await self._pipe.send("XADD", request_stream(key), "MAXLEN", "~", REQUEST_STREAM_MAXLEN, "*",
+                                      FIELD, message)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                # The reader governs `connected`: it notices the same outage on its own connection, and
+                # it alone can say Redis is back.
+                log.debug("XADD to %s failed: %s", key, exc)
+                raise Unavailable("the request queue (Redis) is unreachable", retry_after=1) from None
+            except redis.RedisError as exc:
+                log.error("XADD to %s refused: %s", key, exc)
+                metrics.INTERNAL_ERRORS.labels("stream_send").inc()
+                raise ServingError("the request queue refused the request; the gateway logged it") from None
+            try:
+                async with asyncio.timeout(deadline - self._clock()):
+                    return await future
+            except TimeoutError:
+                raise DeadlineExceeded("request deadline exceeded") from None
+        finally:
+            self._waiting.pop(request_id, None)
+            held.items -= 1
+            held.nbytes -= nbytes
+
+    def outstanding(self, key: str) -> int:
+        held = self._outstanding.get(key)
+        return held.items if held else 0
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def _resolve_all(self, raw: bytes) -> None:
+        try:
+            replies = unpack_replies(raw)
+        except MalformedMessage as exc:
+            self.malformed_replies += 1
+            metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
+            log.error("malformed reply entry on %s: %s", self.reply_to.decode(), exc)
+            return  # whoever waited for these gets 504 at their deadline
+        for reply in replies:
+            self._resolve(reply)
+
+    def _resolve(self, raw: bytes) -> None:
+        try:
+            reply = decode_reply(raw)
+        except MalformedMessage as exc:
+            self.malformed_replies += 1
+            metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
+            log.error("malformed reply on %s: %s", self.reply_to.decode(), exc)
+            waiting = self._waiting.get(exc.request_id) if exc.request_id is not None else None
+            if waiting is not None and not waiting.future.done():
+                waiting.future.set_exception(ServingError("malformed reply from the node; the gateway logged it"))
+            return
+        waiting = self._waiting.get(reply.id)
+        if waiting is None or waiting.future.done():
+            return  # answered already (its deadline), or a second answer after a claim: the first one stands
+        if reply.error is not None:
+            waiting.future.set_exception(reply.error)
+        else:
+            waiting.future.set_result(reply.outputs)
+
+    async def _read_replies(self) -> None:
+        # A blocking read on its own connection, with a socket timeout past the block.
+        client = redis_pipe.client(self.url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
+                                   name=f"ferry-replies-{os.getpid()}")
+        last = b"0-0"
+        backoff = 0.05
+        try:
+            while True:
+                try:
+                    await self._ensure_reply_stream(client)
+                    if not self.connected and self._pipe is not None:
+                        await self._pipe.reset()  # its connection died with the outage
+                        log.info("Redis reachable: accepting requests")
+                    self.connected = True
+                    backoff = 0.05
+                    while True:
+                        answer = await client.xread({self.reply_to: last}, count=READ_COUNT, block=READ_BLOCK_MS)
+                        for _, entries in answer:
+                            for entry_id, fields in entries:
+                                last = entry_id
+                                raw = fields.get(REPLIES)
+                                if raw is not None:
+                                    self._resolve_all(raw)
+                except asyncio.CancelledError:
+                    raise
+                except (redis.RedisError, OSError) as exc:
+                    self._lost(exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RECONNECT_MAX_S)
+        finally:
+            await client.aclose()
+
+    def _lost(self, exc: Exception) -> None:
+        """Redis failed under us: refuse new requests until the reader reconnects, and answer the waiting
+        ones now. Their replies may never come (a restarted Redis lost them), and 503 now is more useful to
+        a caller than 504 later."""
+        if self.connected:
+            log.warning("lost Redis (%s): refusing requests until it is back", exc)
+        self.connected = False
+        self._fail_all(Unavailable("lost the connection to the request queue (Redis)", retry_after=1))
+
+    def _fail_all(self, error: ServingError) -> None:
+        for waiting in list(self._waiting.values()):
+            if not waiting.future.done():
+                waiting.future.set_exception(error)
+
+    async def _ensure_reply_stream(self, client: redis.asyncio.Redis) -> None:
+        """Create the reply stream if Redis does not hold it (first start, Redis restarted empty), and renew
+        its TTL. The marker entry is what creates it: nodes never create a reply stream."""
+        pipe = client.pipeline(transaction=False)
+        pipe.expire(self.reply_to, REPLY_TTL_S)
+        renewed, = await pipe.execute()
+        if not renewed:
+            pipe = client.pipeline(transaction=False)
+            pipe.xadd(self.reply_to, {b"hello": b"1"}, maxlen=1000, approximate=True)
+            pipe.expire(self.reply_to, REPLY_TTL_S)
+            await pipe.execute()
+
+    async def _renew_forever(self) -> None:
+        client = redis_pipe.client(self.url)
+        try:
+            while True:
+                await asyncio.sleep(RENEW_S)
+                try:
+                    await self._ensure_reply_stream(client)
+                except (redis.RedisError, OSError):
+                    pass  # the reader notices and reconnects
+        finally:
+            await client.aclose()

@@ -1,0 +1,68 @@
+import asyncio
+import logging
+import signal
+import socket
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from serving import artifacts
+from serving.dataplane.node import Node
+from serving.dataplane.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
+from serving.dataplane.runtime import configure_torch_threads, pick_device
+
+
+class Command(BaseCommand):
+    help = ("Run a worker node: host model versions and serve their Redis streams (distributed mode, REDIS_URL). "
+            "Without CUDA it runs on the CPU with the accelerator, memory and labels it is given.")
+
+    def add_arguments(self, parser) -> None:  # noqa: ANN001
+        parser.add_argument("--name", default=socket.gethostname(), help="unique in the fleet (default: host name)")
+        parser.add_argument("--accelerator", default=None, help="declared accelerator type on CPU, e.g. a10g")
+        parser.add_argument("--memory", default=None, help="memory budget, e.g. 24GiB (CUDA: at most the device's)")
+        parser.add_argument("--labels", action="append", default=[], help="k=v[,k=v] (repeatable)")
+        parser.add_argument("--device", default=settings.FERRY_DEVICE, help="cpu, cuda, cuda:1 (default: cuda if any)")
+
+    def handle(self, *args: object, **options: object) -> None:
+        if not settings.REDIS_URL:
+            raise CommandError("runnode needs REDIS_URL: nodes take requests from Redis streams")
+        try:
+            memory = parse_bytes(options["memory"]) if options["memory"] else None
+            labels = parse_labels(options["labels"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_torch_threads(settings.FERRY_TORCH_THREADS)
+        device = str(pick_device(options["device"]))
+        facts = facts_for(options["name"], device, options["accelerator"], memory, labels,
+                          settings.FERRY_NODE_MEMORY_BYTES)
+        try:
+            # uvloop, as the web process runs (frontdoor.uvicorn_config): the stream hop is mostly event-loop work.
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(self._run(facts))
+        except RuntimeError as exc:
+            raise CommandError(str(exc)) from None
+
+    async def _run(self, facts) -> None:  # noqa: ANN001
+        node = Node(artifact_path=artifacts.verified_path, device=facts.device, memory_budget=facts.memory_budget,
+                    max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
+                    accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS)
+        process = NodeProcess(node, settings.REDIS_URL, facts)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await process.start()
+        self.stdout.write(f"node {facts.name}: {facts.accelerator} on {node.device}, budget {facts.memory_budget}"
+                          f" bytes, labels {facts.labels}", ending="\n")
+        self.stdout.flush()
+        await stopping.wait()
+        await process.stop()
+
+
+def _loop_factory():  # noqa: ANN202
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -1,0 +1,195 @@
+"""The Redis Streams transport in one process, against the real Redis (FERRY_TEST_REDIS_URL): a gateway's
+`RedisStreamsTransport` and a `NodeProcess` consuming for a `Node` with stand-in runtimes. What the node
+answers reaches the gateway as the same error types; the gateway's bounds and deadlines hold with no node
+at all; an entry past its deadline is never run. (Whole processes: tests/test_streams_processes.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import redis
+
+from serving.dataplane import fleet
+from serving.dataplane.errors import DeadlineExceeded, ModelFailed, Shed, Unavailable
+from serving.dataplane.node import Node
+from serving.dataplane.node_process import Facts, NodeProcess, parse_bytes, parse_labels
+from serving.dataplane.runtime import RuntimeFailure
+from serving.dataplane.snapshot import VersionEntry
+from serving.dataplane.stream_codec import FIELD, StreamRequest, encode_request, request_stream
+from serving.dataplane.streams import RedisStreamsTransport
+from tests.conftest import free_port
+from tests.test_admission import StandIn, rows
+from tests.test_admission import entry as admission_entry
+from tests.test_streams_processes import clear
+
+REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+LONG = 30.0  # seconds: a deadline no test waits for
+
+
+def entry(name: str, *, max_batch: int = 4, queue: int = 100) -> VersionEntry:
+    """test_admission's version, with a 2 ms batch window (its own is 10 s, for a batcher left stopped)."""
+    version = admission_entry(name, max_batch=max_batch, queue=queue)
+    return dataclasses.replace(version, batching=dataclasses.replace(version.batching, max_queue_delay=0.002))
+
+
+@dataclass
+class Recording(StandIn):
+    """Records each batch's rows; a batch holding a row whose first value is negative fails."""
+
+    calls: list[int] | None = None
+
+    def run(self, requests):  # noqa: ANN001, ANN201
+        self.calls = (self.calls or []) + [sum(r["input"].shape[0] for r in requests)]
+        if any((r["input"][:, 0] < 0).any() for r in requests):
+            raise RuntimeFailure("negative input")
+        return super().run(requests)
+
+
+@dataclass
+class Served:
+    process: NodeProcess
+    transport: RedisStreamsTransport
+    runtime: Recording
+    client: redis.Redis
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)  # every ferry key of the test database: streams, fleet
+    node = Node(artifact_path=lambda sha: None, device="cpu")  # type: ignore[arg-type]
+    runtime = Recording()
+    node.host(entry("m", max_batch=4), runtime, {1: 0.001, 4: 0.001})
+    process = NodeProcess(node, REDIS_URL, Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+    await process.claim_name()
+    await process.ensure_groups()
+    process.serve()
+    transport = RedisStreamsTransport(REDIS_URL)
+    await transport.start()
+    async with asyncio.timeout(10):
+        while not transport.connected:
+            await asyncio.sleep(0.01)
+    try:
+        yield Served(process, transport, runtime, client)
+    finally:
+        await transport.close()
+        await process.stop(drain_seconds=1)
+        clear(client)
+        client.close()
+
+
+def deadline(seconds: float = LONG) -> float:
+    return time.monotonic() + seconds
+
+
+async def test_a_request_round_trips_with_its_outputs_and_compute_share(served: Served) -> None:
+    outputs = await served.transport.infer(entry("m", max_batch=4), rows(3), 3, deadline(), 1, tenant=7,
+                                           outputs=("scores",))
+    assert outputs["scores"].shape == (3, 2) and outputs["scores"].dtype == np.float32
+    assert outputs.compute_seconds >= 0.0
+    assert served.runtime.calls == [3]
+    assert served.transport.outstanding("m:1") == 0
+
+
+async def test_the_node_s_errors_reach_the_gateway_as_the_same_types(served: Served) -> None:
+    # given a request the model fails on and one too large for the node's batch size
+    poison = rows(1)
+    poison["input"][0, 0] = -1.0
+    with pytest.raises(ModelFailed, match="negative input"):
+        await served.transport.infer(entry("m", max_batch=4), poison, 1, deadline(), 1)
+    # (the gateway refuses this itself before sending; a gateway on an older snapshot may not)
+    with pytest.raises(Exception) as caught:
+        await served.transport.infer(entry("m", max_batch=8), rows(6), 6, deadline(), 1)
+    assert caught.value.status == 400 and "max_batch_size" in caught.value.message
+    # and the node serves on
+    assert (await served.transport.infer(entry("m", max_batch=4), rows(1), 1, deadline(), 1))["scores"].shape == (1, 2)
+
+
+async def test_the_gateway_bounds_what_it_holds_per_version_and_answers_504_at_the_deadline(served: Served) -> None:
+    # given a version no node reads (nothing will answer), whose queue holds two requests
+    idle = entry("idle", queue=2)
+    held = [asyncio.ensure_future(served.transport.infer(idle, rows(1), 1, deadline(0.5), 1)) for _ in range(2)]
+    await asyncio.sleep(0)
+    # when a third arrives, it is refused at once, with the queue_full reason and a Retry-After
+    with pytest.raises(Shed) as caught:
+        await served.transport.infer(idle, rows(1), 1, deadline(), 1)
+    assert (caught.value.status, caught.value.reason, caught.value.retry_after) == (503, "queue_full", 1)
+    # then the two held are answered 504 at their deadline, and the bound is free again
+    results = await asyncio.gather(*held, return_exceptions=True)
+    assert all(isinstance(r, DeadlineExceeded) for r in results), results
+    assert served.transport.outstanding("idle:1") == 0
+
+
+async def test_an_entry_past_its_deadline_is_never_run(served: Served) -> None:
+    # given an entry whose caller's deadline passed while it waited in the stream
+    stale = StreamRequest(1, served.transport.reply_to, time.time() - 1, None, 1, 1, rows(1), None)
+    served.client.xadd(request_stream("m:1"), {FIELD: encode_request(stale)})
+    # when the node reads it, it drops it unrun, and acknowledges and deletes it
+    async with asyncio.timeout(10):
+        while served.process.counts["expired"] < 1 or served.client.xlen(request_stream("m:1")):
+            await asyncio.sleep(0.01)
+    assert served.runtime.calls is None
+    assert served.process.counts["served"] == 0
+
+
+async def test_a_request_whose_client_left_is_never_sent(served: Served) -> None:
+    with pytest.raises(Exception) as caught:
+        await served.transport.infer(entry("m"), rows(1), 1, deadline(), 1, gone=lambda: True)
+    assert caught.value.status == 499
+    assert served.client.xlen(request_stream("m:1")) == 0 and served.runtime.calls is None
+
+
+async def test_a_gateway_without_redis_refuses_at_once() -> None:
+    transport = RedisStreamsTransport(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    await transport.start()
+    try:
+        with pytest.raises(Unavailable) as caught:
+            await transport.infer(entry("m"), rows(1), 1, deadline(), 1)
+        assert caught.value.retry_after == 1
+    finally:
+        await transport.close()
+
+
+async def test_a_second_node_under_a_live_node_s_name_refuses_to_start(served: Served) -> None:
+    # given the node "unit" heartbeating
+    beating = asyncio.get_running_loop().create_task(
+        served.process._every(fleet.HEARTBEAT_SECONDS, served.process.heartbeat_once, "heartbeat"))
+    twin = NodeProcess(Node(artifact_path=lambda sha: None, device="cpu"), REDIS_URL,  # type: ignore[arg-type]
+                       Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+    try:
+        # when another process starts under its name, it waits out a heartbeat's TTL, then refuses
+        with pytest.raises(RuntimeError, match="a live node named 'unit' exists"):
+            await twin.claim_name()
+        # and the live node's heartbeat is its own still
+        assert fleet.NodeInfo.from_hash(served.client.hgetall(fleet.node_key("unit"))).instance == \
+            served.process.instance
+    finally:
+        beating.cancel()
+        await twin.stop(drain_seconds=0)
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("24GiB", 24 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    ("16 gib", 16 * 1024**3),
+])
+def test_runnode_reads_memory_sizes(text: str, size: int) -> None:
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "24GiBs", "-1GiB", "1e9"])
+def test_runnode_refuses_what_is_no_size(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes(text)
+
+
+def test_runnode_reads_labels() -> None:
+    assert parse_labels(["zone=a,tier=gold", "pool = spot"]) == {"zone": "a", "tier": "gold", "pool": "spot"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_labels(["zone"])
