@@ -6,7 +6,7 @@ PORT ?= 8000
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: run setup test bench lint
+.PHONY: run setup test bench lint sim
 setup:
 	@scripts/setup.sh
 
@@ -23,6 +23,10 @@ test:
 
 bench: setup
 	$(PY) -m bench.run
+
+# The fleet simulator's scenarios under each scaling policy: writes docs/simulation.md and its plots.
+sim:
+	PYTHONPATH=. $(PY) -m sim.report
 
 lint:
 	.venv/bin/ruff check .

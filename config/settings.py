@@ -103,6 +103,7 @@ CELERY_BEAT_SCHEDULE = {
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
     "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
                           "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
+    "prune-shadow": {"task": "rollout.tasks.prune_shadow", "schedule": 3600.0},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -212,3 +213,20 @@ FERRY_USAGE_FLUSH_SECONDS = env_int("FERRY_USAGE_FLUSH_SECONDS", 10, minimum=1)
 FERRY_USAGE_MAX_KEYS = env_int("FERRY_USAGE_MAX_KEYS", 20_000, minimum=1)
 FERRY_USAGE_RETENTION_DAYS = env_int("FERRY_USAGE_RETENTION_DAYS", 400, minimum=1)
 FERRY_USAGE_BATCH_DAYS = env_int("FERRY_USAGE_BATCH_DAYS", 7, minimum=1)
+
+# Shadow traffic (serving.dataplane.shadow): the mirror queue's bounds (items and request bytes), the tasks
+# that send mirrors to the shadow version, the pairs kept between flushes (items and bytes), how often they
+# go to Celery for comparison (rollout.tasks.record_shadow), and the disagreements kept per model, baseline
+# and candidate.
+FERRY_SHADOW_QUEUE_ITEMS = env_int("FERRY_SHADOW_QUEUE_ITEMS", 256, minimum=1)
+FERRY_SHADOW_QUEUE_BYTES = env_int("FERRY_SHADOW_QUEUE_BYTES", 16 * 1024 * 1024, minimum=1024)
+FERRY_SHADOW_WORKERS = env_int("FERRY_SHADOW_WORKERS", 2, minimum=1)
+FERRY_SHADOW_MAX_PAIRS = env_int("FERRY_SHADOW_MAX_PAIRS", 4096, minimum=1)
+FERRY_SHADOW_MAX_PAIR_BYTES = env_int("FERRY_SHADOW_MAX_PAIR_BYTES", 32 * 1024 * 1024, minimum=1024)
+FERRY_SHADOW_FLUSH_SECONDS = env_int("FERRY_SHADOW_FLUSH_SECONDS", 10, minimum=1)
+FERRY_SHADOW_SAMPLES = env_int("FERRY_SHADOW_SAMPLES", 100, minimum=1)
+# Shadow comparisons and disagreements older than this are deleted (rollout.tasks.prune_shadow, hourly).
+FERRY_SHADOW_RETENTION_DAYS = env_int("FERRY_SHADOW_RETENTION_DAYS", 30, minimum=1)
+# The share of live requests a rollout mirrors to its candidate while it shadows (until it ends), in percent.
+FERRY_ROLLOUT_SHADOW_PERCENT = env_int("FERRY_ROLLOUT_SHADOW_PERCENT", 100, minimum=1)
+FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100

@@ -4,7 +4,9 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
+from serving import planner_views
 from serving import views as console
 from tenants import views as tenant_console
 from usage import views as usage_console
@@ -16,6 +18,7 @@ urlpatterns = [
     path("console/models/", console.models_page, name="console-models"),
     path("console/live/", console.models_live, name="console-models-live"),
     path("console/models/<str:name>/", console.model_page, name="console-model"),
+    path("console/models/<str:name>/shadow/", shadow_console.shadow_page, name="console-shadow"),
     path("console/models/<str:name>/rollouts/", rollout_console.rollout_start, name="console-rollout-start"),
     path("console/rollouts/<int:pk>/<str:move>/", rollout_console.rollout_action, name="console-rollout-action"),
     path("console/tenants/", tenant_console.tenants_page, name="console-tenants"),
@@ -25,6 +28,7 @@ urlpatterns = [
     path("console/quota-requests/", tenant_console.quota_review_page, name="console-quota-review"),
     path("console/audit/", tenant_console.audit_page, name="console-audit"),
     path("console/usage/", usage_console.usage_page, name="console-usage"),
+    path("console/planner/", planner_views.planner_page, name="console-planner"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/", include("usage.api.urls")),

@@ -69,6 +69,10 @@ class RouteTable:
     weights: Mapping[int, float] = field(default_factory=dict)  # rollout: version -> share
     experiment: Mapping[int, float] = field(default_factory=dict)  # A/B arms: version -> share
     tenants: Mapping[int, int] = field(default_factory=dict)  # tenant id -> version
+    # A shadow: this share of the requests served by another version is mirrored to `shadow` (the
+    # gateway's serving.dataplane.shadow), its answers compared, never returned.
+    shadow: int | None = None
+    shadow_fraction: float = 0.0
     _rollout: tuple[tuple[int, ...], tuple[float, ...]] = field(init=False, repr=False, compare=False)
     _arms: tuple[tuple[int, ...], tuple[float, ...]] = field(init=False, repr=False, compare=False)
 
@@ -78,19 +82,31 @@ class RouteTable:
         for tenant, version in self.tenants.items():
             if type(tenant) is not int or type(version) is not int or version < 1:
                 raise ValueError(f"tenants: {tenant!r} -> {version!r} is not a tenant id and a version number")
+        if self.shadow is not None and (type(self.shadow) is not int or self.shadow < 1):
+            raise ValueError(f"shadow: {self.shadow!r} is not a version number")
+        fraction = self.shadow_fraction
+        if type(fraction) not in (int, float) or not math.isfinite(fraction) or not 0 <= fraction <= 1:
+            raise ValueError(f"shadow_fraction: must be a number from 0 to 1, not {fraction!r}")
+        if fraction and self.shadow is None:
+            raise ValueError("shadow_fraction: a share to mirror needs a shadow version")
         object.__setattr__(self, "_rollout", _cumulative(self.weights, "weights"))
         object.__setattr__(self, "_arms", _cumulative(self.experiment, "experiment"))
 
     def versions(self) -> set[int]:
         """Every version a rule names."""
         named = {*self.weights, *self.experiment, *self.tenants.values()}
-        if self.stable is not None:
-            named.add(self.stable)
+        for version in (self.stable, self.shadow):
+            if version is not None:
+                named.add(version)
         return named
+
+    def mirrors(self, served: int) -> bool:
+        """Whether requests served by version `served` are mirrored to the shadow (a share of them)."""
+        return self.shadow is not None and self.shadow_fraction > 0 and served != self.shadow
 
     def to_dict(self) -> dict[str, Any]:
         return {"stable": self.stable, "weights": dict(self.weights), "experiment": dict(self.experiment),
-                "tenants": dict(self.tenants)}
+                "tenants": dict(self.tenants), "shadow": self.shadow, "shadow_fraction": self.shadow_fraction}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> RouteTable:
@@ -101,6 +117,8 @@ class RouteTable:
                 weights={int(k): v for k, v in (doc.get("weights") or {}).items()},
                 experiment={int(k): v for k, v in (doc.get("experiment") or {}).items()},
                 tenants={int(k): v for k, v in (doc.get("tenants") or {}).items()},
+                shadow=doc.get("shadow"),
+                shadow_fraction=doc.get("shadow_fraction") or 0.0,
             )
         except (TypeError, AttributeError) as exc:
             raise ValueError(f"malformed routing rules: {exc}") from None

@@ -1,6 +1,9 @@
 import logging
+from datetime import timedelta
 
 from celery import shared_task
+from django.conf import settings
+from django.utils import timezone
 
 log = logging.getLogger(__name__)
 
@@ -19,3 +22,26 @@ def evaluate_rollouts() -> dict[int, str]:
             log.exception("evaluating rollout #%s failed", rollout_id)
             states[rollout_id] = "error"
     return states
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def record_shadow(batch_id: str, rows: list[dict], samples: list[dict]) -> int:
+    """Add one flushed batch of shadow comparison (a data-plane process's flush sends it); safe to run twice."""
+    from rollout.shadow_ingest import ingest
+
+    return ingest(batch_id, rows, samples)
+
+
+@shared_task(ignore_result=True)
+def prune_shadow() -> tuple[int, int, int]:
+    """Delete shadow comparisons and disagreements older than FERRY_SHADOW_RETENTION_DAYS, and batch ids older
+    than FERRY_USAGE_BATCH_DAYS (a flush retried later than that would be added twice)."""
+    from rollout.models import ShadowBatch, ShadowDisagreement, ShadowMinute
+
+    now = timezone.now()
+    cutoff = now - timedelta(days=settings.FERRY_SHADOW_RETENTION_DAYS)
+    minutes, _ = ShadowMinute.objects.filter(minute__lt=cutoff).delete()
+    samples, _ = ShadowDisagreement.objects.filter(at__lt=cutoff).delete()
+    batches, _ = ShadowBatch.objects.filter(recorded_at__lt=now - timedelta(days=settings.FERRY_USAGE_BATCH_DAYS)
+                                            ).delete()
+    return minutes, samples, batches

@@ -82,6 +82,20 @@ def _route(model: Model, actor: Any, weights: dict[int, float]) -> None:
         raise RolloutError(f"cannot route model '{model.name}': {'; '.join(exc.messages)}", 409) from None
 
 
+def _shadow(model: Model, actor: Any, candidate: int | None) -> None:
+    """Mirror the model's live requests to the candidate (entering shadowing), or stop (the rollout ends)."""
+    from django.conf import settings
+
+    try:
+        if candidate is None:
+            set_routing(model=model, actor=actor, shadow_version=None)
+        else:
+            set_routing(model=model, actor=actor, shadow_version=candidate,
+                        shadow_fraction=settings.FERRY_ROLLOUT_SHADOW_FRACTION)
+    except ValidationError as exc:
+        raise RolloutError(f"cannot shadow model '{model.name}': {'; '.join(exc.messages)}", 409) from None
+
+
 def _locked(rollout_id: int) -> Rollout:
     try:
         return (Rollout.objects.select_for_update(of=("self",)).select_related("model", "model__tenant")
@@ -131,6 +145,8 @@ def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] |
                steps=steps, baseline=rollout.baseline, candidate=candidate)
         if shadow_seconds == 0:
             _enter_step(rollout, 0, actor, now)
+        else:
+            _shadow(model, actor, candidate)
     return rollout
 
 
@@ -158,6 +174,9 @@ def _finish(rollout: Rollout, state: str, actor: Any, reason: str, now: datetime
         model = Model.objects.get(pk=rollout.model_id)
         if model.rollout_weights:
             _route(model, actor, {})
+    model = Model.objects.get(pk=rollout.model_id)
+    if model.shadow_version == rollout.candidate:  # the comparison it started ends with it
+        _shadow(model, actor, None)
     rollout.state, rollout.reason, rollout.finished_at = state, reason[:2000], now
     rollout.save(update_fields=["state", "reason", "finished_at", "updated_at"])
     action = {RolloutState.PROMOTED: "promote", RolloutState.ROLLED_BACK: "roll_back",

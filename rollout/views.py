@@ -12,6 +12,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from rollout import transitions
@@ -80,6 +81,9 @@ def rollout_action(request: HttpRequest, pk: int, move: str) -> HttpResponse:
             raise PermissionDenied(exc.message) from None
         if exc.status != 409:
             raise
+    back = request.POST.get("next", "")  # the page the button was on (the model's, or its shadow report)
+    if back.startswith("/console/") and url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
+        return redirect(back)
     return redirect("console-model", name=rollout.model.name)
 
 

@@ -10,7 +10,7 @@ from django.db import transaction
 from serving import artifacts
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.snapshot import RoutingSnapshot
-from serving.models import MODEL_NAME, Model, ModelVersion, State
+from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, State
 from serving.policies.batching import BatchingConfig
 from serving.publish import publish_snapshot
 
@@ -203,13 +203,16 @@ def promote(*, model: Model, version: int, actor: object = None) -> Model:
 
 def set_routing(*, model: Model, actor: object = None, **rules: object) -> Model:
     """Replace some of `model`'s routing rules (`rollout_weights`, `experiment_arms`, `tenant_versions`,
-    keyword-named; the stable version changes by `promote`), validated by `Model.clean` and audited, in
-    one transaction. Invalid rules: django's ValidationError, nothing changed."""
+    `shadow_version`, `shadow_fraction`, keyword-named; the stable version changes by `promote`), validated
+    by `Model.clean` and audited, in one transaction. Invalid rules: django's ValidationError, nothing
+    changed. Clearing the shadow version without naming a fraction stops the mirroring too."""
     from tenants import audit
 
-    unknown = set(rules) - {"rollout_weights", "experiment_arms", "tenant_versions"}
+    unknown = set(rules) - set(ROUTING_FIELDS)
     if unknown:
         raise TypeError(f"set_routing() got unknown rules {sorted(unknown)}")
+    if "shadow_version" in rules and rules["shadow_version"] is None and "shadow_fraction" not in rules:
+        rules["shadow_fraction"] = 0.0
     with transaction.atomic():
         model = Model.objects.select_for_update().get(pk=model.pk)
         before = model.routing_state()

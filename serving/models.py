@@ -33,7 +33,11 @@ _ROUTING_MESSAGE_FIELD = {
     "experiment_arms": "experiment_arms",
     "tenants": "tenant_versions",
     "tenant_versions": "tenant_versions",
+    "shadow": "shadow_version",
+    "shadow_version": "shadow_version",
+    "shadow_fraction": "shadow_fraction",
 }
+ROUTING_FIELDS = ("rollout_weights", "experiment_arms", "tenant_versions", "shadow_version", "shadow_fraction")
 
 
 class Task(models.TextChoices):
@@ -90,6 +94,14 @@ class Model(models.Model):
     tenant_versions = models.JSONField(
         default=dict, blank=True, help_text='{tenant id: version}: the version each named tenant is served',
     )
+    # A shadow (rollout.shadow_report): this share of the live requests served by other versions is mirrored
+    # to `shadow_version` at the lowest priority and the answers compared; callers never see its answers.
+    shadow_version = models.PositiveIntegerField(
+        null=True, blank=True, help_text="the version live requests are mirrored to for comparison",
+    )
+    shadow_fraction = models.FloatField(
+        default=0.0, blank=True, help_text="the share of live requests mirrored to the shadow version, 0 to 1",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -114,6 +126,8 @@ class Model(models.Model):
             weights=numbered(self.rollout_weights, "rollout_weights"),  # type: ignore[arg-type]
             experiment=numbered(self.experiment_arms, "experiment_arms"),  # type: ignore[arg-type]
             tenants=numbered(self.tenant_versions, "tenant_versions"),  # type: ignore[arg-type]
+            shadow=self.shadow_version,
+            shadow_fraction=self.shadow_fraction,
         )
 
     def clean(self) -> None:
@@ -131,6 +145,8 @@ class Model(models.Model):
                 raise ValidationError({NON_FIELD_ERRORS: "a new model has no versions to route to"})
             return
         live = set(self.versions.exclude(state=State.RETIRED).values_list("version", flat=True))
+        if table.shadow is not None and table.shadow not in live:
+            raise ValidationError({"shadow_version": f"version {table.shadow} is not live"})
         missing = sorted(table.versions() - live)
         if missing:
             raise ValidationError({NON_FIELD_ERRORS: f"routing names versions that are not live: {missing}"})
@@ -144,7 +160,8 @@ class Model(models.Model):
     def routing_state(self) -> dict:
         """What the audit log keeps of a model's routing."""
         return {"stable_version": self.stable_version, "rollout_weights": self.rollout_weights,
-                "experiment_arms": self.experiment_arms, "tenant_versions": self.tenant_versions}
+                "experiment_arms": self.experiment_arms, "tenant_versions": self.tenant_versions,
+                "shadow_version": self.shadow_version, "shadow_fraction": self.shadow_fraction}
 
     def next_version_number(self) -> int:
         last = self.versions.order_by("-version").values_list("version", flat=True).first()
@@ -257,8 +274,7 @@ class ModelVersion(models.Model):
         self.mark(State.RETIRED)
         model = Model.objects.select_for_update().get(pk=self.model_id)
         if drop_version_from_routes(model, self.version):
-            model.save(update_fields=["stable_version", "rollout_weights", "experiment_arms", "tenant_versions",
-                                      "updated_at"])
+            model.save(update_fields=["stable_version", *ROUTING_FIELDS, "updated_at"])
 
 
 def drop_version_from_routes(model: Model, version: int) -> bool:
@@ -273,6 +289,9 @@ def drop_version_from_routes(model: Model, version: int) -> bool:
         if str(version) in shares or version in shares:
             setattr(model, field, {})
             changed = True
+    if model.shadow_version == version:
+        model.shadow_version, model.shadow_fraction = None, 0.0
+        changed = True
     pins = model.tenant_versions or {}
     kept = {t: v for t, v in pins.items() if v != version}
     if kept != pins:

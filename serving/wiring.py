@@ -27,6 +27,7 @@ from serving.dataplane.packing import LoadReport
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.runtime import configure_torch_threads
+from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot, hub
 from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
@@ -115,6 +116,18 @@ def _send_usage(batch_id: str, drained: Drained) -> None:
     record_usage.delay(batch_id, drained.rows())
 
 
+def _send_shadow(pairs: list[Pair]) -> None:
+    # On asgiref's thread: the comparison runs here, off the event loop, and the task stores it (eager in
+    # embedded mode).
+    import uuid
+
+    from rollout.shadow_compare import aggregate
+    from rollout.tasks import record_shadow
+
+    rows, samples = aggregate(pairs)
+    record_shadow.delay(uuid.uuid4().hex, rows, samples)
+
+
 def _evaluate_rollouts() -> None:
     from rollout.tasks import evaluate_rollouts
 
@@ -164,19 +177,26 @@ async def start() -> DataPlane:
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )
         transport = InProcessTransport(node)
-    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder, ready=node.routable)
+    # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
+    mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
+                    workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
+                    max_pair_bytes=settings.FERRY_SHADOW_MAX_PAIR_BYTES, ready=node.is_ready)
+    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder,
+                      ready=node.routable, mirror=mirror)
     gateway.unready_reason = node.unready_reason
     plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
                       pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
                       usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
                       fingerprint=_registry_fingerprint, publish=publish_snapshot, record_key_use=_record_key_use,
-                      set_loaded=_set_loaded)
+                      set_loaded=_set_loaded, mirror=mirror, send_shadow=_send_shadow)
     hub.subscribe(plane.on_snapshot)
     planes.install(plane)
     GATE.count = plane.count_frontend_shed
     plane.lag_watch = plane.loop.create_task(plane._watch_loop_lag())
     plane.key_flusher = plane.loop.create_task(plane._flush_key_use_forever())
     plane.usage_task = plane.loop.create_task(plane._flush_usage_forever())
+    mirror.start()
+    plane.shadow_task = plane.loop.create_task(plane._flush_shadow_forever())
     if settings.REDIS_URL:
         await _follow_redis(plane)
     else:
@@ -229,10 +249,17 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, *_control_tasks):
+    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, plane.shadow_task,
+                 *_control_tasks):
         if task is not None:
             task.cancel()
     _control_tasks.clear()
+    if plane.mirror is not None:
+        await plane.mirror.stop()
+        try:
+            await plane.flush_shadow()
+        except Exception as exc:
+            log.warning("sending shadow comparison at shutdown failed: %s", exc)
     try:
         await plane.flush_key_use()
     except Exception as exc:

@@ -194,11 +194,20 @@ class ModelSerializer(serializers.ModelSerializer):
         read_only=True, allow_null=True,
         help_text="the version unpinned traffic goes to (null until a version is ready); changed by promote",
     )
+    shadow_version = StrictIntegerField(
+        required=False, allow_null=True, min_value=1, max_value=2**31 - 1,
+        help_text="the version a share of live requests is mirrored to, its answers compared and never returned"
+                  " (null: none; setting it to null stops the mirroring)",
+    )
+    shadow_fraction = StrictFloatField(
+        required=False, min_value=0.0, max_value=1.0,
+        help_text="the share of live requests mirrored to the shadow version (0 to 1)",
+    )
 
     class Meta:
         model = Model
         fields = ["name", "tenant", "visibility", "shared_with", "description", "task", "fallback", "versions",
-                  "stable_version", "created_at", "updated_at"]
+                  "stable_version", "shadow_version", "shadow_fraction", "created_at", "updated_at"]
         read_only_fields = ["created_at", "updated_at"]
 
     def validate_fallback(self, value: Model | None) -> Model | None:

@@ -18,8 +18,9 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from rollout.api.shadow import ShadowReportMixin
 from serving import quota_counts
-from serving.actions import RegistrationError, promote, register_version, set_visibility
+from serving.actions import RegistrationError, promote, register_version, set_routing, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
     BatchingUpdateSerializer,
@@ -124,7 +125,7 @@ class RegistryViewSet(TenantScopedViewSet):
     destroy=extend_schema(parameters=[NAME], responses={204: None, **errors(
         403, 404, 409, e409="The model has versions that are not retired.")}),
 )
-class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
+class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
     queryset = Model.objects.select_related("fallback", "tenant").prefetch_related("versions", "shared_with")
     serializer_class = ModelSerializer
     lookup_field = "name"
@@ -147,7 +148,10 @@ class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
     def _save_named(self, serializer: ModelSerializer) -> None:
         data = serializer.validated_data
         sharing = {k: data.pop(k) for k in ("visibility", "shared_with") if k in data}
+        shadow = {k: data.pop(k) for k in ("shadow_version", "shadow_fraction") if k in data}
         instance = serializer.instance
+        if shadow and instance is None and (shadow.get("shadow_version") is not None or shadow.get("shadow_fraction")):
+            raise serializers.ValidationError({"shadow_version": ["a new model has no versions to mirror to"]})
         if sharing and _changes_sharing(instance, sharing):
             tenant = instance.tenant if instance is not None else data["tenant"]
             self.require(Role.ADMIN, tenant, "changing who sees a model")
@@ -161,10 +165,15 @@ class ModelViewSet(RegistryViewSet, viewsets.ModelViewSet):
                 model = serializer.save()
                 if sharing:
                     set_visibility(model=model, actor=self.request.user, **sharing)
+                if shadow and instance is not None:
+                    set_routing(model=model, actor=self.request.user, **shadow)
+                    model.refresh_from_db()
                 if creating:
                     quota_counts.check_new_model(model)
         except RegistrationError as exc:  # the owning tenant's max_models (429)
             raise RegistrationFailed(exc) from None
+        except DjangoValidationError as exc:  # routing rules Model.clean refuses (set_routing)
+            raise serializers.ValidationError(exc.message_dict) from None
         except IntegrityError:  # created by someone else since the check
             raise Conflict(f"a model named {name!r} exists already") from None
 

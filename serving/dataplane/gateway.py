@@ -5,6 +5,7 @@ No database access here: everything comes from the routing snapshot held in memo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,9 +14,13 @@ from rollout.routing import RouteError, choose_version
 from serving.dataplane import metrics
 from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
 from serving.dataplane.protocol import ProtocolError, encode_infer_response, parse_infer_request
+from serving.dataplane.shadow import Mirror
 from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.transport import Transport
+from serving.policies.batching import SHADOW_PRIORITY
 from usage.recorder import UsageRecorder
+
+log = logging.getLogger(__name__)
 
 MAX_TIMEOUT_S = 60.0
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
@@ -39,6 +44,7 @@ class Gateway:
     def __init__(
         self, hub: SnapshotHub, transport: Transport, clock=time.monotonic, *, fallback: bool = True,  # noqa: ANN001
         usage: UsageRecorder | None = None, ready: Callable[[str], bool] | None = None,
+        mirror: Mirror | None = None,
     ) -> None:
         self.hub = hub
         self.transport = transport
@@ -49,6 +55,7 @@ class Gateway:
         # Whether a version (by key) is loaded and ready on a node: routing chooses no other. None trusts the
         # snapshot's state (tests with stand-in transports).
         self.ready = ready
+        self.mirror = mirror  # shadow traffic (serving.dataplane.shadow); None mirrors nothing
         # Why a version the node will not serve is not ready (its load failed, it can never fit), if known.
         self.unready_reason: Callable[[str], str] | None = None
 
@@ -113,9 +120,12 @@ class Gateway:
             asking = {"tenant": viewer, "outputs": tuple(o.name for o in request.outputs)
                       if request.outputs is not None else None}
             try:
+                dispatched = self._clock()
                 outputs = await self.transport.infer(
                     entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone, **asking
                 )
+                if self.mirror is not None:
+                    self._mirror(entry, request.inputs, request.rows, len(body), outputs, dispatched)
             except Unavailable as refused:
                 served = self._fallback(entry, name, request.rows, viewer, routing_key) if self.use_fallback else None
                 if served is None:
@@ -158,6 +168,21 @@ class Gateway:
         asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
 
+    def _mirror(self, entry: VersionEntry, inputs: dict, rows: int, nbytes: int, outputs: dict,
+                dispatched: float) -> None:
+        """Queue this request for the model's shadow when it is its turn; never awaited, never raises."""
+        model = self.hub.current.models.get(entry.model) if self.hub.current is not None else None
+        if model is None or model.routes.shadow is None:
+            return
+        try:
+            candidate = self.mirror.candidate(model, entry)  # type: ignore[union-attr]
+            if candidate is not None:
+                self.mirror.offer(model.task, entry, candidate, inputs, rows, nbytes,  # type: ignore[union-attr]
+                                  outputs, self._clock() - dispatched)
+        except Exception:  # a bug in the shadow's path must not cost the caller its answer
+            log.exception("mirroring a request of %s failed", entry.key)
+            metrics.INTERNAL_ERRORS.labels("shadow").inc()
+
     def _answered(
         self, vm: metrics.VersionMetrics, entry: VersionEntry, viewer: int | None, status: int, latency: float,
         rows: int = 0, compute_seconds: float = 0.0,
@@ -198,8 +223,8 @@ class Gateway:
 
 def _priority(parameters: dict, tier: int = 1) -> int:
     # Triton: 0 means the default level, 1 is the highest; the default is the tenant's tier, and the
-    # tier is also the highest level its requests may ask for.
+    # tier is also the highest level its requests may ask for. The lowest level is the shadow's alone.
     raw = parameters.get("priority", 0)
     if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
         raise ProtocolError("parameter 'priority' must be a non-negative integer")
-    return max(raw, tier)
+    return min(max(raw, tier), SHADOW_PRIORITY - 1)

@@ -32,7 +32,7 @@ from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
 from serving.dataplane.transport import Outputs
 from serving.policies import admission
 from serving.policies.admission import DeviceShare
-from serving.policies.batching import BatchQueue, LatencyProfile, Pending, QueueFull
+from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfile, Pending, QueueFull
 from serving.policies.placement import Fit, NodeState, Resident, VersionSpec, fit
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,9 @@ class Node:
         # share the thread, so admission counts this work for every request.
         self._device_work: dict[int, float] = {}
         self._running_since: float | None = None
+        # Set whenever a batch leaves the device: a batch of mirrored requests waits on it for callers' work
+        # to be done (see _yield_to_callers).
+        self._device_quiet = asyncio.Event()
         # Packing: the accelerator type placement constraints name (the device's kind unless declared), and
         # one load at a time, so a fit and its evictions hold until the load lands.
         self.accelerator = accelerator or self.device.type
@@ -338,6 +341,9 @@ class Node:
     ) -> dict[str, np.ndarray]:
         hosted = self.hosted.get(key)
         if hosted is None:
+            if priority >= SHADOW_PRIORITY:  # a mirror never pays for a load, nor evicts what callers use
+                raise Shed(f"model version {key} is not loaded; mirrors do not load it", reason="not_loaded",
+                           tier=priority)
             hosted = await self._wake(key, rows, deadline)
         if rows > hosted.entry.batching.max_batch_size:
             raise ServingError(
@@ -464,6 +470,8 @@ class Node:
         others = []
         for h in self._hosted_list:
             queued = h.batcher.queue.rows
+            if queued and h is not hosted and priority < SHADOW_PRIORITY:
+                queued = h.batcher.queue.rows_ahead(SHADOW_PRIORITY - 1)  # mirrored work yields to callers
             if queued and h is not hosted:
                 others.append(admission.VersionLoad(queued, h.entry.batching.max_batch_size, h.profile.estimate))
         in_flight = self._in_flight(now) if self._device_work else 0.0
@@ -488,6 +496,9 @@ class Node:
     async def _run_batch(self, hosted: Hosted, batch: list[Pending]) -> None:
         live = [p for p in batch if not p.payload.future.done()]
         hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
+        if live and live[0].priority >= SHADOW_PRIORITY:  # a batch takes its queue's highest tier first
+            await self._yield_to_callers(hosted, live)
+            live = [p for p in live if not p.payload.future.done()]
         if not live:
             return
         started = self._clock()
@@ -514,6 +525,43 @@ class Node:
         self._busy.inc(seconds)
         _answer(live, results, seconds, rows)
 
+    async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> None:
+        """Hold a batch of mirrored (shadow) requests while it would delay callers' work: a batch is on the
+        device, or another version's callers' batch would come due before this one could finish (by the
+        profile's estimate). A batch cannot be preempted, so this keeps a mirror from holding up a caller's
+        request. A caller's request queued behind the mirrors on this same version lets them go at once (it
+        runs next). Mirrors that wait past their deadline are answered 504 by their timers (the mirror
+        counts them as dropped)."""
+        rows = sum(p.rows for p in live)
+        callers = SHADOW_PRIORITY - 1
+        while not all(p.payload.future.done() for p in live):
+            if hosted.batcher.queue.rows and hosted.batcher.queue.rows_ahead(callers):
+                return
+            if not self._device_work:
+                finish = self._clock() + hosted.profile.estimate(rows)
+                if not any(self._callers_due(h, finish) for h in self._hosted_list if h is not hosted):
+                    return
+            self._device_quiet.clear()
+            try:  # bounded: a queue emptied without a batch (expiry, a stopped batcher) sets no event
+                await asyncio.wait_for(self._device_quiet.wait(), 0.05)
+            except TimeoutError:
+                pass
+
+    @staticmethod
+    def _callers_due(hosted: Hosted, by: float) -> bool:
+        """Whether `hosted` has callers' requests whose batch comes due before `by` (full, or its window ends)."""
+        queue = hosted.batcher.queue
+        if not queue.rows:
+            return False
+        waiting = queue.rows_ahead(SHADOW_PRIORITY - 1)
+        if not waiting:
+            return False
+        batching = hosted.entry.batching
+        if waiting >= batching.max_batch_size:
+            return True
+        oldest = queue.oldest_arrival(SHADOW_PRIORITY - 1)
+        return oldest is None or oldest + batching.max_queue_delay <= by
+
     async def _on_device(
         self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int
     ) -> tuple[list[dict[str, np.ndarray]], float, float]:
@@ -527,6 +575,7 @@ class Node:
             )
         finally:
             del self._device_work[token]
+            self._device_quiet.set()
 
     def _timed(
         self, runtime: ModelRuntime, requests: list[dict[str, np.ndarray]]

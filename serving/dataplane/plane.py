@@ -23,6 +23,8 @@ from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
 from serving.dataplane.quota_gate import QuotaGate
+from serving.dataplane.shadow import DROPPED as SHADOW_DROPPED
+from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot
 from usage.flusher import UsageFlusher
 
@@ -54,6 +56,11 @@ class DataPlane:
     # Usage metered by the gateway, sent to Celery every FERRY_USAGE_FLUSH_SECONDS (usage.flusher).
     usage: UsageFlusher | None = None
     usage_task: asyncio.Task[None] | None = None
+    # Shadow traffic: the gateway's mirror, and the control plane's side that compares and stores the pairs
+    # it kept (on asgiref's thread), every FERRY_SHADOW_FLUSH_SECONDS.
+    mirror: Mirror | None = None
+    send_shadow: Callable[[list[Pair]], object] | None = None
+    shadow_task: asyncio.Task[None] | None = None
     # The control plane's side, handed in by `serving.wiring` (each reads or writes the database, so
     # each runs on asgiref's thread): the registry's fingerprint, building and publishing a snapshot,
     # writing API keys' last_used_at.
@@ -161,6 +168,31 @@ class DataPlane:
                 await self.flush_usage()
             except Exception as exc:
                 log.warning("sending usage failed, will retry: %s", exc)
+
+    async def flush_shadow(self) -> int:
+        """Hand the pairs the mirror kept since the last flush to the control plane; returns how many. Pairs
+        whose send fails are lost (a sample, not an account) and counted."""
+        if self.mirror is None or self.send_shadow is None:
+            return 0
+        pairs = self.mirror.drain()
+        if not pairs:
+            return 0
+        try:
+            await sync_to_async(self.send_shadow)(pairs)
+        except Exception:
+            for pair in pairs:
+                SHADOW_DROPPED.labels(pair.item.candidate.model, str(pair.item.candidate.version),
+                                      "uncompared").inc()
+            raise
+        return len(pairs)
+
+    async def _flush_shadow_forever(self) -> None:
+        while True:
+            await asyncio.sleep(settings.FERRY_SHADOW_FLUSH_SECONDS)
+            try:
+                await self.flush_shadow()
+            except Exception as exc:
+                log.warning("sending shadow comparison failed, those pairs are lost: %s", exc)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -150,6 +150,18 @@ class BatchQueue:
             return self.rows
         return sum(self._level_rows[p] for p in self._order if p <= priority)
 
+    def oldest_arrival(self, priority: int) -> float | None:
+        """When the oldest request of `priority` or a higher tier still waiting arrived; None when none waits.
+        (Each level is in arrival order.)"""
+        oldest = None
+        for p in self._order:
+            if p > priority:
+                break
+            arrival = self._levels[p][0].arrival
+            if oldest is None or arrival < oldest:
+                oldest = arrival
+        return oldest
+
     def put(self, item: Pending) -> list[Pending]:
         """Queue `item`; returns lower-tier requests evicted to make room (answer them 503).
 
@@ -367,12 +379,19 @@ class BatchQueue:
         return expired
 
 
+# Mirrored (shadow) requests: below every tier a caller may ask for (the gateway caps callers' levels
+# under it), with the smallest share, so they are refused before any caller's request as a backlog grows.
+SHADOW_PRIORITY = 10
+
+
 def tier_share(priority: int) -> float:
     """The share of a queue's bounds that a priority tier may fill: tier 1 (and 0) all of it,
-    tier 2 three quarters, lower tiers half. So under pressure the lowest tiers are refused first,
-    and the room they leave is what higher tiers queue into."""
+    tier 2 three quarters, lower tiers half, mirrored requests a quarter. So under pressure the lowest
+    tiers are refused first, and the room they leave is what higher tiers queue into."""
     if priority <= 1:
         return 1.0
     if priority == 2:
         return 0.75
+    if priority >= SHADOW_PRIORITY:
+        return 0.25
     return 0.5

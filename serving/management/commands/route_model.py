@@ -20,7 +20,8 @@ def shares(text: str, what: str) -> dict[int, float]:
 
 class Command(BaseCommand):
     help = ("Route a model's traffic: promote a version to stable, set rollout weights or experiment arms"
-            " (VERSION=SHARE,... summing to 1; '' clears), pin a tenant to a version (SLUG=VERSION; SLUG= unpins)."
+            " (VERSION=SHARE,... summing to 1; '' clears), mirror a share of requests to a shadow version,"
+            " pin a tenant to a version (SLUG=VERSION; SLUG= unpins)."
             " Validated, written to the audit log, in force within seconds.")
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
@@ -28,6 +29,8 @@ class Command(BaseCommand):
         parser.add_argument("--promote", type=int, metavar="VERSION", help="make VERSION the stable version")
         parser.add_argument("--weights", metavar="V=SHARE,...", help="rollout weights, e.g. 3=0.95,4=0.05")
         parser.add_argument("--experiment", metavar="V=SHARE,...", help="A/B arms, e.g. 3=0.5,5=0.5")
+        parser.add_argument("--shadow", metavar="VERSION=FRACTION",
+                            help="mirror this share of live requests to VERSION for comparison, e.g. 4=0.1; '' stops")
         parser.add_argument("--tenant", action="append", default=[], metavar="SLUG=VERSION",
                             help="serve tenant SLUG this version (SLUG= removes its pin); repeatable")
 
@@ -40,6 +43,11 @@ class Command(BaseCommand):
             rules["rollout_weights"] = shares(str(o["weights"]), "--weights")
         if o["experiment"] is not None:
             rules["experiment_arms"] = shares(str(o["experiment"]), "--experiment")
+        if o["shadow"] is not None:
+            shadow = shares(str(o["shadow"]), "--shadow")
+            if len(shadow) > 1:
+                raise CommandError("--shadow: one VERSION=FRACTION")
+            rules["shadow_version"], rules["shadow_fraction"] = next(iter(shadow.items()), (None, 0.0))
         if o["tenant"]:
             pins = dict(model.tenant_versions or {})
             for item in o["tenant"]:  # type: ignore[union-attr]
@@ -65,4 +73,5 @@ class Command(BaseCommand):
             raise CommandError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
         table = model.route_table()
         self.stdout.write(f"{model.name}: stable {table.stable}, weights {dict(table.weights)}, experiment"
-                          f" {dict(table.experiment)}, tenants {dict(table.tenants)}")
+                          f" {dict(table.experiment)}, tenants {dict(table.tenants)}, shadow {table.shadow}"
+                          f" ({table.shadow_fraction:g})")

@@ -1,0 +1,159 @@
+"""Shadow mirroring's cost to the primary: p99 at one offered load with 100% of requests mirrored to a
+second version on the same node, against none, in one run (open loop, bench.loadgen).
+
+    .venv/bin/python -m bench.shadow [--rate R] [--seconds S]
+
+A fresh data dir (embedded mode) with the demo digits classifier's shape (3 x 1536 MLP, seeded weights:
+its accuracy does not matter here, its cost does) registered twice as `shadowbench`: version 1 stable,
+version 2 the shadow. Phases, each at the same rate: off, on (`route_model --shadow 2=1`), off again, so
+a drift of the machine during the run shows as a difference between the two offs. The verdict compares
+the on phase's p99 with the mean of the offs; the target is within 10%. The server's own counters say
+what was mirrored and what was dropped (queue full, shed by admission) in the on phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from bench import loadgen
+from bench.server import HEADERS, Server, counters, free_port, http_get, manage, say, scrape, unbind_quota, use_key
+
+MODEL = "shadowbench"
+TARGET = 0.10  # on-phase p99 within 10% of the offs'
+SHADOW_COUNTERS = ("ferry_shadow_mirrored_total", "ferry_shadow_dropped_total", "ferry_shed_total")
+
+
+def build_artifact(path: Path) -> None:
+    import torch
+
+    from serving.demo import Digits, save_artifact
+
+    torch.manual_seed(0)
+    save_artifact(Digits(1536, 3).eval(), "torchscript", torch.zeros(2, 64), path)
+
+
+def setup(env: dict[str, str], data_dir: Path) -> None:
+    manage(["migrate", "--noinput", "-v0"], env)
+    artifact = data_dir / "digits-1536x3.pt"
+    build_artifact(artifact)
+    common = ["--format", "torchscript", "--input", "input:FP32:64", "--output", "scores:FP32:10",
+              "--task", "classification", "--max-batch-size", "32", "--max-queue-delay-ms", "5",
+              "--preferred-batch-sizes", "8,16,32", "--max-queue-size", "2048"]
+    for _ in range(2):
+        manage(["register_model", MODEL, str(artifact), *common], env)
+    manage(["ensure_demo_user"], env)
+    unbind_quota(env)
+    if use_key(data_dir) is None:
+        raise RuntimeError("ensure_demo_user wrote no demo API key")
+
+
+def body() -> bytes:
+    row = np.random.default_rng(0).uniform(0, 16, 64).astype(np.float32)
+    return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
+                                     "data": row.tolist()}]})
+
+
+def shadow_counts(base: str) -> dict[str, float]:
+    found = counters(scrape(base), SHADOW_COUNTERS)
+    out: dict[str, float] = {}
+    for (name, labels), value in found.items():
+        labels_d = dict(labels)
+        if labels_d.get("model") != MODEL:
+            continue
+        if name == "ferry_shadow_mirrored_total":
+            key = f"mirrored {labels_d['outcome']}"
+        elif name == "ferry_shadow_dropped_total":
+            key = f"dropped {labels_d['reason']}"
+        else:
+            key = f"shed v{labels_d['version']} {labels_d['reason']} tier {labels_d['tier']}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def wait_mirroring(base: str, on: bool, timeout: float = 15.0) -> None:
+    """Until the server's snapshot has the shadow on (mirrors counted) or off (no new mirrors)."""
+    url = base + f"/v2/models/{MODEL}/infer"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = sum(v for k, v in shadow_counts(base).items() if k.startswith(("mirrored", "dropped")))
+        for _ in range(5):
+            loadgen_post(url)
+        time.sleep(0.3)
+        after = sum(v for k, v in shadow_counts(base).items() if k.startswith(("mirrored", "dropped")))
+        if (after > before) == on:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the shadow did not turn {'on' if on else 'off'} within {timeout:.0f} s")
+
+
+def loadgen_post(url: str) -> None:
+    from bench.server import http_post
+
+    status, text = http_post(url, body())
+    if status != 200:
+        raise RuntimeError(f"probe answered {status}: {text[:200]!r}")
+
+
+def phase(base: str, label: str, rate: float, seconds: float) -> tuple[loadgen.LoadResult, dict[str, float]]:
+    before = shadow_counts(base)
+    result = loadgen.arun(loadgen.run(base + f"/v2/models/{MODEL}/infer", body(), dict(HEADERS), rate, seconds,
+                                      warmup=2.0, progress=False))
+    after = shadow_counts(base)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+    say(f"{label}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, ok {result.ok}/{result.count},"
+        f" errors {result.errors_by_status} client {result.client_errors}, send lag p99"
+        f" {result.send_lag_p99_ms:.1f} ms; server: {delta or 'nothing mirrored'}")
+    return result, delta
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=150.0, help="offered requests per second (default 150)")
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase (default 12)")
+    parser.add_argument("--keep", action="store_true", help="keep the data dir")
+    a = parser.parse_args(argv)
+    started = time.monotonic()
+    data_dir = Path(tempfile.mkdtemp(prefix="ferry-shadow-bench-"))
+    env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
+    env.pop("REDIS_URL", None)  # embedded mode: one process, the node in it
+    try:
+        setup(env, data_dir)
+        with Server(env, free_port(), data_dir / "server.log") as server:
+            server.wait_ready((MODEL,))
+            while http_get(server.base + f"/v2/models/{MODEL}/versions/2/ready")[0] != 200:
+                time.sleep(0.5)
+            off1, _ = phase(server.base, "mirroring off", a.rate, a.seconds)
+            manage(["route_model", MODEL, "--shadow", "2=1"], env)
+            wait_mirroring(server.base, on=True)
+            on, counts = phase(server.base, "mirroring 100%", a.rate, a.seconds)
+            manage(["route_model", MODEL, "--shadow", ""], env)
+            wait_mirroring(server.base, on=False)
+            off2, _ = phase(server.base, "mirroring off again", a.rate, a.seconds)
+    finally:
+        if not a.keep:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    base_p99 = (off1.p99_ms + off2.p99_ms) / 2
+    ratio = on.p99_ms / base_p99 if base_p99 else float("inf")
+    mirrored = counts.get("mirrored ok", 0.0) + counts.get("mirrored error", 0.0)
+    dropped = sum(v for k, v in counts.items() if k.startswith("dropped"))
+    print(f"\nshadow bench at {a.rate:g} req/s, {a.seconds:g} s per phase ({time.monotonic() - started:.0f} s in all)")
+    for label, r in (("off", off1), ("100%", on), ("off again", off2)):
+        print(f"  primary p99, mirroring {label + ':':11}{r.p99_ms:7.1f} ms  (p50 {r.p50_ms:.1f}, ok {r.ok}/{r.count})")
+    print(f"  mirrored in the on phase: {mirrored:.0f} answered, {dropped:.0f} dropped {counts}")
+    verdict = "PASS" if ratio <= 1 + TARGET and on.errors == 0 else "FAIL"
+    print(f"  on / mean(off) p99: {ratio:.3f} (target <= {1 + TARGET:.2f}); primary errors with mirroring:"
+          f" {on.errors}: {verdict}")
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The simulated catalogue: models with Zipf-skewed popularity, their versions, profiles and routing.
+
+Each version carries the same objects the node and the gateway hold for it: a
+`serving.policies.batching.BatchQueue` with a `BatchingConfig`, a `LatencyProfile`, a
+`serving.policies.autoscale.ScalingConfig`, and a `serving.dataplane.snapshot.VersionEntry` inside its
+model's `ModelEntry`, whose `RouteTable` (stable, canary weights) `rollout.routing.choose_version` reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.routing import RouteTable
+from serving.dataplane.snapshot import ModelEntry, VersionEntry
+from serving.policies.autoscale import Capacity, ScalingConfig, replica_capacity
+from serving.policies.batching import BatchingConfig, BatchQueue, LatencyProfile
+from sim.scenario import Family, NodeType, Scaling, Scenario
+
+GB = 2**30
+ROUTING_KEYS = tuple(f"caller-{i}" for i in range(1000))  # callers whose sticky hashes split a model's traffic
+
+
+@dataclass(eq=False)
+class SimVersion:
+    key: str
+    model: SimModel
+    number: int
+    family: Family
+    node: NodeType
+    memory_bytes: int
+    profile: LatencyProfile
+    batching: BatchingConfig
+    scaling: ScalingConfig
+    capacity: Capacity
+    queue: BatchQueue
+    weight: float  # its share of its model's traffic when every version is ready
+    replicas: list = field(default_factory=list)  # sim.fleet.Replica, loading or ready
+    ready_count: int = 0
+    arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
+    in_service: int = 0  # rows on a device now
+    demand: float = 0.0  # requests a second the scaling policy last sized it for
+    observed: float = 0.0  # requests a second arriving now (smoothed over ~10 s)
+    counted: int = 0  # arrivals_total when `observed` was last updated
+
+    def __post_init__(self) -> None:
+        self.estimate = self.profile.estimate
+        self.max_batch = self.batching.max_batch_size
+        self.window = self.batching.max_queue_delay
+        self.full_batch = self.estimate(self.max_batch)
+
+    def busy_share(self, rate: float) -> float:
+        """Device seconds a second that `rate` requests take on a shared device. Batches are what
+        gathers over one batch window and a batch of one (at most the capacity batch): a quiet version
+        packed beside others runs small batches, each paying the profile's fixed cost."""
+        if rate <= 0:
+            return 0.0
+        rows = min(max(1, round(rate * (self.batching.max_queue_delay + self.estimate(1)))), self.capacity.batch)
+        return rate * self.estimate(rows) / rows
+
+
+@dataclass(eq=False)
+class SimModel:
+    name: str
+    popularity: float  # share of all traffic
+    entry: ModelEntry | None = None
+    versions: dict[int, SimVersion] = field(default_factory=dict)
+    fallback: SimModel | None = None
+    t: float = 0.0  # arrivals generated up to here
+    next_arrival: float = math.inf
+    rate: float = 0.0  # requests a second now
+    routes: list[tuple[SimVersion, float]] = field(default_factory=list)
+    routes_dirty: bool = True
+
+
+def _entry(name: str, number: int, batching: BatchingConfig, timeout: float, profile: dict[int, float]) -> VersionEntry:
+    return VersionEntry(
+        model=name, version=number, state="ready", loaded=True, artifact_sha256="", format="torchscript",
+        inputs=(), outputs=(), batching=batching, default_timeout_ms=int(timeout * 1000), latency_profile=profile,
+    )
+
+
+def build(scenario: Scenario) -> list[SimModel]:
+    """The scenario's models, most popular first; deterministic in the scenario's seed."""
+    rng = np.random.default_rng(scenario.seed)
+    n_models = max(1, round(scenario.versions / (1 + scenario.canary_share)))
+    n_canary = min(scenario.versions - n_models, n_models)
+    ranks = np.arange(1, n_models + 1, dtype=float)
+    popularity = ranks ** -scenario.zipf
+    popularity /= popularity.sum()
+    shares = np.array([f.share for f in scenario.families])
+    family_of = rng.choice(len(scenario.families), size=n_models, p=shares / shares.sum())
+    with_canary = set(rng.choice(n_models, size=n_canary, replace=False).tolist()) if n_canary else set()
+    nodes = {node.name: node for node in scenario.fleet}
+    scaling = scenario.scaling
+
+    models: list[SimModel] = []
+    for i in range(n_models):
+        family = scenario.families[family_of[i]]
+        model = SimModel(name=f"m{i:03d}-{family.name}", popularity=float(popularity[i]))
+        numbers = (1, 2) if i in with_canary else (1,)
+        for number in numbers:
+            canary = scenario.canary_weight
+            weight = 1.0 if len(numbers) == 1 else (canary if number == 2 else 1 - canary)
+            model.versions[number] = _version(rng, model, number, family, nodes[family.accelerator], scaling, weight)
+        models.append(model)
+
+    # Refused requests of a model with a fallback go to the cheapest model on the same accelerator type.
+    cheapest: dict[str, SimModel] = {}
+    for model in models:
+        kind = model.versions[1].node.name
+        if kind not in cheapest or _cost(model) < _cost(cheapest[kind]):
+            cheapest[kind] = model
+    n_fallback = round(scenario.fallback_share * n_models)
+    for i in rng.choice(n_models, size=min(n_fallback, n_models), replace=False).tolist():
+        target = cheapest[models[i].versions[1].node.name]
+        if target is not models[i]:
+            models[i].fallback = target
+
+    for model in models:
+        weights = {n: v.weight for n, v in model.versions.items()} if len(model.versions) > 1 else {}
+        model.entry = ModelEntry(
+            name=model.name, task="", description="", fallback=model.fallback.name if model.fallback else None,
+            versions={n: _entry(model.name, n, v.batching, scaling.timeout, v.profile.as_dict())
+                      for n, v in model.versions.items()},
+            routes=RouteTable(stable=1, weights=weights),
+        )
+    return models
+
+
+def _cost(model: SimModel) -> float:
+    v = model.versions[1]
+    return v.estimate(v.max_batch) / v.max_batch
+
+
+def _version(rng: np.random.Generator, model: SimModel, number: int, family: Family, node: NodeType,
+             scaling: Scaling, weight: float) -> SimVersion:
+    base = rng.uniform(*family.base_ms) / 1000 / node.speed
+    per_row = rng.uniform(*family.per_row_ms) / 1000 / node.speed
+    memory = int(rng.uniform(*family.memory_gb) * GB)
+    # Warm-up measures the profile at powers of two up to the largest batch, as the node does.
+    sizes = sorted({1 << k for k in range(family.max_batch_size.bit_length()) if 1 << k <= family.max_batch_size}
+                   | {family.max_batch_size})
+    measured = {b: ms / 1000 / node.speed for b, ms in family.profile_ms}
+    profile = LatencyProfile(measured or {b: base + per_row * b for b in sizes})
+    batching = BatchingConfig(max_batch_size=family.max_batch_size,
+                              max_queue_delay=family.max_queue_delay_ms / 1000,
+                              max_queue_size=scaling.max_queue_size)
+    cold_start = node.cold_start + node.cold_start_per_gb * memory / GB
+    config = ScalingConfig(
+        accelerator=node.name, memory_bytes=memory, cold_start=cold_start, latency_budget=scaling.latency_budget,
+        max_batch_size=family.max_batch_size, target_utilisation=scaling.target_utilisation,
+        warm_pool=scaling.warm_pool, min_replicas=1, max_replicas=max(1, node.nodes),
+        cool_down=scaling.cool_down, scheduling_delay=scaling.scheduling_delay,
+    )
+    capacity = replica_capacity(profile.estimate, family.max_batch_size, scaling.latency_budget)
+    assert capacity is not None  # a profile with points always has a capacity
+    # The queue is bounded in rows through its byte bound: a simulated request weighs one "byte".
+    queue = BatchQueue(batching, profile.estimate, max_bytes=scaling.max_queue_size)
+    return SimVersion(
+        key=f"{model.name}:{number}", model=model, number=number, family=family, node=node, memory_bytes=memory,
+        profile=profile, batching=batching, scaling=config, capacity=capacity, queue=queue, weight=weight,
+    )

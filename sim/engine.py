@@ -1,0 +1,463 @@
+"""The event loop: arrivals, routing, admission, batching and devices on one virtual clock.
+
+Granularity. Events are device turns, not requests: a device that finishes a batch (or wakes when
+its batching policy said to) polls its versions' `BatchQueue`s in turn, and only then are the
+arrivals since that version's model was last looked at generated, as one cohort: the exact time
+of the first arrival (kept ahead as `next_arrival`, an exponential draw), then a Poisson count
+spread uniformly up to now. Poisson arrivals given their count are uniform, so this is exact in
+distribution, and a cohort spans at most one device turn. Cohorts are routed (the model's split
+over its versions comes from `rollout.routing.choose_version` over 1,000 sticky routing keys,
+recomputed when a version's readiness changes), admitted by `serving.policies.admission` (the
+largest prefix that fits the estimate), and put into the version's queue in pieces cut at batch
+boundaries, so a backlogged queue still leaves in full batches. What admission refuses goes to the
+model's fallback (its own admission), else is shed.
+
+Simplified: one queue per version shared by all its replicas (the design's stream per version),
+admission estimated against the version's first replica's device with the queue split evenly over
+its replicas, every request one row and one priority tier, no network, parsing or gateway cost,
+compute time = profile x lognormal jitter (the profile is the truth's mean and is not re-learnt).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollout.routing import RouteError, choose_version
+from serving.policies.admission import HEADROOM, VersionLoad, completion_seconds, decide
+from serving.policies.batching import Pending
+from sim import catalogue, scaling
+from sim.catalogue import SimModel, SimVersion
+from sim.fleet import Device, Fleet, Replica, replicas_for, staying
+from sim.metrics import Metrics
+from sim.scenario import Scenario
+
+FREE, WAKE, TICK, READY = 0, 1, 2, 3
+INF = math.inf
+
+
+def poisson(rng: random.Random, mean: float) -> int:
+    if mean <= 0:
+        return 0
+    if mean < 30:  # inversion by sequential search
+        x, p = 0, math.exp(-mean)
+        s, u = p, rng.random()
+        while u > s:
+            x += 1
+            p *= mean / x
+            s += p
+        return x
+    return max(0, int(rng.gauss(mean, math.sqrt(mean)) + 0.5))
+
+
+def binomial(rng: random.Random, n: int, p: float) -> int:
+    if p <= 0 or n <= 0:
+        return 0
+    if p >= 1:
+        return n
+    if n < 25:
+        return sum(1 for _ in range(n) if rng.random() < p)
+    sd = math.sqrt(n * p * (1 - p))
+    return min(n, max(0, int(rng.gauss(n * p, sd) + 0.5)))
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, policy: str, *, duration: float | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.sc = scenario
+        self.duration = duration if duration is not None else scenario.duration
+        self.rng = random.Random(scenario.seed)
+        self.models: list[SimModel] = catalogue.build(scenario)
+        self.versions: list[SimVersion] = [v for m in self.models for v in m.versions.values()]
+        self.by_key = {v.key: v for v in self.versions}
+        self.fleet = Fleet(scenario)
+        self.policy = scaling.make(policy, scenario, self.versions)
+        self.metrics = Metrics(scenario.window, self.duration)
+        self.timeout = scenario.scaling.timeout
+        self.max_queue = scenario.scaling.max_queue_size
+        self.end = self.duration + self.timeout + 1.0
+        self.heap: list[tuple[float, int, int, Any, Any]] = []
+        self.seq = 0
+        self.events = 0
+        self.progress = progress
+        sigma = scenario.jitter
+        self.jitter = (-sigma * sigma / 2, sigma)
+        self.ready = lambda key: self.by_key[key].ready_count > 0
+        self.snap: dict[str, float] = {}
+        self._last_tick = 0.0
+
+    # --- the loop -------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        cpu = time.process_time()
+        self._start()
+        heap, pop = self.heap, heapq.heappop
+        next_report = self.duration / 10
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            if t > self.end:
+                break
+            self.events += 1
+            if kind == FREE:
+                a.running = False
+                b[0].in_service -= b[1]
+                if a.hosted:
+                    self._serve(a, t)
+                else:
+                    self.fleet.release_if_empty(a, t)
+            elif kind == WAKE:
+                if a.wake_at == t:
+                    a.wake_at = INF
+                    if not a.running and a.on:
+                        self._serve(a, t)
+            elif kind == TICK:
+                self._tick(t)
+                if self.progress and t >= next_report and t <= self.duration:
+                    next_report += self.duration / 10
+                    self.progress(f"{self.sc.name}/{self.policy.name}: {t:.0f}/{self.duration:.0f} s simulated,"
+                                  f" {time.perf_counter() - started:.1f} s wall")
+            else:
+                self._ready(a, t)
+        self._finish()
+        return self._result(time.perf_counter() - started, time.process_time() - cpu)
+
+    def _push(self, t: float, kind: int, a: Any = None, b: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _start(self) -> None:
+        """Every version starts with the replicas its policy wants for the opening load, already warm."""
+        rate0 = self.sc.traffic.at(0.0)
+        target = self.sc.scaling.target_utilisation
+        static = isinstance(self.policy, scaling.Static)
+        for v in sorted(self.versions, key=lambda v: -v.memory_bytes):
+            v.observed = rate0 * v.model.popularity * v.weight
+            if not static:
+                v.demand = v.observed
+            warm = self.sc.scaling.warm_pool
+            want = self.policy.desired(0.0)[v] if static else replicas_for(v, v.demand, target) + warm
+            for _ in range(want):
+                self.fleet.add(v, 0.0, warm=True)
+        self.fleet.cold_starts = 0
+        for m in self.models:
+            self._resample(m, 0.0)
+        self._push(0.0, TICK)
+
+    # --- arrivals, routing, admission -----------------------------------------------------------
+    def _resample(self, m: SimModel, now: float) -> None:
+        rate = m.rate = self.sc.traffic.at(now) * m.popularity if now < self.duration else 0.0
+        m.next_arrival = now + self.rng.expovariate(rate) if rate > 0 else INF
+
+    def _advance(self, m: SimModel, now: float) -> None:
+        """Generate `m`'s arrivals up to `now` as one cohort and dispatch it."""
+        if now > self.duration:
+            now = self.duration
+        first = m.next_arrival
+        if first > now:
+            if now > m.t:
+                m.t = now
+            return
+        rate = self.sc.traffic.at((first + now) / 2) * m.popularity
+        k = 1 + poisson(self.rng, rate * (now - first))
+        m.t = now
+        self._resample(m, now)
+        self.metrics.at(now).counts["arrived"] += k
+        self._dispatch(m, k, first, now, now, fallback=False, reason="no_replica")
+
+    def _routes(self, m: SimModel) -> list[tuple[SimVersion | None, float]]:
+        counts: dict[int | None, int] = {}
+        assert m.entry is not None
+        for key in catalogue.ROUTING_KEYS:
+            try:
+                number: int | None = choose_version(m.entry, routing_key=key, ready=self.ready).version
+            except RouteError:
+                number = None
+            counts[number] = counts.get(number, 0) + 1
+        n = len(catalogue.ROUTING_KEYS)
+        m.routes = [(m.versions[k] if k is not None else None, c / n) for k, c in sorted(counts.items(), key=str)]
+        m.routes_dirty = False
+        return m.routes
+
+    def _dispatch(self, m: SimModel, k: int, lo: float, hi: float, now: float, *, fallback: bool, reason: str) -> None:
+        routes = self._routes(m) if m.routes_dirty else m.routes
+        if len(routes) == 1:
+            self._offer(m, routes[0][0], k, lo, hi, now, fallback, reason)
+            return
+        left, share_left = k, 1.0
+        for i, (v, share) in enumerate(routes):
+            n = left if i == len(routes) - 1 else binomial(self.rng, left, share / share_left)
+            share_left -= share
+            left -= n
+            if n:
+                self._offer(m, v, n, lo, hi, now, fallback, reason)
+
+    def _offer(self, m: SimModel, v: SimVersion | None, k: int, lo: float, hi: float, now: float,
+               fallback: bool, reason: str) -> None:
+        if v is None or not v.ready_count:
+            self._refused(m, k, lo, hi, now, fallback, reason)
+            return
+        v.arrivals_total += k
+        queue = v.queue
+        admit = self._admissible(v, k, now, lo + self.timeout)
+        why = "deadline"
+        room = self.max_queue - queue.rows
+        if admit > room:
+            admit, why = room, "queue_full"
+        split = lo + (hi - lo) * admit / k
+        if admit > 0:
+            self._put(v, admit, lo, split, fallback)
+            if fallback:
+                self._kick(v, now)
+        if admit < k:
+            self._refused(m, k - admit, split, hi, now, fallback, why)
+
+    def _refused(self, m: SimModel, k: int, lo: float, hi: float, now: float, fallback: bool, reason: str) -> None:
+        fb = m.fallback
+        if fallback or fb is None:
+            self.metrics.shed(now, k, reason)
+            return
+        self._advance(fb, now)  # its own earlier arrivals queue first
+        self._dispatch(fb, k, lo, hi, now, fallback=True, reason=reason)
+
+    def _admissible(self, v: SimVersion, k: int, now: float, deadline: float) -> int:
+        """How many of `k` rows admission lets in: all, or the largest prefix whose estimate fits."""
+        replicas = v.ready_count
+        home = next(r.device for r in v.replicas if r.ready)
+        in_flight = home.busy_until - now if home.running else 0.0
+        if v.queue.rows + k <= v.max_batch and in_flight + home.ready_turn <= (deadline - now) * HEADROOM:
+            # Within one batch, `completion_seconds` is at most the in-flight remainder plus one full batch
+            # of every version on the device, and that already fits: its verdict would be to admit.
+            return k
+        own = VersionLoad(v.queue.rows // replicas, v.max_batch, v.estimate)
+        others = [VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate)
+                  for r in home.hosted if r.ready and (o := r.version) is not v and o.queue.rows]
+
+        def fits(rows: int) -> bool:
+            c = completion_seconds(own=own, rows=-(-rows // replicas), others=others, in_flight=in_flight)
+            return decide(now=now, deadline=deadline, priority=1, completion=c).admit
+
+        if fits(k):
+            return k
+        good, bad = 0, k
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if fits(mid):
+                good = mid
+            else:
+                bad = mid
+        return good
+
+    def _put(self, v: SimVersion, k: int, lo: float, hi: float, fallback: bool) -> None:
+        """Queue `k` rows in pieces cut where the backlog's full batches end."""
+        queue, mb, timeout = v.queue, v.max_batch, self.timeout
+        span = hi - lo
+        done = 0
+        room = mb - queue.rows % mb
+        while done < k:
+            n = k - done if k - done < room else room
+            a = lo + span * done / k
+            queue.put(Pending((a, lo + span * (done + n) / k, fallback), n, a, a + timeout, 1, n))
+            done += n
+            room = mb
+
+    def _kick(self, v: SimVersion, now: float) -> None:
+        """Wake an idle device of `v` for work that arrived without its model's own arrivals (a fallback)."""
+        for r in v.replicas:
+            d = r.device
+            if r.ready and not d.running:
+                if d.wake_at > now:
+                    d.wake_at = now
+                    self._push(now, WAKE, d)
+                return
+
+    # --- devices --------------------------------------------------------------------------------
+    def _serve(self, dev: Device, now: float) -> None:
+        """One device turn: the next hosted version (round robin) with a batch to leave runs it."""
+        hosted = dev.hosted
+        n = len(hosted)
+        wake = INF
+        start = dev.rr
+        metrics = self.metrics
+        for i in range(n):
+            j = (start + i) % n
+            r = hosted[j]
+            if not r.ready:
+                continue
+            v = r.version
+            m = v.model
+            if m.next_arrival <= now:
+                self._advance(m, now)
+            queue = v.queue
+            rate = m.rate * v.weight
+            if not queue.rows:
+                # Nothing waits: the next batch starts gathering at the model's next arrival and leaves
+                # when full (expected) or when its window closes, whichever comes first; waking then
+                # instead of at the arrival saves a turn per quiet batch and changes no decision.
+                if rate > 0:
+                    at = m.next_arrival + min(v.window, v.max_batch / rate)
+                    if at < wake:
+                        wake = at
+                continue
+            d = queue.poll(now)
+            for p in d.expired:
+                metrics.expired(p.deadline, p.payload[0], p.payload[1], p.rows)
+            if d.batch:
+                dev.rr = (j + 1) % n
+                self._run(dev, v, d.batch, now)
+                return
+            at = d.wake_at
+            if at is not None:
+                if rate > 0:  # it may fill before its window closes
+                    fill = max(now + (v.max_batch - queue.rows) / rate, m.next_arrival)
+                    if fill < at:
+                        at = fill
+                if at < wake:
+                    wake = at
+            elif queue.rows and m.next_arrival < wake:
+                wake = m.next_arrival
+        if wake < dev.wake_at or dev.wake_at <= now:
+            dev.wake_at = wake
+            if wake < INF:
+                self._push(wake, WAKE, dev)
+
+    def _run(self, dev: Device, v: SimVersion, batch: list[Pending], now: float) -> None:
+        rows = 0
+        for p in batch:
+            rows += p.rows
+        dur = v.estimate(rows) * self.rng.lognormvariate(*self.jitter)
+        end = now + dur
+        dev.running = True
+        dev.busy_until = end
+        dev.busy_seconds += dur
+        v.in_service += rows
+        w = self.metrics.at(end)
+        lat, weight, counts = w.lat.append, w.weight.append, w.counts
+        for p in batch:
+            lo, hi, fb = p.payload
+            if end <= p.deadline:
+                counts["fallback" if fb else "served"] += p.rows
+                quarter = (hi - lo) / 4
+                lat(end - lo - quarter)
+                lat(end - lo - 3 * quarter)
+                half = p.rows / 2
+                weight(half)
+                weight(half)
+            else:  # the deadline timer answers 504 first
+                self.metrics.expired(p.deadline, lo, hi, p.rows)
+        self._push(end, FREE, dev, (v, rows))
+
+    def _ready(self, r: Replica, now: float) -> None:
+        if r.removed:
+            return
+        r.ready = True
+        v = r.version
+        v.ready_count += 1
+        if v.ready_count == 1:
+            v.model.routes_dirty = True
+        d = r.device
+        d.refresh()
+        old = r.replaces
+        if old is not None:
+            r.replaces = None
+            if not old.removed:
+                self.fleet.drop(old, now)
+        if not d.running and d.wake_at > now:
+            d.wake_at = now
+            self._push(now, WAKE, d)
+
+    # --- control: scaling ticks -----------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        for m in self.models:
+            self._advance(m, now)
+            self._resample(m, now)
+        last = self._last_tick
+        if now > last:
+            keep = math.exp(-(now - last) / 10.0)
+            for v in self.versions:
+                v.observed = keep * v.observed + (1 - keep) * (v.arrivals_total - v.counted) / (now - last)
+                v.counted = v.arrivals_total
+        self._last_tick = now
+        desired = self.policy.desired(now)
+        self._reconcile(desired, now)
+        for d in self.fleet.powered():
+            if not d.running and d.hosted:
+                self._serve(d, now)
+        self._gauges(now, desired)
+        self.metrics.flush(now - self.sc.window)
+        if now + self.sc.scaling.tick <= self.end:
+            self._push(now + self.sc.scaling.tick, TICK)
+        if self.duration <= now < self.duration + self.sc.scaling.tick:
+            self._snapshot(now)
+
+    def _reconcile(self, desired: dict[SimVersion, int], now: float) -> None:
+        grow = []
+        for v, want in desired.items():
+            have = staying(v)
+            if want < have:
+                for _ in range(have - want):
+                    was_ready = v.ready_count
+                    if self.fleet.remove(v, now) is None:
+                        break
+                    if was_ready and not v.ready_count:
+                        self._unload(v, now)
+            elif want > have:
+                grow.append((v, want - have))
+        for v, extra in sorted(grow, key=lambda g: -g[0].memory_bytes):
+            for _ in range(extra):
+                if self.fleet.add(v, now) is None:
+                    break
+        self.fleet.moves += self.fleet.rebalance(now)
+        for at, replica in self.fleet.events:
+            self._push(at, READY, replica)
+        self.fleet.events.clear()
+
+    def _unload(self, v: SimVersion, now: float) -> None:
+        """The last ready replica left: what waits for it is answered 503 at once."""
+        v.model.routes_dirty = True
+        for p in v.queue.drain():
+            self.metrics.shed(now, p.rows, "unloaded")
+
+    def _gauges(self, now: float, desired: dict[SimVersion, int]) -> None:
+        g = self.metrics.gauge
+        powered = self.fleet.powered()
+        busy = sum(d.busy_seconds for ds in self.fleet.devices.values() for d in ds)
+        on = sum(d.on_seconds + (now - d.on_since if d.on else 0.0) for ds in self.fleet.devices.values() for d in ds)
+        last = getattr(self, "_last_gauge", None)
+        if last is not None and on > last[1]:
+            g(now, "utilisation", (busy - last[0]) / (on - last[1]))
+        self._last_gauge = (busy, on)
+        g(now, "devices", len(powered))
+        g(now, "replicas_ready", sum(v.ready_count for v in self.versions))
+        g(now, "replicas", sum(len(v.replicas) for v in self.versions))
+        g(now, "queued", sum(v.queue.rows for v in self.versions))
+        for kind, ds in self.fleet.devices.items():
+            g(now, f"devices_{kind}", sum(1 for d in ds if d.on))
+
+    def _snapshot(self, now: float) -> None:
+        """Totals over the scenario's duration (the drain after it is not billed)."""
+        per_kind: dict[str, dict[str, float]] = {}
+        for kind, ds in self.fleet.devices.items():
+            on = sum(d.on_seconds + (now - d.on_since if d.on else 0.0) for d in ds)
+            busy = sum(d.busy_seconds for d in ds)
+            per_kind[kind] = {"on_seconds": on, "busy_seconds": busy}
+        self.snap = {"at": now, "kinds": per_kind}  # type: ignore[dict-item]
+
+    def _finish(self) -> None:
+        """After the last deadline, nothing may still wait: what does was never run, and timed out."""
+        for v in self.versions:
+            for p in v.queue.drain():
+                self.metrics.expired(p.deadline, p.payload[0], p.payload[1], p.rows)
+        self.metrics.flush(math.inf)
+
+    def _result(self, wall: float, cpu: float) -> dict[str, Any]:
+        from sim.summary import summarise
+
+        return summarise(self, wall, cpu)
+
+
+def simulate(scenario: Scenario, policy: str, **kwargs: Any) -> dict[str, Any]:
+    return Simulation(scenario, policy, **kwargs).run()

@@ -1,0 +1,210 @@
+"""The simulated fleet: nodes (one accelerator each) hosting replicas, and the reconciler that moves
+replica counts toward what the scaling policy wants.
+
+Where a new replica goes is `serving.policies.placement.place`'s answer (best fit by memory among the
+version's allowed accelerator types), over the nodes that still have compute to spare for it: a
+device's replicas may plan on at most `max_device_load` of its throughput, each replica counting
+its version's demand share over its capacity. Memory-only packing would stack two hot replicas on
+one device. When no powered node can take a replica, one more node of the type is started, within
+the type's budget; past the budget the replica is unschedulable (counted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from serving.policies.placement import NodeState, Resident, VersionSpec, place
+from sim.catalogue import SimVersion
+from sim.scenario import NodeType, Scenario
+
+GB = 2**30
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    version: SimVersion
+    device: Device
+    ready_at: float
+    ready: bool = False
+    removed: bool = False
+    draining: bool = False  # a replacement is loading elsewhere; it leaves when that one is ready
+    replaces: Replica | None = None  # the draining replica this one moves away from an overloaded device
+
+
+@dataclass(eq=False)
+class Device:
+    name: str
+    kind: NodeType
+    hosted: list[Replica] = field(default_factory=list)
+    busy_until: float = 0.0
+    running: bool = False  # a batch is on the device now
+    rr: int = 0  # round-robin position over hosted replicas
+    ready_turn: float = 0.0
+    wake_at: float = math.inf  # the live wake-up; a WAKE event at another time is stale
+    on: bool = False
+    on_since: float = 0.0
+    on_seconds: float = 0.0
+    busy_seconds: float = 0.0
+
+    @property
+    def memory_budget(self) -> int:
+        return int(self.kind.memory_gb * GB)
+
+    def refresh(self) -> None:
+        """Recompute `ready_turn`, one full batch of every ready hosted version: the longest a device
+        turn can take. Called whenever a replica here becomes ready or leaves."""
+        self.ready_turn = sum(r.version.full_batch for r in self.hosted if r.ready)
+
+    def planned_load(self, observed: bool = False) -> float:
+        """Device seconds a second its staying replicas take: at the demand they were sized for, or at
+        the rate arriving now (`observed`), which is what tells an overloaded device from a forecast."""
+        total = 0.0
+        for r in self.hosted:
+            if not r.draining:
+                v = r.version
+                total += v.busy_share((v.observed if observed else v.demand) / max(staying(v), 1))
+        return total
+
+    def state(self) -> NodeState:
+        hot = {r.version.key: Resident(spec_of(r.version), 0.0) for r in self.hosted}
+        return NodeState(self.name, self.kind.name, self.memory_budget, hot)
+
+
+def staying(v: SimVersion) -> int:
+    """Replicas of `v` that are not on their way out."""
+    return sum(1 for r in v.replicas if not r.draining)
+
+
+_SPECS: dict[int, VersionSpec] = {}
+
+
+def spec_of(v: SimVersion) -> VersionSpec:
+    spec = _SPECS.get(id(v))
+    if spec is None or spec.key != v.key:
+        # Every simulated version is a stable one with a minimum replica: placement never evicts it,
+        # the reconciler alone scales it in.
+        spec = _SPECS[id(v)] = VersionSpec(v.key, v.memory_bytes, accelerators=frozenset({v.node.name}),
+                                           stable=True, min_replicas=1)
+    return spec
+
+
+class Fleet:
+    def __init__(self, scenario: Scenario) -> None:
+        self.max_load = scenario.scaling.max_device_load
+        self.lead = scenario.scaling.scheduling_delay
+        self.devices: dict[str, list[Device]] = {
+            kind.name: [Device(f"{kind.name}-{i}", kind) for i in range(kind.nodes)] for kind in scenario.fleet
+        }
+        self.unschedulable = 0  # replicas wanted that found no node, summed over ticks
+        self.cold_starts = 0
+        self.moves = 0
+        self.events: list[tuple[float, Replica]] = []  # replicas started; the engine schedules their readiness
+
+    def powered(self) -> list[Device]:
+        return [d for ds in self.devices.values() for d in ds if d.on]
+
+    def add(self, v: SimVersion, now: float, *, warm: bool = False, replaces: Replica | None = None) -> Replica | None:
+        """Start one more replica of `v` (or a replacement for `replaces`); None when no node can take it."""
+        u = v.busy_share(v.demand / (staying(v) + (0 if replaces else 1)))
+        pool = self.devices[v.node.name]
+        spare = [d for d in pool if d.on and d.planned_load() + u <= self.max_load]
+        device = self._place(v, spare, now)
+        if device is None:
+            idle = next((d for d in pool if not d.on), None)
+            if idle is None:
+                self.unschedulable += 1
+                return None
+            self._power(idle, True, now)
+            device = self._place(v, [idle], now)
+            if device is None:  # footprint over a whole node: the scenario is wrong
+                raise ValueError(f"{v.key} does not fit an empty {v.node.name} node")
+        ready_at = now if warm else now + self.lead + v.scaling.cold_start
+        replica = Replica(v, device, ready_at, ready=warm, replaces=replaces)
+        if replaces is not None:
+            replaces.draining = True
+        device.hosted.append(replica)
+        v.replicas.append(replica)
+        if warm:
+            v.ready_count += 1
+            device.refresh()
+        else:
+            self.cold_starts += 1
+            self.events.append((ready_at, replica))
+        return replica
+
+    def _place(self, v: SimVersion, candidates: list[Device], now: float) -> Device | None:
+        nodes = [d.state() for d in candidates if all(r.version is not v for r in d.hosted)]
+        if not nodes:
+            return None
+        plan = place({v.key: 1}, {v.key: spec_of(v)}, nodes, now=now)
+        names = plan.loads and [name for name, keys in plan.loads.items() if v.key in keys]
+        if not names:
+            return None
+        by_name = {d.name: d for d in candidates}
+        return by_name[names[0]]
+
+    def remove(self, v: SimVersion, now: float) -> Replica | None:
+        """Scale `v` in by one: a loading replica first (its cold start is wasted, not served), else the
+        ready one whose device hosts the fewest replicas, so devices empty and power off. A replica in
+        a move (draining, or the replacement loading for it) is left to finish the move."""
+        candidates = [r for r in v.replicas if not r.draining and r.replaces is None]
+        if not candidates:
+            return None
+        loading = [r for r in candidates if not r.ready]
+        victim = loading[-1] if loading else min(candidates, key=lambda r: (len(r.device.hosted), r.device.name))
+        self.drop(victim, now)
+        return victim
+
+    def drop(self, victim: Replica, now: float) -> None:
+        v = victim.version
+        v.replicas.remove(victim)
+        victim.removed = True
+        device = victim.device
+        device.hosted.remove(victim)
+        if victim.ready:
+            v.ready_count -= 1
+            device.refresh()
+        if not device.hosted and not device.running:
+            self._power(device, False, now)
+
+    def rebalance(self, now: float) -> int:
+        """Move one replica off each device whose replicas now need more than all of it (their versions'
+        demand grew where they were packed): make before break, the old one leaves when the new is ready."""
+        moved = 0
+        for device in self.powered():
+            if device.planned_load(observed=True) <= 1.0:
+                continue
+            movable = [r for r in device.hosted if r.ready and not r.draining and r.replaces is None
+                       and not any(o.replaces is not None for o in r.version.replicas)]
+            if len(movable) < 2:  # alone on its device, a replica is the scaling policy's to multiply
+                continue
+            busiest = max(movable, key=lambda r: r.version.busy_share(r.version.observed / max(staying(r.version), 1)))
+            if self.add(busiest.version, now, replaces=busiest) is not None:
+                moved += 1
+        return moved
+
+    def release_if_empty(self, device: Device, now: float) -> None:
+        if device.on and not device.hosted and not device.running:
+            self._power(device, False, now)
+
+    def _power(self, device: Device, on: bool, now: float) -> None:
+        if on and not device.on:
+            device.on, device.on_since = True, now
+            device.busy_until = now
+        elif not on and device.on:
+            device.on = False
+            device.on_seconds += now - device.on_since
+            device.rr = 0
+
+    def close(self, now: float) -> None:
+        for ds in self.devices.values():
+            for d in ds:
+                if d.on:
+                    d.on_seconds += now - d.on_since
+                    d.on_since = now
+
+
+def replicas_for(v: SimVersion, rate: float, target: float) -> int:
+    """Replicas that serve `rate` at `target` of each one's capacity (at least one)."""
+    return max(1, math.ceil(rate / (v.capacity.rate * target) - 0.01))

@@ -1,0 +1,109 @@
+"""Run the shipped scenarios under each policy and write docs/simulation.md, its PNGs and its JSON.
+
+    python -m sim.report [--jobs N] [--only NAME ...] [--out DIR]
+
+Every number in the page is read from the runs it just made; the checks of the acceptance are
+computed, not typed. Runs go to a process pool (one scenario x policy per process), each on one
+core; the validation against the real server is `python -m sim.validate`, whose last result
+(docs/sim-validation.json) the page includes when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sim import scenario as scenarios
+from sim.engine import simulate
+from sim.plots import scenario_plot
+from sim.writeup import render
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+ORDER = ("steady-50k", "ramp-30s-cold", "spike-3x", "diurnal-day")  # the page's order; others follow by name
+
+
+def _order(path: Path) -> tuple[int, str]:
+    return (ORDER.index(path.stem) if path.stem in ORDER else len(ORDER), path.stem)
+
+
+def log(msg: str) -> None:
+    print(f"[sim] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(path: str, policy: str, duration: float | None) -> dict[str, Any]:
+    sc = scenarios.load(path)
+    return simulate(sc, policy, duration=duration, progress=log)
+
+
+def _clean(value: Any) -> Any:
+    """JSON without NaN: a percentile of nothing is null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--only", nargs="*", help="scenario names (default: every shipped one)")
+    p.add_argument("--out", type=Path, default=DOCS)
+    p.add_argument("--duration", type=float, help="simulate only this many seconds of each (a quick look)")
+    p.add_argument("--render-only", action="store_true",
+                   help="run nothing: rewrite the page from docs/simulation.json (after sim.validate, say)")
+    args = p.parse_args(argv)
+
+    paths = [] if args.render_only else [p for p in scenarios.shipped() if not args.only or p.stem in args.only]
+    loaded = {str(path): scenarios.load(path) for path in paths}
+    jobs = [(str(path), policy) for path, sc in loaded.items() for policy in sc.policies]
+    log(f"{len(jobs)} runs ({len(paths)} scenarios) on {args.jobs} processes")
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {job: pool.submit(_run, *job, args.duration) for job in jobs}
+        results = {}
+        for job, future in futures.items():
+            results[job] = _clean(future.result())
+            r = results[job]
+            log(f"done {r['scenario']}/{r['policy']}: p99 {r['latency_ms']['p99']:.0f} ms, shed"
+                f" {100 * r['shed_share']:.2f}%, {r['accelerator_hours']:.2f} accelerator-hours,"
+                f" {r['cpu_s']:.0f} s CPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Scenarios not run this time keep their last results (`--only` refreshes some of the page).
+    json_path = args.out / "simulation.json"
+    partial = args.only or args.render_only
+    kept = json.loads(json_path.read_text()) if json_path.exists() and partial else {}
+    runs_by_name = {name: list(by_policy.values()) for name, by_policy in kept.items()}
+    for path, sc in loaded.items():
+        runs_by_name[sc.name] = [results[(path, policy)] for policy in sc.policies]
+    by_scenario: list[dict[str, Any]] = []
+    for path in sorted(scenarios.shipped(), key=_order):
+        sc = scenarios.load(path)
+        runs = runs_by_name.get(sc.name)
+        if not runs:
+            continue
+        png = args.out / f"sim-{sc.name}.png"
+        if sc.name in {s.name for s in loaded.values()} or not png.exists():
+            scenario_plot(sc.name, sc.title, runs, png, budget_ms=sc.scaling.latency_budget * 1000)
+        by_scenario.append({"name": sc.name, "title": sc.title, "file": path.name, "scenario": sc,
+                            "runs": runs, "plot": png.name})
+    validation_path = args.out / "sim-validation.json"
+    validation = json.loads(validation_path.read_text()) if validation_path.exists() else None
+    json_path.write_text(json.dumps(
+        {s["name"]: {r["policy"]: r for r in s["runs"]} for s in by_scenario}, indent=1))
+    (args.out / "simulation.md").write_text(render(by_scenario, validation, time.perf_counter() - started))
+    log(f"wrote {args.out / 'simulation.md'} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""The three scaling policies a scenario compares, each answering desired replicas per version per tick.
+
+- predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
+  now + cold start + scheduling delay, warm pool, cool-down);
+- reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency
+  over the last `window` seconds / a replica's target concurrency), where a replica's target is what
+  it holds serving the predictive policy's target utilisation of its capacity: batches of b rows with
+  b = rate x t(b) (a busy device gathers the next batch while one runs), one batch on the device and
+  half of the next gathering, 1.5 b. Scale-out at once, scale-in only after the same cool-down (the
+  largest answer of the last `cool_down` seconds);
+- static: the replicas the scenario's peak needs at the target utilisation, loaded before the start.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from serving.policies.autoscale import Autoscaler, Observation
+from sim.catalogue import SimVersion
+from sim.fleet import replicas_for, staying
+from sim.scenario import Scenario
+
+
+class Predictive:
+    name = "predictive"
+
+    def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
+        memory = {node.name: int(node.memory_gb * 2**30) for node in scenario.fleet}
+        self.autoscaler = Autoscaler(memory)
+        self.versions = versions
+        self.nodes_wanted: dict[str, int] = {}
+
+    def desired(self, now: float) -> dict[SimVersion, int]:
+        plan = self.autoscaler.tick(now, [
+            Observation(v.key, v.scaling, v.arrivals_total, staying(v), v.estimate) for v in self.versions
+        ])
+        self.nodes_wanted = {kind: demand.nodes for kind, demand in plan.accelerators.items()}
+        out: dict[SimVersion, int] = {}
+        for v in self.versions:
+            decision = plan.decisions[v.key]
+            if decision.reason != "no_data":
+                v.demand = decision.demand
+            out[v] = decision.replicas
+        return out
+
+
+class Reactive:
+    name = "reactive"
+
+    def __init__(self, scenario: Scenario, versions: list[SimVersion], window: float = 6.0) -> None:
+        self.versions = versions
+        self.window = window
+        self.cool_down = scenario.scaling.cool_down
+        self.target = scenario.scaling.target_utilisation
+        self._samples: dict[str, deque[tuple[float, int, int]]] = {v.key: deque() for v in versions}
+        self._answers: dict[str, deque[tuple[float, int]]] = {v.key: deque() for v in versions}
+        self.nodes_wanted: dict[str, int] = {}
+        self.per_replica = {v.key: 1.5 * _batch_at(v, self.target * v.capacity.rate) for v in versions}
+
+    def desired(self, now: float) -> dict[SimVersion, int]:
+        out: dict[SimVersion, int] = {}
+        for v in self.versions:
+            samples = self._samples[v.key]
+            samples.append((now, v.queue.rows + v.in_service, v.arrivals_total))
+            while samples[0][0] < now - self.window:
+                samples.popleft()
+            concurrency = sum(s[1] for s in samples) / len(samples)
+            per_replica = self.per_replica[v.key]
+            want = min(max(1, math.ceil(concurrency / per_replica)), v.scaling.max_replicas)
+            answers = self._answers[v.key]
+            if not answers:  # the replicas it starts with count as an answer: the cool-down holds them too
+                answers.append((now, staying(v)))
+            answers.append((now, want))
+            while answers[0][0] < now - self.cool_down:
+                answers.popleft()
+            out[v] = max(a for _, a in answers)
+            span = now - samples[0][0]
+            if span > 0:  # what placement plans each replica's load on: the arrival rate now
+                v.demand = (v.arrivals_total - samples[0][2]) / span
+        return out
+
+
+def _batch_at(v: SimVersion, rate: float) -> float:
+    """The batch a replica settles at serving `rate`: the fixed point of b = rate x t(b) in [1, max batch]."""
+    b = 1.0
+    for _ in range(50):
+        b = min(max(rate * v.estimate(max(1, round(b))), 1.0), float(v.max_batch))
+    return b
+
+
+class Static:
+    name = "static"
+
+    def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
+        peak = scenario.traffic.peak(scenario.duration)
+        target = scenario.scaling.target_utilisation
+        self.replicas: dict[SimVersion, int] = {}
+        for v in versions:
+            v.demand = peak * v.model.popularity * v.weight
+            fixed = scenario.scaling.fixed_replicas
+            self.replicas[v] = fixed if fixed > 0 else replicas_for(v, v.demand, target)
+        self.nodes_wanted: dict[str, int] = {}
+
+    def desired(self, now: float) -> dict[SimVersion, int]:
+        return self.replicas
+
+
+def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictive | Reactive | Static:
+    return {"predictive": Predictive, "reactive": Reactive, "static": Static}[name](scenario, versions)

@@ -1,0 +1,188 @@
+"""Scenarios: a YAML file read into frozen dataclasses, checked when read.
+
+A scenario names its traffic (level and shape), its catalogue of models (how many versions, how
+skewed their popularity, which hardware each family needs), its fleet (node types with a budget,
+memory, speed, cost and cold starts) and the scaling policies to compare.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+POLICIES = ("predictive", "reactive", "static")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Total requests a second over time. Shapes:
+    steady (rate); diurnal (rate is the peak, low the trough, one day compressed into `period`
+    seconds, starting at the trough); ramp (from `low` to `rate` over `length` seconds from `start`);
+    spike (`low` steady, `factor` x `low` from `start` for `length` seconds)."""
+
+    shape: str = "steady"
+    rate: float = 1000.0
+    low: float = 0.0
+    period: float = 600.0
+    start: float = 0.0
+    length: float = 60.0
+    factor: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("steady", "diurnal", "ramp", "spike"):
+            raise ValueError(f"unknown traffic shape {self.shape!r}")
+        if self.rate < 0 or self.low < 0 or self.period <= 0 or self.length <= 0 or self.factor <= 0:
+            raise ValueError("traffic rates, period, length and factor must be positive")
+
+    def at(self, t: float) -> float:
+        if self.shape == "steady":
+            return self.rate
+        if self.shape == "diurnal":
+            return self.low + (self.rate - self.low) * (1.0 - math.cos(2 * math.pi * t / self.period)) / 2
+        if self.shape == "ramp":
+            frac = min(max((t - self.start) / self.length, 0.0), 1.0)
+            return self.low + (self.rate - self.low) * frac
+        inside = self.start <= t < self.start + self.length
+        return self.low * (self.factor if inside else 1.0)
+
+    def peak(self, duration: float) -> float:
+        if self.shape == "spike":
+            return self.low * max(self.factor, 1.0)
+        if self.shape == "diurnal" and duration < self.period / 2:
+            return self.at(duration)
+        return max(self.rate, self.low)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kind of model: where it may run and the ranges its versions are drawn from.
+    Latency on the reference accelerator (speed 1): t(b) = base + per_row x b, in milliseconds."""
+
+    name: str
+    share: float  # of the models
+    accelerator: str
+    memory_gb: tuple[float, float]
+    base_ms: tuple[float, float]
+    per_row_ms: tuple[float, float]
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 5.0
+    profile_ms: tuple[tuple[int, float], ...] = ()  # measured (batch, ms) points: used as they are, at speed 1
+
+
+@dataclass(frozen=True)
+class NodeType:
+    name: str
+    nodes: int  # the budget: at most this many nodes of the type
+    memory_gb: float
+    speed: float  # compute speed relative to the reference accelerator
+    cost_per_hour: float
+    cold_start: float  # seconds to load a replica: cold_start + cold_start_per_gb x footprint
+    cold_start_per_gb: float = 0.0
+
+
+@dataclass(frozen=True)
+class Scaling:
+    tick: float = 1.0
+    cool_down: float = 60.0
+    target_utilisation: float = 0.7
+    warm_pool: int = 0
+    scheduling_delay: float = 5.0
+    latency_budget: float = 0.3  # the p99 a replica is sized to keep
+    timeout: float = 1.0  # each request's deadline after its arrival
+    max_queue_size: int = 4096  # rows per version
+    max_device_load: float = 0.85  # placement: share of a device's throughput its replicas may plan on
+    fixed_replicas: int = 0  # static policy: this many replicas of every version (0: what the peak needs)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    duration: float
+    traffic: Traffic
+    families: tuple[Family, ...]
+    fleet: tuple[NodeType, ...]
+    versions: int = 200
+    canary_share: float = 0.25  # models with a canary at `canary_weight` of their traffic
+    canary_weight: float = 0.1
+    fallback_share: float = 0.2  # models whose refused requests go to a small fallback model
+    zipf: float = 1.0
+    seed: int = 1
+    window: float = 10.0  # seconds per reported time step
+    scaling: Scaling = field(default_factory=Scaling)
+    policies: tuple[str, ...] = POLICIES
+    jitter: float = 0.05  # lognormal sigma of a batch's compute time around its profile
+
+    def __post_init__(self) -> None:
+        if self.duration <= 0 or self.versions < 1:
+            raise ValueError("duration and versions must be positive")
+        for policy in self.policies:
+            if policy not in POLICIES:
+                raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        kinds = {node.name for node in self.fleet}
+        for family in self.families:
+            if family.accelerator not in kinds:
+                raise ValueError(f"family {family.name} needs {family.accelerator!r}, which the fleet lacks")
+        if not self.families or abs(sum(f.share for f in self.families) - 1.0) > 1e-6:
+            raise ValueError("family shares must sum to 1")
+
+    def scaled(self, **changes: Any) -> Scenario:
+        return replace(self, **changes)
+
+
+def _pair(value: Any) -> tuple[float, float]:
+    if isinstance(value, (int, float)):
+        return float(value), float(value)
+    low, high = value
+    return float(low), float(high)
+
+
+def from_dict(doc: dict[str, Any]) -> Scenario:
+    families = tuple(
+        Family(
+            name=name,
+            share=float(spec["share"]),
+            accelerator=spec["accelerator"],
+            memory_gb=_pair(spec["memory_gb"]),
+            base_ms=_pair(spec["base_ms"]),
+            per_row_ms=_pair(spec["per_row_ms"]),
+            max_batch_size=int(spec.get("max_batch_size", 32)),
+            max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
+            profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in (spec.get("profile_ms") or {}).items())),
+        )
+        for name, spec in doc["families"].items()
+    )
+    for family in families:
+        if family.profile_ms and family.max_batch_size not in dict(family.profile_ms):
+            raise ValueError(f"family {family.name}'s measured profile lacks its max_batch_size")
+    fleet = tuple(NodeType(name=name, **spec) for name, spec in doc["fleet"].items())
+    known = {k: doc[k] for k in ("versions", "canary_share", "canary_weight", "fallback_share", "zipf", "seed",
+                                 "window", "jitter") if k in doc}
+    return Scenario(
+        name=doc["name"],
+        title=doc.get("title", doc["name"]),
+        duration=float(doc["duration"]),
+        traffic=Traffic(**doc["traffic"]),
+        families=families,
+        fleet=fleet,
+        scaling=Scaling(**doc.get("scaling", {})),
+        policies=tuple(doc.get("policies", POLICIES)),
+        **known,
+    )
+
+
+def load(path: str | Path) -> Scenario:
+    path = Path(path)
+    if not path.exists() and not path.suffix:
+        path = SCENARIO_DIR / f"{path}.yaml"
+    with open(path) as f:
+        return from_dict(yaml.safe_load(f))
+
+
+def shipped() -> list[Path]:
+    return sorted(SCENARIO_DIR.glob("*.yaml"))

@@ -1,0 +1,191 @@
+"""The fleet simulator: it drives the production policy objects, is deterministic in its seed, and
+answers every simulated request exactly once (served, fallen back, shed or timed out)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rollout.routing
+import serving.policies.admission
+import serving.policies.autoscale
+import serving.policies.batching
+import serving.policies.placement
+from sim import catalogue, engine, fleet, scaling
+from sim import scenario as scenarios
+from sim.engine import Simulation, simulate
+from sim.metrics import EDGES, percentile, percentile_all
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SMALL = {
+    "name": "small",
+    "duration": 40,
+    "seed": 7,
+    "versions": 12,
+    "canary_share": 0.5,
+    "fallback_share": 0.5,
+    "traffic": {"shape": "ramp", "low": 500, "rate": 3000, "start": 10, "length": 10},
+    "families": {
+        "big": {"share": 0.5, "accelerator": "gpu", "memory_gb": [4, 8], "base_ms": [5, 10],
+                "per_row_ms": [0.5, 1.0]},
+        "tiny": {"share": 0.5, "accelerator": "cpu", "memory_gb": [0.5, 1], "base_ms": [1, 3],
+                 "per_row_ms": [0.1, 0.3]},
+    },
+    "fleet": {
+        "gpu": {"nodes": 6, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
+        "cpu": {"nodes": 6, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
+    },
+    "scaling": {"cool_down": 10, "timeout": 0.5, "max_queue_size": 256},
+}
+
+
+def small(**changes) -> scenarios.Scenario:
+    doc = json.loads(json.dumps(SMALL))
+    doc.update(changes)
+    return scenarios.from_dict(doc)
+
+
+def test_the_simulator_drives_the_production_policy_objects():
+    # Given the modules the node and the gateway import
+    # Then the simulator's names are those very objects, not copies
+    assert catalogue.BatchQueue is serving.policies.batching.BatchQueue
+    assert catalogue.LatencyProfile is serving.policies.batching.LatencyProfile
+    assert engine.Pending is serving.policies.batching.Pending
+    assert engine.completion_seconds is serving.policies.admission.completion_seconds
+    assert engine.decide is serving.policies.admission.decide
+    assert scaling.Autoscaler is serving.policies.autoscale.Autoscaler
+    assert catalogue.replica_capacity is serving.policies.autoscale.replica_capacity
+    assert fleet.place is serving.policies.placement.place
+    assert engine.choose_version is rollout.routing.choose_version
+    # And a built simulation holds instances of them
+    sim = Simulation(small(), "predictive")
+    assert all(type(v.queue) is serving.policies.batching.BatchQueue for v in sim.versions)
+    assert type(sim.policy.autoscaler) is serving.policies.autoscale.Autoscaler
+
+
+def test_no_policy_is_copied_into_the_simulator():
+    # Given every class and function the policy modules define
+    policy_modules = [serving.policies.batching, serving.policies.admission, serving.policies.autoscale,
+                      serving.policies.placement, rollout.routing]
+    policy_names = set()
+    for module in policy_modules:
+        tree = ast.parse(Path(module.__file__).read_text())
+        policy_names |= {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    # Then no module of the simulator defines one of the same name
+    for path in (ROOT / "sim").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        assert not defined & policy_names, f"{path.name} redefines {defined & policy_names}"
+
+
+def test_the_simulator_imports_no_django():
+    code = "import sys, sim.report, sim.engine; print('django' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("policy", ["predictive", "reactive", "static"])
+def test_every_request_is_answered_once(policy):
+    # Given one node of each type, far too few for the ramp's top: requests are shed and fall back
+    sc = small(fleet={
+        "gpu": {"nodes": 1, "memory_gb": 40, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
+        "cpu": {"nodes": 1, "memory_gb": 8, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
+    })
+    # When it runs
+    r = simulate(sc, policy)
+    o = r["outcomes"]
+    # Then every arrival is served, fallen back, shed or timed out, exactly once
+    assert o["arrived"] > 50_000
+    assert o["arrived"] == o["served"] + o["fallback"] + o["shed"] + o["expired"]
+    assert r["unanswered"] == 0
+    assert o["shed"] > 0 and o["fallback"] > 0
+    assert sum(r["shed_reasons"].values()) == o["shed"]
+
+
+def test_fallback_serves_what_the_primary_refuses():
+    sc = small(fleet={
+        "gpu": {"nodes": 2, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
+        "cpu": {"nodes": 6, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
+    })
+    r = simulate(sc, "static")
+    assert r["outcomes"]["fallback"] > 0
+
+
+def test_a_seed_gives_the_same_run():
+    a = simulate(small(), "predictive")
+    b = simulate(small(), "predictive")
+    c = simulate(small(seed=8), "predictive")
+    for r in (a, b, c):
+        r.pop("wall_s")
+        r.pop("cpu_s")
+    assert a == b
+    assert a["outcomes"] != c["outcomes"]
+
+
+def test_routing_splits_a_model_by_its_canary_weight():
+    sim = Simulation(small(canary_weight=0.3), "static")
+    sim._start()
+    split = [m for m in sim.models if len(m.versions) == 2]
+    assert split
+    routes = sim._routes(split[0])
+    shares = {v.number: share for v, share in routes}
+    assert shares[2] == pytest.approx(0.3, abs=0.05)  # sticky hashes of 1,000 callers
+    # And a canary with no ready replica gives its share to the stable version
+    for r in list(split[0].versions[2].replicas):
+        sim.fleet.drop(r, 0.0)
+    assert {v.number: s for v, s in sim._routes(split[0])} == {1: 1.0}
+
+
+def test_predictive_orders_replicas_ahead_of_a_ramp_and_reactive_later():
+    # Given a ramp with a cold start long enough to matter
+    sc = small(duration=60, traffic={"shape": "ramp", "low": 500, "rate": 4000, "start": 10, "length": 20})
+    runs = {p: Simulation(sc, p) for p in ("predictive", "reactive")}
+    first_order: dict[str, float] = {}
+    for name, sim in runs.items():
+        result = sim.run()
+        # When did the replicas wanted first exceed the ones it started with?
+        start = result["timeline"][0]["replicas"]
+        first_order[name] = next(row["t"] for row in result["timeline"] if row["replicas"] > start)
+    # Then the forecast orders no later than the queue does
+    assert first_order["predictive"] <= first_order["reactive"]
+
+
+def test_percentiles_over_everyone_count_failures_as_slowest():
+    hist = __import__("numpy").zeros(len(EDGES) - 1)
+    hist[100] = 99
+    assert percentile_all(hist, 0, 0.99) == pytest.approx(percentile(hist, 0.99))
+    assert percentile_all(hist, 2, 0.99) is None  # 2 of 101 failed: the p99 is a failure
+
+
+def test_shipped_scenarios_load_and_bad_ones_are_refused():
+    names = {p.stem for p in scenarios.shipped()}
+    assert {"steady-50k", "diurnal-day", "ramp-30s-cold", "spike-3x"} <= names
+    for path in scenarios.shipped():
+        sc = scenarios.load(path)
+        assert set(sc.policies) == {"predictive", "reactive", "static"}
+    with pytest.raises(ValueError):
+        small(traffic={"shape": "sawtooth"})
+    with pytest.raises(ValueError):
+        small(policies=["psychic"])
+
+
+def test_report_writes_the_page_and_plots(tmp_path):
+    from sim.plots import scenario_plot
+    from sim.writeup import render
+
+    sc = small(duration=15)
+    runs = [simulate(sc, p) for p in sc.policies]
+    png = scenario_plot(sc.name, sc.title, runs, tmp_path / "sim-small.png")
+    page = render([{"name": sc.name, "title": sc.title, "file": "small.yaml", "scenario": sc, "runs": runs,
+                    "plot": png.name}], None, 1.0)
+    assert png.stat().st_size > 10_000
+    assert "![small](sim-small.png)" in page
+    assert f"{runs[0]['requests']:,}" in page
+    assert "What the model leaves out" in page
