@@ -9,6 +9,11 @@ version 2 the shadow. Phases, each at the same rate: off, on (`route_model --sha
 a drift of the machine during the run shows as a difference between the two offs. The verdict compares
 the on phase's p99 with the mean of the offs; the target is within 10%. The server's own counters say
 what was mirrored and what was dropped (queue full, shed by admission) in the on phase.
+
+Then, still mirroring every request, a ramp of rising rates (`--ramp`, past what the server holds) shows
+the order of sacrifice under saturation: at each step the primaries refused (503) and the mirrors dropped.
+The verdict holds when no step refuses a primary before mirrors are being dropped: the first step with a
+refused primary is at or after the first with dropped mirrors, and in it mirrors are dropped, not served.
 """
 
 from __future__ import annotations
@@ -115,10 +120,33 @@ def phase(base: str, label: str, rate: float, seconds: float) -> tuple[loadgen.L
     return result, delta
 
 
+def ramp(base: str, rates: list[float], seconds: float) -> tuple[list[dict], bool]:
+    """Mirroring on, one step per rate: what the primaries and the mirrors got."""
+    steps = []
+    for rate in rates:
+        result, delta = phase(base, f"saturation step {rate:g} req/s", rate, seconds)
+        refused = result.errors_by_status.get("503", 0)
+        dropped = sum(v for k, v in delta.items() if k.startswith("dropped"))
+        mirrored = delta.get("mirrored ok", 0.0) + delta.get("mirrored error", 0.0)
+        steps.append({"rate": rate, "ok": result.ok, "count": result.count, "p99_ms": result.p99_ms,
+                      "primary_503": refused, "mirrors_answered": mirrored, "mirrors_dropped": dropped,
+                      "client_errors": result.client_errors})
+    first_drop = next((i for i, st in enumerate(steps) if st["mirrors_dropped"]), None)
+    first_shed = next((i for i, st in enumerate(steps) if st["primary_503"]), None)
+    holds = first_shed is None or (
+        first_drop is not None and first_drop <= first_shed
+        and steps[first_shed]["mirrors_dropped"] > steps[first_shed]["mirrors_answered"]
+    )
+    return steps, holds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=150.0, help="offered requests per second (default 150)")
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase (default 12)")
+    parser.add_argument("--ramp", default="800,1600,2400,3200,4000",
+                        help="rates of the saturation ramp, mirroring on (default 800,...,4000; '' skips it)")
+    parser.add_argument("--ramp-seconds", type=float, default=5.0, help="measured seconds per ramp step (default 5)")
     parser.add_argument("--keep", action="store_true", help="keep the data dir")
     a = parser.parse_args(argv)
     started = time.monotonic()
@@ -135,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             manage(["route_model", MODEL, "--shadow", "2=1"], env)
             wait_mirroring(server.base, on=True)
             on, counts = phase(server.base, "mirroring 100%", a.rate, a.seconds)
+            rates = [float(r) for r in a.ramp.split(",") if r.strip()]
+            steps, ramp_holds = ramp(server.base, rates, a.ramp_seconds) if rates else ([], True)
             manage(["route_model", MODEL, "--shadow", ""], env)
             wait_mirroring(server.base, on=False)
             off2, _ = phase(server.base, "mirroring off again", a.rate, a.seconds)
@@ -152,7 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "PASS" if ratio <= 1 + TARGET and on.errors == 0 else "FAIL"
     print(f"  on / mean(off) p99: {ratio:.3f} (target <= {1 + TARGET:.2f}); primary errors with mirroring:"
           f" {on.errors}: {verdict}")
-    return 0 if verdict == "PASS" else 1
+    if steps:
+        print("\n  saturation ramp, mirroring every request:")
+        print("  | offered req/s | primaries ok | primaries 503 | primary p99 ms | mirrors answered"
+              " | mirrors dropped |")
+        print("  |---|---|---|---|---|---|")
+        for st in steps:
+            print(f"  | {st['rate']:,.0f} | {st['ok']:,}/{st['count']:,} | {st['primary_503']:,} | {st['p99_ms']:,.1f}"
+                  f" | {st['mirrors_answered']:,.0f} | {st['mirrors_dropped']:,.0f} |")
+        print(f"  mirrors dropped before any primary is refused: {'PASS' if ramp_holds else 'FAIL'}")
+    return 0 if verdict == "PASS" and ramp_holds else 1
 
 
 if __name__ == "__main__":
