@@ -83,8 +83,11 @@ stop_all() {
   echo "    all stopped; logs in $LOGS"
 }
 # Background processes of a script ignore SIGINT, so Ctrl-C reaches only this shell: it stops them.
-trap 'stop_all; exit 130' INT
-trap 'stop_all; exit 143' TERM
+# The traps only note the signal (it ends `wait -n` below), and the stopping runs outside them: bash
+# loses its variable context when a trap runs a function during `wait -n`.
+signalled=0
+trap 'signalled=130' INT
+trap 'signalled=143' TERM
 
 echo "==> starting"
 start web env FERRY_EMBEDDED_NODE=false "$PY" manage.py serve --host "$HOST" --port "$PORT"
@@ -97,7 +100,11 @@ echo "==> Ferry on http://$HOST:$PORT (web, node-a, node-b, worker, beat); Ctrl-
 [ "$demo" = 1 ] && echo "    demo API key: $FERRY_DATA_DIR/demo-api-key; console login admin / ferry-admin"
 
 # Any process ending on its own ends the whole set: a half-started deployment only misleads.
-wait -n || true
+[ "$signalled" != 0 ] || wait -n || true
+if [ "$signalled" != 0 ]; then
+  stop_all
+  exit "$signalled"
+fi
 for i in "${!pids[@]}"; do
   if ! kill -0 "${pids[$i]}" 2>/dev/null; then
     echo "==> ${names[$i]} exited; the end of $LOGS/${names[$i]}.log:"
