@@ -42,6 +42,7 @@ from bench.report import (
     Sweep,
     compare_section,
     fmt,
+    kept_section,
     plot,
     ratios,
     verdict,
@@ -367,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = overload_report.section(over, o) if over is not None else []
             # The back-to-back comparison of two revisions (bench.compare --record), the keys-and-quotas
             # cost (bench.auth_cost --record), packing (bench.packing --record) and the Redis hop
-            # (bench.redis_hop --record) are not rerun here: keep them; the rate-limit section is this run's,
+            # (bench.redis_hop --record), shadow mirroring (bench.shadow) and the bytecode counts (bench.opcodes)
+            # are not rerun here: keep them; the rate-limit section is this run's,
             # or the one already there when that phase did not run.
             from bench import auth_cost, packing, redis_hop  # auth_cost and redis_hop import this module
 
@@ -375,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
             text = report.read_text() if report.exists() else ""
             for kept in (compare_section(text), auth_cost.kept_section(text),
                          "\n".join(limits) or ratelimit.kept_section(text), packing.kept_section(text),
-                         redis_hop.kept_section(text)):
+                         redis_hop.kept_section(text),
+                         *(kept_section(text, f"<!-- {name}:start -->", f"<!-- {name}:end -->")
+                           for name in ("shadow", "opcodes"))):
                 if kept:
                     lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
