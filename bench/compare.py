@@ -60,11 +60,25 @@ class Checkout:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}  # embedded mode
-        return {**env, "FERRY_DATA_DIR": str(self.data), "PYTHONUNBUFFERED": "1"}
+        # The editable install's finder maps Ferry's packages to this checkout, and it answers for any module
+        # a worktree lacks: an older revision's `rollout` would find this checkout's `rollout.migrations`.
+        # A sitecustomize (run after the .pth files that install the finder) takes it out.
+        hook = self.base / "no-editable"
+        hook.mkdir(exist_ok=True)
+        (hook / "sitecustomize.py").write_text(
+            "import sys\n"
+            "def keep(f):\n"
+            "    return not getattr(f, '__module__', '').startswith('__editable__')\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if keep(f)]\n"
+            "sys.path_hooks[:] = [h for h in sys.path_hooks if keep(h)]\n"
+        )
+        path = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p)
+        return {**env, "FERRY_DATA_DIR": str(self.data), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
     def check_imports(self) -> None:
         """The worktree's own code must be what runs, not the editable install's checkout."""
-        code = "import serving, config; print(serving.__file__); print(config.__file__)"
+        code = ("import serving, config, importlib.util as u; print(serving.__file__); print(config.__file__);"
+                " [print(s.origin) for s in [u.find_spec('rollout.migrations')] if s]")
         out = subprocess.run([sys.executable, "-c", code], cwd=self.tree, env=self.env(), check=True,
                              capture_output=True, text=True).stdout.split()  # fmt: skip
         for path in out:
