@@ -69,8 +69,10 @@ class _Family:
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
         child = self._children.get(values)
         if child is None:
+            if not all(type(v) is str for v in values):
+                raise TypeError(f"{self.name}: label values must be strings, got {values}")
             with self._lock:
-                child = self._children.setdefault(tuple(str(v) for v in values), self._new())
+                child = self._children.setdefault(values, self._new())
         return child
 
     def _new(self) -> object:

@@ -116,13 +116,13 @@ class Gateway:
             deadline = arrived + self._timeout(entry, request.parameters)
             priority = _priority(request.parameters, tier)
             served = entry
-            # Who asks and for which outputs: a remote node answers with only those (stream_codec).
-            asking = {"tenant": viewer, "outputs": tuple(o.name for o in request.outputs)
-                      if request.outputs is not None else None}
+            # The output names asked for: a remote node answers with only those (stream_codec).
+            wanted = tuple(o.name for o in request.outputs) if request.outputs is not None else None
             try:
-                dispatched = self._clock()
+                dispatched = self._clock() if self.mirror is not None else 0.0
                 outputs = await self.transport.infer(
-                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone, **asking
+                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone,
+                    tenant=viewer, outputs=wanted,
                 )
                 if self.mirror is not None:
                     self._mirror(entry, request.inputs, request.rows, len(body), outputs, dispatched)
@@ -133,7 +133,7 @@ class Gateway:
                 try:
                     outputs = await self.transport.infer(
                         served, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone,
-                        **asking,
+                        tenant=viewer, outputs=wanted,
                     )
                 except Unavailable:
                     raise refused from None  # the caller asked for the primary: its refusal is the answer
