@@ -210,6 +210,10 @@ class ModelVersion(models.Model):
     pinned = models.BooleanField(default=False, help_text="never evicted to make room for another version")
     min_replicas = models.PositiveIntegerField(
         default=0, help_text="replicas kept loaded; the stable version with a minimum is never evicted")
+    # Replicas the autoscaler (Celery beat) last asked for; null when the autoscaler has not decided. The placement
+    # reconciler keeps max(min_replicas, desired_replicas) loaded across the fleet.
+    desired_replicas = models.PositiveIntegerField(
+        null=True, blank=True, help_text="replicas the autoscaler wants loaded; null: not decided")
     # What nodes measured when they loaded it, per accelerator type: {type: {memory_bytes, cold_start_seconds}}.
     placement_measurements = models.JSONField(default=dict, blank=True)
     # Why no node can hold it (too big for the budget, constraints no node meets); empty when placeable.
