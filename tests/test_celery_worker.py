@@ -11,7 +11,10 @@ from serving.actions import register_version
 from serving.models import ModelVersion, State
 from tests.conftest import DIGITS_IO, celery_worker
 
-BROKER = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14"
+# A broker of its own, so a worker here never takes another suite's tasks (FERRY_TEST_CELERY_BROKER_URL when
+# several suites run at once on one Redis).
+BROKER = os.environ.get("FERRY_TEST_CELERY_BROKER_URL") or (
+    os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14")
 
 
 @pytest.fixture
