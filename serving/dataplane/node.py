@@ -159,7 +159,6 @@ class Node:
                 f"{entry.key}: max_batch_size changed to {entry.batching.max_batch_size} while this request of"
                 f" {pending.rows} rows waited; send it again in smaller requests", retry_after=1,
             ))
-        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
 
     @staticmethod
     def _dropped(hosted: Hosted, items: list[Pending]) -> None:
@@ -291,6 +290,8 @@ class Node:
         self.hosted[entry.key] = hosted
         self._hosted_list = tuple(self.hosted.values())
         vm.loaded.set(1)
+        # Read when scraped, not set per request: the batcher is replaced on reconfiguration, so read through hosted.
+        vm.queue_depth.set_function(lambda: len(hosted.batcher.queue))
         return hosted
 
     def _load_blocking(self, entry: VersionEntry) -> tuple[ModelRuntime, dict[int, float]]:
@@ -314,7 +315,7 @@ class Node:
         for pending in waiting:
             _fail(pending, Unavailable(why, retry_after=1))
         hosted.metrics.loaded.set(0)
-        hosted.metrics.queue_depth.set(0)
+        hosted.metrics.queue_depth.set_function(lambda: 0)
         hosted.runtime.module = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -380,7 +381,6 @@ class Node:
                 f"{key}: evicted from the queue by higher-priority work", reason="evicted", tier=victim.priority,
                 retry_after=self.retry_after(now),
             ))
-        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
         timer = loop.call_at(loop.time() + (deadline - now), _expire_future, future)
         hosted.in_flight += 1
         try:
@@ -495,7 +495,6 @@ class Node:
 
     async def _run_batch(self, hosted: Hosted, batch: list[Pending]) -> None:
         live = [p for p in batch if not p.payload.future.done()]
-        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
         if live and live[0].priority >= SHADOW_PRIORITY:  # a batch takes its queue's highest tier first
             await self._yield_to_callers(hosted, live)
             live = [p for p in live if not p.payload.future.done()]
