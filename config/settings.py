@@ -98,12 +98,17 @@ CELERY_TASK_ACKS_LATE = True
 # Rollouts (rollout/): how often every active rollout's gates are evaluated (Celery beat; in embedded mode
 # the process's own loop). Usage reaches the gates every FERRY_USAGE_FLUSH_SECONDS, so faster is no fresher.
 FERRY_ROLLOUT_EVALUATE_SECONDS = env_int("FERRY_ROLLOUT_EVALUATE_SECONDS", 10, minimum=1)
+# Placement (serving.reconciler): how often the reconciler re-plans from the fleet's heartbeats.
+FERRY_RECONCILE_SECONDS = env_int("FERRY_RECONCILE_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
     "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
                           "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
     "prune-shadow": {"task": "rollout.tasks.prune_shadow", "schedule": 3600.0},
+    # serving.reconciler: also run at once when a version's desired replicas change; this catches lost nodes.
+    "reconcile-placements": {"task": "serving.tasks.reconcile_placements",
+                             "schedule": float(FERRY_RECONCILE_SECONDS)},
 }
 
 AUTH_PASSWORD_VALIDATORS = [

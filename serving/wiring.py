@@ -72,12 +72,12 @@ def _record_placement(report: LoadReport) -> None:
     from django.db import connection
 
     try:
-        _write_placement(report)
+        write_placement(report)
     finally:
         connection.close()  # on a pool thread (see start()), which no request cycle closes
 
 
-def _write_placement(report: LoadReport) -> None:
+def write_placement(report: LoadReport) -> None:
     from django.db import transaction
     from django.utils import timezone
 
