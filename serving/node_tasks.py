@@ -84,15 +84,23 @@ class NodeWorker:
 
         global _node
         _node = (process, loop)
-        name = process.facts.name
-        self.worker = app.WorkController(
-            concurrency=1, pool="solo", hostname=f"{queue_for(name)}@{socket.gethostname()}",
-            queues=[queue_for(name)], without_heartbeat=True, without_mingle=True, without_gossip=True,
-            loglevel="INFO", logfile=None, ready_callback=None,
-        )
+        self.app = app
+        self.name = process.facts.name
+        self.worker: Any = None
+        self._made = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ferry-node-tasks", daemon=True)
 
     def _run(self) -> None:
+        try:
+            # Made on this thread, not the event loop's: the worker's start-up closes Django's database
+            # connections, which Django refuses to do from a thread running an event loop.
+            self.worker = self.app.WorkController(
+                concurrency=1, pool="solo", hostname=f"{queue_for(self.name)}@{socket.gethostname()}",
+                queues=[queue_for(self.name)], without_heartbeat=True, without_mingle=True, without_gossip=True,
+                loglevel="INFO", logfile=None, ready_callback=None,
+            )
+        finally:
+            self._made.set()
         try:
             self.worker.start()
         except Exception:  # the node keeps serving what it hosts; the reconciler sees no assignments land
@@ -103,6 +111,8 @@ class NodeWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         global _node
-        self.worker.stop(in_sighandler=False)
+        self._made.wait(timeout)
+        if self.worker is not None:
+            self.worker.stop(in_sighandler=False)
         self.thread.join(timeout)
         _node = None
