@@ -172,6 +172,9 @@ FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minim
 FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
+# The warm tier: host memory a node keeps evicted versions in (CUDA: moved to the CPU; CPU: the loaded module),
+# so reloading one skips the artifact and the warm-up. 0: evicted versions are dropped.
+FERRY_NODE_WARM_BYTES = env_int("FERRY_NODE_WARM_BYTES", 0, minimum=0)
 # The accelerator type this node declares to placement constraints; "" names the device's kind (cpu, cuda).
 FERRY_NODE_ACCELERATOR = env_str("FERRY_NODE_ACCELERATOR", "")
 # Loads of cold versions that requests may queue on a node; past it a request for another cold version is 503.

@@ -88,7 +88,8 @@ def plan(
             spec = specs.get(key)
             if spec is not None:  # by assignment first: the plan keeps those over on-demand copies
                 hot[key] = Resident(spec, last_used=2.0 if key in held[n.name] else 1.0)
-        states.append(NodeState(n.name, n.accelerator, n.memory_budget, hot, memory_total=n.memory_total))
+        states.append(NodeState(n.name, n.accelerator, n.memory_budget, hot, warm=n.warm,
+                                memory_total=n.memory_total))
     desired = {k: count for k, count in wants.items() if count > 0 and k in specs}
     placement = place(desired, specs, states, now=now)
     result = Plan(unschedulable={k: u.reason for k, u in placement.unschedulable.items()},

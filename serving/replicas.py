@@ -16,7 +16,7 @@ from serving.models import ModelVersion, Replica, Tier
 def tiers(node: fleet.NodeInfo) -> dict[str, str]:
     """Version key -> tier on `node`, hottest first where a key is in several."""
     found = {key: Tier.COLD for key in node.ready}
-    found.update({key: Tier.WARM for key in getattr(node, "warm", ())})
+    found.update({key: Tier.WARM for key in node.warm})
     found.update({key: Tier.HOT for key in node.hot})
     return found
 

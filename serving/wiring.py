@@ -176,6 +176,7 @@ async def start() -> DataPlane:
             admission=settings.FERRY_ADMISSION,
             accelerator=settings.FERRY_NODE_ACCELERATOR,
             max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+            warm_budget=settings.FERRY_NODE_WARM_BYTES,
             # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )

@@ -105,3 +105,11 @@ def test_a_lost_node_is_replaced() -> None:
     nodes = [node("a", hot={"m:1"}, assigned={"m:1"}), node("c")]
     # when two replicas are wanted, then the one missing goes to the live node left
     assert plan({"m:1": 2}, SPECS, nodes).loads == [("c", "m:1")]
+
+
+def test_a_node_where_it_is_warm_is_preferred() -> None:
+    # given two empty nodes, b holding m:1 warm in host memory
+    warm = node("b")
+    warm = NodeInfo(**{**warm.__dict__, "warm": frozenset({"m:1"})})
+    # when one replica is wanted, then it goes to b (its load skips the disk)
+    assert plan({"m:1": 1}, SPECS, [node("a"), warm]).loads == [("b", "m:1")]

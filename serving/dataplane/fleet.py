@@ -55,6 +55,7 @@ class NodeInfo:
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
     # Placed here by the placement reconciler (serving.reconciler): hosted here, and by no unassigned node.
     assigned: frozenset[str] = frozenset()
+    warm: frozenset[str] = frozenset()  # evicted, kept in host memory: a reload skips the disk and warm-up
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
 
     @staticmethod
@@ -69,6 +70,7 @@ class NodeInfo:
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
             "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot), "failures": self.failures,
             "counts": self.counts, "assigned": sorted(self.assigned),
+            "warm": sorted(self.warm),
         }
         return {k: self.encode_field(v) for k, v in doc.items()}
 
@@ -78,6 +80,7 @@ class NodeInfo:
         doc["ready"] = frozenset(doc.get("ready", ()))
         doc["hot"] = frozenset(doc.get("hot", ()))
         doc["assigned"] = frozenset(doc.get("assigned", ()))
+        doc["warm"] = frozenset(doc.get("warm", ()))
         return cls(**doc)
 
 

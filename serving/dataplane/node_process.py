@@ -162,7 +162,7 @@ class NodeProcess:
             serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
             hot=frozenset(node.hosted),
             failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
-            assigned=frozenset(node.packing.assigned),
+            assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
         )
 
     async def heartbeat_once(self) -> None:

@@ -50,7 +50,7 @@ class Command(BaseCommand):
         node = Node(artifact_path=artifacts.verified_path, device=facts.device, memory_budget=facts.memory_budget,
                     max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
                     accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
-                    report=_report)
+                    warm_budget=settings.FERRY_NODE_WARM_BYTES, report=_report)
         process = NodeProcess(node, settings.REDIS_URL, facts)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
