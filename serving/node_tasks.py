@@ -46,7 +46,7 @@ def _on_node(work: Callable[[Any], Coroutine[Any, Any, dict]], deadline: float) 
         raise
 
 
-@shared_task(name="serving.node.load", acks_late=False)
+@shared_task(name="serving.node.load", acks_late=False, ignore_result=True)
 def load_version(key: str, pending: str = "") -> dict:
     """Load `key` on this node and keep it there until released. `pending` is the reconciler's record of this
     task, removed once the node's heartbeat tells the outcome."""
@@ -61,7 +61,7 @@ def load_version(key: str, pending: str = "") -> dict:
             reconciler.clear_pending(pending)
 
 
-@shared_task(name="serving.node.unload", acks_late=False)
+@shared_task(name="serving.node.unload", acks_late=False, ignore_result=True)
 def unload_version(key: str, unload: bool = True, pending: str = "") -> dict:
     """Release `key` from this node's placement; with `unload`, unload it now (scaled in)."""
     from serving import reconciler
