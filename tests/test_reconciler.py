@@ -1,10 +1,19 @@
-"""The placement reconciler's plan (serving.reconciler.plan): pure, on heartbeats as the nodes write them."""
+"""The placement reconciler: its plan (serving.reconciler.plan), pure, on heartbeats as the nodes write them;
+and its step (`reconcile()`) on the real PostgreSQL and Redis."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
+import redis
+
 from serving.dataplane.fleet import NodeInfo
+from serving.models import ModelVersion
 from serving.policies.placement import VersionSpec
-from serving.reconciler import Pending, holdings, plan
+from serving.reconciler import LOCK_KEY, REASON_PREFIX, Pending, holdings, plan, reconcile
+from tests.conftest import register
+from tests.test_streams_processes import REDIS_URL, clear
 
 GIB = 1024**3
 
@@ -113,3 +122,40 @@ def test_a_node_where_it_is_warm_is_preferred() -> None:
     warm = NodeInfo(**{**warm.__dict__, "warm": frozenset({"m:1"})})
     # when one replica is wanted, then it goes to b (its load skips the disk)
     assert plan({"m:1": 1}, SPECS, [node("a"), warm]).loads == [("b", "m:1")]
+
+
+# -- the step, on the real PostgreSQL and Redis ------------------------------------------------------------
+
+
+@pytest.fixture
+def fleet_redis() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)
+    yield client
+    clear(client)
+    client.close()
+
+
+def test_a_step_skips_while_another_runs_and_marks_what_no_node_can_hold(db, fleet_redis, model_files) -> None:  # noqa: ANN001
+    register(model_files.digits, "digits")
+    version = ModelVersion.objects.get(model__name="digits")
+    version.desired_replicas = 2
+    version.save()
+    # given another step holds the lock, when a step starts, then it does nothing
+    fleet_redis.set(LOCK_KEY, "another", ex=30)
+    assert reconcile(url=REDIS_URL).skipped == "another reconciler step is running"
+    version.refresh_from_db()
+    assert version.unschedulable_reason == ""
+    # when the lock is free and the fleet is empty, then the version is marked unschedulable with the reason
+    fleet_redis.delete(LOCK_KEY)
+    outcome = reconcile(url=REDIS_URL)
+    assert outcome.nodes == 0 and outcome.plan is not None and outcome.plan.loads == []
+    version.refresh_from_db()
+    assert version.unschedulable_reason.startswith(REASON_PREFIX) and "0 eligible nodes" in version.unschedulable_reason
+    assert not fleet_redis.exists(LOCK_KEY)  # released
+    # and once nothing is desired, the reconciler's own verdict is cleared
+    version.desired_replicas = 0
+    version.save()
+    reconcile(url=REDIS_URL)
+    version.refresh_from_db()
+    assert version.unschedulable_reason == ""
