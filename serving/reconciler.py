@@ -94,8 +94,16 @@ def plan(
     placement = place(desired, specs, states, now=now)
     result = Plan(unschedulable={k: u.reason for k, u in placement.unschedulable.items()},
                   placed=placement.assignments)
+    failures = {n.name: n.failures for n in nodes}
     for key, names in placement.assignments.items():
-        result.loads.extend((name, key) for name in names if key not in held[name])
+        for name in names:
+            if key in held[name]:
+                continue
+            failed = failures[name].get(key)
+            if failed:  # not sent again until the node forgets it (the version changes): never a silent retry loop
+                result.unschedulable.setdefault(key, f"{key} failed to load on {name}: {failed}")
+                continue
+            result.loads.append((name, key))
     for name, keys in placement.evictions.items():
         # Only scale-in of assigned replicas: LRU evictions to make room are the node's own, at load time.
         result.unloads.extend((name, key) for key in keys if key in desired and key in held[name])

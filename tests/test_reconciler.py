@@ -159,3 +159,12 @@ def test_a_step_skips_while_another_runs_and_marks_what_no_node_can_hold(db, fle
     reconcile(url=REDIS_URL)
     version.refresh_from_db()
     assert version.unschedulable_reason == ""
+
+
+def test_a_node_where_the_load_failed_is_not_sent_it_again() -> None:
+    # given m:1's load failed on a (its heartbeat says why)
+    failed = NodeInfo(**{**node("a").__dict__, "failures": {"m:1": "RuntimeError: bad archive"}})
+    # when the reconciler plans a replica there, then no load is sent, and the version says why
+    result = plan({"m:1": 1}, SPECS, [failed])
+    assert result.loads == []
+    assert "failed to load on a: RuntimeError: bad archive" in result.unschedulable["m:1"]
