@@ -146,3 +146,18 @@ def test_desired_replicas_load_and_unload_through_node_queues(fleet_of_two) -> N
     wait_for("unschedulable reason", lambda: "3 replicas" in ModelVersion.objects.get(
         model__name="digits").unschedulable_reason, nodes, 60)
     wait_for("digits:1 on both nodes again", lambda: all(assigned_on(client, names).values()), nodes, 120)
+
+    # -- when the node holding the one replica left is killed (-9)
+    set_desired(1)
+    app.send_task("serving.tasks.reconcile_placements")
+    wait_for("one replica left", one_left, nodes, 120)
+    holder = next(n for n, held in assigned_on(client, names).items() if held)
+    other = next(n for n in names if n != holder)
+    nodes[names.index(holder)].proc.kill()
+    survivor = [nodes[names.index(other)]]
+    # then once its heartbeat lapses the other node serves the version again (on demand)
+    wait_for("the survivor serving it", lambda: heartbeat(client, holder) is None and ready_on(client, other, KEY),
+             survivor, 30)
+    # and the next step assigns the replica there
+    app.send_task("serving.tasks.reconcile_placements")
+    wait_for("re-placed on the survivor", lambda: assigned_on(client, [other])[other], survivor, 120)
