@@ -135,7 +135,9 @@ class NodeProcess:
         self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
         self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
         self._flush_scheduled = False
-        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0}
+        # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
+        # be loaded for them ("cold"): the hit rate of this node's packing.
+        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0, "hot": 0, "cold": 0}
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
@@ -154,7 +156,8 @@ class NodeProcess:
             labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
             serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
             hot=frozenset(node.hosted),
-            failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
+            failures={k: f.reason for k, f in node.failures.items()},
+            counts={**self.counts, "loads": node.packing.loads, "evictions": node.packing.evictions},
         )
 
     async def heartbeat_once(self) -> None:
@@ -311,6 +314,7 @@ class NodeProcess:
             # The gateway answered 504 at this deadline already: never run it, never answer it twice.
             self.counts["expired"] += 1
             return
+        self.counts["hot" if key in self.node.hosted else "cold"] += 1
         try:
             outputs = await self.node.infer(key, request.inputs, request.rows, self._clock() + left,
                                             request.priority, nbytes=len(raw or b""))

@@ -94,6 +94,7 @@ class Packing:
         self.stable: frozenset[str] = frozenset()  # the models' stable versions, by key
         self.events: deque[Event] = deque(maxlen=events)
         self.evictions = 0
+        self.loads = 0
         self._report = report
         self._sending: set[asyncio.Task[object]] = set()
 
@@ -173,6 +174,8 @@ class Packing:
         self.events.append(Event(time.time(), kind, key, detail))
         if kind == "evict":
             self.evictions += 1
+        elif kind == "load":
+            self.loads += 1
 
     def send(self, report: LoadReport) -> None:
         """Tell the registry, off the event loop's path; a failure (database down) is logged, not retried:
