@@ -52,6 +52,7 @@ class NodeInfo:
     serial: int  # the last routing snapshot this node reconciled
     ready: frozenset[str] = frozenset()  # version keys it consumes: loaded, or cold and loaded on request
     hot: frozenset[str] = frozenset()  # of those, the loaded ones
+    loading: frozenset[str] = frozenset()  # of those, the ones a request is loading now
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
 
@@ -65,7 +66,8 @@ class NodeInfo:
             "device": self.device, "accelerator": self.accelerator, "accelerator_count": self.accelerator_count,
             "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
-            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot), "failures": self.failures,
+            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot),
+            "loading": sorted(self.loading), "failures": self.failures,
             "counts": self.counts,
         }
         return {k: self.encode_field(v) for k, v in doc.items()}
@@ -75,6 +77,7 @@ class NodeInfo:
         doc = {k.decode(): orjson.loads(v) for k, v in raw.items()}
         doc["ready"] = frozenset(doc.get("ready", ()))
         doc["hot"] = frozenset(doc.get("hot", ()))
+        doc["loading"] = frozenset(doc.get("loading", ()))
         return cls(**doc)
 
 
@@ -154,7 +157,8 @@ class FleetView:
         self.nodes = nodes
         self._ready = frozenset().union(*(n.ready for n in nodes))
         self._hot = frozenset().union(*(n.hot for n in nodes))
-        self.packing = FleetPacking(cold=self._ready - self._hot)
+        self.packing = FleetPacking(cold=self._ready - self._hot,
+                                    loading=frozenset().union(*(n.loading for n in nodes)) - self._hot)
         self.failures = {key: LoadFailure(reason) for n in nodes for key, reason in n.failures.items()
                          if key not in self._ready}
         # Every live node has reconciled this serial: what a repository load waits for.
