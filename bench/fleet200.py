@@ -310,8 +310,10 @@ def run(a: argparse.Namespace) -> bool:
         fresh_database(a.database_url)
         clear_redis(a.redis_url)
         manage(["migrate", "--noinput", "-v0"], env)
-        manage(["shell", "-c", SETUP.format(model=MODEL, versions=a.versions, data_dir=data_dir,
-                                            timeout_ms=a.timeout_ms)], env)
+        setup = data_dir / "setup.py"
+        setup.write_text(SETUP.format(model=MODEL, versions=a.versions, data_dir=data_dir, timeout_ms=a.timeout_ms))
+        say(f"building and registering {a.versions} models ({setup})")
+        manage(["shell", "-c", f"exec(open({str(setup)!r}).read())"], env)
         setup_seconds = time.monotonic() - started
         footprint = int((data_dir / "footprint").read_text())
         token = (data_dir / "bench.key").read_text().strip()
@@ -334,7 +336,7 @@ def run(a: argparse.Namespace) -> bool:
             procs.check()
             loads = {name: [(key, float(s)) for key, s in NODE_LOAD.findall(procs.log(name)[skip[name]:])]
                      for name in names}
-        lines, ok = report(a, results, nodes, loads, index, footprint, budget, setup_seconds,
+        lines, ok = report(a, results, samples, nodes, loads, index, footprint, budget, setup_seconds,
                            time.monotonic() - started)
         print("\n".join(lines))
         if a.record is not None:
@@ -381,7 +383,13 @@ def repository_index(url: str, token: str) -> list[dict]:
         return orjson.loads(resp.read())
 
 
-def report(a: argparse.Namespace, results: list[Result], nodes: dict[str, dict],
+def both(sample: Sample) -> int:
+    """Versions hot on more than one node in `sample`."""
+    seen = Counter(key for state in sample.nodes.values() for key in state["hot"])
+    return sum(1 for n in seen.values() if n > 1)
+
+
+def report(a: argparse.Namespace, results: list[Result], samples: list[Sample], nodes: dict[str, dict],
            loads: dict[str, list[tuple[str, float]]], index: list[dict], footprint: int, budget: int,
            setup_seconds: float, seconds: float) -> tuple[list[str], bool]:
     statuses = Counter(r.status for r in results)
@@ -414,12 +422,10 @@ def report(a: argparse.Namespace, results: list[Result], nodes: dict[str, dict],
         out.append(f"cold-load latency on the nodes (load + evictions + warm-up), {len(every)} loads:"
                    f" p50 {percentile(every, 50) * 1000:.0f} ms, p99 {percentile(every, 99) * 1000:.0f} ms,"
                    f" max {max(every) * 1000:.0f} ms")
-    keys = [{k for k, _ in lst} for lst in loads.values()]
-    if len(keys) >= 2:
-        both = set.intersection(*keys)
-        hot_sets = [set(state["hot"]) for state in nodes.values()]
-        out.append(f"versions loaded on more than one node during the run: {len(both)}; hot on more than one"
-                   f" node at the end: {len(set.intersection(*hot_sets)) if hot_sets else 0}")
+    if samples:
+        twice = [both(s) for s in samples]
+        out.append(f"versions hot on more than one node at once (sampled every second): mean {np.mean(twice):.1f},"
+                   f" max {max(twice)}")
     if ok_ms:
         out.append(f"client latency of 200s: p50 {percentile(ok_ms, 50):.1f} ms, p99 {percentile(ok_ms, 99):.1f} ms,"
                    f" max {max(ok_ms):.0f} ms")
@@ -484,7 +490,7 @@ def plot(path: Path, a: argparse.Namespace, results: list[Result], samples: list
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (answers, hot, cold) = plt.subplots(3, 1, figsize=(9, 9))
+    fig, ((answers, rate), (hot, cold)) = plt.subplots(2, 2, figsize=(13, 8))
     edges = np.arange(0, a.duration + 1, 1.0)
     for status, colour in ((200, "tab:green"), (503, "tab:orange"), (-1, "tab:red")):
         sent = [r.sent for r in results if r.status == status]
@@ -495,23 +501,47 @@ def plot(path: Path, a: argparse.Namespace, results: list[Result], samples: list
     if other:
         counts, _ = np.histogram(other, edges)
         answers.plot(edges[:-1], counts, label="other", color="black")
-    answers.set_ylabel("requests sent per second")
-    answers.set_title(f"{a.versions} versions, Zipf s={a.zipf:g}, {a.rate:g}/s open loop: answer by send time")
+    answers.set_ylabel("requests per second, by answer")
+    answers.set_xlabel("seconds (send time)")
+    answers.set_title(f"{a.versions} versions, Zipf s={a.zipf:g}, {a.rate:g}/s open loop")
     answers.legend()
     names = sorted({n for s in samples for n in s.nodes})
+    pairs = list(zip(samples, samples[1:], strict=False))
+    xs = [later.at for _, later in pairs]
     for name in names:
-        xs = [s.at for s in samples if name in s.nodes]
-        hot.plot(xs, [len(s.nodes[name]["hot"]) for s in samples if name in s.nodes], label=f"{name} hot")
-        hot.plot(xs, [s.nodes[name]["counts"].get("evictions", 0) - samples[0].nodes.get(name, {}).get(
-            "counts", {}).get("evictions", 0) for s in samples if name in s.nodes], linestyle="--",
-            label=f"{name} evictions (cumulative)")
-    hot.axhline(a.hold / a.nodes, color="grey", linewidth=0.8, linestyle=":", label="budget (versions)")
+        def grew(what: str, name: str = name) -> list[float]:
+            return [(later.nodes.get(name, {}).get("counts", {}).get(what, 0)
+                     - early.nodes.get(name, {}).get("counts", {}).get(what, 0)) / max(later.at - early.at, 1e-9)
+                    for early, later in pairs]
+        rate.plot(xs, grew("loads"), label=f"{name} loads (= evictions)")
+    taken = [sum(later.nodes.get(n, {}).get("counts", {}).get(k, 0) - early.nodes.get(n, {}).get("counts", {}).get(
+        k, 0) for n in names for k in ("hot", "cold")) for early, later in pairs]
+    found = [sum(later.nodes.get(n, {}).get("counts", {}).get("hot", 0) - early.nodes.get(n, {}).get(
+        "counts", {}).get("hot", 0) for n in names) for early, later in pairs]
+    window = 5
+    hits = [sum(found[max(0, i - window + 1): i + 1]) / max(sum(taken[max(0, i - window + 1): i + 1]), 1)
+            for i in range(len(found))]
+    rate.set_ylabel("loads per second")
+    rate.set_xlabel("seconds")
+    share = rate.twinx()
+    share.plot(xs, [h * 100 for h in hits], color="black", linewidth=1, label=f"hit rate ({window} s window)")
+    share.set_ylim(0, 100)
+    share.set_ylabel("hot-version hit rate (%)")
+    rate.legend(loc="upper left", fontsize=8)
+    share.legend(loc="lower right", fontsize=8)
+    for name in names:
+        hot.plot([s.at for s in samples], [len(s.nodes.get(name, {}).get("hot", ())) for s in samples],
+                 label=f"{name} hot")
+    hot.plot([s.at for s in samples], [both(s) for s in samples], color="black", label="hot on both nodes")
+    hot.axhline(a.hold / a.nodes, color="grey", linewidth=0.8, linestyle=":", label="budget of a node (versions)")
     hot.set_ylabel("versions")
     hot.set_xlabel("seconds")
+    hot.set_ylim(0, a.hold / a.nodes * 1.3)
     hot.legend(fontsize=8)
     every = [s * 1000 for lst in loads.values() for _, s in lst]
     if every:
-        cold.hist(every, bins=40, color="tab:blue")
+        cold.hist(every, bins=np.geomspace(max(min(every), 1), max(every) * 1.01, 40), color="tab:blue")
+        cold.set_xscale("log")
     cold.set_xlabel("cold load on the node (ms): load + evictions + warm-up")
     cold.set_ylabel("loads")
     fig.tight_layout()
