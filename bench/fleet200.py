@@ -454,8 +454,9 @@ def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
     return [START, "## 200 versions on two nodes", "",
             f"`{command(a)}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC}: distributed mode with real processes (one"
             " web process, two `runnode` processes, PostgreSQL, Redis Streams), every version a distinct small"
-            " model registered with validation. No versions are placed by a reconciler: every node takes every"
-            " version's requests and loads a cold one on demand, evicting idle versions least recently used first."
+            " model registered with validation. No versions are placed by a reconciler: a node takes the requests"
+            " of the versions it holds and of those no other live node holds or is loading, and loads a cold one on"
+            " demand, evicting idle versions least recently used first."
             f" Zipf s={a.zipf:g} puts {top_share(a):.0%} of requests on the {a.hold:g} most popular versions, the"
             " best a static placement of that many could do. The hit rate is counted by the nodes (an entry"
             " taken from a version's stream, with the version loaded or not); load times come from the nodes'"
