@@ -412,6 +412,7 @@ def report(a: argparse.Namespace, results: list[Result], samples: list[Sample], 
         cold += grew.get("cold", 0)
         out.append(f"{name}: took {grew.get('hot', 0) + grew.get('cold', 0)} requests"
                    f" ({grew.get('hot', 0)} hot, {grew.get('cold', 0)} cold), served {grew.get('served', 0)},"
+                   f" past their deadline {grew.get('expired', 0)},"
                    f" loads {grew.get('loads', 0)}, evictions {grew.get('evictions', 0)};"
                    f" at the end {len(state['hot'])} hot, {state['memory_used']} of {state['memory_budget']} bytes")
     if hot + cold:
