@@ -58,6 +58,7 @@ RECLAIM_SECONDS = 0.5
 CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the entry no longer idle
 REPLY_MAXLEN = 10_000
 HOLDING_POLL_SECONDS = 0.02  # how soon a load or an eviction goes out in a heartbeat
+HEARTBEAT_RETRY_SECONDS = 0.1  # after a failed heartbeat
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -195,8 +196,13 @@ class NodeProcess:
                 if not failing:
                     log.warning("heartbeat failed (%s); retrying", exc)
                 failing = True
+            if failing:
+                # Soon: a Redis that came back empty holds no heartbeat, and gateways read this node's versions
+                # as not served until the next one.
+                await asyncio.sleep(HEARTBEAT_RETRY_SECONDS)
+                continue
             due = self._clock() + fleet.HEARTBEAT_SECONDS
-            while self._clock() < due and (failing or self._holding() == holding):
+            while self._clock() < due and self._holding() == holding:
                 await asyncio.sleep(min(HOLDING_POLL_SECONDS, max(0.0, due - self._clock())))
 
     async def watch_fleet_once(self) -> None:
