@@ -52,6 +52,7 @@ class NodeInfo:
     serial: int  # the last routing snapshot this node reconciled
     ready: frozenset[str] = frozenset()  # version keys it consumes: loaded, or cold and loaded on request
     hot: frozenset[str] = frozenset()  # of those, the loaded ones
+    loading: frozenset[str] = frozenset()  # of those, the ones a request is loading now
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
     # Placed here by the placement reconciler (serving.reconciler): hosted here, and by no unassigned node.
     assigned: frozenset[str] = frozenset()
@@ -68,9 +69,9 @@ class NodeInfo:
             "device": self.device, "accelerator": self.accelerator, "accelerator_count": self.accelerator_count,
             "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
-            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot), "failures": self.failures,
-            "counts": self.counts, "assigned": sorted(self.assigned),
-            "warm": sorted(self.warm),
+            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot),
+            "loading": sorted(self.loading), "failures": self.failures,
+            "counts": self.counts, "assigned": sorted(self.assigned), "warm": sorted(self.warm),
         }
         return {k: self.encode_field(v) for k, v in doc.items()}
 
@@ -81,6 +82,7 @@ class NodeInfo:
         doc["hot"] = frozenset(doc.get("hot", ()))
         doc["assigned"] = frozenset(doc.get("assigned", ()))
         doc["warm"] = frozenset(doc.get("warm", ()))
+        doc["loading"] = frozenset(doc.get("loading", ()))
         return cls(**doc)
 
 
@@ -160,7 +162,8 @@ class FleetView:
         self.nodes = nodes
         self._ready = frozenset().union(*(n.ready for n in nodes))
         self._hot = frozenset().union(*(n.hot for n in nodes))
-        self.packing = FleetPacking(cold=self._ready - self._hot)
+        self.packing = FleetPacking(cold=self._ready - self._hot,
+                                    loading=frozenset().union(*(n.loading for n in nodes)) - self._hot)
         self.failures = {key: LoadFailure(reason) for n in nodes for key, reason in n.failures.items()
                          if key not in self._ready}
         # Every live node has reconciled this serial: what a repository load waits for.

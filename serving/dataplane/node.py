@@ -244,7 +244,7 @@ class Node:
                 metrics.COLD_START.labels(entry.model).observe(cold_start)
                 self.packing.send(LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes,
                                              cold_start))
-        log.info("loaded %s on %s in %.2fs (%d bytes)", entry.key, self.device, cold_start, runtime.memory_bytes)
+        log.info("loaded %s on %s in %.3fs (%d bytes)", entry.key, self.device, cold_start, runtime.memory_bytes)
         return hosted
 
     def placement_state(self) -> NodeState:

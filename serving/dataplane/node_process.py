@@ -9,7 +9,12 @@ Its loops, each a single step the loop repeats (a test drives one step directly)
   a short BLOCK, each entry handed to `Node.infer` (its batcher, admission and runtime), answered on
   the entry's reply stream, then acknowledged and deleted;
 - `reclaim_once`: the pending entries of consumers whose node is lost are claimed and served while
-  their deadline allows.
+  their deadline allows;
+- `watch_fleet_once`: which versions other live nodes hold hot or are loading. A version cold here and
+  hot (or loading) on another node is left to that node: taking its requests here would load a second
+  copy, and evict for it, while a loaded one serves (two nodes each loading whatever came to them halve
+  what the fleet holds and thrash). The heartbeat is sent at once when what this node holds changes, so
+  the others learn of a load within about a fleet refresh.
 
 Placement: `assign` and `release` are what the node's Celery queue (`serving.node_tasks`) runs on this loop
 for the placement reconciler (`serving.reconciler`). A version assigned to some live node is hosted only by
@@ -57,6 +62,8 @@ READ_AHEAD = 2  # batches of a version this node holds at most (queued or runnin
 RECLAIM_SECONDS = 0.5
 CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the entry no longer idle
 REPLY_MAXLEN = 10_000
+HOLDING_POLL_SECONDS = 0.02  # how soon a load or an eviction goes out in a heartbeat
+HEARTBEAT_RETRY_SECONDS = 0.1  # after a failed heartbeat
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -142,7 +149,10 @@ class NodeProcess:
         self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
         self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
         self._flush_scheduled = False
-        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0}
+        # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
+        # be loaded for them ("cold"): the hit rate of this node's packing.
+        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0, "hot": 0, "cold": 0}
+        self._elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
@@ -160,8 +170,9 @@ class NodeProcess:
             memory_used=sum(h.runtime.memory_bytes for h in node.hosted.values()),
             labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
             serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
-            hot=frozenset(node.hosted),
-            failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
+            hot=frozenset(node.hosted), loading=frozenset(node.packing.loading),
+            failures={k: f.reason for k, f in node.failures.items()},
+            counts={**self.counts, "loads": node.packing.loads, "evictions": node.packing.evictions},
             assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
         )
 
@@ -173,6 +184,38 @@ class NodeProcess:
         pipe.expire(key, fleet.TTL_SECONDS)
         pipe.sadd(fleet.NODES_KEY, self.facts.name)
         await pipe.execute()
+
+    def _holding(self) -> tuple:
+        """Changes whenever what this node holds hot or is loading changes."""
+        packing = self.node.packing
+        return packing.loads, packing.evictions, tuple(packing.loading), len(self.node.hosted)
+
+    async def _heartbeat_forever(self) -> None:
+        """A heartbeat every HEARTBEAT_SECONDS, and one as soon as a load starts or ends or a version is evicted."""
+        failing = False
+        while True:
+            try:
+                holding = self._holding()
+                await self.heartbeat_once()
+                if failing:
+                    log.info("heartbeat works again")
+                failing = False
+            except (redis.RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("heartbeat failed (%s); retrying", exc)
+                failing = True
+            if failing:
+                # Soon: a Redis that came back empty holds no heartbeat, and gateways read this node's versions
+                # as not served until the next one.
+                await asyncio.sleep(HEARTBEAT_RETRY_SECONDS)
+                continue
+            due = self._clock() + fleet.HEARTBEAT_SECONDS
+            while self._clock() < due and self._holding() == holding:
+                await asyncio.sleep(min(HOLDING_POLL_SECONDS, max(0.0, due - self._clock())))
+
+    async def watch_fleet_once(self) -> None:
+        nodes = await fleet.read_fleet(self._client)
+        self._elsewhere = frozenset().union(*(n.hot | n.loading for n in nodes if n.name != self.facts.name))
 
     async def claim_name(self) -> None:
         """Join the fleet under this node's name. A heartbeat hash under it that is still renewed is a live
@@ -300,7 +343,10 @@ class NodeProcess:
 
     def _readable(self) -> dict[str, str]:
         streams = {}
+        node = self.node
         for key, entry in self.servable().items():
+            if key not in node.hosted and key in self._elsewhere and key not in node.packing.loading:
+                continue  # cold here, served hot (or being loaded) by another node
             if key in self._grouped and self._held.get(key, 0) < READ_AHEAD * entry.batching.max_batch_size:
                 streams[request_stream(key)] = ">"
         return streams
@@ -371,6 +417,7 @@ class NodeProcess:
             # The gateway answered 504 at this deadline already: never run it, never answer it twice.
             self.counts["expired"] += 1
             return
+        self.counts["hot" if key in self.node.hosted else "cold"] += 1
         try:
             outputs = await self.node.infer(key, request.inputs, request.rows, self._clock() + left,
                                             request.priority, nbytes=len(raw or b""))
@@ -483,7 +530,9 @@ class NodeProcess:
         """Join the fleet, follow the snapshot, load what it hosts, then serve."""
         await self.claim_name()
         loop = asyncio.get_running_loop()
-        self._loops.append(loop.create_task(self._every(fleet.HEARTBEAT_SECONDS, self.heartbeat_once, "heartbeat")))
+        self._loops.append(loop.create_task(self._heartbeat_forever()))
+        self._loops.append(loop.create_task(self._every(fleet.REFRESH_SECONDS, self.watch_fleet_once,
+                                                        "reading the fleet")))
         self.hub.subscribe(self.on_snapshot)
         self._loops.append(loop.create_task(snapshot_redis.follow(self.url, self.hub)))
         deadline = self._clock() + first_snapshot_timeout

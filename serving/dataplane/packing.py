@@ -96,6 +96,7 @@ class Packing:
         self.assigned: set[str] = set()
         self.events: deque[Event] = deque(maxlen=events)
         self.evictions = 0
+        self.loads = 0
         self._report = report
         self._sending: set[asyncio.Task[object]] = set()
 
@@ -175,6 +176,8 @@ class Packing:
         self.events.append(Event(time.time(), kind, key, detail))
         if kind == "evict":
             self.evictions += 1
+        elif kind == "load":
+            self.loads += 1
 
     def send(self, report: LoadReport) -> None:
         """Tell the registry, off the event loop's path; a failure (database down) is logged, not retried:
