@@ -31,6 +31,7 @@ import redis
 
 from serving.dataplane import fleet, metrics, redis_pipe, snapshot_redis
 from serving.dataplane.errors import DeadlineExceeded, ServingError
+from serving.dataplane.fleet_events import EventPublisher
 from serving.dataplane.node import Node
 from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.stream_codec import (
@@ -140,6 +141,8 @@ class NodeProcess:
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
         self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
+        self.events = EventPublisher(url, facts.name)  # its loads, evictions and failures, for the fleet page
+        node.packing.listeners.append(self.events.add)
 
     # -- membership ------------------------------------------------------------------------
 
@@ -155,15 +158,18 @@ class NodeProcess:
             serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
             hot=frozenset(node.hosted),
             failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
+            busy=round(node.busy.fraction(), 4), resident=fleet.resident_of(node.hosted),
         )
 
     async def heartbeat_once(self) -> None:
         key = fleet.node_key(self.facts.name)
         pipe = self._client.pipeline(transaction=True)
+        info = self.info()
         pipe.delete(key)  # fields of an older shape must not linger
-        pipe.hset(key, mapping=self.info().to_hash())
+        pipe.hset(key, mapping=info.to_hash())
         pipe.expire(key, fleet.TTL_SECONDS)
         pipe.sadd(fleet.NODES_KEY, self.facts.name)
+        pipe.hset(fleet.SEEN_KEY, self.facts.name, fleet.seen_entry(info))
         await pipe.execute()
 
     async def claim_name(self) -> None:
@@ -184,7 +190,7 @@ class NodeProcess:
 
     async def leave(self) -> None:
         """Remove this node's heartbeat, if it is this process's (not a namesake's that refused this one)."""
-        await self._client.eval(_LEAVE, 2, fleet.node_key(self.facts.name), fleet.NODES_KEY,
+        await self._client.eval(_LEAVE, 3, fleet.node_key(self.facts.name), fleet.NODES_KEY, fleet.SEEN_KEY,
                                 fleet.NodeInfo.encode_field(self.instance), self.facts.name)
 
     # -- what it hosts ---------------------------------------------------------------------
@@ -419,6 +425,7 @@ class NodeProcess:
 
     async def start(self, first_snapshot_timeout: float = 60.0) -> None:
         """Join the fleet, follow the snapshot, load what it hosts, then serve."""
+        self.events.start()
         await self.claim_name()
         loop = asyncio.get_running_loop()
         self._loops.append(loop.create_task(self._every(fleet.HEARTBEAT_SECONDS, self.heartbeat_once, "heartbeat")))
@@ -456,15 +463,17 @@ class NodeProcess:
                 pass
         await self._pipe.close()
         await self.node.close()
+        await self.events.close()
         for client in (self._client, self._reader, self._pipe.client):
             await client.aclose()
 
 
-# KEYS: the node's hash, the fleet set; ARGV: its instance (as the hash stores it), its name.
+# KEYS: the node's hash, the fleet set, the last heartbeats; ARGV: its instance (as the hash stores it), its name.
 _LEAVE = """
 if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
   return 1
 end
 return 0

@@ -93,6 +93,7 @@ class Packing:
         self.by_artifact: dict[str, float] = {}  # sha256 -> the last cold start of any version of it here
         self.stable: frozenset[str] = frozenset()  # the models' stable versions, by key
         self.events: deque[Event] = deque(maxlen=events)
+        self.listeners: list[Callable[[Event], None]] = []  # told of each event (the fleet page's publisher)
         self.evictions = 0
         self._report = report
         self._sending: set[asyncio.Task[object]] = set()
@@ -170,9 +171,12 @@ class Packing:
     # -- records -------------------------------------------------------------------------------
 
     def record(self, kind: str, key: str, detail: str = "") -> None:
-        self.events.append(Event(time.time(), kind, key, detail))
+        event = Event(time.time(), kind, key, detail)
+        self.events.append(event)
         if kind == "evict":
             self.evictions += 1
+        for listener in self.listeners:
+            listener(event)
 
     def send(self, report: LoadReport) -> None:
         """Tell the registry, off the event loop's path; a failure (database down) is logged, not retried:
