@@ -20,6 +20,7 @@ from serving import artifacts
 from serving.dataplane import plane as planes
 from serving.dataplane.errors import ServingError
 from serving.dataplane.fleet import FleetView
+from serving.dataplane.fleet_events import EventPublisher
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
@@ -146,6 +147,8 @@ async def _evaluate_rollouts_forever() -> None:
 
 # Control-plane loops this process runs beside its data plane (embedded mode), cancelled by stop().
 _control_tasks: list[asyncio.Task[None]] = []
+# An embedded node's loads, evictions and failures, sent to the fleet's event stream when there is Redis.
+_events: list[EventPublisher] = []
 
 
 def _record_key_use(prefixes: set[str]) -> None:
@@ -177,6 +180,13 @@ async def start() -> DataPlane:
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )
         transport = InProcessTransport(node)
+        if settings.REDIS_URL:
+            from serving.fleet_state import embedded_name
+
+            publisher = EventPublisher(settings.REDIS_URL, embedded_name())
+            node.packing.listeners.append(publisher.add)
+            publisher.start()
+            _events.append(publisher)
     # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
     mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
                     workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
@@ -271,6 +281,8 @@ async def stop() -> None:
     if plane.quota is not None:
         await plane.quota.close()
     await plane.node.close()
+    while _events:
+        await _events.pop().close()
     if isinstance(plane.gateway.transport, RedisStreamsTransport):
         await plane.gateway.transport.close()
     from django.db import connections
