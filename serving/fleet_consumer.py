@@ -1,4 +1,5 @@
-"""The fleet page's WebSocket (`/ws/fleet/`): the fleet, pushed every PUSH_SECONDS while a page watches.
+"""The fleet page's WebSocket (`/ws/fleet/`): the fleet, pushed every PUSH_SECONDS while a page watches, and
+at once when a node publishes an event.
 
 One `FleetFeed` per process reads the fleet (Redis, or the embedded node) once per push, however many pages
 watch, and sends it through the channel layer to a group of this process's sockets; each socket narrows it to
@@ -22,13 +23,14 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from serving.dataplane import redis_pipe
+from serving.dataplane import fleet_events, redis_pipe
 from serving.fleet_state import read_state, scoped
 from serving.fleet_views import may_view, parts, visible_names
 
 log = logging.getLogger(__name__)
 
-PUSH_SECONDS = 1.0  # the heartbeat's pace: nothing on the page changes faster
+PUSH_SECONDS = 1.0  # the heartbeat's pace: a node's row changes no faster
+EVENT_PUSH_SECONDS = 0.2  # new events are pushed at once, but a burst of them at most this often
 RECHECK_SECONDS = 10.0  # how often a socket re-reads what its user may see
 REFUSED = 4403
 
@@ -57,21 +59,38 @@ class FleetFeed:
         await layer.group_send(self.group, {"type": "fleet.state", "state": await read_state(client)})
 
     async def _run(self, layer: Any) -> None:
-        client = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-feed") if settings.REDIS_URL else None
+        """Push every PUSH_SECONDS, and sooner when the event stream grows (at most every EVENT_PUSH_SECONDS),
+        so an eviction shows as it happens rather than at the next tick."""
+        client = waiter = None
+        if settings.REDIS_URL:
+            client = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-feed")
+            waiter = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-feed-events",
+                                       socket_timeout=PUSH_SECONDS + redis_pipe.COMMAND_TIMEOUT_S)
         failing = False
+        last_id = "$"  # events from now on: the state read at each push carries the older ones
         try:
             while True:
+                started = time.monotonic()
                 try:
                     await self.push_once(layer, client)
+                    if waiter is None:
+                        await asyncio.sleep(PUSH_SECONDS)
+                    else:
+                        found = await waiter.xread({fleet_events.STREAM: last_id}, count=100,
+                                                   block=int(PUSH_SECONDS * 1000))
+                        for _, entries in found or ():
+                            last_id = entries[-1][0]
+                        await asyncio.sleep(max(0.0, EVENT_PUSH_SECONDS - (time.monotonic() - started)))
                     failing = False
                 except (redis.RedisError, OSError) as exc:
                     if not failing:
                         log.warning("reading the fleet for its page failed (%s); retrying", exc)
                     failing = True
-                await asyncio.sleep(PUSH_SECONDS)
+                    await asyncio.sleep(PUSH_SECONDS)
         finally:
-            if client is not None:
-                await client.aclose()
+            for c in (client, waiter):
+                if c is not None:
+                    await c.aclose()
 
 
 FEED = FleetFeed()

@@ -5,6 +5,7 @@ written there as a node writes them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -278,8 +279,24 @@ def session_headers(client: Client) -> list[tuple[bytes, bytes]]:
 
 @pytest.fixture
 def redis_layer(settings):  # noqa: ANN001, ANN201
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                                           "CONFIG": {"hosts": [REDIS_URL], "prefix": "ferry:test-asgi"}}}
+    """The Redis channel layer as settings configure it with REDIS_URL, on the test Redis."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
+        "hosts": [{"address": REDIS_URL, "socket_timeout": settings.CHANNEL_LAYER_SOCKET_TIMEOUT_S}],
+        "prefix": "ferry:test-asgi"}}}
+
+
+def test_an_idle_socket_channel_outlasts_the_layers_blocking_read(redis_layer) -> None:  # noqa: ANN001
+    """A regression: with redis-py's default 5 s read timeout, a channel with nothing for 5 s raised."""
+    from channels.layers import get_channel_layer
+
+    async def idle() -> None:
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        with pytest.raises(TimeoutError):  # asyncio's, from wait_for: nothing came, and nothing failed
+            await asyncio.wait_for(layer.receive(channel), timeout=6.5)
+        await layer.flush()
+
+    async_to_sync(idle)()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -328,3 +345,48 @@ def test_the_socket_pushes_the_fleet_and_new_events_to_a_viewer(people, fleet_in
     assert 'class="segment hot" data-key="mine:1"' in first["html"]["nodes"] and "secret" not in str(first)
     # and the eviction arrives pushed, without asking
     assert 'data-kind="evict" data-key="mine:1"' in later["html"]["events"]
+
+
+# -- what a node measures and announces ----------------------------------------------------------------------
+
+async def test_a_node_meters_its_device_time_and_announces_what_it_holds(model_files) -> None:  # noqa: ANN001
+    from serving.dataplane.node import Node
+    from serving.fleet_state import embedded_info
+    from tests.test_packing_node import digits, x
+
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
+    seen: list[Event] = []
+    node.packing.listeners.append(seen.append)
+    try:
+        hosted = await node.load(digits("one"))
+        assert hosted is not None and node.busy.fraction() == 0.0  # loading is not serving
+        # when it serves a few batches
+        loop = asyncio.get_running_loop()
+        for _ in range(5):
+            await node.infer("one:1", x(8), 8, loop.time() + 5, 1)
+        # then its busy share is what the device thread measured, and the load reached the listener
+        assert 0.0 < node.busy.fraction() <= 1.0
+        assert [(e.kind, e.key) for e in seen] == [("load", "one:1")]
+        announced = embedded_info(node, time.time())
+        assert announced.resident == {"one:1": {"tier": "hot", "bytes": hosted.runtime.memory_bytes}}
+        assert announced.memory_used == hosted.runtime.memory_bytes > 0
+    finally:
+        await node.close()
+
+
+def test_an_embedded_page_shows_this_processs_node_and_its_own_record(digits_server, django_user_model) -> None:  # noqa: ANN001
+    from tenants.models import Membership, Role
+
+    # given the embedded server (no Redis), which loaded digits, digits-export and tokens, and a viewer
+    user = django_user_model.objects.create_user("embedded-viewer", password="pw-long-enough")
+    Membership.objects.create(user=user, tenant=tenant(), role=Role.VIEWER)
+    client = Client()
+    client.force_login(user)
+    doc = client.get("/api/fleet/").json()
+    [node] = doc["nodes"]
+    assert node["embedded"] and node["state"] == "live"
+    assert {r["key"] for r in node["resident"]} == {"digits:1", "digits-export:1", "tokens:1"}
+    assert node["memory_used"] == sum(r["bytes"] for r in node["resident"]) > 0
+    assert {(e["kind"], e["key"]) for e in doc["events"]} >= {("load", "digits:1"), ("load", "tokens:1")}
+    html = client.get("/console/fleet/").content.decode()
+    assert "(this web process)" in html and 'data-key="digits:1"' in html
