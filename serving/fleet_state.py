@@ -40,7 +40,7 @@ def embedded_info(node: Node, now: float) -> NodeInfo:
         memory_total=node.memory_budget, memory_budget=node.memory_budget,
         memory_used=sum(h.runtime.memory_bytes for h in hosted.values()), labels={}, started_at=0.0,
         heartbeat_at=now, serial=node.reconciled_serial, hot=frozenset(hosted),
-        failures={k: f.reason for k, f in node.failures.items()}, busy=round(node.busy.fraction(), 4),
+        failures={k: f.reason for k, f in dict(node.failures).items()}, busy=round(node.busy.fraction(), 4),
         resident=fleet.resident_of(hosted),
     )
 
@@ -77,7 +77,8 @@ async def read_state(client: aioredis.Redis | None, *, now: float | None = None)
         events += fleet_events.lost_events(lost, now)
     elif embedded is not None:
         name = embedded_name()
-        events = [FleetEvent.of(name, e) for e in embedded.packing.events if e.at >= now - fleet_events.WINDOW_SECONDS]
+        record = list(embedded.packing.events)  # one C-level copy: a sync view may read it off the node's loop
+        events = [FleetEvent.of(name, e) for e in record if e.at >= now - fleet_events.WINDOW_SECONDS]
     events.sort(key=lambda e: e.at, reverse=True)
     return {"at": now, "nodes": nodes, "events": [e.to_doc() for e in events[:EVENTS_SHOWN]]}
 
