@@ -132,8 +132,23 @@ class FleetConsumer(AsyncJsonWebsocketConsumer):
         if time.monotonic() - self.checked > RECHECK_SECONDS and not await self._allowed():
             await self.close(code=REFUSED)
             return
-        state = scoped(message["state"], self.models)
-        await self.send_json({"type": "fleet", **state, "html": parts(state)})
+        await self.send_json(_rendered(message["state"], self.models))
+
+
+_RENDERED: dict[tuple[float, frozenset[str] | None], dict[str, Any]] = {}
+
+
+def _rendered(state: dict[str, Any], models: set[str] | None) -> dict[str, Any]:
+    """The push for sockets that see `models`: narrowed and rendered once per push and set of models, not once
+    per socket (sockets of one tenant's people see the same)."""
+    key = (state["at"], None if models is None else frozenset(models))
+    found = _RENDERED.get(key)
+    if found is None:
+        if any(at != state["at"] for at, _ in _RENDERED):  # a new push: the old ones are not asked for again
+            _RENDERED.clear()
+        narrowed = scoped(state, models)
+        found = _RENDERED[key] = {"type": "fleet", **narrowed, "html": parts(narrowed)}
+    return found
 
 
 def _fresh(user: Any) -> Any:

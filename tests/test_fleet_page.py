@@ -168,6 +168,20 @@ def test_a_viewer_sees_other_tenants_versions_as_unnamed_segments_and_none_of_th
     assert scoped(STATE, None) is STATE  # platform staff see everything
 
 
+def test_a_push_is_narrowed_and_rendered_once_per_set_of_models() -> None:
+    from serving.fleet_consumer import _rendered
+
+    state = {**STATE, "nodes": [{**n, "state": "live", "embedded": False, "busy": 0.5, "heartbeat_age": 1.0,
+                                 "heartbeat_at": 0.0, "labels": {}, "host": "h", "pid": 1, "accelerator": "a10g",
+                                 "accelerator_count": 1, "device": "cpu"} for n in STATE["nodes"]],
+             "events": [{**e, "at": 0.0, "node": "n", "group": "load", "detail": ""} for e in STATE["events"]]}
+    mine = _rendered(state, {"mine"})
+    assert _rendered(state, {"mine"}) is mine  # a second socket of the same tenant: no second rendering
+    everything = _rendered(state, None)
+    assert everything is not mine and "secret:1" in everything["html"]["events"]
+    assert "secret" not in str(mine)
+
+
 def test_the_packing_bar_draws_each_version_as_wide_as_its_footprint_against_the_budget() -> None:
     svg = packing_svg(scoped(STATE, {"mine"})["nodes"][0])
     widths = {m[0] + m[1]: float(m[2]) for m in re.findall(
