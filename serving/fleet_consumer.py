@@ -30,7 +30,8 @@ from serving.fleet_views import may_view, parts, visible_names
 log = logging.getLogger(__name__)
 
 PUSH_SECONDS = 1.0  # the heartbeat's pace: a node's row changes no faster
-EVENT_PUSH_SECONDS = 0.2  # new events are pushed at once, but a burst of them at most this often
+# New events are pushed at once, but at most this often: each push reads the fleet again (bench.fleet_page).
+EVENT_PUSH_SECONDS = 0.5
 RECHECK_SECONDS = 10.0  # how often a socket re-reads what its user may see
 REFUSED = 4403
 
@@ -67,13 +68,16 @@ class FleetFeed:
             waiter = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-feed-events",
                                        socket_timeout=PUSH_SECONDS + redis_pipe.COMMAND_TIMEOUT_S)
         failing = False
-        last_id = "$"  # events from now on: the state read at each push carries the older ones
+        last_id: bytes | str | None = None  # the newest event pushed: the state read at each push carries it
         try:
             while True:
                 started = time.monotonic()
                 try:
+                    if waiter is not None and last_id is None:
+                        newest = await waiter.xrevrange(fleet_events.STREAM, count=1)
+                        last_id = newest[0][0] if newest else "0-0"
                     await self.push_once(layer, client)
-                    if waiter is None:
+                    if waiter is None or last_id is None:
                         await asyncio.sleep(PUSH_SECONDS)
                     else:
                         found = await waiter.xread({fleet_events.STREAM: last_id}, count=100,
