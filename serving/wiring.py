@@ -32,6 +32,7 @@ from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot, hub
 from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
+from serving.fleet_state import embedded_name
 from serving.publish import publish_snapshot
 from tenants.keys import pepper_from
 from usage.flusher import UsageFlusher
@@ -181,8 +182,6 @@ async def start() -> DataPlane:
         )
         transport = InProcessTransport(node)
         if settings.REDIS_URL:
-            from serving.fleet_state import embedded_name
-
             publisher = EventPublisher(settings.REDIS_URL, embedded_name())
             node.packing.listeners.append(publisher.add)
             publisher.start()

@@ -65,6 +65,12 @@ def announce(client: redis.Redis, node: NodeInfo) -> None:
     client.hset(fleet.SEEN_KEY, node.name, fleet.seen_entry(node))
 
 
+def test_a_heartbeat_with_fields_this_release_does_not_know_is_still_read() -> None:
+    node = info("newer", heartbeat_at=1.0, resident={})
+    raw = {k.encode(): v for k, v in node.to_hash().items()} | {b"tiers_to_come": b"{}"}
+    assert NodeInfo.from_hash(raw) == node
+
+
 # -- the busy meter ------------------------------------------------------------------------------------------
 
 def test_busy_meter_is_the_share_of_the_window_spent_computing() -> None:

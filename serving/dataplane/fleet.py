@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import orjson
 import redis
@@ -87,10 +87,14 @@ class NodeInfo:
 
     @classmethod
     def from_doc(cls, doc: dict) -> NodeInfo:
-        doc = dict(doc)
+        # Fields a newer node adds are left out, so a process one release behind still reads its heartbeat.
+        doc = {k: v for k, v in doc.items() if k in _FIELDS}
         doc["ready"] = frozenset(doc.get("ready", ()))
         doc["hot"] = frozenset(doc.get("hot", ()))
         return cls(**doc)
+
+
+_FIELDS = frozenset(f.name for f in fields(NodeInfo))
 
 
 def resident_of(hosted: Mapping[str, object]) -> dict[str, dict]:
