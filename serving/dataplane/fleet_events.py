@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import orjson
 import redis
@@ -49,7 +49,9 @@ class FleetEvent:
         return KINDS.get(self.kind, "other")
 
     def to_doc(self) -> dict[str, object]:
-        return asdict(self) | {"group": self.group}
+        # Not dataclasses.asdict: its deep copies were a quarter of reading the page's 200 events.
+        return {"node": self.node, "at": self.at, "kind": self.kind, "key": self.key, "detail": self.detail,
+                "group": self.group}
 
     @classmethod
     def of(cls, node: str, event: Event) -> FleetEvent:
