@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                          "\n".join(limits) or ratelimit.kept_section(text), packing.kept_section(text),
                          redis_hop.kept_section(text),
                          *(kept_section(text, f"<!-- {name}:start -->", f"<!-- {name}:end -->")
-                           for name in ("shadow", "opcodes", "fleet200", "warm"))):
+                           for name in ("shadow", "opcodes", "fleet200", "warm", "fleetpage"))):
                 if kept:
                     lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,

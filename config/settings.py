@@ -83,9 +83,13 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL")
 EMBEDDED = not REDIS_URL
+# A socket's channel is read by a blocking BZPOPMIN of 5 s (channels_redis), and redis-py 8 times a read out
+# after 5 s by default: a socket idle that long failed with a Redis TimeoutError. The read may take longer.
+CHANNEL_LAYER_SOCKET_TIMEOUT_S = 10
 if REDIS_URL:
     CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
+            "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_SOCKET_TIMEOUT_S}]}},
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}

@@ -20,6 +20,7 @@ from serving import artifacts
 from serving.dataplane import plane as planes
 from serving.dataplane.errors import ServingError
 from serving.dataplane.fleet import FleetView
+from serving.dataplane.fleet_events import EventPublisher
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
@@ -31,6 +32,7 @@ from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot, hub
 from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
+from serving.fleet_state import embedded_name
 from serving.publish import publish_snapshot
 from serving.reconciler import REASON_PREFIX as PLACEMENT_REASON
 from tenants.keys import pepper_from
@@ -149,6 +151,8 @@ async def _evaluate_rollouts_forever() -> None:
 
 # Control-plane loops this process runs beside its data plane (embedded mode), cancelled by stop().
 _control_tasks: list[asyncio.Task[None]] = []
+# An embedded node's loads, evictions and failures, sent to the fleet's event stream when there is Redis.
+_events: list[EventPublisher] = []
 
 
 def _record_key_use(prefixes: set[str]) -> None:
@@ -181,6 +185,11 @@ async def start() -> DataPlane:
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )
         transport = InProcessTransport(node)
+        if settings.REDIS_URL:
+            publisher = EventPublisher(settings.REDIS_URL, embedded_name())
+            node.packing.listeners.append(publisher.add)
+            publisher.start()
+            _events.append(publisher)
     # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
     mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
                     workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
@@ -275,6 +284,8 @@ async def stop() -> None:
     if plane.quota is not None:
         await plane.quota.close()
     await plane.node.close()
+    while _events:
+        await _events.pop().close()
     if isinstance(plane.gateway.transport, RedisStreamsTransport):
         await plane.gateway.transport.close()
     from django.db import connections

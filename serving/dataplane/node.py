@@ -25,6 +25,7 @@ import torch
 
 from serving.dataplane import metrics
 from serving.dataplane.batcher import Batcher
+from serving.dataplane.busy import BusyMeter
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
 from serving.dataplane.packing import LoadReport, Packing, Ticket, constraints
 from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
@@ -111,6 +112,7 @@ class Node:
         self._device_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-device")
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-load")
         self._busy = metrics.DEVICE_BUSY.labels(str(self.device))
+        self.busy = BusyMeter(clock=clock)  # the device's busy share of the last seconds, for the heartbeat
         self.hosted: dict[str, Hosted] = {}
         self._hosted_list: tuple[Hosted, ...] = ()  # hosted's values, for the per-request loops
         self.failures: dict[str, LoadFailure] = {}
@@ -621,9 +623,11 @@ class Node:
         token = id(requests)
         self._device_work[token] = hosted.profile.estimate(rows)
         try:
-            return await asyncio.get_running_loop().run_in_executor(
+            done = await asyncio.get_running_loop().run_in_executor(
                 self._device_pool, self._timed, hosted.runtime, requests
             )
+            self.busy.add(done[2], done[1])
+            return done
         finally:
             del self._device_work[token]
             self._device_quiet.set()

@@ -41,6 +41,7 @@ import redis
 
 from serving.dataplane import fleet, metrics, redis_pipe, snapshot_redis
 from serving.dataplane.errors import DeadlineExceeded, ServingError
+from serving.dataplane.fleet_events import EventPublisher
 from serving.dataplane.node import Node
 from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.stream_codec import (
@@ -157,6 +158,8 @@ class NodeProcess:
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
         self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
+        self.events = EventPublisher(url, facts.name)  # its loads, evictions and failures, for the fleet page
+        node.packing.listeners.append(self.events.add)
 
     # -- membership ------------------------------------------------------------------------
 
@@ -174,15 +177,18 @@ class NodeProcess:
             failures={k: f.reason for k, f in node.failures.items()},
             counts={**self.counts, "loads": node.packing.loads, "evictions": node.packing.evictions},
             assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
+            busy=round(node.busy.fraction(), 4), resident=fleet.resident_of(node.hosted, node.warm),
         )
 
     async def heartbeat_once(self) -> None:
         key = fleet.node_key(self.facts.name)
         pipe = self._client.pipeline(transaction=True)
+        info = self.info()
         pipe.delete(key)  # fields of an older shape must not linger
-        pipe.hset(key, mapping=self.info().to_hash())
+        pipe.hset(key, mapping=info.to_hash())
         pipe.expire(key, fleet.TTL_SECONDS)
         pipe.sadd(fleet.NODES_KEY, self.facts.name)
+        pipe.hset(fleet.SEEN_KEY, self.facts.name, fleet.seen_entry(info))
         await pipe.execute()
 
     def _holding(self) -> tuple:
@@ -235,7 +241,7 @@ class NodeProcess:
 
     async def leave(self) -> None:
         """Remove this node's heartbeat, if it is this process's (not a namesake's that refused this one)."""
-        await self._client.eval(_LEAVE, 2, fleet.node_key(self.facts.name), fleet.NODES_KEY,
+        await self._client.eval(_LEAVE, 3, fleet.node_key(self.facts.name), fleet.NODES_KEY, fleet.SEEN_KEY,
                                 fleet.NodeInfo.encode_field(self.instance), self.facts.name)
 
     # -- what it hosts ---------------------------------------------------------------------
@@ -528,6 +534,7 @@ class NodeProcess:
 
     async def start(self, first_snapshot_timeout: float = 60.0) -> None:
         """Join the fleet, follow the snapshot, load what it hosts, then serve."""
+        self.events.start()
         await self.claim_name()
         loop = asyncio.get_running_loop()
         self._loops.append(loop.create_task(self._heartbeat_forever()))
@@ -567,15 +574,17 @@ class NodeProcess:
                 pass
         await self._pipe.close()
         await self.node.close()
+        await self.events.close()
         for client in (self._client, self._reader, self._pipe.client):
             await client.aclose()
 
 
-# KEYS: the node's hash, the fleet set; ARGV: its instance (as the hash stores it), its name.
+# KEYS: the node's hash, the fleet set, the last heartbeats; ARGV: its instance (as the hash stores it), its name.
 _LEAVE = """
 if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
   return 1
 end
 return 0

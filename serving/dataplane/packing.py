@@ -95,6 +95,7 @@ class Packing:
         # Replicas the placement reconciler put here: kept like pinned ones, so on-demand loads never evict them.
         self.assigned: set[str] = set()
         self.events: deque[Event] = deque(maxlen=events)
+        self.listeners: list[Callable[[Event], None]] = []  # told of each event (the fleet page's publisher)
         self.evictions = 0
         self.loads = 0
         self._report = report
@@ -173,11 +174,14 @@ class Packing:
     # -- records -------------------------------------------------------------------------------
 
     def record(self, kind: str, key: str, detail: str = "") -> None:
-        self.events.append(Event(time.time(), kind, key, detail))
+        event = Event(time.time(), kind, key, detail)
+        self.events.append(event)
         if kind == "evict":
             self.evictions += 1
         elif kind == "load":
             self.loads += 1
+        for listener in self.listeners:
+            listener(event)
 
     def send(self, report: LoadReport) -> None:
         """Tell the registry, off the event loop's path; a failure (database down) is logged, not retried:
