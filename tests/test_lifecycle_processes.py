@@ -60,7 +60,7 @@ def fleet_of_two(transactional_db, model_files, tmp_path) -> Iterator[tuple[redi
     with override_settings(REDIS_URL=REDIS_URL):
         publish_snapshot()
     nodes = [start_node("node-a", tmp_path), start_node("node-b", tmp_path)]
-    app = Celery(broker=BROKER)
+    app = Celery(broker=BROKER, set_as_current=False)  # the tests after keep the project app, eager
     try:
         with celery_worker(tmp_path, BROKER, REDIS_URL=REDIS_URL, CELERY_BROKER_URL=BROKER,
                            FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
