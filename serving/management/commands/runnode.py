@@ -44,7 +44,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
 
     async def _run(self, facts) -> None:  # noqa: ANN001
-        node = Node(artifact_path=artifacts.verified_path, device=facts.device, memory_budget=facts.memory_budget,
+        node = Node(artifact_path=artifacts.for_node(), device=facts.device, memory_budget=facts.memory_budget,
                     max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
                     accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS)
         process = NodeProcess(node, settings.REDIS_URL, facts)
