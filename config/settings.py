@@ -199,6 +199,8 @@ FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimu
 FERRY_NODE_ACCELERATOR = env_str("FERRY_NODE_ACCELERATOR", "")
 # Loads of cold versions that requests may queue on a node; past it a request for another cold version is 503.
 FERRY_MAX_QUEUED_LOADS = env_int("FERRY_MAX_QUEUED_LOADS", 16, minimum=1)
+# `runnode` serves Prometheus /metrics on this port (0: off; --metrics-port overrides). platform/ uses 9464.
+FERRY_NODE_METRICS_PORT = env_int("FERRY_NODE_METRICS_PORT", 0, minimum=0)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
 # Per-tenant quotas on /v2 inference (docs/design.md, "Quotas"). Shared through Redis (one script call

@@ -236,6 +236,10 @@ class NodeProcess:
             entries.setdefault(key, entry)
         return entries
 
+    def held(self) -> dict[str, int]:
+        """Per version, the requests this node took off its stream and holds (a copy: metrics read it)."""
+        return dict(self._held)
+
     # -- serving ---------------------------------------------------------------------------
 
     def _readable(self) -> dict[str, str]:
