@@ -8,7 +8,9 @@ from the storage, never read whole into memory.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator
+from typing import BinaryIO
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -17,6 +19,7 @@ from django.utils.crypto import constant_time_compare
 from django.views.decorators.http import require_GET
 
 from serving import artifacts
+from serving.artifacts import CHUNK
 from serving.dataplane.artifact_cache import SHA256, ArtifactUnavailable
 
 
@@ -37,20 +40,28 @@ async def artifact(request: HttpRequest, sha256: str) -> HttpResponseBase:
     box, name = artifacts.storage(), artifacts.name_for(sha256)
     try:
         size = await sync_to_async(box.size)(name)
-        chunks = await sync_to_async(artifacts.open_chunks)(sha256)
+        f = await sync_to_async(artifacts.open_file)(sha256)
     except (FileNotFoundError, ArtifactUnavailable):
         return JsonResponse({"error": f"no artifact {sha256}"}, status=404)
-    response = StreamingHttpResponse(_async(chunks), content_type="application/octet-stream")
+    response = StreamingHttpResponse(_chunks(f), content_type="application/octet-stream")
     response["Content-Length"] = str(size)
     return response
 
 
-async def _async(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
-    """Each chunk read off the event loop: an async iterator, which Django streams as it goes (a plain one
-    it would read whole into memory first under ASGI)."""
-    done = object()
+async def _chunks(f: BinaryIO) -> AsyncIterator[bytes]:
+    """The file in chunks, each read off the event loop: an async iterator, which Django streams as it goes
+    (a plain one it would read whole into memory first under ASGI). A client that leaves cancels this
+    between reads or during one; the file is closed once no read is running on it."""
+    loop = asyncio.get_running_loop()
+    read: asyncio.Future[bytes] | None = None
     try:
-        while (chunk := await sync_to_async(next, thread_sensitive=False)(chunks, done)) is not done:
-            yield chunk  # type: ignore[misc]
+        while True:
+            read = loop.run_in_executor(None, f.read, CHUNK)
+            chunk = await asyncio.shield(read)
+            if not chunk:
+                return
+            yield chunk
     finally:
-        await sync_to_async(chunks.close, thread_sensitive=False)()  # type: ignore[attr-defined]
+        if read is not None and not read.done():
+            await asyncio.wait([read])
+        f.close()

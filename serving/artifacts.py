@@ -121,15 +121,18 @@ def _save(sha: str, tmp: Path) -> None:
         os.chmod(box.path(name), 0o444)
 
 
-def open_chunks(sha256: str, timeout_s: float | None = None) -> Iterator[bytes]:
-    """The stored artifact's bytes, in chunks (as stored: callers check the hash). ArtifactUnavailable if
-    it is not stored."""
-    box, name = storage(), name_for(sha256)
+def open_file(sha256: str) -> BinaryIO:
+    """The stored artifact, open for reading (as stored: callers check the hash). ArtifactUnavailable if it
+    is not stored."""
     try:
-        f = box.open(name, "rb")
+        return storage().open(name_for(sha256), "rb")
     except FileNotFoundError:
         raise ArtifactUnavailable(f"artifact {sha256} is missing from the store", missing=True) from None
-    return _read(f)
+
+
+def open_chunks(sha256: str, timeout_s: float | None = None) -> Iterator[bytes]:
+    """The stored artifact's bytes, in chunks: a node cache's source when it reads the storage itself."""
+    return _read(open_file(sha256))
 
 
 def _read(f: BinaryIO) -> Iterator[bytes]:
