@@ -37,3 +37,5 @@ urlpatterns = [
     path("internal/artifacts/<str:sha256>", artifact_views.artifact, name="internal-artifact"),
     path("admin/", admin.site.urls),
 ]
+
+handler500 = "serving.api.errors.server_error"
