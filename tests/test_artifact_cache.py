@@ -155,3 +155,48 @@ async def test_the_endpoint_streams_an_artifact_to_a_node_token_only(settings, m
     settings.FERRY_NODE_TOKEN = ""
     off = await client.get(url, headers={"Authorization": "Bearer "})
     assert off.status_code == 403
+
+
+# -- the node: a fetch that failed is tried again ---------------------------------------------------
+
+
+async def test_a_failed_fetch_is_tried_again_at_the_next_snapshot_a_refused_load_is_not(model_files) -> None:  # noqa: ANN001
+    from serving.dataplane.node import Node
+    from serving.dataplane.protocol import TensorSpec
+    from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, VersionEntry
+    from serving.policies.batching import BatchingConfig
+
+    def version(name: str) -> VersionEntry:
+        return VersionEntry(
+            model=name, version=1, state="ready", loaded=True, artifact_sha256=sha(name.encode()),
+            format="torchscript", inputs=(TensorSpec("input", "FP32", (64,)),),
+            outputs=(TensorSpec("scores", "FP32", (10,)),), batching=BatchingConfig(8, 0.0, 100),
+            default_timeout_ms=1000, latency_profile={},
+        )
+
+    def snapshot(serial: int) -> RoutingSnapshot:
+        return RoutingSnapshot(serial=serial, built_at=0.0, models={
+            name: ModelEntry(name, "", "", None, {1: version(name)}) for name in ("fetched", "broken")})
+
+    asked: list[str] = []
+
+    def artifact_path(sha256: str) -> Path:
+        asked.append(sha256)
+        if sha256 == sha(b"broken"):
+            return Path(__file__)  # not an archive: the load is refused, for good
+        if asked.count(sha256) == 1:
+            raise ArtifactUnavailable("the control plane answered 503")
+        return model_files.digits
+
+    node = Node(artifact_path=artifact_path, device="cpu")
+    try:
+        # given a first snapshot whose fetch fails for one version and whose other version cannot load
+        await node.reconcile(snapshot(1))
+        assert node.failures["fetched:1"].transient and not node.failures["broken:1"].transient
+        # when the next snapshot comes, the same versions in it
+        await node.reconcile(snapshot(2))
+        # then the fetch was tried again and the version loaded; the refused one was not tried again
+        assert "fetched:1" in node.hosted and "fetched:1" not in node.failures
+        assert asked.count(sha(b"fetched")) == 2 and asked.count(sha(b"broken")) == 1
+    finally:
+        await node.close()
