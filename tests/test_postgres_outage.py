@@ -2,13 +2,15 @@
 (initdb and pg_ctl from this machine, on a spare port, so the shared server stays up), one web process
 (`manage.py serve`, FERRY_EMBEDDED_NODE=false, quotas in Redis) and one `manage.py runnode`.
 
-Inference keeps answering 200 from the last routing snapshot (API keys and models in it, quotas in Redis);
-control-plane requests answer 503 JSON with Retry-After rather than a 500; once PostgreSQL is back, both
+Inference keeps answering 200 from the last routing snapshot (API keys and models in it, quotas in Redis),
+and nodes can still fetch artifacts by sha256; control-plane requests answer 503 JSON with Retry-After
+rather than a 500; once PostgreSQL is back, both
 work again in the same processes, with Django's persistent connections (DATABASE_CONN_MAX_AGE=60)."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import os
 import shutil
@@ -97,7 +99,7 @@ def postgres() -> Iterator[Postgres]:
 
 def env_for(postgres: Postgres, home: Path) -> dict[str, str]:
     return {**_env(REDIS_URL, home), "DATABASE_URL": postgres.url, "DATABASE_CONN_MAX_AGE": "60",
-            "FERRY_ARTIFACT_ROOT": str(home.parent / "store"), "FERRY_QUOTAS": "true"}
+            "FERRY_ARTIFACT_ROOT": str(home.parent / "store"), "FERRY_QUOTAS": "true", "FERRY_NODE_TOKEN": TOKEN}
 
 
 def manage(postgres: Postgres, tmp_path: Path, *args: str, extra: dict[str, str] | None = None) -> str:
@@ -129,6 +131,7 @@ def control(web: Proc, method: str, path: str, headers: dict[str, str]) -> tuple
         conn.close()
 
 
+TOKEN = "outage-node-token"
 BASIC = {"Authorization": "Basic " + base64.b64encode(b"ops:ops-password").decode()}
 SESSION = {"Cookie": "sessionid=abcdefghijklmnopqrstuvwxyz012345"}  # any session: reading it needs the database
 
@@ -173,6 +176,10 @@ def test_inference_survives_postgres_stopped_and_the_control_plane_recovers(
             assert head.get("content-type", "").startswith("application/json"), head
             assert "error" in orjson.loads(body), body
             assert head.get("retry-after"), head
+        # and a node can still fetch an artifact by sha256 (the endpoint reads no table)
+        sha = hashlib.sha256(model_files.digits.read_bytes()).hexdigest()
+        status, _, body = control(web, "GET", f"/internal/artifacts/{sha}", {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and body == model_files.digits.read_bytes(), status
 
         # when PostgreSQL starts again
         postgres.start()
