@@ -129,7 +129,7 @@ async def body(response) -> bytes:  # noqa: ANN001
     return b"".join([chunk async for chunk in response.streaming_content])
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # store() runs on another thread, outside a test transaction
 async def test_the_endpoint_streams_an_artifact_to_a_node_token_only(settings, model_files) -> None:  # noqa: ANN001
     from asgiref.sync import sync_to_async
 
