@@ -111,8 +111,9 @@ def test_a_node_without_the_webs_disk_fetches_checks_and_serves(
         assert samples['ferry_artifact_refused_total{where="cache"}'] == 1
         assert samples['ferry_artifact_fetches_total{outcome="fetched"}'] == 1
         assert cache.read_bytes() == model_files.digits.read_bytes()
-        resp, _ = digits(web, key)
-        assert resp.status == 200, resp.body
+        # and the web process routes to it again once its fleet view (re-read every 0.25 s) has it
+        wait_for("the web process serving through the restarted node", lambda: digits(web, key)[0].status == 200,
+                 procs, timeout=30)
     finally:
         for proc in procs:
             proc.stop()
