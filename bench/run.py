@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = overload_report.section(over, o) if over is not None else []
             # The back-to-back comparison of two revisions (bench.compare --record), the keys-and-quotas
             # cost (bench.auth_cost --record), packing (bench.packing --record) and the Redis hop
-            # (bench.redis_hop --record), shadow mirroring (bench.shadow) and the bytecode counts (bench.opcodes)
+            # (bench.redis_hop --record), shadow mirroring (bench.shadow), the bytecode counts (bench.opcodes) and
+            # the 200-version fleet (bench.fleet200 --record) and the warm tier (bench.warm_reload)
             # are not rerun here: keep them; the rate-limit section is this run's,
             # or the one already there when that phase did not run.
             from bench import auth_cost, packing, redis_hop  # auth_cost and redis_hop import this module
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                          "\n".join(limits) or ratelimit.kept_section(text), packing.kept_section(text),
                          redis_hop.kept_section(text),
                          *(kept_section(text, f"<!-- {name}:start -->", f"<!-- {name}:end -->")
-                           for name in ("shadow", "opcodes"))):
+                           for name in ("shadow", "opcodes", "fleet200", "warm", "fleetpage"))):
                 if kept:
                     lines = [*lines, "", kept]
             write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,

@@ -8,13 +8,17 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
+from django.urls import path  # noqa: E402
 
 django_app = get_asgi_application()
 
-from serving.dataplane.consumers import InferenceConsumer  # noqa: E402
+from serving.dataplane.consumers import InferenceConsumer, InferenceRequest  # noqa: E402
 from serving.django_door import bounded  # noqa: E402
+from serving.fleet_consumer import FleetConsumer  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
 
 inference_app = InferenceConsumer.as_asgi()
@@ -29,4 +33,13 @@ async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
     return await bounded(django_app, scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_app, "lifespan": Lifespan()})
+# The console's live pages: session-authenticated, and only from a page of an allowed host (a page elsewhere
+# could otherwise open a socket with the user's cookie).
+websocket_app = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([
+    path("ws/fleet/", FleetConsumer.as_asgi()),
+])))
+
+application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app, "lifespan": Lifespan()})
+# The front door's protocol answers inference POSTs with this handler directly, without ASGI
+# (serving.dataplane.frontdoor.Lane); the consumer above runs the same handler for every other /v2 request.
+application.ferry_infer = InferenceRequest

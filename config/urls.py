@@ -6,7 +6,7 @@ from drf_spectacular.views import SpectacularAPIView
 
 from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
-from serving import artifact_views, planner_views
+from serving import artifact_views, fleet_views, planner_views
 from serving import views as console
 from tenants import views as tenant_console
 from usage import views as usage_console
@@ -29,6 +29,7 @@ urlpatterns = [
     path("console/audit/", tenant_console.audit_page, name="console-audit"),
     path("console/usage/", usage_console.usage_page, name="console-usage"),
     path("console/planner/", planner_views.planner_page, name="console-planner"),
+    path("console/fleet/", fleet_views.fleet_page, name="console-fleet"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/", include("usage.api.urls")),

@@ -20,6 +20,7 @@ from serving import artifacts
 from serving.dataplane import plane as planes
 from serving.dataplane.errors import ServingError
 from serving.dataplane.fleet import FleetView
+from serving.dataplane.fleet_events import EventPublisher
 from serving.dataplane.frontdoor import GATE
 from serving.dataplane.gateway import Gateway
 from serving.dataplane.node import Node
@@ -31,7 +32,9 @@ from serving.dataplane.shadow import Mirror, Pair
 from serving.dataplane.snapshot import RoutingSnapshot, hub
 from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
+from serving.fleet_state import embedded_name
 from serving.publish import publish_snapshot
+from serving.reconciler import REASON_PREFIX as PLACEMENT_REASON
 from tenants.keys import pepper_from
 from usage.flusher import UsageFlusher
 from usage.recorder import Drained, UsageRecorder
@@ -72,12 +75,12 @@ def _record_placement(report: LoadReport) -> None:
     from django.db import connection
 
     try:
-        _write_placement(report)
+        write_placement(report)
     finally:
         connection.close()  # on a pool thread (see start()), which no request cycle closes
 
 
-def _write_placement(report: LoadReport) -> None:
+def write_placement(report: LoadReport) -> None:
     from django.db import transaction
     from django.utils import timezone
 
@@ -98,9 +101,11 @@ def _write_placement(report: LoadReport) -> None:
             measured = dict(version.placement_measurements or {})
             measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
                                             "cold_start_seconds": round(report.cold_start, 4)}
-            after = ""  # it loaded: whatever was unschedulable about it no longer holds
+            # It loaded: what a node found unschedulable about it no longer holds. What the placement reconciler
+            # found (too few nodes for its replicas) is the reconciler's to clear.
+            after = before if before.startswith(PLACEMENT_REASON) else ""
             changes: dict = {"placement_measurements": measured}
-            if before:
+            if before != after:
                 changes.update(unschedulable_reason="", updated_at=timezone.now())
             rows.update(**changes)
         if after != before:  # a state change of the version, made by the system (a node)
@@ -146,6 +151,8 @@ async def _evaluate_rollouts_forever() -> None:
 
 # Control-plane loops this process runs beside its data plane (embedded mode), cancelled by stop().
 _control_tasks: list[asyncio.Task[None]] = []
+# An embedded node's loads, evictions and failures, sent to the fleet's event stream when there is Redis.
+_events: list[EventPublisher] = []
 
 
 def _record_key_use(prefixes: set[str]) -> None:
@@ -173,10 +180,16 @@ async def start() -> DataPlane:
             admission=settings.FERRY_ADMISSION,
             accelerator=settings.FERRY_NODE_ACCELERATOR,
             max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+            warm_budget=settings.FERRY_NODE_WARM_BYTES,
             # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )
         transport = InProcessTransport(node)
+        if settings.REDIS_URL:
+            publisher = EventPublisher(settings.REDIS_URL, embedded_name())
+            node.packing.listeners.append(publisher.add)
+            publisher.start()
+            _events.append(publisher)
     # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
     mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
                     workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
@@ -271,6 +284,8 @@ async def stop() -> None:
     if plane.quota is not None:
         await plane.quota.close()
     await plane.node.close()
+    while _events:
+        await _events.pop().close()
     if isinstance(plane.gateway.transport, RedisStreamsTransport):
         await plane.gateway.transport.close()
     from django.db import connections

@@ -232,3 +232,72 @@ async def test_a_cold_version_is_loaded_by_its_first_request_through_its_stream(
 
 def rows_of_digits() -> dict[str, np.ndarray]:
     return {"input": np.zeros((1, 64), np.float32)}
+
+
+async def test_a_node_leaves_a_cold_version_to_a_live_node_holding_it_and_announces_its_loads_at_once(
+    model_files, monkeypatch,  # noqa: ANN001
+) -> None:
+    from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot
+    from tests.test_packing_node import digits
+
+    monkeypatch.setattr(fleet, "HEARTBEAT_SECONDS", 60.0)  # only a change of what it holds sends one now
+    # given a node process whose budget holds one digits model, serving two versions: one hot, one cold
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu", memory_budget=30_000)
+    process = NodeProcess(node, REDIS_URL, Facts("packer", "cpu", "cpu", 0, 30_000, 30_000))
+    hot, cold = digits("hot"), digits("cold")
+    snapshot = RoutingSnapshot(serial=1, built_at=0.0, models={
+        e.model: ModelEntry(e.model, "t", "", None, {1: e}) for e in (hot, cold)})
+    transport = RedisStreamsTransport(REDIS_URL)
+
+    def announce(name: str, **held: frozenset[str]) -> None:
+        other = dataclasses.replace(process.info(), name=name, instance=name, **held)
+        client.hset(fleet.node_key(name), mapping=other.to_hash())
+        client.expire(fleet.node_key(name), fleet.TTL_SECONDS)
+        client.sadd(fleet.NODES_KEY, name)
+
+    beat: asyncio.Task[None] | None = None
+    try:
+        await process.claim_name()
+        await process.reconcile(snapshot)
+        both = {request_stream("hot:1"), request_stream("cold:1")}
+        assert set(process._readable()) == both
+        # when another live node holds the cold version hot, or is loading it
+        for held in ({"hot": frozenset({"cold:1"})}, {"loading": frozenset({"cold:1"})}):
+            announce("other", **held)
+            await process.watch_fleet_once()
+            # then this node leaves its requests to that node, and keeps reading what it holds hot
+            assert set(process._readable()) == {request_stream("hot:1")}, held
+        # when a node holds hot what this node holds hot too, both read it
+        announce("other", hot=frozenset({"hot:1"}))
+        await process.watch_fleet_once()
+        assert set(process._readable()) == both
+        # when the other node is lost, this node takes the cold version's requests again
+        client.delete(fleet.node_key("other"))
+        await process.watch_fleet_once()
+        assert set(process._readable()) == both
+
+        # when a request loads the cold version here, the heartbeat says so at once, not at the next beat
+        beat = asyncio.get_running_loop().create_task(process._heartbeat_forever())
+        process.serve()
+        await transport.start()
+        async with asyncio.timeout(10):
+            while not transport.connected:
+                await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while fleet.NodeInfo.from_hash(client.hgetall(fleet.node_key("packer"))).hot != {"hot:1"}:
+                await asyncio.sleep(0.01)
+        outputs = await transport.infer(cold, rows_of_digits(), 1, deadline(), 1)
+        assert outputs["scores"].shape == (1, 10)
+        async with asyncio.timeout(10):
+            while (info := fleet.NodeInfo.from_hash(client.hgetall(fleet.node_key("packer")))).hot != {"cold:1"}:
+                await asyncio.sleep(0.01)
+        assert (info.counts["cold"], info.counts["loads"], info.counts["evictions"]) == (1, 2, 1), info.counts
+    finally:
+        if beat is not None:
+            beat.cancel()
+        await transport.close()
+        await process.stop(drain_seconds=1)
+        clear(client)
+        client.close()

@@ -3,6 +3,7 @@ from rest_framework.routers import SimpleRouter
 
 from serving.api.errors import not_found
 from serving.api.views import ModelVersionViewSet, ModelViewSet
+from serving.fleet_views import FleetView
 from serving.models import MODEL_NAME_PATTERN
 
 router = SimpleRouter()
@@ -11,6 +12,7 @@ versions = SimpleRouter()
 versions.register("versions", ModelVersionViewSet, basename="model-version")
 
 urlpatterns = [
+    re_path(r"^fleet/$", FleetView.as_view(), name="api-fleet"),
     re_path("", include(router.urls)),
     re_path("", include("tenants.api.urls")),
     # The same pattern as the schema's `model_name` (and ModelViewSet's `name`).

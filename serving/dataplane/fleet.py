@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 import orjson
 import redis
@@ -25,6 +26,10 @@ from serving.dataplane.snapshot import RoutingSnapshot
 log = logging.getLogger(__name__)
 
 NODES_KEY = "ferry:nodes"
+# Each node's last heartbeat, kept after its hash expires, so the fleet page can show a lost node (and what it
+# held) for SEEN_SECONDS; a node that leaves cleanly removes its entry.
+SEEN_KEY = "ferry:fleet:seen"
+SEEN_SECONDS = 3600
 HEARTBEAT_SECONDS = 1.0
 TTL_SECONDS = 3  # three missed heartbeats: lost
 REFRESH_SECONDS = 0.25
@@ -52,30 +57,63 @@ class NodeInfo:
     serial: int  # the last routing snapshot this node reconciled
     ready: frozenset[str] = frozenset()  # version keys it consumes: loaded, or cold and loaded on request
     hot: frozenset[str] = frozenset()  # of those, the loaded ones
+    loading: frozenset[str] = frozenset()  # of those, the ones a request is loading now
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
+    # Placed here by the placement reconciler (serving.reconciler): hosted here, and by no unassigned node.
+    assigned: frozenset[str] = frozenset()
+    warm: frozenset[str] = frozenset()  # evicted, kept in host memory: a reload skips the disk and warm-up
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
+    busy: float = 0.0  # the device's busy share of the last seconds (serving.dataplane.busy)
+    # What it holds, per version key: {"tier": "hot" | "warm", "bytes": n}. Hot counts against the device budget;
+    # warm (in host memory) does not.
+    resident: dict[str, dict] = field(default_factory=dict)
 
     @staticmethod
     def encode_field(value: object) -> bytes:
         return orjson.dumps(value)
 
     def to_hash(self) -> dict[str, bytes]:
-        doc = {
+        return {k: self.encode_field(v) for k, v in self.to_doc().items()}
+
+    def to_doc(self) -> dict[str, object]:
+        return {
             "name": self.name, "instance": self.instance, "host": self.host, "pid": self.pid,
             "device": self.device, "accelerator": self.accelerator, "accelerator_count": self.accelerator_count,
             "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
-            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot), "failures": self.failures,
-            "counts": self.counts,
+            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot),
+            "loading": sorted(self.loading), "failures": self.failures,
+            "counts": self.counts, "assigned": sorted(self.assigned), "warm": sorted(self.warm),
+            "busy": self.busy, "resident": self.resident,
         }
-        return {k: self.encode_field(v) for k, v in doc.items()}
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> NodeInfo:
-        doc = {k.decode(): orjson.loads(v) for k, v in raw.items()}
+        return cls.from_doc({k.decode(): orjson.loads(v) for k, v in raw.items()})
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> NodeInfo:
+        # Fields a newer node adds are left out, so a process one release behind still reads its heartbeat.
+        doc = {k: v for k, v in doc.items() if k in _FIELDS}
         doc["ready"] = frozenset(doc.get("ready", ()))
         doc["hot"] = frozenset(doc.get("hot", ()))
+        doc["assigned"] = frozenset(doc.get("assigned", ()))
+        doc["warm"] = frozenset(doc.get("warm", ()))
+        doc["loading"] = frozenset(doc.get("loading", ()))
         return cls(**doc)
+
+
+_FIELDS = frozenset(f.name for f in fields(NodeInfo))
+
+
+def resident_of(hosted: Mapping[str, object], warm: Mapping[str, object] | None = None) -> dict[str, dict]:
+    """A node's versions as the heartbeat's `resident`: each loaded one (`Node.hosted`) hot, each kept in host
+    memory after eviction (`Node.warm`) warm, with its footprint."""
+    resident = {key: {"tier": "hot", "bytes": h.runtime.memory_bytes}  # type: ignore[attr-defined]
+                for key, h in hosted.items()}
+    for key, w in (warm or {}).items():
+        resident.setdefault(key, {"tier": "warm", "bytes": w.runtime.memory_bytes})  # type: ignore[attr-defined]
+    return resident
 
 
 @dataclass(frozen=True)
@@ -116,6 +154,35 @@ async def read_fleet(client: aioredis.Redis) -> list[NodeInfo]:
     return nodes
 
 
+def seen_entry(info: NodeInfo) -> bytes:
+    """A node's entry in SEEN_KEY: its whole last heartbeat."""
+    return orjson.dumps(info.to_doc())
+
+
+async def read_lost(client: aioredis.Redis, live: list[NodeInfo], now: float) -> list[NodeInfo]:
+    """Nodes whose heartbeat expired within the last SEEN_SECONDS, as they last announced themselves (older
+    entries are dropped). A name that is live again is not lost, whatever instance it runs."""
+    names = {n.name for n in live}
+    lost, stale = [], []
+    for name, raw in (await client.hgetall(SEEN_KEY)).items():
+        name = name.decode()
+        if name in names:
+            continue
+        try:
+            info = NodeInfo.from_doc(orjson.loads(raw))
+        except (TypeError, ValueError) as exc:
+            log.warning("node %s left a last heartbeat this process cannot read: %s", name, exc)
+            stale.append(name)
+            continue
+        if now - info.heartbeat_at > SEEN_SECONDS:
+            stale.append(name)
+        elif now - info.heartbeat_at > TTL_SECONDS:  # not yet expired: a node between two reads, not lost
+            lost.append(info)
+    if stale:
+        await client.hdel(SEEN_KEY, *stale)
+    return sorted(lost, key=lambda n: n.name)
+
+
 class FleetView:
     """A gateway's view of the live nodes, re-read every REFRESH_SECONDS. If Redis is unreachable the
     last view stays (the transport refuses requests meanwhile; routing on a stale view costs nothing)."""
@@ -154,7 +221,8 @@ class FleetView:
         self.nodes = nodes
         self._ready = frozenset().union(*(n.ready for n in nodes))
         self._hot = frozenset().union(*(n.hot for n in nodes))
-        self.packing = FleetPacking(cold=self._ready - self._hot)
+        self.packing = FleetPacking(cold=self._ready - self._hot,
+                                    loading=frozenset().union(*(n.loading for n in nodes)) - self._hot)
         self.failures = {key: LoadFailure(reason) for n in nodes for key, reason in n.failures.items()
                          if key not in self._ready}
         # Every live node has reconciled this serial: what a repository load waits for.

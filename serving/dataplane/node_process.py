@@ -9,7 +9,17 @@ Its loops, each a single step the loop repeats (a test drives one step directly)
   a short BLOCK, each entry handed to `Node.infer` (its batcher, admission and runtime), answered on
   the entry's reply stream, then acknowledged and deleted;
 - `reclaim_once`: the pending entries of consumers whose node is lost are claimed and served while
-  their deadline allows.
+  their deadline allows;
+- `watch_fleet_once`: which versions other live nodes hold hot or are loading. A version cold here and
+  hot (or loading) on another node is left to that node: taking its requests here would load a second
+  copy, and evict for it, while a loaded one serves (two nodes each loading whatever came to them halve
+  what the fleet holds and thrash). The heartbeat is sent at once when what this node holds changes, so
+  the others learn of a load within about a fleet refresh.
+
+Placement: `assign` and `release` are what the node's Celery queue (`serving.node_tasks`) runs on this loop
+for the placement reconciler (`serving.reconciler`). A version assigned to some live node is hosted only by
+the nodes it is assigned to; the others stop consuming it. A version assigned nowhere (desired replicas 0)
+is hosted by every node, loaded on demand within its budget.
 
 A stream is read only while this node holds few of its requests (READ_AHEAD batches), so a busy node
 leaves the backlog to the other replicas, and a node that dies leaves little pending behind.
@@ -31,6 +41,7 @@ import redis
 
 from serving.dataplane import fleet, metrics, redis_pipe, snapshot_redis
 from serving.dataplane.errors import DeadlineExceeded, ServingError
+from serving.dataplane.fleet_events import EventPublisher
 from serving.dataplane.node import Node
 from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.stream_codec import (
@@ -52,6 +63,8 @@ READ_AHEAD = 2  # batches of a version this node holds at most (queued or runnin
 RECLAIM_SECONDS = 0.5
 CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the entry no longer idle
 REPLY_MAXLEN = 10_000
+HOLDING_POLL_SECONDS = 0.02  # how soon a load or an eviction goes out in a heartbeat
+HEARTBEAT_RETRY_SECONDS = 0.1  # after a failed heartbeat
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -77,8 +90,8 @@ def parse_labels(items: list[str]) -> dict[str, str]:
 
 
 def hosted(snapshot: RoutingSnapshot) -> set[str]:
-    """The versions this node hosts: in this slice every ready, loaded version, as the embedded node does.
-    The seam where a placement reconciler's decision for this node comes in later."""
+    """The versions a node may host: every ready, loaded version, as the embedded node does. A node process
+    narrows it by the reconciler's assignments (`NodeProcess.hosted_keys`)."""
     return {v.key for v in snapshot.hosted_versions()}
 
 
@@ -131,15 +144,22 @@ class NodeProcess:
         self._loops: list[asyncio.Task[None]] = []
         self._reconciling: asyncio.Task[None] | None = None
         self._pending: RoutingSnapshot | None = None
+        self._snapshot: RoutingSnapshot | None = None  # the last one reconciled: what an assignment loads from
+        self._elsewhere: frozenset[str] = frozenset()  # versions assigned to other live nodes
         self.reconciled_serial = 0
         self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
         self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
         self._flush_scheduled = False
-        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0}
+        # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
+        # be loaded for them ("cold"): the hit rate of this node's packing.
+        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0, "hot": 0, "cold": 0}
+        self._elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
         self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
+        self.events = EventPublisher(url, facts.name)  # its loads, evictions and failures, for the fleet page
+        node.packing.listeners.append(self.events.add)
 
     # -- membership ------------------------------------------------------------------------
 
@@ -153,18 +173,55 @@ class NodeProcess:
             memory_used=sum(h.runtime.memory_bytes for h in node.hosted.values()),
             labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
             serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
-            hot=frozenset(node.hosted),
-            failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
+            hot=frozenset(node.hosted), loading=frozenset(node.packing.loading),
+            failures={k: f.reason for k, f in node.failures.items()},
+            counts={**self.counts, "loads": node.packing.loads, "evictions": node.packing.evictions},
+            assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
+            busy=round(node.busy.fraction(), 4), resident=fleet.resident_of(node.hosted, node.warm),
         )
 
     async def heartbeat_once(self) -> None:
         key = fleet.node_key(self.facts.name)
         pipe = self._client.pipeline(transaction=True)
+        info = self.info()
         pipe.delete(key)  # fields of an older shape must not linger
-        pipe.hset(key, mapping=self.info().to_hash())
+        pipe.hset(key, mapping=info.to_hash())
         pipe.expire(key, fleet.TTL_SECONDS)
         pipe.sadd(fleet.NODES_KEY, self.facts.name)
+        pipe.hset(fleet.SEEN_KEY, self.facts.name, fleet.seen_entry(info))
         await pipe.execute()
+
+    def _holding(self) -> tuple:
+        """Changes whenever what this node holds hot or is loading changes."""
+        packing = self.node.packing
+        return packing.loads, packing.evictions, tuple(packing.loading), len(self.node.hosted)
+
+    async def _heartbeat_forever(self) -> None:
+        """A heartbeat every HEARTBEAT_SECONDS, and one as soon as a load starts or ends or a version is evicted."""
+        failing = False
+        while True:
+            try:
+                holding = self._holding()
+                await self.heartbeat_once()
+                if failing:
+                    log.info("heartbeat works again")
+                failing = False
+            except (redis.RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("heartbeat failed (%s); retrying", exc)
+                failing = True
+            if failing:
+                # Soon: a Redis that came back empty holds no heartbeat, and gateways read this node's versions
+                # as not served until the next one.
+                await asyncio.sleep(HEARTBEAT_RETRY_SECONDS)
+                continue
+            due = self._clock() + fleet.HEARTBEAT_SECONDS
+            while self._clock() < due and self._holding() == holding:
+                await asyncio.sleep(min(HOLDING_POLL_SECONDS, max(0.0, due - self._clock())))
+
+    async def watch_fleet_once(self) -> None:
+        nodes = await fleet.read_fleet(self._client)
+        self._elsewhere = frozenset().union(*(n.hot | n.loading for n in nodes if n.name != self.facts.name))
 
     async def claim_name(self) -> None:
         """Join the fleet under this node's name. A heartbeat hash under it that is still renewed is a live
@@ -184,7 +241,7 @@ class NodeProcess:
 
     async def leave(self) -> None:
         """Remove this node's heartbeat, if it is this process's (not a namesake's that refused this one)."""
-        await self._client.eval(_LEAVE, 2, fleet.node_key(self.facts.name), fleet.NODES_KEY,
+        await self._client.eval(_LEAVE, 3, fleet.node_key(self.facts.name), fleet.NODES_KEY, fleet.SEEN_KEY,
                                 fleet.NodeInfo.encode_field(self.instance), self.facts.name)
 
     # -- what it hosts ---------------------------------------------------------------------
@@ -203,8 +260,14 @@ class NodeProcess:
             except Exception:
                 log.exception("reconcile failed")
 
+    def hosted_keys(self, snapshot: RoutingSnapshot) -> set[str]:
+        """What this node hosts of `snapshot`: what it may host, less the versions assigned to other live
+        nodes and not to this one (those are served where the reconciler placed them)."""
+        return set(self.hosted(snapshot)) - (self._elsewhere - self.node.packing.assigned)
+
     async def reconcile(self, snapshot: RoutingSnapshot) -> None:
-        await self.node.reconcile(snapshot, keys=set(self.hosted(snapshot)))
+        self._snapshot = snapshot
+        await self.node.reconcile(snapshot, keys=self.hosted_keys(snapshot))
         self._grouped &= set(self.servable())
         try:
             await self.ensure_groups()
@@ -240,11 +303,60 @@ class NodeProcess:
         """Per version, the requests this node took off its stream and holds (a copy: metrics read it)."""
         return dict(self._held)
 
+    # -- placement (the node's Celery queue) --------------------------------------------------
+
+    async def assign(self, key: str) -> dict[str, object]:
+        """Load `key` here for the reconciler, evicting idle unassigned versions (LRU) if it must, and keep it
+        (never evicted on demand) until released. Returns what came of it; the heartbeat says so at once."""
+        snapshot = self._snapshot
+        entry = next((v for v in snapshot.hosted_versions() if v.key == key), None) if snapshot else None
+        if entry is None:
+            serial = snapshot.serial if snapshot else 0
+            return {"state": "unknown", "reason": f"{key} is not ready in snapshot {serial} on {self.facts.name}"}
+        self.node.packing.assigned.add(key)  # first: a reconcile meanwhile keeps it, and the heartbeat shows it
+        started = self._clock()
+        try:
+            hosted = await self.node.load(entry, evict=True)
+        except BaseException:
+            self.node.packing.assigned.discard(key)
+            raise
+        if hosted is None:
+            self.node.packing.assigned.discard(key)
+            result: dict[str, object] = {"state": "failed", "reason": self.node.unready_reason(key)
+                                         or self.node.packing.no_room.get(key, "not loaded")}
+        else:
+            await self.ensure_groups([key])
+            result = {"state": "hot", "seconds": round(self._clock() - started, 4)}
+        await self.heartbeat_once()
+        return result
+
+    async def release(self, key: str, *, unload: bool) -> dict[str, object]:
+        """The reconciler no longer places `key` here: with `unload` (scaled in), unload it now; without (its
+        desired replicas went to 0), it stays as any version does, evictable and loaded on demand."""
+        self.node.packing.assigned.discard(key)
+        if unload:
+            await self.node.unload(key)
+            self._grouped.discard(key)
+        await self.heartbeat_once()
+        return {"state": "unloaded" if unload else "released"}
+
+    def _fleet_changed(self, nodes: list[fleet.NodeInfo]) -> None:
+        """Versions assigned elsewhere changed (a placement, or a node lost): host again what this node now
+        should."""
+        elsewhere = frozenset().union(*(n.assigned for n in nodes if n.name != self.facts.name))
+        if elsewhere != self._elsewhere:
+            self._elsewhere = elsewhere
+            if self._snapshot is not None and self._pending is None:  # a newer one pending covers it
+                self.on_snapshot(self._snapshot)
+
     # -- serving ---------------------------------------------------------------------------
 
     def _readable(self) -> dict[str, str]:
         streams = {}
+        node = self.node
         for key, entry in self.servable().items():
+            if key not in node.hosted and key in self._elsewhere and key not in node.packing.loading:
+                continue  # cold here, served hot (or being loaded) by another node
             if key in self._grouped and self._held.get(key, 0) < READ_AHEAD * entry.batching.max_batch_size:
                 streams[request_stream(key)] = ">"
         return streams
@@ -315,6 +427,7 @@ class NodeProcess:
             # The gateway answered 504 at this deadline already: never run it, never answer it twice.
             self.counts["expired"] += 1
             return
+        self.counts["hot" if key in self.node.hosted else "cold"] += 1
         try:
             outputs = await self.node.infer(key, request.inputs, request.rows, self._clock() + left,
                                             request.priority, nbytes=len(raw or b""))
@@ -360,7 +473,9 @@ class NodeProcess:
         """Claim and serve the pending entries of consumers whose node is lost; drop such consumers once they
         hold nothing. Not XAUTOCLAIM: it claims by idle time alone, so it would also take entries from a
         live node that is merely busy and run them twice. Returns the entries claimed."""
-        live = {f"{n.name}:{n.instance}" for n in await fleet.read_fleet(self._client)}
+        nodes = await fleet.read_fleet(self._client)
+        self._fleet_changed(nodes)
+        live = {f"{n.name}:{n.instance}" for n in nodes}
         live.add(self.consumer)
         claimed = 0
         for key in [k for k in self.servable() if k in self._grouped]:
@@ -423,9 +538,12 @@ class NodeProcess:
 
     async def start(self, first_snapshot_timeout: float = 60.0) -> None:
         """Join the fleet, follow the snapshot, load what it hosts, then serve."""
+        self.events.start()
         await self.claim_name()
         loop = asyncio.get_running_loop()
-        self._loops.append(loop.create_task(self._every(fleet.HEARTBEAT_SECONDS, self.heartbeat_once, "heartbeat")))
+        self._loops.append(loop.create_task(self._heartbeat_forever()))
+        self._loops.append(loop.create_task(self._every(fleet.REFRESH_SECONDS, self.watch_fleet_once,
+                                                        "reading the fleet")))
         self.hub.subscribe(self.on_snapshot)
         self._loops.append(loop.create_task(snapshot_redis.follow(self.url, self.hub)))
         deadline = self._clock() + first_snapshot_timeout
@@ -460,15 +578,17 @@ class NodeProcess:
                 pass
         await self._pipe.close()
         await self.node.close()
+        await self.events.close()
         for client in (self._client, self._reader, self._pipe.client):
             await client.aclose()
 
 
-# KEYS: the node's hash, the fleet set; ARGV: its instance (as the hash stores it), its name.
+# KEYS: the node's hash, the fleet set, the last heartbeats; ARGV: its instance (as the hash stores it), its name.
 _LEAVE = """
 if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
   return 1
 end
 return 0

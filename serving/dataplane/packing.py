@@ -92,8 +92,12 @@ class Packing:
         self.measured: dict[str, tuple[int, float]] = {}  # key -> (footprint, cold start) on this node
         self.by_artifact: dict[str, float] = {}  # sha256 -> the last cold start of any version of it here
         self.stable: frozenset[str] = frozenset()  # the models' stable versions, by key
+        # Replicas the placement reconciler put here: kept like pinned ones, so on-demand loads never evict them.
+        self.assigned: set[str] = set()
         self.events: deque[Event] = deque(maxlen=events)
+        self.listeners: list[Callable[[Event], None]] = []  # told of each event (the fleet page's publisher)
         self.evictions = 0
+        self.loads = 0
         self._report = report
         self._sending: set[asyncio.Task[object]] = set()
 
@@ -145,7 +149,7 @@ class Packing:
         p = entry.placement
         return VersionSpec(
             entry.key, self.footprint(entry) if footprint is None else footprint, min_memory=p.min_memory,
-            accelerators=p.accelerators, pinned=p.pinned, stable=entry.key in self.stable,
+            accelerators=p.accelerators, pinned=p.pinned or entry.key in self.assigned, stable=entry.key in self.stable,
             min_replicas=p.min_replicas,
         )
 
@@ -170,9 +174,14 @@ class Packing:
     # -- records -------------------------------------------------------------------------------
 
     def record(self, kind: str, key: str, detail: str = "") -> None:
-        self.events.append(Event(time.time(), kind, key, detail))
+        event = Event(time.time(), kind, key, detail)
+        self.events.append(event)
         if kind == "evict":
             self.evictions += 1
+        elif kind == "load":
+            self.loads += 1
+        for listener in self.listeners:
+            listener(event)
 
     def send(self, report: LoadReport) -> None:
         """Tell the registry, off the event loop's path; a failure (database down) is logged, not retried:

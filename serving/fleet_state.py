@@ -1,0 +1,117 @@
+"""What the fleet page and `/api/fleet/` show: the nodes (live, lost, and this process's embedded node) and the
+events of the last hour, as one JSON-able document, and that document narrowed to what a person may see.
+
+Read from Redis (`serving.dataplane.fleet` heartbeats and last heartbeats, `serving.dataplane.fleet_events`) when
+REDIS_URL is set; an embedded node of this process is read from memory, and without Redis its own event record
+is the only one. An embedded node appears on its own process's page only: it takes no stream's requests, so it
+never announces itself in the fleet that gateways route by.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from serving.dataplane import fleet, fleet_events
+from serving.dataplane import plane as planes
+from serving.dataplane.fleet import NodeInfo
+from serving.dataplane.fleet_events import FleetEvent
+from serving.dataplane.node import Node
+
+EVENTS_SHOWN = 200
+HIDDEN = "another tenant's version"
+
+
+def embedded_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def embedded_info(node: Node, now: float) -> NodeInfo:
+    """This process's in-process node, as a heartbeat would announce it."""
+    hosted = dict(node.hosted)
+    return NodeInfo(
+        name=embedded_name(), instance="embedded", host=socket.gethostname(), pid=os.getpid(),
+        device=str(node.device), accelerator=node.accelerator, accelerator_count=0 if node.device.type == "cpu" else 1,
+        memory_total=node.memory_budget, memory_budget=node.memory_budget,
+        memory_used=sum(h.runtime.memory_bytes for h in hosted.values()), labels={}, started_at=0.0,
+        heartbeat_at=now, serial=node.reconciled_serial, hot=frozenset(hosted),
+        failures={k: f.reason for k, f in dict(node.failures).items()}, busy=round(node.busy.fraction(), 4),
+        resident=fleet.resident_of(hosted),
+    )
+
+
+def node_doc(info: NodeInfo, state: str, now: float) -> dict[str, Any]:
+    used = sum(int(r.get("bytes", 0)) for r in info.resident.values() if r.get("tier", "hot") == "hot")
+    return {
+        "name": info.name, "state": state, "host": info.host, "pid": info.pid, "device": info.device,
+        "accelerator": info.accelerator, "accelerator_count": info.accelerator_count, "labels": info.labels,
+        "heartbeat_at": info.heartbeat_at, "heartbeat_age": round(max(0.0, now - info.heartbeat_at), 1),
+        "memory_total": info.memory_total, "memory_budget": info.memory_budget,
+        "memory_used": max(info.memory_used, used), "busy": info.busy,
+        "resident": [{"key": key, "tier": str(r.get("tier", "hot")), "bytes": int(r.get("bytes", 0))}
+                     for key, r in sorted(info.resident.items())],
+        "failures": dict(sorted(info.failures.items())),
+    }
+
+
+async def read_state(client: aioredis.Redis | None, *, now: float | None = None) -> dict[str, Any]:
+    """The whole fleet, unscoped. `client` reads Redis (None: embedded without Redis)."""
+    now = time.time() if now is None else now
+    nodes: list[dict[str, Any]] = []
+    events: list[FleetEvent] = []
+    plane = planes.current()
+    embedded = plane.node if plane is not None and isinstance(plane.node, Node) else None
+    if embedded is not None:
+        nodes.append(node_doc(embedded_info(embedded, now), "live", now) | {"embedded": True})
+    if client is not None:
+        live = await fleet.read_fleet(client)
+        lost = await fleet.read_lost(client, live, now)
+        nodes += [node_doc(n, "live", now) | {"embedded": False} for n in live]
+        nodes += [node_doc(n, "lost", now) | {"embedded": False} for n in lost]
+        events = await fleet_events.read_recent(client, now=now, count=EVENTS_SHOWN)
+        events += fleet_events.lost_events(lost, now)
+    elif embedded is not None:
+        name = embedded_name()
+        record = list(embedded.packing.events)  # one C-level copy: a sync view may read it off the node's loop
+        events = [FleetEvent.of(name, e) for e in record if e.at >= now - fleet_events.WINDOW_SECONDS]
+    events.sort(key=lambda e: e.at, reverse=True)
+    return {"at": now, "nodes": nodes, "events": [e.to_doc() for e in events[:EVENTS_SHOWN]]}
+
+
+async def read_now() -> dict[str, Any]:
+    """`read_state` with a client of its own (a page load, an API call)."""
+    if not settings.REDIS_URL:
+        return await read_state(None)
+    from serving.dataplane import redis_pipe
+
+    client = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-page")
+    try:
+        return await read_state(client)
+    finally:
+        await client.aclose()
+
+
+def _model(key: str) -> str:
+    return key.rpartition(":")[0]
+
+
+def scoped(state: dict[str, Any], models: set[str] | None) -> dict[str, Any]:
+    """`state` as someone who sees only `models` (names; None: every model) may see it: other tenants' versions
+    keep their place and size in the packing bars, without their names; their events and failures are left out."""
+    if models is None:
+        return state
+
+    def shown(key: str) -> bool:
+        return not key or _model(key) in models
+
+    nodes = []
+    for node in state["nodes"]:
+        resident = [r if shown(r["key"]) else r | {"key": "", "hidden": True} for r in node["resident"]]
+        failures = {k: v for k, v in node["failures"].items() if shown(k)}
+        nodes.append(node | {"resident": resident, "failures": failures})
+    return state | {"nodes": nodes, "events": [e for e in state["events"] if shown(e["key"])]}
