@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from config.env import env_bool, env_int, env_list, env_str
+from config.env import ImproperSetting, env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FERRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
@@ -158,6 +158,34 @@ SPECTACULAR_SETTINGS = {
 # Serving (data plane).
 FERRY_ARTIFACT_ROOT = Path(env_str("FERRY_ARTIFACT_ROOT", str(DATA_DIR / "artifacts"))).resolve()
 FERRY_MAX_ARTIFACT_BYTES = env_int("FERRY_MAX_ARTIFACT_BYTES", 512 * 1024 * 1024, minimum=1)
+# Where artifacts are stored (serving.artifacts, Django's storage "artifacts"): "filesystem" (under
+# FERRY_ARTIFACT_ROOT) or "s3", an S3-compatible bucket through django-storages (installed separately:
+# `pip install django-storages[s3]`); boto3 reads the credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY.
+FERRY_ARTIFACT_STORAGE = env_str("FERRY_ARTIFACT_STORAGE", "filesystem")
+if FERRY_ARTIFACT_STORAGE == "filesystem":
+    STORAGES["artifacts"] = {"BACKEND": "serving.artifacts.ArtifactFileStorage"}
+elif FERRY_ARTIFACT_STORAGE == "s3":
+    STORAGES["artifacts"] = {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
+        "bucket_name": env_str("FERRY_ARTIFACT_S3_BUCKET"),
+        "endpoint_url": env_str("FERRY_ARTIFACT_S3_ENDPOINT_URL") or None,
+        "region_name": env_str("FERRY_ARTIFACT_S3_REGION") or None,
+        "location": env_str("FERRY_ARTIFACT_S3_PREFIX", "artifacts"),
+        "file_overwrite": True,  # names are sha256: an overwrite writes the same bytes
+        "default_acl": None,
+    }}
+    if not STORAGES["artifacts"]["OPTIONS"]["bucket_name"]:
+        raise ImproperSetting("FERRY_ARTIFACT_STORAGE=s3 needs FERRY_ARTIFACT_S3_BUCKET")
+else:
+    raise ImproperSetting(f"FERRY_ARTIFACT_STORAGE={FERRY_ARTIFACT_STORAGE!r} is not filesystem or s3")
+# Artifact distribution to nodes (docs/design.md, "Artifacts on every node"). A node with FERRY_ARTIFACT_URL
+# (the control plane's base URL) fetches by sha256 from /internal/artifacts/, sending FERRY_NODE_TOKEN, which
+# the web process requires (empty: the endpoint is off). Without it a node reads the storage itself. Either
+# way what it fetches goes through its disk cache, bounded in bytes, hash-checked before every load.
+FERRY_NODE_TOKEN = env_str("FERRY_NODE_TOKEN")
+FERRY_ARTIFACT_URL = env_str("FERRY_ARTIFACT_URL")
+FERRY_ARTIFACT_CACHE_DIR = Path(env_str("FERRY_ARTIFACT_CACHE_DIR", str(DATA_DIR / "artifact-cache"))).resolve()
+FERRY_ARTIFACT_CACHE_BYTES = env_int("FERRY_ARTIFACT_CACHE_BYTES", 20 * 1024**3, minimum=1024 * 1024)
+FERRY_ARTIFACT_FETCH_TIMEOUT_S = env_int("FERRY_ARTIFACT_FETCH_TIMEOUT_S", 120, minimum=1)
 FERRY_MAX_INFER_BODY_BYTES = env_int("FERRY_MAX_INFER_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
 # Intra-op threads for CPU inference. 0 (auto) leaves one core to the event loop: with every core
 # computing, HTTP parsing starves and tail latency grows (docs/benchmarks.md has the numbers).
@@ -183,6 +211,8 @@ FERRY_NODE_WARM_BYTES = env_int("FERRY_NODE_WARM_BYTES", 0, minimum=0)
 FERRY_NODE_ACCELERATOR = env_str("FERRY_NODE_ACCELERATOR", "")
 # Loads of cold versions that requests may queue on a node; past it a request for another cold version is 503.
 FERRY_MAX_QUEUED_LOADS = env_int("FERRY_MAX_QUEUED_LOADS", 16, minimum=1)
+# `runnode` serves Prometheus /metrics on this port (0: off; --metrics-port overrides). platform/ uses 9464.
+FERRY_NODE_METRICS_PORT = env_int("FERRY_NODE_METRICS_PORT", 0, minimum=0)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
 # Per-tenant quotas on /v2 inference (docs/design.md, "Quotas"). Shared through Redis (one script call

@@ -6,7 +6,7 @@ from drf_spectacular.views import SpectacularAPIView
 
 from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
-from serving import fleet_views, planner_views
+from serving import artifact_views, fleet_views, planner_views
 from serving import views as console
 from tenants import views as tenant_console
 from usage import views as usage_console
@@ -35,5 +35,8 @@ urlpatterns = [
     path("api/", include("usage.api.urls")),
     path("api/", include("rollout.api.urls")),
     path("api/", include("serving.api.urls")),
+    path("internal/artifacts/<str:sha256>", artifact_views.artifact, name="internal-artifact"),
     path("admin/", admin.site.urls),
 ]
+
+handler500 = "serving.api.errors.server_error"

@@ -1,4 +1,11 @@
-"""Content-addressed artifact store: files live under their sha256, written once, checked on read."""
+"""Content-addressed artifact store: files live under their sha256, written once, checked on read.
+
+Through Django's storage API (`STORAGES["artifacts"]`): the filesystem under FERRY_ARTIFACT_ROOT by
+default, an S3-compatible bucket (django-storages) when FERRY_ARTIFACT_STORAGE=s3. Nodes reach the
+bytes either from that storage directly (same disk, or the bucket) or from the control plane's
+`/internal/artifacts/<sha256>` (serving.artifact_views), and keep their own cache keyed by sha256
+(serving.dataplane.artifact_cache), checking the hash before every load.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,18 @@ import hashlib
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.files import File
+from django.core.files.storage import FileSystemStorage, Storage, storages
+from django.utils.functional import cached_property
 
 from serving.dataplane import archive_check
+from serving.dataplane.artifact_cache import ArtifactCache, ArtifactUnavailable, http_source
 from serving.models import Artifact
 
 CHUNK = 1024 * 1024
@@ -24,21 +37,45 @@ class ArtifactRejected(Exception):
         self.status = status
 
 
+class ArtifactFileStorage(FileSystemStorage):
+    """The filesystem under FERRY_ARTIFACT_ROOT, read when first used and again when the setting changes
+    (tests point it at a temporary folder), as FileSystemStorage follows MEDIA_ROOT."""
+
+    @cached_property
+    def base_location(self) -> str:
+        return self._value_or_setting(self._location, str(settings.FERRY_ARTIFACT_ROOT))
+
+    def _clear_cached_properties(self, setting: str, **kwargs: object) -> None:
+        super()._clear_cached_properties(setting, **kwargs)
+        if setting == "FERRY_ARTIFACT_ROOT":
+            self.__dict__.pop("base_location", None)
+            self.__dict__.pop("location", None)
+
+
+def storage() -> Storage:
+    return storages["artifacts"]
+
+
+def name_for(sha256: str) -> str:
+    return f"{sha256[:2]}/{sha256}"
+
+
 def root() -> Path:
     return Path(settings.FERRY_ARTIFACT_ROOT)
 
 
 def path_for(sha256: str) -> Path:
-    return root() / sha256[:2] / sha256
+    """The artifact's file on local storage (FileSystemStorage only)."""
+    return Path(storage().path(name_for(sha256)))
 
 
 def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: int | None = None) -> Artifact:
-    """Stream an upload to disk, hashing as it goes; refuse it past `max_bytes` without reading on."""
+    """Stream an upload to a local temporary file, hashing as it goes (refused past `max_bytes` without
+    reading on), check it as an archive, then save it to the storage under its sha256."""
     limit = max_bytes or settings.FERRY_MAX_ARTIFACT_BYTES
-    root().mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     size = 0
-    fd, tmp_name = tempfile.mkstemp(dir=root(), prefix=".upload-")
+    fd, tmp_name = tempfile.mkstemp(prefix="ferry-upload-")
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -59,23 +96,57 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
             archive_check.check_archive(tmp)  # read as data: refuses archives that would run code on load
         except archive_check.ArchiveRefused as exc:
             raise ArtifactRejected(f"archive refused: {exc.reason}") from None
-        final = path_for(sha)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists() and _file_sha256(final) == sha:
-            tmp.unlink()
-        else:
-            # New, or the stored copy was damaged: the verified upload takes its place.
-            tmp.chmod(0o444)
-            os.replace(tmp, final)
-    except BaseException:
+        _save(sha, tmp)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
     artifact, _ = Artifact.objects.get_or_create(sha256=sha, defaults={"size_bytes": size})
     return artifact
 
 
+def _save(sha: str, tmp: Path) -> None:
+    box, name = storage(), name_for(sha)
+    if box.exists(name):
+        if _sha256_of(_chunks(box, name)) == sha:
+            return
+        box.delete(name)  # the stored copy was damaged: the verified upload takes its place
+    with tmp.open("rb") as f:
+        saved = box.save(name, File(f, name=name))
+    if saved != name:
+        # Another upload of the same bytes saved it first and the storage picked a free name for this one.
+        box.delete(saved)
+        if _sha256_of(_chunks(box, name)) != sha:
+            raise ArtifactRejected(f"the artifact storage holds a damaged {name}; upload again", status=503)
+        return
+    if isinstance(box, FileSystemStorage):
+        os.chmod(box.path(name), 0o444)
+
+
+def open_file(sha256: str) -> BinaryIO:
+    """The stored artifact, open for reading (as stored: callers check the hash). ArtifactUnavailable if it
+    is not stored."""
+    try:
+        return storage().open(name_for(sha256), "rb")
+    except FileNotFoundError:
+        raise ArtifactUnavailable(f"artifact {sha256} is missing from the store", missing=True) from None
+
+
+def open_chunks(sha256: str, timeout_s: float | None = None) -> Iterator[bytes]:
+    """The stored artifact's bytes, in chunks: a node cache's source when it reads the storage itself."""
+    return _read(open_file(sha256))
+
+
+def _read(f: BinaryIO) -> Iterator[bytes]:
+    with f:
+        while chunk := f.read(CHUNK):
+            yield chunk
+
+
+def _chunks(box: Storage, name: str) -> Iterator[bytes]:
+    return _read(box.open(name, "rb"))
+
+
 def verified_path(sha256: str) -> Path:
-    """The artifact's file, after checking its bytes still hash to its name."""
+    """The artifact's file on local storage, after checking its bytes still hash to its name."""
     path = path_for(sha256)
     if not path.exists():
         raise ArtifactRejected(f"artifact {sha256} is missing from the store", status=503)
@@ -84,9 +155,35 @@ def verified_path(sha256: str) -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
+def local_reader() -> Callable[[str], Path]:
+    """How this process turns a sha256 into a verified local file when it reads the storage itself: the
+    stored file where the storage is a local filesystem, else a disk cache filled from the storage."""
+    if isinstance(storage(), FileSystemStorage):
+        return verified_path
+    return ArtifactCache(settings.FERRY_ARTIFACT_CACHE_DIR, settings.FERRY_ARTIFACT_CACHE_BYTES, open_chunks,
+                         max_artifact_bytes=settings.FERRY_MAX_ARTIFACT_BYTES,
+                         timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S).path
+
+
+def for_node() -> Callable[[str], Path]:
+    """How a node process turns a sha256 into a verified local file: fetched from the control plane into its
+    cache when FERRY_ARTIFACT_URL is set (a node on another machine), else read from the storage itself."""
+    if not settings.FERRY_ARTIFACT_URL:
+        return local_reader()
+    if not settings.FERRY_NODE_TOKEN:
+        raise ImproperlyConfigured("FERRY_ARTIFACT_URL needs FERRY_NODE_TOKEN (the web process's, to fetch with)")
+    source = http_source(settings.FERRY_ARTIFACT_URL, settings.FERRY_NODE_TOKEN, settings.FERRY_MAX_ARTIFACT_BYTES)
+    return ArtifactCache(settings.FERRY_ARTIFACT_CACHE_DIR, settings.FERRY_ARTIFACT_CACHE_BYTES, source,
+                         max_artifact_bytes=settings.FERRY_MAX_ARTIFACT_BYTES,
+                         timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S).path
+
+
+def _sha256_of(chunks: Iterator[bytes]) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
+    for chunk in chunks:
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    return _sha256_of(_read(path.open("rb")))

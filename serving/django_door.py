@@ -16,6 +16,7 @@ from importlib import import_module
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import InterfaceError, OperationalError
 
 from serving.dataplane import frontdoor
 from serving.dataplane.frontdoor import App, Receive, Scope, Send, metered, send_json
@@ -47,7 +48,11 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
             return await send_json(send, 413, artifact_error)
         try:
             engineer = await _is_engineer(scope["headers"])
-        except Exception:  # the database, most likely; Django could not authenticate either
+        except (OperationalError, InterfaceError) as exc:  # PostgreSQL out of reach: an outage, not a bug
+            log.warning("checking upload credentials failed: the database is unavailable (%s)",
+                        str(exc).strip().splitlines()[0] if str(exc) else type(exc).__name__)
+            return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
+        except Exception:  # Django could not authenticate either
             log.exception("checking upload credentials failed")
             return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
         if engineer:

@@ -25,7 +25,7 @@ def validate(version: ModelVersion) -> ModelVersion:
         inputs = [TensorSpec.from_dict(d) for d in version.inputs]
         outputs = [TensorSpec.from_dict(d) for d in version.outputs]
         runtime = ModelRuntime(
-            artifacts.verified_path(version.artifact_id), version.format, inputs, outputs, pick_device()
+            artifacts.local_reader()(version.artifact_id), version.format, inputs, outputs, pick_device()
         )
         runtime.load()
         entry = version_entry(version, version.model.name)

@@ -173,7 +173,7 @@ async def start() -> DataPlane:
         node, transport = await _remote_nodes()
     else:
         node = Node(
-            artifact_path=artifacts.verified_path,
+            artifact_path=artifacts.local_reader(),
             device=settings.FERRY_DEVICE,
             memory_budget=settings.FERRY_NODE_MEMORY_BYTES,
             max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,

@@ -77,6 +77,7 @@ class LoadFailure:
     entry: VersionEntry
     reason: str
     at: float = field(default_factory=time.time)
+    transient: bool = False  # the artifact could not be had now (fetch failed): the next snapshot tries again
 
 
 def warmup_sizes(entry: VersionEntry) -> list[int]:
@@ -159,7 +160,7 @@ class Node:
                     hosted.entry = entry
                     continue
                 failed = self.failures.get(key)
-                if failed is not None and failed.entry == entry:
+                if failed is not None and failed.entry == entry and not failed.transient:
                     continue  # same version, same failure: wait for a change rather than loop
                 if self.packing.refused(entry) is not None or (key in self.packing.cold and not self._kept(entry)):
                     continue  # cannot fit ever, or cold: a request loads it
@@ -218,7 +219,7 @@ class Node:
             except Exception as exc:
                 reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
                 log.error("loading %s failed: %s", entry.key, reason)
-                self.failures[entry.key] = LoadFailure(entry, reason)
+                self.failures[entry.key] = LoadFailure(entry, reason, transient=isinstance(exc, Unavailable))
                 self.packing.cold.pop(entry.key, None)
                 self.packing.record("load_failed", entry.key, reason)
                 return None

@@ -299,6 +299,10 @@ class NodeProcess:
             entries.setdefault(key, entry)
         return entries
 
+    def held(self) -> dict[str, int]:
+        """Per version, the requests this node took off its stream and holds (a copy: metrics read it)."""
+        return dict(self._held)
+
     # -- placement (the node's Celery queue) --------------------------------------------------
 
     async def assign(self, key: str) -> dict[str, object]:

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from serving import artifacts
+from serving.dataplane import node_metrics
 from serving.dataplane.node import Node
 from serving.dataplane.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
 from serving.dataplane.packing import LoadReport
@@ -25,6 +26,8 @@ class Command(BaseCommand):
         parser.add_argument("--memory", default=None, help="memory budget, e.g. 24GiB (CUDA: at most the device's)")
         parser.add_argument("--labels", action="append", default=[], help="k=v[,k=v] (repeatable)")
         parser.add_argument("--device", default=settings.FERRY_DEVICE, help="cpu, cuda, cuda:1 (default: cuda if any)")
+        parser.add_argument("--metrics-port", type=int, default=settings.FERRY_NODE_METRICS_PORT,
+                            help="serve Prometheus /metrics on this port (default FERRY_NODE_METRICS_PORT; 0: off)")
 
     def handle(self, *args: object, **options: object) -> None:
         if not settings.REDIS_URL:
@@ -42,12 +45,12 @@ class Command(BaseCommand):
         try:
             # uvloop, as the web process runs (frontdoor.uvicorn_config): the stream hop is mostly event-loop work.
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                runner.run(self._run(facts))
+                runner.run(self._run(facts, int(options["metrics_port"])))
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
 
-    async def _run(self, facts) -> None:  # noqa: ANN001
-        node = Node(artifact_path=artifacts.verified_path, device=facts.device, memory_budget=facts.memory_budget,
+    async def _run(self, facts, metrics_port: int) -> None:  # noqa: ANN001
+        node = Node(artifact_path=artifacts.for_node(), device=facts.device, memory_budget=facts.memory_budget,
                     max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
                     accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
                     warm_budget=settings.FERRY_NODE_WARM_BYTES, report=_report)
@@ -56,6 +59,8 @@ class Command(BaseCommand):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
+        if metrics_port:
+            node_metrics.serve(process, metrics_port)
         await process.start()
         # Load and unload for the placement reconciler: this node's own Celery queue, on a thread of its own.
         worker = NodeWorker(process, loop)
