@@ -30,7 +30,7 @@ def test_worker_validates_a_queued_version(worker, model_files) -> None:  # noqa
                                    inputs=DIGITS_IO["inputs"], outputs=DIGITS_IO["outputs"], validate="none")
     assert version.state == State.REGISTERED
     # when the task goes through the broker to a worker process
-    client = Celery(broker=BROKER)
+    client = Celery(broker=BROKER, set_as_current=False)  # later tests keep the project app (eager tasks)
     client.send_task("serving.tasks.validate_version", args=[version.pk])
     # then the worker loads, profiles and marks it ready
     deadline = time.monotonic() + 90
