@@ -18,7 +18,7 @@ from serving.dataplane.node import Node
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.shadow import DROPPED, Mirror, Mirrored, Pair
 from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.dataplane.transport import InProcessTransport
+from serving.dataplane.transport import InProcessTransport, Outputs
 from serving.policies import admission
 from serving.policies.batching import SHADOW_PRIORITY, BatchingConfig, BatchQueue, Pending, tier_share
 from usage.sketch import bucket_of
@@ -127,7 +127,8 @@ def test_aggregate_sums_a_minute_and_keeps_a_bounded_sample_with_inputs() -> Non
     assert (row["mirrored"], row["shadow_errors"], row["compared"], row["agreed"]) == (8, 1, 57, 4)
     assert row["confusion"]["0,3"] == 1 and row["confusion"]["0,0"] == 1 + 0
     assert row["statuses"] == {"422": 1}
-    assert sum(row["primary_latency"].values()) == sum(row["shadow_latency"].values()) == 8
+    # latency counts the pairs both sides answered: the failed one has no device time to compare
+    assert sum(row["primary_latency"].values()) == sum(row["shadow_latency"].values()) == 7
     # the sample is bounded per flush, and each disagreement carries its row's inputs and both outputs
     assert len(samples) == shadow_compare.SAMPLES_PER_FLUSH
     (failure,) = [s for s in samples if s["summary"].startswith("shadow failed (422)")]
@@ -204,6 +205,31 @@ def test_mirrors_queued_together_travel_in_one_call_up_to_a_batch() -> None:
     batches = [[i.rows for i in mirror.take_batch()] for _ in range(4)]
     assert batches == [[3, 4], [2, 1], [1], [1]]
     assert not mirror.queue and mirror.queued_bytes == 0
+
+
+class _Answering:
+    """A transport answering every call as a node does: the outputs and the batch's device seconds."""
+
+    def __init__(self, compute: float) -> None:
+        self.compute = compute
+
+    async def infer(self, entry, inputs, rows, deadline, priority, **kw):  # noqa: ANN001, ANN003, ANN201
+        return Outputs({"scores": np.eye(10, dtype=np.float32)[:rows]}, self.compute)
+
+
+async def test_stacked_mirrors_share_their_calls_device_seconds_by_rows() -> None:
+    # given mirrors of 1 and 3 rows stacked into one call that took 8 ms of device time
+    mirror = Mirror(transport=_Answering(0.008))  # type: ignore[arg-type]
+    eye = np.eye(10, dtype=np.float32)
+    for rows, primary_compute in ((1, 0.001), (3, 0.005)):
+        mirror.offer("classification", version(1), version(2), {"input": np.zeros((rows, 64), np.float32)},
+                     rows, 10, {"scores": eye[:rows]}, primary_compute)
+    # when they are sent together
+    await mirror.send(mirror.take_batch())
+    # then each keeps its rows' share of the call, beside its primary's own device seconds
+    kept = mirror.drain()
+    assert [p.shadow_compute for p in kept] == pytest.approx([0.002, 0.006])
+    assert [p.item.primary_compute for p in kept] == [0.001, 0.005]
 
 
 def test_the_pair_buffer_is_bounded_and_drained_whole() -> None:
@@ -287,6 +313,8 @@ async def test_a_full_mirror_queue_never_holds_or_fails_the_primary(digits_node:
     await mirror.send([mirror.take()])
     (kept,) = mirror.drain()
     assert kept.shadow_status == 200 and kept.item.baseline.version == 1 and kept.item.candidate.version == 2
+    # both sides' latency is the node's device time for the request, measured alike
+    assert kept.item.primary_compute > 0 and kept.shadow_compute > 0
     np.testing.assert_allclose(kept.shadow["scores"], kept.item.primary["scores"], rtol=1e-5)
 
 

@@ -59,7 +59,7 @@ class Mirrored:
     rows: int
     nbytes: int
     primary: dict[str, np.ndarray]
-    primary_seconds: float
+    primary_compute: float  # device seconds of the primary's rows: its share, by rows, of its batch's compute
     offered: float  # monotonic
     deadline: float  # monotonic
     at: float  # wall clock, for the minute it is counted in
@@ -67,12 +67,15 @@ class Mirrored:
 
 @dataclass(slots=True)
 class Pair:
-    """Both answers to one mirrored request; `shadow` is None when the shadow failed (`shadow_status`)."""
+    """Both answers to one mirrored request; `shadow` is None when the shadow failed (`shadow_status`).
+    Latency is compared as device seconds per request on both sides, the node's own measure (each request's
+    share, by rows, of its batch's compute), because the end-to-end times are not alike: a mirror waits at
+    the lowest tier behind every caller and travels stacked with other mirrors."""
 
     item: Mirrored
     shadow: dict[str, np.ndarray] | None
     shadow_status: int
-    shadow_seconds: float
+    shadow_compute: float  # device seconds of the mirror's rows, measured as `Mirrored.primary_compute` is
     error: str = ""
 
     @property
@@ -141,7 +144,7 @@ class Mirror:
 
     def offer(
         self, task: str, baseline: VersionEntry, candidate: VersionEntry, inputs: dict[str, np.ndarray],
-        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_seconds: float,
+        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_compute: float,
     ) -> bool:
         """Queue a mirror, or drop it (counted) when the queue has no room. Never blocks, never raises
         for the caller's request: True when queued."""
@@ -150,7 +153,7 @@ class Mirror:
             return False
         now = self._clock()
         self.queue.append(Mirrored(
-            task, baseline, candidate, inputs, rows, nbytes, primary, primary_seconds, now,
+            task, baseline, candidate, inputs, rows, nbytes, primary, primary_compute, now,
             now + candidate.default_timeout_ms / 1000.0, self._wall(),
         ))
         self.queued_bytes += nbytes
@@ -228,7 +231,6 @@ class Mirror:
         inputs = items[0].inputs if len(items) == 1 else {
             name: np.concatenate([i.inputs[name] for i in items]) for name in items[0].inputs
         }
-        started = self._clock()
         shadow: dict[str, np.ndarray] | None = None
         error = ""
         try:
@@ -249,13 +251,14 @@ class Mirror:
             log.exception("mirroring to %s failed", candidate.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()
             status, error = 500, f"{type(exc).__name__}: {exc}"
-        seconds = self._clock() - started
+        # The node's compute for the whole stacked call, shared out by rows as the node shares a batch's.
+        per_row = getattr(shadow, "compute_seconds", 0.0) / rows
         MIRRORED.labels(candidate.model, str(candidate.version), "ok" if status == 200 else "error").inc(len(items))
         start = 0
         for item in items:
             mine = None if shadow is None else {k: v[start:start + item.rows] for k, v in shadow.items()}
             start += item.rows
-            self.keep(Pair(item, mine, status, seconds, error))
+            self.keep(Pair(item, mine, status, per_row * item.rows, error))
 
     def keep(self, pair: Pair) -> None:
         size = pair.nbytes
