@@ -76,10 +76,14 @@ def _phase(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 def served_profile(idle: dict[str, float], loaded: dict[str, float], max_batch: int) -> dict[int, float]:
     """The latency profile the node measured while serving these loads (`ferry_compute_seconds` over
     `ferry_batch_size`): a line through the quiet phase's (batch, compute) and the loaded phase's, so the
-    profile holds whatever else the machine was doing at the time. Flat when the batches did not grow."""
+    profile holds whatever else the machine was doing at the time. When the batches did not grow there is
+    no slope to draw, and the profile is flat at the loaded phase's compute: the run being simulated is
+    that one, and a busy machine computes the same batch slower than a quiet one."""
     b0, t0, b1, t1 = idle["batch"], idle["compute"], loaded["batch"], loaded["compute"]
-    slope = max(0.0, (t1 - t0) / (b1 - b0)) if b1 > b0 + 0.5 else 0.0
     sizes = sorted({1, max_batch, *(2**i for i in range(1, max_batch.bit_length()) if 2**i <= max_batch)})
+    if b1 <= b0 + 0.5:
+        return {b: max(t1, 1e-5) for b in sizes}
+    slope = max(0.0, (t1 - t0) / (b1 - b0))
     return {b: max(t0 + slope * (b - b0), 1e-5) for b in sizes}
 
 
