@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import numpy as np
 import orjson
@@ -16,7 +17,7 @@ from rollout.routing import RouteTable
 from serving.dataplane.gateway import Gateway, _priority
 from serving.dataplane.node import Node
 from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.shadow import DROPPED, Mirror, Mirrored, Pair
+from serving.dataplane.shadow import DROPPED, Mirror, Mirrored, Pair, stack_rows
 from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.transport import InProcessTransport, Outputs
 from serving.policies import admission
@@ -424,6 +425,56 @@ async def test_mirrors_run_ahead_of_callers_work_that_is_not_due_before_they_fin
     finally:
         node._device_pool.shutdown(wait=False)
         node._load_pool.shutdown(wait=False)
+
+
+async def test_mirrors_run_in_the_parts_that_fit_before_callers_work_comes_due() -> None:
+    from tests.test_admission import Clock, StandIn, entry, rows
+
+    order: list[tuple[str, int]] = []
+
+    class Recording(StandIn):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def run(self, requests):  # noqa: ANN001, ANN201
+            order.append((self.name, sum(r["input"].shape[0] for r in requests)))
+            return super().run(requests)
+
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    caller = node.host(entry("caller"), Recording("caller"), {1: 0.001, 8: 0.001}, start=False)
+    # a shadow whose one-row batch takes 1 s and two rows 30 s (the clock is the test's)
+    shadow = node.host(entry("shadow"), Recording("shadow"), {1: 1.0, 2: 30.0}, start=False)
+    try:
+        # given two one-row mirrors past their window, and a caller's request due 5 s from now
+        mirrored = [asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 1000, SHADOW_PRIORITY))
+                    for _ in range(2)]
+        await asyncio.sleep(0)
+        clock.now += 15
+        called = asyncio.ensure_future(node.infer("caller:1", rows(1), 1, clock.now + 100, 1))
+        await asyncio.sleep(0)
+        clock.now += 5
+        # when the mirrors' batch is due: both together (30 s) would delay the caller, each alone (1 s) not
+        assert await asyncio.wait_for(shadow.batcher.process_one_batch(), 10)
+        # then each ran in its own part, ahead of the caller, who was not held up
+        assert order == [("shadow", 1), ("shadow", 1)] and not called.done()
+        await asyncio.gather(*mirrored)
+        clock.now += 20
+        assert await caller.batcher.process_one_batch()
+        await called
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
+
+
+def test_a_stacked_mirror_call_computes_within_the_candidates_window() -> None:
+    profiled = replace(version(2), latency_profile={1: 0.0016, 2: 0.0029, 4: 0.0053, 8: 0.0103},
+                       batching=BatchingConfig(max_batch_size=8, max_queue_delay=0.005, max_queue_size=64))
+    assert stack_rows(profiled) == 2
+    slow = replace(profiled, latency_profile={1: 0.02, 8: 0.05})
+    assert stack_rows(slow) == 1  # even one row is over the window: one at a time
+    assert stack_rows(version(2)) == 8  # no profile yet: a full batch
 
 
 async def test_a_caller_queued_behind_mirrors_on_their_own_version_lets_them_go() -> None:

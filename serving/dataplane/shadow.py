@@ -86,6 +86,20 @@ class Pair:
         return self.item.nbytes + outputs
 
 
+def stack_rows(candidate: VersionEntry) -> int:
+    """The most rows one stacked mirror call carries: the largest measured batch that computes within the
+    candidate's batch window (at least one). The window is about the longest gap callers' batches leave a
+    busy device, and the node runs a mirror only in such a gap, so a call of a full batch would wait for an
+    idle device; with no profile yet, a full batch."""
+    limit = candidate.batching.max_batch_size
+    profile = candidate.latency_profile
+    if not profile:
+        return limit
+    window = candidate.batching.max_queue_delay
+    fitting = [int(b) for b, seconds in profile.items() if seconds <= window and int(b) <= limit]
+    return max(fitting, default=1)
+
+
 def _stackable(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     """Whether two requests' inputs concatenate along the rows: same names, dtypes and per-row shapes."""
     if a.keys() != b.keys():
@@ -205,13 +219,13 @@ class Mirror:
 
     def take_batch(self) -> list[Mirrored]:
         """The next mirror and those queued behind it that can travel with it in one call: same candidate,
-        same inputs but for the rows, up to the candidate's largest batch. One call instead of many costs the
-        node one admission, one future and a share of one batch, which is what keeps mirroring cheap."""
+        same inputs but for the rows, up to `stack_rows`. One call instead of many costs the node one
+        admission, one future and a share of one batch, which is what keeps mirroring cheap."""
         first = self.take()
         if first is None:
             return []
         items, rows = [first], first.rows
-        limit = first.candidate.batching.max_batch_size
+        limit = stack_rows(first.candidate)
         while self.queue:
             following = self.queue[0]
             if following.candidate != first.candidate or rows + following.rows > limit \
