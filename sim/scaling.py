@@ -27,7 +27,7 @@ class Predictive:
 
     def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
         memory = {node.name: int(node.memory_gb * 2**30) for node in scenario.fleet}
-        self.autoscaler = Autoscaler(memory)
+        self.autoscaler = Autoscaler(memory, surge=scenario.scaling.surge)
         self.versions = versions
         self.nodes_wanted: dict[str, int] = {}
 

@@ -91,6 +91,7 @@ class Scaling:
     cool_down: float = 60.0
     target_utilisation: float = 0.7
     warm_pool: int = 0
+    surge: float = 0.0  # predictive: requests/s per second the whole fleet absorbs unannounced (Autoscaler)
     scheduling_delay: float = 5.0
     latency_budget: float = 0.3  # the p99 a replica is sized to keep
     timeout: float = 1.0  # each request's deadline after its arrival

@@ -364,3 +364,23 @@ def test_a_ramp_every_version_shares_is_seen_in_the_pool_before_any_one_version_
     # alone has not yet seen its trend through its own noise
     assert pooled[124] == 80
     assert alone[124] < 0.7 * pooled[124]
+
+
+def test_surge_headroom_holds_what_a_ramp_reaches_in_one_lead_time_at_full_utilisation() -> None:
+    # given replicas of 100 requests a second sized at a 0.5 target, a 35 s lead, and a declared surge of
+    # 10 requests a second per second: 350 more within one lead time
+    def steady(rate: int, surge: float) -> tuple[int, str]:
+        scaler = Autoscaler({"gpu": 80 * GB}, surge=surge)
+        total, d = 0, None
+        for t in range(30):
+            d = scaler.tick(float(t), [Observation("m:1", config(max_replicas=100), total, 1, per_row)])
+            total += rate
+        return d.decisions["m:1"].replicas, d.decisions["m:1"].reason
+
+    # when 100 a second arrive: the target asks for 2, the surge for (100 + 350) / 100 = 5, at full use
+    assert steady(100, 0.0) == (2, "forecast")
+    assert steady(100, 10.0) == (5, "surge")
+    # and at 1,000 a second the target's own slack (20 replicas for 1,000 + 1,000) already covers it
+    assert steady(1000, 10.0) == steady(1000, 0.0) == (20, "forecast")
+    with pytest.raises(ValueError, match="surge"):
+        Autoscaler({"gpu": GB}, surge=-1.0)

@@ -25,8 +25,17 @@ Per version, each tick:
   errors of the slope, from the fit's own residuals), every version's short-window rate is
   scaled by the pooled growth from the window's middle to `now + lead`:
   `short x (1 + slope x (now + lead - middle) / mean)`, and the forecast is the larger of that
-  and the version's own. Without a significant rise the factor is 1 and nothing changes. What it costs: a rise of a few hot versions lifts the quiet
-  ones too, by at most the pooled growth, held by the cool-down;
+  and the version's own. Without a significant rise the factor is 1 and nothing changes. What it
+  costs: a rise of a few hot versions lifts the quiet ones too, by at most the pooled growth,
+  held by the cool-down;
+- surge headroom (`surge`, requests a second per second, 0 by default): no forecast sees a ramp
+  before it starts, and what is ordered when it starts is ready a lead time later, so the fleet
+  must already hold what the ramp can reach within one lead time. Declaring the steepest growth
+  the pool must absorb unannounced, each version also keeps capacity, at full utilisation rather
+  than the target, for its demand plus its share (its short-window rate over the pool's) of
+  `surge x lead`. Sized at full utilisation, the headroom overlaps the target's slack instead of
+  adding to it: at a rate r with a 0.7 target it costs nothing until `surge x lead` passes
+  `0.43 r`, so it weighs on a fleet at low traffic, where a ramp hurts most, and little at peak;
 - capacity of one replica (`replica_capacity`): full batches of `b` rows taking `t(b)` serve
   `b / t(b)` requests a second; a request arriving as a batch starts waits for it and then runs
   in the next, `2 t(b)`, which must fit `HEADROOM` of the p99 budget (admission's share of it),
@@ -119,7 +128,7 @@ class Capacity:
 class Decision:
     version: str
     replicas: int
-    reason: str  # forecast | short_window | min | max | cool_down | idle | no_data | no_profile
+    reason: str  # forecast | short_window | surge | min | max | cool_down | idle | no_data | no_profile
     demand: float  # requests a second the replicas were sized for
     forecast: float  # the trend's rate at now + lead time
     short_rate: float
@@ -200,11 +209,13 @@ class Autoscaler:
         trend_tau: float = 10.0,
         trend_window: float = 8.0,
         trend_z: float = 4.0,
+        surge: float = 0.0,
     ) -> None:
         if not 0 < short_window <= long_window:
             raise ValueError("need 0 < short_window <= long_window")
-        if level_tau <= 0 or trend_tau <= 0 or trend_window <= 0 or trend_z < 0:
-            raise ValueError("level_tau, trend_tau and trend_window must be positive, trend_z not negative")
+        if level_tau <= 0 or trend_tau <= 0 or trend_window <= 0 or trend_z < 0 or surge < 0:
+            raise ValueError("level_tau, trend_tau and trend_window must be positive, trend_z and surge not"
+                             " negative")
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
         self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
@@ -214,6 +225,7 @@ class Autoscaler:
         self.trend_tau = trend_tau
         self.trend_window = trend_window
         self.trend_z = trend_z
+        self.surge = surge  # requests a second per second the pool may grow by unannounced
         self._tracks: dict[str, _Track] = {}
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
@@ -265,10 +277,16 @@ class Autoscaler:
             want, reason = max(obs.replicas, cfg.min_replicas, 1), "no_profile"
         else:
             if demand > 0:
-                want = math.ceil(demand / (capacity.rate * cfg.target_utilisation) - _SLACK) + cfg.warm_pool
+                want = math.ceil(demand / (capacity.rate * cfg.target_utilisation) - _SLACK)
             else:
-                want = cfg.warm_pool
+                want = 0
             reason = "forecast" if forecast >= short else "short_window"
+            if self.surge > 0 and pooled.mean > 0 and short > 0:
+                reach = demand + self.surge * cfg.lead_time * short / pooled.mean
+                surge = math.ceil(reach / capacity.rate - _SLACK)
+                if surge > want:
+                    want, reason = surge, "surge"
+            want += cfg.warm_pool
         floor = max(cfg.min_replicas, 1)  # min 0 still keeps one until the idle time has passed
         if want < floor:
             want, reason = floor, "min"
