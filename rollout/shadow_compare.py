@@ -93,6 +93,7 @@ class Cell:
     similarity_min: float | None = None
     difference: Sketch = field(default_factory=dict)
     confusion: dict[str, int] = field(default_factory=dict)  # "primary class,shadow class" -> rows
+    # Device seconds per request of the pairs both sides answered (shadow.Pair says why not end to end).
     primary_latency: Sketch = field(default_factory=dict)
     shadow_latency: Sketch = field(default_factory=dict)
     statuses: dict[str, int] = field(default_factory=dict)  # the shadow's failures by status
@@ -197,8 +198,10 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
             cell = cells[key] = Cell(item.task)
             latencies[key] = ([], [])
         cell.mirrored += 1
-        latencies[key][0].append(item.primary_seconds)
-        latencies[key][1].append(pair.shadow_seconds)
+        if pair.shadow is not None and item.primary_compute > 0 and pair.shadow_compute > 0:
+            # Like with like: both sides' device seconds for the same request, from runs that answered.
+            latencies[key][0].append(item.primary_compute)
+            latencies[key][1].append(pair.shadow_compute)
         kept = samples.setdefault(key[:3], [])
         if pair.shadow is None:
             cell.shadow_errors += 1
@@ -230,9 +233,9 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
                 at = int(np.searchsorted(offsets, row, side="right")) - 1
                 kept.append(_sample(members[at], row - int(offsets[at]), _summary(task, comparison, row),
                                     float(comparison.difference[row])))
-    for key, (primary_seconds, shadow_seconds) in latencies.items():
-        _count(cells[key].primary_latency, np.asarray(primary_seconds))
-        _count(cells[key].shadow_latency, np.asarray(shadow_seconds))
+    for key, (primary_compute, shadow_compute) in latencies.items():
+        _count(cells[key].primary_latency, np.asarray(primary_compute))
+        _count(cells[key].shadow_latency, np.asarray(shadow_compute))
     rows = [cell.row(key) for key, cell in cells.items()]
     return rows, [s for kept in samples.values() for s in kept]
 

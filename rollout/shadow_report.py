@@ -14,6 +14,10 @@ from rollout.models import ShadowDisagreement, ShadowMinute
 from usage.sketch import FLOOR_SECONDS, GROWTH, merge, quantile
 
 DISAGREEMENTS_SHOWN = 50
+# Like with like (serving.dataplane.shadow.Pair): end to end, a mirror waits at the lowest tier behind callers.
+LATENCY_MEASURE = ("device seconds per request, both versions measured by the node alike: each request's share, by"
+                   " rows, of its batch's compute, over the mirrored requests both answered. Not end to end; a"
+                   " batch of mirrors can be larger than the callers' batches, which lowers the candidate's share")
 LATENCY_BINS_PER_DOUBLING = 2  # the report's latency histograms: bins 41% wide (sketch buckets are 9%)
 
 
@@ -132,7 +136,7 @@ def build(model: Any, candidate: int, *, baseline: int | None = None, until: dat
             else None,
             "min_cosine": similarity_min,
         },
-        "latency": {"baseline": _latency(primary), "candidate": _latency(shadow)},
+        "latency": {"measure": LATENCY_MEASURE, "baseline": _latency(primary), "candidate": _latency(shadow)},
         "confusion": {
             "labels": labels,
             "matrix": [[confusion.get((a, b), 0) for b in labels] for a in labels],

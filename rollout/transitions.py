@@ -167,7 +167,7 @@ def _finish(rollout: Rollout, state: str, actor: Any, reason: str, now: datetime
     before = rollout.summary()
     if state == RolloutState.PROMOTED:
         try:
-            promote_version(model=rollout.model, version=rollout.candidate, actor=actor)
+            promote_version(model=rollout.model, version=rollout.candidate, actor=actor, by_rollout=rollout.pk)
         except RegistrationError as exc:
             raise RolloutError(exc.message, 409) from None
     else:

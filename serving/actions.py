@@ -176,10 +176,13 @@ def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
     return publish_snapshot()
 
 
-def promote(*, model: Model, version: int, actor: object = None) -> Model:
+def promote(*, model: Model, version: int, actor: object = None, by_rollout: int | None = None) -> Model:
     """Make `version` the model's stable version: all unpinned traffic the other rules leave goes to it.
     The rollout weights end with it (they split traffic between the old stable and a canary); tenant pins
-    and experiment arms stay. Only a ready version can be promoted (RegistrationError 409 otherwise)."""
+    and experiment arms stay. Only a ready version can be promoted (RegistrationError 409 otherwise).
+    While a rollout of the model is active only that rollout promotes (`by_rollout`, its id): a direct
+    promotion would skip its gates and approval, so it is refused with 409 naming the rollout."""
+    from rollout.models import Rollout
     from tenants import audit
 
     with transaction.atomic():
@@ -187,6 +190,12 @@ def promote(*, model: Model, version: int, actor: object = None) -> Model:
         target = ModelVersion.objects.filter(model=model, version=version).first()
         if target is None:
             raise RegistrationError(f"model '{model.name}' has no version {version}", 404)
+        # The model's row lock orders this against a rollout starting (which locks it too).
+        active = Rollout.objects.active().filter(model=model).exclude(pk=by_rollout).first()
+        if active is not None:
+            raise RegistrationError(
+                f"model '{model.name}' has an active rollout (#{active.pk}, {active.state}, version"
+                f" {active.candidate}): promote through it (its gates and approval) or end it first", 409)
         if target.state != State.READY:
             raise RegistrationError(f"version {version} of '{model.name}' is {target.state}: only a ready version"
                                     " can be promoted", 409)

@@ -166,7 +166,7 @@ class Simulation:
         m.t = now
         self._resample(m, now)
         self.metrics.at(now).counts["arrived"] += k
-        self._dispatch(m, k, first, now, now, fallback=False, reason="no_replica")
+        self._dispatch(m, k, first, now, now, fallback=False, reason="no_replica", first=True)
 
     def _routes(self, m: SimModel) -> list[tuple[SimVersion | None, float]]:
         counts: dict[int | None, int] = {}
@@ -182,23 +182,29 @@ class Simulation:
         m.routes_dirty = False
         return m.routes
 
-    def _dispatch(self, m: SimModel, k: int, lo: float, hi: float, now: float, *, fallback: bool, reason: str) -> None:
+    def _dispatch(self, m: SimModel, k: int, lo: float, hi: float, now: float, *, fallback: bool, reason: str,
+                  first: bool = False) -> None:
+        """`first`: the cohort's earliest row arrived at `lo` exactly (a cohort from `_advance`); the others
+        are uniform over [lo, hi]."""
         routes = self._routes(m) if m.routes_dirty else m.routes
         if len(routes) == 1:
-            self._offer(m, routes[0][0], k, lo, hi, now, fallback, reason)
+            self._offer(m, routes[0][0], k, lo, hi, now, fallback, reason, first)
             return
         left, share_left = k, 1.0
+        # The earliest row is any one of the k, so it goes to a version in proportion to its rows.
+        holder = self.rng.randrange(k) if first else -1
         for i, (v, share) in enumerate(routes):
             n = left if i == len(routes) - 1 else binomial(self.rng, left, share / share_left)
             share_left -= share
             left -= n
             if n:
-                self._offer(m, v, n, lo, hi, now, fallback, reason)
+                self._offer(m, v, n, lo, hi, now, fallback, reason, 0 <= holder < n)
+                holder -= n
 
     def _offer(self, m: SimModel, v: SimVersion | None, k: int, lo: float, hi: float, now: float,
-               fallback: bool, reason: str) -> None:
+               fallback: bool, reason: str, first: bool = False) -> None:
         if v is None or not v.ready_count:
-            self._refused(m, k, lo, hi, now, fallback, reason)
+            self._refused(m, k, lo, hi, now, fallback, reason, first)
             return
         v.arrivals_total += k
         queue = v.queue
@@ -209,19 +215,20 @@ class Simulation:
             admit, why = room, "queue_full"
         split = lo + (hi - lo) * admit / k
         if admit > 0:
-            self._put(v, admit, lo, split, fallback)
+            self._put(v, admit, lo, split, fallback, first)
             if fallback:
                 self._kick(v, now)
         if admit < k:
-            self._refused(m, k - admit, split, hi, now, fallback, why)
+            self._refused(m, k - admit, split, hi, now, fallback, why, first and admit == 0)
 
-    def _refused(self, m: SimModel, k: int, lo: float, hi: float, now: float, fallback: bool, reason: str) -> None:
+    def _refused(self, m: SimModel, k: int, lo: float, hi: float, now: float, fallback: bool, reason: str,
+                 first: bool = False) -> None:
         fb = m.fallback
         if fallback or fb is None:
             self.metrics.shed(now, k, reason)
             return
         self._advance(fb, now)  # its own earlier arrivals queue first
-        self._dispatch(fb, k, lo, hi, now, fallback=True, reason=reason)
+        self._dispatch(fb, k, lo, hi, now, fallback=True, reason=reason, first=first)
 
     def _admissible(self, v: SimVersion, k: int, now: float, deadline: float) -> int:
         """How many of `k` rows admission lets in: all, or the largest prefix whose estimate fits."""
@@ -251,8 +258,9 @@ class Simulation:
                 bad = mid
         return good
 
-    def _put(self, v: SimVersion, k: int, lo: float, hi: float, fallback: bool) -> None:
-        """Queue `k` rows in pieces cut where the backlog's full batches end."""
+    def _put(self, v: SimVersion, k: int, lo: float, hi: float, fallback: bool, first: bool = False) -> None:
+        """Queue `k` rows in pieces cut where the backlog's full batches end; the first piece holds the
+        cohort's earliest row when `first`."""
         queue, mb, timeout = v.queue, v.max_batch, self.timeout
         span = hi - lo
         done = 0
@@ -260,7 +268,8 @@ class Simulation:
         while done < k:
             n = k - done if k - done < room else room
             a = lo + span * done / k
-            queue.put(Pending((a, lo + span * (done + n) / k, fallback), n, a, a + timeout, 1, n))
+            queue.put(Pending((a, lo + span * (done + n) / k, fallback, first), n, a, a + timeout, 1, n))
+            first = False
             done += n
             room = mb
 
@@ -337,15 +346,24 @@ class Simulation:
         w = self.metrics.at(end)
         lat, weight, counts = w.lat.append, w.weight.append, w.counts
         for p in batch:
-            lo, hi, fb = p.payload
+            lo, hi, fb, first = p.payload
             if end <= p.deadline:
                 counts["fallback" if fb else "served"] += p.rows
-                quarter = (hi - lo) / 4
-                lat(end - lo - quarter)
-                lat(end - lo - 3 * quarter)
-                half = p.rows / 2
-                weight(half)
-                weight(half)
+                # Two samples at the quartiles of the rows spread uniformly over [lo, hi]; a piece holding
+                # its cohort's earliest row has that row at lo exactly (it opened the batch window), and
+                # only the others spread: as the spread, it would look half a window younger than it is.
+                rest = p.rows
+                if first:
+                    lat(end - lo)
+                    weight(1.0)
+                    rest -= 1
+                if rest:
+                    quarter = (hi - lo) / 4
+                    lat(end - lo - quarter)
+                    lat(end - lo - 3 * quarter)
+                    half = rest / 2
+                    weight(half)
+                    weight(half)
             else:  # the deadline timer answers 504 first
                 self.metrics.expired(p.deadline, lo, hi, p.rows)
         self._push(end, FREE, dev, (v, rows))

@@ -1,7 +1,8 @@
 """The three scaling policies a scenario compares, each answering desired replicas per version per tick.
 
 - predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
-  now + cold start + scheduling delay, warm pool, cool-down);
+  now + cold start + scheduling delay, warm pool, cool-down, the scenario's declared surge);
+- forecast-only: the same without the surge, where a scenario asks to see what forecasting alone does;
 - reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency
   over the last `window` seconds / a replica's target concurrency), where a replica's target is what
   it holds serving the predictive policy's target utilisation of its capacity: batches of b rows with
@@ -25,9 +26,9 @@ from sim.scenario import Scenario
 class Predictive:
     name = "predictive"
 
-    def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
+    def __init__(self, scenario: Scenario, versions: list[SimVersion], *, surge: bool = True) -> None:
         memory = {node.name: int(node.memory_gb * 2**30) for node in scenario.fleet}
-        self.autoscaler = Autoscaler(memory)
+        self.autoscaler = Autoscaler(memory, surge=scenario.scaling.surge if surge else 0.0)
         self.versions = versions
         self.nodes_wanted: dict[str, int] = {}
 
@@ -43,6 +44,15 @@ class Predictive:
                 v.demand = decision.demand
             out[v] = decision.replicas
         return out
+
+
+class ForecastOnly(Predictive):
+    """The same `Autoscaler` without the scenario's declared surge: what forecasting alone achieves."""
+
+    name = "forecast-only"
+
+    def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
+        super().__init__(scenario, versions, surge=False)
 
 
 class Reactive:
@@ -107,4 +117,5 @@ class Static:
 
 
 def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictive | Reactive | Static:
-    return {"predictive": Predictive, "reactive": Reactive, "static": Static}[name](scenario, versions)
+    policies = {"predictive": Predictive, "forecast-only": ForecastOnly, "reactive": Reactive, "static": Static}
+    return policies[name](scenario, versions)

@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-POLICIES = ("predictive", "reactive", "static")
+POLICIES = ("predictive", "forecast-only", "reactive", "static")
+DEFAULT_POLICIES = ("predictive", "reactive", "static")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Scaling:
     cool_down: float = 60.0
     target_utilisation: float = 0.7
     warm_pool: int = 0
+    surge: float = 0.0  # predictive: requests/s per second the whole fleet absorbs unannounced (Autoscaler)
     scheduling_delay: float = 5.0
     latency_budget: float = 0.3  # the p99 a replica is sized to keep
     timeout: float = 1.0  # each request's deadline after its arrival
@@ -115,7 +117,7 @@ class Scenario:
     seed: int = 1
     window: float = 10.0  # seconds per reported time step
     scaling: Scaling = field(default_factory=Scaling)
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     jitter: float = 0.05  # lognormal sigma of a batch's compute time around its profile
 
     def __post_init__(self) -> None:
@@ -171,7 +173,7 @@ def from_dict(doc: dict[str, Any]) -> Scenario:
         families=families,
         fleet=fleet,
         scaling=Scaling(**doc.get("scaling", {})),
-        policies=tuple(doc.get("policies", POLICIES)),
+        policies=tuple(doc.get("policies", DEFAULT_POLICIES)),
         **known,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from serving.policies.autoscale import Autoscaler, Capacity, Observation, ScalingConfig, replica_capacity
@@ -326,3 +327,60 @@ def test_predictive_scaling_under_provisions_a_ramp_far_less_than_reactive() -> 
     late_behind = [t for t, over in enumerate(behind, 1) if over and t > 120 + cold + 10]
     assert late_ahead == []
     assert late_behind and max(late_behind) >= 175
+
+
+# --- the pooled trend ---------------------------------------------------------------------------
+
+
+def test_a_ramp_every_version_shares_is_seen_in_the_pool_before_any_one_version_shows_it() -> None:
+    # given 40 versions of 25 requests a second each (Poisson, seeded), 1,000 in all, for two minutes,
+    # then all of them ramping to five times that in a minute; 30 s cold starts
+    rng = np.random.default_rng(7)
+    cfg = config(cold_start=30.0, scheduling_delay=5.0, target_utilisation=0.5, max_replicas=500)
+    names = [f"m{i}:1" for i in range(40)]
+
+    def rate(t: float) -> float:
+        return 25.0 * (1 + 4 * min(max(t - 120, 0), 60) / 60)
+
+    arrivals = [[int(n) for n in rng.poisson(rate(t), len(names))] for t in range(1, 151)]
+
+    def wanted(scaler: Autoscaler) -> list[int]:
+        totals = [0] * len(names)
+        scaler.tick(0.0, [Observation(n, cfg, 0, 1, per_row) for n in names])
+        out = []
+        for t, counts in enumerate(arrivals, 1):
+            totals = [a + c for a, c in zip(totals, counts, strict=True)]
+            plan = scaler.tick(float(t), [Observation(n, cfg, total, 1, per_row)
+                                          for n, total in zip(names, totals, strict=True)])
+            out.append(sum(d.replicas for d in plan.decisions.values()))
+        return out
+
+    pooled = wanted(Autoscaler({"gpu": 80 * GB}))
+    alone = wanted(Autoscaler({"gpu": 80 * GB}, trend_z=math.inf))  # each version's own trend only
+    # then through the steady minutes the pool lifts nothing: its noise is not a trend
+    assert pooled[:120] == alone[:120]
+    # and five seconds into the ramp the pool asks for what the rate 40 s on needs (rising 1.67 a second
+    # a version from 25: about 90 a version, two replicas of 50 each, 80 in all), while each version
+    # alone has not yet seen its trend through its own noise
+    assert pooled[124] == 80
+    assert alone[124] < 0.7 * pooled[124]
+
+
+def test_surge_headroom_holds_what_a_ramp_reaches_in_one_lead_time_at_full_utilisation() -> None:
+    # given replicas of 100 requests a second sized at a 0.5 target, a 35 s lead, and a declared surge of
+    # 10 requests a second per second: 350 more within one lead time
+    def steady(rate: int, surge: float) -> tuple[int, str]:
+        scaler = Autoscaler({"gpu": 80 * GB}, surge=surge)
+        total, d = 0, None
+        for t in range(30):
+            d = scaler.tick(float(t), [Observation("m:1", config(max_replicas=100), total, 1, per_row)])
+            total += rate
+        return d.decisions["m:1"].replicas, d.decisions["m:1"].reason
+
+    # when 100 a second arrive: the target asks for 2, the surge for (100 + 350) / 100 = 5, at full use
+    assert steady(100, 0.0) == (2, "forecast")
+    assert steady(100, 10.0) == (5, "surge")
+    # and at 1,000 a second the target's own slack (20 replicas for 1,000 + 1,000) already covers it
+    assert steady(1000, 10.0) == steady(1000, 0.0) == (20, "forecast")
+    with pytest.raises(ValueError, match="surge"):
+        Autoscaler({"gpu": GB}, surge=-1.0)

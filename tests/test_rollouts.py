@@ -17,6 +17,7 @@ import pytest
 from celery import Celery
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.utils import timezone
 
@@ -24,6 +25,7 @@ from rollout import evidence, transitions
 from rollout.gates import Thresholds
 from rollout.models import Rollout, RolloutState
 from rollout.transitions import RolloutError
+from serving.actions import RegistrationError
 from serving.actions import promote as promote_version
 from serving.models import Model
 from tenants.models import AuditEntry, Membership, Role
@@ -287,11 +289,33 @@ def test_promote_needs_the_approval_and_ended_rollouts_refuse_transitions(people
         assert caught.value.status == 409 and "promoted" in caught.value.message
 
 
-def test_a_promotion_outside_the_rollout_cancels_it(people, canaried) -> None:  # noqa: ANN001
+def test_a_direct_promotion_is_refused_while_a_rollout_is_active(people, canaried) -> None:  # noqa: ANN001
+    # given a rollout of version 2, still in its first canary step and not approved
     rollout = start(canaried, people["eng"])
-    promote_version(model=canaried, version=2, actor=people["eng"])
-    rollout = transitions.evaluate(rollout.pk)
-    assert rollout.state == RolloutState.CANCELLED and "stable version changed" in rollout.reason
+    # when an engineer promotes version 2 directly: by the action, the REST API and the command
+    with pytest.raises(RegistrationError) as caught:
+        promote_version(model=canaried, version=2, actor=people["eng"])
+    assert caught.value.status == 409 and f"active rollout (#{rollout.pk}" in caught.value.message
+    response = client_for(people["approver"]).post("/api/models/canaried/versions/2/promote/")
+    assert response.status_code == 409 and f"#{rollout.pk}" in response.json()["error"]
+    with pytest.raises(CommandError, match="active rollout"):
+        call_command("route_model", "canaried", "--promote", "2")
+    # then nothing moved: version 1 is stable, the canary weights stand, the rollout goes on
+    canaried.refresh_from_db()
+    assert canaried.stable_version == 1 and weights(canaried) == {"1": 0.9, "2": 0.1}
+    assert not AuditEntry.objects.filter(action="model.promote").exists()
+    assert transitions.evaluate(rollout.pk).state == RolloutState.CANARY
+    # and once the rollout has ended, a direct promotion works again
+    transitions.cancel(rollout=rollout, actor=people["eng"])
+    assert promote_version(model=canaried, version=2, actor=people["eng"]).stable_version == 2
+
+
+def test_the_rollout_promotes_through_the_guard(people, canaried) -> None:  # noqa: ANN001
+    rollout = start(canaried, people["eng"])
+    transitions.approve(rollout=rollout, actor=people["approver"])
+    transitions.promote(rollout=Rollout.objects.get(pk=rollout.pk), actor=people["approver"])
+    canaried.refresh_from_db()
+    assert canaried.stable_version == 2 and canaried.rollout_weights == {}
 
 
 # -- two evaluations at once ---------------------------------------------------------------------------

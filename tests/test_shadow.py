@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import numpy as np
 import orjson
@@ -16,9 +17,9 @@ from rollout.routing import RouteTable
 from serving.dataplane.gateway import Gateway, _priority
 from serving.dataplane.node import Node
 from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.shadow import DROPPED, Mirror, Mirrored, Pair
+from serving.dataplane.shadow import DROPPED, Mirror, Mirrored, Pair, stack_rows
 from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.dataplane.transport import InProcessTransport
+from serving.dataplane.transport import InProcessTransport, Outputs
 from serving.policies import admission
 from serving.policies.batching import SHADOW_PRIORITY, BatchingConfig, BatchQueue, Pending, tier_share
 from usage.sketch import bucket_of
@@ -127,7 +128,8 @@ def test_aggregate_sums_a_minute_and_keeps_a_bounded_sample_with_inputs() -> Non
     assert (row["mirrored"], row["shadow_errors"], row["compared"], row["agreed"]) == (8, 1, 57, 4)
     assert row["confusion"]["0,3"] == 1 and row["confusion"]["0,0"] == 1 + 0
     assert row["statuses"] == {"422": 1}
-    assert sum(row["primary_latency"].values()) == sum(row["shadow_latency"].values()) == 8
+    # latency counts the pairs both sides answered: the failed one has no device time to compare
+    assert sum(row["primary_latency"].values()) == sum(row["shadow_latency"].values()) == 7
     # the sample is bounded per flush, and each disagreement carries its row's inputs and both outputs
     assert len(samples) == shadow_compare.SAMPLES_PER_FLUSH
     (failure,) = [s for s in samples if s["summary"].startswith("shadow failed (422)")]
@@ -204,6 +206,31 @@ def test_mirrors_queued_together_travel_in_one_call_up_to_a_batch() -> None:
     batches = [[i.rows for i in mirror.take_batch()] for _ in range(4)]
     assert batches == [[3, 4], [2, 1], [1], [1]]
     assert not mirror.queue and mirror.queued_bytes == 0
+
+
+class _Answering:
+    """A transport answering every call as a node does: the outputs and the batch's device seconds."""
+
+    def __init__(self, compute: float) -> None:
+        self.compute = compute
+
+    async def infer(self, entry, inputs, rows, deadline, priority, **kw):  # noqa: ANN001, ANN003, ANN201
+        return Outputs({"scores": np.eye(10, dtype=np.float32)[:rows]}, self.compute)
+
+
+async def test_stacked_mirrors_share_their_calls_device_seconds_by_rows() -> None:
+    # given mirrors of 1 and 3 rows stacked into one call that took 8 ms of device time
+    mirror = Mirror(transport=_Answering(0.008))  # type: ignore[arg-type]
+    eye = np.eye(10, dtype=np.float32)
+    for rows, primary_compute in ((1, 0.001), (3, 0.005)):
+        mirror.offer("classification", version(1), version(2), {"input": np.zeros((rows, 64), np.float32)},
+                     rows, 10, {"scores": eye[:rows]}, primary_compute)
+    # when they are sent together
+    await mirror.send(mirror.take_batch())
+    # then each keeps its rows' share of the call, beside its primary's own device seconds
+    kept = mirror.drain()
+    assert [p.shadow_compute for p in kept] == pytest.approx([0.002, 0.006])
+    assert [p.item.primary_compute for p in kept] == [0.001, 0.005]
 
 
 def test_the_pair_buffer_is_bounded_and_drained_whole() -> None:
@@ -287,6 +314,8 @@ async def test_a_full_mirror_queue_never_holds_or_fails_the_primary(digits_node:
     await mirror.send([mirror.take()])
     (kept,) = mirror.drain()
     assert kept.shadow_status == 200 and kept.item.baseline.version == 1 and kept.item.candidate.version == 2
+    # both sides' latency is the node's device time for the request, measured alike
+    assert kept.item.primary_compute > 0 and kept.shadow_compute > 0
     np.testing.assert_allclose(kept.shadow["scores"], kept.item.primary["scores"], rtol=1e-5)
 
 
@@ -396,6 +425,56 @@ async def test_mirrors_run_ahead_of_callers_work_that_is_not_due_before_they_fin
     finally:
         node._device_pool.shutdown(wait=False)
         node._load_pool.shutdown(wait=False)
+
+
+async def test_mirrors_run_in_the_parts_that_fit_before_callers_work_comes_due() -> None:
+    from tests.test_admission import Clock, StandIn, entry, rows
+
+    order: list[tuple[str, int]] = []
+
+    class Recording(StandIn):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def run(self, requests):  # noqa: ANN001, ANN201
+            order.append((self.name, sum(r["input"].shape[0] for r in requests)))
+            return super().run(requests)
+
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    caller = node.host(entry("caller"), Recording("caller"), {1: 0.001, 8: 0.001}, start=False)
+    # a shadow whose one-row batch takes 1 s and two rows 30 s (the clock is the test's)
+    shadow = node.host(entry("shadow"), Recording("shadow"), {1: 1.0, 2: 30.0}, start=False)
+    try:
+        # given two one-row mirrors past their window, and a caller's request due 5 s from now
+        mirrored = [asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 1000, SHADOW_PRIORITY))
+                    for _ in range(2)]
+        await asyncio.sleep(0)
+        clock.now += 15
+        called = asyncio.ensure_future(node.infer("caller:1", rows(1), 1, clock.now + 100, 1))
+        await asyncio.sleep(0)
+        clock.now += 5
+        # when the mirrors' batch is due: both together (30 s) would delay the caller, each alone (1 s) not
+        assert await asyncio.wait_for(shadow.batcher.process_one_batch(), 10)
+        # then each ran in its own part, ahead of the caller, who was not held up
+        assert order == [("shadow", 1), ("shadow", 1)] and not called.done()
+        await asyncio.gather(*mirrored)
+        clock.now += 20
+        assert await caller.batcher.process_one_batch()
+        await called
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
+
+
+def test_a_stacked_mirror_call_computes_within_the_candidates_window() -> None:
+    profiled = replace(version(2), latency_profile={1: 0.0016, 2: 0.0029, 4: 0.0053, 8: 0.0103},
+                       batching=BatchingConfig(max_batch_size=8, max_queue_delay=0.005, max_queue_size=64))
+    assert stack_rows(profiled) == 2
+    slow = replace(profiled, latency_profile={1: 0.02, 8: 0.05})
+    assert stack_rows(slow) == 1  # even one row is over the window: one at a time
+    assert stack_rows(version(2)) == 8  # no profile yet: a full batch
 
 
 async def test_a_caller_queued_behind_mirrors_on_their_own_version_lets_them_go() -> None:

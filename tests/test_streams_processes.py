@@ -92,19 +92,20 @@ def _env(redis_url: str, data_dir: Path) -> dict[str, str]:
     }
 
 
-def start(name: str, args: list[str], tmp_path: Path, redis_url: str, port: int = 0) -> Proc:
+def start(name: str, args: list[str], tmp_path: Path, redis_url: str, port: int = 0, **extra_env: str) -> Proc:
     data_dir = tmp_path / name
     data_dir.mkdir(exist_ok=True)
     log_path = tmp_path / f"{name}.log"
     with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", *args], cwd=ROOT, env=_env(redis_url, data_dir),
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "manage.py", *args], cwd=ROOT,
+                                env={**_env(redis_url, data_dir), **extra_env}, stdout=log, stderr=subprocess.STDOUT)
     return Proc(name, proc, log_path, port)
 
 
-def start_web(tmp_path: Path, redis_url: str) -> Proc:
+def start_web(tmp_path: Path, redis_url: str, **extra_env: str) -> Proc:
     port = free_port()
-    return start("web", ["serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path, redis_url, port)
+    return start("web", ["serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path, redis_url, port,
+                 **extra_env)
 
 
 def start_node(name: str, tmp_path: Path, redis_url: str) -> Proc:

@@ -80,8 +80,9 @@ class LatencySerializer(serializers.Serializer):
 
 
 class LatenciesSerializer(serializers.Serializer):
-    baseline = LatencySerializer(help_text="the serving versions, from dispatch to answer")
-    candidate = LatencySerializer(help_text="the candidate on the mirrored requests, from dispatch to answer")
+    measure = serializers.CharField(help_text="what the two distributions measure")
+    baseline = LatencySerializer(help_text="the serving versions' device time on the mirrored requests")
+    candidate = LatencySerializer(help_text="the candidate's device time on the same requests")
 
 
 class ConfusionSerializer(serializers.Serializer):

@@ -385,12 +385,14 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
 
     @extend_schema(parameters=[VERSION_PARAMETER], request=None,
                    responses={200: ModelSerializer, **errors(
-                       403, 404, 409, e409="The version is not ready (registered, validating, failed or retired).")})
+                       403, 404, 409, e409="The version is not ready (registered, validating, failed or retired), or a"
+                                           " rollout of the model is active: it promotes through its gates"
+                                           " and approval.")})
     @action(detail=True, methods=["post"])
     def promote(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Make the version the model's stable version: unpinned traffic goes to it (ending any rollout
         weights); tenant-specific versions and experiment arms stay. Needs the engineer role in the owning
-        tenant."""
+        tenant. Refused (409) while a rollout of the model is active."""
         version = self.get_object()
         try:
             model = promote(model=version.model, version=version.version, actor=request.user)

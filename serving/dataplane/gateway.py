@@ -119,13 +119,12 @@ class Gateway:
             # The output names asked for: a remote node answers with only those (stream_codec).
             wanted = tuple(o.name for o in request.outputs) if request.outputs is not None else None
             try:
-                dispatched = self._clock() if self.mirror is not None else 0.0
                 outputs = await self.transport.infer(
                     entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone,
                     tenant=viewer, outputs=wanted,
                 )
                 if self.mirror is not None:
-                    self._mirror(entry, request.inputs, request.rows, len(body), outputs, dispatched)
+                    self._mirror(entry, request.inputs, request.rows, len(body), outputs)
             except Unavailable as refused:
                 served = self._fallback(entry, name, request.rows, viewer, routing_key) if self.use_fallback else None
                 if served is None:
@@ -168,8 +167,7 @@ class Gateway:
         asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
 
-    def _mirror(self, entry: VersionEntry, inputs: dict, rows: int, nbytes: int, outputs: dict,
-                dispatched: float) -> None:
+    def _mirror(self, entry: VersionEntry, inputs: dict, rows: int, nbytes: int, outputs: dict) -> None:
         """Queue this request for the model's shadow when it is its turn; never awaited, never raises."""
         model = self.hub.current.models.get(entry.model) if self.hub.current is not None else None
         if model is None or model.routes.shadow is None:
@@ -178,7 +176,7 @@ class Gateway:
             candidate = self.mirror.candidate(model, entry)  # type: ignore[union-attr]
             if candidate is not None:
                 self.mirror.offer(model.task, entry, candidate, inputs, rows, nbytes,  # type: ignore[union-attr]
-                                  outputs, self._clock() - dispatched)
+                                  outputs, getattr(outputs, "compute_seconds", 0.0))
         except Exception:  # a bug in the shadow's path must not cost the caller its answer
             log.exception("mirroring a request of %s failed", entry.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()

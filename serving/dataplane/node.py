@@ -551,8 +551,17 @@ class Node:
     async def _run_batch(self, hosted: Hosted, batch: list[Pending]) -> None:
         live = [p for p in batch if not p.payload.future.done()]
         if live and live[0].priority >= SHADOW_PRIORITY:  # a batch takes its queue's highest tier first
-            await self._yield_to_callers(hosted, live)
-            live = [p for p in live if not p.payload.future.done()]
+            # Mirrors run in what fits the gaps callers' batches leave, the longest part first that fits,
+            # then the rest in later gaps (each part waits again), rather than all or nothing.
+            while live:
+                fits = await self._yield_to_callers(hosted, live)
+                now, live = live[:fits], live[fits:]
+                await self._run_live(hosted, [p for p in now if not p.payload.future.done()])
+                live = [p for p in live if not p.payload.future.done()]
+            return
+        await self._run_live(hosted, live)
+
+    async def _run_live(self, hosted: Hosted, live: list[Pending]) -> None:
         if not live:
             return
         started = self._clock()
@@ -579,27 +588,36 @@ class Node:
         self._busy.inc(seconds)
         _answer(live, results, seconds, rows)
 
-    async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> None:
+    async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> int:
         """Hold a batch of mirrored (shadow) requests while it would delay callers' work: a batch is on the
         device, or another version's callers' batch would come due before this one could finish (by the
         profile's estimate). A batch cannot be preempted, so this keeps a mirror from holding up a caller's
-        request. A caller's request queued behind the mirrors on this same version lets them go at once (it
-        runs next). Mirrors that wait past their deadline are answered 504 by their timers (the mirror
-        counts them as dropped)."""
-        rows = sum(p.rows for p in live)
+        request. Returns how many of `live` (a prefix) may run now: the most whose estimate finishes before
+        any callers' batch comes due, so a short gap still runs a few mirrors; all of them when a caller's
+        request is queued behind the mirrors on this same version (it runs next), or when all are done.
+        Mirrors that wait past their deadline are answered 504 by their timers (the mirror counts them as
+        dropped)."""
         callers = SHADOW_PRIORITY - 1
+        others = [h for h in self._hosted_list if h is not hosted]
         while not all(p.payload.future.done() for p in live):
             if hosted.batcher.queue.rows and hosted.batcher.queue.rows_ahead(callers):
-                return
+                return len(live)
             if not self._device_work:
-                finish = self._clock() + hosted.profile.estimate(rows)
-                if not any(self._callers_due(h, finish) for h in self._hosted_list if h is not hosted):
-                    return
+                now, rows, fits = self._clock(), 0, 0
+                for p in live:
+                    rows += p.rows
+                    finish = now + hosted.profile.estimate(rows)
+                    if any(self._callers_due(h, finish) for h in others):
+                        break
+                    fits += 1
+                if fits:
+                    return fits
             self._device_quiet.clear()
             try:  # bounded: a queue emptied without a batch (expiry, a stopped batcher) sets no event
                 await asyncio.wait_for(self._device_quiet.wait(), 0.05)
             except TimeoutError:
                 pass
+        return len(live)  # every one is done: nothing left to run
 
     @staticmethod
     def _callers_due(hosted: Hosted, by: float) -> bool:

@@ -59,7 +59,7 @@ class Mirrored:
     rows: int
     nbytes: int
     primary: dict[str, np.ndarray]
-    primary_seconds: float
+    primary_compute: float  # device seconds of the primary's rows: its share, by rows, of its batch's compute
     offered: float  # monotonic
     deadline: float  # monotonic
     at: float  # wall clock, for the minute it is counted in
@@ -67,12 +67,15 @@ class Mirrored:
 
 @dataclass(slots=True)
 class Pair:
-    """Both answers to one mirrored request; `shadow` is None when the shadow failed (`shadow_status`)."""
+    """Both answers to one mirrored request; `shadow` is None when the shadow failed (`shadow_status`).
+    Latency is compared as device seconds per request on both sides, the node's own measure (each request's
+    share, by rows, of its batch's compute), because the end-to-end times are not alike: a mirror waits at
+    the lowest tier behind every caller and travels stacked with other mirrors."""
 
     item: Mirrored
     shadow: dict[str, np.ndarray] | None
     shadow_status: int
-    shadow_seconds: float
+    shadow_compute: float  # device seconds of the mirror's rows, measured as `Mirrored.primary_compute` is
     error: str = ""
 
     @property
@@ -81,6 +84,20 @@ class Pair:
         if self.shadow is not None:
             outputs += sum(a.nbytes for a in self.shadow.values())
         return self.item.nbytes + outputs
+
+
+def stack_rows(candidate: VersionEntry) -> int:
+    """The most rows one stacked mirror call carries: the largest measured batch that computes within the
+    candidate's batch window (at least one). The window is about the longest gap callers' batches leave a
+    busy device, and the node runs a mirror only in such a gap, so a call of a full batch would wait for an
+    idle device; with no profile yet, a full batch."""
+    limit = candidate.batching.max_batch_size
+    profile = candidate.latency_profile
+    if not profile:
+        return limit
+    window = candidate.batching.max_queue_delay
+    fitting = [int(b) for b, seconds in profile.items() if seconds <= window and int(b) <= limit]
+    return max(fitting, default=1)
 
 
 def _stackable(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -141,7 +158,7 @@ class Mirror:
 
     def offer(
         self, task: str, baseline: VersionEntry, candidate: VersionEntry, inputs: dict[str, np.ndarray],
-        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_seconds: float,
+        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_compute: float,
     ) -> bool:
         """Queue a mirror, or drop it (counted) when the queue has no room. Never blocks, never raises
         for the caller's request: True when queued."""
@@ -150,7 +167,7 @@ class Mirror:
             return False
         now = self._clock()
         self.queue.append(Mirrored(
-            task, baseline, candidate, inputs, rows, nbytes, primary, primary_seconds, now,
+            task, baseline, candidate, inputs, rows, nbytes, primary, primary_compute, now,
             now + candidate.default_timeout_ms / 1000.0, self._wall(),
         ))
         self.queued_bytes += nbytes
@@ -202,13 +219,13 @@ class Mirror:
 
     def take_batch(self) -> list[Mirrored]:
         """The next mirror and those queued behind it that can travel with it in one call: same candidate,
-        same inputs but for the rows, up to the candidate's largest batch. One call instead of many costs the
-        node one admission, one future and a share of one batch, which is what keeps mirroring cheap."""
+        same inputs but for the rows, up to `stack_rows`. One call instead of many costs the node one
+        admission, one future and a share of one batch, which is what keeps mirroring cheap."""
         first = self.take()
         if first is None:
             return []
         items, rows = [first], first.rows
-        limit = first.candidate.batching.max_batch_size
+        limit = stack_rows(first.candidate)
         while self.queue:
             following = self.queue[0]
             if following.candidate != first.candidate or rows + following.rows > limit \
@@ -228,7 +245,6 @@ class Mirror:
         inputs = items[0].inputs if len(items) == 1 else {
             name: np.concatenate([i.inputs[name] for i in items]) for name in items[0].inputs
         }
-        started = self._clock()
         shadow: dict[str, np.ndarray] | None = None
         error = ""
         try:
@@ -249,13 +265,14 @@ class Mirror:
             log.exception("mirroring to %s failed", candidate.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()
             status, error = 500, f"{type(exc).__name__}: {exc}"
-        seconds = self._clock() - started
+        # The node's compute for the whole stacked call, shared out by rows as the node shares a batch's.
+        per_row = getattr(shadow, "compute_seconds", 0.0) / rows
         MIRRORED.labels(candidate.model, str(candidate.version), "ok" if status == 200 else "error").inc(len(items))
         start = 0
         for item in items:
             mine = None if shadow is None else {k: v[start:start + item.rows] for k, v in shadow.items()}
             start += item.rows
-            self.keep(Pair(item, mine, status, seconds, error))
+            self.keep(Pair(item, mine, status, per_row * item.rows, error))
 
     def keep(self, pair: Pair) -> None:
         size = pair.nbytes

@@ -13,10 +13,29 @@ Per version, each tick:
   smoothing factors from time constants so uneven ticks weigh right
   (`alpha = 1 - exp(-dt / level_tau)`, `beta = 1 - exp(-dt / trend_tau)`), read at `now + lead`;
   the short window's rate overrides it upward (a falling trend, or one still catching up with
-  a step, must not size below what arrives now), so `demand = max(forecast, short rate)`. The
-  time constants are seconds, not the windows': a trend seen within ten seconds is what lets a
+  a step, must not size below what arrives now), so `demand = max(forecast, short rate)`.
+  The time constants are seconds, not the windows': a trend seen within ten seconds is what lets a
   30 s cold start be ordered in time, and a burst looks like the start of a ramp, so the trend
   also jumps on one (scale-out is the safe side of that mistake; the cool-down then holds it);
+- pooled trend: one version's rate is too noisy to trust a steep trend early (Poisson noise of a
+  few hundred requests a second, extrapolated over a 35 s lead, is tens of percent), so a ramp
+  that every version shares is seen first in the sum of all of them, whose relative noise is
+  small. Each tick fits a least-squares line to the pooled per-tick rates of the last
+  `trend_window` seconds; when its slope is positive and significant (over `trend_z` standard
+  errors of the slope, from the fit's own residuals), every version's short-window rate is
+  scaled by the pooled growth from the window's middle to `now + lead`:
+  `short x (1 + slope x (now + lead - middle) / mean)`, and the forecast is the larger of that
+  and the version's own. Without a significant rise the factor is 1 and nothing changes. What it
+  costs: a rise of a few hot versions lifts the quiet ones too, by at most the pooled growth,
+  held by the cool-down;
+- surge headroom (`surge`, requests a second per second, 0 by default): no forecast sees a ramp
+  before it starts, and what is ordered when it starts is ready a lead time later, so the fleet
+  must already hold what the ramp can reach within one lead time. Declaring the steepest growth
+  the pool must absorb unannounced, each version also keeps capacity, at full utilisation rather
+  than the target, for its demand plus its share (its short-window rate over the pool's) of
+  `surge x lead`. Sized at full utilisation, the headroom overlaps the target's slack instead of
+  adding to it: at a rate r with a 0.7 target it costs nothing until `surge x lead` passes
+  `0.43 r`, so it weighs on a fleet at low traffic, where a ramp hurts most, and little at peak;
 - capacity of one replica (`replica_capacity`): full batches of `b` rows taking `t(b)` serve
   `b / t(b)` requests a second; a request arriving as a batch starts waits for it and then runs
   in the next, `2 t(b)`, which must fit `HEADROOM` of the p99 budget (admission's share of it),
@@ -109,7 +128,7 @@ class Capacity:
 class Decision:
     version: str
     replicas: int
-    reason: str  # forecast | short_window | min | max | cool_down | idle | no_data | no_profile
+    reason: str  # forecast | short_window | surge | min | max | cool_down | idle | no_data | no_profile
     demand: float  # requests a second the replicas were sized for
     forecast: float  # the trend's rate at now + lead time
     short_rate: float
@@ -145,6 +164,24 @@ def replica_capacity(estimate: Estimate, max_batch_size: int, latency_budget: fl
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class _Pooled:
+    """The pooled rate's fitted line over the trend window: `mean` requests a second at `middle`, rising
+    `slope` requests a second per second; `slope` is 0 when the rise is not significant."""
+
+    mean: float
+    middle: float
+    slope: float
+
+    def growth(self, now: float, lead: float) -> float:
+        if self.slope <= 0 or self.mean <= 0:
+            return 1.0
+        return 1.0 + self.slope * (now + lead - self.middle) / self.mean
+
+
+_FLAT = _Pooled(0.0, 0.0, 0.0)
+
+
 @dataclass
 class _Track:
     """One version's history between ticks."""
@@ -170,11 +207,15 @@ class Autoscaler:
         long_window: float = 120.0,
         level_tau: float = 5.0,
         trend_tau: float = 10.0,
+        trend_window: float = 8.0,
+        trend_z: float = 4.0,
+        surge: float = 0.0,
     ) -> None:
         if not 0 < short_window <= long_window:
             raise ValueError("need 0 < short_window <= long_window")
-        if level_tau <= 0 or trend_tau <= 0:
-            raise ValueError("level_tau and trend_tau must be positive")
+        if level_tau <= 0 or trend_tau <= 0 or trend_window <= 0 or trend_z < 0 or surge < 0:
+            raise ValueError("level_tau, trend_tau and trend_window must be positive, trend_z and surge not"
+                             " negative")
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
         self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
@@ -182,7 +223,12 @@ class Autoscaler:
         self.long_window = long_window
         self.level_tau = level_tau
         self.trend_tau = trend_tau
+        self.trend_window = trend_window
+        self.trend_z = trend_z
+        self.surge = surge  # requests a second per second the pool may grow by unannounced
         self._tracks: dict[str, _Track] = {}
+        self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
+        self._pool_at: float | None = None
 
     def tick(self, now: float, observations: Iterable[Observation]) -> Plan:
         observed = list(observations)
@@ -192,26 +238,34 @@ class Autoscaler:
                 raise ValueError(f"no node memory known for accelerator {obs.config.accelerator!r}")
             if obs.config.memory_bytes > node:
                 raise ValueError(f"a replica of {obs.version} does not fit one {obs.config.accelerator} node")
+        arrivals = 0
+        for obs in observed:
+            track = self._tracks.get(obs.version)
+            if track is not None:
+                arrivals += self._record(track, now, obs.arrivals_total)
+        pooled = self._pooled(now, arrivals)
         decisions: dict[str, Decision] = {}
         configs: dict[str, ScalingConfig] = {}
         for obs in observed:
             configs[obs.version] = obs.config
-            decisions[obs.version] = self._decide(now, obs)
+            decisions[obs.version] = self._decide(now, obs, pooled)
         for gone in set(self._tracks) - set(configs):  # a version no longer observed starts afresh
             del self._tracks[gone]
         return Plan(decisions, self._node_demand(decisions, configs))
 
-    def _decide(self, now: float, obs: Observation) -> Decision:
+    def _decide(self, now: float, obs: Observation, pooled: _Pooled) -> Decision:
         cfg = obs.config
         track = self._tracks.get(obs.version)
         if track is None:
             self._tracks[obs.version] = _Track(now, obs.arrivals_total, now)
             held = min(max(obs.replicas, cfg.min_replicas), cfg.max_replicas)
             return Decision(obs.version, held, "no_data", 0.0, 0.0, 0.0, 0.0, None)
-        self._record(track, now, obs.arrivals_total)
         short = self._rate(track, now, self.short_window)
         long = self._rate(track, now, self.long_window)
         forecast = max(self._forecast(track, cfg.lead_time), 0.0)
+        growth = pooled.growth(now, cfg.lead_time)
+        if growth > 1.0:  # the pool's significant rise, carried to this version's own rate: also a forecast
+            forecast = max(forecast, short * growth)
         demand = max(forecast, short)
         capacity = replica_capacity(obs.estimate, cfg.max_batch_size, cfg.latency_budget)
 
@@ -223,10 +277,16 @@ class Autoscaler:
             want, reason = max(obs.replicas, cfg.min_replicas, 1), "no_profile"
         else:
             if demand > 0:
-                want = math.ceil(demand / (capacity.rate * cfg.target_utilisation) - _SLACK) + cfg.warm_pool
+                want = math.ceil(demand / (capacity.rate * cfg.target_utilisation) - _SLACK)
             else:
-                want = cfg.warm_pool
+                want = 0
             reason = "forecast" if forecast >= short else "short_window"
+            if self.surge > 0 and pooled.mean > 0 and short > 0:
+                reach = demand + self.surge * cfg.lead_time * short / pooled.mean
+                surge = math.ceil(reach / capacity.rate - _SLACK)
+                if surge > want:
+                    want, reason = surge, "surge"
+            want += cfg.warm_pool
         floor = max(cfg.min_replicas, 1)  # min 0 still keeps one until the idle time has passed
         if want < floor:
             want, reason = floor, "min"
@@ -242,9 +302,10 @@ class Autoscaler:
             want, reason = held, "cool_down"
         return Decision(obs.version, want, reason, demand, forecast, short, long, capacity)
 
-    def _record(self, track: _Track, now: float, total: int) -> None:
+    def _record(self, track: _Track, now: float, total: int) -> int:
+        """Add the interval since the version's last tick; the arrivals in it."""
         if now <= track.last_at:
-            return  # a repeated or out-of-order tick adds no interval
+            return 0  # a repeated or out-of-order tick adds no interval
         count = total - track.last_total if total >= track.last_total else total  # a drop is a reset
         track.samples.append((track.last_at, now, count))
         self._smooth(track, now - track.last_at, count / (now - track.last_at))
@@ -253,6 +314,34 @@ class Autoscaler:
         track.last_at, track.last_total = now, total
         while track.samples and track.samples[0][0] < now - self.long_window - _EPS:
             track.samples.popleft()
+        return count
+
+    def _pooled(self, now: float, arrivals: int) -> _Pooled:
+        """The line through the pooled rates of the trend window, its slope kept only when significant."""
+        if self._pool_at is not None and now > self._pool_at:
+            self._pool.append((self._pool_at, now, arrivals))
+        if self._pool_at is None or now > self._pool_at:
+            self._pool_at = now
+        pool = self._pool
+        while pool and pool[0][0] < now - self.trend_window - _EPS:
+            pool.popleft()
+        n = len(pool)
+        if n < 3:
+            return _FLAT
+        xs = [(a + b) / 2 for a, b, _ in pool]
+        ys = [c / (b - a) for a, b, c in pool]
+        span = sum(b - a for a, b, _ in pool)
+        mean_x, mean_y = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        if sxx <= 0:
+            return _FLAT
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx
+        residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in zip(xs, ys, strict=True))
+        error = math.sqrt(residual / (n - 2) / sxx)
+        mean = sum(c for _, _, c in pool) / span
+        if slope <= self.trend_z * error:
+            return _Pooled(mean, mean_x, 0.0)
+        return _Pooled(mean, mean_x, slope)
 
     @staticmethod
     def _rate(track: _Track, now: float, window: float) -> float:
