@@ -422,7 +422,8 @@ def test_a_celery_worker_evaluates_and_advances(people, canaried, tmp_path) -> N
     assert "evaluate-rollouts" in django_settings.CELERY_BEAT_SCHEDULE
     # when the beat's task reaches a worker process through the broker
     with celery_worker(tmp_path, BROKER, FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT)) as worker:
-        Celery(broker=BROKER, set_as_current=False).send_task(django_settings.CELERY_BEAT_SCHEDULE["evaluate-rollouts"]["task"])
+        client = Celery(broker=BROKER, set_as_current=False)  # later tests keep the project app (eager tasks)
+        client.send_task(django_settings.CELERY_BEAT_SCHEDULE["evaluate-rollouts"]["task"])
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and worker.poll() is None:
             rollout.refresh_from_db()
