@@ -19,6 +19,7 @@ from django.conf import settings
 
 from serving.dataplane import fleet, fleet_events
 from serving.dataplane import plane as planes
+from serving.dataplane.consumers import load_failure, repository_state
 from serving.dataplane.fleet import NodeInfo
 from serving.dataplane.fleet_events import FleetEvent
 from serving.dataplane.node import Node
@@ -80,7 +81,30 @@ async def read_state(client: aioredis.Redis | None, *, now: float | None = None)
         record = list(embedded.packing.events)  # one C-level copy: a sync view may read it off the node's loop
         events = [FleetEvent.of(name, e) for e in record if e.at >= now - fleet_events.WINDOW_SECONDS]
     events.sort(key=lambda e: e.at, reverse=True)
-    return {"at": now, "nodes": nodes, "events": [e.to_doc() for e in events[:EVENTS_SHOWN]]}
+    return {"at": now, "nodes": nodes, "versions": versions_doc(plane, nodes),
+            "events": [e.to_doc() for e in events[:EVENTS_SHOWN]]}
+
+
+def versions_doc(plane: planes.DataPlane | None, nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every version of the routing snapshot with the state `/v2/repository/index` gives it (the same functions),
+    its reason, and the live nodes holding it hot or warm. Empty where this process has no data plane."""
+    if plane is None:
+        return []
+    where: dict[str, dict[str, list[str]]] = {}
+    for node in nodes:
+        if node["state"] != "live":
+            continue
+        for r in node["resident"]:
+            where.setdefault(r["key"], {"hot": [], "warm": []}).setdefault(r["tier"], []).append(node["name"])
+    rows = []
+    for model in plane.gateway.snapshot.models.values():
+        for v in model.versions.values():
+            held = where.get(v.key, {})
+            rows.append({"key": v.key, "state": repository_state(plane, v),
+                         "reason": v.failure_reason or load_failure(plane, v),
+                         "hot": sorted(held.get("hot", [])), "warm": sorted(held.get("warm", []))})
+    rows.sort(key=lambda r: (_model(r["key"]), int(r["key"].rpartition(":")[2])))
+    return rows
 
 
 async def read_now() -> dict[str, Any]:
@@ -114,4 +138,5 @@ def scoped(state: dict[str, Any], models: set[str] | None) -> dict[str, Any]:
         resident = [r if shown(r["key"]) else r | {"key": "", "hidden": True} for r in node["resident"]]
         failures = {k: v for k, v in node["failures"].items() if shown(k)}
         nodes.append(node | {"resident": resident, "failures": failures})
-    return state | {"nodes": nodes, "events": [e for e in state["events"] if shown(e["key"])]}
+    return state | {"nodes": nodes, "events": [e for e in state["events"] if shown(e["key"])],
+                    "versions": [v for v in state.get("versions", []) if shown(v["key"])]}

@@ -65,6 +65,7 @@ def parts(state: dict[str, Any]) -> dict[str, str]:
     return {
         "nodes": render_to_string("console/fleet_nodes.html", {"nodes": nodes}),
         "events": render_to_string("console/fleet_events.html", {"events": events}),
+        "versions": render_to_string("console/fleet_versions.html", {"versions": state.get("versions", [])}),
     }
 
 
@@ -116,9 +117,18 @@ class FleetEventSerializer(serializers.Serializer):
     detail = serializers.CharField(allow_blank=True)
 
 
+class FleetVersionSerializer(serializers.Serializer):
+    key = serializers.CharField(help_text="model:version")
+    state = serializers.CharField(help_text="as /v2/repository/index gives it: READY, LOADING, UNAVAILABLE, ...")
+    reason = serializers.CharField(allow_blank=True, help_text="why it is not ready (cold, unschedulable, failed)")
+    hot = serializers.ListField(child=serializers.CharField(), help_text="live nodes holding it on the device")
+    warm = serializers.ListField(child=serializers.CharField(), help_text="live nodes holding it in host memory")
+
+
 class FleetSerializer(serializers.Serializer):
     at = serializers.FloatField(help_text="when it was read, epoch seconds")
     nodes = FleetNodeSerializer(many=True)
+    versions = FleetVersionSerializer(many=True, help_text="every version the caller may see, with its state")
     events = FleetEventSerializer(many=True, help_text="the last hour's, newest first (at most 200)")
 
 

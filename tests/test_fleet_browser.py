@@ -107,6 +107,12 @@ def test_the_fleet_page_shows_both_nodes_and_an_eviction_live(fleet) -> None:  #
             row = page.locator(f'tr.node[data-node="{evicted_on}"]')
             expect(row.locator('rect.segment.hot[data-key="digits:2"]')).to_have_count(1)
             expect(row.locator('rect.segment.hot[data-key="digits:1"]')).to_have_count(0)
+            # and the versions table says where each is: digits:2 hot on that node, digits:1 on the other only
+            version_two = page.locator('tr.version[data-key="digits:2"]')
+            expect(version_two).to_have_attribute("data-state", "READY")
+            expect(version_two.locator("td").nth(2)).to_have_text(evicted_on)
+            other = "node-b" if evicted_on == "node-a" else "node-a"
+            expect(page.locator('tr.version[data-key="digits:1"]').locator("td").nth(2)).to_have_text(other)
             assert page.evaluate("window.ferryNotReloaded") is True
             assert int(page.locator("#fleet-live").get_attribute("data-updates")) >= 1
             context.close()

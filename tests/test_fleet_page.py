@@ -164,6 +164,14 @@ STATE = {
 }
 
 
+def test_a_viewer_sees_only_the_versions_of_models_it_may_see_in_the_versions_table() -> None:
+    state = {"at": 1.0, "nodes": [], "events": [],
+             "versions": [{"key": "mine:1", "state": "READY", "reason": "", "hot": ["a"], "warm": []},
+                          {"key": "theirs:1", "state": "UNAVAILABLE", "reason": "cold", "hot": [], "warm": []}]}
+    assert [v["key"] for v in scoped(state, {"mine"})["versions"]] == ["mine:1"]
+    assert len(scoped(state, None)["versions"]) == 2
+
+
 def test_a_viewer_sees_other_tenants_versions_as_unnamed_segments_and_none_of_their_events() -> None:
     seen = scoped(STATE, {"mine"})
     node = seen["nodes"][0]
@@ -410,3 +418,11 @@ def test_an_embedded_page_shows_this_processs_node_and_its_own_record(digits_ser
     assert {(e["kind"], e["key"]) for e in doc["events"]} >= {("load", "digits:1"), ("load", "tokens:1")}
     html = client.get("/console/fleet/").content.decode()
     assert "(this web process)" in html and 'data-key="digits:1"' in html
+    # and each version's state is the one /v2/repository/index gives, with the node holding it
+    from tests.test_inference_http import call
+
+    index = call(digits_server, "POST", "/v2/repository/index", {}).json()
+    assert {v["key"]: v["state"] for v in doc["versions"]} == {f"{r['name']}:{r['version']}": r["state"] for r in index}
+    held = {v["key"]: v["hot"] for v in doc["versions"]}
+    assert held["digits:1"] == [node["name"]]
+    assert '<tr class="version" data-key="digits:1" data-state="READY">' in html

@@ -322,8 +322,8 @@ class InferenceRequest:
             caller.require("infer")
             options = _json_options(body, {"ready": bool})
             rows = [
-                {"name": v.model, "version": str(v.version), "state": _repository_state(plane, v),
-                 "reason": v.failure_reason or _load_failure(plane, v)}
+                {"name": v.model, "version": str(v.version), "state": repository_state(plane, v),
+                 "reason": v.failure_reason or load_failure(plane, v)}
                 for m in plane.gateway.snapshot.models.values()
                 if m.visible_to(caller.tenant_id)
                 for v in m.versions.values()
@@ -500,7 +500,7 @@ def _config(entry: VersionEntry) -> dict:
     }
 
 
-def _repository_state(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
+def repository_state(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
     if entry.state != "ready":
         return entry.state.upper()
     if plane.node.is_ready(entry.key):
@@ -512,7 +512,7 @@ def _repository_state(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
     return "LOADING" if entry.loaded else "UNAVAILABLE"
 
 
-def _load_failure(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
+def load_failure(plane: dataplane.DataPlane, entry: VersionEntry) -> str:
     failure = plane.node.failures.get(entry.key)
     if failure is not None:
         return failure.reason
