@@ -1,0 +1,14 @@
+from celery import shared_task
+
+
+@shared_task(ignore_result=True)
+def autoscale() -> dict | None:
+    """One autoscaler tick (Celery beat, every FERRY_AUTOSCALE_SECONDS); what changed, for the worker's log."""
+    from autoscaling.provider_settings import provider_from_settings
+    from autoscaling.tick import run_tick
+
+    report = run_tick(provider=provider_from_settings())
+    if report is None:
+        return None
+    return {"changed": {k: list(v) for k, v in report.changed.items()}, "nodes": report.nodes,
+            "skipped": report.skipped, "provider_error": report.provider_error}
