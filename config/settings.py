@@ -119,11 +119,14 @@ FERRY_NODE_PROVIDER = env_str("FERRY_NODE_PROVIDER", "")
 FERRY_NODE_POOLS = env_json("FERRY_NODE_POOLS", {})
 FERRY_LOCAL_NODES_MAX = env_int("FERRY_LOCAL_NODES_MAX", 4, minimum=0)  # all pools together, on this machine
 FERRY_K8S_NAMESPACE = env_str("FERRY_K8S_NAMESPACE", "")  # empty: the service account's own namespace
+# The Celery queue the tick goes to: on Kubernetes a worker of its own, the one pod with an API token.
+FERRY_AUTOSCALE_QUEUE = env_str("FERRY_AUTOSCALE_QUEUE", "celery")
 if REDIS_URL:
     # A tick that waited past the next one's time is dropped: the next observes fresher numbers.
     CELERY_BEAT_SCHEDULE["autoscale"] = {"task": "autoscaling.tasks.autoscale",
                                          "schedule": float(FERRY_AUTOSCALE_SECONDS),
-                                         "options": {"expires": float(FERRY_AUTOSCALE_SECONDS)}}
+                                         "options": {"expires": float(FERRY_AUTOSCALE_SECONDS),
+                                                     "queue": FERRY_AUTOSCALE_QUEUE}}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
