@@ -203,3 +203,23 @@ def test_node_demand_reaches_the_provider(client: redis.Redis, version: ModelVer
     tick(client, provider=recorder)
     # then three replicas of one version need three nodes, though their memory fits one
     assert recorder.asked == [{"cpu": 1}, {"cpu": 3}]
+
+
+def test_the_command_turns_scaling_on_and_off_with_audit(version: ModelVersion) -> None:
+    from django.core.management import CommandError, call_command
+
+    call_command("autoscale_version", "scaled", "1", "--max", "5", "--idle-to-zero", "600", "--cool-down", "60")
+    policy = ScalingPolicy.objects.get(version=version)
+    assert (policy.enabled, policy.max_replicas, policy.idle_to_zero_seconds, policy.cool_down_seconds) == (
+        True, 5, 600.0, 60.0)
+    with pytest.raises(CommandError, match="target_utilisation"):
+        call_command("autoscale_version", "scaled", "1", "--target-utilisation", "1.5")
+    ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=3)
+    call_command("autoscale_version", "scaled", "1", "--off")
+    policy.refresh_from_db()
+    version.refresh_from_db()
+    assert not policy.enabled and policy.max_replicas == 5
+    assert version.desired_replicas is None  # the reconciler keeps min_replicas again
+    entries = AuditEntry.objects.filter(action="version.scaling").order_by("id")
+    assert [e.after["enabled"] for e in entries] == [True, False]
+    assert entries[0].before is None and entries[1].before["max_replicas"] == 5
