@@ -8,7 +8,8 @@ nodes as the most replicas any one version of its type wants (`nodes_wanted`).
 - `LocalProvider` starts and stops `manage.py runnode` processes on this machine, named
   `<prefix>-<type>-<i>`, with each pool's memory budget and labels, at most `max_total` of them. It keeps
   a pid file per node, so any worker process (Celery's pool children come and go) sees the nodes another
-  one started. Scale-in stops the highest-numbered nodes with SIGTERM (a node drains its batches first).
+  one started; nodes are started detached (init is their parent), so whichever process stops one, none
+  is left a zombie. Scale-in stops the highest-numbered nodes with SIGTERM (a node drains its batches first).
 - `KubernetesProvider` sets the replicas of each pool's StatefulSet (`platform/k8s`, one per GPU type)
   through the API server: GET and then, if it differs, a merge PATCH of the `scale` subresource, with the
   pod's service account token (re-read every call: the kubelet rotates it) and the cluster's CA.
@@ -163,13 +164,14 @@ class LocalProvider:
         args = [*self.command, "--name", name, "--accelerator", pool.accelerator, "--memory", str(pool.memory_bytes)]
         if pool.labels:
             args += ["--labels", ",".join(f"{k}={v}" for k, v in sorted(pool.labels.items()))]
-        with open(self.run_dir / f"{name}.log", "ab") as out:
-            # Its own session: a signal to the worker's process group does not reach the node.
-            process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
-                                       start_new_session=True)
-        (self.run_dir / f"{name}.pid").write_text(f"{process.pid} {name}\n")
-        log.info("local nodes: started %s (pid %d, %s, %d bytes)", name, process.pid, pool.accelerator,
-                 pool.memory_bytes)
+        # Through a shell that starts the node in the background and exits: the node is then nobody's child
+        # here (init reaps it), since the worker process that stops it may not be the one that started it.
+        # Its own session: a signal to the worker's process group does not reach the node.
+        launcher = ["sh", "-c", '"$@" >>"$0" 2>&1 </dev/null & echo $!', str(self.run_dir / f"{name}.log"), *args]
+        pid = int(subprocess.run(launcher, env=self.env, cwd=self.cwd, start_new_session=True, check=True,
+                                 capture_output=True, text=True, timeout=30).stdout.split()[0])
+        (self.run_dir / f"{name}.pid").write_text(f"{pid} {name}\n")
+        log.info("local nodes: started %s (pid %d, %s, %d bytes)", name, pid, pool.accelerator, pool.memory_bytes)
         return name
 
     def _stop(self, name: str) -> None:
@@ -196,10 +198,6 @@ def _alive(pid_file: Path) -> bool:
     pid = _pid(pid_file)
     if pid is None:
         return False
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reap it if this process started it and it has exited
-    except ChildProcessError:
-        pass  # started by another worker process: that one reaps it
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

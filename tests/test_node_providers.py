@@ -218,14 +218,11 @@ def test_local_provider_starts_and_stops_named_runnode_processes_within_its_boun
         # when one is asked for, the highest-numbered node is stopped (SIGTERM: it leaves the fleet)
         assert other.apply({"t4": 1}) == {"t4": 1}
         _wait("as-t4-1 leaving the fleet", lambda: set(_live_nodes(client)) == {"as-t4-0"}, run_dir, 60)
-        _wait("as-t4-1's process ending", lambda: not Path(f"/proc/{stopped_pid}").exists()
-              or "Z" in Path(f"/proc/{stopped_pid}/stat").read_text().rsplit(")", 1)[1].split()[0], run_dir, 60)
+        # and its process ends (detached, so init reaps it: no zombie is left whichever process stopped it)
+        _wait("as-t4-1's process ending", lambda: not Path(f"/proc/{stopped_pid}").exists(), run_dir, 60)
         assert provider.running() == {"t4": ["as-t4-0"]}
     finally:
         provider.apply({"t4": 0})
         _wait("every local node gone", lambda: not _live_nodes(client), run_dir, 60)
-        # this process started them: reap them
-        for pid_file in run_dir.glob("*.pid"):
-            pid_file.unlink()
         client.flushdb()
         client.close()
