@@ -106,7 +106,8 @@ def target_for(version, policy, accelerator: str, scheduling_delay: float) -> Ta
     cold_start = measured.get("cold_start_seconds")
     if cold_start is None:
         cold_start = version.load_seconds if version.load_seconds is not None else DEFAULT_COLD_START
-    profile = LatencyProfile({int(b): ms / 1000 for b, ms in (version.latency_profile or {}).items()})
+    # Stored in seconds per batch size, as validation measured them (the snapshot carries the same).
+    profile = LatencyProfile({int(b): float(s) for b, s in (version.latency_profile or {}).items()})
     config = ScalingConfig(
         accelerator=accelerator, memory_bytes=int(memory), cold_start=float(cold_start),
         latency_budget=version.default_timeout_ms / 1000, max_batch_size=version.max_batch_size,

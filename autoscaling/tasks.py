@@ -10,5 +10,8 @@ def autoscale() -> dict | None:
     report = run_tick(provider=provider_from_settings())
     if report is None:
         return None
-    return {"changed": {k: list(v) for k, v in report.changed.items()}, "nodes": report.nodes,
+    decisions = report.plan.decisions if report.plan else {}
+    return {"changed": {k: list(v) for k, v in report.changed.items()},
+            "decided": {k: [d.replicas, d.reason, round(d.demand, 2)] for k, d in decisions.items()},
+            "nodes": report.nodes,
             "skipped": report.skipped, "provider_error": report.provider_error}

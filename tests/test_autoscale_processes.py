@@ -41,8 +41,8 @@ pytest.importorskip("serving.reconciler", reason="needs the placement reconciler
 
 KEY = "slow:1"
 NODES = ["node-a", "node-b"]
-TARGET_UTILISATION = 0.4
-STEP_SHARE = 0.6  # of one replica's capacity: 1.5 replicas at the target utilisation, so two
+TARGET_UTILISATION = 0.2
+STEP_SHARE = 0.3  # of one replica's capacity: 1.5 replicas at the target utilisation, so two
 COOL_DOWN_S = 8.0
 # The autoscaler's settings in the worker: a short window of 5 s, so the step shows within a few ticks and
 # leaves the window soon after it ends.
@@ -129,6 +129,13 @@ class OpenLoop:
         self._thread.join(timeout=60)
 
 
+def answers(web: Proc) -> bool:
+    try:
+        return call(web, "GET", "/v2/health/live", auth=None).status == 200
+    except OSError:
+        return False
+
+
 @pytest.fixture
 def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
     client = redis.Redis.from_url(REDIS_URL)
@@ -137,7 +144,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
     broker.flushdb()
     artifact = tmp_path / "slow.pt"
     save_artifact(Slow().eval(), "torchscript", torch.zeros(1, 64), artifact)
-    version = register(artifact, "slow", max_batch_size=1, max_queue_size=256, default_timeout_ms=5000)
+    version = register(artifact, "slow", max_batch_size=1, max_queue_size=256, default_timeout_ms=30000)
     version.min_replicas = 1
     version.save(update_fields=["min_replicas", "updated_at"])
     key = mint_key()
@@ -155,8 +162,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
         with celery_worker(tmp_path, BROKER, REDIS_URL=REDIS_URL, CELERY_BROKER_URL=BROKER,
                            FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
                            SECRET_KEY=django_settings.SECRET_KEY, **AUTOSCALE_ENV) as worker:
-            wait_for("web answering", lambda: call(web, "GET", "/v2/health/live", auth=None).status == 200, procs,
-                     START_TIMEOUT_S)
+            wait_for("web answering", lambda: answers(web), procs, START_TIMEOUT_S)
             wait_for("both nodes up", lambda: all(client.exists(fleet.node_key(n)) for n in NODES), procs,
                      START_TIMEOUT_S)
             assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
@@ -178,7 +184,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
 def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes_it(system) -> None:  # noqa: ANN001
     client, web, key, procs = system
     version = ModelVersion.objects.get(model__name="slow", version=1)
-    profile = LatencyProfile({int(b): ms / 1000 for b, ms in version.latency_profile.items()})
+    profile = LatencyProfile({int(b): float(s) for b, s in version.latency_profile.items()})
     capacity = replica_capacity(profile.estimate, 1, version.default_timeout_ms / 1000)
     assert capacity is not None and capacity.fits_budget
     rate = STEP_SHARE * capacity.rate
@@ -196,7 +202,7 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     began = time.monotonic()
     try:
         # then the autoscaler asks for two and the second node loads a replica, while the step goes on
-        wait_for("a second replica", lambda: len(holding(client)) == 2, procs, 90)
+        wait_for("a second replica", lambda: len(holding(client)) == 2, procs, 180)
         added_after = time.monotonic() - began
         time.sleep(5)  # both replicas serve the step for a while
     finally:
@@ -208,7 +214,8 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     assert scaled.last().after["reason"] in {"forecast", "short_window", "max"}
     # and no request was refused or late: the queue never overflowed (every answer a 200)
     statuses = [status for _, status, _ in step.answers]
-    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    refused = [(round(sent - began, 1), status, body[:200]) for sent, status, body in step.answers if status != 200]
+    assert statuses and not refused, refused[:5]
 
     # when the step is over, the replica stays through the cool-down, then goes: one node keeps the version
     wait_for("scaled back to one replica", lambda: desired() == 1 and len(holding(client)) == 1, procs,
