@@ -99,7 +99,10 @@ class Counter:
     def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
             code = frame.f_code
-            self.ops[(code.co_filename, code.co_name)] += 1
+            name = code.co_name
+            if code.co_filename == "<string>" and "self" in frame.f_locals:  # a generated (dataclass) method
+                name = f"{type(frame.f_locals['self']).__name__}.{name}"
+            self.ops[(code.co_filename, name)] += 1
         return self._opcode
 
     def run(self) -> int:

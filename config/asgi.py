@@ -13,7 +13,7 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_app = get_asgi_application()
 
-from serving.dataplane.consumers import InferenceConsumer  # noqa: E402
+from serving.dataplane.consumers import InferenceConsumer, InferenceRequest  # noqa: E402
 from serving.django_door import bounded  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
 
@@ -30,3 +30,6 @@ async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
 
 
 application = ProtocolTypeRouter({"http": http_app, "lifespan": Lifespan()})
+# The front door's protocol answers inference POSTs with this handler directly, without ASGI
+# (serving.dataplane.frontdoor.Lane); the consumer above runs the same handler for every other /v2 request.
+application.ferry_infer = InferenceRequest

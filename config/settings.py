@@ -99,12 +99,17 @@ CELERY_TASK_ACKS_LATE = True
 # Rollouts (rollout/): how often every active rollout's gates are evaluated (Celery beat; in embedded mode
 # the process's own loop). Usage reaches the gates every FERRY_USAGE_FLUSH_SECONDS, so faster is no fresher.
 FERRY_ROLLOUT_EVALUATE_SECONDS = env_int("FERRY_ROLLOUT_EVALUATE_SECONDS", 10, minimum=1)
+# Placement (serving.reconciler): how often the reconciler re-plans from the fleet's heartbeats.
+FERRY_RECONCILE_SECONDS = env_int("FERRY_RECONCILE_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
     "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
                           "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
     "prune-shadow": {"task": "rollout.tasks.prune_shadow", "schedule": 3600.0},
+    # serving.reconciler: also run at once when a version's desired replicas change; this catches lost nodes.
+    "reconcile-placements": {"task": "serving.tasks.reconcile_placements",
+                             "schedule": float(FERRY_RECONCILE_SECONDS)},
 }
 # Autoscaling (autoscaling/): a tick every FERRY_AUTOSCALE_SECONDS (Celery beat) sizes the versions that have a
 # scaling policy from their streams' arrivals and backlog, writes desired_replicas and asks FERRY_NODE_PROVIDER
@@ -189,6 +194,9 @@ FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minim
 FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
+# The warm tier: host memory a node keeps evicted versions in (CUDA: moved to the CPU; CPU: the loaded module),
+# so reloading one skips the artifact and the warm-up. 0: evicted versions are dropped.
+FERRY_NODE_WARM_BYTES = env_int("FERRY_NODE_WARM_BYTES", 0, minimum=0)
 # The accelerator type this node declares to placement constraints; "" names the device's kind (cpu, cuda).
 FERRY_NODE_ACCELERATOR = env_str("FERRY_NODE_ACCELERATOR", "")
 # Loads of cold versions that requests may queue on a node; past it a request for another cold version is 503.

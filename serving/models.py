@@ -302,3 +302,28 @@ def drop_version_from_routes(model: Model, version: int) -> bool:
         model.tenant_versions = kept
         changed = True
     return changed
+
+
+class Tier(models.TextChoices):
+    HOT = "hot", "on the device"
+    WARM = "warm", "in host memory"
+    COLD = "cold", "served here, not in memory: the next request or assignment loads it"
+
+
+class Replica(models.Model):
+    """What one node holds of one version, as the placement reconciler last read the node's heartbeat
+    (serving.replicas). A node that is lost loses its rows at the next reconciler step."""
+
+    node = models.CharField(max_length=200)
+    version = models.ForeignKey(ModelVersion, on_delete=models.CASCADE, related_name="replicas")
+    tier = models.CharField(max_length=10, choices=Tier.choices)
+    assigned = models.BooleanField(default=False, help_text="placed there by the placement reconciler")
+    accelerator = models.CharField(max_length=100)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["version_id", "node"]
+        constraints = [models.UniqueConstraint(fields=["node", "version"], name="unique_node_version")]
+
+    def __str__(self) -> str:
+        return f"{self.version_id}@{self.node}: {self.tier}"

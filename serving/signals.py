@@ -1,7 +1,7 @@
 """Registry, API key and quota changes republish the routing snapshot once the transaction commits."""
 
 from django.db import transaction
-from django.db.models.signals import m2m_changed, post_delete, post_save
+from django.db.models.signals import m2m_changed, post_delete, post_init, post_save
 from django.dispatch import receiver
 from django.utils import timezone
 
@@ -34,3 +34,22 @@ def sharing_changed(instance: object, action: str, reverse: bool, pk_set: set | 
     elif pk_set:
         Model.objects.filter(pk__in=pk_set).update(updated_at=timezone.now())
     registry_changed()
+
+
+# What the placement reconciler acts on: a change to any of it asks for a reconciler step after the commit.
+_PLACED_BY = ("min_replicas", "desired_replicas", "state", "loaded", "min_memory_bytes", "accelerators", "pinned")
+
+
+@receiver(post_init, sender=ModelVersion)
+def _remember_placement(instance: ModelVersion, **_: object) -> None:
+    instance._placed_by = tuple(getattr(instance, f, None) for f in _PLACED_BY)  # type: ignore[attr-defined]
+
+
+@receiver(post_save, sender=ModelVersion)
+def placement_changed(instance: ModelVersion, created: bool, **_: object) -> None:
+    now = tuple(getattr(instance, f, None) for f in _PLACED_BY)
+    if created or now != getattr(instance, "_placed_by", None):
+        instance._placed_by = now  # type: ignore[attr-defined]
+        from serving.reconciler import request_reconcile
+
+        transaction.on_commit(request_reconcile)

@@ -32,6 +32,7 @@ from serving.dataplane.snapshot import RoutingSnapshot, hub
 from serving.dataplane.streams import RedisStreamsTransport
 from serving.dataplane.transport import InProcessTransport
 from serving.publish import publish_snapshot
+from serving.reconciler import REASON_PREFIX as PLACEMENT_REASON
 from tenants.keys import pepper_from
 from usage.flusher import UsageFlusher
 from usage.recorder import Drained, UsageRecorder
@@ -72,12 +73,12 @@ def _record_placement(report: LoadReport) -> None:
     from django.db import connection
 
     try:
-        _write_placement(report)
+        write_placement(report)
     finally:
         connection.close()  # on a pool thread (see start()), which no request cycle closes
 
 
-def _write_placement(report: LoadReport) -> None:
+def write_placement(report: LoadReport) -> None:
     from django.db import transaction
     from django.utils import timezone
 
@@ -98,9 +99,11 @@ def _write_placement(report: LoadReport) -> None:
             measured = dict(version.placement_measurements or {})
             measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
                                             "cold_start_seconds": round(report.cold_start, 4)}
-            after = ""  # it loaded: whatever was unschedulable about it no longer holds
+            # It loaded: what a node found unschedulable about it no longer holds. What the placement reconciler
+            # found (too few nodes for its replicas) is the reconciler's to clear.
+            after = before if before.startswith(PLACEMENT_REASON) else ""
             changes: dict = {"placement_measurements": measured}
-            if before:
+            if before != after:
                 changes.update(unschedulable_reason="", updated_at=timezone.now())
             rows.update(**changes)
         if after != before:  # a state change of the version, made by the system (a node)
@@ -173,6 +176,7 @@ async def start() -> DataPlane:
             admission=settings.FERRY_ADMISSION,
             accelerator=settings.FERRY_NODE_ACCELERATOR,
             max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+            warm_budget=settings.FERRY_NODE_WARM_BYTES,
             # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )

@@ -656,3 +656,121 @@ def test_render_head_refuses_values_that_would_split_the_head() -> None:
     for value in (b"x\r\nset-cookie: y", b"x\ny", b"x\0y"):
         with pytest.raises(ValueError):
             render_head([(b"x-ferry-fallback-from", value)])
+
+
+# -- the inference lane (frontdoor.Lane): inference POSTs answered by the protocol without ASGI --------------
+
+
+def _infer_head(key: str, body: bytes, path: str = "/v2/models/digits/infer", **extra: str) -> bytes:
+    return head("POST", path, {"Content-Type": "application/json", "Authorization": f"Bearer {key}",
+                               "Content-Length": str(len(body)), **extra})
+
+
+def _read_answers(sock: socket.socket, count: int) -> list[tuple[str, list[tuple[str, str]], bytes]]:
+    reply = b""
+    while True:
+        answers = raw_heads(reply) if reply.count(b"\r\n\r\n") >= count else []
+        if len(answers) >= count and len(answers[-1][2]) >= int(dict(
+                (k.lower(), v) for k, v in answers[-1][1]).get("content-length", "0")):
+            return answers
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        reply += chunk
+
+
+def test_the_lane_answers_as_the_asgi_path_does(digits_server, digits_samples) -> None:  # noqa: ANN001
+    # given one request sent by the lane and the same one with a query string (which takes the ASGI consumer)
+    x, _ = digits_samples
+    body = orjson.dumps(digits_request(x[:2]))
+    lane = exchange(digits_server.port, _infer_head(digits_server.key, body) + body)
+    asgi = exchange(digits_server.port, _infer_head(digits_server.key, body, "/v2/models/digits/infer?via=asgi")
+                    + body)
+    # then both are the same answer: status, headers (but the date and the quota's countdown) and body
+    assert lane.status == asgi.status == 200
+    varying = {"date", "ratelimit-remaining", "ratelimit-reset"}
+    assert {k: v for k, v in lane.headers.items() if k not in varying} == {
+        k: v for k, v in asgi.headers.items() if k not in varying}
+    assert lane.body == asgi.body
+    # and errors alike: a malformed body is the same 400 either way
+    bad = b"{]"
+    assert exchange(digits_server.port, _infer_head(digits_server.key, bad) + bad).body == exchange(
+        digits_server.port, _infer_head(digits_server.key, bad, "/v2/models/digits/infer?via=asgi") + bad).body
+
+
+def test_lane_and_asgi_requests_pipelined_on_one_connection_answer_in_order(digits_server, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    body = orjson.dumps(digits_request(x[:1]))
+    infer_request = _infer_head(digits_server.key, body) + body
+    metadata = head("GET", "/v2/models/digits", {"Authorization": f"Bearer {digits_server.key}"})
+    live = head("GET", "/v2/health/live", {})
+    with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
+        # given ASGI, lane, ASGI, lane, lane requests in one write
+        sock.sendall(metadata + infer_request + live + infer_request + infer_request)
+        answers = _read_answers(sock, 5)
+    # then five answers, in the order asked
+    assert [a[0] for a in answers] == ["HTTP/1.1 200 OK"] * 5
+    assert orjson.loads(answers[0][2])["name"] == "digits"
+    assert answers[2][2] == b""
+    for i in (1, 3, 4):
+        assert orjson.loads(answers[i][2])["model_name"] == "digits"
+
+
+def test_a_lane_body_given_up_mid_way_gives_back_its_bytes(digits_server, digits_samples) -> None:  # noqa: ANN001
+    # given a request whose body has partly arrived (held, and charged to the process's budget)
+    x, _ = digits_samples
+    body = orjson.dumps(digits_request(x[:1]))[:-1] + b" " * (100 * 1024) + b"}"
+
+    def gauge() -> float:
+        return sample(metrics(digits_server), "ferry_frontdoor_inflight_body_bytes") or 0.0
+
+    sock = socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT)
+    sock.sendall(_infer_head(digits_server.key, body) + body[: 60 * 1024])
+    wait_until(lambda: gauge() >= 60 * 1024, "the server holding the partial body", deadline_s=15)
+    # when its client goes away / then the bytes are given back
+    sock.close()
+    wait_until(lambda: gauge() == 0, "the budget released", deadline_s=15)
+    # and the server still serves
+    assert infer(digits_server, "digits", body).status == 200
+
+
+def test_a_lane_body_past_the_limit_is_413_at_once_and_closed(digits_server, settings) -> None:  # noqa: ANN001
+    # given a 64 KiB inference body limit and a request declaring 1 MiB
+    settings.FERRY_MAX_INFER_BODY_BYTES = 64 * 1024
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 60
+    with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(_infer_head(digits_server.key, b"x" * MiB))
+        # when 128 KiB of it has been sent (and no more)
+        sock.sendall(b" " * (128 * 1024))
+        # then 413 as JSON, before the rest, and the connection is closed
+        answer = read_response(sock)
+        assert_error(answer, 413, str(64 * 1024))
+        assert answer.headers.get("connection") == "close", answer.headers
+        try:
+            assert sock.recv(1) == b""
+        except ConnectionResetError:
+            pass  # closed with the unread rest of the body still arriving: a reset is how TCP says it
+
+
+def test_an_idle_keep_alive_connection_is_closed_and_a_busy_one_is_not(digits_server, digits_samples) -> None:  # noqa: ANN001
+    # given uvicorn's keep-alive timeout (5 s) and two connections each answered once
+    x, _ = digits_samples
+    body = orjson.dumps(digits_request(x[:1]))
+    request = _infer_head(digits_server.key, body) + body
+    idle = socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT)
+    busy = socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT)
+    try:
+        for sock in (idle, busy):
+            sock.sendall(request)
+            assert _read_answers(sock, 1)[0][0] == "HTTP/1.1 200 OK"
+        # when one sends a request every second for 8 s and the other nothing
+        for _ in range(8):
+            time.sleep(1)
+            busy.sendall(request)
+            assert _read_answers(busy, 1)[0][0] == "HTTP/1.1 200 OK"
+        # then the idle one was closed by the server, and the busy one still serves
+        assert idle.recv(1) == b""
+        busy.sendall(request)
+        assert _read_answers(busy, 1)[0][0] == "HTTP/1.1 200 OK"
+    finally:
+        idle.close()
+        busy.close()

@@ -162,3 +162,50 @@ async def test_a_load_queued_behind_cannot_evict_the_one_its_waiters_are_about_t
         assert node.hosted["x:1"].in_flight == 0
     finally:
         await node.close()
+
+
+async def test_an_evicted_version_stays_warm_in_host_memory_within_its_budget(model_files) -> None:  # noqa: ANN001
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
+    try:
+        first = await node.load(digits("one"))
+        assert first is not None
+        size = first.runtime.memory_bytes
+        module = first.runtime.module
+        # given room for one version on the device and for one in host memory
+        node.memory_budget = int(size * 1.5)
+        node.warm_budget = int(size * 1.5)
+        # when a second version evicts the first
+        assert await node.load(digits("two")) is not None
+        # then the first is warm: its loaded module kept, not dropped
+        assert set(node.hosted) == {"two:1"} and set(node.warm) == {"one:1"}
+        assert node.warm["one:1"].runtime.module is module
+        # and its reload takes that module back (no artifact read), evicting the second into the warm tier
+        # (the first leaves it: the budget holds one)
+        node.hosted["two:1"].last_used = 0.0
+        again = await node.load(digits("one"))
+        assert again is not None and again.runtime.module is module
+        assert set(node.warm) == {"two:1"}
+        assert [e.detail.startswith("from host memory") for e in node.packing.events if e.kind == "load"] == [
+            False, False, True]
+        out = await node.infer("one:1", x(), 1, node._clock() + 5, 0)
+        assert out["scores"].shape == (1, 10)
+        # a version whose artifact changed is not taken from the warm tier
+        node.hosted["one:1"].last_used = 0.0
+        kept = node.warm["two:1"].runtime.module
+        changed = await node.load(digits("two", sha="b" * 64))
+        assert changed is not None and changed.runtime.module is not kept
+        assert not [e for e in node.packing.events if e.kind == "load"][-1].detail.startswith("from host memory")
+    finally:
+        await node.close()
+
+
+async def test_without_a_warm_budget_an_evicted_version_is_dropped(model_files) -> None:  # noqa: ANN001
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
+    try:
+        first = await node.load(digits("one"))
+        assert first is not None
+        node.memory_budget = int(first.runtime.memory_bytes * 1.5)
+        assert await node.load(digits("two")) is not None
+        assert node.warm == {} and first.runtime.module is None
+    finally:
+        await node.close()

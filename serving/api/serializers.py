@@ -13,7 +13,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from serving.dataplane.protocol import DATATYPES
-from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Task, Visibility
+from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Replica, Task, Visibility
 from tenants.models import Tenant
 from tenants.scoping import member_tenant_ids, visible_models, visible_tenants
 
@@ -154,9 +154,22 @@ class StrictFloatField(serializers.FloatField):
         return super().to_internal_value(data)
 
 
+class ReplicaSerializer(serializers.ModelSerializer):
+    """What one node holds of the version, as the placement reconciler last read the fleet."""
+
+    class Meta:
+        model = Replica
+        fields = ["node", "tier", "assigned", "accelerator", "updated_at"]
+        read_only_fields = fields
+
+
 class ModelVersionSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.name", read_only=True)
     artifact_sha256 = serializers.CharField(source="artifact_id", read_only=True)
+    replicas = ReplicaSerializer(many=True, read_only=True, help_text=(
+        "per node: hot (on the device), warm (in host memory) or cold (served there, not in memory), and whether"
+        " the placement reconciler put it there; the measured load time per accelerator type is in"
+        " placement_measurements"))
 
     class Meta:
         model = ModelVersion
@@ -165,7 +178,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "inputs", "outputs", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes",
             "max_queue_size", "default_timeout_ms", "latency_profile", "memory_bytes", "load_seconds",
             "metrics", "min_memory_bytes", "accelerators", "pinned", "min_replicas", "placement_measurements",
-            "unschedulable_reason", "created_at", "updated_at",
+            "desired_replicas", "unschedulable_reason", "replicas", "created_at", "updated_at",
         ]
         # Changed through the batching and placement PATCHes, uploads and the repository extension.
         read_only_fields = fields

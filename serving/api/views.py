@@ -126,7 +126,7 @@ class RegistryViewSet(TenantScopedViewSet):
         403, 404, 409, e409="The model has versions that are not retired.")}),
 )
 class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
-    queryset = Model.objects.select_related("fallback", "tenant").prefetch_related("versions", "shared_with")
+    queryset = Model.objects.select_related("fallback", "tenant").prefetch_related("versions__replicas", "shared_with")
     serializer_class = ModelSerializer
     lookup_field = "name"
     lookup_value_regex = MODEL_NAME_PATTERN
@@ -220,7 +220,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
             return [MultiPartParser()]
         return [JSONParser()]
 
-    queryset = ModelVersion.objects.select_related("model")
+    queryset = ModelVersion.objects.select_related("model").prefetch_related("replicas")
 
     def scope(self, queryset):  # noqa: ANN001, ANN201
         models = visible_models(self.request.user).filter(name=self.kwargs["model_name"])

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -142,18 +143,54 @@ class InferenceConsumer(AsyncHttpConsumer):
         raise StopConsumer()
 
     async def handle(self, body: bytes) -> None:
+        scope = self.scope
+        # The headers as a dict, built in C (reversed: the first of a repeated header counts).
+        request = InferenceRequest(scope["method"], scope["path"], dict(reversed(scope["headers"])), self._waited,
+                                   scope.get("ferry.gone"))
+        answer = await request.answer(body)
+        if answer is None:
+            return  # its client went away: nothing to send
+        status, headers, head, payload = answer
+        # Standard ASGI messages; "ferry.head" lets the front door's LeanCycle skip uvicorn's per-header work.
+        await self.send({"type": "http.response.start", "status": status, "headers": headers,
+                         "ferry.head": head, "ferry.length": len(payload)})
+        await self.send({"type": "http.response.body", "body": payload})
+
+
+class InferenceRequest:
+    """One request on the inference paths, whichever way it came: through the ASGI consumer above, or
+    straight from the front door's protocol (`frontdoor.FrontDoorProtocol`'s lane for inference), which
+    has already read its whole body. `answer` never raises: every outcome is an answer to write."""
+
+    __slots__ = ("method", "path", "headers", "waited", "gone")
+
+    def __init__(self, method: str, path: str, headers: dict[bytes, bytes], waited: float,
+                 gone: Callable[[], bool] | None) -> None:
+        self.method = method
+        self.path = path
+        self.headers = headers  # lower-case names; the first of a repeated header
+        # How long this request waited in this process before its handler started: from its first byte
+        # through header parsing and the event loop's ready queue.
+        self.waited = waited
+        self.gone = gone  # whether its client has gone (checked when a queued request's turn comes)
+
+    async def answer(
+        self, body: bytes, infer: bool = False
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bytes] | None:
+        """(status, headers, the headers rendered as lines, payload); None when the client went away.
+        `infer`: a POST to a path ending in /infer (the front door's lane checked it), routed directly."""
         try:
-            status, payload, headers = await self._dispatch(body)
+            status, payload, headers = await (self._infer_path(body) if infer else self._dispatch(body))
         except ServingError as exc:
             if exc.status == CLIENT_CLOSED:
-                return  # its client went away: nothing to send
+                return None
             status, payload, headers = exc.status, error_body(exc.message), [*JSON, *exc.headers]
             if isinstance(exc, Unauthenticated | Forbidden):
                 metrics.REQUESTS.labels("", "", str(exc.status)).inc()  # refused before routing
             if exc.retry_after is not None:
                 headers.append((b"retry-after", str(math.ceil(exc.retry_after)).encode()))
         except Exception:
-            log.exception("unhandled error on %s %s", self.scope.get("method"), self.scope.get("path"))
+            log.exception("unhandled error on %s %s", self.method, self.path)
             metrics.INTERNAL_ERRORS.labels("inference").inc()
             self._count_unrouted(500)
             status, payload, headers = 500, error_body("internal error; the server logged it"), list(JSON)
@@ -161,20 +198,17 @@ class InferenceConsumer(AsyncHttpConsumer):
         try:
             head = frontdoor.render_head(headers)
         except ValueError:
-            log.exception("unsafe response header on %s", self.scope.get("path"))
+            log.exception("unsafe response header on %s", self.path)
             metrics.INTERNAL_ERRORS.labels("inference").inc()
             self._count_unrouted(500)
             payload = error_body("internal error; the server logged it")
             headers = [*JSON, (b"content-length", str(len(payload)).encode())]
             status, head = 500, frontdoor.render_head(headers)
-        # Standard ASGI messages; "ferry.head" lets the front door's LeanCycle skip uvicorn's per-header work.
-        await self.send({"type": "http.response.start", "status": status, "headers": headers,
-                         "ferry.head": head, "ferry.length": len(payload)})
-        await self.send({"type": "http.response.body", "body": payload})
+        return status, headers, head, payload
 
     async def _dispatch(self, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        path = self.scope["path"].rstrip("/")
-        method = self.scope["method"]
+        path = self.path.rstrip("/")
+        method = self.method
         if path == "/metrics":
             _method(method, "GET")
             return 200, generate_latest(), [(b"content-type", CONTENT_TYPE_LATEST.encode())]
@@ -191,16 +225,61 @@ class InferenceConsumer(AsyncHttpConsumer):
             if parts[1] == "ready" and not plane.ready:
                 raise Unavailable("not ready: models are loading", retry_after=1)
             return 200, b"", JSON
-        # The headers as a dict, built in C (reversed: the first of a repeated header counts).
-        self.request_headers = headers = dict(reversed(self.scope["headers"]))
         # Everything else needs a key: one dict lookup and one HMAC, against the snapshot in memory.
-        caller = authenticate(headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
+        caller = authenticate(self.headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
         plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
         if head == "models" and len(parts) >= 2:
             return await self._model_path(plane, caller, method, parts[1:], body)
         if head == "repository":
             return await self._repository(plane, caller, method, parts[1:], body)
         raise NotFound(f"no such endpoint {path}")
+
+    async def _infer_path(self, body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """A POST to .../infer: /v2/models/{name}[/versions/{v}]/infer, without `_dispatch`'s general parse."""
+        parts = self.path.split("/")
+        if len(parts) == 5 and parts[2] == "models":
+            name, version = parts[3], None
+        elif len(parts) == 7 and parts[2] == "models" and parts[4] == "versions":
+            name, version = parts[3], parts[5]
+        else:
+            return await self._dispatch(body)
+        plane = dataplane.current()
+        if plane is None:
+            raise Unavailable("the data plane is starting", retry_after=1)
+        caller = authenticate(self.headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
+        plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
+        caller.require("infer")
+        return await self._infer(plane, caller, name, version, body)
+
+    async def _infer(
+        self, plane: dataplane.DataPlane, caller: Caller, name: str, version: str | None, body: bytes
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        viewer = caller.tenant_id
+        gateway = plane.gateway
+        # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
+        self._shed_if_saturated(plane, name, version, viewer)
+        limits = gateway.snapshot.tenants.get(viewer)
+        quota = plane.quota
+        try:
+            if quota is None or limits is None:  # quotas off, or a snapshot from a build without them
+                ticket = None
+            elif quota.shared is None:  # in-process: decided without a coroutine
+                ticket = quota.admit_here(viewer, limits)
+            else:
+                ticket = await quota.admit(viewer, limits)
+        except QuotaExceeded as refused:
+            self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
+        try:
+            raw_length = self.headers.get(b"inference-header-content-length")
+            reply = await gateway.infer(name, version, body, _header_length(raw_length), viewer,
+                                        gone=self.gone, tier=limits.priority if limits else 1,
+                                        routing_key=self._routing_key(caller))
+        finally:
+            if ticket is not None:
+                plane.quota.release(ticket)  # type: ignore[union-attr]
+        if ticket is not None:
+            return reply.status, reply.body, [*reply.headers, *ticket.decision.headers()]
+        return reply.status, reply.body, reply.headers
 
     async def _model_path(
         self, plane: dataplane.DataPlane, caller: Caller, method: str, parts: list[str], body: bytes
@@ -217,30 +296,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         gateway = plane.gateway
         if action == "infer":
             _method(method, "POST")
-            # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
-            self._shed_if_saturated(plane, name, version, viewer)
-            limits = gateway.snapshot.tenants.get(viewer)
-            quota = plane.quota
-            try:
-                if quota is None or limits is None:  # quotas off, or a snapshot from a build without them
-                    ticket = None
-                elif quota.shared is None:  # in-process: decided without a coroutine
-                    ticket = quota.admit_here(viewer, limits)
-                else:
-                    ticket = await quota.admit(viewer, limits)
-            except QuotaExceeded as refused:
-                self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
-            try:
-                raw_length = self.request_headers.get(b"inference-header-content-length")
-                reply = await gateway.infer(name, version, body, _header_length(raw_length), viewer,
-                                            gone=self.scope.get("ferry.gone"), tier=limits.priority if limits else 1,
-                                            routing_key=self._routing_key(caller))
-            finally:
-                if ticket is not None:
-                    plane.quota.release(ticket)  # type: ignore[union-attr]
-            if ticket is not None:
-                return reply.status, reply.body, [*reply.headers, *ticket.decision.headers()]
-            return reply.status, reply.body, reply.headers
+            return await self._infer(plane, caller, name, version, body)
         _method(method, "GET")
         model = gateway.model(name, viewer)
         if version is not None and parse_version(version) not in model.versions:
@@ -305,7 +361,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         metrics.REQUESTS.labels(entry.model if entry else "", str(entry.version) if entry else "", "429").inc()
         usage = plane.gateway.usage
         if usage is not None and entry is not None:  # the tenant sees its refusals in its usage too
-            usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self._waited)
+            usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self.waited)
         raise OverQuota(decision)
 
     def _shed_if_saturated(
@@ -316,7 +372,7 @@ class InferenceConsumer(AsyncHttpConsumer):
         Two measures: how late the loop runs its timers (the wait of bytes not yet read), and how long
         this request waited between its first byte and this handler (the wait of bytes read)."""
         lag_ms = plane.loop_lag * 1000
-        waited_ms = self._waited * 1000
+        waited_ms = self.waited * 1000
         limits = frontdoor.LIMITS
         if lag_ms <= limits.max_loop_lag_ms and waited_ms <= limits.max_frontend_wait_ms:
             return
@@ -346,7 +402,7 @@ class InferenceConsumer(AsyncHttpConsumer):
 
     def _count_unrouted(self, status: int) -> None:
         """Count an answer the gateway did not count (it never got that far)."""
-        parts = self.scope["path"].rstrip("/").split("/")
+        parts = self.path.rstrip("/").split("/")
         plane = dataplane.current()
         if len(parts) >= 5 and parts[2] == "models" and parts[-1] == "infer" and plane is not None:
             version = parts[5] if len(parts) >= 7 and parts[4] == "versions" else None
@@ -359,7 +415,7 @@ class InferenceConsumer(AsyncHttpConsumer):
     def _routing_key(self, caller: Caller) -> str:
         """X-Ferry-Routing-Key (an end user's id, say), else the API key's prefix, so one key's traffic all
         goes one way through an experiment or a canary."""
-        routing = self.request_headers.get(b"x-ferry-routing-key")
+        routing = self.headers.get(b"x-ferry-routing-key")
         return routing.decode("latin-1") if routing is not None else caller.prefix
 
 

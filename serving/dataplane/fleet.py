@@ -53,6 +53,9 @@ class NodeInfo:
     ready: frozenset[str] = frozenset()  # version keys it consumes: loaded, or cold and loaded on request
     hot: frozenset[str] = frozenset()  # of those, the loaded ones
     failures: dict[str, str] = field(default_factory=dict)  # version key -> why its load failed
+    # Placed here by the placement reconciler (serving.reconciler): hosted here, and by no unassigned node.
+    assigned: frozenset[str] = frozenset()
+    warm: frozenset[str] = frozenset()  # evicted, kept in host memory: a reload skips the disk and warm-up
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
 
     @staticmethod
@@ -66,7 +69,8 @@ class NodeInfo:
             "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
             "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
             "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot), "failures": self.failures,
-            "counts": self.counts,
+            "counts": self.counts, "assigned": sorted(self.assigned),
+            "warm": sorted(self.warm),
         }
         return {k: self.encode_field(v) for k, v in doc.items()}
 
@@ -75,6 +79,8 @@ class NodeInfo:
         doc = {k.decode(): orjson.loads(v) for k, v in raw.items()}
         doc["ready"] = frozenset(doc.get("ready", ()))
         doc["hot"] = frozenset(doc.get("hot", ()))
+        doc["assigned"] = frozenset(doc.get("assigned", ()))
+        doc["warm"] = frozenset(doc.get("warm", ()))
         return cls(**doc)
 
 

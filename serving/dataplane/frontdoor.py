@@ -22,8 +22,9 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
+import httptools
 import orjson
 import uvicorn
 from django.conf import settings
@@ -133,19 +134,36 @@ class FrontDoorProtocol(HttpToolsProtocol):
     def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        # uvicorn infers "access log on" from the access logger having handlers, which a test's log capture or
+        # an embedding application may give it; access_log=False (uvicorn_config's) means off.
+        self.access_log = self.access_log and config.access_log
         # uvicorn's own check would answer text/plain; on_headers_complete applies the same limit.
         self.max_concurrency, self.limit_concurrency = self.limit_concurrency, None
         self.read_timeout: float = settings.FERRY_REQUEST_READ_TIMEOUT_S
         self.read_deadline_s = self.read_timeout  # the current request's allowance, once extended
         self.read_deadline = 0.0  # time.monotonic() by which the current request must have arrived
+        # A lane request's body must also keep coming: FERRY_BODY_TIMEOUT_S from its last bytes (the consumer's
+        # per-chunk wait, for requests that go by ASGI). 0.0 while its body is not waited for.
+        self.stall_deadline = 0.0
         self.reading = False  # the connection is new, or a request has begun and not all arrived
         self.read_timer: asyncio.TimerHandle | None = None
         self.read_timer_at = 0.0  # when read_timer fires, on time.monotonic()'s clock
         self.shed = False  # the current request is refused by the shed gate
         self._extend = self.extend_read_deadline
+        self.first_byte = 0.0  # time.monotonic() when the current request's first byte was read
+        self.raw_headers: list[bytes] = []  # the current request's header names and values, alternating, as they came
+        # The inference lane (see Lane): the application's handler for an inference request, when the app
+        # names one (config.asgi does); any other app, or one wrapped by uvicorn, gets every request by ASGI.
+        self.infer: Infer | None = getattr(self.app, "ferry_infer", None)
+        self._is_closing = None  # the transport's is_closing, once connected
+        # Keep-alive idling: one timer a connection, re-armed when it fires, instead of uvicorn's timer set at
+        # every response and cancelled at every request's first bytes.
+        self.idle_since = 0.0
+        self.idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._is_closing = transport.is_closing
         self.reading = True
         self.read_deadline = time.monotonic() + self.read_timeout
         self._arm(self.read_timeout)
@@ -154,7 +172,60 @@ class FrontDoorProtocol(HttpToolsProtocol):
         if self.read_timer is not None:
             self.read_timer.cancel()
             self.read_timer = None
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        # Bodies the lane read for requests it never started give back their bytes (a started one does so
+        # when its handler ends).
+        for lane in (self.cycle, *(cycle for cycle, _ in self.pipeline)):
+            if type(lane) is Lane and not lane.started:
+                lane.release()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's, less its keep-alive timer's cancellation (see on_response_complete).
+        try:
+            self.parser.feed_data(data)
+            if self.reading and type(self.cycle) is Lane and self.cycle.more_body:  # the body is still coming
+                self._await_body()
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's: the next pipelined request starts, or the connection idles, closed after
+        timeout_keep_alive seconds of it by the idle timer."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self.idle_since = time.monotonic()
+        if self.idle_timer is None:
+            self.idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self.idle_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self.reading or self.pipeline or not (cycle is None or cycle.response_complete):
+            return  # busy: the response that ends it arms the timer again
+        left = self.timeout_keep_alive - (time.monotonic() - self.idle_since)
+        if left > 0:
+            self.idle_timer = self.loop.call_later(left, self._idle_expired)
+        else:
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """Bytes that do not parse as HTTP: uvicorn's 400, as JSON like every other error."""
@@ -166,15 +237,15 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's scope is built at on_headers_complete, and only for a request that goes by ASGI; until then
+        # an empty dict marks "a request has begun" (and is the request's identity for the read deadline).
         GATE.seen += 1
-        now = time.monotonic()
-        scope = self.scope
-        scope["ferry.first_byte"] = now  # type: ignore[typeddict-unknown-key]
-        # Whether the client has gone: checked when the request's turn comes, so a queued request whose
-        # client left is dropped unrun, with no task per request watching the connection.
-        scope["ferry.gone"] = self.transport.is_closing  # type: ignore[typeddict-unknown-key]
-        scope["ferry.extend_read_deadline"] = self._extend  # type: ignore[typeddict-unknown-key]
+        self.first_byte = now = time.monotonic()
+        self.url = b""
+        self.expect_100_continue = False
+        self.raw_headers = []
+        self.stall_deadline = 0.0
+        self.scope = {}  # type: ignore[typeddict-item]
         self.reading = True
         self.read_deadline_s = self.read_timeout
         self.read_deadline = deadline = now + self.read_timeout
@@ -184,9 +255,38 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self.read_timer.cancel()
             self._arm(self.read_timeout)
 
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Kept as they came; lower-cased in C, all at once, when the head is complete.
+        self.raw_headers += (name, value)
+
     def on_headers_complete(self) -> None:
         self.shed = False
-        if GATE.shedding and (self.cycle is None or self.cycle.response_complete) and _is_infer(self.url) and (
+        url = self.url
+        parser = self.parser
+        shedding = GATE.drop > 0.0 and GATE.shedding  # a draw: taken once per request
+        if (self.infer is not None and not shedding and url.startswith(b"/v2/models/") and url.endswith(b"/infer")
+                and parser.get_method() == b"POST" and b"?" not in url and b"%" not in url
+                and not self.access_log):
+            raw = self.raw_headers
+            headers = dict(zip(map(bytes.lower, raw[-2::-2]), raw[::-2], strict=True))  # the first of a repeat wins
+            limit = self.max_concurrency
+            if (b"expect" not in headers and b"upgrade" not in headers and b"transfer-encoding" not in headers
+                    and (limit is None or (len(self.connections) < limit and len(self.tasks) < limit))):
+                lane = Lane(self.scope, url.decode("ascii"), headers, self.first_byte,
+                            parser.get_http_version() != "1.0" and parser.should_keep_alive())
+                existing = self.cycle
+                self.cycle = lane  # type: ignore[assignment]
+                if existing is None or existing.response_complete:
+                    lane.turn = True
+                else:  # pipelined behind a response still being written: started when that one completes
+                    self.flow.pause_reading()
+                    self.pipeline.appendleft((lane, None))  # type: ignore[arg-type]
+                return
+        self._begin_asgi()
+        if shedding and (self.cycle is None or self.cycle.response_complete) and _is_infer(self.url) and (
             self.parser.get_method() == b"POST"
         ):
             GATE.count(self.url)
@@ -209,12 +309,68 @@ class FrontDoorProtocol(HttpToolsProtocol):
             if cycle is not None and cycle.scope is self.scope:  # this request's cycle; its task runs later
                 cycle.__class__ = LeanCycle
 
+    def _begin_asgi(self) -> None:
+        """uvicorn's scope for a request that goes by ASGI (what its on_message_begin and on_header build)."""
+        raw = self.raw_headers
+        self.headers = headers = list(zip(map(bytes.lower, raw[::2]), raw[1::2], strict=True))
+        self.expect_100_continue = any(n == b"expect" and v.lower() == b"100-continue" for n, v in headers)
+        self.scope.update({  # type: ignore[typeddict-item]
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": headers,
+            "state": self.app_state.copy(),
+            "ferry.first_byte": self.first_byte,
+            # Whether the client has gone: checked when the request's turn comes, so a queued request whose
+            # client left is dropped unrun, with no task per request watching the connection.
+            "ferry.gone": self.transport.is_closing,
+            "ferry.extend_read_deadline": self._extend,
+        })
+
     def on_body(self, body: bytes) -> None:
-        if not self.shed:
+        if self.shed:
+            return
+        lane = self.cycle
+        if type(lane) is not Lane:
             super().on_body(body)
+            return
+        if lane.refusal is not None or lane.response_complete:
+            return  # refused: the rest of its body is read and dropped
+        size = len(body)
+        lane.received += size
+        limit = LIMITS.max_infer_body
+        if lane.received > limit:
+            _TOO_LARGE.inc()
+            self._refuse(lane, 413, f"request body exceeds {limit} bytes", None)
+        elif not charge(size):
+            self._refuse(lane, 503, "server holds its budget of bytes of request bodies; retry shortly", 1)
+        else:
+            lane.charged += size
+            if lane.body:  # a later chunk: the request's wait in this process counts from its last bytes
+                lane.first_byte = time.monotonic()
+            lane.body.append(body)
+
+    def _refuse(self, lane: Lane, status: int, message: str, retry_after: int | None) -> None:
+        """Answer a request of the lane before its body is all in: at once when it is its turn (then close,
+        since the rest of its body is not read), else when its turn comes."""
+        lane.release()
+        lane.body = []
+        lane.refusal = (status, message, retry_after)
+        if lane.turn:
+            self._start_lane(lane)
 
     def on_message_complete(self) -> None:
         self.reading = False
+        lane = self.cycle
+        if type(lane) is Lane and not self.shed:
+            lane.more_body = False
+            if lane.turn and not lane.started:
+                self._start_lane(lane)
+            return
         if self.shed:
             self.shed = False
             if self.parser.should_keep_alive():
@@ -225,6 +381,60 @@ class FrontDoorProtocol(HttpToolsProtocol):
                 self.transport.close()
             return
         super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        if type(cycle) is not Lane:
+            super()._start_asgi_task(cycle, app)
+            return
+        cycle.turn = True  # a pipelined lane request's turn: started now if its body is in
+        if not cycle.more_body or cycle.refusal is not None:
+            self._start_lane(cycle)
+
+    def _start_lane(self, lane: Lane) -> None:
+        lane.started = True
+        task = self.loop.create_task(self._serve_lane(lane))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _serve_lane(self, lane: Lane) -> None:
+        """Answer an inference request of the lane, with the app's handler, and write the answer."""
+        transport = self.transport
+        refusal = lane.refusal
+        if refusal is None:
+            body = lane.body
+            try:
+                request = self.infer("POST", lane.path, lane.headers, time.monotonic() - lane.first_byte,
+                                     self._is_closing)
+                answer = await request.answer(body[0] if len(body) == 1 else b"".join(body), True)
+            finally:
+                lane.release()
+            lane.body = []
+            if answer is None:  # its client went away
+                lane.response_complete = True
+                transport.close()
+                return
+            status, _, head, payload = answer
+        else:
+            status, message, retry_after = refusal
+            payload = orjson.dumps({"error": message})
+            head = (b"content-type: application/json\r\n" if retry_after is None else
+                    b"content-type: application/json\r\nretry-after: %d\r\n" % retry_after)
+            head += b"content-length: %d\r\n" % len(payload)
+            lane.keep_alive = False  # the rest of its body was not read
+        if lane.disconnected or transport.is_closing():
+            lane.response_complete = True
+            return
+        if self.flow.write_paused:
+            await self.flow.drain()
+        keep_alive = lane.keep_alive
+        transport.write(b"".join((
+            STATUS_LINE[status], _default_head(self.server_state.default_headers), head,
+            b"\r\n" if keep_alive else b"connection: close\r\n\r\n", payload,
+        )))
+        lane.response_complete = True
+        if not keep_alive:
+            transport.close()
+        self.on_response_complete()
 
     def handle_websocket_upgrade(self) -> None:
         self.reading = False
@@ -243,12 +453,25 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.read_timer_at = time.monotonic() + delay
         self.read_timer = self.loop.call_later(delay, self._read_expired)
 
+    def _await_body(self) -> None:
+        """The lane request's body stalls past FERRY_BODY_TIMEOUT_S from now: answered 408 (the timer fires
+        for whichever of that and the whole-request deadline comes first)."""
+        self.stall_deadline = at = time.monotonic() + LIMITS.body_timeout
+        if self.read_timer is None or self.read_timer_at > at:
+            if self.read_timer is not None:
+                self.read_timer.cancel()
+            self._arm(at - time.monotonic())
+
     def _read_expired(self) -> None:
         self.read_timer = None
         transport = self.transport
         if not self.reading or transport.is_closing():
             return  # the next request arms a timer at its first byte
-        remaining = self.read_deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = self.read_deadline - now
+        stalled = bool(self.stall_deadline) and self.stall_deadline <= now and remaining > 0
+        if self.stall_deadline:
+            remaining = min(remaining, self.stall_deadline - now)
         if remaining > 0:  # a later request, or an extended deadline
             self._arm(remaining)
             return
@@ -262,17 +485,77 @@ class FrontDoorProtocol(HttpToolsProtocol):
             else:  # still in the head; answer unless an earlier response is being written
                 answer = cycle is None or cycle.response_complete
             if answer:
-                transport.write(self._timeout_response())
+                transport.write(self._timeout_response(
+                    f"request body not received within {LIMITS.body_timeout:g} s of its last bytes" if stalled
+                    else f"request not received within {self.read_deadline_s:g} s"))
         transport.close()
 
-    def _timeout_response(self) -> bytes:
-        body = orjson.dumps({"error": f"request not received within {self.read_deadline_s:g} s"})
+    def _timeout_response(self, message: str) -> bytes:
+        body = orjson.dumps({"error": message})
         parts = [STATUS_LINE[408]]
         for name, value in self.server_state.default_headers:
             parts += [name, b": ", value, b"\r\n"]
         parts += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                   b"\r\nconnection: close\r\n\r\n", body]
         return b"".join(parts)
+
+
+class InferRequest(Protocol):
+    """`consumers.InferenceRequest`: (method, path, headers, waited, gone), then `answer(body)`."""
+
+    def answer(self, body: bytes, infer: bool) -> Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes, bytes] | None]:
+        ...
+
+
+Infer = Callable[[str, str, dict[bytes, bytes], float, Callable[[], bool]], InferRequest]
+
+
+class _NoEvent:
+    """What uvicorn's callbacks set on a cycle's message_event: a lane request has no receive() to wake."""
+
+    @staticmethod
+    def set() -> None:
+        return None
+
+
+class Lane:
+    """An inference request the protocol serves itself, standing in for uvicorn's RequestResponseCycle.
+
+    A POST to /v2/models/.../infer (no query, no percent-escapes, no Expect or Transfer-Encoding, no
+    upgrade, under the concurrency limit, access log off) is not turned into an ASGI scope, a
+    cycle, a task awaiting receive() and a Channels consumer: its body is gathered here, bounded by
+    FERRY_MAX_INFER_BODY_BYTES (413) and charged to the process's budget of body bytes (503) as it
+    arrives, and once it is complete one task runs the app's handler (`ferry_infer`, the same
+    `InferenceRequest.answer` the consumer runs) and writes its answer. That is several hundred
+    bytecodes a request fewer on the event loop, the server's ceiling. Keep-alive, pipelining,
+    flow control, the read deadline and graceful shutdown keep uvicorn's rules: the protocol sees the
+    same attributes it reads on a cycle.
+    """
+
+    # What most requests never change is a class default: an instance stores only what differs.
+    message_event = _NoEvent
+    more_body = True  # its body is still arriving
+    received = 0  # body bytes read
+    charged = 0  # body bytes charged to the process's budget, not yet given back
+    refusal: tuple[int, str, int | None] | None = None  # answered without the app: (status, message, Retry-After)
+    turn = False  # no earlier response of the connection is still being written
+    started = False
+    response_started = False  # answers are written whole, never partly
+    response_complete = False
+    disconnected = False
+
+    def __init__(self, scope: Scope, path: str, headers: dict[bytes, bytes], first_byte: float,
+                 keep_alive: bool) -> None:
+        self.scope = scope  # the request's identity for the read deadline
+        self.path = path
+        self.headers = headers
+        self.first_byte = first_byte
+        self.keep_alive = keep_alive  # uvicorn's shutdown() clears it on a request in progress
+        self.body: list[bytes] = []
+
+    def release(self) -> None:
+        discharge(self.charged)
+        self.charged = 0
 
 
 class LeanCycle(RequestResponseCycle):
@@ -355,6 +638,7 @@ class Limits:
         self.max_infer_body: int = settings.FERRY_MAX_INFER_BODY_BYTES
         self.max_loop_lag_ms: float = settings.FERRY_MAX_LOOP_LAG_MS
         self.max_frontend_wait_ms: float = settings.FERRY_MAX_FRONTEND_WAIT_MS
+        self.body_timeout: float = settings.FERRY_BODY_TIMEOUT_S
 
 
 LIMITS = Limits()

@@ -62,6 +62,16 @@ class Hosted:
 
 
 @dataclass
+class Warm:
+    """An evicted version kept in host memory (the warm tier): its loaded module (on CUDA moved to the CPU)
+    and its measured profile, so a reload skips the disk, the parse and the warm-up."""
+
+    artifact_sha256: str
+    runtime: ModelRuntime
+    profile: dict[int, float]
+
+
+@dataclass
 class LoadFailure:
     entry: VersionEntry
     reason: str
@@ -89,6 +99,7 @@ class Node:
         accelerator: str = "",
         report: Callable[[LoadReport], Awaitable[object]] | None = None,
         max_queued_loads: int = 16,
+        warm_budget: int = 0,
     ) -> None:
         self.device = pick_device(device)
         self.memory_budget = memory_budget
@@ -118,6 +129,10 @@ class Node:
         self.packing = Packing(self.accelerator, warmup_sizes, report=report)
         self._load_lock = asyncio.Lock()
         self.max_queued_loads = max_queued_loads  # loads requests may queue (one runs at a time)
+        # The warm tier: evicted versions kept in host memory up to this many bytes, least recently evicted
+        # dropped first. 0: an evicted version is dropped (its next load reads the artifact again).
+        self.warm_budget = warm_budget
+        self.warm: dict[str, Warm] = {}  # by key, in the order they were evicted
 
     # -- control -------------------------------------------------------------------------
 
@@ -129,6 +144,8 @@ class Node:
             self.packing.update(snapshot, desired)
             for key in [k for k in self.hosted if k not in desired]:
                 await self.unload(key)
+            for key in [k for k in self.warm if k not in desired]:
+                del self.warm[key]
             # What must stay loaded first, then stable versions, then the rest while they fit.
             order = sorted(desired.values(), key=lambda e: (not self._kept(e), e.key not in self.packing.stable))
             for entry in order:
@@ -159,7 +176,6 @@ class Node:
                 f"{entry.key}: max_batch_size changed to {entry.batching.max_batch_size} while this request of"
                 f" {pending.rows} rows waited; send it again in smaller requests", retry_after=1,
             ))
-        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
 
     @staticmethod
     def _dropped(hosted: Hosted, items: list[Pending]) -> None:
@@ -182,11 +198,21 @@ class Node:
             ticket = self.packing.loading.get(entry.key)
             if ticket is not None:
                 ticket.started = started
+            # Taken out of the warm tier first: the evictions that make room put versions there, and must not
+            # push this one out.
+            warm = self.warm.pop(entry.key, None)
+            if warm is not None and warm.artifact_sha256 != entry.artifact_sha256:
+                warm = None
             if not await self._make_room(entry, self.packing.spec(entry), evict):
+                if warm is not None:
+                    self.warm[entry.key] = warm
                 return None
             loop = asyncio.get_running_loop()
             try:
-                runtime, profile = await loop.run_in_executor(self._load_pool, self._load_blocking, entry)
+                if warm is not None:
+                    runtime, profile = await loop.run_in_executor(self._load_pool, self._from_warm, warm)
+                else:
+                    runtime, profile = await loop.run_in_executor(self._load_pool, self._load_blocking, entry)
             except Exception as exc:
                 reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
                 log.error("loading %s failed: %s", entry.key, reason)
@@ -195,8 +221,10 @@ class Node:
                 self.packing.record("load_failed", entry.key, reason)
                 return None
             # The estimate it was placed by may have been low (another device, or none measured yet): kept as
-            # measured, so a version that fits no better is not loaded again to find out.
-            self.packing.measure(entry, runtime.memory_bytes, self._clock() - started)
+            # measured, so a version that fits no better is not loaded again to find out. (A warm reload is no
+            # cold start: the estimates and the registry keep the cold one.)
+            if warm is None:
+                self.packing.measure(entry, runtime.memory_bytes, self._clock() - started)
             if not await self._make_room(entry, self.packing.spec(entry, runtime.memory_bytes), evict):
                 runtime.module = None
                 return None
@@ -209,11 +237,13 @@ class Node:
                 hosted.in_flight += ticket.waiters
                 ticket.hosted = hosted
             cold_start = hosted.last_used - started
-            self.packing.measure(entry, runtime.memory_bytes, cold_start)
-            self.packing.record("load", entry.key, f"{cold_start:.2f} s, {runtime.memory_bytes} bytes")
-            metrics.COLD_START.labels(entry.model).observe(cold_start)
-            self.packing.send(LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes,
-                                         cold_start))
+            tier = "from host memory, " if warm is not None else ""
+            self.packing.record("load", entry.key, f"{tier}{cold_start:.2f} s, {runtime.memory_bytes} bytes")
+            if warm is None:
+                self.packing.measure(entry, runtime.memory_bytes, cold_start)
+                metrics.COLD_START.labels(entry.model).observe(cold_start)
+                self.packing.send(LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes,
+                                             cold_start))
         log.info("loaded %s on %s in %.2fs (%d bytes)", entry.key, self.device, cold_start, runtime.memory_bytes)
         return hosted
 
@@ -240,7 +270,7 @@ class Node:
                 self.packing.cold[victim.entry.key] = victim.entry
                 log.info("evicting %s (idle since %.1f s): %s", victim.entry.key,
                          self._clock() - victim.last_used, reason)
-                await self._release(victim, f"model version {victim.entry.key} was evicted")
+                await self._release(victim, f"model version {victim.entry.key} was evicted", keep_warm=True)
             return True
         if verdict.permanent:
             self._unschedulable(entry, verdict)
@@ -291,6 +321,8 @@ class Node:
         self.hosted[entry.key] = hosted
         self._hosted_list = tuple(self.hosted.values())
         vm.loaded.set(1)
+        # Read when scraped, not set per request: the batcher is replaced on reconfiguration, so read through hosted.
+        vm.queue_depth.set_function(lambda: len(hosted.batcher.queue))
         return hosted
 
     def _load_blocking(self, entry: VersionEntry) -> tuple[ModelRuntime, dict[int, float]]:
@@ -300,7 +332,25 @@ class Node:
         runtime.load()
         return runtime, runtime.profile(warmup_sizes(entry), repeats=3)
 
+    def _from_warm(self, warm: Warm) -> tuple[ModelRuntime, dict[int, float]]:
+        runtime = warm.runtime
+        if self.device.type == "cuda" and runtime.module is not None:
+            runtime.module.to(self.device)
+        return runtime, warm.profile
+
+    def _keep_warm(self, hosted: Hosted) -> bool:
+        """Keep an evicted version's module in host memory if the warm budget can hold it, dropping the
+        versions evicted longest ago to make room (on CUDA, `_release` then moves the module to the CPU)."""
+        size = hosted.runtime.memory_bytes
+        if hosted.runtime.module is None or size > self.warm_budget:
+            return False
+        while self.warm and sum(w.runtime.memory_bytes for w in self.warm.values()) + size > self.warm_budget:
+            del self.warm[next(iter(self.warm))]
+        self.warm[hosted.entry.key] = Warm(hosted.entry.artifact_sha256, hosted.runtime, hosted.profile.points())
+        return True
+
     async def unload(self, key: str) -> None:
+        self.warm.pop(key, None)
         self.packing.cold.pop(key, None)
         hosted = self.hosted.pop(key, None)
         if hosted is None:
@@ -308,14 +358,17 @@ class Node:
         self._hosted_list = tuple(self.hosted.values())
         await self._release(hosted, f"model version {key} was unloaded")
 
-    async def _release(self, hosted: Hosted, why: str) -> None:
+    async def _release(self, hosted: Hosted, why: str, *, keep_warm: bool = False) -> None:
         key = hosted.entry.key
         waiting = await hosted.batcher.close()
         for pending in waiting:
             _fail(pending, Unavailable(why, retry_after=1))
         hosted.metrics.loaded.set(0)
-        hosted.metrics.queue_depth.set(0)
-        hosted.runtime.module = None
+        hosted.metrics.queue_depth.set_function(lambda: 0)
+        if not (keep_warm and self._keep_warm(hosted)):
+            hosted.runtime.module = None
+        elif self.device.type == "cuda":  # off the loop: a copy of the weights
+            await asyncio.get_running_loop().run_in_executor(self._load_pool, hosted.runtime.module.to, "cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.info("unloaded %s", key)
@@ -380,7 +433,6 @@ class Node:
                 f"{key}: evicted from the queue by higher-priority work", reason="evicted", tier=victim.priority,
                 retry_after=self.retry_after(now),
             ))
-        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
         timer = loop.call_at(loop.time() + (deadline - now), _expire_future, future)
         hosted.in_flight += 1
         try:
@@ -495,7 +547,6 @@ class Node:
 
     async def _run_batch(self, hosted: Hosted, batch: list[Pending]) -> None:
         live = [p for p in batch if not p.payload.future.done()]
-        hosted.metrics.queue_depth.set(len(hosted.batcher.queue))
         if live and live[0].priority >= SHADOW_PRIORITY:  # a batch takes its queue's highest tier first
             await self._yield_to_callers(hosted, live)
             live = [p for p in live if not p.payload.future.done()]

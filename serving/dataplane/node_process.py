@@ -11,6 +11,11 @@ Its loops, each a single step the loop repeats (a test drives one step directly)
 - `reclaim_once`: the pending entries of consumers whose node is lost are claimed and served while
   their deadline allows.
 
+Placement: `assign` and `release` are what the node's Celery queue (`serving.node_tasks`) runs on this loop
+for the placement reconciler (`serving.reconciler`). A version assigned to some live node is hosted only by
+the nodes it is assigned to; the others stop consuming it. A version assigned nowhere (desired replicas 0)
+is hosted by every node, loaded on demand within its budget.
+
 A stream is read only while this node holds few of its requests (READ_AHEAD batches), so a busy node
 leaves the backlog to the other replicas, and a node that dies leaves little pending behind.
 """
@@ -77,8 +82,8 @@ def parse_labels(items: list[str]) -> dict[str, str]:
 
 
 def hosted(snapshot: RoutingSnapshot) -> set[str]:
-    """The versions this node hosts: in this slice every ready, loaded version, as the embedded node does.
-    The seam where a placement reconciler's decision for this node comes in later."""
+    """The versions a node may host: every ready, loaded version, as the embedded node does. A node process
+    narrows it by the reconciler's assignments (`NodeProcess.hosted_keys`)."""
     return {v.key for v in snapshot.hosted_versions()}
 
 
@@ -131,6 +136,8 @@ class NodeProcess:
         self._loops: list[asyncio.Task[None]] = []
         self._reconciling: asyncio.Task[None] | None = None
         self._pending: RoutingSnapshot | None = None
+        self._snapshot: RoutingSnapshot | None = None  # the last one reconciled: what an assignment loads from
+        self._elsewhere: frozenset[str] = frozenset()  # versions assigned to other live nodes
         self.reconciled_serial = 0
         self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
         self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
@@ -155,6 +162,7 @@ class NodeProcess:
             serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
             hot=frozenset(node.hosted),
             failures={k: f.reason for k, f in node.failures.items()}, counts=dict(self.counts),
+            assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
         )
 
     async def heartbeat_once(self) -> None:
@@ -203,8 +211,14 @@ class NodeProcess:
             except Exception:
                 log.exception("reconcile failed")
 
+    def hosted_keys(self, snapshot: RoutingSnapshot) -> set[str]:
+        """What this node hosts of `snapshot`: what it may host, less the versions assigned to other live
+        nodes and not to this one (those are served where the reconciler placed them)."""
+        return set(self.hosted(snapshot)) - (self._elsewhere - self.node.packing.assigned)
+
     async def reconcile(self, snapshot: RoutingSnapshot) -> None:
-        await self.node.reconcile(snapshot, keys=set(self.hosted(snapshot)))
+        self._snapshot = snapshot
+        await self.node.reconcile(snapshot, keys=self.hosted_keys(snapshot))
         self._grouped &= set(self.servable())
         try:
             await self.ensure_groups()
@@ -235,6 +249,52 @@ class NodeProcess:
         for key, entry in self.node.packing.cold.items():
             entries.setdefault(key, entry)
         return entries
+
+    # -- placement (the node's Celery queue) --------------------------------------------------
+
+    async def assign(self, key: str) -> dict[str, object]:
+        """Load `key` here for the reconciler, evicting idle unassigned versions (LRU) if it must, and keep it
+        (never evicted on demand) until released. Returns what came of it; the heartbeat says so at once."""
+        snapshot = self._snapshot
+        entry = next((v for v in snapshot.hosted_versions() if v.key == key), None) if snapshot else None
+        if entry is None:
+            serial = snapshot.serial if snapshot else 0
+            return {"state": "unknown", "reason": f"{key} is not ready in snapshot {serial} on {self.facts.name}"}
+        self.node.packing.assigned.add(key)  # first: a reconcile meanwhile keeps it, and the heartbeat shows it
+        started = self._clock()
+        try:
+            hosted = await self.node.load(entry, evict=True)
+        except BaseException:
+            self.node.packing.assigned.discard(key)
+            raise
+        if hosted is None:
+            self.node.packing.assigned.discard(key)
+            result: dict[str, object] = {"state": "failed", "reason": self.node.unready_reason(key)
+                                         or self.node.packing.no_room.get(key, "not loaded")}
+        else:
+            await self.ensure_groups([key])
+            result = {"state": "hot", "seconds": round(self._clock() - started, 4)}
+        await self.heartbeat_once()
+        return result
+
+    async def release(self, key: str, *, unload: bool) -> dict[str, object]:
+        """The reconciler no longer places `key` here: with `unload` (scaled in), unload it now; without (its
+        desired replicas went to 0), it stays as any version does, evictable and loaded on demand."""
+        self.node.packing.assigned.discard(key)
+        if unload:
+            await self.node.unload(key)
+            self._grouped.discard(key)
+        await self.heartbeat_once()
+        return {"state": "unloaded" if unload else "released"}
+
+    def _fleet_changed(self, nodes: list[fleet.NodeInfo]) -> None:
+        """Versions assigned elsewhere changed (a placement, or a node lost): host again what this node now
+        should."""
+        elsewhere = frozenset().union(*(n.assigned for n in nodes if n.name != self.facts.name))
+        if elsewhere != self._elsewhere:
+            self._elsewhere = elsewhere
+            if self._snapshot is not None and self._pending is None:  # a newer one pending covers it
+                self.on_snapshot(self._snapshot)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -356,7 +416,9 @@ class NodeProcess:
         """Claim and serve the pending entries of consumers whose node is lost; drop such consumers once they
         hold nothing. Not XAUTOCLAIM: it claims by idle time alone, so it would also take entries from a
         live node that is merely busy and run them twice. Returns the entries claimed."""
-        live = {f"{n.name}:{n.instance}" for n in await fleet.read_fleet(self._client)}
+        nodes = await fleet.read_fleet(self._client)
+        self._fleet_changed(nodes)
+        live = {f"{n.name}:{n.instance}" for n in nodes}
         live.add(self.consumer)
         claimed = 0
         for key in [k for k in self.servable() if k in self._grouped]:

@@ -92,6 +92,8 @@ class Packing:
         self.measured: dict[str, tuple[int, float]] = {}  # key -> (footprint, cold start) on this node
         self.by_artifact: dict[str, float] = {}  # sha256 -> the last cold start of any version of it here
         self.stable: frozenset[str] = frozenset()  # the models' stable versions, by key
+        # Replicas the placement reconciler put here: kept like pinned ones, so on-demand loads never evict them.
+        self.assigned: set[str] = set()
         self.events: deque[Event] = deque(maxlen=events)
         self.evictions = 0
         self._report = report
@@ -145,7 +147,7 @@ class Packing:
         p = entry.placement
         return VersionSpec(
             entry.key, self.footprint(entry) if footprint is None else footprint, min_memory=p.min_memory,
-            accelerators=p.accelerators, pinned=p.pinned, stable=entry.key in self.stable,
+            accelerators=p.accelerators, pinned=p.pinned or entry.key in self.assigned, stable=entry.key in self.stable,
             min_replicas=p.min_replicas,
         )
 

@@ -76,6 +76,10 @@ class LatencyProfile:
         self._smoothing = smoothing
         self._sizes: list[int] = sorted(self._points)
 
+    def points(self) -> dict[int, float]:
+        """Seconds per batch size, as measured and refined so far (a copy)."""
+        return dict(self._points)
+
     def observe(self, rows: int, seconds: float) -> None:
         old = self._points.get(rows)
         if old is None:

@@ -2,6 +2,7 @@ import asyncio
 import logging
 import signal
 import socket
+from dataclasses import asdict
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -9,7 +10,9 @@ from django.core.management.base import BaseCommand, CommandError
 from serving import artifacts
 from serving.dataplane.node import Node
 from serving.dataplane.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
+from serving.dataplane.packing import LoadReport
 from serving.dataplane.runtime import configure_torch_threads, pick_device
+from serving.node_tasks import NodeWorker
 
 
 class Command(BaseCommand):
@@ -46,18 +49,30 @@ class Command(BaseCommand):
     async def _run(self, facts) -> None:  # noqa: ANN001
         node = Node(artifact_path=artifacts.verified_path, device=facts.device, memory_budget=facts.memory_budget,
                     max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
-                    accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS)
+                    accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+                    warm_budget=settings.FERRY_NODE_WARM_BYTES, report=_report)
         process = NodeProcess(node, settings.REDIS_URL, facts)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
         await process.start()
+        # Load and unload for the placement reconciler: this node's own Celery queue, on a thread of its own.
+        worker = NodeWorker(process, loop)
+        worker.start()
         self.stdout.write(f"node {facts.name}: {facts.accelerator} on {node.device}, budget {facts.memory_budget}"
                           f" bytes, labels {facts.labels}", ending="\n")
         self.stdout.flush()
         await stopping.wait()
+        await asyncio.to_thread(worker.stop)
         await process.stop()
+
+
+async def _report(report: LoadReport) -> None:
+    """Measurements to the registry, through the control plane's Celery worker (a node never touches the ORM)."""
+    from serving.tasks import record_placement
+
+    await asyncio.to_thread(record_placement.delay, asdict(report))
 
 
 def _loop_factory():  # noqa: ANN202

@@ -1,0 +1,118 @@
+"""Model lifecycle tasks: routed to one node's own Celery queue (`node.<name>`) and run in that node's process,
+where its models live. `manage.py runnode` consumes only its own queue, on a worker thread (pool solo) beside
+its event loop (`start_worker`).
+
+A task hands its work to the node's event loop and waits for it with a deadline, so the loop keeps serving
+while a load runs (the load itself runs on the node's load thread). A node that is gone leaves its tasks
+unread: they expire (`expires` when sent) and the placement reconciler, which no longer sees the node's
+heartbeat, places the replicas elsewhere. Tasks are acknowledged on receipt, not after: a node killed
+mid-load must not find the load again when it restarts under its name long after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import socket
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from celery import shared_task
+
+log = logging.getLogger(__name__)
+
+LOAD_DEADLINE_S = 300.0  # a load (reading the artifact, moving it to the device, warm-up) past this has hung
+UNLOAD_DEADLINE_S = 60.0  # an unload closes the version's batcher, answering what it still queued
+EXPIRES_S = 60.0  # a task no node took within this is dropped: its node is gone, the reconciler re-plans
+
+_node: tuple[Any, asyncio.AbstractEventLoop] | None = None  # (NodeProcess, its loop) in a runnode process
+
+
+def queue_for(node: str) -> str:
+    return f"node.{node}"
+
+
+def _on_node(work: Callable[[Any], Coroutine[Any, Any, dict]], deadline: float) -> dict:
+    if _node is None:
+        raise RuntimeError("no node in this process: node tasks run in `manage.py runnode`, on its own queue")
+    process, loop = _node
+    future = asyncio.run_coroutine_threadsafe(work(process), loop)
+    try:
+        return future.result(timeout=deadline)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise
+
+
+@shared_task(name="serving.node.load", acks_late=False, ignore_result=True)
+def load_version(key: str, pending: str = "") -> dict:
+    """Load `key` on this node and keep it there until released. `pending` is the reconciler's record of this
+    task, removed once the node's heartbeat tells the outcome."""
+    from serving import reconciler
+
+    try:
+        result = _on_node(lambda process: process.assign(key), LOAD_DEADLINE_S)
+        log.info("placement: load %s -> %s", key, result)
+        return result
+    finally:
+        if pending:
+            reconciler.clear_pending(pending)
+
+
+@shared_task(name="serving.node.unload", acks_late=False, ignore_result=True)
+def unload_version(key: str, unload: bool = True, pending: str = "") -> dict:
+    """Release `key` from this node's placement; with `unload`, unload it now (scaled in)."""
+    from serving import reconciler
+
+    try:
+        result = _on_node(lambda process: process.release(key, unload=unload), UNLOAD_DEADLINE_S)
+        log.info("placement: %s %s -> %s", "unload" if unload else "release", key, result)
+        return result
+    finally:
+        if pending:
+            reconciler.clear_pending(pending)
+
+
+class NodeWorker:
+    """A Celery consumer of this node's queue only, on a thread of its own (pool solo: one task at a time,
+    which is what the node's single load thread does anyway)."""
+
+    def __init__(self, process: Any, loop: asyncio.AbstractEventLoop) -> None:
+        from config.celery import app
+
+        global _node
+        _node = (process, loop)
+        self.app = app
+        self.name = process.facts.name
+        self.worker: Any = None
+        self._made = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ferry-node-tasks", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            # Made on this thread, not the event loop's: the worker's start-up closes Django's database
+            # connections, which Django refuses to do from a thread running an event loop.
+            self.worker = self.app.WorkController(
+                concurrency=1, pool="solo", hostname=f"{queue_for(self.name)}@{socket.gethostname()}",
+                queues=[queue_for(self.name)], without_heartbeat=True, without_mingle=True, without_gossip=True,
+                loglevel="INFO", logfile=None, ready_callback=None,
+            )
+        finally:
+            self._made.set()
+        try:
+            self.worker.start()
+        except Exception:  # the node keeps serving what it hosts; the reconciler sees no assignments land
+            log.exception("the node's Celery consumer stopped")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        global _node
+        self._made.wait(timeout)
+        if self.worker is not None:
+            self.worker.stop(in_sighandler=False)
+        self.thread.join(timeout)
+        _node = None

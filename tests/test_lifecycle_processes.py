@@ -1,0 +1,163 @@
+"""Model lifecycle by Celery, with real processes: two `manage.py runnode` processes and a Celery worker on the
+test PostgreSQL database, Redis (FERRY_TEST_REDIS_URL) and a broker of their own (FERRY_TEST_CELERY_BROKER_URL).
+
+The worker runs the placement reconciler (`serving.tasks.reconcile_placements`); the reconciler sends load and
+unload tasks to each node's own queue, which the node consumes in its process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from django.conf import settings as django_settings
+from django.test import override_settings
+
+from serving.dataplane import fleet
+from serving.models import ModelVersion, Replica
+from serving.publish import publish_snapshot
+from tests.conftest import celery_worker, register
+from tests.test_celery_worker import BROKER
+from tests.test_streams_processes import REDIS_URL, ROOT, START_TIMEOUT_S, Proc, _env, clear, ready_on, wait_for
+
+KEY = "digits:1"
+
+
+def start_node(name: str, tmp_path: Path) -> Proc:
+    data_dir = tmp_path / name
+    data_dir.mkdir(exist_ok=True)
+    log_path = tmp_path / f"{name}.log"
+    env = {**_env(REDIS_URL, data_dir), "CELERY_BROKER_URL": BROKER, "CELERY_RESULT_BACKEND": REDIS_URL}
+    with log_path.open("a") as log:
+        proc = subprocess.Popen([sys.executable, "manage.py", "runnode", "--name", name, "--accelerator", "a10g",
+                                 "--memory", "24GiB"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return Proc(name, proc, log_path)
+
+
+def heartbeat(client: redis.Redis, name: str) -> fleet.NodeInfo | None:
+    raw = client.hgetall(fleet.node_key(name))
+    return fleet.NodeInfo.from_hash(raw) if raw else None
+
+
+def assigned_on(client: redis.Redis, names: list[str]) -> dict[str, bool]:
+    return {n: (info := heartbeat(client, n)) is not None and KEY in info.assigned and KEY in info.hot
+            for n in names}
+
+
+@pytest.fixture
+def fleet_of_two(transactional_db, model_files, tmp_path) -> Iterator[tuple[redis.Redis, Celery, list[Proc]]]:  # noqa: ANN001
+    client = redis.Redis.from_url(REDIS_URL)
+    broker = redis.Redis.from_url(BROKER)
+    clear(client)
+    broker.flushdb()  # queued tasks of an earlier run must not reach these nodes
+    register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
+    with override_settings(REDIS_URL=REDIS_URL):
+        publish_snapshot()
+    nodes = [start_node("node-a", tmp_path), start_node("node-b", tmp_path)]
+    app = Celery(broker=BROKER)
+    try:
+        with celery_worker(tmp_path, BROKER, REDIS_URL=REDIS_URL, CELERY_BROKER_URL=BROKER,
+                           FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
+                           SECRET_KEY=django_settings.SECRET_KEY) as worker:
+            wait_for("both nodes serving digits:1 on demand",
+                     lambda: ready_on(client, "node-a", KEY) and ready_on(client, "node-b", KEY), nodes,
+                     START_TIMEOUT_S)
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
+            yield client, app, nodes
+    finally:
+        for proc in nodes:
+            proc.stop()
+        for proc in nodes:
+            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-6000:]}")
+        worker_log = tmp_path / "worker.log"
+        if worker_log.exists():
+            print(f"----- worker -----\n{worker_log.read_text(errors='replace')[-6000:]}")
+        clear(client)
+        broker.flushdb()
+        client.close()
+        broker.close()
+
+
+def set_desired(count: int) -> None:
+    version = ModelVersion.objects.get(model__name="digits", version=1)
+    version.desired_replicas = count
+    with override_settings(REDIS_URL=REDIS_URL):
+        version.save(update_fields=["desired_replicas", "updated_at"])  # republishes the snapshot
+
+
+def test_desired_replicas_load_and_unload_through_node_queues(fleet_of_two) -> None:  # noqa: ANN001
+    client, app, nodes = fleet_of_two
+    names = ["node-a", "node-b"]
+
+    # -- given one replica wanted: the reconciler assigns it to one node, and the other stops serving it
+    set_desired(1)
+    app.send_task("serving.tasks.reconcile_placements")
+
+    def one_left() -> bool:
+        held = assigned_on(client, names)
+        gone = [n for n, h in held.items() if not h]
+        return len(gone) == 1 and not ready_on(client, gone[0], KEY)
+
+    wait_for("digits:1 on one node only", one_left, nodes, 120)
+
+    # -- when the autoscaler asks for two replicas and the reconciler runs on the worker
+    set_desired(2)
+    app.send_task("serving.tasks.reconcile_placements")
+    # then the node without it loads it through its own queue, and both hold it by assignment
+    wait_for("digits:1 assigned and hot on both nodes", lambda: all(assigned_on(client, names).values()), nodes, 120)
+    assert not client.hkeys("ferry:placement:pending"), "a task's record outlived its outcome"
+
+    # and a second step changes nothing (idempotent): no pending task is recorded
+    app.send_task("serving.tasks.reconcile_placements")
+    time.sleep(2)  # the worker's step: it would record a pending task before sending one
+    assert not client.hkeys("ferry:placement:pending")
+    assert all(assigned_on(client, names).values())
+
+    # and the records say so: hot on both, by assignment; the load time measured per accelerator type
+    wait_for("replica records", lambda: Replica.objects.filter(version__model__name="digits", tier="hot",
+                                                              assigned=True).count() == 2, nodes, 60)
+    wait_for("the nodes' measurements", lambda: "a10g" in (ModelVersion.objects.get(model__name="digits")
+                                                           .placement_measurements or {}), nodes, 60)
+    measured = ModelVersion.objects.get(model__name="digits").placement_measurements["a10g"]
+    assert measured["cold_start_seconds"] > 0 and measured["memory_bytes"] > 0
+
+    # -- when the desired count drops to one
+    set_desired(1)
+    app.send_task("serving.tasks.reconcile_placements")
+
+    # then one node unloads it and stops serving it; the other keeps it, never fewer than one
+    def scaled_in() -> bool:
+        assert any(assigned_on(client, names).values()), "scaled in below the desired count"
+        return one_left()
+
+    wait_for("one replica left", scaled_in, nodes, 120)
+    assert sum(assigned_on(client, names).values()) == 1
+
+    # -- when more replicas are wanted than there are nodes
+    set_desired(3)
+    app.send_task("serving.tasks.reconcile_placements")
+    # then it is placed where it can be and marked unschedulable with the reason
+    wait_for("unschedulable reason", lambda: "3 replicas" in ModelVersion.objects.get(
+        model__name="digits").unschedulable_reason, nodes, 60)
+    wait_for("digits:1 on both nodes again", lambda: all(assigned_on(client, names).values()), nodes, 120)
+
+    # -- when the node holding the one replica left is killed (-9)
+    set_desired(1)
+    app.send_task("serving.tasks.reconcile_placements")
+    wait_for("one replica left", one_left, nodes, 120)
+    holder = next(n for n, held in assigned_on(client, names).items() if held)
+    other = next(n for n in names if n != holder)
+    nodes[names.index(holder)].proc.kill()
+    survivor = [nodes[names.index(other)]]
+    # then once its heartbeat lapses the other node serves the version again (on demand)
+    wait_for("the survivor serving it", lambda: heartbeat(client, holder) is None and ready_on(client, other, KEY),
+             survivor, 30)
+    # and the next step assigns the replica there
+    app.send_task("serving.tasks.reconcile_placements")
+    wait_for("re-placed on the survivor", lambda: assigned_on(client, [other])[other], survivor, 120)
