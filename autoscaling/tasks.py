@@ -6,8 +6,10 @@ def autoscale() -> dict | None:
     """One autoscaler tick (Celery beat, every FERRY_AUTOSCALE_SECONDS); what changed, for the worker's log."""
     from autoscaling.provider_settings import provider_from_settings
     from autoscaling.tick import run_tick
+    from serving.reconciler import request_reconcile
 
-    report = run_tick(provider=provider_from_settings())
+    # desired_replicas is written with update() (no signal), so the reconciler is asked here.
+    report = run_tick(provider=provider_from_settings(), after_change=request_reconcile)
     if report is None:
         return None
     decisions = report.plan.decisions if report.plan else {}

@@ -37,8 +37,6 @@ from tests.test_celery_worker import BROKER
 from tests.test_inference_http import call, digits_request
 from tests.test_streams_processes import REDIS_URL, ROOT, START_TIMEOUT_S, Proc, _env, clear, wait_for
 
-pytest.importorskip("serving.reconciler", reason="needs the placement reconciler (branch h-lifecycle)")
-
 KEY = "slow:1"
 NODES = ["node-a", "node-b"]
 TARGET_UTILISATION = 0.2
