@@ -179,7 +179,9 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
         broker.close()
 
 
-def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes_it(system) -> None:  # noqa: ANN001
+def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes_it_then_idle_goes_to_zero(
+    system,  # noqa: ANN001
+) -> None:
     client, web, key, procs = system
     version = ModelVersion.objects.get(model__name="slow", version=1)
     profile = LatencyProfile({int(b): float(s) for b, s in version.latency_profile.items()})
@@ -224,3 +226,20 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     entry = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").latest("id")
     assert (entry.before["desired_replicas"], entry.after["desired_replicas"]) == (2, 1)
     assert holding(client) in ([first], [n for n in NODES if n != first])
+
+    # -- scale to zero and back: with min_replicas 0 and an idle time, the autoscaler asks for none; the reconciler
+    # releases the replica (the version is then served on demand by any node, the packing path); a request for it
+    # is answered, and being an arrival in its stream, brings one replica back at the next tick
+    version.refresh_from_db()
+    version.min_replicas = 0
+    version.save(update_fields=["min_replicas", "updated_at"])
+    ScalingPolicy.objects.filter(version=version).update(idle_to_zero_seconds=4.0)
+    wait_for("scaled to zero", lambda: desired() == 0 and not holding(client), procs, 90)
+    entry = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").latest("id")
+    assert (entry.before["desired_replicas"], entry.after["desired_replicas"], entry.after["reason"]) == (1, 0, "idle")
+    body = digits_request(np.zeros((1, 64), dtype=np.float32))
+    resp = call(web, "POST", "/v2/models/slow/versions/1/infer", body, auth=key)
+    assert resp.status == 200, resp.body
+    wait_for("one replica again", lambda: desired() == 1 and len(holding(client)) == 1, procs, 90)
+    entry = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").latest("id")
+    assert (entry.before["desired_replicas"], entry.after["desired_replicas"]) == (0, 1)
