@@ -191,12 +191,17 @@ def _wait(what: str, check, run_dir: Path, timeout: float = 240.0) -> None:  # n
 def test_local_provider_starts_and_stops_named_runnode_processes_within_its_bound(
     tmp_path: Path, db, settings  # noqa: ANN001
 ) -> None:
+    from serving.dataplane.snapshot import hub
     from serving.publish import publish_snapshot
 
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()
     settings.REDIS_URL = REDIS_URL
+    # A Redis serial starts at a clock reading, far above this process's embedded ones: the process's hub is
+    # put back afterwards, or later embedded-mode tests' snapshots would all look older than this one.
+    held = hub.current
     publish_snapshot()  # an (empty) routing snapshot, so the nodes start serving at once
+    hub.current = held
     env = {**os.environ, "REDIS_URL": REDIS_URL, "FERRY_EMBEDDED_NODE": "false", "FERRY_DATA_DIR": str(tmp_path),
            "FERRY_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pools = {"t4": Pool("t4", 512 * (1 << 20), max_nodes=3, labels={"zone": "z1"})}
