@@ -45,3 +45,18 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None or raw.strip() == "":
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_json(name: str, default: dict) -> dict:
+    raw = env_str(name)
+    if raw.strip() == "":
+        return default
+    import json
+
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ImproperSetting(f"{name} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ImproperSetting(f"{name} must be a JSON object")
+    return value

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from config.env import ImproperSetting, env_bool, env_int, env_list, env_str
+from config.env import ImproperSetting, env_bool, env_int, env_json, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FERRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "serving",
     "rollout",
     "usage",
+    "autoscaling",
 ]
 
 MIDDLEWARE = [
@@ -114,6 +115,30 @@ CELERY_BEAT_SCHEDULE = {
     "reconcile-placements": {"task": "serving.tasks.reconcile_placements",
                              "schedule": float(FERRY_RECONCILE_SECONDS)},
 }
+# Autoscaling (autoscaling/): a tick every FERRY_AUTOSCALE_SECONDS (Celery beat) sizes the versions that have a
+# scaling policy from their streams' arrivals and backlog, writes desired_replicas and asks FERRY_NODE_PROVIDER
+# ("", "local" or "kubernetes") for the nodes of each pool in FERRY_NODE_POOLS, a JSON object by accelerator type:
+# {"a10g": {"memory": "24GiB", "min_nodes": 0, "max_nodes": 4, "labels": {"zone": "a"},
+#           "statefulset": "ferry-node-a10g"}}.
+FERRY_AUTOSCALE_SECONDS = env_int("FERRY_AUTOSCALE_SECONDS", 5, minimum=1)
+FERRY_AUTOSCALE_SHORT_WINDOW_S = env_int("FERRY_AUTOSCALE_SHORT_WINDOW_S", 10, minimum=1)
+FERRY_AUTOSCALE_LONG_WINDOW_S = env_int("FERRY_AUTOSCALE_LONG_WINDOW_S", 120, minimum=1)
+FERRY_AUTOSCALE_SCHEDULING_DELAY_S = env_int("FERRY_AUTOSCALE_SCHEDULING_DELAY_S", 5, minimum=0)
+# Surge headroom (serving.policies.autoscale): requests a second per second the whole pool may grow by before any
+# forecast can see it; 0 sizes by the forecast alone.
+FERRY_AUTOSCALE_SURGE = env_int("FERRY_AUTOSCALE_SURGE", 0, minimum=0)
+FERRY_NODE_PROVIDER = env_str("FERRY_NODE_PROVIDER", "")
+FERRY_NODE_POOLS = env_json("FERRY_NODE_POOLS", {})
+FERRY_LOCAL_NODES_MAX = env_int("FERRY_LOCAL_NODES_MAX", 4, minimum=0)  # all pools together, on this machine
+FERRY_K8S_NAMESPACE = env_str("FERRY_K8S_NAMESPACE", "")  # empty: the service account's own namespace
+# The Celery queue the tick goes to: on Kubernetes a worker of its own, the one pod with an API token.
+FERRY_AUTOSCALE_QUEUE = env_str("FERRY_AUTOSCALE_QUEUE", "celery")
+if REDIS_URL:
+    # A tick that waited past the next one's time is dropped: the next observes fresher numbers.
+    CELERY_BEAT_SCHEDULE["autoscale"] = {"task": "autoscaling.tasks.autoscale",
+                                         "schedule": float(FERRY_AUTOSCALE_SECONDS),
+                                         "options": {"expires": float(FERRY_AUTOSCALE_SECONDS),
+                                                     "queue": FERRY_AUTOSCALE_QUEUE}}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -223,7 +223,10 @@ def _workload_problems(doc: Doc, by_kind: dict[str, dict[str, Doc]], config_keys
     if pod_security.get("seccompProfile", {}).get("type") != "RuntimeDefault":
         problems.append(f"{where}: pods must use the RuntimeDefault seccomp profile")
     if spec.get("automountServiceAccountToken") is not False:
-        problems.append(f"{where}: pods need no Kubernetes API token (automountServiceAccountToken: false)")
+        if component == "autoscaler":
+            problems += _api_token_problems(where, spec, by_kind)
+        else:
+            problems.append(f"{where}: pods need no Kubernetes API token (automountServiceAccountToken: false)")
     volumes = {volume["name"]: volume for volume in spec.get("volumes", [])}
     for volume in volumes.values():
         claim = volume.get("persistentVolumeClaim", {}).get("claimName")
@@ -240,6 +243,41 @@ def _workload_problems(doc: Doc, by_kind: dict[str, dict[str, Doc]], config_keys
                                         missing_commands, path_answers)
     if component == "node" and not (spec.get("nodeSelector") or spec.get("affinity", {}).get("nodeAffinity")):
         problems.append(f"{where}: a node must be placed by accelerator type (nodeSelector or node affinity)")
+    return problems
+
+
+# What the autoscaler's token may do: read and set the node pools' StatefulSet replicas, nothing else.
+SCALER_RULE = {"apiGroups": ["apps"], "resources": ["statefulsets/scale"]}
+SCALER_VERBS = {"get", "patch"}
+
+
+def _api_token_problems(where: str, spec: Doc, by_kind: dict[str, dict[str, Doc]]) -> list[str]:
+    """The one pod with an API token: its service account may only scale StatefulSets, and it runs no task but
+    the autoscaler's (so no model, which is code, runs beside the token)."""
+    problems = []
+    account = spec.get("serviceAccountName")
+    if account not in by_kind.get("ServiceAccount", {}):
+        return [f"{where}: mounts an API token without a ServiceAccount of its own"]
+    if any(s.get("kind") == "ServiceAccount" and s.get("name") == account
+           for b in by_kind.get("ClusterRoleBinding", {}).values() for s in b.get("subjects", [])):
+        problems.append(f"{where}: its service account is bound cluster-wide")
+    bindings = [b for b in by_kind.get("RoleBinding", {}).values()
+                if any(s.get("kind") == "ServiceAccount" and s.get("name") == account for s in b.get("subjects", []))]
+    if not bindings:
+        problems.append(f"{where}: its service account is bound to no Role")
+    for binding in bindings:
+        ref = binding["roleRef"]
+        role = by_kind.get("Role", {}).get(ref["name"]) if ref["kind"] == "Role" else None
+        if role is None:
+            problems.append(f"{where}: RoleBinding {binding['metadata']['name']} grants a missing or cluster role")
+            continue
+        for rule in role.get("rules", []):
+            if {k: rule.get(k) for k in SCALER_RULE} != SCALER_RULE or not set(rule.get("verbs", [])) <= SCALER_VERBS:
+                problems.append(f"{where}: Role {ref['name']} grants more than get/patch of statefulsets/scale")
+    for container in containers(spec):
+        argv = [*container.get("command", []), *container.get("args", [])]
+        if option(argv, "-Q") != "autoscale":
+            problems.append(f"{where}/{container['name']}: with an API token it must consume only the autoscale queue")
     return problems
 
 

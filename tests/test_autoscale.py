@@ -384,3 +384,45 @@ def test_surge_headroom_holds_what_a_ramp_reaches_in_one_lead_time_at_full_utili
     assert steady(1000, 10.0) == steady(1000, 0.0) == (20, "forecast")
     with pytest.raises(ValueError, match="surge"):
         Autoscaler({"gpu": GB}, surge=-1.0)
+
+
+# --- state carried between processes and the backlog -----------------------------------------
+
+
+def test_exported_state_lets_another_instance_go_on_exactly_where_this_one_stopped() -> None:
+    # given two autoscalers fed the same ramp for two minutes, one of them handing its history
+    # (through JSON, as Redis stores it) to a fresh instance halfway
+    import json
+
+    def rate(t: float) -> float:
+        return 50 + 5 * t
+
+    cfg = config(max_replicas=100)
+    whole, first = Driver(cfg), Driver(cfg)
+    whole.run(60, rate)
+    first.run(60, rate)
+    fresh = Autoscaler({"gpu": 80 * GB, "cpu": 16 * GB}, short_window=10.0, long_window=60.0)
+    fresh.restore_state(json.loads(json.dumps(first.scaler.export_state())))
+    first.scaler = fresh
+    # when both go on for another minute, with a scale-in hold and a trend in flight
+    went_on = first.run(60, lambda t: 20)
+    kept = whole.run(60, lambda t: 20)
+    # then every decision is the same: the forecast, the rates and the cool-down's hold
+    assert went_on == kept
+    assert any(d.reason == "cool_down" for _, d in kept)
+
+
+def test_a_backlog_no_replica_took_adds_its_share_of_the_short_window_to_demand() -> None:
+    # given a steady 100 a second (two replicas at 50 each), and a copy of that history
+    driver = Driver(config())
+    driver.run(60, lambda t: 100)
+    twin = Autoscaler({"gpu": 80 * GB, "cpu": 16 * GB}, short_window=10.0, long_window=60.0)
+    twin.restore_state(driver.scaler.export_state())
+    # when the next second brings the same 100 arrivals to both, one of them also seeing 300 waiting
+    total = driver.total + 100
+    calm = driver.scaler.tick(61.0, [Observation("m:1", driver.cfg, total, 2, per_row)]).decisions["m:1"]
+    pressed = twin.tick(61.0, [Observation("m:1", driver.cfg, total, 2, per_row, backlog=300)]).decisions["m:1"]
+    # then its demand is higher by 300 / the 10 s short window = 30 a second, and it asks one replica more
+    assert calm.replicas == 2
+    assert pressed.demand == pytest.approx(calm.demand + 30.0)
+    assert pressed.replicas == 3

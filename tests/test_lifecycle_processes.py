@@ -20,6 +20,7 @@ from django.conf import settings as django_settings
 from django.test import override_settings
 
 from serving.dataplane import fleet
+from serving.dataplane.snapshot import hub
 from serving.models import ModelVersion, Replica
 from serving.publish import publish_snapshot
 from tests.conftest import celery_worker, register
@@ -57,6 +58,8 @@ def fleet_of_two(transactional_db, model_files, tmp_path) -> Iterator[tuple[redi
     clear(client)
     broker.flushdb()  # queued tasks of an earlier run must not reach these nodes
     register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
+    # Put back at the end: a Redis serial (a clock reading) would outrank every later embedded test's snapshot.
+    held = hub.current
     with override_settings(REDIS_URL=REDIS_URL):
         publish_snapshot()
     nodes = [start_node("node-a", tmp_path), start_node("node-b", tmp_path)]
@@ -82,6 +85,7 @@ def fleet_of_two(transactional_db, model_files, tmp_path) -> Iterator[tuple[redi
         broker.flushdb()
         client.close()
         broker.close()
+        hub.current = held
 
 
 def set_desired(count: int) -> None:

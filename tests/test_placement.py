@@ -180,6 +180,20 @@ def test_scale_in_unloads_the_least_recently_used_extra_replicas():
     assert plan.assignments["m:1"] == ("b",) and plan.evictions == {"a": ("m:1",)}
 
 
+def test_scale_in_of_a_stable_version_with_a_minimum_stops_at_the_desired_count():
+    # given a stable version with min_replicas 1 (kept from eviction by others) hot on two nodes
+    kept = {"stable": True, "min_replicas": 1}
+    nodes = [node("a", 10, hot={"m:1": (2, 5.0, dict(kept))}), node("b", 10, hot={"m:1": (2, 9.0, dict(kept))})]
+    # when the autoscaler's ask drops to one (its minimum)
+    plan = place({"m:1": 1}, {"m:1": spec("m:1", 2, **kept)}, nodes)
+    # then the least recently used extra replica goes, and the other stays
+    assert plan.assignments["m:1"] == ("b",) and plan.evictions == {"a": ("m:1",)}
+    # and another version's placement still may not evict it
+    crowded = [node("a", 3, hot={"m:1": (2, 5.0, dict(kept))})]
+    other = place({"n:1": 1}, {"m:1": spec("m:1", 2, **kept), "n:1": spec("n:1", 2)}, crowded)
+    assert other.evictions == {} and "n:1" in other.unschedulable
+
+
 def test_scale_to_zero_unloads_idle_replicas_but_not_busy_ones():
     nodes = [node("a", 10, hot={"m:1": (2, 5.0)}), node("b", 10, hot={"m:1": (2, 9.0, {"in_flight": 1})})]
     plan = place({"m:1": 0}, {"m:1": spec("m:1", 2)}, nodes)

@@ -210,6 +210,14 @@ def container(docs: list[dict], name: str) -> dict:
     (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-beat")["spec"].update(replicas=2),
      "beat must be exactly one"),
     (lambda d: web_deployment(d)["spec"].update(replicas=3), "sets replicas, which every apply would reset"),
+    (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-worker")["spec"]["template"]["spec"]
+     .update(automountServiceAccountToken=True), "pods need no Kubernetes API token"),
+    (lambda d: next(x for x in d if x["kind"] == "Role")["rules"][0].update(resources=["statefulsets"]),
+     "grants more than get/patch of statefulsets/scale"),
+    (lambda d: next(x for x in d if x["kind"] == "Role")["rules"][0].update(verbs=["get", "patch", "delete"]),
+     "grants more than get/patch of statefulsets/scale"),
+    (lambda d: container(d, "ferry-autoscaler")["command"].__setitem__(7, "celery"),
+     "must consume only the autoscale queue"),
     (lambda d: next(x for x in d if x["kind"] == "Service" and x["metadata"]["name"] == "ferry-web")["spec"]
      ["ports"][0].update(targetPort="htp"), "targetPort htp is no port its pods name"),
     (lambda d: next(x for x in d if x["kind"] == "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(

@@ -13,8 +13,9 @@ Per version, each tick:
   smoothing factors from time constants so uneven ticks weigh right
   (`alpha = 1 - exp(-dt / level_tau)`, `beta = 1 - exp(-dt / trend_tau)`), read at `now + lead`;
   the short window's rate overrides it upward (a falling trend, or one still catching up with
-  a step, must not size below what arrives now), so `demand = max(forecast, short rate)`.
-  The time constants are seconds, not the windows': a trend seen within ten seconds is what lets a
+  a step, must not size below what arrives now), so `demand = max(forecast, short rate)`, plus a
+  backlog no replica has taken (a live fleet's streams report it) spread over the short window. The
+  time constants are seconds, not the windows': a trend seen within ten seconds is what lets a
   30 s cold start be ordered in time, and a burst looks like the start of a ramp, so the trend
   also jumps on one (scale-out is the safe side of that mistake; the cool-down then holds it);
 - pooled trend: one version's rate is too noisy to trust a steep trend early (Poisson noise of a
@@ -115,6 +116,7 @@ class Observation:
     arrivals_total: int  # cumulative arrivals, as a counter metric reports them
     replicas: int  # replicas serving or loading now
     estimate: Estimate  # compute seconds per batch size (LatencyProfile.estimate)
+    backlog: int = 0  # requests waiting that no replica has taken yet (a live fleet's streams report it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +232,39 @@ class Autoscaler:
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
 
+    def export_state(self) -> dict:
+        """The history between ticks as plain JSON-able data, so a tick in another process can go on from it:
+        each version's track, and the pooled rates of the trend window."""
+        return {
+            "tracks": {
+                version: {
+                    "last_at": t.last_at, "last_total": t.last_total, "last_arrival": t.last_arrival,
+                    "samples": [list(s) for s in t.samples], "recommended": [list(r) for r in t.recommended],
+                    "level": t.level, "trend": t.trend, "last_dt": t.last_dt,
+                }
+                for version, t in self._tracks.items()
+            },
+            "pool": [list(p) for p in self._pool],
+            "pool_at": self._pool_at,
+        }
+
+    def restore_state(self, state: Mapping[str, Mapping]) -> None:
+        """Take up the history `export_state` gave (replacing this instance's own). A state without "tracks" is
+        an earlier release's: its tracks alone, with no pooled history."""
+        tracks_state = state["tracks"] if "tracks" in state else state
+        tracks: dict[str, _Track] = {}
+        for version, t in tracks_state.items():
+            tracks[version] = _Track(
+                float(t["last_at"]), int(t["last_total"]), float(t["last_arrival"]),
+                deque((float(a), float(b), int(c)) for a, b, c in t["samples"]),
+                deque((float(a), int(r)) for a, r in t["recommended"]),
+                None if t["level"] is None else float(t["level"]), float(t["trend"]), float(t["last_dt"]),
+            )
+        self._tracks = tracks
+        self._pool = deque((float(a), float(b), int(c)) for a, b, c in state.get("pool", ()))  # type: ignore[union-attr]
+        pool_at = state.get("pool_at")
+        self._pool_at = None if pool_at is None else float(pool_at)  # type: ignore[arg-type]
+
     def tick(self, now: float, observations: Iterable[Observation]) -> Plan:
         observed = list(observations)
         for obs in observed:  # all checked before any history changes, so a refused tick leaves none
@@ -266,7 +301,9 @@ class Autoscaler:
         growth = pooled.growth(now, cfg.lead_time)
         if growth > 1.0:  # the pool's significant rise, carried to this version's own rate: also a forecast
             forecast = max(forecast, short * growth)
-        demand = max(forecast, short)
+        # A backlog no replica has taken is work the arrival rate already counted once but the replicas
+        # did not keep up with: it is sized to be worked off within the short window, on top of the rate.
+        demand = max(forecast, short) + max(obs.backlog, 0) / self.short_window
         capacity = replica_capacity(obs.estimate, cfg.max_batch_size, cfg.latency_budget)
 
         if cfg.min_replicas == 0 and cfg.idle_to_zero is not None and now - track.last_arrival >= cfg.idle_to_zero:

@@ -232,7 +232,9 @@ def place(
             # What the plan wants serves now: a later placement may not evict it.
             b.hot[key] = Resident(specs[key], b.hot[key].last_used, b.hot[key].in_flight)
         for b in holders[len(kept):]:
-            if b.hot[key].in_flight == 0 and not b.hot[key].spec.kept:
+            # Not `evictable`: a kept version (stable, with a minimum) is kept from eviction by others, but the
+            # desired count already covers its minimum, so its replicas above that count may go.
+            if b.hot[key].in_flight == 0:
                 del b.hot[key]
                 b.evictions.append(key)
     unschedulable: dict[str, Unschedulable] = {}

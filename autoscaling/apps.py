@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class AutoscalingConfig(AppConfig):
+    name = "autoscaling"
+    verbose_name = "Autoscaling"

@@ -1,0 +1,148 @@
+"""One autoscaler tick against the live system: observe, decide, write `desired_replicas`, ask for nodes.
+
+The `Autoscaler`'s history (rates, trend, the cool-down's recommendations) lives in Redis, not in a
+process: Celery beat hands each tick to whichever worker process is free, workers restart, and a
+history kept in one process would be split between them or lost, and with it the cool-down that
+holds a scale-in. A tick takes a lock (SET NX with an expiry, released only by its holder), reads
+the history, ticks, and writes it back; a tick that finds the lock held is skipped (the next one
+comes in seconds). Time is Redis' clock (TIME), so every worker ticks on the same one.
+
+A change of a version's desired replicas is written with an audit entry (`version.scaled`, by the
+system, with the demand and the reason) in the same transaction, and logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+from django.conf import settings
+from django.db import transaction
+
+from autoscaling import observe
+from autoscaling.models import ScalingPolicy
+from autoscaling.providers import NodeProvider, Pool, ProviderError, nodes_wanted, pools_from
+from serving.models import ModelVersion, State
+from serving.policies.autoscale import Autoscaler, Decision, Plan
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "ferry:autoscaler:state"
+LOCK_KEY = "ferry:autoscaler:lock"
+LOCK_SECONDS = 60  # longer than any tick; a worker that dies holding it blocks ticks this long at most
+STATE_TTL_SECONDS = 3600  # a history older than this is stale: a fresh one starts
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+@dataclass
+class TickReport:
+    now: float
+    plan: Plan | None = None
+    changed: dict[str, tuple[int | None, int]] = field(default_factory=dict)  # key -> (before, after)
+    nodes: dict[str, int] = field(default_factory=dict)  # nodes asked of the provider per pool
+    skipped: dict[str, str] = field(default_factory=dict)  # key -> why it was not sized
+    provider_error: str = ""
+
+
+def run_tick(
+    client: redis.Redis | None = None, *, provider: NodeProvider | None = None,
+    pools: dict[str, Pool] | None = None, after_change: Callable[[], None] | None = None,
+) -> TickReport | None:
+    """Tick once; None when another tick holds the lock."""
+    client = client or redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+    token = uuid.uuid4().hex
+    if not client.set(LOCK_KEY, token, nx=True, ex=LOCK_SECONDS):
+        log.info("autoscaler: another tick is running; skipping this one")
+        return None
+    try:
+        return _tick(client, provider, pools if pools is not None else pools_from(settings.FERRY_NODE_POOLS),
+                     after_change)
+    finally:
+        client.eval(_RELEASE, 1, LOCK_KEY, token)
+
+
+def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, Pool],
+          after_change: Callable[[], None] | None) -> TickReport:
+    seconds, micros = client.time()
+    now = seconds + micros / 1e6
+    report = TickReport(now)
+    nodes = observe.read_fleet(client)
+    node_memory = {kind: pool.memory_bytes for kind, pool in pools.items()}
+    for node in nodes:  # a type no pool names is sized by the nodes that announce it
+        node_memory.setdefault(node.accelerator, node.memory_budget)
+        node_memory[node.accelerator] = max(node_memory[node.accelerator], node.memory_budget)
+
+    targets = []
+    policies = (ScalingPolicy.objects.filter(enabled=True, version__state=State.READY)
+                .select_related("version__model").order_by("version_id"))
+    for policy in policies:
+        version = policy.version
+        key = f"{version.model.name}:{version.version}"
+        kind = observe.pick_accelerator(policy, version, node_memory)
+        if kind is None or kind not in node_memory:
+            report.skipped[key] = f"no node pool or live node of accelerator type {kind!r}"
+            continue
+        try:
+            target = observe.target_for(version, policy, kind, settings.FERRY_AUTOSCALE_SCHEDULING_DELAY_S)
+        except ValueError as exc:
+            report.skipped[key] = str(exc)
+            continue
+        if target.config.memory_bytes > node_memory[kind]:
+            report.skipped[key] = f"one replica ({target.config.memory_bytes} bytes) does not fit a {kind} node"
+            continue
+        targets.append(target)
+    for key, why in report.skipped.items():
+        log.warning("autoscaler: %s is not sized: %s", key, why)
+
+    scaler = Autoscaler(node_memory, short_window=settings.FERRY_AUTOSCALE_SHORT_WINDOW_S,
+                        long_window=settings.FERRY_AUTOSCALE_LONG_WINDOW_S, surge=float(settings.FERRY_AUTOSCALE_SURGE))
+    stored = client.get(STATE_KEY)
+    if stored:
+        scaler.restore_state(json.loads(stored))
+    streams = observe.read_streams(client, [t.key for t in targets])
+    plan = scaler.tick(now, observe.observe(targets, streams, nodes))
+    client.set(STATE_KEY, json.dumps(scaler.export_state()), ex=STATE_TTL_SECONDS)
+    report.plan = plan
+
+    for target in targets:
+        decision = plan.decisions[target.key]
+        before = _write(target.pk, target.key, decision)
+        if before is not False:
+            report.changed[target.key] = (before, decision.replicas)
+    if report.changed and after_change is not None:
+        after_change()
+
+    if provider is not None and pools:
+        report.nodes = nodes_wanted(plan, {t.key: t.accelerator for t in targets}, pools)
+        try:
+            provider.apply(report.nodes)
+        except ProviderError as exc:  # the replicas are decided all the same; nodes are asked again next tick
+            report.provider_error = str(exc)
+            log.error("autoscaler: the node provider failed: %s", exc)
+    return report
+
+
+def _write(pk: int, key: str, decision: Decision) -> int | None | bool:
+    """Store a changed decision with its audit entry; the count before, or False when nothing changed."""
+    from tenants import audit
+
+    with transaction.atomic():
+        version = ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant").filter(
+            pk=pk).first()
+        if version is None or version.desired_replicas == decision.replicas:
+            return False
+        before = version.desired_replicas
+        # update(): updated_at stays, so no routing snapshot is rebuilt for a scaling decision.
+        ModelVersion.objects.filter(pk=pk).update(desired_replicas=decision.replicas)
+        audit.record(None, "version.scaled", f"model {version.model.name} version {version.version}",
+                     tenant=version.model.tenant, before={"desired_replicas": before},
+                     after={"desired_replicas": decision.replicas, "reason": decision.reason,
+                            "demand_per_s": round(decision.demand, 3), "forecast_per_s": round(decision.forecast, 3),
+                            "short_rate_per_s": round(decision.short_rate, 3)})
+    log.info("autoscaler: %s desired replicas %s -> %d (%s; demand %.1f/s, forecast %.1f/s)", key, before,
+             decision.replicas, decision.reason, decision.demand, decision.forecast)
+    return before

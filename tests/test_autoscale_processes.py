@@ -1,0 +1,248 @@
+"""The autoscaler with real processes: one web process, two `runnode` processes, a Celery worker and Celery beat
+on the test PostgreSQL database and Redis, with a broker of their own.
+
+Beat sends the autoscaler's tick every second; the worker runs it (its history in Redis), writes desired replicas
+and asks the placement reconciler for a step, which sends load and unload tasks to the nodes' own queues. The
+model computes for about 20 ms a request (a 512-wide layer applied 600 times, batch one), so a load step at 60% of
+what its measured profile says one replica serves is, at a target utilisation of 40%, two replicas' worth, while
+staying within what this shared 2-core machine can run (two nodes computing flat out would starve the rest).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+from django.conf import settings as django_settings
+from django.test import override_settings
+
+from autoscaling.models import ScalingPolicy
+from serving.dataplane import fleet
+from serving.dataplane.snapshot import hub
+from serving.demo import save_artifact
+from serving.models import ModelVersion
+from serving.policies.autoscale import replica_capacity
+from serving.policies.batching import LatencyProfile
+from serving.publish import publish_snapshot
+from tenants.models import AuditEntry
+from tests.conftest import celery_worker, free_port, mint_key, register
+from tests.test_celery_worker import BROKER
+from tests.test_inference_http import call, digits_request
+from tests.test_streams_processes import REDIS_URL, ROOT, START_TIMEOUT_S, Proc, _env, clear, wait_for
+
+KEY = "slow:1"
+NODES = ["node-a", "node-b"]
+TARGET_UTILISATION = 0.2
+STEP_SHARE = 0.3  # of one replica's capacity: 1.5 replicas at the target utilisation, so two
+COOL_DOWN_S = 8.0
+# The autoscaler's settings in the worker: a short window of 5 s, so the step shows within a few ticks and
+# leaves the window soon after it ends.
+AUTOSCALE_ENV = {"FERRY_AUTOSCALE_SECONDS": "1", "FERRY_AUTOSCALE_SHORT_WINDOW_S": "5",
+                 "FERRY_AUTOSCALE_LONG_WINDOW_S": "60", "FERRY_AUTOSCALE_SCHEDULING_DELAY_S": "1"}
+
+
+class Slow(torch.nn.Module):
+    """About 20 ms of CPU per call at batch one on this machine (measured: 300 layers took ~10 ms)."""
+
+    def __init__(self, width: int = 512, layers: int = 600) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.inp = torch.nn.Parameter(torch.randn(64, width, generator=g) / 8, requires_grad=False)
+        self.hidden = torch.nn.Parameter(torch.randn(width, width, generator=g) / width**0.5, requires_grad=False)
+        self.out = torch.nn.Parameter(torch.randn(width, 10, generator=g) / width**0.5, requires_grad=False)
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.inp
+        for _ in range(self.layers):
+            h = torch.tanh(h @ self.hidden)
+        return h @ self.out
+
+
+def start(name: str, argv: list[str], tmp_path: Path, **extra: str) -> Proc:
+    data_dir = tmp_path / name
+    data_dir.mkdir(exist_ok=True)
+    log_path = tmp_path / f"{name}.log"
+    env = {**_env(REDIS_URL, data_dir), "CELERY_BROKER_URL": BROKER, "CELERY_RESULT_BACKEND": REDIS_URL,
+           "CELERY_TASK_ALWAYS_EAGER": "false", **AUTOSCALE_ENV, **extra}
+    with log_path.open("a") as log:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return Proc(name, proc, log_path)
+
+
+def holding(client: redis.Redis) -> list[str]:
+    """The nodes holding the version by assignment, loaded."""
+    held = []
+    for name in NODES:
+        raw = client.hgetall(fleet.node_key(name))
+        info = fleet.NodeInfo.from_hash(raw) if raw else None
+        if info is not None and KEY in info.assigned and KEY in info.hot:
+            held.append(name)
+    return held
+
+
+def desired() -> int | None:
+    return ModelVersion.objects.get(model__name="slow", version=1).desired_replicas
+
+
+class OpenLoop:
+    """Requests at a fixed rate, each on a pool thread, whatever the answers' pace; every answer recorded."""
+
+    def __init__(self, server: Proc, key: str, rate: float) -> None:
+        self.server, self.key, self.rate = server, key, rate
+        self.answers: list[tuple[float, int, bytes]] = []  # (sent at, status, body)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._body = digits_request(np.zeros((1, 64), dtype=np.float32))
+
+    def _one(self, sent: float) -> None:
+        resp = call(self.server, "POST", "/v2/models/slow/versions/1/infer", self._body, auth=self.key)
+        self.answers.append((sent, resp.status, resp.body))
+
+    def _run(self) -> None:
+        with ThreadPoolExecutor(32) as pool:
+            start = time.monotonic()
+            n = 0
+            while not self._stop.is_set():
+                due = start + n / self.rate
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                pool.submit(self._one, time.monotonic())
+                n += 1
+
+    def start(self) -> OpenLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def answers(web: Proc) -> bool:
+    try:
+        return call(web, "GET", "/v2/health/live", auth=None).status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
+    client = redis.Redis.from_url(REDIS_URL)
+    broker = redis.Redis.from_url(BROKER)
+    clear(client)
+    broker.flushdb()
+    artifact = tmp_path / "slow.pt"
+    save_artifact(Slow().eval(), "torchscript", torch.zeros(1, 64), artifact)
+    version = register(artifact, "slow", max_batch_size=1, max_queue_size=256, default_timeout_ms=30000)
+    version.min_replicas = 1
+    version.save(update_fields=["min_replicas", "updated_at"])
+    key = mint_key()
+    held = hub.current  # put back below: a Redis serial would outrank later embedded tests' snapshots
+    with override_settings(REDIS_URL=REDIS_URL):
+        publish_snapshot()
+    hub.current = held
+    port = free_port()
+    web = start("web", ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path)
+    web.port = port
+    nodes = [start(n, ["manage.py", "runnode", "--name", n, "--accelerator", "a10g", "--memory", "2GiB"], tmp_path)
+             for n in NODES]
+    beat = start("beat", ["-m", "celery", "-A", "config", "beat", "-l", "info", "-s",
+                          str(tmp_path / "beat-schedule")], tmp_path)
+    procs = [web, *nodes, beat]
+    try:
+        with celery_worker(tmp_path, BROKER, REDIS_URL=REDIS_URL, CELERY_BROKER_URL=BROKER,
+                           FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
+                           SECRET_KEY=django_settings.SECRET_KEY, **AUTOSCALE_ENV) as worker:
+            wait_for("web answering", lambda: answers(web), procs, START_TIMEOUT_S)
+            wait_for("both nodes up", lambda: all(client.exists(fleet.node_key(n)) for n in NODES), procs,
+                     START_TIMEOUT_S)
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
+            yield client, web, key, procs
+    finally:
+        for proc in procs:
+            proc.stop()
+        for proc in procs:
+            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-5000:]}")
+        worker_log = tmp_path / "worker.log"
+        if worker_log.exists():
+            print(f"----- worker -----\n{worker_log.read_text(errors='replace')[-8000:]}")
+        clear(client)
+        broker.flushdb()
+        client.close()
+        broker.close()
+
+
+def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes_it_then_idle_goes_to_zero(
+    system,  # noqa: ANN001
+) -> None:
+    client, web, key, procs = system
+    version = ModelVersion.objects.get(model__name="slow", version=1)
+    profile = LatencyProfile({int(b): float(s) for b, s in version.latency_profile.items()})
+    capacity = replica_capacity(profile.estimate, 1, version.default_timeout_ms / 1000)
+    assert capacity is not None and capacity.fits_budget
+    rate = STEP_SHARE * capacity.rate
+    print(f"one replica serves {capacity.rate:.1f}/s by its measured profile; the step is {rate:.1f}/s")
+
+    # given the autoscaler sizing the version (min_replicas 1, at most 2): beat's next tick asks for one replica
+    # and the reconciler loads it on one node, which alone serves it
+    ScalingPolicy.objects.create(version=version, max_replicas=2, target_utilisation=TARGET_UTILISATION,
+                                 cool_down_seconds=COOL_DOWN_S)
+    wait_for("one replica placed", lambda: desired() == 1 and len(holding(client)) == 1, procs, 120)
+    first = holding(client)[0]
+
+    # when a load step comes
+    step = OpenLoop(web, key, rate).start()
+    began = time.monotonic()
+    try:
+        # then the autoscaler asks for two and the second node loads a replica, while the step goes on
+        wait_for("a second replica", lambda: len(holding(client)) == 2, procs, 180)
+        added_after = time.monotonic() - began
+        time.sleep(5)  # both replicas serve the step for a while
+    finally:
+        step.stop()
+    ended = time.monotonic()
+    print(f"second replica loaded {added_after:.1f} s into the step; {len(step.answers)} requests sent")
+    scaled = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").order_by("id")
+    assert [(e.before["desired_replicas"], e.after["desired_replicas"]) for e in scaled][-1] == (1, 2)
+    assert scaled.last().after["reason"] in {"forecast", "short_window", "max"}
+    # and no request was refused or late: the queue never overflowed (every answer a 200)
+    statuses = [status for _, status, _ in step.answers]
+    refused = [(round(sent - began, 1), status, body[:200]) for sent, status, body in step.answers if status != 200]
+    assert statuses and not refused, refused[:5]
+
+    # when the step is over, the replica stays through the cool-down, then goes: one node keeps the version
+    wait_for("scaled back to one replica", lambda: desired() == 1 and len(holding(client)) == 1, procs,
+             90 + COOL_DOWN_S)
+    removed_after = time.monotonic() - ended
+    print(f"scaled in {removed_after:.1f} s after the step ended")
+    assert removed_after >= COOL_DOWN_S
+    entry = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").latest("id")
+    assert (entry.before["desired_replicas"], entry.after["desired_replicas"]) == (2, 1)
+    assert holding(client) in ([first], [n for n in NODES if n != first])
+
+    # -- scale to zero and back: with min_replicas 0 and an idle time, the autoscaler asks for none; the reconciler
+    # releases the replica (the version is then served on demand by any node, the packing path); a request for it
+    # is answered, and being an arrival in its stream, brings one replica back at the next tick
+    version.refresh_from_db()
+    version.min_replicas = 0
+    version.save(update_fields=["min_replicas", "updated_at"])
+    ScalingPolicy.objects.filter(version=version).update(idle_to_zero_seconds=4.0)
+    wait_for("scaled to zero", lambda: desired() == 0 and not holding(client), procs, 90)
+    entry = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").latest("id")
+    assert (entry.before["desired_replicas"], entry.after["desired_replicas"], entry.after["reason"]) == (1, 0, "idle")
+    body = digits_request(np.zeros((1, 64), dtype=np.float32))
+    resp = call(web, "POST", "/v2/models/slow/versions/1/infer", body, auth=key)
+    assert resp.status == 200, resp.body
+    wait_for("one replica again", lambda: desired() == 1 and len(holding(client)) == 1, procs, 90)
+    entry = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").latest("id")
+    assert (entry.before["desired_replicas"], entry.after["desired_replicas"]) == (0, 1)

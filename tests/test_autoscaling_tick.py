@@ -1,0 +1,225 @@
+"""The autoscaler's tick against the live system's records: real PostgreSQL and Redis, version streams fed with
+XADD as a gateway sends requests, and node heartbeats written as a node writes them (`NodeInfo.to_hash`). Time is
+Redis' clock, so the tests wait real seconds between ticks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import redis
+
+from autoscaling import observe
+from autoscaling.models import ScalingPolicy
+from autoscaling.providers import Pool
+from autoscaling.tick import LOCK_KEY, STATE_KEY, run_tick
+from serving.dataplane import fleet
+from serving.dataplane.stream_codec import GROUP, request_stream
+from serving.models import ModelVersion
+from tenants.models import AuditEntry
+from tests.conftest import register
+
+REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def client() -> redis.Redis:
+    c = redis.Redis.from_url(REDIS_URL)
+    c.flushdb()
+    yield c
+    c.flushdb()
+    c.close()
+
+
+@pytest.fixture
+def version(db, model_files) -> ModelVersion:  # noqa: ANN001
+    v = register(model_files.digits, "scaled", max_batch_size=8, default_timeout_ms=1000)
+    # A profile worked by hand: 8 rows in 20 ms fit 80% of the 1 s budget twice over, so one replica serves
+    # 400 requests a second, sized at 70% for 280.
+    v.latency_profile = {"1": 0.010, "8": 0.020}  # seconds, as validation stores them
+    v.placement_measurements = {"cpu": {"memory_bytes": 10 * MiB, "cold_start_seconds": 1.5}}
+    v.save()
+    return v
+
+
+def heartbeat(client: redis.Redis, name: str, hot: set[str], budget: int = 256 * MiB) -> None:
+    now = time.time()
+    info = fleet.NodeInfo(name, "i1", "host", 1, "cpu", "cpu", 0, budget, budget, 0, {}, now, now, 0,
+                          frozenset(hot), frozenset(hot))
+    client.hset(fleet.node_key(name), mapping=info.to_hash())
+    client.expire(fleet.node_key(name), 30)
+    client.sadd(fleet.NODES_KEY, name)
+
+
+def send(client: redis.Redis, key: str, n: int) -> None:
+    stream = request_stream(key)
+    pipe = client.pipeline(transaction=False)
+    for _ in range(n):
+        pipe.xadd(stream, {"r": b"x"})
+    pipe.execute()
+
+
+def tick(client: redis.Redis, **kw):  # noqa: ANN003, ANN201
+    return run_tick(client, pools={"cpu": Pool("cpu", 256 * MiB, max_nodes=3)}, **kw)
+
+
+def test_streams_give_arrivals_and_the_backlog_no_node_has_taken(client: redis.Redis) -> None:
+    # given a version stream with 5 requests, 2 of them read by a node and one of those answered (acked, deleted)
+    stream = request_stream("m:1")
+    ids = [client.xadd(stream, {"r": b"x"}) for _ in range(5)]
+    client.xgroup_create(stream, GROUP, id="0")
+    client.xreadgroup(GROUP, "node-a", {stream: ">"}, count=2)
+    client.xack(stream, GROUP, ids[0])
+    client.xdel(stream, ids[0])
+    # when the streams are read, with one version that was never sent anything
+    stats = observe.read_streams(client, ["m:1", "never:1"])
+    # then 5 arrived, 3 wait for a node (4 in the stream, 1 held by a node), and the other has none
+    assert stats["m:1"] == observe.StreamStats(added=5, backlog=3)
+    assert stats["never:1"] == observe.StreamStats(0, 0)
+
+
+def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_down_holds_it(
+    client: redis.Redis, version: ModelVersion, settings  # noqa: ANN001
+) -> None:
+    settings.FERRY_AUTOSCALE_SHORT_WINDOW_S = 2  # so the step leaves the short window within the test
+    settings.FERRY_AUTOSCALE_LONG_WINDOW_S = 10
+    ScalingPolicy.objects.create(version=version, max_replicas=3, cool_down_seconds=300)
+    heartbeat(client, "n1", {"scaled:1"})
+    changed = []
+    # given a first tick, which only learns the counter (and holds what runs: the one hot replica)
+    first = tick(client, after_change=lambda: changed.append(True))
+    assert first.plan.decisions["scaled:1"].reason == "no_data"
+    version.refresh_from_db()
+    assert version.desired_replicas == 1
+    assert changed == [True]
+    # when 2,000 requests arrive before the next tick (well past one replica's 280 a second)
+    send(client, "scaled:1", 2000)
+    time.sleep(1.0)
+    second = tick(client)
+    # then it asks for the pool's maximum of 3 replicas, says why, and audits the change
+    decision = second.plan.decisions["scaled:1"]
+    assert decision.replicas == 3 and decision.reason == "max"
+    assert decision.short_rate > 280
+    version.refresh_from_db()
+    assert version.desired_replicas == 3
+    assert second.changed == {"scaled:1": (1, 3)}
+    entry = AuditEntry.objects.filter(action="version.scaled").latest("id")
+    assert entry.actor_name == "system" and entry.target == "model scaled version 1"
+    assert entry.before == {"desired_replicas": 1} and entry.after["desired_replicas"] == 3
+    assert entry.after["reason"] == "max"
+    # and the history is in Redis, so the next tick (any worker's) holds 3 through the cool-down
+    assert "scaled:1" in json.loads(client.get(STATE_KEY))
+    # once the replicas have answered the backlog (nodes delete what they answered) and no more requests
+    # come, what the rate alone asks for falls, and the cool-down keeps the 3
+    client.xtrim(request_stream("scaled:1"), maxlen=0)
+    reasons = []
+    for _ in range(10):
+        time.sleep(1.0)
+        later = tick(client)
+        assert later.plan.decisions["scaled:1"].replicas == 3 and later.changed == {}
+        reasons.append(later.plan.decisions["scaled:1"].reason)
+        if reasons[-1] == "cool_down":
+            break
+    assert reasons[-1] == "cool_down", reasons
+    assert AuditEntry.objects.filter(action="version.scaled").count() == 2
+
+
+def test_an_idle_version_goes_to_zero_and_a_request_brings_it_back(client: redis.Redis, version: ModelVersion) -> None:
+    # given a version with min_replicas 0 that may go to zero after 1.5 s without a request
+    ScalingPolicy.objects.create(version=version, idle_to_zero_seconds=1.5, cool_down_seconds=0)
+    heartbeat(client, "n1", {"scaled:1"})
+    tick(client)
+    send(client, "scaled:1", 3)
+    time.sleep(0.6)
+    assert tick(client).plan.decisions["scaled:1"].replicas == 1
+    # when no request comes for longer than that
+    time.sleep(1.8)
+    idle = tick(client)
+    # then the autoscaler asks for zero replicas
+    assert idle.plan.decisions["scaled:1"].reason == "idle"
+    version.refresh_from_db()
+    assert version.desired_replicas == 0
+    # and when a request for it arrives (a node loads it on demand, the packing path) the next tick asks for
+    # one again, instead of unloading what the request loaded
+    heartbeat(client, "n1", {"scaled:1"})
+    send(client, "scaled:1", 1)
+    time.sleep(0.6)
+    back = tick(client)
+    assert back.plan.decisions["scaled:1"].replicas == 1
+    version.refresh_from_db()
+    assert version.desired_replicas == 1
+
+
+def test_versions_without_an_enabled_policy_or_a_pool_are_left_alone(
+    client: redis.Redis, version: ModelVersion
+) -> None:
+    # given a disabled policy on a version whose desired count somebody set
+    ScalingPolicy.objects.create(version=version, enabled=False)
+    version.desired_replicas = 2
+    version.save(update_fields=["desired_replicas"])
+    report = tick(client)
+    # then nothing is sized and the desired count somebody set stays
+    assert report.plan.decisions == {}
+    version.refresh_from_db()
+    assert version.desired_replicas == 2
+    # and with the policy on but tied to an accelerator type nothing runs, it is skipped with the reason
+    ScalingPolicy.objects.filter(version=version).update(enabled=True, accelerator="h100")
+    report = tick(client)
+    assert "h100" in report.skipped["scaled:1"]
+    version.refresh_from_db()
+    assert version.desired_replicas == 2
+
+
+def test_a_tick_running_elsewhere_is_not_doubled(client: redis.Redis, version: ModelVersion) -> None:
+    ScalingPolicy.objects.create(version=version)
+    client.set(LOCK_KEY, "another-worker", ex=60)
+    assert tick(client) is None
+    assert client.get(LOCK_KEY) == b"another-worker"  # its holder's lock is not released by the skipped tick
+    client.delete(LOCK_KEY)
+    assert tick(client) is not None
+    assert client.get(LOCK_KEY) is None
+
+
+def test_node_demand_reaches_the_provider(client: redis.Redis, version: ModelVersion) -> None:
+    # given a provider that records what it is asked (the providers themselves are tested in test_node_providers)
+    class Recorder:
+        def __init__(self) -> None:
+            self.asked: list[dict[str, int]] = []
+
+        def apply(self, wanted):  # noqa: ANN001, ANN202
+            self.asked.append(dict(wanted))
+            return dict(wanted)
+
+    ScalingPolicy.objects.create(version=version, max_replicas=3)
+    heartbeat(client, "n1", {"scaled:1"})
+    recorder = Recorder()
+    tick(client, provider=recorder)
+    send(client, "scaled:1", 2000)
+    time.sleep(1.0)
+    tick(client, provider=recorder)
+    # then three replicas of one version need three nodes, though their memory fits one
+    assert recorder.asked == [{"cpu": 1}, {"cpu": 3}]
+
+
+def test_the_command_turns_scaling_on_and_off_with_audit(version: ModelVersion) -> None:
+    from django.core.management import CommandError, call_command
+
+    call_command("autoscale_version", "scaled", "1", "--max", "5", "--idle-to-zero", "600", "--cool-down", "60")
+    policy = ScalingPolicy.objects.get(version=version)
+    assert (policy.enabled, policy.max_replicas, policy.idle_to_zero_seconds, policy.cool_down_seconds) == (
+        True, 5, 600.0, 60.0)
+    with pytest.raises(CommandError, match="target_utilisation"):
+        call_command("autoscale_version", "scaled", "1", "--target-utilisation", "1.5")
+    ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=3)
+    call_command("autoscale_version", "scaled", "1", "--off")
+    policy.refresh_from_db()
+    version.refresh_from_db()
+    assert not policy.enabled and policy.max_replicas == 5
+    assert version.desired_replicas is None  # the reconciler keeps min_replicas again
+    entries = AuditEntry.objects.filter(action="version.scaling").order_by("id")
+    assert [e.after["enabled"] for e in entries] == [True, False]
+    assert entries[0].before is None and entries[1].before["max_replicas"] == 5
