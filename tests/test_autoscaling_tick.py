@@ -112,7 +112,7 @@ def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_do
     assert entry.before == {"desired_replicas": 1} and entry.after["desired_replicas"] == 3
     assert entry.after["reason"] == "max"
     # and the history is in Redis, so the next tick (any worker's) holds 3 through the cool-down
-    assert "scaled:1" in json.loads(client.get(STATE_KEY))
+    assert "scaled:1" in json.loads(client.get(STATE_KEY))["tracks"]
     # once the replicas have answered the backlog (nodes delete what they answered) and no more requests
     # come, what the rate alone asks for falls, and the cool-down keeps the 3
     client.xtrim(request_stream("scaled:1"), maxlen=0)
