@@ -178,6 +178,16 @@ def for_node() -> Callable[[str], Path]:
                          timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S).path
 
 
+def on_node_disk() -> Callable[[str], bool]:
+    """Whether an artifact is on this node's local disk without fetching it (a stat, not a hash check): in its
+    cache where `for_node` fills one, else in the storage's own directory (None for a remote storage: then the
+    cache)."""
+    if settings.FERRY_ARTIFACT_URL or not isinstance(storage(), FileSystemStorage):
+        directory = Path(settings.FERRY_ARTIFACT_CACHE_DIR)
+        return lambda sha256: (directory / sha256[:2] / sha256).is_file()
+    return lambda sha256: path_for(sha256).is_file()
+
+
 def _sha256_of(chunks: Iterator[bytes]) -> str:
     digest = hashlib.sha256()
     for chunk in chunks:

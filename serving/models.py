@@ -307,7 +307,7 @@ def drop_version_from_routes(model: Model, version: int) -> bool:
 class Tier(models.TextChoices):
     HOT = "hot", "on the device"
     WARM = "warm", "in host memory"
-    COLD = "cold", "served here, not in memory: the next request or assignment loads it"
+    COLD = "cold", "its artifact on the node's local disk, not in memory: a load reads no network"
 
 
 class Replica(models.Model):

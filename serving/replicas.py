@@ -1,5 +1,6 @@
 """The records of what each node holds, per version and tier, written from the nodes' heartbeats at each
-placement reconciler step: hot (on the device), warm (in host memory), cold (served there, not in memory).
+placement reconciler step: hot (on the device), warm (in host memory), cold (its artifact in the node's local
+disk cache, or on its local storage).
 The measured load time per version and accelerator type is the version's `placement_measurements`, which
 the nodes report after each load (`serving.tasks.record_placement`)."""
 
@@ -14,8 +15,9 @@ from serving.models import ModelVersion, Replica, Tier
 
 
 def tiers(node: fleet.NodeInfo) -> dict[str, str]:
-    """Version key -> tier on `node`, hottest first where a key is in several."""
-    found = {key: Tier.COLD for key in node.ready}
+    """Version key -> tier on `node`, hottest first where a key is in several. Cold: its artifact is on the
+    node's local disk (`cached`); a version the node serves with its artifact elsewhere has no record there."""
+    found = {key: Tier.COLD for key in node.cached}
     found.update({key: Tier.WARM for key in node.warm})
     found.update({key: Tier.HOT for key in node.hot})
     return found

@@ -142,6 +142,10 @@ def test_desired_replicas_load_and_unload_through_node_queues(fleet_of_two) -> N
 
     wait_for("one replica left", scaled_in, nodes, 120)
     assert sum(assigned_on(client, names).values()) == 1
+    # and the records say where it is now: hot on one node, cold on the other (its artifact on that node's disk)
+    app.send_task("serving.tasks.reconcile_placements")
+    wait_for("hot on one, cold on the other", lambda: sorted(Replica.objects.filter(
+        version__model__name="digits").values_list("tier", flat=True)) == ["cold", "hot"], nodes, 60)
 
     # -- when more replicas are wanted than there are nodes
     set_desired(3)

@@ -168,3 +168,18 @@ def test_a_node_where_the_load_failed_is_not_sent_it_again() -> None:
     result = plan({"m:1": 1}, SPECS, [failed])
     assert result.loads == []
     assert "failed to load on a: RuntimeError: bad archive" in result.unschedulable["m:1"]
+
+
+def test_a_node_records_hot_then_warm_then_cold_for_what_is_on_its_disk() -> None:
+    from serving.replicas import tiers
+
+    # given a node holding a:1 on the device, b:1 in host memory, and the artifacts of a, b and c on its disk,
+    # and serving d:1 whose artifact it would have to fetch
+    node = NodeInfo(name="n", instance="i", host="h", pid=1, device="cpu", accelerator="a10g",
+                    accelerator_count=1, memory_total=1, memory_budget=1, memory_used=0, labels={}, started_at=0.0,
+                    heartbeat_at=0.0, serial=1, ready=frozenset({"a:1", "b:1", "c:1", "d:1"}),
+                    hot=frozenset({"a:1"}), warm=frozenset({"b:1"}), cached=frozenset({"a:1", "b:1", "c:1"}))
+    # then each is recorded at its hottest tier, and d:1 (on no disk here) not at all
+    assert tiers(node) == {"a:1": "hot", "b:1": "warm", "c:1": "cold"}
+    # and the heartbeat carries the cold tier through Redis's hash
+    assert NodeInfo.from_hash({k.encode(): v for k, v in node.to_hash().items()}).cached == node.cached

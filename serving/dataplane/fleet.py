@@ -62,6 +62,7 @@ class NodeInfo:
     # Placed here by the placement reconciler (serving.reconciler): hosted here, and by no unassigned node.
     assigned: frozenset[str] = frozenset()
     warm: frozenset[str] = frozenset()  # evicted, kept in host memory: a reload skips the disk and warm-up
+    cached: frozenset[str] = frozenset()  # its artifact on this node's local disk: a load reads no network
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
     busy: float = 0.0  # the device's busy share of the last seconds (serving.dataplane.busy)
     # What it holds, per version key: {"tier": "hot" | "warm", "bytes": n}. Hot counts against the device budget;
@@ -84,6 +85,7 @@ class NodeInfo:
             "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot),
             "loading": sorted(self.loading), "failures": self.failures,
             "counts": self.counts, "assigned": sorted(self.assigned), "warm": sorted(self.warm),
+            "cached": sorted(self.cached),
             "busy": self.busy, "resident": self.resident,
         }
 
@@ -99,6 +101,7 @@ class NodeInfo:
         doc["hot"] = frozenset(doc.get("hot", ()))
         doc["assigned"] = frozenset(doc.get("assigned", ()))
         doc["warm"] = frozenset(doc.get("warm", ()))
+        doc["cached"] = frozenset(doc.get("cached", ()))
         doc["loading"] = frozenset(doc.get("loading", ()))
         return cls(**doc)
 

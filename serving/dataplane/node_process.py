@@ -126,8 +126,11 @@ class NodeProcess:
         self, node: Node, url: str, facts: Facts, *, hub: SnapshotHub | None = None,
         hosted: Callable[[RoutingSnapshot], Collection[str]] = hosted,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+        on_disk: Callable[[str], bool] | None = None,
     ) -> None:
         self.node = node
+        # Whether an artifact (by sha256) is on this node's local disk, for the heartbeat's cold tier (`cached`).
+        self.on_disk = on_disk
         self.url = url
         self.facts = facts
         self.hub = hub or SnapshotHub()
@@ -178,7 +181,16 @@ class NodeProcess:
             counts={**self.counts, "loads": node.packing.loads, "evictions": node.packing.evictions},
             assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
             busy=round(node.busy.fraction(), 4), resident=fleet.resident_of(node.hosted, node.warm),
+            cached=self.cached(),
         )
+
+    def cached(self) -> frozenset[str]:
+        """The ready versions of the last snapshot whose artifact is on this node's local disk (the cold tier: a
+        load here reads no network), whether or not this node serves them now: a stat each."""
+        on_disk, snapshot = self.on_disk, self._snapshot
+        if on_disk is None or snapshot is None:
+            return frozenset()
+        return frozenset(v.key for v in snapshot.hosted_versions() if on_disk(v.artifact_sha256))
 
     async def heartbeat_once(self) -> None:
         key = fleet.node_key(self.facts.name)

@@ -54,7 +54,7 @@ class Command(BaseCommand):
                     max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
                     accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
                     warm_budget=settings.FERRY_NODE_WARM_BYTES, report=_report)
-        process = NodeProcess(node, settings.REDIS_URL, facts)
+        process = NodeProcess(node, settings.REDIS_URL, facts, on_disk=artifacts.on_node_disk())
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
