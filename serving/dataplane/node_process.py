@@ -156,7 +156,7 @@ class NodeProcess:
         # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
         # be loaded for them ("cold"): the hit rate of this node's packing.
         self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0, "hot": 0, "cold": 0}
-        self._elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
+        self._held_elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
                                          name=f"ferry-node-reader-{facts.name}")
@@ -233,7 +233,7 @@ class NodeProcess:
 
     async def watch_fleet_once(self) -> None:
         nodes = await fleet.read_fleet(self._client)
-        self._elsewhere = frozenset().union(*(n.hot | n.loading for n in nodes if n.name != self.facts.name))
+        self._held_elsewhere = frozenset().union(*(n.hot | n.loading for n in nodes if n.name != self.facts.name))
 
     async def claim_name(self) -> None:
         """Join the fleet under this node's name. A heartbeat hash under it that is still renewed is a live
@@ -367,7 +367,7 @@ class NodeProcess:
         streams = {}
         node = self.node
         for key, entry in self.servable().items():
-            if key not in node.hosted and key in self._elsewhere and key not in node.packing.loading:
+            if key not in node.hosted and key in self._held_elsewhere and key not in node.packing.loading:
                 continue  # cold here, served hot (or being loaded) by another node
             if key in self._grouped and self._held.get(key, 0) < READ_AHEAD * entry.batching.max_batch_size:
                 streams[request_stream(key)] = ">"
