@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -28,30 +27,11 @@ from serving.dataplane.stream_codec import GROUP, request_stream
 from serving.policies.autoscale import Observation, ScalingConfig
 from serving.policies.batching import LatencyProfile
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True, slots=True)
 class StreamStats:
     added: int  # entries ever added (0: no stream)
     backlog: int  # entries no node has taken
-
-
-def read_fleet(client: redis.Redis) -> list[fleet.NodeInfo]:
-    """The live nodes (the synchronous twin of `fleet.read_fleet`, for a Celery task)."""
-    names = sorted(n.decode() for n in client.smembers(fleet.NODES_KEY))
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(fleet.node_key(name))
-    nodes = []
-    for name, raw in zip(names, pipe.execute() if names else [], strict=True):
-        if not raw:
-            continue
-        try:
-            nodes.append(fleet.NodeInfo.from_hash(raw))
-        except (TypeError, ValueError) as exc:
-            log.warning("node %s wrote a heartbeat this process cannot read: %s", name, exc)
-    return nodes
 
 
 # XINFO STREAM answers with the stream's first and last entries, request bodies of any size: the script

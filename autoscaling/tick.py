@@ -28,6 +28,7 @@ from autoscaling.models import ScalingPolicy
 from autoscaling.providers import NodeProvider, Pool, ProviderError, nodes_wanted, pools_from
 from serving.models import ModelVersion, State
 from serving.policies.autoscale import Autoscaler, Decision, Plan
+from serving.reconciler import read_fleet
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, P
     seconds, micros = client.time()
     now = seconds + micros / 1e6
     report = TickReport(now)
-    nodes = observe.read_fleet(client)
+    nodes = read_fleet(client)
     node_memory = {kind: pool.memory_bytes for kind, pool in pools.items()}
     for node in nodes:  # a type no pool names is sized by the nodes that announce it
         node_memory.setdefault(node.accelerator, node.memory_budget)
