@@ -648,6 +648,7 @@ def test_random_arrivals_keep_the_invariants(
     batched: list[int] = []
     expired: list[int] = []
     evicted: list[int] = []
+    done: set[int] = set()  # batched, expired or evicted: kept as it grows (rebuilding it per arrival is quadratic)
     refused_full = 0
     batches = 0
 
@@ -659,7 +660,7 @@ def test_random_arrivals_keep_the_invariants(
             deadline = INF if rng.random() < 0.2 else now + float(rng.uniform(0.0005, 0.03))
             p = Pending(seq, rows, now, deadline, int(rng.integers(0, 4)))
             limit = max(1, int(max_queue_size * tier_share(p.priority)))
-            waiting = [a for i, a in accepted.items() if i not in set(batched) | set(expired) | set(evicted)]
+            waiting = [a for i, a in accepted.items() if i not in done]
             lower = sorted((a for a in waiting if a.priority > p.priority), key=lambda a: (-a.priority, -a.payload))
             room_needed = len(q) - limit + 1
             try:
@@ -673,11 +674,11 @@ def test_random_arrivals_keep_the_invariants(
                 # and otherwise the newest of the lowest tiers make exactly the room needed
                 assert [a.payload for a in out] == [a.payload for a in lower[: max(0, room_needed)]]
                 evicted.extend(a.payload for a in out)
+                done.update(a.payload for a in out)
                 accepted[seq] = p
             seq += 1
 
         # ...and the policy is asked what leaves now
-        done = set(batched) | set(expired) | set(evicted)
         waiting_before = sorted((p for i, p in accepted.items() if i not in done),
                                 key=lambda p: (p.priority, p.payload))
         decision = q.poll(now)
@@ -722,9 +723,12 @@ def test_random_arrivals_keep_the_invariants(
 
         batched.extend(batch_ids)
         expired.extend(p.payload for p in decision.expired)
+        done.update(batch_ids)
+        done.update(p.payload for p in decision.expired)
 
         # and the bookkeeping matches what is left
-        left = [p for p in live if p.payload not in set(batch_ids)]
+        left_out = set(batch_ids)
+        left = [p for p in live if p.payload not in left_out]
         assert len(q) == len(left)
         assert q.rows == sum(p.rows for p in left)
         assert len(q) <= max_queue_size
