@@ -5,6 +5,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+# Two workers (tests/xdist_workers.py): in-process tests run beside the deployments of real processes, one at a time.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 .PHONY: run setup test bench lint sim
 setup:

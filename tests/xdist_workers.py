@@ -1,0 +1,60 @@
+"""Resources of its own for each pytest-xdist worker, and the tests that must not overlap kept on one.
+
+`make test` runs the suite on two workers (`-n 2 --dist loadgroup`). pytest-django already gives each
+worker a test database of its own (`test_<name>_gw0`, ...); the rest is shared unless split here:
+the test Redis database, the Celery broker database and the data directory, all read from the
+environment when the test modules and Django's settings are imported. This module is a plugin
+(`-p tests.xdist_workers` in pyproject.toml's addopts), imported before pytest-django configures
+Django, so it rewrites those variables in time: worker N uses the Redis databases 2N below the
+configured ones and a subdirectory `gwN` of FERRY_DATA_DIR.
+
+Tests that start deployments of real processes (web, nodes, Celery worker and beat) are put in one
+xdist group, so at most one such deployment runs at a time while the other worker runs in-process
+tests: two of them on this 2-core machine at once would starve each other's processes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
+PROCESS_MODULES = {
+    "test_artifact_processes", "test_autoscale_processes", "test_fleet_processes", "test_lifecycle_processes",
+    "test_node_providers", "test_postgres_outage", "test_revocation_gateways", "test_shadow_processes",
+    "test_streams_processes",
+}
+
+
+def _shift(url: str, by: int) -> str:
+    base, _, db = url.rpartition("/")
+    number = int(db) - by
+    if number < 0:
+        raise pytest.UsageError(f"too many xdist workers for the Redis databases below {url}")
+    return f"{base}/{number}"
+
+
+def _split_for_worker() -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    index = int(worker[2:])
+    redis_url = os.environ.get("FERRY_TEST_REDIS_URL", DEFAULT_REDIS_URL)
+    broker = os.environ.get("FERRY_TEST_CELERY_BROKER_URL") or redis_url.rsplit("/", 1)[0] + "/14"
+    os.environ["FERRY_TEST_REDIS_URL"] = _shift(redis_url, 2 * index)
+    os.environ["FERRY_TEST_CELERY_BROKER_URL"] = _shift(broker, 2 * index)
+    if data_dir := os.environ.get("FERRY_DATA_DIR"):
+        own = Path(data_dir) / worker
+        own.mkdir(parents=True, exist_ok=True)
+        os.environ["FERRY_DATA_DIR"] = str(own)
+
+
+_split_for_worker()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
