@@ -5,7 +5,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
-# Two workers (tests/xdist_workers.py): in-process tests run beside the deployments of real processes, one at a time.
+# Two workers (tests/xdist_workers.py): in-process tests run beside the deployments of real processes, one at a
+# time; the tests marked `solo` run after them, alone (scripts/test.sh).
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 .PHONY: run setup test bench lint sim
@@ -20,8 +21,7 @@ run: setup
 
 test:
 	@scripts/setup.sh test
-	DATABASE_URL=$(TEST_DATABASE_URL) DATABASE_CONN_MAX_AGE=0 FERRY_TEST_REDIS_URL=$(TEST_REDIS_URL) \
-	  FERRY_DATA_DIR=$$(mktemp -d /tmp/ferry-test.XXXXXX) $(PY) -m pytest $(PYTEST_ARGS)
+	TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh
 
 bench: setup
 	$(PY) -m bench.run

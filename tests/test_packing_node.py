@@ -209,3 +209,22 @@ async def test_without_a_warm_budget_an_evicted_version_is_dropped(model_files) 
         assert node.warm == {} and first.runtime.module is None
     finally:
         await node.close()
+
+
+async def test_an_unload_answers_what_is_queued_before_the_module_goes(model_files) -> None:  # noqa: ANN001
+    node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
+    try:
+        # given a loaded version with requests queued behind the batch in flight (batches of up to 8 rows)
+        assert await node.load(digits("probe")) is not None
+        answers = [asyncio.ensure_future(node.infer("probe:1", x(), 1, node._clock() + 30, 1)) for _ in range(40)]
+        await asyncio.sleep(0)  # each request is queued
+        assert node.queue_depth("probe:1") > 8
+        # when the version is unloaded
+        await node.unload("probe:1")
+        # then every request queued before the unload was answered, none refused; the version is gone
+        done = await asyncio.gather(*answers, return_exceptions=True)
+        assert [d for d in done if isinstance(d, BaseException)] == []
+        assert all(d["scores"].shape == (1, 10) for d in done)
+        assert not node.is_ready("probe:1")
+    finally:
+        await node.close()

@@ -37,6 +37,7 @@ class Batcher:
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._emptied: asyncio.Event | None = None  # set by the loop when the queue empties, while a drain waits
 
     def submit(self, item: Pending) -> list[Pending]:
         """Queue a request; raises `QueueFull` (answer 503) or `ValueError` (too many rows). Returns the
@@ -57,6 +58,22 @@ class Batcher:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until every queued request has run or expired; the loop goes on as
+        usual meanwhile. True when the queue emptied (a batch may still be in flight: `close` waits for it)."""
+        if not len(self.queue):
+            return True
+        if self._task is None or self._closed:
+            return False
+        self._emptied = self._emptied or asyncio.Event()
+        try:
+            await asyncio.wait_for(self._emptied.wait(), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._emptied = None
+        return True
 
     async def close(self) -> list[Pending]:
         """Stop after the batch in flight; return the requests still waiting so the caller answers them."""
@@ -91,3 +108,5 @@ class Batcher:
             except Exception:  # a bug here must not strand the queue's requests
                 log.exception("batcher step failed")
                 await asyncio.sleep(0.01)
+            if self._emptied is not None and not len(self.queue):
+                self._emptied.set()

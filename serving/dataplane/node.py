@@ -37,6 +37,9 @@ from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfil
 from serving.policies.placement import Fit, NodeState, Resident, VersionSpec, fit
 
 log = logging.getLogger(__name__)
+# A deliberate unload answers what is queued before the module goes; a queue still busy after this long (new
+# requests kept coming) is cut off with 503. Each request keeps its own deadline meanwhile.
+UNLOAD_DRAIN_S = 10.0
 
 
 @dataclass(slots=True)
@@ -353,11 +356,19 @@ class Node:
         return True
 
     async def unload(self, key: str) -> None:
+        """Unload a version on purpose (the reconciler moved it or scaled it in, or the node stops): what is
+        queued for it here runs first, for at most UNLOAD_DRAIN_S, so callers get their answers rather than a
+        503; what arrives after the drain, or outlasts it, gets 503 with Retry-After."""
         self.warm.pop(key, None)
         self.packing.cold.pop(key, None)
-        hosted = self.hosted.pop(key, None)
+        hosted = self.hosted.get(key)
         if hosted is None:
             return
+        if not await hosted.batcher.drain(UNLOAD_DRAIN_S):
+            log.warning("unloading %s: its queue did not empty within %.0f s; the rest gets 503", key, UNLOAD_DRAIN_S)
+        if self.hosted.get(key) is not hosted:  # unloaded, or replaced, while it drained
+            return
+        del self.hosted[key]
         self._hosted_list = tuple(self.hosted.values())
         await self._release(hosted, f"model version {key} was unloaded")
 

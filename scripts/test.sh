@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The suite in two runs: everything but the tests marked `solo` on pytest-xdist workers (PYTEST_ARGS, from
+# the Makefile: two workers), then the `solo` tests in one process, alone on the machine. Arguments go to
+# both runs (a path, a -k); either run may select nothing, both may not (pytest's exit 5 is a failure here).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+data_dir=$(mktemp -d /tmp/ferry-test.XXXXXX)
+mkdir -p "$data_dir/parallel" "$data_dir/solo"
+export DATABASE_URL="$TEST_DATABASE_URL" DATABASE_CONN_MAX_AGE=0 FERRY_TEST_REDIS_URL="$TEST_REDIS_URL"
+
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+FERRY_DATA_DIR="$data_dir/parallel" .venv/bin/python -m pytest ${PYTEST_ARGS:-} -m "not solo" "$@"
+parallel=$?
+[ "$parallel" -eq 0 ] || [ "$parallel" -eq 5 ] || exit "$parallel"
+echo "==> the tests marked solo, alone on the machine"
+FERRY_DATA_DIR="$data_dir/solo" .venv/bin/python -m pytest -m solo "$@"
+solo=$?
+if [ "$parallel" -eq 5 ] && [ "$solo" -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure here"
+  exit 5
+fi
+[ "$solo" -eq 5 ] && exit 0
+exit "$solo"
