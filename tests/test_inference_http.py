@@ -650,20 +650,22 @@ def test_queue_full_is_503_with_retry_after(transactional_db, model_files, digit
     assert sample(after, "ferry_requests_total", model="held", version="1", status="500") is None
 
 
-def test_unload_answers_waiting_requests_with_503(  # noqa: ANN001
+def test_unload_answers_waiting_requests_before_the_model_goes(  # noqa: ANN001
     transactional_db, model_files, digits_samples, request
 ) -> None:
-    x, _ = digits_samples
+    x, y = digits_samples
     # given a request waiting in a long batching window
     register(model_files.digits, "held", **HELD)
     server = request.getfixturevalue("live_server")
     first, box = _hold_one(server, "held", digits_request(x[:1]))
     # when the model is unloaded through the repository extension
     assert call(server, "POST", "/v2/repository/models/held/unload", b"").status == 200
-    # then the waiting request is answered 503 at once rather than left hanging
+    # then the waiting request was answered with its result first (as Triton's unload lets work in flight
+    # finish), neither refused nor left hanging, and the version is no longer loaded
     resp = joined(first, box)
-    assert_error(resp, 503, "unloaded")
-    assert "retry-after" in resp.headers
+    assert resp.status == 200, resp.body
+    assert int(scores(resp).argmax()) == y[0]
+    assert not server.plane().node.is_ready("held:1")
 
 
 def test_saturated_model_falls_back_to_smaller_one(  # noqa: ANN001
