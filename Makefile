@@ -6,7 +6,8 @@ PORT ?= 8000
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # Two workers (tests/xdist_workers.py): in-process tests run beside the deployments of real processes, one at a
-# time; the tests marked `solo` run after them, alone (scripts/test.sh).
+# time; the tests marked `solo` run after them, alone (scripts/test.sh). TESTS: a selection for both runs
+# (paths, -k), e.g. make test TESTS="tests/test_batching.py".
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 .PHONY: run setup test bench lint sim
@@ -21,7 +22,7 @@ run: setup
 
 test:
 	@scripts/setup.sh test
-	TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh
+	TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh $(TESTS)
 
 bench: setup
 	$(PY) -m bench.run
