@@ -37,7 +37,7 @@ class Batcher:
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._emptied: asyncio.Event | None = None  # set by the loop when the queue empties, while a drain waits
+        self._emptied: asyncio.Event | None = None  # made by the first drain; the loop sets it when the queue empties
 
     def submit(self, item: Pending) -> list[Pending]:
         """Queue a request; raises `QueueFull` (answer 503) or `ValueError` (too many rows). Returns the
@@ -66,13 +66,13 @@ class Batcher:
             return True
         if self._task is None or self._closed:
             return False
-        self._emptied = self._emptied or asyncio.Event()
+        if self._emptied is None:
+            self._emptied = asyncio.Event()
+        self._emptied.clear()  # shared by drains waiting at once; set again when the queue next empties
         try:
             await asyncio.wait_for(self._emptied.wait(), timeout)
         except TimeoutError:
             return False
-        finally:
-            self._emptied = None
         return True
 
     async def close(self) -> list[Pending]:
