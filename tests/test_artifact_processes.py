@@ -20,6 +20,7 @@ from tests.test_streams_processes import (
     ready_on,
     redis_db,  # noqa: F401 (a fixture)
     start_web,
+    stop_all,
     wait_for,
     web_ready,
 )
@@ -115,8 +116,5 @@ def test_a_node_without_the_webs_disk_fetches_checks_and_serves(
         wait_for("the web process serving through the restarted node", lambda: digits(web, key)[0].status == 200,
                  procs, timeout=30)
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-6000:]}")
+        stop_all(procs)
 

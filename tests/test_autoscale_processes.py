@@ -29,6 +29,7 @@ from django.test import override_settings
 
 from autoscaling import observe
 from autoscaling.models import ScalingPolicy
+from bench.gil_contention import Chain as Slow  # about 20 ms of CPU a call at batch one on this machine
 from serving.dataplane import fleet
 from serving.dataplane.snapshot import hub
 from serving.demo import save_artifact
@@ -40,7 +41,7 @@ from tenants.models import AuditEntry
 from tests.conftest import celery_worker, free_port, mint_key, register
 from tests.test_celery_worker import BROKER
 from tests.test_inference_http import call, digits_request
-from tests.test_streams_processes import REDIS_URL, ROOT, START_TIMEOUT_S, Proc, _env, clear, wait_for
+from tests.test_streams_processes import REDIS_URL, ROOT, START_TIMEOUT_S, Proc, _env, clear, stop_all, wait_for
 
 KEY = "slow:1"
 NODES = ["node-a", "node-b"]
@@ -61,24 +62,6 @@ pytestmark = pytest.mark.solo
 # leaves the window soon after it ends.
 AUTOSCALE_ENV = {"FERRY_AUTOSCALE_SECONDS": "1", "FERRY_AUTOSCALE_SHORT_WINDOW_S": "5",
                  "FERRY_AUTOSCALE_LONG_WINDOW_S": "60", "FERRY_AUTOSCALE_SCHEDULING_DELAY_S": "1"}
-
-
-class Slow(torch.nn.Module):
-    """About 20 ms of CPU per call at batch one on this machine (measured: 300 layers took ~10 ms)."""
-
-    def __init__(self, width: int = 512, layers: int = 600) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.inp = torch.nn.Parameter(torch.randn(64, width, generator=g) / 8, requires_grad=False)
-        self.hidden = torch.nn.Parameter(torch.randn(width, width, generator=g) / width**0.5, requires_grad=False)
-        self.out = torch.nn.Parameter(torch.randn(width, 10, generator=g) / width**0.5, requires_grad=False)
-        self.layers = layers
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.inp
-        for _ in range(self.layers):
-            h = torch.tanh(h @ self.hidden)
-        return h @ self.out
 
 
 def start(name: str, argv: list[str], tmp_path: Path, **extra: str) -> Proc:
@@ -209,13 +192,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
             assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
             yield client, web, key, procs
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-5000:]}")
-        worker_log = tmp_path / "worker.log"
-        if worker_log.exists():
-            print(f"----- worker -----\n{worker_log.read_text(errors='replace')[-8000:]}")
+        stop_all(procs, tail=5000, worker_log=tmp_path / "worker.log", worker_tail=8000)
         clear(client)
         broker.flushdb()
         client.close()

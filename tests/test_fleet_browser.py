@@ -17,7 +17,17 @@ from serving.models import ModelVersion
 from tests.conftest import mint_key, register
 from tests.test_console_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, log_in
 from tests.test_inference_http import digits_request
-from tests.test_streams_processes import REDIS_URL, Proc, ready_on, redis_db, start, start_web, wait_for, web_ready
+from tests.test_streams_processes import (
+    REDIS_URL,
+    Proc,
+    ready_on,
+    redis_db,
+    start,
+    start_web,
+    stop_all,
+    wait_for,
+    web_ready,
+)
 
 pytestmark = pytest.mark.browser
 __all__ = ["redis_db"]  # the fixture, used by name
@@ -53,10 +63,7 @@ def fleet(transactional_db, redis_db, model_files, tmp_path, django_user_model) 
         wait_for("the web process ready", lambda: web_ready(web), procs)
         yield web, key
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-4000:]}")
+        stop_all(procs, tail=4000)
 
 
 def infer_v2(web: Proc, key: str) -> int:

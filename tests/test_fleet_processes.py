@@ -29,7 +29,17 @@ from serving.dataplane import fleet
 from serving.demo import save_artifact
 from tests.conftest import mint_key, register
 from tests.test_inference_http import call
-from tests.test_streams_processes import REDIS_URL, ROOT, Proc, redis_db, start, start_web, wait_for, web_ready
+from tests.test_streams_processes import (
+    REDIS_URL,
+    ROOT,
+    Proc,
+    redis_db,
+    start,
+    start_web,
+    stop_all,
+    wait_for,
+    web_ready,
+)
 
 __all__ = ["redis_db"]  # the fixture, shared with tests.test_streams_processes
 
@@ -168,10 +178,7 @@ def test_cold_versions_load_on_demand_evicting_idle_ones_and_unschedulable_ones_
         for proc in procs:
             proc.alive()
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-5000:]}")
+        stop_all(procs, tail=5000)
 
 
 @pytest.mark.django_db  # only for the test database's connection settings; the benchmark makes its own

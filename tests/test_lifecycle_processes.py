@@ -25,7 +25,17 @@ from serving.models import ModelVersion, Replica
 from serving.publish import publish_snapshot
 from tests.conftest import celery_worker, register
 from tests.test_celery_worker import BROKER
-from tests.test_streams_processes import REDIS_URL, ROOT, START_TIMEOUT_S, Proc, _env, clear, ready_on, wait_for
+from tests.test_streams_processes import (
+    REDIS_URL,
+    ROOT,
+    START_TIMEOUT_S,
+    Proc,
+    _env,
+    clear,
+    ready_on,
+    stop_all,
+    wait_for,
+)
 
 KEY = "digits:1"
 
@@ -74,13 +84,7 @@ def fleet_of_two(transactional_db, model_files, tmp_path) -> Iterator[tuple[redi
             assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
             yield client, app, nodes
     finally:
-        for proc in nodes:
-            proc.stop()
-        for proc in nodes:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-6000:]}")
-        worker_log = tmp_path / "worker.log"
-        if worker_log.exists():
-            print(f"----- worker -----\n{worker_log.read_text(errors='replace')[-6000:]}")
+        stop_all(nodes, worker_log=tmp_path / "worker.log")
         clear(client)
         broker.flushdb()
         client.close()

@@ -34,6 +34,7 @@ from tests.test_streams_processes import (
     digits,
     ready_on,
     redis_db,  # noqa: F401 (a fixture)
+    stop_all,
     wait_for,
     web_ready,
 )
@@ -196,7 +197,4 @@ def test_inference_survives_postgres_stopped_and_the_control_plane_recovers(
         for proc in procs:
             proc.alive()
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-8000:]}")
+        stop_all(procs, tail=8000)

@@ -27,6 +27,7 @@ from tests.test_streams_processes import (
     redis_db,
     start_node,
     start_web,
+    stop_all,
     wait_for,
     web_ready,
 )
@@ -90,13 +91,7 @@ def shadowed(transactional_db, redis_db, model_files, tmp_path) -> Iterator[tupl
             wait_for("the web process ready", lambda: web_ready(web), procs)
             yield web, node, key
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-6000:]}")
-        worker_log = Path(tmp_path) / "worker.log"
-        if worker_log.exists():
-            print(f"----- worker -----\n{worker_log.read_text(errors='replace')[-4000:]}")
+        stop_all(procs, worker_log=Path(tmp_path) / "worker.log", worker_tail=4000)
 
 
 def test_mirrors_reach_the_candidate_on_a_node_and_are_compared(shadowed, redis_db) -> None:  # noqa: ANN001

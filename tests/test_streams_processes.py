@@ -71,6 +71,17 @@ class Proc:
                 self.proc.wait(timeout=20)
 
 
+def stop_all(procs: list[Proc], *, tail: int = 6000, worker_log: Path | None = None, worker_tail: int = 6000) -> None:
+    """Stop every process, then print the end of each log (and the Celery worker's, when given and written)
+    for a failing test's report."""
+    for proc in procs:
+        proc.stop()
+    for proc in procs:
+        print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-tail:]}")
+    if worker_log is not None and worker_log.exists():
+        print(f"----- worker -----\n{worker_log.read_text(errors='replace')[-worker_tail:]}")
+
+
 def _env(redis_url: str, data_dir: Path) -> dict[str, str]:
     db = connection.settings_dict  # the test database, so the web process sees what the test registered
     return {
@@ -225,10 +236,7 @@ def cluster(transactional_db, redis_db, model_files, tmp_path) -> Iterator[tuple
         wait_for("the web process ready", lambda: web_ready(web), procs)
         yield web, a, b, key
     finally:
-        for proc in procs:
-            proc.stop()
-        for proc in procs:
-            print(f"----- {proc.name} (exit {proc.proc.returncode}) -----\n{proc.log()[-6000:]}")
+        stop_all(procs)
 
 
 def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:  # noqa: ANN001
