@@ -75,15 +75,24 @@ def start(name: str, argv: list[str], tmp_path: Path, **extra: str) -> Proc:
     return Proc(name, proc, log_path)
 
 
-def holding(client: redis.Redis) -> list[str]:
-    """The nodes holding the version by assignment, loaded."""
-    held = []
+def nodes(client: redis.Redis) -> list[tuple[str, fleet.NodeInfo]]:
+    found = []
     for name in NODES:
         raw = client.hgetall(fleet.node_key(name))
-        info = fleet.NodeInfo.from_hash(raw) if raw else None
-        if info is not None and KEY in info.assigned and KEY in info.hot:
-            held.append(name)
-    return held
+        if raw:
+            found.append((name, fleet.NodeInfo.from_hash(raw)))
+    return found
+
+
+def holding(client: redis.Redis) -> list[str]:
+    """The nodes holding the version by assignment, loaded."""
+    return [name for name, info in nodes(client) if KEY in info.assigned and KEY in info.hot]
+
+
+def loaded_on(client: redis.Redis) -> list[str]:
+    """The nodes with the version loaded, assigned or not (a node may have loaded it on demand, the packing path,
+    and still be serving it until its unload drains)."""
+    return [name for name, info in nodes(client) if KEY in info.hot]
 
 
 def desired() -> int | None:
@@ -211,11 +220,15 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     # given the autoscaler sizing the version, at most one replica for now: beat's next tick asks for one and the
     # reconciler loads it on one node, which alone serves it
     policy = ScalingPolicy.objects.create(version=version, max_replicas=1, cool_down_seconds=COOL_DOWN_S)
-    wait_for("one replica placed", lambda: desired() == 1 and len(holding(client)) == 1, procs, 120)
+    # (and only there: at start-up both nodes may load it on demand, and the probe below must not count a second
+    # copy that is still draining before its unload)
+    wait_for("one replica placed", lambda: desired() == 1 and len(holding(client)) == 1
+             and loaded_on(client) == holding(client), procs, 120)
     first = holding(client)[0]
     # and what that replica serves here, measured: what the profile says, less the node's own work per request
     # and whatever else this 2-core machine runs (the web process, the load's threads, the other node)
     served = saturate(web, key, PROBE_S)
+    assert loaded_on(client) == [first], "the probe measured more than one replica"
     rate = STEP_SHARE * served
     target = rate / (STEP_REPLICAS * capacity.rate)
     # when the probe's arrivals have left the autoscaler's short window, and it may use two
