@@ -9,7 +9,9 @@ model's `ModelEntry`, whose `RouteTable` (stable, canary weights) `rollout.routi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,13 +43,17 @@ class SimVersion:
     ready_count: int = 0
     arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
     in_service: int = 0  # rows on a device now
+    # Of its replicas' devices (they share its queue), the one that takes its next turn; the others do not
+    # wake for it (sim.engine: `_covered`, `_hand_off`). None: whichever looks next claims it.
+    waker: Any = None
     demand: float = 0.0  # requests a second the scaling policy last sized it for
     observed: float = 0.0  # requests a second arriving now (smoothed over ~10 s)
     counted: int = 0  # arrivals_total when `observed` was last updated
 
     def __post_init__(self) -> None:
-        self.estimate = self.profile.estimate
         self.max_batch = self.batching.max_batch_size
+        self.times = times_of(self.profile, self.max_batch)
+        self.estimate = _estimator(self.times, self.profile)
         self.window = self.batching.max_queue_delay
         self.full_batch = self.estimate(self.max_batch)
 
@@ -157,9 +163,25 @@ def _version(rng: np.random.Generator, model: SimModel, number: int, family: Fam
     )
     capacity = replica_capacity(profile.estimate, family.max_batch_size, scaling.latency_budget)
     assert capacity is not None  # a profile with points always has a capacity
-    # The queue is bounded in rows through its byte bound: a simulated request weighs one "byte".
-    queue = BatchQueue(batching, profile.estimate, max_bytes=scaling.max_queue_size)
+    # The queue is bounded in rows through its byte bound: a simulated request weighs one "byte". Its
+    # estimates are the profile's, looked up: a batch never holds more than max_batch_size rows.
+    queue = BatchQueue(batching, times_of(profile, family.max_batch_size).__getitem__, max_bytes=scaling.max_queue_size)
     return SimVersion(
         key=f"{model.name}:{number}", model=model, number=number, family=family, node=node, memory_bytes=memory,
         profile=profile, batching=batching, scaling=config, capacity=capacity, queue=queue, weight=weight,
     )
+
+
+def times_of(profile: LatencyProfile, max_batch: int) -> list[float]:
+    """The profile's estimate for 0..max_batch rows, as a list: an interpolated size costs a bisect per call,
+    and the engine asks per batch. The profile is the truth's mean here and is not re-learnt."""
+    return [0.0] + [profile.estimate(rows) for rows in range(1, max_batch + 1)]
+
+
+def _estimator(times: list[float], profile: LatencyProfile) -> Callable[[int], float]:
+    top = len(times) - 1
+
+    def estimate(rows: int) -> float:
+        return times[rows] if 0 <= rows <= top else profile.estimate(rows)
+
+    return estimate

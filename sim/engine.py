@@ -1,8 +1,9 @@
 """The event loop: arrivals, routing, admission, batching and devices on one virtual clock.
 
-Granularity. Events are device turns, not requests: a device that finishes a batch (or wakes when
-its batching policy said to) polls its versions' `BatchQueue`s in turn, and only then are the
-arrivals since that version's model was last looked at generated, as one cohort: the exact time
+Granularity. Events are device turns, not requests: a device takes a turn when a batch of its
+versions is due (as its batching policy said, or as planned when its last batch started: see
+`_run`), polls their `BatchQueue`s in turn, and only then are the arrivals since that version's
+model was last looked at generated, as one cohort: the exact time
 of the first arrival (kept ahead as `next_arrival`, an exponential draw), then a Poisson count
 spread uniformly up to now. Poisson arrivals given their count are uniform, so this is exact in
 distribution, and a cohort spans at most one device turn. Cohorts are routed (the model's split
@@ -11,6 +12,9 @@ recomputed when a version's readiness changes), admitted by `serving.policies.ad
 largest prefix that fits the estimate), and put into the version's queue in pieces cut at batch
 boundaries, so a backlogged queue still leaves in full batches. What admission refuses goes to the
 model's fallback (its own admission), else is shed.
+
+Replicas of a version share its queue; one of their devices, the version's waker, takes the turns
+for it (`_covered`, `_hand_off`), so n idle replicas do not each wake for the same batch.
 
 Simplified: one queue per version shared by all its replicas (the design's stream per version),
 admission estimated against the version's first replica's device with the queue split evenly over
@@ -27,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from rollout.routing import RouteError, choose_version
 from serving.policies.admission import HEADROOM, VersionLoad, completion_seconds, decide
 from serving.policies.batching import Pending
@@ -36,8 +42,9 @@ from sim.fleet import Device, Fleet, Replica, replicas_for, staying
 from sim.metrics import Metrics
 from sim.scenario import Scenario
 
-FREE, WAKE, TICK, READY = 0, 1, 2, 3
+WAKE, TICK, READY = 1, 2, 3
 INF = math.inf
+BLOCK = 1 << 16  # variates numpy draws at a time: one Python-level draw per batch cost more than its bookkeeping
 
 
 def poisson(rng: random.Random, mean: float) -> int:
@@ -60,7 +67,11 @@ def binomial(rng: random.Random, n: int, p: float) -> int:
     if p >= 1:
         return n
     if n < 25:
-        return sum(1 for _ in range(n) if rng.random() < p)
+        draw, hits = rng.random, 0
+        for _ in range(n):
+            if draw() < p:
+                hits += 1
+        return hits
     sd = math.sqrt(n * p * (1 - p))
     return min(n, max(0, int(rng.gauss(n * p, sd) + 0.5)))
 
@@ -80,12 +91,17 @@ class Simulation:
         self.timeout = scenario.scaling.timeout
         self.max_queue = scenario.scaling.max_queue_size
         self.end = self.duration + self.timeout + 1.0
-        self.heap: list[tuple[float, int, int, Any, Any]] = []
+        self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.events = 0
         self.progress = progress
         sigma = scenario.jitter
-        self.jitter = (-sigma * sigma / 2, sigma)
+        self.jitter = (-sigma * sigma / 2, sigma)  # lognormal with mean 1
+        self.draws = np.random.default_rng(scenario.seed)
+        self._jitters: list[float] = []  # drawn ahead, used from the end
+        self._rate_at = scenario.traffic.at
+        self._windows, self._window = self.metrics.windows, self.metrics.window
+        self._exponentials: list[float] = []  # unit-mean
         self.ready = lambda key: self.by_key[key].ready_count > 0
         self.snap: dict[str, float] = {}
         self._last_tick = 0.0
@@ -95,25 +111,22 @@ class Simulation:
         started = time.perf_counter()
         cpu = time.process_time()
         self._start()
-        heap, pop = self.heap, heapq.heappop
+        heap, pop, serve, last = self.heap, heapq.heappop, self._serve, self.end
         next_report = self.duration / 10
+        events = 0
         while heap:
-            t, _, kind, a, b = pop(heap)
-            if t > self.end:
+            t, _, kind, a = pop(heap)
+            if t > last:
                 break
-            self.events += 1
-            if kind == FREE:
-                a.running = False
-                b[0].in_service -= b[1]
-                if a.hosted:
-                    self._serve(a, t)
-                else:
-                    self.fleet.release_if_empty(a, t)
-            elif kind == WAKE:
-                if a.wake_at == t:
+            events += 1
+            if kind == WAKE:
+                if a.wake_at == t:  # else a later plan replaced it
                     a.wake_at = INF
-                    if not a.running and a.on:
-                        self._serve(a, t)
+                    if a.on and a.busy_until <= t:
+                        if a.hosted:
+                            serve(a, t)
+                        else:
+                            self.fleet.release_if_empty(a, t)
             elif kind == TICK:
                 self._tick(t)
                 if self.progress and t >= next_report and t <= self.duration:
@@ -122,12 +135,21 @@ class Simulation:
                                   f" {time.perf_counter() - started:.1f} s wall")
             else:
                 self._ready(a, t)
+        self.events = events
         self._finish()
         return self._result(time.perf_counter() - started, time.process_time() - cpu)
 
-    def _push(self, t: float, kind: int, a: Any = None, b: Any = None) -> None:
+    def _push(self, t: float, kind: int, a: Any = None) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+        heapq.heappush(self.heap, (t, self.seq, kind, a))
+
+    def _recheck(self, dev: Device, now: float) -> None:
+        """Something its planned turn did not foresee reached `dev` (rows, a replica, new arrival times): it
+        takes a turn when its batch ends, or now when idle."""
+        at = dev.busy_until if dev.busy_until > now else now
+        if dev.wake_at > at:
+            dev.wake_at = at
+            self._push(at, WAKE, dev)
 
     def _start(self) -> None:
         """Every version starts with the replicas its policy wants for the opening load, already warm."""
@@ -149,8 +171,14 @@ class Simulation:
 
     # --- arrivals, routing, admission -----------------------------------------------------------
     def _resample(self, m: SimModel, now: float) -> None:
-        rate = m.rate = self.sc.traffic.at(now) * m.popularity if now < self.duration else 0.0
-        m.next_arrival = now + self.rng.expovariate(rate) if rate > 0 else INF
+        rate = m.rate = self._rate_at(now) * m.popularity if now < self.duration else 0.0
+        if rate > 0:
+            draws = self._exponentials
+            if not draws:
+                draws.extend(self.draws.exponential(1.0, BLOCK).tolist())
+            m.next_arrival = now + draws.pop() / rate
+        else:
+            m.next_arrival = INF
 
     def _advance(self, m: SimModel, now: float) -> None:
         """Generate `m`'s arrivals up to `now` as one cohort and dispatch it."""
@@ -161,12 +189,25 @@ class Simulation:
             if now > m.t:
                 m.t = now
             return
-        rate = self.sc.traffic.at((first + now) / 2) * m.popularity
-        k = 1 + poisson(self.rng, rate * (now - first))
+        rate_at = self._rate_at
+        k = 1 + poisson(self.rng, rate_at((first + now) / 2) * m.popularity * (now - first))
         m.t = now
-        self._resample(m, now)
-        self.metrics.at(now).counts["arrived"] += k
-        self._dispatch(m, k, first, now, now, fallback=False, reason="no_replica", first=True)
+        rate = m.rate = rate_at(now) * m.popularity if now < self.duration else 0.0  # `_resample`, inline
+        if rate > 0:
+            draws = self._exponentials
+            if not draws:
+                draws.extend(self.draws.exponential(1.0, BLOCK).tolist())
+            m.next_arrival = now + draws.pop() / rate
+        else:
+            m.next_arrival = INF
+        windows = self._windows
+        i = int(now / self._window)
+        (windows[i] if i < len(windows) else windows[-1]).counts["arrived"] += k
+        routes = self._routes(m) if m.routes_dirty else m.routes
+        if len(routes) == 1:
+            self._offer(m, routes[0][0], k, first, now, now, False, "no_replica", True)
+        else:
+            self._dispatch(m, k, first, now, now, fallback=False, reason="no_replica", first=True)
 
     def _routes(self, m: SimModel) -> list[tuple[SimVersion | None, float]]:
         counts: dict[int | None, int] = {}
@@ -208,7 +249,23 @@ class Simulation:
             return
         v.arrivals_total += k
         queue = v.queue
-        admit = self._admissible(v, k, now, lo + self.timeout)
+        timeout = self.timeout
+        rows = queue.rows + k
+        if rows <= v.max_batch and rows <= self.max_queue:
+            # The usual case, `_admissible`'s first answer inline (it runs per cohort): all rows join a batch
+            # that is not full yet, in one piece, when the device's in-flight remainder plus one full batch
+            # of each of its versions fits the deadline.
+            for r in v.replicas:
+                if r.ready:
+                    home = r.device
+                    break
+            in_flight = home.busy_until - now
+            if (in_flight if in_flight > 0 else 0.0) + home.ready_turn <= (lo + timeout - now) * HEADROOM:
+                queue.put(Pending((lo, hi, fallback, first), k, lo, lo + timeout, 1, k))
+                if fallback:
+                    self._kick(v, now)
+                return
+        admit = self._admissible(v, k, now, lo + timeout)
         why = "deadline"
         room = self.max_queue - queue.rows
         if admit > room:
@@ -233,8 +290,11 @@ class Simulation:
     def _admissible(self, v: SimVersion, k: int, now: float, deadline: float) -> int:
         """How many of `k` rows admission lets in: all, or the largest prefix whose estimate fits."""
         replicas = v.ready_count
-        home = next(r.device for r in v.replicas if r.ready)
-        in_flight = home.busy_until - now if home.running else 0.0
+        for r in v.replicas:
+            if r.ready:
+                home = r.device
+                break
+        in_flight = home.busy_until - now if home.busy_until > now else 0.0
         if v.queue.rows + k <= v.max_batch and in_flight + home.ready_turn <= (deadline - now) * HEADROOM:
             # Within one batch, `completion_seconds` is at most the in-flight remainder plus one full batch
             # of every version on the device, and that already fits: its verdict would be to admit.
@@ -274,14 +334,18 @@ class Simulation:
             room = mb
 
     def _kick(self, v: SimVersion, now: float) -> None:
-        """Wake an idle device of `v` for work that arrived without its model's own arrivals (a fallback)."""
+        """Wake an idle device of `v` for work that arrived without its model's own arrivals (a fallback);
+        when all are busy, each takes a turn when its batch ends."""
         for r in v.replicas:
             d = r.device
-            if r.ready and not d.running:
+            if r.ready and d.busy_until <= now:
                 if d.wake_at > now:
                     d.wake_at = now
                     self._push(now, WAKE, d)
                 return
+        for r in v.replicas:
+            if r.ready:
+                self._recheck(r.device, now)
 
     # --- devices --------------------------------------------------------------------------------
     def _serve(self, dev: Device, now: float) -> None:
@@ -290,7 +354,6 @@ class Simulation:
         n = len(hosted)
         wake = INF
         start = dev.rr
-        metrics = self.metrics
         for i in range(n):
             j = (start + i) % n
             r = hosted[j]
@@ -304,28 +367,29 @@ class Simulation:
             rate = m.rate * v.weight
             if not queue.rows:
                 # Nothing waits: the next batch starts gathering at the model's next arrival and leaves
-                # when full (expected) or when its window closes, whichever comes first; waking then
-                # instead of at the arrival saves a turn per quiet batch and changes no decision.
+                # when full (expected) or when its window closes, whichever comes first. Waking then
+                # instead of at each arrival saves a turn per row; a batch that fills sooner than expected
+                # leaves then, at most the expected fill time late.
                 if rate > 0:
                     at = m.next_arrival + min(v.window, v.max_batch / rate)
-                    if at < wake:
+                    if at < wake and not (v.ready_count > 1 and self._covered(v, dev, at)):
                         wake = at
                 continue
             d = queue.poll(now)
             for p in d.expired:
-                metrics.expired(p.deadline, p.payload[0], p.payload[1], p.rows)
+                self.metrics.expired(p.deadline, p.payload[0], p.payload[1], p.rows)
             if d.batch:
                 dev.rr = (j + 1) % n
                 self._run(dev, v, d.batch, now)
                 return
-            at = d.wake_at
-            if at is not None:
+            asked = d.wake_at
+            if asked is not None:
                 if rate > 0:  # it may fill before its window closes
                     fill = max(now + (v.max_batch - queue.rows) / rate, m.next_arrival)
-                    if fill < at:
-                        at = fill
-                if at < wake:
-                    wake = at
+                    if fill < asked:
+                        asked = fill
+                if asked < wake and not (v.ready_count > 1 and self._covered(v, dev, asked)):
+                    wake = asked
             elif queue.rows and m.next_arrival < wake:
                 wake = m.next_arrival
         if wake < dev.wake_at or dev.wake_at <= now:
@@ -337,13 +401,18 @@ class Simulation:
         rows = 0
         for p in batch:
             rows += p.rows
-        dur = v.estimate(rows) * self.rng.lognormvariate(*self.jitter)
+        jitters = self._jitters
+        if not jitters:
+            jitters.extend(self.draws.lognormal(*self.jitter, BLOCK).tolist())
+        dur = v.times[rows] * jitters.pop()
         end = now + dur
-        dev.running = True
         dev.busy_until = end
+        dev.batch_version = v
+        dev.batch_rows = rows
         dev.busy_seconds += dur
-        v.in_service += rows
-        w = self.metrics.at(end)
+        windows = self._windows
+        i = int(end / self._window)
+        w = windows[i] if i < len(windows) else windows[-1]
         lat, weight, counts = w.lat.append, w.weight.append, w.counts
         for p in batch:
             lo, hi, fb, first = p.payload
@@ -366,7 +435,88 @@ class Simulation:
                     weight(half)
             else:  # the deadline timer answers 504 first
                 self.metrics.expired(p.deadline, lo, hi, p.rows)
-        self._push(end, FREE, dev, (v, rows))
+        # The device's next turn: when the first batch of its versions would leave (`_due`), or at `end` if
+        # that comes first. A turn at `end` would mostly find nothing due and ask again later; skipped, the
+        # device goes on then. What the plan could not see (a tick's new arrival times, a fallback's rows, a
+        # replica moving) calls `_recheck`, which puts the turn back at `end`. A version with other replicas
+        # counts only if this device is its waker (after the hand-off: the replica that frees first).
+        wake = INF
+        for r in dev.hosted:
+            if not r.ready:
+                continue
+            o = r.version
+            if o.ready_count > 1:
+                self._hand_off(o, dev, now, end)
+                if o.waker is not dev:
+                    continue
+            at = self._due(o, now)
+            if at < wake:
+                wake = at
+        if wake < end:
+            wake = end
+        dev.wake_at = wake
+        if wake < INF:
+            self._push(wake, WAKE, dev)
+
+    def _due(self, v: SimVersion, now: float) -> float:
+        """When `v`'s next batch would leave as far as what waits now and its model's next arrival tell: the
+        window from the oldest row waiting, else from the next arrival, earlier when the expected arrivals
+        fill the batch first (or the oldest row's deadline less the batch's compute comes first); now when a
+        full batch waits. The idle-device wake-up of `_serve`, where no poll has answered yet."""
+        m = v.model
+        rate = m.rate * v.weight
+        queue = v.queue
+        waiting = queue.rows
+        if not waiting:
+            return m.next_arrival + min(v.window, v.max_batch / rate) if rate > 0 else INF
+        if waiting >= v.max_batch:
+            return now
+        oldest = queue.oldest_arrival(1)
+        assert oldest is not None
+        at = oldest + v.window
+        late = oldest + self.timeout - v.times[waiting]
+        if late < at:
+            at = late
+        if rate > 0:
+            fill = now + (v.max_batch - waiting) / rate
+            if fill < at:
+                at = fill
+        return at
+
+    def _covered(self, v: SimVersion, dev: Device, at: float) -> bool:
+        """Whether another device of `v`'s, its waker, already takes a turn by `at`; else `dev` becomes the
+        waker. Replicas share the version's queue, so n idle ones would each wake for the same batch and all
+        but one find it gone."""
+        w = v.waker
+        if w is not None and w is not dev and w.wake_at <= at:
+            return True
+        v.waker = dev
+        return False
+
+    def _hand_off(self, v: SimVersion, dev: Device, now: float, end: float) -> None:
+        """`dev` starts a batch (until `end`) and `v`, one of its versions, has other replicas: their waker
+        takes a turn when it is free and `v`'s next batch is due (`_due`, which the batch just taken moved).
+        When `dev` was the waker, or none was, the replica's device that frees first (idle ones now, `dev` at
+        `end`) becomes it."""
+        w = v.waker
+        if w is None or w is dev:
+            w, free = dev, end
+            for r in v.replicas:
+                d = r.device
+                if r.ready and d is not dev:
+                    f = d.busy_until if d.busy_until > now else now
+                    if f < free:
+                        w, free = d, f
+            v.waker = w
+        else:
+            free = w.busy_until if w.busy_until > now else now
+        if w is not dev:
+            at = self._due(v, now)
+            if at < free:
+                at = free
+            if at < w.wake_at:
+                w.wake_at = at
+                self._push(at, WAKE, w)
 
     def _ready(self, r: Replica, now: float) -> None:
         if r.removed:
@@ -374,6 +524,7 @@ class Simulation:
         r.ready = True
         v = r.version
         v.ready_count += 1
+        v.waker = None
         if v.ready_count == 1:
             v.model.routes_dirty = True
         d = r.device
@@ -383,9 +534,10 @@ class Simulation:
             r.replaces = None
             if not old.removed:
                 self.fleet.drop(old, now)
-        if not d.running and d.wake_at > now:
-            d.wake_at = now
-            self._push(now, WAKE, d)
+                old.version.waker = None
+                if old.device.busy_until > now:
+                    self._recheck(old.device, now)
+        self._recheck(d, now)
 
     # --- control: scaling ticks -----------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -399,10 +551,19 @@ class Simulation:
                 v.observed = keep * v.observed + (1 - keep) * (v.arrivals_total - v.counted) / (now - last)
                 v.counted = v.arrivals_total
         self._last_tick = now
+        for v in self.versions:
+            v.in_service = 0
+        for d in self.fleet.powered():
+            if d.busy_until > now and d.batch_version is not None:
+                d.batch_version.in_service += d.batch_rows
         desired = self.policy.desired(now)
         self._reconcile(desired, now)
+        for v in self.versions:  # replicas may have come or gone: the devices' turns below claim anew
+            v.waker = None
         for d in self.fleet.powered():
-            if not d.running and d.hosted:
+            if d.busy_until > now:
+                self._recheck(d, now)  # new arrival times, replicas come or gone
+            elif d.hosted:
                 self._serve(d, now)
         self._gauges(now, desired)
         self.metrics.flush(now - self.sc.window)

@@ -37,8 +37,9 @@ class Device:
     name: str
     kind: NodeType
     hosted: list[Replica] = field(default_factory=list)
-    busy_until: float = 0.0
-    running: bool = False  # a batch is on the device now
+    busy_until: float = 0.0  # the end of the batch on the device; running while now is before it
+    batch_version: SimVersion | None = None  # what that batch is of, and its rows (the rows in service)
+    batch_rows: int = 0
     rr: int = 0  # round-robin position over hosted replicas
     ready_turn: float = 0.0
     wake_at: float = math.inf  # the live wake-up; a WAKE event at another time is stale
@@ -165,7 +166,7 @@ class Fleet:
         if victim.ready:
             v.ready_count -= 1
             device.refresh()
-        if not device.hosted and not device.running:
+        if not device.hosted and device.busy_until <= now:
             self._power(device, False, now)
 
     def rebalance(self, now: float) -> int:
@@ -185,7 +186,7 @@ class Fleet:
         return moved
 
     def release_if_empty(self, device: Device, now: float) -> None:
-        if device.on and not device.hosted and not device.running:
+        if device.on and not device.hosted and device.busy_until <= now:
             self._power(device, False, now)
 
     def _power(self, device: Device, on: bool, now: float) -> None:

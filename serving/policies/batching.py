@@ -130,10 +130,13 @@ class BatchQueue:
         self.config = config
         self.max_bytes = max_bytes
         self._estimate = compute_estimate or (lambda rows: 0.0)
-        self._abandoned = abandoned or (lambda item: False)
+        self._abandoned = abandoned  # None: no caller goes away (the simulator), nothing to ask per request
+        self._limits: dict[int, tuple[int, float]] = {}  # per priority: (count, bytes) it may fill
         self._levels: dict[int, deque[Pending]] = {}
         self._level_rows: dict[int, int] = {}
-        self._order: list[int] = []  # priority levels present, ascending
+        # Priority levels seen, ascending. A level stays when it empties (most batches empty the queue, and
+        # dropping and re-creating the level cost more than the batch's own bookkeeping); loops pass it over.
+        self._order: list[int] = []
         self._count = 0
         self.rows = 0  # rows waiting (read per request by admission: a plain attribute, not a property)
         self._bytes = 0
@@ -161,7 +164,10 @@ class BatchQueue:
         for p in self._order:
             if p > priority:
                 break
-            arrival = self._levels[p][0].arrival
+            level = self._levels[p]
+            if not level:
+                continue
+            arrival = level[0].arrival
             if oldest is None or arrival < oldest:
                 oldest = arrival
         return oldest
@@ -174,9 +180,11 @@ class BatchQueue:
         config = self.config
         if item.rows < 1 or item.rows > config.max_batch_size:
             raise ValueError(f"a request of {item.rows} rows cannot fit max_batch_size {config.max_batch_size}")
-        share = tier_share(item.priority)
-        count_limit = max(1, int(config.max_queue_size * share))
-        bytes_limit = self.max_bytes * share
+        limits = self._limits.get(item.priority)
+        if limits is None:
+            share = tier_share(item.priority)
+            limits = self._limits[item.priority] = (max(1, int(config.max_queue_size * share)), self.max_bytes * share)
+        count_limit, bytes_limit = limits
         if item.nbytes > bytes_limit:
             raise QueueFull(f"request of {item.nbytes} bytes exceeds the queue's {bytes_limit:.0f} byte bound")
         evicted: list[Pending] = []
@@ -221,8 +229,6 @@ class BatchQueue:
                 victim = level.pop()
                 self._forget(victim)
                 evicted.append(victim)
-            if not level:
-                self._drop_level(level_priority)
             if self._count < count_limit and self._bytes <= bytes_limit:
                 break
         return evicted
@@ -238,15 +244,15 @@ class BatchQueue:
         self._bytes -= item.nbytes
         self._level_rows[item.priority] -= item.rows
 
-    def _drop_level(self, priority: int) -> None:
-        del self._levels[priority]
-        del self._level_rows[priority]
-        self._order.remove(priority)
+    def _empty_level(self, priority: int) -> None:
+        self._levels[priority].clear()
+        self._level_rows[priority] = 0
 
     def reconfigure(self, config: BatchingConfig) -> list[Pending]:
         """Apply new batching settings; returns queued requests that can no longer fit a batch,
         for the caller to answer (everything else stays queued and is served under the new settings)."""
         self.config = config
+        self._limits.clear()
         misfits: list[Pending] = []
         for priority in list(self._order):
             level = self._levels[priority]
@@ -262,7 +268,7 @@ class BatchQueue:
             if kept:
                 self._levels[priority] = kept
             else:
-                self._drop_level(priority)
+                self._empty_level(priority)
         if not self._count:
             self._next_expiry = float("inf")
         return misfits
@@ -278,49 +284,47 @@ class BatchQueue:
         return items
 
     def poll(self, now: float) -> Decision:
-        decision = Decision()
-        if now >= self._next_expiry:
-            decision.expired = self._sweep_expired(now)
+        expired = self._sweep_expired(now) if now >= self._next_expiry else []
         if not self._count:
-            return decision
-
-        batch, rows, more_waiting = self._candidates()
-        if not batch:  # everything waiting was abandoned by its caller
-            self._take(0, decision.dropped)
-            return decision
+            return Decision([], expired)
         config = self.config
-        target = self._preferred_target(rows)
-        if rows >= config.max_batch_size or more_waiting or (
-            config.preferred_batch_sizes and rows >= config.preferred_batch_sizes[-1]
-        ):
-            decision.batch = self._take(target, decision.dropped)
-            return decision
-
-        oldest_arrival = min(item.arrival for item in batch)
-        earliest_deadline = min(item.deadline for item in batch)
-        fire_at = min(oldest_arrival + config.max_queue_delay, earliest_deadline - self._estimate(rows))
-        if now >= fire_at:
-            decision.batch = self._take(target, decision.dropped)
-            return decision
-        decision.wake_at = min(fire_at, self._next_expiry)
-        return decision
-
-    def _candidates(self) -> tuple[list[Pending], int, bool]:
-        """The next batch in priority then arrival order, stopping at the first that would not fit;
-        requests their callers abandoned are passed over (and dropped when the batch is taken)."""
-        limit = self.config.max_batch_size
+        limit = config.max_batch_size
         abandoned = self._abandoned
-        batch: list[Pending] = []
+        # The next batch in priority then arrival order, stopping at the first request that would not fit;
+        # requests their callers abandoned are passed over (and dropped when the batch is taken).
         rows = 0
+        oldest = earliest = float("inf")  # of the batch: first arrival, first deadline
+        more_waiting = False
         for priority in self._order:
             for item in self._levels[priority]:
-                if abandoned(item):
+                if abandoned is not None and abandoned(item):
                     continue
                 if rows + item.rows > limit:
-                    return batch, rows, True
-                batch.append(item)
+                    more_waiting = True
+                    break
                 rows += item.rows
-        return batch, rows, False
+                if item.arrival < oldest:
+                    oldest = item.arrival
+                if item.deadline < earliest:
+                    earliest = item.deadline
+            if more_waiting:
+                break
+        dropped: list[Pending] = []
+        if not rows:  # everything waiting was abandoned by its caller
+            self._take(0, dropped)
+            return Decision([], expired, dropped)
+        preferred = config.preferred_batch_sizes
+        if rows >= limit or more_waiting or (preferred and rows >= preferred[-1]):
+            return Decision(self._take(self._preferred_target(rows) if preferred else rows, dropped), expired,
+                            dropped)
+        fire_at = oldest + config.max_queue_delay
+        latest_start = earliest - self._estimate(rows)
+        if latest_start < fire_at:
+            fire_at = latest_start
+        if now >= fire_at:
+            return Decision(self._take(self._preferred_target(rows) if preferred else rows, dropped), expired,
+                            dropped)
+        return Decision([], expired, dropped, min(fire_at, self._next_expiry))
 
     def _preferred_target(self, rows: int) -> int:
         """Largest preferred size that `rows` can fill; all rows when none can be formed."""
@@ -329,7 +333,7 @@ class BatchQueue:
         return preferred[i - 1] if i else rows
 
     def _take(self, target_rows: int, dropped: list[Pending]) -> list[Pending]:
-        """Pop the batch from the front of the levels, in the order `_candidates` walked them."""
+        """Pop the batch from the front of the levels, in the order `poll` walked them."""
         abandoned = self._abandoned
         taken: list[Pending] = []
         rows = 0
@@ -339,7 +343,7 @@ class BatchQueue:
             gone_rows = gone_bytes = gone_count = 0
             while level:
                 item = level[0]
-                if abandoned(item):
+                if abandoned is not None and abandoned(item):
                     level.popleft()
                     dropped.append(item)
                 elif not target_rows or (taken and rows + item.rows > target_rows):
@@ -355,9 +359,7 @@ class BatchQueue:
             self.rows -= gone_rows
             self._bytes -= gone_bytes
             self._level_rows[priority] -= gone_rows
-            if not level:
-                self._drop_level(priority)
-            else:
+            if level:
                 break
         if not self._count:
             self._next_expiry = float("inf")
@@ -378,7 +380,7 @@ class BatchQueue:
             if kept:
                 self._levels[priority] = kept
             else:
-                self._drop_level(priority)
+                self._empty_level(priority)
         self._next_expiry = next_expiry
         return expired
 
