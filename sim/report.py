@@ -4,8 +4,8 @@
 
 Every number in the page is read from the runs it just made; the checks of the acceptance are
 computed, not typed. Runs go to a process pool (one scenario x policy per process), each on one
-core, after the timed run (TIMED), which runs alone; the validation against the real server is `python -m sim.validate`, whose last result
-(docs/sim-validation.json) the page includes when it exists.
+core, after the timed run (TIMED), which runs alone; the validation against the real server is
+`python -m sim.validate`, whose last result (docs/sim-validation.json) the page includes when it exists.
 """
 
 from __future__ import annotations
