@@ -190,7 +190,17 @@ class Simulation:
                 m.t = now
             return
         rate_at = self._rate_at
-        k = 1 + poisson(self.rng, rate_at((first + now) / 2) * m.popularity * (now - first))
+        mean = rate_at((first + now) / 2) * m.popularity * (now - first)
+        if 0 < mean < 30:  # `poisson`, inline: this runs per cohort
+            x, p = 0, math.exp(-mean)
+            s, u = p, self.rng.random()
+            while u > s:
+                x += 1
+                p *= mean / x
+                s += p
+            k = 1 + x
+        else:
+            k = 1 + poisson(self.rng, mean)
         m.t = now
         rate = m.rate = rate_at(now) * m.popularity if now < self.duration else 0.0  # `_resample`, inline
         if rate > 0:
@@ -233,7 +243,7 @@ class Simulation:
             return
         left, share_left = k, 1.0
         # The earliest row is any one of the k, so it goes to a version in proportion to its rows.
-        holder = self.rng.randrange(k) if first else -1
+        holder = int(self.rng.random() * k) if first else -1
         for i, (v, share) in enumerate(routes):
             n = left if i == len(routes) - 1 else binomial(self.rng, left, share / share_left)
             share_left -= share
@@ -456,7 +466,8 @@ class Simulation:
             wake = end
         dev.wake_at = wake
         if wake < INF:
-            self._push(wake, WAKE, dev)
+            self.seq += 1
+            heapq.heappush(self.heap, (wake, self.seq, WAKE, dev))  # `_push`, inline: this runs per batch
 
     def _due(self, v: SimVersion, now: float) -> float:
         """When `v`'s next batch would leave as far as what waits now and its model's next arrival tell: the
