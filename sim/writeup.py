@@ -57,8 +57,8 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             f" mean accelerator utilisation {_pct(util)} (above 60%: {_holds(util > 0.6)}).",
             f"- Ten simulated minutes of it ({steady['duration_s']:.0f} s) took {steady['cpu_s']:.0f} s of CPU on"
             f" one core and {steady['wall_s']:.0f} s of wall time in this run (under 180 s: CPU"
-            f" {_holds(steady['cpu_s'] < 180)}, wall {_holds(steady['wall_s'] < 180)}; wall time counts whatever"
-            " else shared the machine's cores).",
+            f" {_holds(steady['cpu_s'] < 180)}, wall {_holds(steady['wall_s'] < 180)}; the run goes first and"
+            " alone, and its wall time counts whatever else the machine ran meanwhile).",
         ]
     ramp = by.get("ramp-30s-cold", {})
     if "predictive" in ramp and "reactive" in ramp:
