@@ -39,6 +39,7 @@ class SimVersion:
     capacity: Capacity
     queue: BatchQueue
     weight: float  # its share of its model's traffic when every version is ready
+    times: list[float]  # the profile's estimate for 0..max_batch_size rows (`times_of`), its queue's too
     replicas: list = field(default_factory=list)  # sim.fleet.Replica, loading or ready
     ready_count: int = 0
     arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
@@ -52,7 +53,6 @@ class SimVersion:
 
     def __post_init__(self) -> None:
         self.max_batch = self.batching.max_batch_size
-        self.times = times_of(self.profile, self.max_batch)
         self.estimate = _estimator(self.times, self.profile)
         self.window = self.batching.max_queue_delay
         self.full_batch = self.estimate(self.max_batch)
@@ -165,10 +165,12 @@ def _version(rng: np.random.Generator, model: SimModel, number: int, family: Fam
     assert capacity is not None  # a profile with points always has a capacity
     # The queue is bounded in rows through its byte bound: a simulated request weighs one "byte". Its
     # estimates are the profile's, looked up: a batch never holds more than max_batch_size rows.
-    queue = BatchQueue(batching, times_of(profile, family.max_batch_size).__getitem__, max_bytes=scaling.max_queue_size)
+    times = times_of(profile, family.max_batch_size)
+    queue = BatchQueue(batching, times.__getitem__, max_bytes=scaling.max_queue_size)
     return SimVersion(
         key=f"{model.name}:{number}", model=model, number=number, family=family, node=node, memory_bytes=memory,
         profile=profile, batching=batching, scaling=config, capacity=capacity, queue=queue, weight=weight,
+        times=times,
     )
 
 

@@ -100,7 +100,6 @@ class Simulation:
         self.draws = np.random.default_rng(scenario.seed)
         self._jitters: list[float] = []  # drawn ahead, used from the end
         self._rate_at = scenario.traffic.at
-        self._windows, self._window = self.metrics.windows, self.metrics.window
         self._exponentials: list[float] = []  # unit-mean
         self.ready = lambda key: self.by_key[key].ready_count > 0
         self.snap: dict[str, float] = {}
@@ -189,30 +188,10 @@ class Simulation:
             if now > m.t:
                 m.t = now
             return
-        rate_at = self._rate_at
-        mean = rate_at((first + now) / 2) * m.popularity * (now - first)
-        if 0 < mean < 30:  # `poisson`, inline: this runs per cohort
-            x, p = 0, math.exp(-mean)
-            s, u = p, self.rng.random()
-            while u > s:
-                x += 1
-                p *= mean / x
-                s += p
-            k = 1 + x
-        else:
-            k = 1 + poisson(self.rng, mean)
+        k = 1 + poisson(self.rng, self._rate_at((first + now) / 2) * m.popularity * (now - first))
         m.t = now
-        rate = m.rate = rate_at(now) * m.popularity if now < self.duration else 0.0  # `_resample`, inline
-        if rate > 0:
-            draws = self._exponentials
-            if not draws:
-                draws.extend(self.draws.exponential(1.0, BLOCK).tolist())
-            m.next_arrival = now + draws.pop() / rate
-        else:
-            m.next_arrival = INF
-        windows = self._windows
-        i = int(now / self._window)
-        (windows[i] if i < len(windows) else windows[-1]).counts["arrived"] += k
+        self._resample(m, now)
+        self.metrics.at(now).counts["arrived"] += k
         routes = self._routes(m) if m.routes_dirty else m.routes
         if len(routes) == 1:
             self._offer(m, routes[0][0], k, first, now, now, False, "no_replica", True)
@@ -265,10 +244,7 @@ class Simulation:
             # The usual case, `_admissible`'s first answer inline (it runs per cohort): all rows join a batch
             # that is not full yet, in one piece, when the device's in-flight remainder plus one full batch
             # of each of its versions fits the deadline.
-            for r in v.replicas:
-                if r.ready:
-                    home = r.device
-                    break
+            home = self._home(v)
             in_flight = home.busy_until - now
             if (in_flight if in_flight > 0 else 0.0) + home.ready_turn <= (lo + timeout - now) * HEADROOM:
                 queue.put(Pending((lo, hi, fallback, first), k, lo, lo + timeout, 1, k))
@@ -297,13 +273,15 @@ class Simulation:
         self._advance(fb, now)  # its own earlier arrivals queue first
         self._dispatch(fb, k, lo, hi, now, fallback=True, reason=reason, first=first)
 
+    @staticmethod
+    def _home(v: SimVersion) -> Device:
+        """The device admission estimates `v`'s completion against: its first ready replica's."""
+        return next(r.device for r in v.replicas if r.ready)
+
     def _admissible(self, v: SimVersion, k: int, now: float, deadline: float) -> int:
         """How many of `k` rows admission lets in: all, or the largest prefix whose estimate fits."""
         replicas = v.ready_count
-        for r in v.replicas:
-            if r.ready:
-                home = r.device
-                break
+        home = self._home(v)
         in_flight = home.busy_until - now if home.busy_until > now else 0.0
         if v.queue.rows + k <= v.max_batch and in_flight + home.ready_turn <= (deadline - now) * HEADROOM:
             # Within one batch, `completion_seconds` is at most the in-flight remainder plus one full batch
@@ -420,9 +398,7 @@ class Simulation:
         dev.batch_version = v
         dev.batch_rows = rows
         dev.busy_seconds += dur
-        windows = self._windows
-        i = int(end / self._window)
-        w = windows[i] if i < len(windows) else windows[-1]
+        w = self.metrics.at(end)
         lat, weight, counts = w.lat.append, w.weight.append, w.counts
         for p in batch:
             lo, hi, fb, first = p.payload
@@ -466,8 +442,7 @@ class Simulation:
             wake = end
         dev.wake_at = wake
         if wake < INF:
-            self.seq += 1
-            heapq.heappush(self.heap, (wake, self.seq, WAKE, dev))  # `_push`, inline: this runs per batch
+            self._push(wake, WAKE, dev)
 
     def _due(self, v: SimVersion, now: float) -> float:
         """When `v`'s next batch would leave as far as what waits now and its model's next arrival tell: the

@@ -314,17 +314,14 @@ class BatchQueue:
             self._take(0, dropped)
             return Decision([], expired, dropped)
         preferred = config.preferred_batch_sizes
-        if rows >= limit or more_waiting or (preferred and rows >= preferred[-1]):
-            return Decision(self._take(self._preferred_target(rows) if preferred else rows, dropped), expired,
-                            dropped)
-        fire_at = oldest + config.max_queue_delay
-        latest_start = earliest - self._estimate(rows)
-        if latest_start < fire_at:
-            fire_at = latest_start
-        if now >= fire_at:
-            return Decision(self._take(self._preferred_target(rows) if preferred else rows, dropped), expired,
-                            dropped)
-        return Decision([], expired, dropped, min(fire_at, self._next_expiry))
+        if not (rows >= limit or more_waiting or (preferred and rows >= preferred[-1])):
+            fire_at = oldest + config.max_queue_delay
+            latest_start = earliest - self._estimate(rows)
+            if latest_start < fire_at:
+                fire_at = latest_start
+            if now < fire_at:
+                return Decision([], expired, dropped, min(fire_at, self._next_expiry))
+        return Decision(self._take(self._preferred_target(rows), dropped), expired, dropped)
 
     def _preferred_target(self, rows: int) -> int:
         """Largest preferred size that `rows` can fill; all rows when none can be formed."""
