@@ -276,7 +276,10 @@ class Simulation:
     @staticmethod
     def _home(v: SimVersion) -> Device:
         """The device admission estimates `v`'s completion against: its first ready replica's."""
-        return next(r.device for r in v.replicas if r.ready)
+        for r in v.replicas:
+            if r.ready:
+                return r.device
+        raise LookupError(f"{v.key} has no ready replica")
 
     def _admissible(self, v: SimVersion, k: int, now: float, deadline: float) -> int:
         """How many of `k` rows admission lets in: all, or the largest prefix whose estimate fits."""
