@@ -402,26 +402,14 @@ class Simulation:
         dev.batch_rows = rows
         dev.busy_seconds += dur
         w = self.metrics.at(end)
-        lat, weight, counts = w.lat.append, w.weight.append, w.counts
+        record, counts = w.pieces.extend, w.counts
         for p in batch:
             lo, hi, fb, first = p.payload
             if end <= p.deadline:
                 counts["fallback" if fb else "served"] += p.rows
-                # Two samples at the quartiles of the rows spread uniformly over [lo, hi]; a piece holding
-                # its cohort's earliest row has that row at lo exactly (it opened the batch window), and
-                # only the others spread: as the spread, it would look half a window younger than it is.
-                rest = p.rows
-                if first:
-                    lat(end - lo)
-                    weight(1.0)
-                    rest -= 1
-                if rest:
-                    quarter = (hi - lo) / 4
-                    lat(end - lo - quarter)
-                    lat(end - lo - 3 * quarter)
-                    half = rest / 2
-                    weight(half)
-                    weight(half)
+                # Its latencies, as `Metrics.flush` reads them: a piece holding its cohort's earliest row has
+                # that row at lo exactly (it opened the batch window), the others spread over [lo, hi].
+                record((end - lo, hi - lo, first, p.rows))
             else:  # the deadline timer answers 504 first
                 self.metrics.expired(p.deadline, lo, hi, p.rows)
         # The device's next turn: when the first batch of its versions would leave (`_due`), or at `end` if

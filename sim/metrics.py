@@ -2,9 +2,13 @@
 
 Latencies go into log-spaced histograms (2.3% wide bins, 0.1 ms to 100 s) per window, so percentiles
 over time cost memory per window, not per request. A cohort of requests that arrived over [lo, hi]
-and left in one batch at `end` is entered (by the engine's `_run`, inline: it runs per batch) as two
-halves at the latencies of its quartiles (end - lo - (hi - lo) / 4 and end - lo - 3 (hi - lo) / 4):
-arrivals within a span are uniform given their count (Poisson), and a span is at most one device turn.
+and left in one batch at `end` counts as two halves at the latencies of its quartiles
+(end - lo - (hi - lo) / 4 and end - lo - 3 (hi - lo) / 4): arrivals within a span are uniform given
+their count (Poisson), and a span is at most one device turn. A piece holding its cohort's earliest
+row (`first`) has that row at lo exactly, and only the others spread.
+
+The engine's `_run` (it runs per batch) records each piece as four numbers in its window's `pieces`
+(end - lo, hi - lo, first, rows); `flush` turns a window's pieces into samples with numpy.
 """
 
 from __future__ import annotations
@@ -39,11 +43,10 @@ def percentile_all(hist: np.ndarray, failed: float, q: float) -> float | None:
 
 
 class Window:
-    __slots__ = ("lat", "weight", "counts", "shed_reasons", "gauges")
+    __slots__ = ("pieces", "counts", "shed_reasons", "gauges")
 
     def __init__(self) -> None:
-        self.lat = array("d")
-        self.weight = array("d")
+        self.pieces = array("d")  # per piece served: age at the end (end - lo), span (hi - lo), first, rows
         self.counts = dict.fromkeys(("arrived", *OUTCOMES), 0)
         self.shed_reasons: dict[str, int] = {}
         self.gauges: dict[str, list[float]] = {}
@@ -54,11 +57,13 @@ class Metrics:
         self.window = window
         self.n = int(np.ceil(duration / window)) + 1
         self.windows = [Window() for _ in range(self.n + 50)]  # the drain after the end lands past n
+        self._last = len(self.windows) - 1
         self.hists = np.zeros((len(self.windows), len(EDGES) - 1))
         self._flushed = 0
 
     def at(self, t: float) -> Window:
-        return self.windows[min(int(t / self.window), len(self.windows) - 1)]
+        i = int(t / self.window)
+        return self.windows[i if i < self._last else self._last]  # runs twice per batch: no min() call
 
     def arrived(self, t: float, k: int) -> None:
         self.at(t).counts["arrived"] += k
@@ -79,11 +84,10 @@ class Metrics:
         upto = len(self.windows) if before == float("inf") else min(int(before / self.window), len(self.windows))
         for i in range(self._flushed, upto):
             w = self.windows[i]
-            if w.lat:
-                lat = np.frombuffer(w.lat, dtype=float)
-                weight = np.frombuffer(w.weight, dtype=float)
+            if w.pieces:
+                lat, weight = _samples(np.frombuffer(w.pieces, dtype=float).reshape(-1, 4))
                 self.hists[i] += np.histogram(np.clip(lat, EDGES[0], EDGES[-1] * 0.999), EDGES, weights=weight)[0]
-                w.lat, w.weight = array("d"), array("d")
+                w.pieces = array("d")
         self._flushed = max(self._flushed, upto)
 
     def totals(self) -> dict[str, int]:
@@ -121,6 +125,18 @@ class Metrics:
                 row[name] = float(np.mean(values))
             rows.append(row)
         return rows
+
+
+def _samples(pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Latency samples and their weights from pieces (age, span, first, rows): the earliest row at its age
+    with weight 1 where a piece holds it, and the piece's other rows as two halves at its quartiles."""
+    age, span, first, rows = pieces.T
+    quarter = span / 4
+    half = (rows - first) / 2
+    opened = first > 0
+    lat = np.concatenate((age[opened], age - quarter, age - 3 * quarter))
+    weight = np.concatenate((np.ones(int(opened.sum())), half, half))
+    return lat, weight
 
 
 def _ms(seconds: float | None) -> float | None:

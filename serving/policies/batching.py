@@ -321,7 +321,8 @@ class BatchQueue:
                 fire_at = latest_start
             if now < fire_at:
                 return Decision([], expired, dropped, min(fire_at, self._next_expiry))
-        return Decision(self._take(self._preferred_target(rows), dropped), expired, dropped)
+        target = self._preferred_target(rows) if preferred else rows
+        return Decision(self._take(target, dropped), expired, dropped)
 
     def _preferred_target(self, rows: int) -> int:
         """Largest preferred size that `rows` can fill; all rows when none can be formed."""
@@ -334,7 +335,7 @@ class BatchQueue:
         abandoned = self._abandoned
         taken: list[Pending] = []
         rows = 0
-        for priority in list(self._order):
+        for priority in self._order:  # levels stay when they empty, so the list does not change under the walk
             level = self._levels[priority]
             # What leaves this level, summed here and forgotten once (not per item: this runs per batch).
             gone_rows = gone_bytes = gone_count = 0
