@@ -127,6 +127,13 @@ def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, P
     return report
 
 
+def _capacity(decision: Decision) -> dict[str, float | bool]:
+    """One replica's capacity as the decision used it, and whether it was seen served rather than profiled."""
+    if decision.capacity is None:
+        return {}
+    return {"capacity_per_s": round(decision.capacity.rate, 3), "capacity_observed": decision.capacity.observed}
+
+
 def _write(pk: int, key: str, decision: Decision) -> int | None | bool:
     """Store a changed decision with its audit entry; the count before, or False when nothing changed."""
     from tenants import audit
@@ -143,7 +150,8 @@ def _write(pk: int, key: str, decision: Decision) -> int | None | bool:
                      tenant=version.model.tenant, before={"desired_replicas": before},
                      after={"desired_replicas": decision.replicas, "reason": decision.reason,
                             "demand_per_s": round(decision.demand, 3), "forecast_per_s": round(decision.forecast, 3),
-                            "short_rate_per_s": round(decision.short_rate, 3)})
+                            "short_rate_per_s": round(decision.short_rate, 3),
+                            **_capacity(decision)})
     log.info("autoscaler: %s desired replicas %s -> %d (%s; demand %.1f/s, forecast %.1f/s)", key, before,
              decision.replicas, decision.reason, decision.demand, decision.forecast)
     return before

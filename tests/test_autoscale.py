@@ -426,3 +426,100 @@ def test_a_backlog_no_replica_took_adds_its_share_of_the_short_window_to_demand(
     assert calm.replicas == 2
     assert pressed.demand == pytest.approx(calm.demand + 30.0)
     assert pressed.replicas == 3
+
+
+# --- what replicas are seen to serve --------------------------------------------------------
+
+
+class Saturated:
+    """One version at two replicas whose nodes serve `served` requests a second each, whatever the profile
+    says (100 a second: `per_row`), fed `rate` a second; the backlog is what they did not take."""
+
+    def __init__(self, served: float, **changes: object) -> None:
+        self.cfg = config(cool_down=0.0, max_replicas=50)
+        self.scaler = Autoscaler({"gpu": 80 * GB}, **changes)  # type: ignore[arg-type]
+        self.served, self.total, self.backlog, self.now = served, 0, 0.0, 0.0
+
+    def run(self, seconds: int, rate: float, replicas: int = 2):
+        decision = None
+        for _ in range(seconds):
+            self.now += 1.0
+            self.total += int(rate)
+            self.backlog = max(0.0, self.backlog + rate - self.served * replicas)
+            obs = Observation("m:1", self.cfg, self.total, replicas, per_row, backlog=int(self.backlog))
+            decision = self.scaler.tick(self.now, [obs]).decisions["m:1"]
+        return decision
+
+
+def test_saturated_replicas_that_serve_less_than_the_profile_size_the_version_by_what_they_serve() -> None:
+    # given two replicas whose profile says 100 a second each, but which serve 30 a second each (a CPU node),
+    # fed 80 a second: more than they serve, so a backlog grows every second
+    fleet = Saturated(30.0)
+    decision = fleet.run(40, 80.0)
+    # then the capacity the decision used is the 30 a second they were seen to serve, flagged as observed
+    assert decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(30.0)
+    # and the replicas are sized by it: demand over 30 x 0.5 target (the profile alone would ask for
+    # ceil(demand / 50))
+    assert decision.replicas == math.ceil(decision.demand / 15.0 - 0.01)
+    assert decision.replicas > math.ceil(decision.demand / 50.0)
+
+
+def test_without_a_backlog_nothing_is_learnt_and_the_profile_stands() -> None:
+    # given replicas that keep up with what arrives (no backlog at any tick)
+    fleet = Saturated(60.0)
+    decision = fleet.run(40, 80.0)
+    # then the capacity is the profile's 100 a second
+    assert not decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(100.0)
+
+
+def test_what_was_seen_served_rises_when_replicas_serve_more_and_is_forgotten_after_its_ttl() -> None:
+    # given replicas seen saturated at 30 a second each
+    fleet = Saturated(30.0, served_ttl=120.0)
+    fleet.run(30, 80.0)
+    # when the load falls to 40 a second until the backlog is gone, and they then serve 45 each with no
+    # backlog (a noisy neighbour left)
+    fleet.run(40, 40.0)
+    assert fleet.backlog == 0
+    fleet.served = 45.0
+    decision = fleet.run(5, 90.0)
+    # then the capacity rises to what they served, at once
+    assert decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(45.0)
+    # and two minutes after the last saturated interval the profile's 100 stands again
+    decision = fleet.run(120, 90.0)
+    assert not decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(100.0)
+
+
+def test_an_interval_where_replicas_came_or_went_or_the_counter_reset_teaches_nothing() -> None:
+    # given a version whose two replicas are saturated at 10 a second by the profile's measure
+    fleet = Saturated(10.0)
+    fleet.run(1, 80.0)  # the first interval: no backlog at its start
+    scaler = fleet.scaler
+    # when the replica count changes between two saturated ticks, and then the counter resets
+    fleet.total += 80
+    scaler.tick(2.0, [Observation("m:1", fleet.cfg, fleet.total, 3, per_row, backlog=500)])
+    scaler.tick(3.0, [Observation("m:1", fleet.cfg, 5, 3, per_row, backlog=600)])
+    decision = scaler.tick(3.5, [Observation("m:1", fleet.cfg, 5, 3, per_row, backlog=600)]).decisions["m:1"]
+    # then nothing was learnt (the last interval answered nothing: no sample either)
+    assert not decision.capacity.observed
+
+
+def test_what_was_seen_served_survives_the_exported_state() -> None:
+    import json
+
+    # given two identical saturated versions, one of them handing its history (through JSON) to a fresh
+    # autoscaler after 30 s
+    whole, handed = Saturated(30.0), Saturated(30.0)
+    whole.run(30, 80.0)
+    handed.run(30, 80.0)
+    fresh = Autoscaler({"gpu": 80 * GB})
+    fresh.restore_state(json.loads(json.dumps(handed.scaler.export_state())))
+    handed.scaler = fresh
+    # when both go on for ten seconds
+    went_on, kept = handed.run(10, 80.0), whole.run(10, 80.0)
+    # then they decide the same, on the capacity seen served
+    assert went_on == kept
+    assert went_on.capacity.observed

@@ -82,6 +82,33 @@ def test_streams_give_arrivals_and_the_backlog_no_node_has_taken(client: redis.R
     assert stats["never:1"] == observe.StreamStats(0, 0)
 
 
+def test_a_replica_seen_saturated_sizes_the_version_by_what_it_answered_not_by_its_profile(
+    client: redis.Redis, version: ModelVersion
+) -> None:
+    ScalingPolicy.objects.create(version=version, max_replicas=3, cool_down_seconds=300)
+    heartbeat(client, "n1", {"scaled:1"})
+    stream = request_stream("scaled:1")
+    first = tick(client)
+    # given a backlog of 2,000 requests no node has taken at the second tick
+    send(client, "scaled:1", 2000)
+    time.sleep(1.0)
+    second = tick(client)
+    assert not second.plan.decisions["scaled:1"].capacity.observed  # a backlog at one end only: nothing learnt
+    # when, before the third, the node answers 100 of them (read, acked, deleted) while 200 more arrive
+    client.xgroup_create(stream, GROUP, id="0")
+    answered = client.xreadgroup(GROUP, "n1", {stream: ">"}, count=100)[0][1]
+    client.xack(stream, GROUP, *[entry_id for entry_id, _ in answered])
+    client.xdel(stream, *[entry_id for entry_id, _ in answered])
+    send(client, "scaled:1", 200)
+    time.sleep(1.0)
+    third = tick(client)
+    # then the capacity is the 100 answered over the interval, far below the profile's 400 a second
+    capacity = third.plan.decisions["scaled:1"].capacity
+    assert capacity.observed
+    assert capacity.rate == pytest.approx(100 / (third.now - second.now))
+    assert first.plan.decisions["scaled:1"].reason == "no_data"
+
+
 def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_down_holds_it(
     client: redis.Redis, version: ModelVersion, settings  # noqa: ANN001
 ) -> None:
@@ -111,6 +138,7 @@ def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_do
     assert entry.actor_name == "system" and entry.target == "model scaled version 1"
     assert entry.before == {"desired_replicas": 1} and entry.after["desired_replicas"] == 3
     assert entry.after["reason"] == "max"
+    assert entry.after["capacity_per_s"] == pytest.approx(400.0) and entry.after["capacity_observed"] is False
     # and the history is in Redis, so the next tick (any worker's) holds 3 through the cool-down
     assert "scaled:1" in json.loads(client.get(STATE_KEY))["tracks"]
     # once the replicas have answered the backlog (nodes delete what they answered) and no more requests

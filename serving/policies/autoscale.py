@@ -42,6 +42,15 @@ Per version, each tick:
   in the next, `2 t(b)`, which must fit `HEADROOM` of the p99 budget (admission's share of it),
   so `b* = max{b <= max_batch_size : 2 t(b) <= HEADROOM x budget}` and the capacity is
   `b* / t(b*)`;
+- capacity seen served: a profile counts the model's compute only, and a replica may serve less (on a CPU
+  node, its own request handling and the GIL share the cores with the compute). An interval the
+  version's replicas spent saturated (a backlog at both of its ends, the same replica count) shows
+  what they serve: the arrivals less the backlog's growth, per replica per second, smoothed
+  (`served_tau`). Below the profile's capacity, it replaces it; an interval that sees more served
+  raises it at once, and it is forgotten `served_ttl` seconds after the last saturated interval
+  (the fleet may have changed). Without a backlog (the simulator, a fleet that keeps up) nothing
+  is learnt and the profile stands. What the nodes hold in flight is not counted (at most two
+  batches a node), so one interval's sample may be off by that;
 - recommendation: `ceil(demand / (capacity x target_utilisation)) + warm_pool`, clamped to
   `[min, max]`; a version with `min_replicas = 0` keeps one replica until it has seen no
   arrival for `idle_to_zero` seconds, then goes to zero;
@@ -124,6 +133,7 @@ class Capacity:
     batch: int  # the largest batch whose queueing and compute fit the budget
     rate: float  # requests a second one replica serves at that batch size
     fits_budget: bool  # False: even a batch of one misses the budget (rate is batch one's)
+    observed: bool = False  # True: `rate` is what saturated replicas were seen to serve, below the profile's
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +206,10 @@ class _Track:
     level: float | None = None  # Holt's smoothed rate, as of the middle of the last tick
     trend: float = 0.0  # its slope, requests a second per second
     last_dt: float = 0.0
+    last_backlog: int = 0
+    last_replicas: int = 0
+    served: float | None = None  # requests a second one replica was seen to serve saturated (smoothed)
+    served_at: float = 0.0  # the end of the last saturated interval
 
 
 class Autoscaler:
@@ -212,12 +226,16 @@ class Autoscaler:
         trend_window: float = 8.0,
         trend_z: float = 4.0,
         surge: float = 0.0,
+        served_tau: float = 30.0,
+        served_ttl: float = 3600.0,
     ) -> None:
         if not 0 < short_window <= long_window:
             raise ValueError("need 0 < short_window <= long_window")
         if level_tau <= 0 or trend_tau <= 0 or trend_window <= 0 or trend_z < 0 or surge < 0:
             raise ValueError("level_tau, trend_tau and trend_window must be positive, trend_z and surge not"
                              " negative")
+        if served_tau <= 0 or served_ttl <= 0:
+            raise ValueError("served_tau and served_ttl must be positive")
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
         self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
@@ -228,6 +246,8 @@ class Autoscaler:
         self.trend_window = trend_window
         self.trend_z = trend_z
         self.surge = surge  # requests a second per second the pool may grow by unannounced
+        self.served_tau = served_tau
+        self.served_ttl = served_ttl
         self._tracks: dict[str, _Track] = {}
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
@@ -241,6 +261,8 @@ class Autoscaler:
                     "last_at": t.last_at, "last_total": t.last_total, "last_arrival": t.last_arrival,
                     "samples": [list(s) for s in t.samples], "recommended": [list(r) for r in t.recommended],
                     "level": t.level, "trend": t.trend, "last_dt": t.last_dt,
+                    "last_backlog": t.last_backlog, "last_replicas": t.last_replicas,
+                    "served": t.served, "served_at": t.served_at,
                 }
                 for version, t in self._tracks.items()
             },
@@ -250,7 +272,8 @@ class Autoscaler:
 
     def restore_state(self, state: Mapping[str, Mapping]) -> None:
         """Take up the history `export_state` gave (replacing this instance's own). A state without "tracks" is
-        an earlier release's: its tracks alone, with no pooled history."""
+        an earlier release's: its tracks alone, with no pooled history. A track without what replicas were seen
+        to serve (an earlier release's) starts with none."""
         tracks_state = state["tracks"] if "tracks" in state else state
         tracks: dict[str, _Track] = {}
         for version, t in tracks_state.items():
@@ -259,6 +282,8 @@ class Autoscaler:
                 deque((float(a), float(b), int(c)) for a, b, c in t["samples"]),
                 deque((float(a), int(r)) for a, r in t["recommended"]),
                 None if t["level"] is None else float(t["level"]), float(t["trend"]), float(t["last_dt"]),
+                int(t.get("last_backlog", 0)), int(t.get("last_replicas", 0)),
+                None if t.get("served") is None else float(t["served"]), float(t.get("served_at", 0.0)),
             )
         self._tracks = tracks
         self._pool = deque((float(a), float(b), int(c)) for a, b, c in state.get("pool", ()))  # type: ignore[union-attr]
@@ -277,7 +302,7 @@ class Autoscaler:
         for obs in observed:
             track = self._tracks.get(obs.version)
             if track is not None:
-                arrivals += self._record(track, now, obs.arrivals_total)
+                arrivals += self._record(track, now, obs)
         pooled = self._pooled(now, arrivals)
         decisions: dict[str, Decision] = {}
         configs: dict[str, ScalingConfig] = {}
@@ -305,6 +330,10 @@ class Autoscaler:
         # did not keep up with: it is sized to be worked off within the short window, on top of the rate.
         demand = max(forecast, short) + max(obs.backlog, 0) / self.short_window
         capacity = replica_capacity(obs.estimate, cfg.max_batch_size, cfg.latency_budget)
+        if track.served is not None and now - track.served_at > self.served_ttl:
+            track.served = None
+        if capacity is not None and track.served is not None and track.served < capacity.rate:
+            capacity = Capacity(capacity.batch, track.served, capacity.fits_budget, observed=True)
 
         if cfg.min_replicas == 0 and cfg.idle_to_zero is not None and now - track.last_arrival >= cfg.idle_to_zero:
             track.recommended.clear()
@@ -339,19 +368,42 @@ class Autoscaler:
             want, reason = held, "cool_down"
         return Decision(obs.version, want, reason, demand, forecast, short, long, capacity)
 
-    def _record(self, track: _Track, now: float, total: int) -> int:
+    def _record(self, track: _Track, now: float, obs: Observation) -> int:
         """Add the interval since the version's last tick; the arrivals in it."""
         if now <= track.last_at:
             return 0  # a repeated or out-of-order tick adds no interval
-        count = total - track.last_total if total >= track.last_total else total  # a drop is a reset
+        total, dt = obs.arrivals_total, now - track.last_at
+        reset = total < track.last_total  # a drop is a reset
+        count = total if reset else total - track.last_total
         track.samples.append((track.last_at, now, count))
-        self._smooth(track, now - track.last_at, count / (now - track.last_at))
+        self._smooth(track, dt, count / dt)
         if count > 0:
             track.last_arrival = now
+        if not reset:
+            self._served(track, now, dt, count, obs)
         track.last_at, track.last_total = now, total
+        track.last_backlog, track.last_replicas = max(obs.backlog, 0), obs.replicas
         while track.samples and track.samples[0][0] < now - self.long_window - _EPS:
             track.samples.popleft()
         return count
+
+    def _served(self, track: _Track, now: float, dt: float, count: int, obs: Observation) -> None:
+        """Learn what one replica serves from an interval of `dt` seconds with `count` arrivals."""
+        replicas, backlog = obs.replicas, max(obs.backlog, 0)
+        if replicas <= 0 or replicas != track.last_replicas:
+            return  # a replica came or went within the interval: whose work it was is not known
+        answered = count - (backlog - track.last_backlog)
+        if answered <= 0:
+            return  # nothing taken: a node restarting or loading says nothing of what a replica serves
+        per_replica = answered / dt / replicas
+        if track.last_backlog > 0 and backlog > 0:  # saturated throughout: this is what they serve
+            if track.served is None:
+                track.served = per_replica
+            else:
+                track.served += (1.0 - math.exp(-dt / self.served_tau)) * (per_replica - track.served)
+            track.served_at = now
+        elif track.served is not None and per_replica > track.served:  # they served more than that
+            track.served = per_replica
 
     def _pooled(self, now: float, arrivals: int) -> _Pooled:
         """The line through the pooled rates of the trend window, its slope kept only when significant."""
