@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 STATE_KEY = "ferry:autoscaler:state"
 LOCK_KEY = "ferry:autoscaler:lock"
 LOCK_SECONDS = 60  # longer than any tick; a worker that dies holding it blocks ticks this long at most
-STATE_TTL_SECONDS = 3600  # a history older than this is stale: a fresh one starts
+STATE_TTL_SECONDS = 3600  # a history not written for this long is dropped (two seasons at least: `_tick`)
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
@@ -100,13 +100,19 @@ def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, P
         log.warning("autoscaler: %s is not sized: %s", key, why)
 
     scaler = Autoscaler(node_memory, short_window=settings.FERRY_AUTOSCALE_SHORT_WINDOW_S,
-                        long_window=settings.FERRY_AUTOSCALE_LONG_WINDOW_S, surge=float(settings.FERRY_AUTOSCALE_SURGE))
+                        long_window=settings.FERRY_AUTOSCALE_LONG_WINDOW_S, surge=float(settings.FERRY_AUTOSCALE_SURGE),
+                        season=float(settings.FERRY_AUTOSCALE_SEASON_S),
+                        season_buckets=settings.FERRY_AUTOSCALE_SEASON_BUCKETS,
+                        season_min_periods=settings.FERRY_AUTOSCALE_SEASON_MIN_PERIODS)
     stored = client.get(STATE_KEY)
     if stored:
         scaler.restore_state(json.loads(stored))
     streams = observe.read_streams(client, [t.key for t in targets])
     plan = scaler.tick(now, observe.observe(targets, streams, nodes))
-    client.set(STATE_KEY, json.dumps(scaler.export_state()), ex=STATE_TTL_SECONDS)
+    # The seasonal profile learns over days, so the history outlives a pause of the ticks by two periods (the rest
+    # of it is windowed by time: an old history does no harm).
+    ttl = max(STATE_TTL_SECONDS, int(2 * settings.FERRY_AUTOSCALE_SEASON_S))
+    client.set(STATE_KEY, json.dumps(scaler.export_state()), ex=ttl)
     report.plan = plan
 
     for target in targets:

@@ -127,6 +127,12 @@ FERRY_AUTOSCALE_SCHEDULING_DELAY_S = env_int("FERRY_AUTOSCALE_SCHEDULING_DELAY_S
 # Surge headroom (serving.policies.autoscale): requests a second per second the whole pool may grow by before any
 # forecast can see it; 0 sizes by the forecast alone.
 FERRY_AUTOSCALE_SURGE = env_int("FERRY_AUTOSCALE_SURGE", 0, minimum=0)
+# Seasonality (serving.policies.seasonal): each version's rate by time of day over past days, in buckets; a rise
+# seen at this time of day before is ordered one lead time ahead. FERRY_AUTOSCALE_SEASON_S 0 turns it off; a bucket
+# is used once it has FERRY_AUTOSCALE_SEASON_MIN_PERIODS days behind it (2: a one-off day is not followed).
+FERRY_AUTOSCALE_SEASON_S = env_int("FERRY_AUTOSCALE_SEASON_S", 86400, minimum=0)
+FERRY_AUTOSCALE_SEASON_BUCKETS = env_int("FERRY_AUTOSCALE_SEASON_BUCKETS", 48, minimum=2)
+FERRY_AUTOSCALE_SEASON_MIN_PERIODS = env_int("FERRY_AUTOSCALE_SEASON_MIN_PERIODS", 1, minimum=1)
 FERRY_NODE_PROVIDER = env_str("FERRY_NODE_PROVIDER", "")
 FERRY_NODE_POOLS = env_json("FERRY_NODE_POOLS", {})
 FERRY_LOCAL_NODES_MAX = env_int("FERRY_LOCAL_NODES_MAX", 4, minimum=0)  # all pools together, on this machine

@@ -26,7 +26,8 @@ from sim.plots import scenario_plot
 from sim.writeup import render
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-ORDER = ("steady-50k", "ramp-30s-cold", "spike-3x", "diurnal-day")  # the page's order; others follow by name
+# The page's order; others follow by name.
+ORDER = ("steady-50k", "ramp-30s-cold", "spike-3x", "diurnal-day", "daily-rush")
 # The run whose time the page checks against the budget ("ten simulated minutes on one core"): it goes first and
 # alone, so no other run shares the machine's caches and memory bandwidth while it is timed.
 TIMED = ("steady-50k", "predictive")

@@ -1,8 +1,9 @@
 """The three scaling policies a scenario compares, each answering desired replicas per version per tick.
 
 - predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
-  now + cold start + scheduling delay, warm pool, cool-down, the scenario's declared surge);
+  now + cold start + scheduling delay, warm pool, cool-down, the scenario's declared surge and seasonality);
 - forecast-only: the same without the surge, where a scenario asks to see what forecasting alone does;
+- trend-only: the same without the seasonality, where a scenario declares one (`scaling.season`);
 - reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency
   over the last `window` seconds / a replica's target concurrency), where a replica's target is what
   it holds serving the predictive policy's target utilisation of its capacity: batches of b rows with
@@ -26,9 +27,12 @@ from sim.scenario import Scenario
 class Predictive:
     name = "predictive"
 
-    def __init__(self, scenario: Scenario, versions: list[SimVersion], *, surge: bool = True) -> None:
+    def __init__(self, scenario: Scenario, versions: list[SimVersion], *, surge: bool = True,
+                 season: bool = True) -> None:
         memory = {node.name: int(node.memory_gb * 2**30) for node in scenario.fleet}
-        self.autoscaler = Autoscaler(memory, surge=scenario.scaling.surge if surge else 0.0)
+        scaling = scenario.scaling
+        self.autoscaler = Autoscaler(memory, surge=scaling.surge if surge else 0.0,
+                                     season=scaling.season if season else 0.0, season_buckets=scaling.season_buckets)
         self.versions = versions
         self.nodes_wanted: dict[str, int] = {}
 
@@ -53,6 +57,15 @@ class ForecastOnly(Predictive):
 
     def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
         super().__init__(scenario, versions, surge=False)
+
+
+class TrendOnly(Predictive):
+    """The same `Autoscaler` without the scenario's seasonality: what the trend alone achieves."""
+
+    name = "trend-only"
+
+    def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
+        super().__init__(scenario, versions, season=False)
 
 
 class Reactive:
@@ -117,5 +130,6 @@ class Static:
 
 
 def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictive | Reactive | Static:
-    policies = {"predictive": Predictive, "forecast-only": ForecastOnly, "reactive": Reactive, "static": Static}
+    policies = {"predictive": Predictive, "forecast-only": ForecastOnly, "trend-only": TrendOnly, "reactive": Reactive,
+                "static": Static}
     return policies[name](scenario, versions)

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-POLICIES = ("predictive", "forecast-only", "reactive", "static")
+POLICIES = ("predictive", "forecast-only", "trend-only", "reactive", "static")
 DEFAULT_POLICIES = ("predictive", "reactive", "static")
 
 
@@ -24,7 +24,9 @@ class Traffic:
     """Total requests a second over time. Shapes:
     steady (rate); diurnal (rate is the peak, low the trough, one day compressed into `period`
     seconds, starting at the trough); ramp (from `low` to `rate` over `length` seconds from `start`);
-    spike (`low` steady, `factor` x `low` from `start` for `length` seconds)."""
+    spike (`low` steady, `factor` x `low` from `start` for `length` seconds); rush (every `period`
+    seconds, a day compressed: `low` until `start`, up to `rate` over `length` seconds, held, and back
+    down to `low` over the period's last `length` seconds)."""
 
     shape: str = "steady"
     rate: float = 1000.0
@@ -35,10 +37,12 @@ class Traffic:
     factor: float = 3.0
 
     def __post_init__(self) -> None:
-        if self.shape not in ("steady", "diurnal", "ramp", "spike"):
+        if self.shape not in ("steady", "diurnal", "ramp", "spike", "rush"):
             raise ValueError(f"unknown traffic shape {self.shape!r}")
         if self.rate < 0 or self.low < 0 or self.period <= 0 or self.length <= 0 or self.factor <= 0:
             raise ValueError("traffic rates, period, length and factor must be positive")
+        if self.shape == "rush" and (self.start < 0 or self.start + 2 * self.length > self.period):
+            raise ValueError("a rush must rise and fall within its period: start + 2 x length <= period")
 
     def at(self, t: float) -> float:
         if self.shape == "steady":
@@ -48,6 +52,11 @@ class Traffic:
         if self.shape == "ramp":
             frac = min(max((t - self.start) / self.length, 0.0), 1.0)
             return self.low + (self.rate - self.low) * frac
+        if self.shape == "rush":
+            phase = t % self.period
+            up = (phase - self.start) / self.length
+            down = (self.period - phase) / self.length
+            return self.low + (self.rate - self.low) * min(max(min(up, down), 0.0), 1.0)
         inside = self.start <= t < self.start + self.length
         return self.low * (self.factor if inside else 1.0)
 
@@ -93,6 +102,8 @@ class Scaling:
     target_utilisation: float = 0.7
     warm_pool: int = 0
     surge: float = 0.0  # predictive: requests/s per second the whole fleet absorbs unannounced (Autoscaler)
+    season: float = 0.0  # predictive: the period of the rate's seasonality in seconds (0: none; Autoscaler)
+    season_buckets: int = 48
     scheduling_delay: float = 5.0
     latency_budget: float = 0.3  # the p99 a replica is sized to keep
     timeout: float = 1.0  # each request's deadline after its arrival

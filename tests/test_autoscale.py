@@ -523,3 +523,57 @@ def test_what_was_seen_served_survives_the_exported_state() -> None:
     # then they decide the same, on the capacity seen served
     assert went_on == kept
     assert went_on.capacity.observed
+
+
+# --- daily seasonality ----------------------------------------------------------------------
+
+
+def test_a_step_seen_at_this_time_of_day_before_is_ordered_one_lead_time_ahead() -> None:
+    # given "days" of 200 s (20 buckets of 10 s) where the rate steps from 100 to 400 a second halfway
+    # through each, a 35 s lead, no cool-down, and two autoscalers: one with the season, one without
+    def rate(t: float) -> float:
+        return 100.0 if t % 200 < 100 else 400.0
+
+    cfg = config(cool_down=0.0, max_replicas=50)
+    runs = {}
+    for season in (200.0, 0.0):
+        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=20)
+        total, decisions = 0, {}
+        for t in range(0, 400):
+            total += int(rate(t))
+            decisions[t] = scaler.tick(float(t), [Observation("m:1", cfg, total, 2, per_row)]).decisions["m:1"]
+        runs[season] = decisions
+    seasonal, plain = runs[200.0], runs[0.0]
+    # then on the first day neither sees the step coming: both hold 2 replicas (100 / 50) until it comes
+    assert seasonal[95].replicas == plain[95].replicas == 2
+    # and on the second day, 10 s before the step, the seasonal one already holds what 400 a second needs
+    # (400 / 50 = 8), ordered as the profile ahead began to rise (its reason says so), where the other
+    # still holds 2
+    assert plain[290].replicas == 2
+    assert seasonal[290].replicas >= 8
+    first = min(t for t in range(240, 300) if seasonal[t].replicas >= 8)
+    assert seasonal[first].reason == "season"
+    assert 300 - 45 <= first <= 300 - 25  # one lead time (35 s) ahead, within a bucket's interpolation
+
+
+def test_a_season_survives_the_exported_state_and_a_changed_season_starts_afresh() -> None:
+    import json
+
+    cfg = config()
+    scaler = Autoscaler({"gpu": 80 * GB}, season=100.0, season_buckets=10)
+    for t in range(150):
+        scaler.tick(float(t), [Observation("m:1", cfg, 50 * t, 2, per_row)])
+    state = json.loads(json.dumps(scaler.export_state()))
+    same = Autoscaler({"gpu": 80 * GB}, season=100.0, season_buckets=10)
+    same.restore_state(state)
+    other = Autoscaler({"gpu": 80 * GB}, season=86400.0)
+    other.restore_state(state)
+    off = Autoscaler({"gpu": 80 * GB})
+    off.restore_state(state)
+    assert same.export_state() == scaler.export_state()
+    assert other.export_state()["tracks"]["m:1"]["season"]["seen"] == [0] * 48
+    assert off.export_state()["tracks"]["m:1"]["season"] is None
+    with pytest.raises(ValueError):
+        Autoscaler({"gpu": GB}, season=-1.0)
+    with pytest.raises(ValueError):
+        Autoscaler({"gpu": GB}, season=100.0, season_buckets=1)

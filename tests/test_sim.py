@@ -191,12 +191,14 @@ def test_percentiles_over_everyone_count_failures_as_slowest():
 
 def test_shipped_scenarios_load_and_bad_ones_are_refused():
     names = {p.stem for p in scenarios.shipped()}
-    assert {"steady-50k", "diurnal-day", "ramp-30s-cold", "spike-3x"} <= names
+    assert {"steady-50k", "diurnal-day", "ramp-30s-cold", "spike-3x", "daily-rush"} <= names
     for path in scenarios.shipped():
         sc = scenarios.load(path)
         assert {"predictive", "reactive", "static"} <= set(sc.policies) <= set(scenarios.POLICIES)
     with pytest.raises(ValueError):
         small(traffic={"shape": "sawtooth"})
+    with pytest.raises(ValueError):  # a rush that cannot fall back within its period
+        small(traffic={"shape": "rush", "period": 100, "start": 50, "length": 30})
     with pytest.raises(ValueError):
         small(policies=["psychic"])
 
@@ -214,3 +216,25 @@ def test_report_writes_the_page_and_plots(tmp_path):
     assert "![small](sim-small.png)" in page
     assert f"{runs[0]['requests']:,}" in page
     assert "What the model leaves out" in page
+
+
+def test_a_season_foresees_the_second_days_rush_where_the_trend_alone_is_late():
+    # Given two compressed days of 80 s, each with a rush from 500 to 10,000 requests/s in 5 s at 40 s into
+    # it, 20 s cold starts, and the predictive policy's season set to the day (trend-only: the same without)
+    fleet = {"gpu": {"nodes": 20, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 20},
+             "cpu": {"nodes": 20, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 20}}
+    sc = small(duration=160, window=2, fleet=fleet,
+               traffic={"shape": "rush", "low": 500, "rate": 10000, "period": 80, "start": 40, "length": 5},
+               scaling={"cool_down": 5, "timeout": 0.5, "max_queue_size": 256, "season": 80, "season_buckets": 40})
+    runs = {policy: simulate(sc, policy)["timeline"] for policy in ("predictive", "trend-only")}
+
+    def failed(rows, day):  # requests shed or timed out on that day
+        return sum((r["shed_share"] + r["expired_share"]) * r["rate"] * 2
+                   for r in rows if day * 80 < r["t"] <= day * 80 + 80)
+
+    # Then on day 1, before any profile exists, the two are the same run, and nothing foresees the rush
+    assert runs["predictive"][:40] == runs["trend-only"][:40]
+    assert failed(runs["predictive"], 0) > 10_000
+    # and on day 2 the season has ordered replicas a lead time ahead, where the trend alone is late again
+    assert failed(runs["predictive"], 1) < 100
+    assert failed(runs["trend-only"], 1) > 10_000

@@ -29,6 +29,12 @@ Per version, each tick:
   and the version's own. Without a significant rise the factor is 1 and nothing changes. What it
   costs: a rise of a few hot versions lifts the quiet ones too, by at most the pooled growth,
   held by the cool-down;
+- daily seasonality (`season`, a period in seconds; 0: off): each version's rate per time-of-day
+  bucket over past periods (`serving.policies.seasonal`). Where the profile says `now + lead` is
+  busier than the short window's middle, the short window's rate scaled by that ratio is also a
+  forecast (the larger one counts, as with the pooled trend): a rise that came at this time of day
+  before is ordered one lead time ahead, before any trend can see it. A fall is left to the
+  cool-down, as always;
 - surge headroom (`surge`, requests a second per second, 0 by default): no forecast sees a ramp
   before it starts, and what is ordered when it starts is ready a lead time later, so the fleet
   must already hold what the ramp can reach within one lead time. Declaring the steepest growth
@@ -71,6 +77,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from serving.policies.admission import HEADROOM
+from serving.policies.seasonal import SeasonalProfile
 
 Estimate = Callable[[int], float]
 
@@ -140,7 +147,7 @@ class Capacity:
 class Decision:
     version: str
     replicas: int
-    reason: str  # forecast | short_window | surge | min | max | cool_down | idle | no_data | no_profile
+    reason: str  # forecast | season | short_window | surge | min | max | cool_down | idle | no_data | no_profile
     demand: float  # requests a second the replicas were sized for
     forecast: float  # the trend's rate at now + lead time
     short_rate: float
@@ -210,6 +217,7 @@ class _Track:
     last_replicas: int = 0
     served: float | None = None  # requests a second one replica was seen to serve saturated (smoothed)
     served_at: float = 0.0  # the end of the last saturated interval
+    season: SeasonalProfile | None = None  # its rate by time of day (None: seasonality off)
 
 
 class Autoscaler:
@@ -228,6 +236,10 @@ class Autoscaler:
         surge: float = 0.0,
         served_tau: float = 30.0,
         served_ttl: float = 3600.0,
+        season: float = 0.0,
+        season_buckets: int = 48,
+        season_gamma: float = 0.5,
+        season_min_periods: int = 1,
     ) -> None:
         if not 0 < short_window <= long_window:
             raise ValueError("need 0 < short_window <= long_window")
@@ -236,6 +248,10 @@ class Autoscaler:
                              " negative")
         if served_tau <= 0 or served_ttl <= 0:
             raise ValueError("served_tau and served_ttl must be positive")
+        if season < 0:
+            raise ValueError("season must not be negative (0: off)")
+        if season > 0:  # refused here rather than at a version's first tick
+            SeasonalProfile(season, season_buckets, season_gamma, season_min_periods)
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
         self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
@@ -248,6 +264,10 @@ class Autoscaler:
         self.surge = surge  # requests a second per second the pool may grow by unannounced
         self.served_tau = served_tau
         self.served_ttl = served_ttl
+        self.season = season
+        self.season_buckets = season_buckets
+        self.season_gamma = season_gamma
+        self.season_min_periods = season_min_periods
         self._tracks: dict[str, _Track] = {}
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
@@ -263,6 +283,7 @@ class Autoscaler:
                     "level": t.level, "trend": t.trend, "last_dt": t.last_dt,
                     "last_backlog": t.last_backlog, "last_replicas": t.last_replicas,
                     "served": t.served, "served_at": t.served_at,
+                    "season": t.season.export() if t.season is not None else None,
                 }
                 for version, t in self._tracks.items()
             },
@@ -273,7 +294,8 @@ class Autoscaler:
     def restore_state(self, state: Mapping[str, Mapping]) -> None:
         """Take up the history `export_state` gave (replacing this instance's own). A state without "tracks" is
         an earlier release's: its tracks alone, with no pooled history. A track without what replicas were seen
-        to serve (an earlier release's) starts with none."""
+        to serve (an earlier release's) starts with none, and one whose seasonal profile is missing or was cut
+        to another period or bucket count starts a new profile."""
         tracks_state = state["tracks"] if "tracks" in state else state
         tracks: dict[str, _Track] = {}
         for version, t in tracks_state.items():
@@ -284,11 +306,24 @@ class Autoscaler:
                 None if t["level"] is None else float(t["level"]), float(t["trend"]), float(t["last_dt"]),
                 int(t.get("last_backlog", 0)), int(t.get("last_replicas", 0)),
                 None if t.get("served") is None else float(t["served"]), float(t.get("served_at", 0.0)),
+                self._season_from(t.get("season")),
             )
         self._tracks = tracks
         self._pool = deque((float(a), float(b), int(c)) for a, b, c in state.get("pool", ()))  # type: ignore[union-attr]
         pool_at = state.get("pool_at")
         self._pool_at = None if pool_at is None else float(pool_at)  # type: ignore[arg-type]
+
+    def _season_from(self, stored: Mapping | None) -> SeasonalProfile | None:
+        if self.season <= 0:
+            return None
+        if stored and float(stored["period"]) == self.season and int(stored["buckets"]) == self.season_buckets:
+            return SeasonalProfile.restore(dict(stored), gamma=self.season_gamma, min_periods=self.season_min_periods)
+        return self._new_season()
+
+    def _new_season(self) -> SeasonalProfile | None:
+        if self.season <= 0:
+            return None
+        return SeasonalProfile(self.season, self.season_buckets, self.season_gamma, self.season_min_periods)
 
     def tick(self, now: float, observations: Iterable[Observation]) -> Plan:
         observed = list(observations)
@@ -317,7 +352,7 @@ class Autoscaler:
         cfg = obs.config
         track = self._tracks.get(obs.version)
         if track is None:
-            self._tracks[obs.version] = _Track(now, obs.arrivals_total, now)
+            self._tracks[obs.version] = _Track(now, obs.arrivals_total, now, season=self._new_season())
             held = min(max(obs.replicas, cfg.min_replicas), cfg.max_replicas)
             return Decision(obs.version, held, "no_data", 0.0, 0.0, 0.0, 0.0, None)
         short = self._rate(track, now, self.short_window)
@@ -326,6 +361,13 @@ class Autoscaler:
         growth = pooled.growth(now, cfg.lead_time)
         if growth > 1.0:  # the pool's significant rise, carried to this version's own rate: also a forecast
             forecast = max(forecast, short * growth)
+        seasonal = False
+        if track.season is not None:
+            # From the short window's middle, whose rate it scales (at `now` the bucket ahead already leaks
+            # into the interpolation), to the time a replica ordered now is ready.
+            ratio = track.season.ratio(now - self.short_window / 2, now + cfg.lead_time)
+            if ratio is not None and ratio > 1.0 and short * ratio > forecast:
+                forecast, seasonal = short * ratio, True
         # A backlog no replica has taken is work the arrival rate already counted once but the replicas
         # did not keep up with: it is sized to be worked off within the short window, on top of the rate.
         demand = max(forecast, short) + max(obs.backlog, 0) / self.short_window
@@ -346,7 +388,7 @@ class Autoscaler:
                 want = math.ceil(demand / (capacity.rate * cfg.target_utilisation) - _SLACK)
             else:
                 want = 0
-            reason = "forecast" if forecast >= short else "short_window"
+            reason = ("season" if seasonal else "forecast") if forecast >= short else "short_window"
             if self.surge > 0 and pooled.mean > 0 and short > 0:
                 reach = demand + self.surge * cfg.lead_time * short / pooled.mean
                 surge = math.ceil(reach / capacity.rate - _SLACK)
@@ -379,6 +421,8 @@ class Autoscaler:
         self._smooth(track, dt, count / dt)
         if count > 0:
             track.last_arrival = now
+        if track.season is not None:
+            track.season.add(track.last_at, now, count)
         if not reset:
             self._served(track, now, dt, count, obs)
         track.last_at, track.last_total = now, total
