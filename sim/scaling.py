@@ -1,4 +1,4 @@
-"""The three scaling policies a scenario compares, each answering desired replicas per version per tick.
+"""The scaling policies a scenario compares, each answering desired replicas per version per tick.
 
 - predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
   now + cold start + scheduling delay, warm pool, cool-down, the scenario's declared surge and seasonality);

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import rollout.routing
@@ -238,3 +239,12 @@ def test_a_season_foresees_the_second_days_rush_where_the_trend_alone_is_late():
     # and on day 2 the season has ordered replicas a lead time ahead, where the trend alone is late again
     assert failed(runs["predictive"], 1) < 100
     assert failed(runs["trend-only"], 1) > 10_000
+
+
+def test_a_piece_becomes_its_first_row_at_its_age_and_the_rest_at_its_quartiles():
+    from sim.metrics import _samples
+
+    # a piece of 3 rows over a 4 ms span holding its cohort's first row, and one of 2 rows without it
+    lat, weight = _samples(np.array([[0.010, 0.004, 1.0, 3.0], [0.020, 0.008, 0.0, 2.0]]))
+    samples = sorted(zip(lat.round(6).tolist(), weight.tolist(), strict=True))
+    assert samples == [(0.007, 1.0), (0.009, 1.0), (0.01, 1.0), (0.014, 1.0), (0.018, 1.0)]
