@@ -70,7 +70,7 @@ def test_export_and_restore_go_on_the_same() -> None:
 
     profile = SeasonalProfile(100.0, 10)
     feed(profile, 0.0, 133.0, step)
-    copy = SeasonalProfile.restore(json.loads(json.dumps(profile.export())), gamma=0.5, min_periods=1)
+    copy = SeasonalProfile(100.0, 10).restored(json.loads(json.dumps(profile.export())))
     feed(profile, 133.0, 250.0, step)
     feed(copy, 133.0, 250.0, step)
     assert copy == profile

@@ -250,8 +250,6 @@ class Autoscaler:
             raise ValueError("served_tau and served_ttl must be positive")
         if season < 0:
             raise ValueError("season must not be negative (0: off)")
-        if season > 0:  # refused here rather than at a version's first tick
-            SeasonalProfile(season, season_buckets, season_gamma, season_min_periods)
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
         self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
@@ -264,10 +262,9 @@ class Autoscaler:
         self.surge = surge  # requests a second per second the pool may grow by unannounced
         self.served_tau = served_tau
         self.served_ttl = served_ttl
-        self.season = season
-        self.season_buckets = season_buckets
-        self.season_gamma = season_gamma
-        self.season_min_periods = season_min_periods
+        # The seasonal settings, as an empty profile each version's track starts from (None: off).
+        self._season = (SeasonalProfile(season, season_buckets, season_gamma, season_min_periods)
+                        if season > 0 else None)
         self._tracks: dict[str, _Track] = {}
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
@@ -314,16 +311,12 @@ class Autoscaler:
         self._pool_at = None if pool_at is None else float(pool_at)  # type: ignore[arg-type]
 
     def _season_from(self, stored: Mapping | None) -> SeasonalProfile | None:
-        if self.season <= 0:
+        if self._season is None:
             return None
-        if stored and float(stored["period"]) == self.season and int(stored["buckets"]) == self.season_buckets:
-            return SeasonalProfile.restore(dict(stored), gamma=self.season_gamma, min_periods=self.season_min_periods)
-        return self._new_season()
+        return self._season.restored(stored) if stored else self._season.fresh()
 
     def _new_season(self) -> SeasonalProfile | None:
-        if self.season <= 0:
-            return None
-        return SeasonalProfile(self.season, self.season_buckets, self.season_gamma, self.season_min_periods)
+        return self._season.fresh() if self._season is not None else None
 
     def tick(self, now: float, observations: Iterable[Observation]) -> Plan:
         observed = list(observations)

@@ -15,6 +15,7 @@ sides have `min_periods` periods behind them, or where the profile says nothing 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +89,16 @@ class SeasonalProfile:
         return {"period": self.period, "buckets": self.buckets, "rates": list(self.rates), "seen": list(self.seen),
                 "current": self.current, "count": self.count, "seconds": self.seconds}
 
-    @classmethod
-    def restore(cls, state: dict[str, Any], *, gamma: float, min_periods: int) -> SeasonalProfile:
-        return cls(float(state["period"]), int(state["buckets"]), gamma, min_periods,
-                   [float(r) for r in state["rates"]], [int(s) for s in state["seen"]],
-                   None if state["current"] is None else int(state["current"]), int(state["count"]),
-                   float(state["seconds"]))
+    def fresh(self) -> SeasonalProfile:
+        """An empty profile with these settings."""
+        return SeasonalProfile(self.period, self.buckets, self.gamma, self.min_periods)
+
+    def restored(self, state: Mapping[str, Any]) -> SeasonalProfile:
+        """The profile `export` gave, with these settings; an empty one where it was cut to another period or
+        bucket count."""
+        if float(state["period"]) != self.period or int(state["buckets"]) != self.buckets:
+            return self.fresh()
+        return SeasonalProfile(self.period, self.buckets, self.gamma, self.min_periods,
+                               [float(r) for r in state["rates"]], [int(s) for s in state["seen"]],
+                               None if state["current"] is None else int(state["current"]), int(state["count"]),
+                               float(state["seconds"]))
