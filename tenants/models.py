@@ -16,11 +16,27 @@ class Role(models.TextChoices):
     ADMIN = "admin"  # manages the tenant's people, API keys, visibility; requests quota increases
 
 
+class PromotionPolicy(models.TextChoices):
+    APPROVAL = "approval", "approval required"
+    ENGINEERS = "engineers", "engineers may promote"
+
+
 class Tenant(models.Model):
     name = models.CharField(max_length=100, unique=True)
     slug = models.SlugField(max_length=50, unique=True)
     allow_self_approval = models.BooleanField(
         default=False, help_text="whether the person who started a rollout may approve it alone",
+    )
+    # Who may change a model's stable version. Under APPROVAL every change goes through an approval (a
+    # rollout's, or a promotion request's); only a platform admin changes the policy.
+    promotion_policy = models.CharField(
+        max_length=20, choices=PromotionPolicy.choices, default=PromotionPolicy.APPROVAL,
+        help_text="approval: every change of a stable version needs an approver; engineers: engineers may promote",
+    )
+    # Whether this tenant's requests, mirrored to another tenant's shadow, may be stored there as samples
+    # (inputs and outputs). Off: they count in that shadow's aggregates only.
+    share_shadow_samples = models.BooleanField(
+        default=False, help_text="whether other tenants' shadow reports may keep samples of this tenant's traffic",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
