@@ -303,3 +303,11 @@ FERRY_SHADOW_RETENTION_DAYS = env_int("FERRY_SHADOW_RETENTION_DAYS", 30, minimum
 # The share of live requests a rollout mirrors to its candidate while it shadows (until it ends), in percent.
 FERRY_ROLLOUT_SHADOW_PERCENT = env_int("FERRY_ROLLOUT_SHADOW_PERCENT", 100, minimum=1)
 FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100
+
+# --- Runtime isolation: the sandboxed process that runs tenant artifacts (serving.dataplane.sandbox) ---
+
+# --- Operator check: which operators a registered graph may call (serving.dataplane.operator_check) ---
+
+# --- /metrics access, cookies and TLS, login throttling ---
+
+# --- The capacity planner's bounds and the /v2 control calls' quota ---

@@ -8,6 +8,7 @@ arbitrary Python objects.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -38,17 +39,22 @@ def pick_device(preferred: str = "") -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_module(path: Path, fmt: str, device: torch.device) -> torch.nn.Module:
-    """Load an artifact after the same archive check as registration (serving.dataplane.archive_check)."""
+def load_module(source: Path | BinaryIO, fmt: str, device: torch.device) -> torch.nn.Module:
+    """Load an artifact after the same archive check as registration (serving.dataplane.archive_check).
+
+    `source` is a path or an open binary file: the sandboxed runtime process is handed the artifact's
+    verified bytes, never a path into the store."""
     from serving.dataplane.archive_check import ArchiveRefused
 
     try:
         if fmt == "torchscript":
-            _check_archive(path, fmt)
-            module = torch.jit.load(str(path), map_location=device)
+            _check_archive(source, fmt)
+            if not isinstance(source, Path):
+                source.seek(0)
+            module = torch.jit.load(source if not isinstance(source, Path) else str(source), map_location=device)
         elif fmt == "torch_export":
-            with path.open("rb") as f:  # one open file for the check and the load
-                _check_archive(f, fmt)
+            with source.open("rb") if isinstance(source, Path) else contextlib.nullcontext(source) as f:
+                _check_archive(f, fmt)  # one open file for the check and the load
                 f.seek(0)
                 program = _load_exported_program(f)
             # check_guards=False: the guard function is Python source built from the archive's
