@@ -1,4 +1,5 @@
-# Ferry entry points. `make run` serves in embedded mode; `make test` runs the suite on PostgreSQL and Redis.
+# Ferry entry points. `make run` serves in embedded mode; `make test` runs the suite on PostgreSQL and Redis,
+# starting them (and installing them, on a fresh machine) when they are not running: scripts/services.sh.
 SHELL := /bin/bash
 PY := .venv/bin/python
 HOST ?= 127.0.0.1
@@ -22,6 +23,7 @@ run: setup
 
 test:
 	@scripts/setup.sh test
+	@scripts/services.sh
 	TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh $(TESTS)
 
 bench: setup
