@@ -1,6 +1,6 @@
 """What API keys and quotas cost on the hot path: `digits` capacity with them on against the same checkout without them.
 
-    .venv/bin/python -m bench.auth_cost [--rounds 2] [--quick] [--record docs/benchmarks.md]
+    .venv/bin/python -m bench.auth_cost [--rounds 2] [--quick] [--record docs/benchmarks/request-path.md]
 
 One data dir (demo models, the demo tenant's key, its quota lifted so that it is checked but never binds),
 two servers from this checkout, alternating round by round on this machine:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="alternate on and off this many times each")
     p.add_argument("--quick", action="store_true", help="short steps: a smoke run, not numbers to publish")
     p.add_argument("--data-dir", type=Path, help="use (and keep) this FERRY_DATA_DIR; built models are reused")
-    p.add_argument("--record", type=Path, help="write the result into this report (e.g. docs/benchmarks.md)")
+    p.add_argument("--record", type=Path, help="write the result into this page (docs/benchmarks/request-path.md)")
     a = p.parse_args(argv)
     s = Settings.for_mode(a.quick)
     data = a.data_dir or Path(tempfile.mkdtemp(prefix="ferry-authcost-"))

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the worktrees and data dirs under /tmp")
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
     p.add_argument("--record", type=Path, help="write the result into this report's compare section "
-                   "(e.g. docs/benchmarks.md; `make bench` keeps the section)")
+                   "(e.g. docs/benchmarks/revisions.md; `make bench` leaves that page alone)")
     a = p.parse_args(argv)
     s = Settings.for_mode(a.quick)
     figures: dict[str, list[float | None]] = {"a": [], "b": []}

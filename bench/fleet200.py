@@ -1,7 +1,7 @@
 """The 200-version, two-node run: distributed mode with real processes, versions loaded on demand.
 
     .venv/bin/python -m bench.fleet200 [--versions 200] [--hold 50] [--rate 40] [--duration 60]
-                                       [--record docs/benchmarks.md]
+                                       [--record docs/benchmarks/fleet.md]
 
 A fresh PostgreSQL database (`--database-url`, dropped and created again) and the ferry keys of a Redis
 database (`--redis-url`, cleared). `--versions` distinct small models (64 -> 32 -> 10, each its own
@@ -20,7 +20,7 @@ answers; the hot-version hit rate (stream entries that found their version loade
 them, from the nodes' heartbeat counts); loads and evictions per node (heartbeats); cold-load latency
 p50/p99 (each load's time on the node, evictions and warm-up included, from the nodes' "loaded ... in"
 log lines); versions loaded on both nodes; the client's latency; `/v2/repository/index` states at the
-end. `--record PATH` writes the fleet200 section of that page (bench.run keeps it), and `--plot` a figure.
+end. `--record PATH` writes the fleet200 section of that page (bench.run leaves it alone), and `--plot` a figure.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="its ferry:* keys are cleared")
     p.add_argument("--record", type=Path, default=None, help="write the fleet200 section of this page")
     p.add_argument("--plot", type=Path, default=None,
-                   help="the figure (default: bench-fleet200.png beside --record's page)")
+                   help="the figure (default: bench-fleet200.png one folder above --record's page)")
     a = p.parse_args(argv)
     outcome = run(a)
     return 0 if outcome else 1
@@ -341,7 +341,7 @@ def run(a: argparse.Namespace) -> bool:
         print("\n".join(lines))
         if a.record is not None:
             splice(a.record, section(a, lines))
-        plot_path = a.plot or (a.record.parent / "bench-fleet200.png" if a.record is not None else None)
+        plot_path = a.plot or (a.record.parent.parent / "bench-fleet200.png" if a.record is not None else None)
         if plot_path is not None:
             plot(plot_path, a, results, samples, loads, budget, footprint)
         return ok
@@ -446,7 +446,8 @@ def report(a: argparse.Namespace, results: list[Result], samples: list[Sample], 
 
 def command(a: argparse.Namespace) -> str:
     return (f"python -m bench.fleet200 --versions {a.versions} --hold {a.hold:g} --nodes {a.nodes} --rate {a.rate:g}"
-            f" --duration {a.duration:g} --zipf {a.zipf:g} --timeout-ms {a.timeout_ms} --record docs/benchmarks.md")
+            f" --duration {a.duration:g} --zipf {a.zipf:g} --timeout-ms {a.timeout_ms}"
+            " --record docs/benchmarks/fleet.md")
 
 
 def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
@@ -464,7 +465,7 @@ def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
             " log lines.", "",
             f"Load average (1 min) at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
             " (other work on the machine shares them).", "",
-            "```", *lines, "```", "", "![200 versions on two nodes](bench-fleet200.png)", END]
+            "```", *lines, "```", "", "![200 versions on two nodes](../bench-fleet200.png)", END]
 
 
 def top_share(a: argparse.Namespace) -> float:

@@ -15,7 +15,7 @@
 #   3. `bench.run --only batching --quick` with FERRY_DEVICE=cuda: the wide MLP raw, then served batched
 #      and unbatched, and the two acceptance ratios.
 # Writes eight files into OUTDIR (the device tool brings back at most eight): gpu_check.log (all the
-# output, the tests' and the benchmark's included), env.txt, pytest-gpu.xml, bench.json, benchmarks.md,
+# output, the tests' and the benchmark's included), env.txt, pytest-gpu.xml, bench.json, benchmarks/served.md,
 # bench-latency.png, bench-batching.png and SUMMARY.md.
 # Needs no PostgreSQL or Redis: the gpu-marked tests use no database, and the benchmark's server runs
 # in embedded mode (SQLite in a temporary data dir).

@@ -342,7 +342,7 @@ def run_overload(env: dict[str, str], data_dir: Path, s: OverloadSettings,
                                            s.deadline_ms, error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
         try:
             if fast_capacity:
-                cap, source = fast_capacity, "the served sweep's figure above (no deadline parameter)"
+                cap, source = fast_capacity, "the served sweep's figure (served.md; no deadline parameter)"
             else:
                 cap, source = arun(measure_capacity(server.base, FAST_MODEL, s)), "measured here"
             out["ramps"].append(arun(ramp(server, FAST_MODEL, cap, source, True, s, f"{FAST_MODEL}, admission on")))

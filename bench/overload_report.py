@@ -1,4 +1,4 @@
-"""The overload section of docs/benchmarks.md and docs/bench-overload.png, from `bench.overload`'s results."""
+"""The overload section of docs/benchmarks/overload.md and docs/bench-overload.png, from `bench.overload`'s results."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def section(out: dict[str, Any], s: OverloadSettings, command: str | None = None
         + ("" if out.get("admission_setting_known") else
            " **The server code in this tree has no FERRY_ADMISSION setting: both runs had the same server.**"),
         "",
-        "![offered, goodput, shed and admitted p99 over time](" + PLOT + ")",
+        "![offered, goodput, shed and admitted p99 over time](../" + PLOT + ")",
         "",
     ]  # fmt: skip
     for r in ramps:

@@ -14,7 +14,7 @@ Reported: every request's answer (200, or 503 with Retry-After; anything else is
 hot-version hit rate (requests that found their version loaded, from the node's counters), evictions, cold
 loads, the cold start (load on the node, evictions and warm-up included) p50/p99 interpolated from its
 histogram, and the client's latency p50/p99 over all 200s. `--record` also writes them into the packing
-section of docs/benchmarks.md (which `bench.run` keeps when it rewrites the page).
+section of docs/benchmarks/fleet.md (`bench.run` leaves that page alone).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0, help="the Zipf exponent s")
     p.add_argument("--timeout-ms", type=int, default=1000, help="the versions' default request timeout")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--record", action="store_true", help="write the packing section of docs/benchmarks.md")
+    p.add_argument("--record", action="store_true", help="write the packing section of docs/benchmarks/fleet.md")
     p.add_argument("--docs", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
     a = p.parse_args(argv)
     started = time.monotonic()
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = report(a, results, before, after, footprint, time.monotonic() - started)
         print("\n".join(lines))
         if a.record:
-            splice(a.docs / "benchmarks.md", section(a, lines))
+            splice(reports.page(a.docs, "packing"), section(a, lines))
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     return 0

@@ -11,7 +11,7 @@ Then, on one server (`manage.py serve`):
 Each run warms up for a second first (not measured), which also drains A's burst, so the measured
 window sees the steady rate. With `--redis-url` the quotas live in that Redis (FERRY_QUOTA_REDIS_URL,
 one script call per request) and the run is repeated there after the in-process one.
-The result replaces the rate-limit section of docs/benchmarks.md. `make bench` (bench.run, phase
+The result replaces the rate-limit section of docs/benchmarks/rate-limits.md. `make bench` (bench.run, phase
 `ratelimit`) runs the in-process half with the defaults.
 """
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-rate", type=float, default=50.0, help="tenant B's offered requests/s")
     p.add_argument("--duration", type=float, default=10.0, help="seconds measured per run")
     p.add_argument("--redis-url", help="also run with the quotas in this Redis (FERRY_QUOTA_REDIS_URL)")
-    p.add_argument("--docs", type=Path, default=ROOT / "docs", help="where benchmarks.md is")
+    p.add_argument("--docs", type=Path, default=ROOT / "docs", help="docs folder (writes benchmarks/rate-limits.md)")
     p.add_argument("--data-dir", type=Path, help="use (and keep) this FERRY_DATA_DIR")
     p.add_argument("--json", type=Path, help="also write the measurements as JSON here")
     a = p.parse_args(argv)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(env, data_dir, rate_limit=a.rate_limit, b_rate=a.b_rate, duration=a.duration,
                           redis_url=a.redis_url)
         command = "python -m bench.ratelimit" + (" --redis-url URL" if a.redis_url else "")
-        splice(a.docs / "benchmarks.md", section(results, command, time.monotonic() - started))
+        splice(report.page(a.docs, "ratelimit"), section(results, command, time.monotonic() - started))
         if a.json:
             a.json.write_text(json.dumps(results, indent=2, default=lambda v: v.to_dict()))
             say(f"wrote {a.json}")

@@ -10,7 +10,7 @@ Both run side by side on one data dir (SQLite; the digits network, briefly train
 Under 2 minutes on the 2-core dev box.
 
     python -m bench.redis_hop [--redis redis://127.0.0.1:6379/4] [--rates 100,600,2000] [--seconds 4]
-                              [--rounds 2] [--record docs/benchmarks.md]
+                              [--rounds 2] [--record docs/benchmarks/request-path.md]
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="offered req/s, comma-separated: a light one (latency), a fixed load, one past saturation")
     p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
     p.add_argument("--rounds", type=int, default=2, help="runs per rate and mode, the modes alternating")
-    p.add_argument("--record", type=Path, help="write the result into this report (e.g. docs/benchmarks.md)")
+    p.add_argument("--record", type=Path, help="write the result into this page (docs/benchmarks/request-path.md)")
     a = p.parse_args(argv)
     try:
         rates = [float(r) for r in a.rates.split(",") if r.strip()]

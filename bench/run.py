@@ -1,4 +1,5 @@
-"""Every Ferry benchmark in one run: writes docs/benchmarks.md, docs/bench-latency.png,
+"""Every Ferry benchmark in one run: writes docs/benchmarks/served.md (and the overload and rate-limit sections
+of docs/benchmarks/overload.md and rate-limits.md), docs/bench-latency.png,
 docs/bench-batching.png and docs/bench-overload.png.
 
     .venv/bin/python -m bench.run [--quick] [--only PHASES] [--docs DIR] [--json FILE]
@@ -40,9 +41,8 @@ from bench.report import (
     WIDE_OFF,
     Settings,
     Sweep,
-    compare_section,
     fmt,
-    kept_section,
+    page,
     plot,
     ratios,
     verdict,
@@ -358,33 +358,22 @@ def main(argv: list[str] | None = None) -> int:
                 limits = ratelimit.section(results, command_line(), time.monotonic() - started)
 
         rt = ratios(raw_rows, sweeps)
-        a.docs.mkdir(parents=True, exist_ok=True)
+        page(a.docs, "served").parent.mkdir(parents=True, exist_ok=True)
         if only == ("ratelimit",):
-            ratelimit.splice(a.docs / "benchmarks.md", limits)
+            ratelimit.splice(page(a.docs, "ratelimit"), limits)
         elif only == ("overload",) and over is not None:
-            overload_report.splice(a.docs / "benchmarks.md", overload_report.section(over, o, command_line()))
+            overload_report.splice(page(a.docs, "overload"), overload_report.section(over, o, command_line()))
             overload_report.plot(a.docs, over)
         else:
-            lines = overload_report.section(over, o) if over is not None else []
-            # The back-to-back comparison of two revisions (bench.compare --record), the keys-and-quotas
-            # cost (bench.auth_cost --record), packing (bench.packing --record) and the Redis hop
-            # (bench.redis_hop --record), shadow mirroring (bench.shadow), the bytecode counts (bench.opcodes) and
-            # the 200-version fleet (bench.fleet200 --record) and the warm tier (bench.warm_reload)
-            # are not rerun here: keep them; the rate-limit section is this run's,
-            # or the one already there when that phase did not run.
-            from bench import auth_cost, packing, redis_hop  # auth_cost and redis_hop import this module
-
-            report = a.docs / "benchmarks.md"
-            text = report.read_text() if report.exists() else ""
-            for kept in (compare_section(text), auth_cost.kept_section(text),
-                         "\n".join(limits) or ratelimit.kept_section(text), packing.kept_section(text),
-                         redis_hop.kept_section(text),
-                         *(kept_section(text, f"<!-- {name}:start -->", f"<!-- {name}:end -->")
-                           for name in ("shadow", "opcodes", "fleet200", "warm", "fleetpage"))):
-                if kept:
-                    lines = [*lines, "", kept]
-            write_report(a.docs / "benchmarks.md", facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
-                         phase.seconds, a.quick, command_line(), time.monotonic() - _T0, only, lines)  # fmt: skip
+            # The served page is this run's whole; the overload and rate-limit sections go into their own pages,
+            # where every other writer's section (bench.compare, auth_cost, packing, redis_hop, fleet200, and the
+            # hand-kept shadow, opcodes, warm-tier and fleet-page runs) stays as it was: nothing to carry over.
+            if over is not None:
+                overload_report.splice(page(a.docs, "overload"), overload_report.section(over, o, command_line()))
+            if limits:
+                ratelimit.splice(page(a.docs, "ratelimit"), limits)
+            write_report(page(a.docs, "served"), facts, s, ceiling, ceiling_steps, raw_rows, sweeps, rt,
+                         phase.seconds, a.quick, command_line(), time.monotonic() - _T0, only)  # fmt: skip
             plot(a.docs, raw_rows, sweeps)
             if over is not None:
                 overload_report.plot(a.docs, over)
