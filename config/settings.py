@@ -305,6 +305,17 @@ FERRY_ROLLOUT_SHADOW_PERCENT = env_int("FERRY_ROLLOUT_SHADOW_PERCENT", 100, mini
 FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100
 
 # --- Runtime isolation: the sandboxed process that runs tenant artifacts (serving.dataplane.sandbox) ---
+# "process" (default, every mode): each loaded version's model runs in its own confined child process
+# (serving.dataplane.runtime_process), without this process's files, credentials or network. "inline" runs
+# it in this process: UNSAFE (a model can read the secret key and the database); only for the benchmark's
+# contrast (bench.runtime_cost), and a warning is logged at start.
+FERRY_RUNTIME_ISOLATION = env_str("FERRY_RUNTIME_ISOLATION", "process")
+if FERRY_RUNTIME_ISOLATION not in ("process", "inline"):
+    raise ImproperSetting(f"FERRY_RUNTIME_ISOLATION={FERRY_RUNTIME_ISOLATION!r} is not process or inline")
+# A batch the runtime process has not answered in this long fails (the process is killed and replaced).
+FERRY_RUNTIME_TIMEOUT_S = env_int("FERRY_RUNTIME_TIMEOUT_S", 30, minimum=1)
+# Starting a runtime process (imports, confinement) and loading an artifact into it, each.
+FERRY_RUNTIME_START_TIMEOUT_S = env_int("FERRY_RUNTIME_START_TIMEOUT_S", 120, minimum=1)
 
 # --- Operator check: which operators a registered graph may call (serving.dataplane.operator_check) ---
 

@@ -1,4 +1,7 @@
-"""Validation of a registered version: load it, run example batches, check the signature, profile it."""
+"""Validation of a registered version: load it, run example batches, check the signature, profile it.
+
+The model runs where the node runs it: in a sandboxed runtime process (serving.dataplane.runtime_process),
+never in the web process, unless FERRY_RUNTIME_ISOLATION=inline."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from serving.actions import NOT_LOADED
 from serving.dataplane.node import warmup_sizes
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
+from serving.dataplane.runtime_process import make_runtime
 from serving.models import Model, ModelVersion, State
 from serving.publish import version_entry
 
@@ -21,10 +25,11 @@ log = logging.getLogger(__name__)
 def validate(version: ModelVersion) -> ModelVersion:
     """Move a version to READY with a latency profile and footprint, or to FAILED with the reason."""
     version.mark(State.VALIDATING)
+    runtime: ModelRuntime | None = None
     try:
         inputs = [TensorSpec.from_dict(d) for d in version.inputs]
         outputs = [TensorSpec.from_dict(d) for d in version.outputs]
-        runtime = ModelRuntime(
+        runtime = make_runtime(
             artifacts.local_reader()(version.artifact_id), version.format, inputs, outputs, pick_device()
         )
         runtime.load()
@@ -37,6 +42,9 @@ def validate(version: ModelVersion) -> ModelVersion:
         log.warning("validation of %s failed: %s", version, reason)
         version.mark(State.FAILED, reason[:2000])
         return version
+    finally:
+        if runtime is not None:
+            runtime.release()  # a sandboxed runtime's process exits
     version.latency_profile = {str(k): v for k, v in profile.items()}
     version.memory_bytes = runtime.memory_bytes
     version.load_seconds = runtime.load_seconds

@@ -18,6 +18,7 @@ from django.conf import settings
 
 from serving import artifacts
 from serving.dataplane import plane as planes
+from serving.dataplane import runtime_process
 from serving.dataplane.errors import ServingError
 from serving.dataplane.fleet import FleetView
 from serving.dataplane.fleet_events import EventPublisher
@@ -168,6 +169,7 @@ async def start() -> DataPlane:
     if planes.current() is not None:
         return planes.current()
     configure_torch_threads(settings.FERRY_TORCH_THREADS)
+    runtime_process.warn_if_inline()
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     if settings.REDIS_URL and not settings.FERRY_EMBEDDED_NODE:
         node, transport = await _remote_nodes()

@@ -108,11 +108,14 @@ class Clock:
 
 @dataclass
 class StandIn:
-    """What the node needs of a runtime: run(), and the footprint fields."""
+    """What the node needs of a runtime: run(), release(), and the footprint fields."""
 
     memory_bytes: int = 0
     load_seconds: float = 0.0
-    module: object = None
+    loaded: bool = True
+
+    def release(self) -> None:
+        self.loaded = False
 
     def run(self, requests):  # noqa: ANN001, ANN201
         return [{"scores": np.zeros((r["input"].shape[0], 2), np.float32)} for r in requests]

@@ -170,20 +170,22 @@ async def test_an_evicted_version_stays_warm_in_host_memory_within_its_budget(mo
         first = await node.load(digits("one"))
         assert first is not None
         size = first.runtime.memory_bytes
-        module = first.runtime.module
+        runtime = first.runtime  # its loaded model (in its runtime process) is what the warm tier keeps
+        child = getattr(runtime, "process", None)
         # given room for one version on the device and for one in host memory
         node.memory_budget = int(size * 1.5)
         node.warm_budget = int(size * 1.5)
         # when a second version evicts the first
         assert await node.load(digits("two")) is not None
-        # then the first is warm: its loaded module kept, not dropped
+        # then the first is warm: its loaded module kept, not dropped (its runtime process too)
         assert set(node.hosted) == {"two:1"} and set(node.warm) == {"one:1"}
-        assert node.warm["one:1"].runtime.module is module
+        assert node.warm["one:1"].runtime is runtime and runtime.loaded
+        assert getattr(runtime, "process", None) is child
         # and its reload takes that module back (no artifact read), evicting the second into the warm tier
         # (the first leaves it: the budget holds one)
         node.hosted["two:1"].last_used = 0.0
         again = await node.load(digits("one"))
-        assert again is not None and again.runtime.module is module
+        assert again is not None and again.runtime is runtime and getattr(runtime, "process", None) is child
         assert set(node.warm) == {"two:1"}
         assert [e.detail.startswith("from host memory") for e in node.packing.events if e.kind == "load"] == [
             False, False, True]
@@ -191,9 +193,9 @@ async def test_an_evicted_version_stays_warm_in_host_memory_within_its_budget(mo
         assert out["scores"].shape == (1, 10)
         # a version whose artifact changed is not taken from the warm tier
         node.hosted["one:1"].last_used = 0.0
-        kept = node.warm["two:1"].runtime.module
+        kept = node.warm["two:1"].runtime
         changed = await node.load(digits("two", sha="b" * 64))
-        assert changed is not None and changed.runtime.module is not kept
+        assert changed is not None and changed.runtime is not kept and not kept.loaded
         assert not [e for e in node.packing.events if e.kind == "load"][-1].detail.startswith("from host memory")
     finally:
         await node.close()
@@ -206,7 +208,7 @@ async def test_without_a_warm_budget_an_evicted_version_is_dropped(model_files) 
         assert first is not None
         node.memory_budget = int(first.runtime.memory_bytes * 1.5)
         assert await node.load(digits("two")) is not None
-        assert node.warm == {} and first.runtime.module is None
+        assert node.warm == {} and not first.runtime.loaded
     finally:
         await node.close()
 

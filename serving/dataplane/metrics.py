@@ -57,6 +57,11 @@ COLD_WAIT = Histogram(
 )
 UNSCHEDULABLE = Counter("ferry_unschedulable", "Versions found unable to fit this node, by constraint",
                         ["model", "version", "constraint"])
+# The sandboxed runtime processes (serving.dataplane.runtime_process): one that died or stopped answering fails its
+# batch (or load) and is replaced by a fresh one on next use.
+RUNTIME_PROCESS_FAILURES = Counter("ferry_runtime_process_failures",
+                                   "Sandboxed runtime processes that died or timed out, by reason", ["reason"])
+RUNTIME_PROCESS_STARTS = Counter("ferry_runtime_process_starts", "Sandboxed runtime processes started")
 
 
 @dataclass(frozen=True)

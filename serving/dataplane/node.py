@@ -29,6 +29,7 @@ from serving.dataplane.busy import BusyMeter
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
 from serving.dataplane.packing import LoadReport, Packing, Ticket, constraints
 from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
+from serving.dataplane.runtime_process import make_runtime
 from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
 from serving.dataplane.transport import Outputs
 from serving.policies import admission
@@ -105,8 +106,12 @@ class Node:
         report: Callable[[LoadReport], Awaitable[object]] | None = None,
         max_queued_loads: int = 16,
         warm_budget: int = 0,
+        runtime_factory: Callable[..., ModelRuntime] = make_runtime,
     ) -> None:
         self.device = pick_device(device)
+        # How a version's runtime is made: sandboxed in a process of its own unless FERRY_RUNTIME_ISOLATION says
+        # inline (serving.dataplane.runtime_process.make_runtime); called (path, format, inputs, outputs, device).
+        self._runtime_factory = runtime_factory
         self.memory_budget = memory_budget
         self.max_queue_bytes = max_queue_bytes
         # Off only for contrast runs (FERRY_ADMISSION=false): queues and deadlines still bound the work.
@@ -151,7 +156,7 @@ class Node:
             for key in [k for k in self.hosted if k not in desired]:
                 await self.unload(key)
             for key in [k for k in self.warm if k not in desired]:
-                del self.warm[key]
+                self.warm.pop(key).runtime.release()
             # What must stay loaded first, then stable versions, then the rest while they fit.
             order = sorted(desired.values(), key=lambda e: (not self._kept(e), e.key not in self.packing.stable))
             for entry in order:
@@ -208,6 +213,7 @@ class Node:
             # push this one out.
             warm = self.warm.pop(entry.key, None)
             if warm is not None and warm.artifact_sha256 != entry.artifact_sha256:
+                warm.runtime.release()
                 warm = None
             if not await self._make_room(entry, self.packing.spec(entry), evict):
                 if warm is not None:
@@ -232,7 +238,7 @@ class Node:
             if warm is None:
                 self.packing.measure(entry, runtime.memory_bytes, self._clock() - started)
             if not await self._make_room(entry, self.packing.spec(entry, runtime.memory_bytes), evict):
-                runtime.module = None
+                runtime.release()
                 return None
             self.failures.pop(entry.key, None)
             self.packing.cold.pop(entry.key, None)
@@ -332,26 +338,30 @@ class Node:
         return hosted
 
     def _load_blocking(self, entry: VersionEntry) -> tuple[ModelRuntime, dict[int, float]]:
-        runtime = ModelRuntime(
+        runtime = self._runtime_factory(
             self._artifact_path(entry.artifact_sha256), entry.format, entry.inputs, entry.outputs, self.device
         )
-        runtime.load()
-        return runtime, runtime.profile(warmup_sizes(entry), repeats=3)
+        try:
+            runtime.load()
+            return runtime, runtime.profile(warmup_sizes(entry), repeats=3)
+        except BaseException:
+            runtime.release()  # a sandboxed runtime's process goes with it
+            raise
 
     def _from_warm(self, warm: Warm) -> tuple[ModelRuntime, dict[int, float]]:
         runtime = warm.runtime
-        if self.device.type == "cuda" and runtime.module is not None:
-            runtime.module.to(self.device)
+        if self.device.type == "cuda" and runtime.loaded:
+            runtime.to_device()
         return runtime, warm.profile
 
     def _keep_warm(self, hosted: Hosted) -> bool:
         """Keep an evicted version's module in host memory if the warm budget can hold it, dropping the
         versions evicted longest ago to make room (on CUDA, `_release` then moves the module to the CPU)."""
         size = hosted.runtime.memory_bytes
-        if hosted.runtime.module is None or size > self.warm_budget:
+        if not hosted.runtime.loaded or size > self.warm_budget:
             return False
         while self.warm and sum(w.runtime.memory_bytes for w in self.warm.values()) + size > self.warm_budget:
-            del self.warm[next(iter(self.warm))]
+            self.warm.pop(next(iter(self.warm))).runtime.release()
         self.warm[hosted.entry.key] = Warm(hosted.entry.artifact_sha256, hosted.runtime, hosted.profile.points())
         return True
 
@@ -359,7 +369,9 @@ class Node:
         """Unload a version on purpose (the reconciler moved it or scaled it in, or the node stops): what is
         queued for it here runs first, for at most UNLOAD_DRAIN_S, so callers get their answers rather than a
         503; what arrives after the drain, or outlasts it, gets 503 with Retry-After."""
-        self.warm.pop(key, None)
+        warm = self.warm.pop(key, None)
+        if warm is not None:
+            warm.runtime.release()
         self.packing.cold.pop(key, None)
         hosted = self.hosted.get(key)
         if hosted is None:
@@ -380,9 +392,9 @@ class Node:
         hosted.metrics.loaded.set(0)
         hosted.metrics.queue_depth.set_function(lambda: 0)
         if not (keep_warm and self._keep_warm(hosted)):
-            hosted.runtime.module = None
+            hosted.runtime.release()  # a sandboxed runtime's process exits
         elif self.device.type == "cuda":  # off the loop: a copy of the weights
-            await asyncio.get_running_loop().run_in_executor(self._load_pool, hosted.runtime.module.to, "cpu")
+            await asyncio.get_running_loop().run_in_executor(self._load_pool, hosted.runtime.to_host)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.info("unloaded %s", key)
@@ -390,6 +402,8 @@ class Node:
     async def close(self) -> None:
         for key in list(self.hosted):
             await self.unload(key)
+        for key in list(self.warm):
+            self.warm.pop(key).runtime.release()
         self._device_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
 

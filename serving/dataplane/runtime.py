@@ -217,16 +217,36 @@ class ModelRuntime:
         self.memory_bytes = 0
         self.load_seconds = 0.0
 
-    def load(self) -> None:
+    def load(self, source: BinaryIO | None = None) -> None:
+        """Load from `path`, or from `source` (the sandboxed runtime process is sent the artifact's bytes)."""
         started = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.module = load_module(self.path, self.fmt, self.device)
+        self.module = load_module(self.path if source is None else source, self.fmt, self.device)
         if self.device.type == "cuda":
             self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
         else:
             tensors = list(self.module.parameters()) + list(self.module.buffers())
             self.memory_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.load_seconds = time.perf_counter() - started
+
+    # The lifecycle the node drives (serving.dataplane.node); the sandboxed runtime (runtime_process) keeps a
+    # process instead of a module.
+    @property
+    def loaded(self) -> bool:
+        return self.module is not None
+
+    def release(self) -> None:
+        """Drop the loaded module."""
+        self.module = None
+
+    def to_host(self) -> None:
+        """Move the weights to host memory (the warm tier on CUDA)."""
+        if self.module is not None:
+            self.module.to("cpu")
+
+    def to_device(self) -> None:
+        if self.module is not None:
+            self.module.to(self.device)
 
     def predict(self, batch: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Run one assembled batch; outputs come back as host arrays, checked against the signature."""

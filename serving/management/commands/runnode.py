@@ -8,7 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from serving import artifacts
-from serving.dataplane import node_metrics
+from serving.dataplane import node_metrics, runtime_process
 from serving.dataplane.node import Node
 from serving.dataplane.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
 from serving.dataplane.packing import LoadReport
@@ -39,6 +39,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         configure_torch_threads(settings.FERRY_TORCH_THREADS)
+        runtime_process.warn_if_inline()
         device = str(pick_device(options["device"]))
         facts = facts_for(options["name"], device, options["accelerator"], memory, labels,
                           settings.FERRY_NODE_MEMORY_BYTES)

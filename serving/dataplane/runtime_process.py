@@ -1,0 +1,294 @@
+"""The node's side of the sandboxed runtime process: `IsolatedRuntime`, a ModelRuntime whose model runs in a
+child process confined by serving.dataplane.sandbox (serving.dataplane.runtime_worker is the child).
+
+Tenant artifacts are code: a TorchScript graph can call operators that read files (`aten::from_file`), so it
+must not run in a process holding the platform's files and credentials. The parent keeps everything else of
+ModelRuntime (assemble, split, padding buckets, example batches, profiling: profiled through the channel,
+as the node will see it); only `load` and `predict` cross to the child. The artifact's bytes are read here,
+from the file the node's artifact reader verified by sha256, and sent; the child never gets a path into the
+store. One child per loaded version. Every wait on the child has a deadline: a child that dies or does not
+answer in time fails that batch (or load) with RuntimeFailure, is counted (metrics.RUNTIME_PROCESS_FAILURES)
+and logged, and the next call starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from django.conf import settings
+
+from serving.dataplane import metrics, runtime_channel, sandbox
+from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.runtime import ModelRuntime, RuntimeFailure
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# Directories nobody's code in the runtime needs, covered in its mount namespace besides the configured ones.
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+MAX_OUTPUT_BYTES = 1024**3  # what one batch's answer may carry back from the child
+STDERR_LINE = 2000
+
+
+def hidden_paths() -> list[str]:
+    """What the child's mount namespace covers: the data directory (secret_key, the SQLite database), the
+    artifact store and cache, the scratch directories; never one that holds what the child must read."""
+    needed = [PROJECT_ROOT / "serving", Path(sys.prefix), Path(sys.base_prefix)]
+    paths = [Path(settings.DATA_DIR), Path(settings.FERRY_ARTIFACT_ROOT), Path(settings.FERRY_ARTIFACT_CACHE_DIR),
+             *map(Path, SCRATCH_DIRS)]
+    kept = []
+    for path in paths:
+        path = path.resolve()
+        if any(n.resolve().is_relative_to(path) for n in needed):
+            log.warning("not hiding %s from the runtime process: it holds the interpreter or the code", path)
+            continue
+        if str(path) not in kept:
+            kept.append(str(path))
+    return kept
+
+
+class RuntimeProcess:
+    """One confined child and its channel."""
+
+    def __init__(self, device: torch.device, threads: int, start_timeout_s: float) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        metrics.RUNTIME_PROCESS_STARTS.inc()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "serving.dataplane.runtime_worker", "--fd", str(child.fileno())],
+                env=sandbox.clean_environment(PROJECT_ROOT), cwd="/", pass_fds=(child.fileno(),), close_fds=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True,  # the node decides when it ends, not a terminal's Ctrl-C
+            )
+        finally:
+            child.close()
+        self.sock = parent
+        self.pid = self.process.pid
+        self.lock = threading.Lock()  # one exchange at a time on the channel
+        self._finalizer = weakref.finalize(self, _reap, self.process, parent)
+        threading.Thread(target=_forward_stderr, args=(self.process, self.pid), daemon=True,
+                         name=f"ferry-runtime-{self.pid}-stderr").start()
+        try:
+            ready = self.call({"op": "init", "hidden": hidden_paths(), "project_root": str(PROJECT_ROOT),
+                               "device": str(device), "threads": threads}, timeout_s=start_timeout_s)[0]
+        except RuntimeFailure:
+            self.kill()
+            raise
+        self.confinement = {"applied": list(ready.get("applied", [])), "skipped": dict(ready.get("skipped", {}))}
+        log.debug("runtime process %d confined: %s", self.pid, self.confinement)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def call(self, header: dict, arrays: Sequence[np.ndarray] = (), *, timeout_s: float,
+             max_bytes: int = MAX_OUTPUT_BYTES) -> tuple[dict, list[np.ndarray]]:
+        """One request and its answer within `timeout_s`; RuntimeFailure when the child refuses, dies, breaks the
+        framing or does not answer in time (then it is killed)."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            try:
+                runtime_channel.send(self.sock, header, arrays, deadline=deadline)
+                reply, out = runtime_channel.recv(self.sock, deadline=deadline, max_bytes=max_bytes)
+            except runtime_channel.ChannelTimeout:
+                self._failed("timeout", f"did not answer within {timeout_s:g} s")
+            except runtime_channel.ChannelClosed:
+                self._failed("died", "exited")
+            except runtime_channel.ChannelError as exc:
+                self._failed("protocol", f"broke the channel's framing ({exc})")
+        if not reply.get("ok"):
+            raise RuntimeFailure(str(reply.get("error", "the runtime process refused"))[:4000])
+        return reply, out
+
+    def _failed(self, reason: str, what: str) -> None:
+        self.kill()
+        code = self.process.returncode
+        status = f" (signal {-code})" if code is not None and code < 0 else f" (exit {code})" if code else ""
+        metrics.RUNTIME_PROCESS_FAILURES.labels(reason).inc()
+        log.error("runtime process %d %s%s", self.pid, what, status)
+        raise RuntimeFailure(f"the model's runtime process {what}{status}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.error("runtime process %d did not exit after SIGKILL", self.pid)
+
+    def close(self) -> None:
+        """Ask the child to exit; kill it when it is busy or does not go at once."""
+        if self.process.poll() is None and self.lock.acquire(blocking=False):
+            try:
+                runtime_channel.send(self.sock, {"op": "exit"}, deadline=time.monotonic() + 1)
+                self.process.wait(timeout=2)
+            except (runtime_channel.ChannelClosed, runtime_channel.ChannelTimeout, subprocess.TimeoutExpired):
+                pass
+            finally:
+                self.lock.release()
+        self.kill()
+        self._finalizer()
+
+
+def _reap(process: subprocess.Popen, sock: socket.socket) -> None:
+    """When a runtime is dropped without close(): its child goes with it."""
+    sock.close()
+    if process.poll() is None:
+        process.kill()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _forward_stderr(process: subprocess.Popen, pid: int) -> None:
+    """The child's stderr to this process's log, line by line (bounded): tracebacks of a failed start."""
+    for line in process.stderr:  # type: ignore[union-attr]
+        text = line.decode(errors="replace").rstrip()[:STDERR_LINE]
+        if text:
+            log.warning("runtime process %d: %s", pid, text)
+    process.stderr.close()  # type: ignore[union-attr]
+
+
+class IsolatedRuntime(ModelRuntime):
+    """A ModelRuntime (same interface for the node and validation) whose module lives in a sandboxed child."""
+
+    def __init__(
+        self, path: Path, fmt: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], device: torch.device,
+        *, threads: int | None = None, timeout_s: float | None = None, start_timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(path, fmt, inputs, outputs, device)
+        # The child's intra-op threads: what this process was configured with (configure_torch_threads).
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self.timeout_s = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_TIMEOUT_S
+        self.start_timeout_s = (start_timeout_s if start_timeout_s is not None
+                                else settings.FERRY_RUNTIME_START_TIMEOUT_S)
+        self.process: RuntimeProcess | None = None
+        self._released = True
+        self._on_host = False
+
+    @property
+    def loaded(self) -> bool:
+        return not self._released
+
+    @property
+    def confinement(self) -> dict:
+        return self.process.confinement if self.process is not None else {}
+
+    def load(self, source: object = None) -> None:
+        """Start a fresh child, confined, and load the artifact's bytes into it."""
+        started = time.perf_counter()
+        try:
+            data = Path(self.path).read_bytes()
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot read the artifact: {exc.strerror}") from None
+        self._close_process()
+        process = RuntimeProcess(self.device, self.threads, self.start_timeout_s)
+        try:
+            reply, _ = process.call(
+                {"op": "load", "format": self.fmt, "inputs": [s.to_dict() for s in self.inputs],
+                 "outputs": [s.to_dict() for s in self.outputs]},
+                [np.frombuffer(data, dtype=np.uint8)], timeout_s=self.start_timeout_s,
+            )
+        except BaseException:
+            process.close()
+            raise
+        self.process = process
+        self._released = False
+        self._on_host = False
+        self.memory_bytes = int(reply.get("memory_bytes", 0))
+        self.load_seconds = time.perf_counter() - started
+
+    def _live(self) -> RuntimeProcess:
+        """The child, started afresh (and the artifact loaded again) when the last one died or timed out."""
+        if self._released:
+            raise RuntimeFailure("model is not loaded")
+        process = self.process
+        if process is None or not process.alive():
+            log.warning("runtime process for %s is gone; starting a fresh one", self.path)
+            on_host = self._on_host
+            self.load()
+            if on_host:
+                self.to_host()
+            process = self.process
+        return process  # type: ignore[return-value]
+
+    def predict(self, batch: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Run one assembled batch in the child; its answer is checked here against the signature again (the
+        child is not trusted to have checked)."""
+        _, produced = self._live().call({"op": "predict"}, batch, timeout_s=self.timeout_s)
+        if len(produced) != len(self.outputs):
+            raise RuntimeFailure(f"model returned {len(produced)} outputs, signature declares {len(self.outputs)}")
+        return [self._check(spec, torch.from_numpy(a)) for spec, a in zip(self.outputs, produced, strict=True)]
+
+    def to_host(self) -> None:
+        if self.process is not None and self.device.type == "cuda":
+            self.process.call({"op": "to_host"}, timeout_s=self.start_timeout_s)
+        self._on_host = True
+
+    def to_device(self) -> None:
+        if self.process is not None and self.device.type == "cuda":
+            self._live().call({"op": "to_device"}, timeout_s=self.start_timeout_s)
+        self._on_host = False
+
+    def memory(self) -> dict:
+        """The child's own report: the model's bytes and the process's resident set."""
+        return self._live().call({"op": "memory"}, timeout_s=self.timeout_s)[0]
+
+    def probe(self, paths: Sequence[str] = (), connect: Sequence[tuple[str, int]] = ()) -> dict:
+        """From inside the child: which paths open and which TCP addresses connect (for tests)."""
+        return self._live().call({"op": "probe", "paths": list(paths), "connect": [list(c) for c in connect]},
+                                 timeout_s=self.timeout_s)[0]
+
+    def release(self) -> None:
+        self._released = True
+        self._close_process()
+
+    def close(self) -> None:
+        self.release()
+
+    def _close_process(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
+
+
+def inspect_operators(data: bytes, fmt: str, *, timeout_s: float | None = None) -> list[str]:
+    """The sorted operator names of every method graph of an artifact, loaded in a fresh sandboxed child (the
+    registration check: the artifact is not loaded in the web process)."""
+    timeout = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_START_TIMEOUT_S
+    process = RuntimeProcess(torch.device("cpu"), 1, timeout)
+    try:
+        reply, _ = process.call({"op": "operators", "format": fmt}, [np.frombuffer(data, dtype=np.uint8)],
+                                timeout_s=timeout)
+    finally:
+        process.close()
+    return [str(name) for name in reply.get("operators", [])]
+
+
+def make_runtime(
+    path: Path, fmt: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], device: torch.device
+) -> ModelRuntime:
+    """The runtime FERRY_RUNTIME_ISOLATION asks for: sandboxed (`process`, the default) or in this process
+    (`inline`, unsafe: only for contrast benchmarks)."""
+    if settings.FERRY_RUNTIME_ISOLATION == "inline":
+        return ModelRuntime(path, fmt, inputs, outputs, device)
+    return IsolatedRuntime(path, fmt, inputs, outputs, device)
+
+
+def warn_if_inline() -> None:
+    if settings.FERRY_RUNTIME_ISOLATION == "inline":
+        log.warning("FERRY_RUNTIME_ISOLATION=inline: tenant model code runs in this process, with its files and"
+                    " credentials (UNSAFE; for contrast benchmarks only)")
+
+
+__all__ = ["IsolatedRuntime", "RuntimeProcess", "inspect_operators", "make_runtime", "hidden_paths"]

@@ -1,0 +1,182 @@
+"""The sandboxed runtime process: `python -m serving.dataplane.runtime_worker --fd N`, started by
+serving.dataplane.runtime_process with a clean environment and one socket (the channel, serving.dataplane.
+runtime_channel).
+
+It imports torch and what loading an artifact needs, loads a tiny built-in model to warm the lazy pieces,
+confines itself (serving.dataplane.sandbox) and only then reports ready; the artifact comes later, as bytes
+over the channel. It hosts one artifact at most: a process per version, so no model reads another's weights
+in memory. Ops: load, predict, to_host, to_device, memory, operators, probe (tests look from inside), exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Imported before confinement: what torch.jit.load and the torch.export loader import lazily
+# (serving.dataplane.runtime._load_exported_program's own imports), so loading reads no new files.
+import torch._export.serde.serialize  # noqa: F401
+import torch.export.pt2_archive._package  # noqa: F401
+
+from serving.dataplane import archive_check, runtime_channel, sandbox
+from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, configure_torch_threads, load_module
+
+try:  # the operator allow-list's graph walk (H2's module) when it is there; else the minimal walk below
+    from serving.dataplane import operator_check
+except ImportError:
+    operator_check = None
+
+# Bounds on what one message may carry into this process (the parent is trusted, but a bug should not OOM).
+MAX_MESSAGE_BYTES = 4 * 1024**3
+
+
+class _Tiny(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ x.t()).sum(dim=1, keepdim=True)
+
+
+def warm_up() -> None:
+    """Load and run a tiny TorchScript model through the same loader, so what torch reads on first use is
+    read before confinement."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # torch's deprecation notices for jit, on every start otherwise
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(_Tiny()), buffer)
+    module = load_module(buffer, "torchscript", torch.device("cpu"))
+    with torch.inference_mode():
+        module(torch.ones(2, 3))
+    archive_check.check_archive(io.BytesIO(buffer.getvalue()))
+
+
+def operators(module: torch.nn.Module, fmt: str) -> list[str]:
+    """Sorted operator names called by every method graph of the module (submodules included)."""
+    if operator_check is not None and fmt == "torchscript" and hasattr(operator_check, "torchscript_operators"):
+        return sorted(operator_check.torchscript_operators(module))
+    names: set[str] = set()
+    if fmt == "torchscript":
+        for sub in module.modules():
+            methods = sub._c._method_names() if hasattr(sub, "_c") else []
+            for method in methods:
+                _graph_operators(sub._c._get_method(method).graph, names)
+    else:
+        for node in module.graph.nodes:
+            if node.op == "call_function":
+                schema = getattr(node.target, "_schema", None)
+                names.add(schema.name if schema is not None else str(node.target))
+    return sorted(names)
+
+
+def _graph_operators(block: torch._C.Graph | torch._C.Block, names: set[str]) -> None:
+    for node in block.nodes():
+        names.add(node.kind())
+        for inner in node.blocks():
+            _graph_operators(inner, names)
+
+
+def probe(paths: list[str], connect: list[list]) -> dict:
+    """Which of `paths` this process can open, and which (host, port) it can connect to by TCP."""
+    opened, refused = [], {}
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            refused[path] = exc.strerror or type(exc).__name__
+        else:
+            os.close(fd)
+            opened.append(path)
+    connected, failed = [], {}
+    for host, port in connect:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                connected.append(f"{host}:{port}")
+        except OSError as exc:
+            failed[f"{host}:{port}"] = exc.strerror or type(exc).__name__
+    return {"opened": opened, "refused": refused, "connected": connected, "connect_failed": failed}
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, device: torch.device) -> None:
+        self.sock = sock
+        self.device = device
+        self.runtime: ModelRuntime | None = None
+
+    def serve(self) -> None:
+        while True:
+            try:
+                header, arrays = runtime_channel.recv(self.sock, max_bytes=MAX_MESSAGE_BYTES)
+            except runtime_channel.ChannelClosed:
+                return
+            op = header.get("op")
+            if op == "exit":
+                return
+            try:
+                reply, out = self.handle(op, header, arrays)
+            except RuntimeFailure as exc:
+                reply, out = {"ok": False, "error": str(exc)}, []
+            except Exception as exc:  # whatever the model does, the parent gets a reason and this process lives
+                reply, out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []
+            runtime_channel.send(self.sock, reply, out)
+
+    def handle(self, op: object, header: dict, arrays: list[np.ndarray]) -> tuple[dict, list[np.ndarray]]:
+        if op == "predict":
+            if self.runtime is None:
+                raise RuntimeFailure("model is not loaded")
+            return {"ok": True}, self.runtime.predict(arrays)
+        if op == "load":
+            if self.runtime is not None:
+                raise RuntimeFailure("this runtime process already holds an artifact")
+            inputs = [TensorSpec.from_dict(d) for d in header["inputs"]]
+            outputs = [TensorSpec.from_dict(d) for d in header["outputs"]]
+            runtime = ModelRuntime(None, header["format"], inputs, outputs, self.device)  # type: ignore[arg-type]
+            runtime.load(io.BytesIO(arrays[0].tobytes()))
+            self.runtime = runtime
+            return {"ok": True, "memory_bytes": runtime.memory_bytes, "load_seconds": runtime.load_seconds}, []
+        if op == "operators":
+            module = load_module(io.BytesIO(arrays[0].tobytes()), header["format"], self.device)
+            return {"ok": True, "operators": operators(module, header["format"])}, []
+        if op in ("to_host", "to_device"):
+            if self.runtime is not None:
+                self.runtime.to_host() if op == "to_host" else self.runtime.to_device()
+            return {"ok": True}, []
+        if op == "memory":
+            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return {"ok": True, "memory_bytes": self.runtime.memory_bytes if self.runtime else 0, "rss_bytes": rss}, []
+        if op == "probe":
+            return {"ok": True, **probe(list(header.get("paths", [])), list(header.get("connect", [])))}, []
+        raise RuntimeFailure(f"unknown op {op!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="runtime_worker")
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    header, _ = runtime_channel.recv(sock, deadline=time.monotonic() + 60)
+    device = torch.device(header["device"])
+    try:
+        warm_up()
+        record = sandbox.confine(hidden=header["hidden"], project_root=Path(header["project_root"]),
+                                 device=str(device), channel_fd=args.fd)
+    except Exception as exc:  # refuse to serve rather than run model code half-confined
+        runtime_channel.send(sock, {"ok": False, "error": f"confinement failed: {type(exc).__name__}: {exc}"})
+        return 1
+    # No parent-death signal: it follows the thread that spawned this process (a load thread), not the node.
+    # A node that dies closes its end of the channel, and the next read here ends this process.
+    threads = configure_torch_threads(int(header["threads"]))  # pool threads start now, inside the confinement
+    runtime_channel.send(sock, {"ok": True, "pid": os.getpid(), "threads": threads, **record.as_dict()})
+    Worker(sock, device).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Kernel confinement of the runtime process that runs tenant model code (serving.dataplane.runtime_worker).
+
+A TorchScript or torch.export graph can call operators that touch the filesystem (`aten::from_file`,
+`aten::save`...), so the process that runs one must not be able to reach anything of the platform's: the
+data directory (secret_key, the SQLite database), the artifact store and cache (other versions' weights), the
+network (PostgreSQL, Redis), the parent's environment. The layers, applied in the child in this order once its
+imports are done (`confine`), each recorded by name in `Confinement.applied` or, where the kernel or the
+user cannot have it, in `Confinement.skipped` with the reason:
+
+1. `clean_environment` (parent side, at spawn): only what Python and torch need; no inherited descriptors but
+   the channel (the parent spawns with close_fds, and `close_other_fds` closes anything else); cwd "/".
+2. `namespaces`: a private mount namespace (with a user namespace when not root) where each hidden path is
+   covered by an empty read-only tmpfs, so `/proc/<pid>/root/<data dir>` is empty from outside too; a
+   network namespace with no interfaces up (no TCP, UDP or abstract Unix socket reaches the host's); an IPC
+   namespace.
+3. `landlock_filesystem`: read-only access beneath the interpreter's and torch's directories and the
+   `serving` package only (never the project root, which holds var/), no write, no execve; device files the
+   accelerator needs may be written and ioctl'ed. Through the `landlock` binding (filesystem rules only).
+4. `landlock_network_and_scope`: a second Landlock layer, by ctypes because the binding knows only
+   filesystem rules: TCP bind and connect denied (ABI >= 4), abstract Unix sockets and signals scoped to the
+   domain (ABI >= 6).
+5. `drop_privileges`: no_new_privs, then as root the move to nobody (supplementary groups cleared), which
+   clears every capability; as non-root the capabilities the user namespace gave are dropped with capset.
+6. `limit_resources`: no core dumps, no file writes (RLIMIT_FSIZE 0), a bound on processes where root was
+   dropped (RLIMIT_NPROC counts every process and thread of the uid, so it is shared by all runtime children).
+
+Not used: seccomp. libseccomp's own Python binding is not published on PyPI (what is there are one-person
+repackagings), and a hand-written BPF filter is not a well-kept binding; the layers above already deny the
+filesystem and network reach a syscall filter would, though not the kernel's syscall surface itself.
+
+The syscalls by ctypes (unshare(2), mount(2), capset(2), landlock_create_ruleset(2)) are the documented
+Linux interfaces; Python 3.11's `os` has none of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import resource
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import landlock
+from landlock.plumbing import get_restrict_self
+
+NOBODY = 65534
+# RLIMIT_NPROC for the dropped uid: every runtime child's threads count against it (one child per version).
+MAX_PROCESSES = 512
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+PR_GET_NO_NEW_PRIVS = 39
+
+# landlock_create_ruleset(2) is syscall 444 on every architecture (the unified syscall table).
+SYS_LANDLOCK_CREATE_RULESET = 444
+LANDLOCK_ACCESS_NET_BIND_TCP = 1 << 0
+LANDLOCK_ACCESS_NET_CONNECT_TCP = 1 << 1
+LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
+LANDLOCK_SCOPE_SIGNAL = 1 << 1
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+# What the environment of the runtime process may hold: nothing of the platform's settings or credentials.
+# One thread per BLAS/OpenMP pool at import: threads that exist before Landlock applies would be outside it,
+# so the process stays single-threaded until confined and sets its intra-op threads afterwards.
+_KEPT_ENV = ("LANG", "LC_ALL", "TZ", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LD_LIBRARY_PATH")
+_SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+class ConfinementError(RuntimeError):
+    """A layer that should apply could not: the runtime process refuses to run model code."""
+
+
+@dataclass
+class Confinement:
+    applied: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"applied": list(self.applied), "skipped": dict(self.skipped)}
+
+
+def clean_environment(project_root: Path) -> dict[str, str]:
+    """The runtime process's whole environment: PATH, the import path to this project, locale and device
+    selection, single-threaded pools; never SECRET_KEY, DATABASE_URL, REDIS_URL, FERRY_NODE_TOKEN or any
+    other FERRY_* setting."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(project_root), "HOME": "/nonexistent",
+           "PYTHONDONTWRITEBYTECODE": "1", **_SINGLE_THREADED}
+    env.update({k: os.environ[k] for k in _KEPT_ENV if k in os.environ})
+    return env
+
+
+def readable_paths(project_root: Path) -> list[str]:
+    """What the interpreter and torch read after confinement (lazy imports, shared libraries, CPU topology):
+    the interpreter's prefixes and site-packages, the system's libraries, and this project's `serving`
+    package only."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr", "/lib", "/lib64",
+             "/etc/ld.so.cache", "/etc/localtime", "/proc", "/sys/devices/system/cpu", "/dev/urandom",
+             str(project_root / "serving")}
+    paths.update(p for p in sys.path if p and "site-packages" in p)
+    return sorted(paths)
+
+
+def device_paths(device: str) -> list[str]:
+    """Device files the runtime may open read-write (and ioctl): /dev/null always; on CUDA the driver's."""
+    paths = ["/dev/null"]
+    if device.startswith("cuda"):
+        dev = Path("/dev")
+        paths += sorted(str(p) for p in dev.glob("nvidia*"))
+    return paths
+
+
+def single_threaded() -> bool:
+    return len(os.listdir("/proc/self/task")) == 1
+
+
+def close_other_fds(keep: Iterable[int]) -> None:
+    """Close every descriptor but stdio and `keep` (the channel): nothing opened by the parent stays reachable."""
+    kept = {0, 1, 2, *keep}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in kept:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def namespaces(hidden: Sequence[str], record: Confinement) -> None:
+    """Enter private mount, network and IPC namespaces (and a user namespace when not root, the kernel
+    allowing), then cover each hidden directory with an empty read-only tmpfs."""
+    if not single_threaded():
+        raise ConfinementError("the runtime process has threads before confinement")
+    root = os.geteuid() == 0
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | (0 if root else CLONE_NEWUSER)
+    uid, gid = os.geteuid(), os.getegid()
+    if _libc.unshare(flags) != 0:
+        err = ctypes.get_errno()
+        record.skipped["namespaces"] = f"unshare: {os.strerror(err)}"
+        return
+    if not root:
+        # The only uid inside is the caller's own; setgroups must be denied before a gid map is written.
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+        record.applied.append("user-namespace")
+    record.applied += ["network-namespace", "ipc-namespace"]
+    # Mounts made here must not propagate back to the host's namespace.
+    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    covered = []
+    for path in hidden:
+        if not os.path.isdir(path):
+            continue
+        _check(_libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                           b"size=4k,nr_inodes=1,mode=0555"), f"mount tmpfs over {path}")
+        covered.append(path)
+    record.applied.append("mount-namespace")
+    record.applied.append(f"hidden:{len(covered)}")
+
+
+def landlock_filesystem(read: Sequence[str], devices: Sequence[str], record: Confinement) -> None:
+    """Landlock: read beneath `read`, read-write (and ioctl) on `devices`, nothing else; no execve anywhere."""
+    try:
+        abi = landlock.landlock_abi_version()
+    except OSError as exc:
+        record.skipped["landlock"] = f"unavailable: {exc.strerror}"
+        return
+    if not single_threaded():
+        raise ConfinementError("the runtime process has threads before Landlock applies")
+    fs = landlock.FSAccess
+    ruleset = landlock.Ruleset()  # handles every filesystem right this ABI knows
+    read_file = fs.READ_FILE
+    read_dir = fs.READ_FILE | fs.READ_DIR
+    device = fs.READ_FILE | fs.WRITE_FILE | (fs.IOCTL_DEV if abi >= 5 else 0)
+    for path in read:
+        if os.path.exists(path):
+            ruleset.allow(path, rules=read_dir if os.path.isdir(path) else read_file)
+    for path in devices:
+        if os.path.exists(path):
+            ruleset.allow(path, rules=device)
+    ruleset.apply()  # sets no_new_privs first, as landlock_restrict_self(2) requires without CAP_SYS_ADMIN
+    record.applied.append(f"landlock-fs:abi{abi}")
+
+
+class _RulesetAttr(ctypes.Structure):
+    """struct landlock_ruleset_attr (linux/landlock.h) with the network (ABI 4) and scope (ABI 6) fields."""
+
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+def landlock_network_and_scope(record: Confinement) -> None:
+    """A second Landlock layer: no TCP bind or connect (no rule allows a port), and no abstract Unix socket
+    connection or signal outside this domain."""
+    try:
+        abi = landlock.landlock_abi_version()
+    except OSError:
+        return  # reported by landlock_filesystem
+    if abi < 4:
+        record.skipped["landlock-net"] = f"Landlock ABI {abi} < 4"
+        return
+    attr = _RulesetAttr(0, LANDLOCK_ACCESS_NET_BIND_TCP | LANDLOCK_ACCESS_NET_CONNECT_TCP, 0)
+    size = ctypes.sizeof(ctypes.c_uint64) * 2  # the ABI 4 struct, without `scoped`
+    if abi >= 6:
+        attr.scoped = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL
+        size = ctypes.sizeof(attr)
+    else:
+        record.skipped["landlock-scope"] = f"Landlock ABI {abi} < 6"
+    syscall = _libc.syscall
+    syscall.restype = ctypes.c_long
+    fd = syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size),
+                 ctypes.c_uint32(0))
+    if fd < 0:
+        raise ConfinementError(f"landlock_create_ruleset (net): {os.strerror(ctypes.get_errno())}")
+    try:
+        get_restrict_self()(fd, 0)
+    finally:
+        os.close(fd)
+    record.applied.append("landlock-net")
+    if abi >= 6:
+        record.applied.append("landlock-scope")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges(record: Confinement) -> None:
+    """no_new_privs; as root, become nobody (which clears every capability); otherwise drop the capabilities
+    a user namespace gave (capset to nothing), so nothing can undo the mounts above."""
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    record.applied.append("no-new-privs")
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+        record.applied.append(f"uid:{NOBODY}")
+    else:
+        header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+        data = (_CapData * 2)()
+        _check(_libc.capset(ctypes.byref(header), data), "capset")
+        record.applied.append("no-capabilities")
+    if _effective_capabilities() != 0:
+        raise ConfinementError("the runtime process kept capabilities")
+
+
+def _effective_capabilities() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return -1
+
+
+def limit_resources(record: Confinement, dropped_root: bool) -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    record.applied += ["rlimit-core", "rlimit-fsize"]
+    if dropped_root:
+        resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
+        record.applied.append("rlimit-nproc")
+
+
+def confine(*, hidden: Sequence[str], project_root: Path, device: str, channel_fd: int) -> Confinement:
+    """Every layer, in order. Call once the imports (and their lazily loaded pieces) are done, before any
+    artifact arrives; raises ConfinementError rather than run half-confined where a layer failed midway."""
+    record = Confinement()
+    close_other_fds([channel_fd])
+    os.chdir("/")
+    record.applied.append("clean-env")
+    root = os.geteuid() == 0
+    try:
+        namespaces(hidden, record)
+    except OSError as exc:
+        raise ConfinementError(f"namespaces: {exc}") from None
+    landlock_filesystem(readable_paths(project_root), device_paths(device), record)
+    landlock_network_and_scope(record)
+    drop_privileges(record)
+    limit_resources(record, dropped_root=root)
+    record.skipped["seccomp"] = "not used (no well-kept binding; see serving.dataplane.sandbox)"
+    return record
