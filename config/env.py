@@ -1,5 +1,6 @@
 """Typed readers for settings from the environment; a bad value stops start-up with a clear message."""
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -60,3 +61,16 @@ def env_json(name: str, default: dict) -> dict:
     if not isinstance(value, dict):
         raise ImproperSetting(f"{name} must be a JSON object")
     return value
+
+
+def env_cidrs(name: str, default: list[str]) -> list[str]:
+    """Addresses or CIDRs, comma-separated; "none" for an empty list (an unset or empty value is the default)."""
+    values = env_list(name, default)
+    if values == ["none"]:
+        return []
+    for value in values:
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError as exc:
+            raise ImproperSetting(f"{name}: {value!r} is not an address or CIDR ({exc})") from exc
+    return values

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from config.env import ImproperSetting, env_bool, env_int, env_json, env_list, env_str
+from config.env import ImproperSetting, env_bool, env_cidrs, env_int, env_json, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FERRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
@@ -320,5 +320,55 @@ FERRY_RUNTIME_START_TIMEOUT_S = env_int("FERRY_RUNTIME_START_TIMEOUT_S", 120, mi
 # --- Operator check: which operators a registered graph may call (serving.dataplane.operator_check) ---
 
 # --- /metrics access, cookies and TLS, login throttling ---
+
+# /metrics, the web process's and a node's (`runnode --metrics-port`), per serving.dataplane.metrics_access:
+# the bearer token FERRY_METRICS_TOKEN (or a file, FERRY_METRICS_TOKEN_FILE: a mounted Secret) reads every
+# label; a caller without it whose TCP peer address is in FERRY_METRICS_ALLOW (CIDRs; "none": nobody) reads
+# the same families with private models' names and versions and tenants' slugs replaced by opaque names;
+# anyone else gets 401. The allow-list defaults to loopback while no token is set, so `make run` can be
+# scraped (or curled) on its own machine and not from the network, and to nobody once a token is set.
+FERRY_METRICS_TOKEN = env_str("FERRY_METRICS_TOKEN")
+FERRY_METRICS_ALLOW = env_cidrs("FERRY_METRICS_ALLOW", [] if FERRY_METRICS_TOKEN else ["127.0.0.0/8", "::1/128"])
+
+# Cookies and TLS, off in embedded mode (plain http on loopback) and on in platform/k8s, where TLS ends at
+# the ingress: Secure session and CSRF cookies; HSTS for FERRY_HSTS_SECONDS (0: none); and the header the
+# proxy sets to say the request came over https (FERRY_PROXY_SSL_HEADER=X-Forwarded-Proto), which is what
+# lets Django see such a request as secure and send HSTS. Set it only behind a proxy that overwrites that
+# header: a client could otherwise claim https itself.
+FERRY_SECURE_COOKIES = env_bool("FERRY_SECURE_COOKIES", False)
+SESSION_COOKIE_SECURE = FERRY_SECURE_COOKIES
+CSRF_COOKIE_SECURE = FERRY_SECURE_COOKIES
+SECURE_HSTS_SECONDS = env_int("FERRY_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("FERRY_HSTS_INCLUDE_SUBDOMAINS", False)
+_proxy_ssl_header = env_str("FERRY_PROXY_SSL_HEADER")
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_" + _proxy_ssl_header.upper().replace("-", "_"), "https") if _proxy_ssl_header else None
+)
+# Redirect plain http to https in Django itself (the console and /api; not /v2 or /metrics, which never
+# pass Django's middleware). Off in platform/k8s too: the ingress redirects, and nodes fetch artifacts from
+# the web Service over in-cluster http.
+SECURE_SSL_REDIRECT = env_bool("FERRY_SSL_REDIRECT", False)
+
+# Login throttling (django-axes): FERRY_LOGIN_FAILURE_LIMIT wrong passwords for one username from one
+# address lock that pair out for FERRY_LOGIN_COOLOFF_MINUTES, on the console's /login/, the admin's and the
+# API's HTTP Basic authentication alike (each calls django.contrib.auth.authenticate, which the backend
+# below guards); a success resets the count. A lockout answers 429 with Retry-After (tenants.lockout): JSON on
+# the API, a page elsewhere. The address is the TCP peer (REMOTE_ADDR), never X-Forwarded-For.
+INSTALLED_APPS += ["axes"]
+MIDDLEWARE += ["axes.middleware.AxesMiddleware"]  # last, as django-axes requires
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+FERRY_LOGIN_FAILURE_LIMIT = env_int("FERRY_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+FERRY_LOGIN_COOLOFF_MINUTES = env_int("FERRY_LOGIN_COOLOFF_MINUTES", 15, minimum=1)
+AXES_FAILURE_LIMIT = FERRY_LOGIN_FAILURE_LIMIT
+AXES_COOLOFF_TIME = FERRY_LOGIN_COOLOFF_MINUTES / 60  # hours, as a float (an int would be whole hours)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "tenants.lockout.locked_out"
+AXES_IPWARE_META_PRECEDENCE_ORDER = ("REMOTE_ADDR",)
+# The API's HTTP Basic authentication, answering a lockout 429 (tenants.lockout says why DRF needs this).
+REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"] = [
+    "tenants.lockout.LockoutAwareBasicAuthentication" if name == "rest_framework.authentication.BasicAuthentication"
+    else name for name in REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"]
+]
 
 # --- The capacity planner's bounds and the /v2 control calls' quota ---

@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 import pytest
 from django.db import OperationalError
+from django.test import override_settings
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,8 +102,14 @@ def assert_error(resp: Resp, status: int, *fragments: str) -> str:
     return message
 
 
+METRICS_TOKEN = "test-metrics-token"
+
+
 def metrics(server) -> list:  # noqa: ANN001
-    resp = call(server, "GET", "/metrics")
+    """The server's metrics as the operator's Prometheus reads them: with the metrics token, every label
+    (tests/test_metrics_access.py checks what a caller without it sees)."""
+    with override_settings(FERRY_METRICS_TOKEN=METRICS_TOKEN):
+        resp = call(server, "GET", "/metrics", auth=METRICS_TOKEN)
     assert resp.status == 200
     return list(text_string_to_metric_families(resp.body.decode()))
 

@@ -5,10 +5,11 @@ Paths (KServe V2 / Triton): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ver
 and /metrics. Every failure answers {"error": "..."} with its status. Bad input is a 4xx found by
 validation; an unexpected exception is a bug: a 500, logged and counted, never relabelled.
 
-/v2 (server metadata), /v2/health/{live,ready} and /metrics are anonymous (probes, scrapers); every
-other endpoint needs an API key (`serving.dataplane.auth`): 401 without a usable one, 403 without the scope
-(load/unload need `manage`, the rest `infer`) or for load/unload of a model another tenant owns, and 404
-for a model the key's tenant may not see.
+/v2 (server metadata) and /v2/health/{live,ready} are anonymous (probes); /metrics needs the metrics token
+or an allowed address, and then hides private names from a caller without the token
+(`serving.dataplane.metrics_access`); every other endpoint needs an API key (`serving.dataplane.auth`): 401
+without a usable one, 403 without the scope (load/unload need `manage`, the rest `infer`) or for load/unload
+of a model another tenant owns, and 404 for a model the key's tenant may not see.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from channels.consumer import get_handler_name
 from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from serving.dataplane import frontdoor, metrics
+from serving.dataplane import frontdoor, metrics, metrics_access
 from serving.dataplane import plane as dataplane
 from serving.dataplane.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.errors import NotFound, ServingError, Unavailable
@@ -145,8 +146,9 @@ class InferenceConsumer(AsyncHttpConsumer):
     async def handle(self, body: bytes) -> None:
         scope = self.scope
         # The headers as a dict, built in C (reversed: the first of a repeated header counts).
+        client = scope.get("client")
         request = InferenceRequest(scope["method"], scope["path"], dict(reversed(scope["headers"])), self._waited,
-                                   scope.get("ferry.gone"))
+                                   scope.get("ferry.gone"), client[0] if client else None)
         answer = await request.answer(body)
         if answer is None:
             return  # its client went away: nothing to send
@@ -162,10 +164,10 @@ class InferenceRequest:
     straight from the front door's protocol (`frontdoor.FrontDoorProtocol`'s lane for inference), which
     has already read its whole body. `answer` never raises: every outcome is an answer to write."""
 
-    __slots__ = ("method", "path", "headers", "waited", "gone")
+    __slots__ = ("method", "path", "headers", "waited", "gone", "client")
 
     def __init__(self, method: str, path: str, headers: dict[bytes, bytes], waited: float,
-                 gone: Callable[[], bool] | None) -> None:
+                 gone: Callable[[], bool] | None, client: str | None = None) -> None:
         self.method = method
         self.path = path
         self.headers = headers  # lower-case names; the first of a repeated header
@@ -173,6 +175,7 @@ class InferenceRequest:
         # through header parsing and the event loop's ready queue.
         self.waited = waited
         self.gone = gone  # whether its client has gone (checked when a queued request's turn comes)
+        self.client = client  # the peer's address, for /metrics' allow-list (None: unknown, token only)
 
     async def answer(
         self, body: bytes, infer: bool = False
@@ -211,7 +214,12 @@ class InferenceRequest:
         method = self.method
         if path == "/metrics":
             _method(method, "GET")
-            return 200, generate_latest(), [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+            access = metrics_access.configured()
+            level = access.admit(self.headers.get(b"authorization"), self.client)
+            plane = dataplane.current()
+            snapshot = plane.gateway.snapshot if plane is not None else None
+            body = metrics_access.exposition(level, snapshot, access.label_key)
+            return 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())]
         parts = path.split("/")[2:]  # after "", "v2"
         plane = dataplane.current()
         if plane is None:

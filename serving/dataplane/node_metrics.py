@@ -11,22 +11,33 @@ the node's own state, read from it at scrape time:
 - ferry_node_memory_used_bytes, ferry_node_memory_budget_bytes;
 - ferry_node_version_load_seconds{model,version}: the measured load time of each version loaded here.
 
-Served by prometheus_client's own HTTP server on its own thread: a scrape never waits on the event loop,
-and reads only copies of the node's dicts.
+Served by the standard library's WSGI server, a thread per scrape, off the event loop: a scrape never waits
+on it, and reads only copies of the node's dicts. Access is the web process's (`metrics_access`): the
+metrics token reads everything; an allowed address without it reads private names redacted, judged by the
+routing snapshot the node follows; anyone else gets 401.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, start_http_server
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from serving.dataplane import metrics_access
+from serving.dataplane.errors import ServingError
+
 if TYPE_CHECKING:
     from serving.dataplane.node_process import NodeProcess
+    from serving.dataplane.snapshot import RoutingSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +90,61 @@ def _labels(key: str) -> list[str]:
     return [model, version]
 
 
-def serve(process: NodeProcess, port: int, addr: str = "0.0.0.0") -> object:  # noqa: S104 (a scrape target)
-    """Register the node's collector and serve the registry on `port`; returns the server (shutdown())."""
+def serve(process: NodeProcess, port: int, addr: str = "0.0.0.0") -> WSGIServer:  # noqa: S104 (a scrape target)
+    """Register the node's collector and serve /metrics on `port`; returns the server (shutdown())."""
     REGISTRY.register(NodeCollector(process))
-    server, _thread = start_http_server(port, addr=addr)
+    server = make_server(addr, port, MetricsApp(lambda: process.hub.current),
+                         server_class=_server_class(addr), handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="node-metrics", daemon=True).start()
     log.info("node metrics on http://%s:%d/metrics", addr, server.server_port)
     return server
+
+
+StartResponse = Callable[[str, list[tuple[str, str]]], object]
+
+
+class MetricsApp:
+    """The WSGI application: GET /metrics, admitted by `metrics_access`; JSON errors otherwise."""
+
+    def __init__(self, snapshot: Callable[[], RoutingSnapshot | None]) -> None:
+        self.snapshot = snapshot
+
+    def __call__(self, environ: dict, start_response: StartResponse) -> Iterable[bytes]:
+        try:
+            if environ.get("PATH_INFO", "").rstrip("/") != "/metrics":
+                raise ServingError("this port serves only /metrics", status=404)
+            if environ.get("REQUEST_METHOD") != "GET":
+                raise ServingError("/metrics answers GET only", status=405)
+            access = metrics_access.configured()
+            authorization = environ.get("HTTP_AUTHORIZATION")
+            level = access.admit(authorization.encode("latin-1") if authorization is not None else None,
+                                 environ.get("REMOTE_ADDR"))
+            body = metrics_access.exposition(level, self.snapshot(), access.label_key)
+        except ServingError as exc:
+            body = orjson.dumps({"error": exc.message})
+            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            headers += [(name.decode(), value.decode()) for name, value in exc.headers]
+            start_response(f"{exc.status} {_REASONS.get(exc.status, 'Error')}", headers)
+            return [body]
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+        return [body]
+
+
+_REASONS = {401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress does not hold the node's exit
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+def _server_class(addr: str) -> type[WSGIServer]:
+    return _ThreadingServer6 if ":" in addr else _ThreadingServer
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        pass  # one line per scrape every few seconds would bury the node's own log

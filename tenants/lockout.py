@@ -1,0 +1,63 @@
+"""What a locked-out login gets: 429 with Retry-After, as a page on the console and the admin (django-axes'
+AXES_LOCKOUT_CALLABLE, config/settings.py), as JSON on the API (HTTP Basic callers are programs).
+
+The API's is raised by `LockoutAwareBasicAuthentication`, not by axes' middleware: DRF hands
+`authenticate()` its own Request, so the flag axes sets there (`axes_locked_out`) never reaches the
+HttpRequest the middleware looks at, and DRF would answer the lockout as one more wrong password.
+
+A failure during a lockout starts the cool-off again (axes' AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT,
+left at its default), and this answer follows such a failure, so the whole cool-off is the wait.
+"""
+
+from __future__ import annotations
+
+import math
+
+from axes.helpers import get_cool_off
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from drf_spectacular.authentication import BasicScheme
+from rest_framework.authentication import BasicAuthentication
+from rest_framework.exceptions import AuthenticationFailed, Throttled
+
+STATUS = 429
+
+
+def locked_out(request: HttpRequest, *_context: object) -> HttpResponse:
+    # axes passes (request, response, credentials) from its sync middleware and (request, credentials) from its
+    # async one; neither is needed here.
+    seconds = _cool_off_seconds(request)
+    minutes = math.ceil(seconds / 60) if seconds else None
+    response = render(request, "registration/locked_out.html", {"minutes": minutes}, status=STATUS)
+    if seconds:
+        response["Retry-After"] = str(seconds)
+    return response
+
+
+def _cool_off_seconds(request: object) -> int | None:
+    cool_off = get_cool_off(request)  # type: ignore[arg-type]
+    return max(1, math.ceil(cool_off.total_seconds())) if cool_off else None
+
+
+class LockedOut(Throttled):
+    """429; DRF sets Retry-After from `wait`, and serving.api.errors writes {"error": ...}."""
+
+    default_detail = "too many failed logins for this username from this address"
+
+
+class LockoutAwareBasicAuthentication(BasicAuthentication):
+    """DRF's HTTP Basic authentication, answering 429 instead of 403 once axes has locked the login out."""
+
+    def authenticate_credentials(self, userid: str, password: str, request: object = None) -> tuple:
+        try:
+            return super().authenticate_credentials(userid, password, request)
+        except AuthenticationFailed:
+            if request is not None and getattr(request, "axes_locked_out", False):
+                raise LockedOut(wait=_cool_off_seconds(request)) from None
+            raise
+
+
+class LockoutAwareBasicScheme(BasicScheme):
+    """The API schema's basicAuth for the class above (drf-spectacular matches authenticators by exact class)."""
+
+    target_class = "tenants.lockout.LockoutAwareBasicAuthentication"
