@@ -217,11 +217,12 @@ class ModelRuntime:
         self.memory_bytes = 0
         self.load_seconds = 0.0
 
-    def load(self, source: BinaryIO | None = None) -> None:
-        """Load from `path`, or from `source` (the sandboxed runtime process is sent the artifact's bytes)."""
+    def load(self, source: BinaryIO | None = None, **options: bool) -> None:
+        """Load from `path`, or from `source` (the sandboxed runtime process is sent the artifact's bytes);
+        `options` go to load_module."""
         started = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.module = load_module(self.path if source is None else source, self.fmt, self.device)
+        self.module = load_module(self.path if source is None else source, self.fmt, self.device, **options)
         if self.device.type == "cuda":
             self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
         else:

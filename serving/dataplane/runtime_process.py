@@ -165,8 +165,11 @@ class IsolatedRuntime(ModelRuntime):
     def __init__(
         self, path: Path, fmt: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], device: torch.device,
         *, threads: int | None = None, timeout_s: float | None = None, start_timeout_s: float | None = None,
+        check_operators: bool = True,
     ) -> None:
         super().__init__(path, fmt, inputs, outputs, device)
+        # False only in tests of the sandbox alone: the operator check (serving.dataplane.operator_check) is off.
+        self.check_operators = check_operators
         # The child's intra-op threads: what this process was configured with (configure_torch_threads).
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.timeout_s = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_TIMEOUT_S
@@ -196,7 +199,7 @@ class IsolatedRuntime(ModelRuntime):
         try:
             reply, _ = process.call(
                 {"op": "load", "format": self.fmt, "inputs": [s.to_dict() for s in self.inputs],
-                 "outputs": [s.to_dict() for s in self.outputs]},
+                 "outputs": [s.to_dict() for s in self.outputs], "check_operators": self.check_operators},
                 [np.frombuffer(data, dtype=np.uint8)], timeout_s=self.start_timeout_s,
             )
         except BaseException:

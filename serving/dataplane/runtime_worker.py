@@ -11,6 +11,7 @@ in memory. Ops: load, predict, to_host, to_device, memory, operators, probe (tes
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
 import os
 import socket
@@ -83,8 +84,16 @@ def _graph_operators(block: torch._C.Graph | torch._C.Block, names: set[str]) ->
             _graph_operators(inner, names)
 
 
+def _operator_option(check: bool) -> dict[str, bool]:
+    """load_module's operator-check keyword, where it has one (serving.dataplane.operator_check)."""
+    if "check_operators" in inspect.signature(load_module).parameters:
+        return {"check_operators": check}
+    return {}
+
+
 def probe(paths: list[str], connect: list[list]) -> dict:
-    """Which of `paths` this process can open, and which (host, port) it can connect to by TCP."""
+    """Which of `paths` this process can open, which (host, port) it can connect to by TCP, its environment,
+    and whether it can read its own /proc/self/environ."""
     opened, refused = [], {}
     for path in paths:
         try:
@@ -101,7 +110,14 @@ def probe(paths: list[str], connect: list[list]) -> dict:
                 connected.append(f"{host}:{port}")
         except OSError as exc:
             failed[f"{host}:{port}"] = exc.strerror or type(exc).__name__
-    return {"opened": opened, "refused": refused, "connected": connected, "connect_failed": failed}
+    try:
+        # Not readable once root was dropped: the process is then not dumpable, and its /proc files stay root's.
+        Path("/proc/self/environ").read_bytes()
+        proc_environ = True
+    except PermissionError:
+        proc_environ = False
+    return {"opened": opened, "refused": refused, "connected": connected, "connect_failed": failed,
+            "environ": [f"{k}={v}" for k, v in os.environ.items()], "proc_environ_readable": proc_environ}
 
 
 class Worker:
@@ -138,11 +154,13 @@ class Worker:
             inputs = [TensorSpec.from_dict(d) for d in header["inputs"]]
             outputs = [TensorSpec.from_dict(d) for d in header["outputs"]]
             runtime = ModelRuntime(None, header["format"], inputs, outputs, self.device)  # type: ignore[arg-type]
-            runtime.load(io.BytesIO(arrays[0].tobytes()))
+            runtime.load(io.BytesIO(arrays[0].tobytes()), **_operator_option(bool(header.get("check_operators", True))))
             self.runtime = runtime
             return {"ok": True, "memory_bytes": runtime.memory_bytes, "load_seconds": runtime.load_seconds}, []
         if op == "operators":
-            module = load_module(io.BytesIO(arrays[0].tobytes()), header["format"], self.device)
+            # The names of every operator, allowed or not: the caller judges them.
+            module = load_module(io.BytesIO(arrays[0].tobytes()), header["format"], self.device,
+                                 **_operator_option(False))
             return {"ok": True, "operators": operators(module, header["format"])}, []
         if op in ("to_host", "to_device"):
             if self.runtime is not None:
