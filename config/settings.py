@@ -318,6 +318,10 @@ FERRY_RUNTIME_TIMEOUT_S = env_int("FERRY_RUNTIME_TIMEOUT_S", 30, minimum=1)
 FERRY_RUNTIME_START_TIMEOUT_S = env_int("FERRY_RUNTIME_START_TIMEOUT_S", 120, minimum=1)
 
 # --- Operator check: which operators a registered graph may call (serving.dataplane.operator_check) ---
+# Operator namespaces besides aten, prim and quantized that registered models may call (comma list), for a
+# library of custom operators the platform loads into its nodes. Registration checks this setting; processes
+# that load models without Django settings read the same environment variable (operator_check).
+FERRY_ALLOWED_OPERATOR_NAMESPACES = env_list("FERRY_ALLOWED_OPERATOR_NAMESPACES", [])
 
 # --- /metrics access, cookies and TLS, login throttling ---
 

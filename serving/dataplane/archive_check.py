@@ -14,12 +14,15 @@ accepted only in the plain form that `torch.export.save` writes for a program ov
 - one program, `models/model.json`, whose symbolic expressions (`sympy.sympify`, which calls `eval`)
   use only sympy's and torch's shape functions, whose graph calls only `torch.ops` operators and the
   arithmetic builtins export emits for sizes, and whose names and tree specs contain only
-  `[A-Za-z0-9_.]` (FX pastes them into the Python source it generates and `exec`s);
+  `[A-Za-z0-9_.]` (FX pastes them into the Python source it generates and `exec`s), and whose
+  operators the operator policy allows (serving.dataplane.operator_check: no `aten::from_file`, no
+  custom namespace the platform did not allow...);
 - sample inputs (read by stock `torch.export.load` with a `weights_only=False` fallback; Ferry's
   loader never reads them) that reference only the globals of a plain tensor pickle.
 
 Other zip archives (TorchScript) pass: `torch.jit.load` reads their pickles with TorchScript's own
-unpickler, which builds only tensors, containers and TorchScript types.
+unpickler, which builds only tensors, containers and TorchScript types. Their operators are known only
+once their code is compiled, by loading (serving.dataplane.operator_check.load_torchscript).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import json
 import pickletools
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from serving.dataplane import operator_check
 
 MODEL = "model"  # the program name torch.export.save writes and torch.export.load returns
 MAX_JSON_BYTES = 256 * 1024 * 1024
@@ -105,9 +110,13 @@ class ArchiveRefused(Exception):
         self.reason = reason
 
 
-def check_archive(source: Path | BinaryIO) -> str:
+def check_archive(
+    source: Path | BinaryIO, *, check_operators: bool = True, allowed_namespaces: Iterable[str] | None = None
+) -> str:
     """Check a zip archive as data; return "torch_export" for a .pt2 package, "zip" for any other zip
-    (TorchScript). Raise ArchiveRefused with the reason for an archive that would run code on load."""
+    (TorchScript). Raise ArchiveRefused with the reason for an archive that would run code on load, or
+    (unless `check_operators` is false) whose program calls an operator the policy refuses;
+    `allowed_namespaces`: the admin's extra operator namespaces (default: the environment's setting)."""
     try:
         with zipfile.ZipFile(source) as zf:
             infos = [info for info in zf.infolist() if not info.is_dir()]
@@ -130,7 +139,8 @@ def check_archive(source: Path | BinaryIO) -> str:
 
             if read("archive_format") != b"pt2":
                 return "zip"
-            check_pt2_records(list(sizes), read)
+            check_pt2_records(list(sizes), read, check_operators=check_operators,
+                              allowed_namespaces=allowed_namespaces)
             return "torch_export"
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, KeyError) as exc:
         raise ArchiveRefused(f"unreadable archive: {type(exc).__name__}: {exc}") from None
@@ -154,7 +164,10 @@ def _check_zip_names(names: list[str]) -> str:
     return root
 
 
-def check_pt2_records(names: list[str], read: Callable[[str], bytes]) -> None:
+def check_pt2_records(
+    names: list[str], read: Callable[[str], bytes], *, check_operators: bool = True,
+    allowed_namespaces: Iterable[str] | None = None,
+) -> None:
     """The .pt2 checks, on member names relative to the archive folder and a reader of them: the
     registration check passes Python's zipfile, the loader passes torch's own archive reader."""
     present = set(names)
@@ -180,7 +193,12 @@ def check_pt2_records(names: list[str], read: Callable[[str], bytes]) -> None:
         if name.startswith("data/aotinductor/"):
             raise ArchiveRefused(f"{name}: AOTInductor members (compiled shared libraries) are not accepted")
         raise ArchiveRefused(f"unexpected member {name}")
-    check_program(_json(read(PROGRAM), PROGRAM))
+    program = _json(read(PROGRAM), PROGRAM)
+    check_program(program)
+    if check_operators:
+        refused = operator_check.refused(operator_check.export_operators(program), allowed_namespaces)
+        if refused:
+            raise ArchiveRefused(operator_check.OperatorRefused(refused).reason)
     if SAMPLE_INPUTS in present:
         _check_tensor_pickle_archive(read(SAMPLE_INPUTS), SAMPLE_INPUTS)
 

@@ -19,6 +19,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from serving.dataplane import operator_check
 from serving.dataplane.protocol import DATATYPES, TensorSpec
 
 
@@ -39,8 +40,13 @@ def pick_device(preferred: str = "") -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_module(source: Path | BinaryIO, fmt: str, device: torch.device) -> torch.nn.Module:
-    """Load an artifact after the same archive check as registration (serving.dataplane.archive_check).
+def load_module(
+    source: Path | BinaryIO, fmt: str, device: torch.device, *, check_operators: bool = True
+) -> torch.nn.Module:
+    """Load an artifact after the same archive check as registration (serving.dataplane.archive_check),
+    and refuse one that calls an operator the policy does not allow (serving.dataplane.operator_check:
+    for TorchScript, once its code is compiled, before anything but its `__setstate__` has run).
+    `check_operators=False` leaves the operator check out, for tests of the sandbox alone.
 
     `source` is a path or an open binary file: the sandboxed runtime process is handed the artifact's
     verified bytes, never a path into the store."""
@@ -51,12 +57,14 @@ def load_module(source: Path | BinaryIO, fmt: str, device: torch.device) -> torc
             _check_archive(source, fmt)
             if not isinstance(source, Path):
                 source.seek(0)
-            module = torch.jit.load(source if not isinstance(source, Path) else str(source), map_location=device)
+            module, operators = operator_check.load_torchscript(source, device)
+            if check_operators:
+                operator_check.check(operators)
         elif fmt == "torch_export":
             with source.open("rb") if isinstance(source, Path) else contextlib.nullcontext(source) as f:
-                _check_archive(f, fmt)  # one open file for the check and the load
+                _check_archive(f, fmt, check_operators)  # one open file for the check and the load
                 f.seek(0)
-                program = _load_exported_program(f)
+                program = _load_exported_program(f, check_operators)
             # check_guards=False: the guard function is Python source built from the archive's
             # guards_code and exec'd; input shapes are still checked by the module's pre-hook.
             module = program.module(check_guards=False).to(device)
@@ -64,7 +72,7 @@ def load_module(source: Path | BinaryIO, fmt: str, device: torch.device) -> torc
             raise RuntimeFailure(f"unknown artifact format {fmt!r}")
     except RuntimeFailure:
         raise
-    except ArchiveRefused as exc:
+    except (ArchiveRefused, operator_check.OperatorRefused) as exc:
         raise RuntimeFailure(f"cannot load {fmt} artifact (refused): {exc.reason}") from None
     except Exception as exc:  # torch raises many types for a corrupt or mislabelled file
         raise RuntimeFailure(f"cannot load {fmt} artifact: {type(exc).__name__}: {exc}".strip()) from exc
@@ -73,15 +81,15 @@ def load_module(source: Path | BinaryIO, fmt: str, device: torch.device) -> torc
     return module
 
 
-def _check_archive(source: Path | BinaryIO, fmt: str) -> None:
+def _check_archive(source: Path | BinaryIO, fmt: str, check_operators: bool = True) -> None:
     from serving.dataplane.archive_check import ArchiveRefused, check_archive
 
-    kind = check_archive(source)
+    kind = check_archive(source, check_operators=check_operators)
     if fmt == "torch_export" and kind != "torch_export":
         raise ArchiveRefused("not a torch.export (.pt2) archive")
 
 
-def _load_exported_program(f: BinaryIO) -> torch.export.ExportedProgram:
+def _load_exported_program(f: BinaryIO, check_operators: bool = True) -> torch.export.ExportedProgram:
     """`torch.export.load` without its pickle paths: this calls the pieces it uses for a .pt2 archive
     (torch/export/pt2_archive/_package.py, torch/_export/serde/serialize.py) and nothing else, so
     there is no retry as the legacy layout (torch.load, weights_only=False fallback), no AOTInductor
@@ -95,7 +103,7 @@ def _load_exported_program(f: BinaryIO) -> torch.export.ExportedProgram:
     from serving.dataplane.archive_check import MODEL, PROGRAM, check_pt2_records
 
     reader = PT2ArchiveReader(f)
-    check_pt2_records(reader.get_file_names(), reader.read_bytes)
+    check_pt2_records(reader.get_file_names(), reader.read_bytes, check_operators=check_operators)
     serialized = _bytes_to_dataclass(schema.ExportedProgram, reader.read_bytes(PROGRAM))
     state_dict = _load_state_dict(reader, MODEL)
     constants = _load_constants(reader, MODEL)
