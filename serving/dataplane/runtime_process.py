@@ -60,7 +60,7 @@ def hidden_paths() -> list[str]:
 class RuntimeProcess:
     """One confined child and its channel."""
 
-    def __init__(self, device: torch.device, threads: int, start_timeout_s: float) -> None:
+    def __init__(self, device: torch.device, threads: int, start_timeout_s: float, fmt: str = "torchscript") -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         metrics.RUNTIME_PROCESS_STARTS.inc()
         try:
@@ -80,7 +80,7 @@ class RuntimeProcess:
                          name=f"ferry-runtime-{self.pid}-stderr").start()
         try:
             ready = self.call({"op": "init", "hidden": hidden_paths(), "project_root": str(PROJECT_ROOT),
-                               "device": str(device), "threads": threads}, timeout_s=start_timeout_s)[0]
+                               "device": str(device), "threads": threads, "format": fmt}, timeout_s=start_timeout_s)[0]
         except RuntimeFailure:
             self.kill()
             raise
@@ -195,7 +195,7 @@ class IsolatedRuntime(ModelRuntime):
         except OSError as exc:
             raise RuntimeFailure(f"cannot read the artifact: {exc.strerror}") from None
         self._close_process()
-        process = RuntimeProcess(self.device, self.threads, self.start_timeout_s)
+        process = RuntimeProcess(self.device, self.threads, self.start_timeout_s, self.fmt)
         try:
             reply, _ = process.call(
                 {"op": "load", "format": self.fmt, "inputs": [s.to_dict() for s in self.inputs],
@@ -269,7 +269,7 @@ def inspect_operators(data: bytes, fmt: str, *, timeout_s: float | None = None) 
     """The sorted operator names of every method graph of an artifact, loaded in a fresh sandboxed child (the
     registration check: the artifact is not loaded in the web process)."""
     timeout = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_START_TIMEOUT_S
-    process = RuntimeProcess(torch.device("cpu"), 1, timeout)
+    process = RuntimeProcess(torch.device("cpu"), 1, timeout, fmt)
     try:
         reply, _ = process.call({"op": "operators", "format": fmt}, [np.frombuffer(data, dtype=np.uint8)],
                                 timeout_s=timeout)

@@ -103,14 +103,17 @@ def clean_environment(project_root: Path) -> dict[str, str]:
     return env
 
 
-def readable_paths(project_root: Path) -> list[str]:
+def readable_paths(project_root: Path, device: str = "cpu") -> list[str]:
     """What the interpreter and torch read after confinement (lazy imports, shared libraries, CPU topology):
     the interpreter's prefixes and site-packages, the system's libraries, and this project's `serving`
-    package only."""
+    package only. On CUDA also /sys (the driver reads the PCI topology) and the driver's /etc files; that
+    path is not exercised by the tests here (no GPU on the CI machine)."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr", "/lib", "/lib64",
              "/etc/ld.so.cache", "/etc/localtime", "/proc", "/sys/devices/system/cpu", "/dev/urandom",
              str(project_root / "serving")}
     paths.update(p for p in sys.path if p and "site-packages" in p)
+    if device.startswith("cuda"):
+        paths.update(("/sys", "/etc/nvidia", "/etc/OpenCL"))
     return sorted(paths)
 
 
@@ -295,7 +298,7 @@ def confine(*, hidden: Sequence[str], project_root: Path, device: str, channel_f
         namespaces(hidden, record)
     except OSError as exc:
         raise ConfinementError(f"namespaces: {exc}") from None
-    landlock_filesystem(readable_paths(project_root), device_paths(device), record)
+    landlock_filesystem(readable_paths(project_root, device), device_paths(device), record)
     landlock_network_and_scope(record)
     drop_privileges(record)
     limit_resources(record, dropped_root=root)
