@@ -356,8 +356,10 @@ SECURE_SSL_REDIRECT = env_bool("FERRY_SSL_REDIRECT", False)
 # Login throttling (django-axes): FERRY_LOGIN_FAILURE_LIMIT wrong passwords for one username from one
 # address lock that pair out for FERRY_LOGIN_COOLOFF_MINUTES, on the console's /login/, the admin's and the
 # API's HTTP Basic authentication alike (each calls django.contrib.auth.authenticate, which the backend
-# below guards); a success resets the count. A lockout answers 429 with Retry-After (tenants.lockout): JSON on
-# the API, a page elsewhere. The address is the TCP peer (REMOTE_ADDR), never X-Forwarded-For.
+# below guards). The count ends a cool-off after the last failure, or at a successful login (Django's
+# user_logged_in: the console and the admin; DRF's Basic authentication sends none, so an API success does
+# not). A lockout answers 429 with Retry-After (tenants.lockout): JSON on the API, a page elsewhere. The
+# address is the TCP peer (REMOTE_ADDR), never X-Forwarded-For.
 INSTALLED_APPS += ["axes"]
 MIDDLEWARE += ["axes.middleware.AxesMiddleware"]  # last, as django-axes requires
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
@@ -376,3 +378,14 @@ REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"] = [
 ]
 
 # --- The capacity planner's bounds and the /v2 control calls' quota ---
+# A planner simulation check (console /console/planner/, POST) gives up after FERRY_PLANNER_DEADLINE_S of wall
+# time (504, saying how far it got); at most FERRY_PLANNER_MAX_SIMULATIONS run at once in a process (503 past
+# it) and one per user (429); a client that leaves stops its check.
+FERRY_PLANNER_DEADLINE_S = env_int("FERRY_PLANNER_DEADLINE_S", 5, minimum=1)
+FERRY_PLANNER_MAX_SIMULATIONS = env_int("FERRY_PLANNER_MAX_SIMULATIONS", 2, minimum=1)
+# /v2 metadata, config, ready and repository index take one request of the tenant's quota, like inference.
+# Repository load/unload also take a token of a bucket of their own per tenant and gateway process
+# (FERRY_CONTROL_LOADS_PER_MINUTE, up to FERRY_CONTROL_LOAD_BURST at once): each writes the database and
+# republishes the routing snapshot to every gateway.
+FERRY_CONTROL_LOADS_PER_MINUTE = env_int("FERRY_CONTROL_LOADS_PER_MINUTE", 6, minimum=1)
+FERRY_CONTROL_LOAD_BURST = env_int("FERRY_CONTROL_LOAD_BURST", 3, minimum=1)

@@ -37,6 +37,7 @@ from rollout.routing import RouteError, choose_version
 from serving.policies.admission import HEADROOM, VersionLoad, completion_seconds, decide
 from serving.policies.batching import Pending
 from sim import catalogue, scaling
+from sim.budget import Budget, Stopped
 from sim.catalogue import SimModel, SimVersion
 from sim.fleet import Device, Fleet, Replica, replicas_for, staying
 from sim.metrics import Metrics
@@ -78,8 +79,10 @@ def binomial(rng: random.Random, n: int, p: float) -> int:
 
 class Simulation:
     def __init__(self, scenario: Scenario, policy: str, *, duration: float | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, budget: Budget | None = None) -> None:
+        """`budget`: when to give up (its deadline or cancel flag), raising `Stopped`; None runs to the end."""
         self.sc = scenario
+        self.budget = budget
         self.duration = duration if duration is not None else scenario.duration
         self.rng = random.Random(scenario.seed)
         self.models: list[SimModel] = catalogue.build(scenario)
@@ -113,11 +116,16 @@ class Simulation:
         heap, pop, serve, last = self.heap, heapq.heappop, self._serve, self.end
         next_report = self.duration / 10
         events = 0
+        budget = self.budget
+        every = budget.every if budget is not None else 0
         while heap:
             t, _, kind, a = pop(heap)
             if t > last:
                 break
             events += 1
+            if every and not events % every and (why := budget.exhausted()) is not None:  # type: ignore[union-attr]
+                self.events = events
+                raise Stopped(why, min(t, self.duration), self.duration, events)
             if kind == WAKE:
                 if a.wake_at == t:  # else a later plan replaced it
                     a.wake_at = INF
@@ -162,6 +170,9 @@ class Simulation:
             warm = self.sc.scaling.warm_pool
             want = self.policy.desired(0.0)[v] if static else replicas_for(v, v.demand, target) + warm
             for _ in range(want):
+                # Placing a replica looks at every device: a large fleet takes long before the first event.
+                if self.budget is not None and (why := self.budget.exhausted()) is not None:
+                    raise Stopped(why, 0.0, self.duration, 0)
                 self.fleet.add(v, 0.0, warm=True)
         self.fleet.cold_starts = 0
         for m in self.models:
@@ -185,6 +196,10 @@ class Simulation:
             now = self.duration
         first = m.next_arrival
         if first > now:
+            if first > self.duration:
+                # Drawn past the end: it never arrives. Left in place until the next tick, a batch window of 0
+                # would have the model's device wake at that instant again and again without time passing.
+                m.next_arrival, m.rate = INF, 0.0
             if now > m.t:
                 m.t = now
             return

@@ -20,13 +20,37 @@ from typing import Any
 from serving.policies.admission import HEADROOM
 from serving.policies.autoscale import replica_capacity
 from serving.policies.batching import LatencyProfile
+from sim.budget import Budget
+from sim.engine import simulate as run
+from sim.scenario import from_dict
 
 ROW_COST = {"accelerator": 0.04, "cpu": 0.7}
 TARGET_UTILISATION = 0.7
 MAX_BATCH = 32
 SIM_SECONDS = 20.0
-MAX_SIM_REQUESTS = 400_000  # a check is a few seconds of one core, not a benchmark
-MAX_SIM_REPLICAS = 2_000  # replicas x models placed for a check: placement is quadratic in the fleet
+MAX_SIM_REQUESTS = 30_000  # a check is a second or two of one core, not a benchmark (docs/operating.md)
+MAX_SIM_REPLICAS = 200  # replicas x models placed for a check: placement grows with the square of the fleet
+
+
+# Every input's range (inclusive). Past them the analytic answer means nothing and a check could not finish in
+# a request: a p99 target sets the simulated deadline and so how long the run drains, a latency far below a
+# device's turn makes every request its own event.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "rate": (0.1, 1_000_000.0),
+    "latency_ms": (0.01, 60_000.0),
+    "batch_window_ms": (0.0, 10_000.0),
+    "replicas": (1, 1000),
+    "models": (1, 200),
+    "p99_ms": (1.0, 60_000.0),
+}
+
+
+class OutOfRange(ValueError):
+    """A what-if input outside its range (`BOUNDS`), naming the input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -42,11 +66,11 @@ class WhatIf:
 
     def __post_init__(self) -> None:
         if self.device not in ROW_COST:
-            raise ValueError("device must be 'accelerator' or 'cpu'")
-        if not (self.rate > 0 and self.latency_ms > 0 and self.p99_ms > 0 and self.batch_window_ms >= 0):
-            raise ValueError("rate, latency and the p99 target must be positive, the window not negative")
-        if not (1 <= self.replicas <= 1000 and 1 <= self.models <= 200):
-            raise ValueError("replicas must be 1..1000 and models 1..200")
+            raise OutOfRange("device", "device must be 'accelerator' or 'cpu'")
+        for name, (low, high) in BOUNDS.items():
+            value = getattr(self, name)
+            if not low <= value <= high:  # NaN too: every comparison with it is false
+                raise OutOfRange(name, f"{name} must be from {low:,g} to {high:,g}")
 
     @property
     def max_batch(self) -> int:
@@ -125,9 +149,15 @@ def answer(w: WhatIf) -> Answer:
     return Answer(capacity, rho, cap.batch, needed, p50 * 1000, p99 * 1000, name, why)
 
 
+def sim_requests(w: WhatIf) -> float:
+    """The requests a check simulates at most: each device turn looks at every model it hosts, so a check of
+    many models per device gets fewer requests (the simulated seconds shrink, the figures stay comparable)."""
+    return MAX_SIM_REQUESTS * 4 / (w.models + 3)
+
+
 def scenario_doc(w: WhatIf, seconds: float = SIM_SECONDS) -> dict[str, Any]:
     """The what-if as a simulator scenario: `models` versions on `replicas` identical devices."""
-    seconds = min(seconds, MAX_SIM_REQUESTS / w.rate)
+    seconds = min(seconds, sim_requests(w) / w.rate)
     profile_ms = {b: s * 1000 for b, s in w.profile().items()}
     return {
         "name": "planner", "duration": seconds, "seed": 1, "versions": w.models, "canary_share": 0.0,
@@ -144,16 +174,18 @@ def scenario_doc(w: WhatIf, seconds: float = SIM_SECONDS) -> dict[str, Any]:
     }
 
 
-def simulate(w: WhatIf) -> tuple[dict[str, Any], bytes]:
-    """Run the short check; the summary and a PNG of latency and load over time. ValueError when the
-    what-if is too large to check in a request (the analytic answer still stands)."""
+def check_simulable(w: WhatIf) -> None:
+    """OutOfRange when the what-if is too large to check in a request (the analytic answer still stands)."""
     if w.replicas * w.models > MAX_SIM_REPLICAS:
-        raise ValueError(f"{w.replicas} replicas x {w.models} models is too large to simulate here"
-                         f" (at most {MAX_SIM_REPLICAS}); `python -m sim.report` runs fleets of any size")
-    from sim.engine import simulate as run
-    from sim.scenario import from_dict
+        raise OutOfRange("replicas", f"{w.replicas} replicas x {w.models} models is too large to simulate here"
+                                     f" (at most {MAX_SIM_REPLICAS}); `python -m sim.report` runs fleets of any size")
 
-    result = run(from_dict(scenario_doc(w)), "static")
+
+def simulate(w: WhatIf, budget: Budget | None = None) -> tuple[dict[str, Any], bytes]:
+    """Run the short check; the summary and a PNG of latency and load over time. OutOfRange when the
+    what-if is too large to check in a request; `sim.budget.Stopped` when `budget` ran out first."""
+    check_simulable(w)
+    result = run(from_dict(scenario_doc(w)), "static", budget=budget)
     return result, _plot(result, w)
 
 

@@ -68,7 +68,12 @@ def page(planner_server, django_user_model) -> Iterator:  # noqa: ANN001
         pytest.fail(f"Chromium is missing at {CHROMIUM}: install Debian's chromium package")
     from playwright.sync_api import sync_playwright
 
-    django_user_model.objects.create_user(USERNAME, password=PASSWORD)
+    from tenants.models import Membership
+    from tests.conftest import tenant
+
+    # The simulation check needs the engineer role in some tenant (tests/test_planner_bounds.py).
+    operator = django_user_model.objects.create_user(USERNAME, password=PASSWORD)
+    Membership.objects.create(user=operator, tenant=tenant(), role="engineer")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
