@@ -10,6 +10,7 @@ from rollout.views import panel
 from serving.actions import set_visibility
 from serving.dataplane import metrics
 from serving.dataplane import plane as dataplane
+from serving.fallbacks import hidden_fallbacks
 from serving.models import Model, Visibility
 from tenants.models import Role, Tenant
 from tenants.scoping import can_write, visible_models
@@ -52,9 +53,11 @@ def _profile(version) -> str:  # noqa: ANN001
 @login_required
 def models_page(request: HttpRequest) -> HttpResponse:
     models = visible_models(request.user).prefetch_related("versions").select_related("fallback", "tenant")
+    hidden = hidden_fallbacks(request.user, models)
     rows = [
         {
             "model": m,
+            "fallback_hidden": m.pk in hidden,
             "versions": [{"v": v, "live": _live(m.name, v.version), "profile": _profile(v)} for v in m.versions.all()],
         }
         for m in models
@@ -90,11 +93,17 @@ def model_page(request: HttpRequest, name: str) -> HttpResponse:
         missing = sorted(set(slugs) - {t.slug for t in shared})
         if visibility not in Visibility.values or missing:
             error = f"no tenant {missing[0]!r}" if missing else "choose private, shared or public"
-            context = _model_context(model, may_share, request.user) | {"error": error}
+            context = _model_context(model, may_share, request.user) | _fallback(request.user, model) | {"error": error}
             return render(request, "console/model.html", context, status=400)
         set_visibility(model=model, visibility=visibility, shared_with=shared, actor=request.user)
         return redirect("console-model", name=model.name)
-    return render(request, "console/model.html", _model_context(model, may_share, request.user))
+    return render(request, "console/model.html", _model_context(model, may_share, request.user)
+                  | _fallback(request.user, model))
+
+
+def _fallback(user: object, model: Model) -> dict:
+    """Whether the page names the model's fallback or says it is hidden (serving.fallbacks)."""
+    return {"fallback_hidden": bool(hidden_fallbacks(user, [model]))}
 
 
 def _model_context(model: Model, may_share: bool, user: object) -> dict:

@@ -9,10 +9,12 @@ import math
 import re
 
 from drf_spectacular.extensions import OpenApiSerializerExtension
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from serving.dataplane.protocol import DATATYPES
+from serving.fallbacks import hidden_fallbacks
 from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Replica, Task, Visibility
 from tenants.models import Tenant
 from tenants.scoping import member_tenant_ids, visible_models, visible_tenants
@@ -83,7 +85,9 @@ class ModelNameField(StrictCharField):
         return value
 
 
-@extend_schema_field({**NAME_SCHEMA, "nullable": True, "description": "name of an existing model, or null"})
+@extend_schema_field({**NAME_SCHEMA, "nullable": True,
+                      "description": "name of an existing model, or null; null too when the fallback is a model"
+                                     " the caller may not see (then `fallback_hidden` is true)"})
 class FallbackField(serializers.SlugRelatedField):
     """Another model the caller may see, by name; anything that cannot be a name is refused before the
     database is asked, and a model the caller may not see does not exist."""
@@ -202,6 +206,10 @@ class ModelSerializer(serializers.ModelSerializer):
     )
     description = TextField(required=False, allow_blank=True)
     fallback = FallbackField(slug_field="name", queryset=Model.objects.all(), allow_null=True, required=False)
+    fallback_hidden = serializers.SerializerMethodField(
+        help_text="true when the model has a fallback the caller may not see (another tenant's private model):"
+                  " `fallback` is null then",
+    )
     versions = ModelVersionSerializer(many=True, read_only=True)
     stable_version = serializers.IntegerField(
         read_only=True, allow_null=True,
@@ -219,9 +227,21 @@ class ModelSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Model
-        fields = ["name", "tenant", "visibility", "shared_with", "description", "task", "fallback", "versions",
+        fields = ["name", "tenant", "visibility", "shared_with", "description", "task", "fallback", "fallback_hidden",
+                  "versions",
                   "stable_version", "shadow_version", "shadow_fraction", "created_at", "updated_at"]
         read_only_fields = ["created_at", "updated_at"]
+
+    @extend_schema_field(OpenApiTypes.BOOL)
+    def get_fallback_hidden(self, instance: Model) -> bool:
+        """Whether the caller may not see the model's fallback (serving.fallbacks): one query per fallback a
+        response names, shared by a list's rows."""
+        if instance.fallback_id is None:
+            return False
+        seen = self.context.setdefault("fallback_seen", {})
+        if instance.fallback_id not in seen:
+            seen[instance.fallback_id] = not hidden_fallbacks(_caller(self), [instance])
+        return not seen[instance.fallback_id]
 
     def validate_fallback(self, value: Model | None) -> Model | None:
         if value is not None and self.instance is not None and value.pk == self.instance.pk:
@@ -235,6 +255,8 @@ class ModelSerializer(serializers.ModelSerializer):
 
     def to_representation(self, instance: Model) -> dict:
         data = super().to_representation(instance)
+        if data.get("fallback_hidden"):  # its name is its own tenant's business
+            data["fallback"] = None
         # Which other tenants a model is shared with is the owner's business.
         user = _caller(self)
         if not getattr(user, "is_staff", False):
