@@ -4,10 +4,12 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from rollout import promotion_views as promotion_console
 from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
 from serving import artifact_views, fleet_views, planner_views
 from serving import views as console
+from tenants import policy_views as policy_console
 from tenants import views as tenant_console
 from usage import views as usage_console
 
@@ -21,6 +23,11 @@ urlpatterns = [
     path("console/models/<str:name>/shadow/", shadow_console.shadow_page, name="console-shadow"),
     path("console/models/<str:name>/rollouts/", rollout_console.rollout_start, name="console-rollout-start"),
     path("console/rollouts/<int:pk>/<str:move>/", rollout_console.rollout_action, name="console-rollout-action"),
+    path("console/models/<str:name>/promote/", promotion_console.promote, name="console-promote"),
+    path("console/promotion-requests/<int:pk>/<str:move>/", promotion_console.promotion_action,
+         name="console-promotion-action"),
+    path("console/tenants/<slug:slug>/promotion-policy/", policy_console.promotion_policy,
+         name="console-promotion-policy"),
     path("console/tenants/", tenant_console.tenants_page, name="console-tenants"),
     path("console/tenants/<slug:slug>/", tenant_console.tenant_page, name="console-tenant"),
     path("console/tenants/<slug:slug>/keys/", tenant_console.keys_page, name="console-keys"),

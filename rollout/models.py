@@ -123,6 +123,47 @@ class Approval(models.Model):
         return f"{self.username} approved rollout #{self.rollout_id}"
 
 
+class PromotionState(models.TextChoices):
+    PENDING = "pending"  # an approver of the model's tenant decides
+    ACCEPTED = "accepted"  # an approver accepted it: the version became stable then
+    REJECTED = "rejected"  # an approver said no
+
+
+class PromotionRequest(models.Model):
+    """A direct promotion under the tenant's "approval required" policy (rollout.promotion): the stable
+    version changes only when an approver other than the requester (unless the tenant allows self-approval)
+    accepts it, and only from the stable version the request was made against."""
+
+    model = models.ForeignKey("serving.Model", on_delete=models.CASCADE, related_name="promotion_requests")
+    version = models.PositiveIntegerField(help_text="the version to make stable")
+    baseline = models.PositiveIntegerField(null=True, blank=True, help_text="the stable version when requested")
+    state = models.CharField(max_length=10, choices=PromotionState.choices, default=PromotionState.PENDING)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL,
+                                     related_name="+")
+    requester_name = models.CharField(max_length=150, help_text="kept if the user is deleted")
+    note = models.TextField(blank=True, max_length=2000, help_text="why, from the requester")
+    requested_at = models.DateTimeField(default=timezone.now)
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    decider_name = models.CharField(max_length=150, blank=True)
+    decision_note = models.TextField(blank=True, max_length=2000)
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at", "-pk"]
+        constraints = [
+            models.UniqueConstraint(fields=["model"], condition=models.Q(state="pending"),
+                                    name="one_pending_promotion_per_model"),
+        ]
+
+    def __str__(self) -> str:
+        return f"promotion request #{self.pk} of {self.model.name} {self.baseline} -> {self.version} ({self.state})"
+
+    def summary(self) -> dict:
+        """What the audit log keeps of a request."""
+        return {"state": self.state, "version": self.version, "baseline": self.baseline}
+
+
 
 class ShadowMinute(models.Model):
     """One minute of a shadow: requests served by `baseline` and mirrored to `candidate`, summed over every

@@ -80,6 +80,8 @@ def _route(model: Model, actor: Any, weights: dict[int, float]) -> None:
         set_routing(model=model, actor=actor, rollout_weights=weights)
     except ValidationError as exc:  # a version the weights name is no longer live
         raise RolloutError(f"cannot route model '{model.name}': {'; '.join(exc.messages)}", 409) from None
+    except RegistrationError as exc:  # the policy's check (rollout.approval): the step's share is what it allows
+        raise RolloutError(exc.message, exc.status) from None
 
 
 def _shadow(model: Model, actor: Any, candidate: int | None) -> None:

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_POST
 
 from rollout import transitions
 from rollout.models import Rollout
+from rollout.promotion_views import promotion_panel
 from serving.models import Model, State
 from tenants.models import Role
 from tenants.scoping import can_write, visible_models
@@ -52,7 +53,7 @@ def panel(user: Any, model: Model) -> dict:
     if engineer and not active and model.stable_version is not None:
         candidates = list(model.versions.filter(state=State.READY).exclude(version=model.stable_version)
                           .values_list("version", flat=True))
-    return {"rollouts": rows, "rollout_candidates": candidates}
+    return {"rollouts": rows, "rollout_candidates": candidates, **promotion_panel(user, model, active)}
 
 
 _MOVES = {

@@ -7,6 +7,7 @@ from typing import BinaryIO
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
+from rollout import approval
 from serving import artifacts
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.snapshot import RoutingSnapshot
@@ -176,12 +177,15 @@ def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
     return publish_snapshot()
 
 
-def promote(*, model: Model, version: int, actor: object = None, by_rollout: int | None = None) -> Model:
+def promote(*, model: Model, version: int, actor: object = None, by_rollout: int | None = None,
+            by_request: int | None = None) -> Model:
     """Make `version` the model's stable version: all unpinned traffic the other rules leave goes to it.
     The rollout weights end with it (they split traffic between the old stable and a canary); tenant pins
     and experiment arms stay. Only a ready version can be promoted (RegistrationError 409 otherwise).
     While a rollout of the model is active only that rollout promotes (`by_rollout`, its id): a direct
-    promotion would skip its gates and approval, so it is refused with 409 naming the rollout."""
+    promotion would skip its gates and approval, so it is refused with 409 naming the rollout.
+    Where the owning tenant requires approval (rollout.approval) only an approved rollout (`by_rollout`) or
+    an accepted promotion request (`by_request`, rollout.promotion) promotes; anything else is a 409."""
     from rollout.models import Rollout
     from tenants import audit
 
@@ -199,6 +203,12 @@ def promote(*, model: Model, version: int, actor: object = None, by_rollout: int
         if target.state != State.READY:
             raise RegistrationError(f"version {version} of '{model.name}' is {target.state}: only a ready version"
                                     " can be promoted", 409)
+        if (version != model.stable_version and approval.needs_approval(model)
+                and not approval.rollout_approves(model, version, by_rollout)
+                and not approval.request_approves(model, version, by_request)):
+            raise RegistrationError(
+                f"the tenant that owns '{model.name}' requires an approval for every change of its stable version:"
+                " roll the version out, or request its promotion for an approver to accept", 409)
         before = model.routing_state()
         model.stable_version = version
         model.rollout_weights = {}
@@ -214,7 +224,9 @@ def set_routing(*, model: Model, actor: object = None, **rules: object) -> Model
     """Replace some of `model`'s routing rules (`rollout_weights`, `experiment_arms`, `tenant_versions`,
     `shadow_version`, `shadow_fraction`, keyword-named; the stable version changes by `promote`), validated
     by `Model.clean` and audited, in one transaction. Invalid rules: django's ValidationError, nothing
-    changed. Clearing the shadow version without naming a fraction stops the mirroring too."""
+    changed; traffic to an unapproved version the tenant's policy does not allow (rollout.approval):
+    RegistrationError 409, nothing changed. Clearing the shadow version without naming a fraction stops
+    the mirroring too."""
     from tenants import audit
 
     unknown = set(rules) - set(ROUTING_FIELDS)
@@ -230,6 +242,11 @@ def set_routing(*, model: Model, actor: object = None, **rules: object) -> Model
             setattr(model, field, {str(k): v for k, v in value.items()} if isinstance(value, dict) else value)
         model.clean()
         after = model.routing_state()
+        if after != before and approval.needs_approval(model):
+            why = approval.unapproved_traffic(model, before, after)
+            if why:
+                raise RegistrationError(f"the tenant that owns '{model.name}' requires an approval: {why}; roll it"
+                                        " out (its gates set the weights) or have its promotion approved", 409)
         if after != before:
             model.save(update_fields=[*rules, "updated_at"])
             audit.record(actor, "model.routing", f"model {model.name}", tenant=model.tenant,

@@ -9,7 +9,9 @@ import logging
 
 import torch
 from django.db import transaction
+from django.db.models import Q
 
+from rollout import approval
 from serving import artifacts, quota_counts
 from serving.actions import NOT_LOADED
 from serving.dataplane.node import warmup_sizes
@@ -66,12 +68,24 @@ def validate(version: ModelVersion) -> ModelVersion:
 def _stable_if_first(version: ModelVersion) -> None:
     """A model's first ready version becomes its stable version (one that had none: its first version, or
     the first to pass after earlier ones failed or were retired). Every later version waits for a promotion
-    or a rollout, so registering it moves no traffic. The row lock orders two validations finishing at once."""
+    or a rollout, so registering it moves no traffic. The row lock orders two validations finishing at once.
+    Where the tenant requires approval (rollout.approval) only a model that never had a ready version gets
+    one this way: otherwise retiring the stable version while a new one validates would make the new one
+    stable with nobody approving; it waits for an approved promotion instead."""
     model = Model.objects.select_for_update().get(pk=version.model_id)
+    if model.stable_version is None and approval.needs_approval(model) and _served_before(model, version):
+        return
     if model.stable_version is None:
         model.stable_version = version.version
         model.save(update_fields=["stable_version", "updated_at"])
         version.model.stable_version = version.version
+
+
+def _served_before(model: Model, version: ModelVersion) -> bool:
+    """Whether another version of `model` ever passed validation: ready now, or retired with the latency
+    profile only a passed validation records."""
+    others = ModelVersion.objects.filter(model=model).exclude(pk=version.pk)
+    return others.filter(Q(state=State.READY) | ~Q(latency_profile={})).exists()
 
 
 def _check_batch_independence(runtime: ModelRuntime) -> None:

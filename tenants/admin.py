@@ -23,6 +23,10 @@ class TenantAdmin(admin.ModelAdmin):
             audit.record(request.user, "tenant.self_approval", f"tenant {obj.slug}", tenant=obj,
                          before={"allow_self_approval": not obj.allow_self_approval},
                          after={"allow_self_approval": obj.allow_self_approval})
+        if change and "promotion_policy" in form.changed_data:  # staff only (the admin site), audited as the API's is
+            audit.record(request.user, "tenant.promotion_policy", f"tenant {obj.slug}", tenant=obj,
+                         before={"promotion_policy": form.initial.get("promotion_policy")},
+                         after={"promotion_policy": obj.promotion_policy})
 
     def save_formset(self, request, form, formset, change) -> None:  # noqa: ANN001
         """Role changes made here go into the audit log like the console's (the admin's view runs in one

@@ -20,7 +20,18 @@ from serving.quota_counts import usage_against_quota
 from tenants import keys
 from tenants.actions import KeyRequestError, create_key, revoke_key
 from tenants.governance import GovernanceError, decide, remove_member, request_quota, set_role
-from tenants.models import ApiKey, AuditEntry, Membership, Quota, QuotaRequest, Role, Tenant, has_role, role_in
+from tenants.models import (
+    ApiKey,
+    AuditEntry,
+    Membership,
+    PromotionPolicy,
+    Quota,
+    QuotaRequest,
+    Role,
+    Tenant,
+    has_role,
+    role_in,
+)
 from tenants.scoping import tenant_or_404, visible_tenants
 
 NEW_TOKEN = "ferry-new-api-key"  # session key: the token just created, removed the first time it is shown
@@ -54,7 +65,8 @@ def tenant_page(request: HttpRequest, slug: str) -> HttpResponse:
 
     def context() -> dict:
         return {"tenant": tenant, "members": members, "roles": Role.values,
-                "is_admin": has_role(request.user, Role.ADMIN, tenant), "my_role": role_in(request.user, tenant)}
+                "is_admin": has_role(request.user, Role.ADMIN, tenant), "my_role": role_in(request.user, tenant),
+                "promotion_policies": PromotionPolicy.choices}
 
     if request.method == "GET":
         return render(request, "console/tenant.html", context())

@@ -116,6 +116,18 @@ def tenant(slug: str = TEST_TENANT):  # noqa: ANN201
     return Tenant.objects.get_or_create(slug=slug, defaults={"name": slug.title()})[0]
 
 
+def engineers_may_promote(slug: str = TEST_TENANT):  # noqa: ANN201
+    """Tenant `slug` (created if missing) with the "engineers may promote" policy, for tests about routing
+    rather than approvals: by default a tenant requires an approval for every change of a stable version
+    (tests/test_promotion_policy.py tests that)."""
+    from tenants.models import PromotionPolicy
+
+    t = tenant(slug)
+    t.promotion_policy = PromotionPolicy.ENGINEERS
+    t.save(update_fields=["promotion_policy"])
+    return t
+
+
 def mint_key(slug: str = TEST_TENANT, scopes: tuple[str, ...] = ("infer", "manage"), **extra: object) -> str:
     """A fresh API key token for tenant `slug`."""
     from tenants.actions import create_key

@@ -29,7 +29,7 @@ from serving.actions import RegistrationError
 from serving.actions import promote as promote_version
 from serving.models import Model
 from tenants.models import AuditEntry, Membership, Role
-from tests.conftest import celery_worker, register, tenant
+from tests.conftest import celery_worker, engineers_may_promote, register, tenant
 from tests.test_api import client_for
 from usage.ingest import ingest
 from usage.recorder import UsageRecorder
@@ -305,8 +305,13 @@ def test_a_direct_promotion_is_refused_while_a_rollout_is_active(people, canarie
     assert canaried.stable_version == 1 and weights(canaried) == {"1": 0.9, "2": 0.1}
     assert not AuditEntry.objects.filter(action="model.promote").exists()
     assert transitions.evaluate(rollout.pk).state == RolloutState.CANARY
-    # and once the rollout has ended, a direct promotion works again
+    # and once the rollout has ended, a direct promotion still needs an approval where the tenant requires
+    # one (the default: tests/test_promotion_policy.py); where engineers may promote it works again
     transitions.cancel(rollout=rollout, actor=people["eng"])
+    with pytest.raises(RegistrationError) as caught:
+        promote_version(model=canaried, version=2, actor=people["eng"])
+    assert caught.value.status == 409 and "approval" in caught.value.message
+    engineers_may_promote("acme")
     assert promote_version(model=canaried, version=2, actor=people["eng"]).stable_version == 2
 
 
@@ -495,7 +500,8 @@ def test_self_approval_is_set_by_staff_in_the_admin_and_audited(people) -> None:
     client = Client()
     client.force_login(staff)
     acme = tenant("acme")
-    form = {"name": acme.name, "slug": acme.slug, "allow_self_approval": "on", "memberships-TOTAL_FORMS": "0",
+    form = {"name": acme.name, "slug": acme.slug, "allow_self_approval": "on",
+            "promotion_policy": acme.promotion_policy, "memberships-TOTAL_FORMS": "0",
             "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000"}
     response = client.post(f"/admin/tenants/tenant/{acme.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]

@@ -26,7 +26,7 @@ from serving.policies.batching import BatchingConfig
 from serving.publish import build_snapshot
 from serving.validation import validate
 from tenants.models import AuditEntry
-from tests.conftest import DIGITS_IO, LiveServer, mint_key, register, tenant
+from tests.conftest import DIGITS_IO, LiveServer, engineers_may_promote, mint_key, register, tenant
 from tests.test_inference_http import assert_error, call, digits_request, infer, wait_until
 
 ZERO = digits_request(np.zeros((1, 64), np.float32))
@@ -227,6 +227,7 @@ def test_when_the_first_version_fails_the_first_ready_one_is_stable(model_files)
 
 @pytest.mark.django_db
 def test_promote_moves_stable_ends_the_rollout_and_is_audited(model_files) -> None:
+    engineers_may_promote()  # promotion's mechanics; the approval policy: tests/test_promotion_policy.py
     register(model_files.digits, "routed", max_batch_size=2)
     register(model_files.digits, "routed", max_batch_size=2)
     m = set_routing(model=Model.objects.get(name="routed"), rollout_weights={1: 0.9, 2: 0.1})
@@ -276,6 +277,7 @@ def test_set_routing_validates_and_changes_nothing_when_invalid(model_files, rul
 
 @pytest.mark.django_db
 def test_rules_reach_the_snapshot_and_survive_redis_encoding(model_files) -> None:
+    engineers_may_promote()  # rules set by hand, to an unapproved version
     register(model_files.digits, "routed", max_batch_size=2)
     register(model_files.digits, "routed", max_batch_size=2)
     t = tenant("pinned")
@@ -295,6 +297,7 @@ def test_rules_reach_the_snapshot_and_survive_redis_encoding(model_files) -> Non
 
 @pytest.mark.django_db
 def test_retiring_a_version_drops_it_from_the_rules(model_files) -> None:
+    engineers_may_promote()  # rules set by hand, to an unapproved version
     register(model_files.digits, "routed", max_batch_size=2)
     v2 = register(model_files.digits, "routed", max_batch_size=2)
     t = tenant("pinned")
@@ -349,6 +352,7 @@ def private_model(people, model_files) -> Model:  # noqa: ANN001
 
 
 def test_engineer_promotes_through_the_api(people, private_model) -> None:  # noqa: ANN001
+    engineers_may_promote("acme")  # where approval is required the same POST files a request (test_promotion_policy)
     response = people["eng"].post("/api/models/routed/versions/2/promote/")
     assert response.status_code == 200, response.content
     assert response.json()["stable_version"] == 2
@@ -369,6 +373,7 @@ def test_promote_refusals_are_json(people, private_model) -> None:  # noqa: ANN0
 
 
 def test_the_stable_version_retires_only_after_another_is_promoted(people, private_model) -> None:  # noqa: ANN001
+    engineers_may_promote("acme")
     response = people["eng"].post("/api/models/routed/versions/1/retire/")
     assert response.status_code == 409 and "promote" in response.json()["error"]
     assert people["eng"].post("/api/models/routed/versions/2/promote/").status_code == 200
@@ -382,6 +387,7 @@ def test_the_stable_version_retires_only_after_another_is_promoted(people, priva
 def two_versions_server(transactional_db, model_files, settings):  # noqa: ANN001, ANN201
     settings.FERRY_LOOP_LAG_TARGET_MS = settings.FERRY_MAX_LOOP_LAG_MS = 60_000
     settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
+    engineers_may_promote()  # these tests route by hand to version 2
     register(model_files.digits, "routed", max_batch_size=4, max_queue_delay_ms=1)
     register(model_files.digits, "routed", max_batch_size=4, max_queue_delay_ms=1)
     server = LiveServer().start()
@@ -440,6 +446,7 @@ def test_registering_a_version_under_load_causes_no_503_and_no_fallback(  # noqa
     settings.FERRY_LOOP_LAG_TARGET_MS = settings.FERRY_MAX_LOOP_LAG_MS = 60_000
     settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
     # given `routed` v1 serving, with a fallback model that would answer if v1 were refused
+    engineers_may_promote()  # the promotion at the end is by hand
     small = register(model_files.digits, "small", max_batch_size=4)
     v1 = register(model_files.digits, "routed", max_batch_size=4, max_queue_delay_ms=1)
     Model.objects.filter(pk=v1.model_id).update(fallback=small.model)
@@ -500,6 +507,7 @@ def test_a_pinned_loading_version_is_503_with_retry_after(two_versions_server) -
 def test_route_model_command_promotes_weights_and_pins(model_files) -> None:
     from django.core.management import CommandError, call_command
 
+    engineers_may_promote()  # the command under the approval policy: tests/test_promotion_policy.py
     register(model_files.digits, "routed", max_batch_size=2)
     register(model_files.digits, "routed", max_batch_size=2)
     t = tenant("pinned")

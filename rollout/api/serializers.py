@@ -3,7 +3,7 @@
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from rollout.models import Approval, Rollout, RolloutState
+from rollout.models import Approval, PromotionRequest, PromotionState, Rollout, RolloutState
 from serving.api.serializers import ModelNameField, StrictFloatField, StrictIntegerField, TextField
 
 MAX_SECONDS = 30 * 86400  # a phase longer than a month is a mistake, not a plan
@@ -82,3 +82,23 @@ class ListFilterSerializer(serializers.Serializer):
 
     model = ModelNameField(required=False)
     state = serializers.ChoiceField(choices=RolloutState.values, required=False)
+
+
+class PromotionRequestSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True)
+    requested_by = serializers.CharField(source="requester_name", read_only=True,
+                                         help_text="who filed it (kept if the user is deleted)")
+    decided_by = serializers.CharField(source="decider_name", read_only=True, help_text="empty while pending")
+
+    class Meta:
+        model = PromotionRequest
+        fields = ["id", "model", "version", "baseline", "state", "requested_by", "note", "requested_at",
+                  "decided_by", "decision_note", "decided_at"]
+        read_only_fields = fields
+
+
+class PromotionFilterSerializer(serializers.Serializer):
+    """The promotion request list's query parameters (limit and offset are the paginator's)."""
+
+    model = ModelNameField(required=False)
+    state = serializers.ChoiceField(choices=PromotionState.values, required=False)

@@ -18,9 +18,12 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from rollout.api.serializers import NoteSerializer, PromotionRequestSerializer
 from rollout.api.shadow import ShadowReportMixin
+from rollout.models import PromotionRequest
+from rollout.promotion import PromotionError, promote_or_request
 from serving import quota_counts
-from serving.actions import RegistrationError, promote, register_version, set_routing, set_visibility
+from serving.actions import RegistrationError, register_version, set_routing, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
     BatchingUpdateSerializer,
@@ -383,19 +386,31 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         version.retire()
         return Response(ModelVersionSerializer(version).data)
 
-    @extend_schema(parameters=[VERSION_PARAMETER], request=None,
-                   responses={200: ModelSerializer, **errors(
-                       403, 404, 409, e409="The version is not ready (registered, validating, failed or retired), or a"
-                                           " rollout of the model is active: it promotes through its gates"
-                                           " and approval.")})
+    @extend_schema(parameters=[VERSION_PARAMETER], request=NoteSerializer,
+                   responses={200: ModelSerializer,
+                              202: OpenApiResponse(PromotionRequestSerializer, description=(
+                                  "The tenant requires approval: a promotion request is filed for an approver"
+                                  " (/api/promotion-requests/); the stable version has not changed.")),
+                              **errors(400, 403, 404, 409, 413, 415, e400="The note is malformed.",
+                                       e409="The version is not ready (registered, validating, failed or retired)"
+                                            " or stable already, a rollout of the model is active (it promotes"
+                                            " through its gates and approval), or a promotion request of the"
+                                            " model is pending.")})
     @action(detail=True, methods=["post"])
     def promote(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Make the version the model's stable version: unpinned traffic goes to it (ending any rollout
         weights); tenant-specific versions and experiment arms stay. Needs the engineer role in the owning
-        tenant. Refused (409) while a rollout of the model is active."""
+        tenant. Where the tenant's promotion policy is "approval required" this files a promotion request
+        instead (202), and the version becomes stable when an approver accepts it. Refused (409) while a
+        rollout of the model is active."""
         version = self.get_object()
+        form = NoteSerializer(data=request.data)
+        form.is_valid(raise_exception=True)
         try:
-            model = promote(model=version.model, version=version.version, actor=request.user)
-        except RegistrationError as exc:
-            raise RegistrationFailed(exc) from None
-        return Response(ModelSerializer(model, context=self.get_serializer_context()).data)
+            done = promote_or_request(model=version.model, version=version.version, actor=request.user,
+                                      note=form.validated_data.get("note", ""))
+        except PromotionError as exc:
+            raise RegistrationFailed(RegistrationError(exc.message, exc.status)) from None
+        if isinstance(done, PromotionRequest):
+            return Response(PromotionRequestSerializer(done).data, status=status.HTTP_202_ACCEPTED)
+        return Response(ModelSerializer(done, context=self.get_serializer_context()).data)

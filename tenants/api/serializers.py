@@ -32,7 +32,7 @@ class TenantSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Tenant
-        fields = ["slug", "name", "role", "allow_self_approval", "created_at"]
+        fields = ["slug", "name", "role", "allow_self_approval", "promotion_policy", "created_at"]
         read_only_fields = fields
 
 

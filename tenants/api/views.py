@@ -18,6 +18,7 @@ from rest_framework.response import Response
 from serving.api.serializers import TENANT_SLUG_PATTERN
 from serving.api.views import errors
 from tenants.actions import KeyRequestError, create_key, revoke_key
+from tenants.api.promotion_policy import PromotionPolicyMixin
 from tenants.api.serializers import (
     USERNAME_PATTERN,
     ApiKeyCreatedSerializer,
@@ -72,7 +73,7 @@ def refused(error: GovernanceError | KeyRequestError) -> APIException:
     list=extend_schema(responses={200: TenantSerializer(many=True), **errors(400, 403)}),
     retrieve=extend_schema(parameters=[SLUG], responses={200: TenantSerializer, **errors(403, 404, e404=E404)}),
 )
-class TenantViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+class TenantViewSet(PromotionPolicyMixin, TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """The caller's tenants, with the role it holds in each (platform staff see every tenant)."""
 
     queryset = Tenant.objects.order_by("name")

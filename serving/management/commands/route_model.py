@@ -22,7 +22,9 @@ class Command(BaseCommand):
     help = ("Route a model's traffic: promote a version to stable, set rollout weights or experiment arms"
             " (VERSION=SHARE,... summing to 1; '' clears), mirror a share of requests to a shadow version,"
             " pin a tenant to a version (SLUG=VERSION; SLUG= unpins)."
-            " Validated, written to the audit log, in force within seconds.")
+            " Validated, written to the audit log, in force within seconds. Where the model's tenant requires"
+            " approval, promoting and sending an unapproved version traffic are refused: roll it out, or"
+            " have a promotion request accepted.")
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("model", help="the model's name")
