@@ -35,6 +35,7 @@ SCORES2 = TensorSpec("scores", "FP32", (2,))
 # the tests of the sandbox alone run a model that check would refuse.
 HAS_OPERATOR_CHECK = "check_operators" in inspect.signature(load_module).parameters
 UNCHECKED = {"check_operators": False} if HAS_OPERATOR_CHECK else {}
+PG_SOCKET = "/run/postgresql/.s.PGSQL.5432"
 
 
 class Spin(nn.Module):
@@ -176,11 +177,17 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
         assert os.path.exists(path), path
     with socket.create_connection(("127.0.0.1", 5432), timeout=5):
         pass  # PostgreSQL answers this process
+    targets = [("127.0.0.1", 5432)]
+    if Path(PG_SOCKET).exists():  # and on its Unix socket, which Landlock alone does not stop a connect to
+        with socket.socket(socket.AF_UNIX) as unix:
+            unix.connect(PG_SOCKET)
+        targets.append((PG_SOCKET, 0))
     reachable = str(Path(settings.BASE_DIR) / "serving" / "dataplane" / "runtime.py")
-    answer = isolated_digits.probe([*paths, reachable], [("127.0.0.1", 5432)])
+    answer = isolated_digits.probe([*paths, reachable], targets)
     # then nothing of the platform's opens, while the serving package does (the probe works)
     assert answer["opened"] == [reachable], answer
-    assert answer["connected"] == [] and "127.0.0.1:5432" in answer["connect_failed"]
+    # and no connection to PostgreSQL gets through, by TCP or by its Unix socket
+    assert answer["connected"] == [] and "127.0.0.1:5432" in answer["connect_failed"], answer
     # and its environment holds none of the platform's settings or credentials, as it says and as the kernel shows
     shown = Path(f"/proc/{isolated_digits.process.pid}/environ").read_bytes().decode().split("\0")
     for environ in (answer["environ"], shown):

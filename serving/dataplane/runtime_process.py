@@ -34,8 +34,9 @@ from serving.dataplane.runtime import ModelRuntime, RuntimeFailure
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-# Directories nobody's code in the runtime needs, covered in its mount namespace besides the configured ones.
-SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# Directories nothing in the runtime needs, covered in its mount namespace besides the configured ones: scratch
+# space, and /run, whose Unix sockets (PostgreSQL's, Redis's) Landlock (ABI <= 7) does not stop a connect to.
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run")
 MAX_OUTPUT_BYTES = 1024**3  # what one batch's answer may carry back from the child
 STDERR_LINE = 2000
 

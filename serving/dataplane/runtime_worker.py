@@ -96,7 +96,8 @@ def _operator_option(check: bool) -> dict[str, bool]:
 
 
 def probe(paths: list[str], connect: list[list]) -> dict:
-    """Which of `paths` this process can open, which (host, port) it can connect to by TCP, its environment,
+    """Which of `paths` this process can open, which (host, port) it can connect to by TCP (a host that is a
+    path: a Unix socket), its environment,
     and whether it can read its own /proc/self/environ."""
     opened, refused = [], {}
     for path in paths:
@@ -109,11 +110,18 @@ def probe(paths: list[str], connect: list[list]) -> dict:
             opened.append(path)
     connected, failed = [], {}
     for host, port in connect:
+        name = host if str(host).startswith("/") else f"{host}:{port}"
         try:
-            with socket.create_connection((host, int(port)), timeout=2):
-                connected.append(f"{host}:{port}")
+            if name == host:  # a Unix socket's path
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+                    unix.settimeout(2)
+                    unix.connect(host)
+            else:
+                with socket.create_connection((host, int(port)), timeout=2):
+                    pass
+            connected.append(name)
         except OSError as exc:
-            failed[f"{host}:{port}"] = exc.strerror or type(exc).__name__
+            failed[name] = exc.strerror or type(exc).__name__
     try:
         # Not readable once root was dropped: the process is then not dumpable, and its /proc files stay root's.
         Path("/proc/self/environ").read_bytes()
