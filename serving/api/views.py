@@ -22,7 +22,7 @@ from rollout.api.serializers import NoteSerializer, PromotionRequestSerializer
 from rollout.api.shadow import ShadowReportMixin
 from rollout.models import PromotionRequest
 from rollout.promotion import PromotionError, promote_or_request
-from serving import quota_counts
+from serving import model_names, quota_counts
 from serving.actions import RegistrationError, register_version, set_routing, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
@@ -119,7 +119,8 @@ class RegistryViewSet(TenantScopedViewSet):
 @extend_schema_view(
     list=extend_schema(responses={200: ModelSerializer(many=True), **errors(400, 403)}),
     create=extend_schema(responses={201: ModelSerializer, **errors(
-        400, 403, 409, 413, 415, 429, e409="A model of that name exists.")}),
+        400, 403, 409, 413, 415, 429, e409="The name is taken: by one of the caller's tenants' models ('exists"
+                                            " already'), or not available (another tenant's or reserved).")}),
     retrieve=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(403, 404)}),
     update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
         400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
@@ -162,7 +163,7 @@ class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
         others = Model.objects.exclude(pk=instance.pk) if instance else Model.objects
         creating = instance is None
         if name is not None and others.filter(name=name).exists():
-            raise Conflict(f"a model named {name!r} exists already")
+            raise Conflict(model_names.taken(self.request.user, name))
         try:
             with transaction.atomic():
                 model = serializer.save()
@@ -178,7 +179,7 @@ class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
         except DjangoValidationError as exc:  # routing rules Model.clean refuses (set_routing)
             raise serializers.ValidationError(exc.message_dict) from None
         except IntegrityError:  # created by someone else since the check
-            raise Conflict(f"a model named {name!r} exists already") from None
+            raise Conflict(model_names.taken(self.request.user, name)) from None
 
     def perform_destroy(self, instance: Model) -> None:
         if instance.versions.exclude(state=State.RETIRED).exists():
@@ -248,7 +249,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
             e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload,"
                  " a tenant the caller is not in), or the new model's tenant is ambiguous.",
             e404="No endpoint: the model name in the path is not a valid name.",
-            e409="A model of that name exists that the caller may not see.",
+            e409="A model of that name belongs to another tenant (or is reserved): the name is not available.",
             e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
         )},
     )
@@ -285,16 +286,18 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
 
     def _upload_owner(self, named: object) -> object:
         """The tenant of the model the upload goes to (checked: engineer there), for a new model the one
-        named or the caller's only one. A taken name the caller may not see is a conflict, as when
-        creating a model of that name."""
+        named or the caller's only one. A name another tenant's model uses (or a platform model's) is a
+        conflict that does not say so, as when creating a model of that name."""
         name = self.kwargs["model_name"]
         existing = Model.objects.filter(name=name).first()
         if existing is None:
             tenant = named if named is not None else owner_by_default(self.request.user)
             self.require(Role.ENGINEER, tenant, "registering a model")
             return tenant
-        if not visible_models(self.request.user).filter(pk=existing.pk).exists():
-            raise Conflict(f"a model named {name!r} exists already")
+        if not model_names.owns(self.request.user, existing):
+            # Another tenant's model, private, public or a platform one: the same words for all, as when
+            # creating a model of that name (serving.model_names).
+            raise Conflict(model_names.not_available(name))
         if named is not None and named.pk != existing.tenant_id:
             raise serializers.ValidationError({"tenant": [f"model {name!r} belongs to another tenant"]})
         self.require(Role.ENGINEER, existing.tenant_id, "adding a version to a model")
