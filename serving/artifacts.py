@@ -10,6 +10,7 @@ bytes either from that storage directly (same disk, or the bucket) or from the c
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 import zipfile
@@ -17,16 +18,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-import torch
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.files import File
 from django.core.files.storage import FileSystemStorage, Storage, storages
 from django.utils.functional import cached_property
 
-from serving.dataplane import archive_check, operator_check
+from serving.dataplane import archive_check, operator_check, runtime_process
 from serving.dataplane.artifact_cache import ArtifactCache, ArtifactUnavailable, http_source
+from serving.dataplane.runtime import RuntimeFailure
 from serving.models import Artifact
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1024 * 1024
 
@@ -111,13 +114,13 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
 def _check_torchscript_operators(tmp: Path, namespaces: list[str]) -> None:
     """Refuse a TorchScript archive whose compiled code calls an operator the policy does not allow
     (serving.dataplane.operator_check). Its operators are known only by compiling it, which runs its
-    `__setstate__` code. An archive that does not load passes: its validation fails it, with the reason."""
-    # TODO(issue 17, wall 1): load in the sandboxed process (serving.dataplane.runtime_process.inspect_operators)
-    # once it exists; until then this loads in the web process, where `__setstate__` code runs unconfined.
+    `__setstate__` code, so it is loaded in a fresh sandboxed process, never here. One that does not load
+    there (corrupt, a mislabelled format, or the child failed) passes: its validation loads it again, with
+    the same operator check, and fails it with the reason."""
     try:
-        with tmp.open("rb") as f:
-            _, operators = operator_check.load_torchscript(f, torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - not a loadable TorchScript archive (corrupt, or a mislabelled format)
+        operators = runtime_process.inspect_operators(tmp.read_bytes(), "torchscript")
+    except RuntimeFailure as exc:
+        log.warning("operator inspection of an upload did not load it (validation checks it again): %s", exc)
         return
     operator_check.check(operators, namespaces)
 
