@@ -185,7 +185,9 @@ def _sample(pair: Pair, row: int | None, summary: str, difference: float | None)
 def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per-minute cells (JSON-ready rows) and a bounded sample of disagreements, from drained pairs. The
     rows of every pair of a cell are compared in one vectorised call (the flush holds the GIL while it
-    computes, and the event loop shares it)."""
+    computes, and the event loop shares it). Every pair counts in the cells; only pairs marked
+    `keep_sample` (the mirror decided: the model's owner's traffic, or a tenant that shares its samples)
+    can become samples, so no sample of any other tenant's request leaves this function."""
     cells: dict[Key, Cell] = {}
     latencies: dict[Key, tuple[list[float], list[float]]] = {}
     samples: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
@@ -207,14 +209,14 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
             cell.shadow_errors += 1
             status = str(pair.shadow_status)
             cell.statuses[status] = cell.statuses.get(status, 0) + 1
-            if len(kept) < SAMPLES_PER_FLUSH:
+            if item.keep_sample and len(kept) < SAMPLES_PER_FLUSH:
                 kept.append(_sample(pair, None, f"shadow failed ({pair.shadow_status}): {pair.error}"[:500], None))
             continue
         out = next(iter(item.primary))
         primary, shadow = item.primary[out], pair.shadow.get(out)
         if shadow is None or primary.shape != shadow.shape or not primary.ndim:
             cell.incomparable += 1
-            if len(kept) < SAMPLES_PER_FLUSH:
+            if item.keep_sample and len(kept) < SAMPLES_PER_FLUSH:
                 why = "no output" if shadow is None else f"shapes {tuple(primary.shape)} and {tuple(shadow.shape)}"
                 kept.append(_sample(pair, None, f"incomparable: {why} {out!r}"[:500], None))
             continue
@@ -228,8 +230,10 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
         kept = samples[key[:3]]
         room = SAMPLES_PER_FLUSH - len(kept)
         if room > 0 and not comparison.agree.all():
-            offsets = np.cumsum([0] + [m.item.primary[out].shape[0] for m in members])
-            for row in np.flatnonzero(~comparison.agree)[:room].tolist():
+            sizes = [m.item.primary[out].shape[0] for m in members]
+            offsets = np.cumsum([0, *sizes])
+            keepable = np.repeat([m.item.keep_sample for m in members], sizes)
+            for row in np.flatnonzero(~comparison.agree & keepable)[:room].tolist():
                 at = int(np.searchsorted(offsets, row, side="right")) - 1
                 kept.append(_sample(members[at], row - int(offsets[at]), _summary(task, comparison, row),
                                     float(comparison.difference[row])))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -14,7 +15,7 @@ from django.utils.safestring import mark_safe
 from rollout import charts, shadow_report
 from rollout.models import ShadowMinute
 from rollout.views import panel
-from tenants.scoping import visible_models
+from tenants.scoping import shadow_report_refusal, visible_models
 
 WINDOWS = (60, 360, 1440)  # minutes
 
@@ -75,10 +76,14 @@ def _latency_bins(latency: dict) -> list[tuple[str, int, int | None]]:
 @login_required
 def shadow_page(request: HttpRequest, name: str) -> HttpResponse:
     """A model's shadow report, with its rollouts' panel (gate verdicts; Approve, Reject, Promote, Roll back
-    for those allowed to press them). Anyone who sees the model reads it."""
+    for those allowed to press them). The owning tenant's engineers (approvers, admins) and platform staff read
+    it; anyone else who sees the model gets the API's 403."""
     model = visible_models(request.user).select_related("tenant").filter(name=name).first()
     if model is None:
         raise Http404("no such model")
+    refusal = shadow_report_refusal(request.user, model)
+    if refusal is not None:
+        raise PermissionDenied(refusal)
     candidates = sorted(set(ShadowMinute.objects.filter(model_name=model.name)
                             .values_list("candidate", flat=True).distinct()) | ({model.shadow_version} - {None}))
     candidate = _int(request.GET.get("candidate"), model.shadow_version or (candidates[-1] if candidates else None),

@@ -144,6 +144,7 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
         tenants[t.pk] = TenantEntry(
             slug=t.slug, requests_per_second=q.requests_per_second, burst=q.burst,
             max_in_flight=q.max_in_flight, monthly_requests=q.monthly_requests, priority=q.priority,
+            share_shadow_samples=t.share_shadow_samples,
         )
     serial = next(_serial) if serial is None else serial
     return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys, tenants=tenants)

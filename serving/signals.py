@@ -1,4 +1,4 @@
-"""Registry, API key and quota changes republish the routing snapshot once the transaction commits."""
+"""Registry, API key, tenant and quota changes republish the routing snapshot once the transaction commits."""
 
 from django.db import transaction
 from django.db.models.signals import m2m_changed, post_delete, post_init, post_save
@@ -16,6 +16,7 @@ from tenants.models import ApiKey, Quota, Tenant
 @receiver(post_save, sender=ApiKey)
 @receiver(post_delete, sender=ApiKey)
 @receiver(post_delete, sender=Tenant)
+@receiver(post_save, sender=Tenant)  # its share_shadow_samples travels in the snapshot
 @receiver(post_save, sender=Quota)
 def registry_changed(**_: object) -> None:
     from serving.publish import publish_snapshot

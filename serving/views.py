@@ -13,7 +13,7 @@ from serving.dataplane import plane as dataplane
 from serving.fallbacks import hidden_fallbacks
 from serving.models import Model, Visibility
 from tenants.models import Role, Tenant
-from tenants.scoping import can_write, visible_models
+from tenants.scoping import can_write, shadow_report_refusal, visible_models
 
 
 def saturation(shares: dict[str, float]) -> dict:
@@ -110,4 +110,5 @@ def _model_context(model: Model, may_share: bool, user: object) -> dict:
     versions = [{"v": v, "profile": _profile(v)} for v in model.versions.all()]
     shared = sorted(model.shared_with.values_list("slug", flat=True)) if may_share else []
     return {"model": model, "versions": versions, "may_share": may_share, "shared_with": " ".join(shared),
-            "visibilities": Visibility.values, **panel(user, model)}
+            "visibilities": Visibility.values, "may_read_shadow": shadow_report_refusal(user, model) is None,
+            **panel(user, model)}

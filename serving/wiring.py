@@ -47,7 +47,7 @@ def _registry_fingerprint() -> tuple:
     from django.db.models import Count, Max
 
     from serving.models import Model, ModelVersion
-    from tenants.models import ApiKey, Quota
+    from tenants.models import ApiKey, Quota, Tenant
 
     versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
@@ -56,8 +56,11 @@ def _registry_fingerprint() -> tuple:
     api_keys = ApiKey.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     # A quota approved in another process (the console, a Celery worker) is in force at the next refresh.
     quotas = Quota.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    # A tenant's shadow-sample opt-in changed in another process: Tenant has no updated_at, so the ids of
+    # those opted in (a few) stand for it.
+    sharing = tuple(Tenant.objects.filter(share_shadow_samples=True).order_by("pk").values_list("pk", flat=True))
     return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"],
-            quotas["n"], quotas["t"])
+            quotas["n"], quotas["t"], sharing)
 
 
 def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:

@@ -27,6 +27,10 @@ class TenantAdmin(admin.ModelAdmin):
             audit.record(request.user, "tenant.promotion_policy", f"tenant {obj.slug}", tenant=obj,
                          before={"promotion_policy": form.initial.get("promotion_policy")},
                          after={"promotion_policy": obj.promotion_policy})
+        if change and "share_shadow_samples" in form.changed_data:  # as the console's and the API's change is
+            audit.record(request.user, "tenant.shadow_samples", f"tenant {obj.slug}", tenant=obj,
+                         before={"share_shadow_samples": not obj.share_shadow_samples},
+                         after={"share_shadow_samples": obj.share_shadow_samples})
 
     def save_formset(self, request, form, formset, change) -> None:  # noqa: ANN001
         """Role changes made here go into the audit log like the console's (the admin's view runs in one

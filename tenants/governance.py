@@ -158,3 +158,22 @@ def set_quota(*, tenant: Tenant, changes: object, actor: object) -> Quota:
         audit.record(actor, "quota.set", f"quota of {tenant.slug}", tenant=tenant, before=before,
                      after=quota.limits())
     return quota
+
+
+# --- tenant settings ------------------------------------------------------------------------------------
+
+
+def set_shadow_sharing(*, tenant: Tenant, share: bool, actor: object) -> Tenant:
+    """Let other tenants' shadow reports keep samples (inputs and outputs) of this tenant's requests, or stop
+    it; its admin decides. In force once the routing snapshot republishes on commit (serving.signals): the
+    gateway decides per mirrored request (serving.dataplane.shadow.may_keep_sample). Samples kept before
+    stay until pruned."""
+    with transaction.atomic():
+        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+        if tenant.share_shadow_samples == share:
+            return tenant
+        tenant.share_shadow_samples = share
+        tenant.save(update_fields=["share_shadow_samples"])
+        audit.record(actor, "tenant.shadow_samples", f"tenant {tenant.slug}", tenant=tenant,
+                     before={"share_shadow_samples": not share}, after={"share_shadow_samples": share})
+    return tenant

@@ -69,6 +69,21 @@ def can_write(user: Any, role: str, tenant: Tenant | int | None) -> bool:
     return has_role(user, role, tenant)
 
 
+# A shadow report shows the inputs and outputs of live requests (rollout.shadow_report): its owner's
+# engineers read it (and approvers, admins, platform staff above them), not everyone who sees the model.
+SHADOW_REPORT_ROLE = Role.ENGINEER
+
+
+def shadow_report_refusal(user: Any, model: Any) -> str | None:
+    """Why `user` may not read the shadow report of `model` (a model it sees), or None when it may. The API
+    and the console answer it as a 403: the model is visible, so naming the missing role tells nothing new."""
+    if can_write(user, SHADOW_REPORT_ROLE, model.tenant_id):
+        return None
+    if model.tenant_id is None:
+        return "reading a platform model's shadow report needs platform staff"
+    return f"reading a shadow report needs the {SHADOW_REPORT_ROLE} role in the tenant that owns the model"
+
+
 def require(user: Any, role: str, tenant: Tenant | int | None, doing: str) -> None:
     """403 unless `can_write`; the message names what is missing."""
     if can_write(user, role, tenant):

@@ -19,7 +19,7 @@ from django.views.decorators.http import require_http_methods
 from serving.quota_counts import usage_against_quota
 from tenants import keys
 from tenants.actions import KeyRequestError, create_key, revoke_key
-from tenants.governance import GovernanceError, decide, remove_member, request_quota, set_role
+from tenants.governance import GovernanceError, decide, remove_member, request_quota, set_role, set_shadow_sharing
 from tenants.models import (
     ApiKey,
     AuditEntry,
@@ -59,7 +59,8 @@ def tenants_page(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_http_methods(["GET", "POST"])
 def tenant_page(request: HttpRequest, slug: str) -> HttpResponse:
-    """Members and their roles; an admin adds, re-roles and removes them."""
+    """Members and their roles; an admin adds, re-roles and removes them, and sets whether other tenants'
+    shadow reports may keep samples of this tenant's requests."""
     tenant = tenant_with_role(request, slug, Role.VIEWER)
     members = Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
 
@@ -73,7 +74,10 @@ def tenant_page(request: HttpRequest, slug: str) -> HttpResponse:
     tenant_with_role(request, slug, Role.ADMIN)
     username, role = request.POST.get("username", ""), request.POST.get("role", "")
     try:
-        if request.POST.get("action") == "remove":
+        if request.POST.get("action") == "shadow_samples":
+            set_shadow_sharing(tenant=tenant, share=request.POST.get("share_shadow_samples") == "on",
+                               actor=request.user)
+        elif request.POST.get("action") == "remove":
             membership = members.filter(user__username=username).first()
             if membership is None:
                 raise GovernanceError(f"{username} is not a member")

@@ -107,11 +107,12 @@ def test_outputs_of_other_shapes_cannot_be_compared() -> None:
         shadow_compare.compare("classification", np.zeros((2, 3)), np.zeros((2, 4)))
 
 
-def pair(primary: np.ndarray, shadow: np.ndarray | None, *, status: int = 200, at: float = 6000.0) -> Pair:
+def pair(primary: np.ndarray, shadow: np.ndarray | None, *, status: int = 200, at: float = 6000.0,
+         keep_sample: bool = True) -> Pair:
     rows = primary.shape[0]
     item = Mirrored("classification", version(1), version(2), {"input": np.arange(rows * 64, dtype=np.float32)
                                                                .reshape(rows, 64)}, rows, 100,
-                    {"scores": primary}, 0.002, 0.0, 1.0, at)
+                    {"scores": primary}, 0.002, 0.0, 1.0, at, keep_sample)
     return Pair(item, None if shadow is None else {"scores": shadow}, status, 0.004, "" if shadow is not None
                 else "model failed on this input")
 

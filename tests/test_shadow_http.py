@@ -177,14 +177,14 @@ def stored_minute(candidate: int, agreed: int, compared: int, minute: int) -> di
             "shadow_latency": {"50": compared}, "statuses": {}}
 
 
-def test_the_report_api_is_scoped_to_those_who_see_the_model(people) -> None:  # noqa: ANN001
+def test_the_report_api_is_scoped_to_the_owners_engineers(people) -> None:  # noqa: ANN001
     now = int(time.time() // 60)
     sample_row = {"model": "acme-digits", "baseline": 1, "candidate": 2, "at": time.time(), "summary": "class 3 vs 4",
                   "difference": 0.9, "inputs": {"input": [1.0] * 64}, "output": "scores", "primary": [0.0] * 10,
                   "shadow": [1.0] * 10}
     assert ingest("b1", [stored_minute(2, 9, 10, now - 2), stored_minute(2, 5, 10, now - 1)], [sample_row]) == 2
     assert ingest("b1", [stored_minute(2, 9, 10, now - 2)], []) == 0  # a retried batch adds nothing
-    response = people["viewer"].get("/api/models/acme-digits/shadow/?candidate=2")
+    response = people["eng"].get("/api/models/acme-digits/shadow/?candidate=2")
     assert response.status_code == 200, response.content
     report = response.json()
     assert report["totals"]["compared"] == 20 and report["totals"]["agreement"] == pytest.approx(0.7)
@@ -196,13 +196,17 @@ def test_the_report_api_is_scoped_to_those_who_see_the_model(people) -> None:  #
     assert report["disagreements"][0]["summary"] == "class 3 vs 4"
     assert agreement("acme-digits", 1, 2, timezone.now() - timedelta(minutes=5)) == (pytest.approx(0.7), 20)
     # a candidate with nothing recorded is an empty report, not an error
-    empty = people["viewer"].get("/api/models/acme-digits/shadow/?candidate=9").json()
+    empty = people["eng"].get("/api/models/acme-digits/shadow/?candidate=9").json()
     assert empty["totals"]["agreement"] is None and empty["series"] == [] and empty["confusion"] is None
-    # an outsider gets the 404 of a missing model; a malformed query is a 400 naming the parameter
+    # an outsider gets the 404 of a missing model; the owner's viewer sees the model, not its report (403, before
+    # the query is read); a malformed query is a 400 naming the parameter
     assert people["outsider"].get("/api/models/acme-digits/shadow/?candidate=2").status_code == 404
-    response = people["viewer"].get("/api/models/acme-digits/shadow/?candidate=zero")
+    for query in ("?candidate=2", "?candidate=zero"):
+        response = people["viewer"].get(f"/api/models/acme-digits/shadow/{query}")
+        assert response.status_code == 403 and "engineer" in response.json()["error"], response.content
+    response = people["eng"].get("/api/models/acme-digits/shadow/?candidate=zero")
     assert response.status_code == 400 and "candidate" in response.json()["fields"]
-    assert people["viewer"].get("/api/models/acme-digits/shadow/").status_code == 400
+    assert people["eng"].get("/api/models/acme-digits/shadow/").status_code == 400
     assert ShadowMinute.objects.count() == 2
 
 

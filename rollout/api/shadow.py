@@ -5,11 +5,13 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from rollout import shadow_report
 from serving.api.serializers import ErrorSerializer, StrictIntegerField
+from tenants.scoping import shadow_report_refusal
 
 MAX_VERSION = 2**31 - 1
 MAX_MINUTES = 7 * 24 * 60
@@ -124,7 +126,8 @@ class ShadowReportMixin:
         responses={
             200: ShadowReportSerializer,
             400: OpenApiResponse(ErrorSerializer, description="A query parameter is malformed; `fields` names it."),
-            403: OpenApiResponse(ErrorSerializer, description="Not logged in."),
+            403: OpenApiResponse(ErrorSerializer, description="Not logged in, or not an engineer (approver, admin) of"
+                                                               " the tenant that owns the model."),
             404: OpenApiResponse(ErrorSerializer, description="No such model, or one the caller may not see."),
         },
     )
@@ -132,8 +135,12 @@ class ShadowReportMixin:
     def shadow(self, request: Request, *args: object, **kwargs: object) -> Response:
         """How a shadow version's answers compared with the versions serving the same live requests: agreement
         over time, the distribution of differences, both latency distributions, the confusion matrix
-        (classifiers) and the newest disagreements with their inputs. Anyone who sees the model may read it."""
+        (classifiers) and the newest disagreements with their inputs. The owning tenant's engineers (approvers,
+        admins) and platform staff read it; anyone else who sees the model is refused (403)."""
         model = self.get_object()  # type: ignore[attr-defined]
+        refusal = shadow_report_refusal(request.user, model)
+        if refusal is not None:
+            raise PermissionDenied(refusal)
         query = ShadowQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         report = shadow_report.build(model, query.validated_data["candidate"],

@@ -14,7 +14,7 @@ from rollout.routing import RouteError, choose_version
 from serving.dataplane import metrics
 from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
 from serving.dataplane.protocol import ProtocolError, encode_infer_response, parse_infer_request
-from serving.dataplane.shadow import Mirror
+from serving.dataplane.shadow import Mirror, may_keep_sample
 from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
@@ -124,7 +124,7 @@ class Gateway:
                     tenant=viewer, outputs=wanted,
                 )
                 if self.mirror is not None:
-                    self._mirror(entry, request.inputs, request.rows, len(body), outputs)
+                    self._mirror(entry, request.inputs, request.rows, len(body), outputs, viewer)
             except Unavailable as refused:
                 served = self._fallback(entry, name, request.rows, viewer, routing_key) if self.use_fallback else None
                 if served is None:
@@ -167,16 +167,21 @@ class Gateway:
         asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
 
-    def _mirror(self, entry: VersionEntry, inputs: dict, rows: int, nbytes: int, outputs: dict) -> None:
-        """Queue this request for the model's shadow when it is its turn; never awaited, never raises."""
-        model = self.hub.current.models.get(entry.model) if self.hub.current is not None else None
-        if model is None or model.routes.shadow is None:
+    def _mirror(
+        self, entry: VersionEntry, inputs: dict, rows: int, nbytes: int, outputs: dict, viewer: int | None,
+    ) -> None:
+        """Queue this request of tenant `viewer` for the model's shadow when it is its turn, marked whether
+        it may be kept as a sample (`may_keep_sample`); never awaited, never raises."""
+        snapshot = self.hub.current
+        model = snapshot.models.get(entry.model) if snapshot is not None else None
+        if snapshot is None or model is None or model.routes.shadow is None:
             return
         try:
             candidate = self.mirror.candidate(model, entry)  # type: ignore[union-attr]
             if candidate is not None:
                 self.mirror.offer(model.task, entry, candidate, inputs, rows, nbytes,  # type: ignore[union-attr]
-                                  outputs, getattr(outputs, "compute_seconds", 0.0))
+                                  outputs, getattr(outputs, "compute_seconds", 0.0),
+                                  keep_sample=may_keep_sample(model, viewer, snapshot.tenants))
         except Exception:  # a bug in the shadow's path must not cost the caller its answer
             log.exception("mirroring a request of %s failed", entry.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()

@@ -15,6 +15,11 @@ so the comparison runs off the request path.
 
 Sampling is deterministic: each model carries a credit that grows by its `shadow_fraction` per request
 and mirrors one request each time it reaches 1, so 10% mirrors exactly every tenth request.
+
+Every mirrored request counts in the comparison's aggregates, whoever sent it; its inputs and outputs may be
+kept as a sample of a disagreement only when its tenant owns the model or lets other tenants keep samples
+of its traffic (`may_keep_sample`, decided here from the routing snapshot, so a sample of another tenant's
+traffic is never produced, sent or stored).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from prometheus_client import Counter
 
 from serving.dataplane import metrics
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed
-from serving.dataplane.snapshot import ModelEntry, VersionEntry
+from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry
 from serving.dataplane.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
 
@@ -63,6 +68,7 @@ class Mirrored:
     offered: float  # monotonic
     deadline: float  # monotonic
     at: float  # wall clock, for the minute it is counted in
+    keep_sample: bool = False  # whether its inputs and outputs may be kept as a sample (`may_keep_sample`)
 
 
 @dataclass(slots=True)
@@ -84,6 +90,19 @@ class Pair:
         if self.shadow is not None:
             outputs += sum(a.nbytes for a in self.shadow.values())
         return self.item.nbytes + outputs
+
+
+def may_keep_sample(model: ModelEntry, tenant_id: int | None, tenants: dict[int, TenantEntry]) -> bool:
+    """Whether a request of tenant `tenant_id` to `model` may be kept as a shadow sample (its inputs and
+    outputs, shown in the model's shadow report): its owner's own traffic, or a tenant that opted in
+    (`Tenant.share_shadow_samples`). A platform model has no owning tenant: only opted-in tenants' traffic.
+    A request without a tenant, or of a tenant the snapshot does not hold, is not kept."""
+    if tenant_id is None:
+        return False
+    if model.tenant_id is not None and tenant_id == model.tenant_id:
+        return True
+    entry = tenants.get(tenant_id)
+    return entry is not None and entry.share_shadow_samples
 
 
 def stack_rows(candidate: VersionEntry) -> int:
@@ -158,17 +177,18 @@ class Mirror:
 
     def offer(
         self, task: str, baseline: VersionEntry, candidate: VersionEntry, inputs: dict[str, np.ndarray],
-        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_compute: float,
+        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_compute: float, *,
+        keep_sample: bool = False,
     ) -> bool:
         """Queue a mirror, or drop it (counted) when the queue has no room. Never blocks, never raises
-        for the caller's request: True when queued."""
+        for the caller's request: True when queued. `keep_sample`: `may_keep_sample` for its caller."""
         if len(self.queue) >= self.max_items or self.queued_bytes + nbytes > self.max_bytes:
             DROPPED.labels(candidate.model, str(candidate.version), "queue_full").inc()
             return False
         now = self._clock()
         self.queue.append(Mirrored(
             task, baseline, candidate, inputs, rows, nbytes, primary, primary_compute, now,
-            now + candidate.default_timeout_ms / 1000.0, self._wall(),
+            now + candidate.default_timeout_ms / 1000.0, self._wall(), keep_sample,
         ))
         self.queued_bytes += nbytes
         if self._wake is not None:

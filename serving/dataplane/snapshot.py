@@ -101,7 +101,8 @@ class KeyEntry:
 
 @dataclass(frozen=True, slots=True)
 class TenantEntry:
-    """A tenant's request-path quota (`tenants.models.Quota`), enforced by `serving.policies.quota`."""
+    """A tenant's request-path quota (`tenants.models.Quota`), enforced by `serving.policies.quota`, and
+    whether other tenants' shadows may keep samples of its requests (`serving.dataplane.shadow.may_keep_sample`)."""
 
     slug: str
     requests_per_second: float  # a float only where `serving.policies.quota.scaled` divided it
@@ -109,6 +110,7 @@ class TenantEntry:
     max_in_flight: int
     monthly_requests: int
     priority: int  # admission tier, 1 runs first: a floor on the priority its requests may ask for
+    share_shadow_samples: bool = False  # `Tenant.share_shadow_samples`
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from serving.api.serializers import StrictIntegerField, TextField
+from serving.api.serializers import StrictBooleanField, StrictIntegerField, TextField
 from tenants import keys
 from tenants.governance import LIMIT_BOUNDS
 from tenants.models import ApiKey, AuditEntry, Membership, Quota, QuotaRequest, Role, Tenant, role_in
@@ -32,8 +32,23 @@ class TenantSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Tenant
-        fields = ["slug", "name", "role", "allow_self_approval", "promotion_policy", "created_at"]
+        fields = ["slug", "name", "role", "allow_self_approval", "promotion_policy", "share_shadow_samples",
+                  "created_at"]
         read_only_fields = fields
+
+
+class TenantUpdateSerializer(serializers.Serializer):
+    """The tenant's settings its admin changes (PATCH /api/tenants/{slug}/); any subset."""
+
+    share_shadow_samples = StrictBooleanField(
+        required=False, help_text="whether other tenants' shadow reports may keep samples (inputs and outputs) of"
+                                  " this tenant's requests; off, they count in those reports' aggregates only")
+
+    def validate(self, attrs: dict) -> dict:
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: ["not a tenant setting that can be changed"] for name in unknown})
+        return attrs
 
 
 class MemberSerializer(serializers.ModelSerializer):

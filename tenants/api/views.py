@@ -33,9 +33,10 @@ from tenants.api.serializers import (
     QuotaSerializer,
     RoleSerializer,
     TenantSerializer,
+    TenantUpdateSerializer,
 )
-from tenants.governance import GovernanceError, decide, remove_member, request_quota, set_role
-from tenants.models import ApiKey, AuditEntry, Membership, Quota, QuotaRequest, Role, Tenant
+from tenants.governance import GovernanceError, decide, remove_member, request_quota, set_role, set_shadow_sharing
+from tenants.models import ApiKey, AuditEntry, Membership, Quota, QuotaRequest, Role, Tenant, has_role
 from tenants.scoping import TenantNestedViewSet, TenantScopedViewSet, visible_tenants
 
 SLUG = OpenApiParameter(
@@ -83,6 +84,21 @@ class TenantViewSet(PromotionPolicyMixin, TenantScopedViewSet, mixins.ListModelM
 
     def scope(self, queryset: QuerySet) -> QuerySet:
         return queryset & visible_tenants(self.request.user)
+
+    @extend_schema(parameters=[SLUG], request=TenantUpdateSerializer, responses={200: TenantSerializer, **errors(
+        400, 403, 404, 413, 415, e404=E404)})
+    def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Change the tenant's settings (admin): whether other tenants' shadow reports may keep samples of its
+        requests. Audited."""
+        tenant = self.get_object()
+        if not has_role(request.user, Role.ADMIN, tenant):  # before the body is read
+            raise PermissionDenied(f"this needs the {Role.ADMIN} role in tenant '{tenant.slug}'")
+        form = TenantUpdateSerializer(data=request.data)
+        form.is_valid(raise_exception=True)
+        if "share_shadow_samples" in form.validated_data:
+            tenant = set_shadow_sharing(tenant=tenant, share=form.validated_data["share_shadow_samples"],
+                                        actor=request.user)
+        return Response(TenantSerializer(tenant, context=self.get_serializer_context()).data)
 
 
 @extend_schema(parameters=[SLUG])
