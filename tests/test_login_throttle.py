@@ -13,10 +13,12 @@ from datetime import timedelta
 
 import orjson
 import pytest
+from asgiref.sync import sync_to_async
 from axes.models import AccessAttempt
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
-from django.test import Client
+from django.db import connections
+from django.test import AsyncClient, Client
 from django.utils import timezone
 
 from tests.conftest import LiveServer
@@ -78,6 +80,20 @@ def test_console_login_locks_out_after_the_limit(users) -> None:  # noqa: ANN001
     end_cool_off()
     client, resp = console_login("alice", RIGHT)
     assert resp.status_code == 302 and client.session["_auth_user_id"] == str(users["alice"].pk)
+
+
+async def test_console_lockout_through_the_async_middleware_chain(users) -> None:  # noqa: ANN001
+    # the web process serves Django over ASGI, where axes' middleware takes its async branch (which hands the
+    # lockout callable other arguments than the sync one)
+    client = AsyncClient(REMOTE_ADDR="127.0.0.1")
+    for _ in range(limit() - 1):
+        assert (await client.post("/login/", {"username": "alice", "password": WRONG})).status_code == 200
+    resp = await client.post("/login/", {"username": "alice", "password": WRONG})
+    assert resp.status_code == 429 and b"Too many failed logins" in resp.content
+    resp = await client.post("/login/", {"username": "alice", "password": RIGHT})
+    assert resp.status_code == 429 and resp["Retry-After"] == str(cool_off_seconds())
+    assert (await AsyncClient().post("/login/", {"username": "bob", "password": RIGHT})).status_code == 302
+    await sync_to_async(connections.close_all)()  # the views' thread holds a connection of its own: close it
 
 
 def test_a_success_resets_the_count(users) -> None:  # noqa: ANN001
