@@ -68,10 +68,13 @@ def descendants(pid: int) -> list[int]:
 
 
 def runtime_children(pid: int) -> list[int]:
+    """The runtime processes below `pid`: the worker's command line (forked by its zygote, which has the same
+    one) and the name a runtime process gives itself."""
     kids = []
     for child in descendants(pid):
         try:
-            if WORKER in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+            if WORKER in cmdline and Path(f"/proc/{child}/comm").read_text().strip() == "ferry-runtime":
                 kids.append(child)
         except OSError:
             continue

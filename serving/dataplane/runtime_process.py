@@ -14,7 +14,11 @@ and logged, and the next call starts a fresh one.
 from __future__ import annotations
 
 import logging
+import os
+import select
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -58,15 +62,16 @@ def hidden_paths() -> list[str]:
     return kept
 
 
-class RuntimeProcess:
-    """One confined child and its channel."""
+class Zygote:
+    """The forking parent of this process's runtime processes (runtime_worker.zygote), started on first use:
+    each runtime process is forked from it with torch imported and warmed, instead of paying the imports
+    (seconds of CPU) on every load. It runs with the runtime's clean environment and never holds an artifact."""
 
-    def __init__(self, device: torch.device, threads: int, start_timeout_s: float, fmt: str = "torchscript") -> None:
+    def __init__(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        metrics.RUNTIME_PROCESS_STARTS.inc()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "serving.dataplane.runtime_worker", "--fd", str(child.fileno())],
+                [sys.executable, "-m", "serving.dataplane.runtime_worker", "--zygote", "--fd", str(child.fileno())],
                 env=sandbox.clean_environment(PROJECT_ROOT), cwd="/", pass_fds=(child.fileno(),), close_fds=True,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True,  # the node decides when it ends, not a terminal's Ctrl-C
@@ -74,22 +79,85 @@ class RuntimeProcess:
         finally:
             child.close()
         self.sock = parent
-        self.pid = self.process.pid
+        self.owner = os.getpid()  # a forked copy of this process must start its own
+        self.lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _stop_zygote, self.process, parent)
+        threading.Thread(target=_forward_stderr, args=(self.process, self.process.pid), daemon=True,
+                         name="ferry-runtime-zygote-stderr").start()
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.process.poll() is None
+
+    def fork(self, timeout_s: float) -> tuple[socket.socket, int, int]:
+        """A new runtime process: its channel, pid and pidfd."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with self.lock:
+                self.sock.settimeout(timeout_s)
+                socket.send_fds(self.sock, [b"f"], [child.fileno()])
+                message, fds, _, _ = socket.recv_fds(self.sock, 16, 1)
+        except OSError as exc:  # a timeout included: a zygote that does not answer is replaced
+            parent.close()
+            self.stop()
+            raise RuntimeFailure(f"the runtime zygote did not fork: {type(exc).__name__}: {exc}") from None
+        finally:
+            child.close()
+        if len(message) != 4 or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            parent.close()
+            self.stop()
+            raise RuntimeFailure("the runtime zygote exited")
+        return parent, struct.unpack("=i", message)[0], fds[0]
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> Zygote:
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or not _zygote.alive():
+            if _zygote is not None and _zygote.owner == os.getpid():
+                metrics.RUNTIME_PROCESS_FAILURES.labels("zygote").inc()
+                log.error("the runtime zygote exited (%s); starting a fresh one", _zygote.process.returncode)
+            _zygote = Zygote()
+        return _zygote
+
+
+def _stop_zygote(process: subprocess.Popen, sock: socket.socket) -> None:
+    sock.close()  # its loop reads EOF and it exits
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+
+
+class RuntimeProcess:
+    """One confined child (forked by the zygote) and its channel. Watched and signalled through a pidfd, so a
+    pid the kernel reused can never be killed by mistake."""
+
+    def __init__(self, device: torch.device, threads: int, start_timeout_s: float, fmt: str = "torchscript") -> None:
+        metrics.RUNTIME_PROCESS_STARTS.inc()
+        self.sock, self.pid, self.pidfd = zygote().fork(start_timeout_s)
         self.lock = threading.Lock()  # one exchange at a time on the channel
-        self._finalizer = weakref.finalize(self, _reap, self.process, parent)
-        threading.Thread(target=_forward_stderr, args=(self.process, self.pid), daemon=True,
-                         name=f"ferry-runtime-{self.pid}-stderr").start()
+        self._finalizer = weakref.finalize(self, _reap, self.pidfd, self.sock)
         try:
             ready = self.call({"op": "init", "hidden": hidden_paths(), "project_root": str(PROJECT_ROOT),
                                "device": str(device), "threads": threads, "format": fmt}, timeout_s=start_timeout_s)[0]
         except RuntimeFailure:
-            self.kill()
+            self.close()
             raise
         self.confinement = {"applied": list(ready.get("applied", [])), "skipped": dict(ready.get("skipped", {}))}
         log.debug("runtime process %d confined: %s", self.pid, self.confinement)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not _exited(self.pidfd, 0)
 
     def call(self, header: dict, arrays: Sequence[np.ndarray] = (), *, timeout_s: float,
              max_bytes: int = MAX_OUTPUT_BYTES) -> tuple[dict, list[np.ndarray]]:
@@ -112,43 +180,47 @@ class RuntimeProcess:
 
     def _failed(self, reason: str, what: str) -> None:
         self.kill()
-        code = self.process.returncode
-        status = f" (signal {-code})" if code is not None and code < 0 else f" (exit {code})" if code else ""
         metrics.RUNTIME_PROCESS_FAILURES.labels(reason).inc()
-        log.error("runtime process %d %s%s", self.pid, what, status)
-        raise RuntimeFailure(f"the model's runtime process {what}{status}")
+        log.error("runtime process %d %s", self.pid, what)
+        raise RuntimeFailure(f"the model's runtime process {what}")
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            log.error("runtime process %d did not exit after SIGKILL", self.pid)
+        if self._finalizer.alive:
+            _kill(self.pidfd, self.pid)
 
     def close(self) -> None:
         """Ask the child to exit; kill it when it is busy or does not go at once."""
-        if self.process.poll() is None and self.lock.acquire(blocking=False):
+        if self._finalizer.alive and self.alive() and self.lock.acquire(blocking=False):
             try:
                 runtime_channel.send(self.sock, {"op": "exit"}, deadline=time.monotonic() + 1)
-                self.process.wait(timeout=2)
-            except (runtime_channel.ChannelClosed, runtime_channel.ChannelTimeout, subprocess.TimeoutExpired):
+                _exited(self.pidfd, 2)
+            except (runtime_channel.ChannelClosed, runtime_channel.ChannelTimeout):
                 pass
             finally:
                 self.lock.release()
-        self.kill()
         self._finalizer()
 
 
-def _reap(process: subprocess.Popen, sock: socket.socket) -> None:
-    """When a runtime is dropped without close(): its child goes with it."""
+def _exited(pidfd: int, timeout_s: float) -> bool:
+    """Whether the process has exited, waiting up to `timeout_s` (a pidfd turns readable when it does)."""
+    return bool(select.select([pidfd], [], [], timeout_s)[0])
+
+
+def _kill(pidfd: int, pid: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # gone already
+    if not _exited(pidfd, 5):
+        log.error("runtime process %d did not exit after SIGKILL", pid)
+
+
+def _reap(pidfd: int, sock: socket.socket) -> None:
+    """When a runtime process is closed, or dropped without close(): it goes, and its descriptors with it."""
     sock.close()
-    if process.poll() is None:
-        process.kill()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+    if not _exited(pidfd, 0):
+        _kill(pidfd, -1)
+    os.close(pidfd)
 
 
 def _forward_stderr(process: subprocess.Popen, pid: int) -> None:

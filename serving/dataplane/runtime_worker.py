@@ -11,13 +11,17 @@ in memory. Ops: load, predict, to_host, to_device, memory, operators, probe (tes
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import inspect
 import io
 import os
+import signal
 import socket
+import struct
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -37,6 +41,7 @@ except ImportError:
 MAX_MESSAGE_BYTES = 4 * 1024**3
 
 
+PR_SET_NAME = 15
 EXPORT_LOADER_MODULES = ("torch._export.serde.serialize", "torch.export.pt2_archive._package")
 
 
@@ -45,9 +50,16 @@ class _Tiny(torch.nn.Module):
         return torch.relu(x @ x.t()).sum(dim=1, keepdim=True)
 
 
+_warmed: set[str] = set()
+
+
 def warm_up(fmt: str) -> None:
     """Load and run a tiny TorchScript model through the same loader, so what torch reads on first use is
-    read before confinement; for a torch.export artifact, import its loader's modules too."""
+    read before confinement; for a torch.export artifact, import its loader's modules too. Once per format
+    (a child forked by the zygote inherits its warm-up)."""
+    if fmt in _warmed:
+        return
+    _warmed.add(fmt)
     if fmt == "torch_export":
         # Imported here, not at the top: the torch.export loader's modules (runtime._load_exported_program's
         # own imports) take a third of this process's start, and only torch.export artifacts need them.
@@ -186,17 +198,15 @@ class Worker:
         raise RuntimeFailure(f"unknown op {op!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="runtime_worker")
-    parser.add_argument("--fd", type=int, required=True)
-    args = parser.parse_args(argv)
-    sock = socket.socket(fileno=args.fd)
+def runtime(fd: int) -> int:
+    """One runtime process on channel `fd`: told its device and format, warmed, confined, then serving."""
+    sock = socket.socket(fileno=fd)
     header, _ = runtime_channel.recv(sock, deadline=time.monotonic() + 60)
     device = torch.device(header["device"])
     try:
         warm_up(str(header.get("format", "torchscript")))
         record = sandbox.confine(hidden=header["hidden"], project_root=Path(header["project_root"]),
-                                 device=str(device), channel_fd=args.fd)
+                                 device=str(device), channel_fd=fd)
     except Exception as exc:  # refuse to serve rather than run model code half-confined
         runtime_channel.send(sock, {"ok": False, "error": f"confinement failed: {type(exc).__name__}: {exc}"})
         return 1
@@ -206,6 +216,72 @@ def main(argv: list[str] | None = None) -> int:
     runtime_channel.send(sock, {"ok": True, "pid": os.getpid(), "threads": threads, **record.as_dict()})
     Worker(sock, device).serve()
     return 0
+
+
+def zygote(fd: int) -> int:
+    """Fork runtime processes on request, so each starts with torch already imported (seconds of CPU saved
+    per load). This process never receives an artifact: it imports and warms both loaders once, stays
+    single-threaded (what fork, unshare(CLONE_NEWUSER) and Landlock need of the child), and for each request
+    (one descriptor: the new child's channel) forks a child that runs `runtime` on it and answers the child's
+    pid and a pidfd, through which the parent signals and watches the child without pid reuse races."""
+    control = socket.socket(fileno=fd)
+    _name(b"ferry-zygote")
+    warm_up("torch_export")
+    warm_up("torchscript")
+    if not sandbox.single_threaded():
+        return 1
+    signal.signal(signal.SIGCHLD, _reap_children)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 16, 1)
+        except OSError:
+            return 0
+        if not message:
+            return 0  # the node went away
+        if len(fds) != 1:
+            for extra in fds:
+                os.close(extra)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _name(b"ferry-runtime")
+            try:
+                code = runtime(fds[0])
+            except BaseException:  # noqa: BLE001 (a forked child must never return into the zygote's loop)
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        os.close(fds[0])
+        pidfd = os.pidfd_open(pid)
+        try:
+            socket.send_fds(control, [struct.pack("=i", pid)], [pidfd])
+        finally:
+            os.close(pidfd)
+
+
+def _name(comm: bytes) -> None:
+    """The process's name in /proc/<pid>/comm (ps, tests): a forked child keeps the zygote's command line."""
+    ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(comm), 0, 0, 0)
+
+
+def _reap_children(signum: int, frame: object) -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="runtime_worker")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--zygote", action="store_true", help="fork runtime processes on request (see zygote)")
+    args = parser.parse_args(argv)
+    return zygote(args.fd) if args.zygote else runtime(args.fd)
 
 
 if __name__ == "__main__":
