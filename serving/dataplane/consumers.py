@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -34,13 +35,14 @@ from serving.dataplane.auth import Caller, Forbidden, Unauthenticated, authentic
 from serving.dataplane.errors import NotFound, ServingError, Unavailable
 from serving.dataplane.gateway import CLIENT_CLOSED, parse_version
 from serving.dataplane.protocol import error_body
-from serving.dataplane.quota_gate import QuotaExceeded
+from serving.dataplane.quota_gate import QuotaExceeded, Ticket
 from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry
-from serving.policies.quota import IN_FLIGHT, MONTHLY, RATE, Decision
+from serving.policies.quota import CONTROL, IN_FLIGHT, MONTHLY, RATE, Decision
 
 log = logging.getLogger(__name__)
 
 JSON = [(b"content-type", b"application/json")]
+NOT_IN_FLIGHT = 2**31  # the in-flight limit of a control call answered at once (`_control_ticket`)
 SERVER_METADATA = orjson.dumps(
     {"name": "ferry", "version": "0.1.0", "extensions": ["binary_tensor_data", "model_repository"]}
 )
@@ -60,6 +62,7 @@ class OverQuota(ServingError):
             RATE: "requests per second over the tenant's quota",
             IN_FLIGHT: "too many requests in flight for the tenant's quota",
             MONTHLY: "the tenant's monthly request budget is spent",
+            CONTROL: "repository loads and unloads over the tenant's quota",
         }
         super().__init__(f"{messages[decision.reason]} ({decision.reason} limit {decision.limit});"
                          f" retry after {math.ceil(decision.retry_after)} s")
@@ -306,6 +309,7 @@ class InferenceRequest:
             _method(method, "POST")
             return await self._infer(plane, caller, name, version, body)
         _method(method, "GET")
+        rate = await self._charge(plane, viewer)  # metadata, ready and config take a request of the quota
         model = gateway.model(name, viewer)
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
@@ -313,13 +317,13 @@ class InferenceRequest:
             entry = gateway.route(name, version, viewer, self._routing_key(caller))
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
-            return 200, b"", JSON
+            return 200, b"", [*JSON, *rate]
         if action == "":
             entry = model.versions[int(version)] if version is not None else _default(model)
-            return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), JSON
+            return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), [*JSON, *rate]
         if action == "config":
             entry = gateway.route(name, version, viewer, self._routing_key(caller))
-            return 200, orjson.dumps(_config(entry)), JSON
+            return 200, orjson.dumps(_config(entry)), [*JSON, *rate]
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
     async def _repository(
@@ -328,6 +332,7 @@ class InferenceRequest:
         _method(method, "POST")
         if parts == ["index"]:
             caller.require("infer")
+            rate = await self._charge(plane, caller.tenant_id)
             options = _json_options(body, {"ready": bool})
             rows = [
                 {"name": v.model, "version": str(v.version), "state": repository_state(plane, v),
@@ -338,7 +343,7 @@ class InferenceRequest:
             ]
             if options.get("ready"):
                 rows = [r for r in rows if r["state"] == "READY"]
-            return 200, orjson.dumps(rows), JSON
+            return 200, orjson.dumps(rows), [*JSON, *rate]
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             caller.require("manage")
             _json_options(body, {"parameters": dict})
@@ -350,14 +355,56 @@ class InferenceRequest:
                 raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
             if plane.set_loaded is None:
                 raise Unavailable("this process cannot change what is loaded; use the control plane's API")
-            snapshot = await sync_to_async(plane.set_loaded)(name, load)
-            await plane.wait_reconciled(snapshot.serial)
+            # Each writes the database and republishes the snapshot for every gateway: a request of the
+            # quota and a token of the tenant's own, slower, load/unload bucket.
+            ticket = await self._control_ticket(plane, caller.tenant_id, loads=True)
+            try:
+                snapshot = await sync_to_async(plane.set_loaded)(name, load)
+                await plane.wait_reconciled(snapshot.serial)
+            finally:
+                if ticket is not None:
+                    plane.quota.release(ticket)  # type: ignore[union-attr]
             if load:
                 failures = [f.reason for k, f in plane.node.failures.items() if k.startswith(f"{name}:")]
                 if failures:
                     raise ServingError(f"load failed: {failures[0]}", status=409)
-            return 200, b"", JSON
+            return 200, b"", [*JSON, *(ticket.decision.headers() if ticket is not None else ())]
         raise NotFound("no such repository endpoint")
+
+    async def _charge(self, plane: dataplane.DataPlane, tenant_id: int) -> list[tuple[bytes, bytes]]:
+        """Take one request of the tenant's quota for a control call answered at once (metadata, ready,
+        config, repository index), as inference does: 429 past it. Its RateLimit headers."""
+        ticket = await self._control_ticket(plane, tenant_id, holds=False)
+        if ticket is None:
+            return []
+        plane.quota.release(ticket)  # type: ignore[union-attr]  # answered without waiting: in flight no longer
+        return ticket.decision.headers()
+
+    async def _control_ticket(self, plane: dataplane.DataPlane, tenant_id: int, *, loads: bool = False,
+                              holds: bool = True) -> Ticket | None:
+        """The tenant's quota for a control call (None: quotas off), with a token of its load/unload bucket
+        first when `loads`; OverQuota (429) when either refuses, and a refusal takes nothing. A call that
+        does not `hold` (answered at once) is not limited by `max_in_flight`: that limit is for work that
+        waits, and a tenant held at 0 in flight can still read its models' metadata."""
+        limits = plane.gateway.snapshot.tenants.get(tenant_id)
+        quota = plane.quota
+        if quota is None or limits is None:
+            return None
+        if not holds:
+            limits = replace(limits, max_in_flight=NOT_IN_FLIGHT)
+        control = quota.control if loads else None
+        if control is not None:
+            decision = control.admit(tenant_id)
+            if not decision.admitted:
+                metrics.QUOTA_REFUSALS.labels(limits.slug, decision.reason).inc()
+                raise OverQuota(decision)
+        try:
+            return quota.admit_here(tenant_id, limits) if quota.shared is None else await quota.admit(tenant_id, limits)
+        except QuotaExceeded as refused:
+            if control is not None:
+                control.refund(tenant_id)
+            metrics.QUOTA_REFUSALS.labels(limits.slug, refused.decision.reason).inc()
+            raise OverQuota(refused.decision) from None
 
     def _over_quota(
         self, plane: dataplane.DataPlane, limits: TenantEntry, name: str, version: str | None, viewer: int,

@@ -24,7 +24,15 @@ import redis
 from serving.dataplane import metrics
 from serving.dataplane.quota_redis import RedisQuota
 from serving.dataplane.snapshot import TenantEntry
-from serving.policies.quota import MONTHLY, Decision, InProcessQuota, month_of, scaled, seconds_to_next_month
+from serving.policies.quota import (
+    MONTHLY,
+    ControlBuckets,
+    Decision,
+    InProcessQuota,
+    month_of,
+    scaled,
+    seconds_to_next_month,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +55,13 @@ class QuotaExceeded(Exception):
 class QuotaGate:
     def __init__(
         self, *, shared: RedisQuota | None, gateways: int = 1, timeout_s: float = 0.05, retry_s: float = 1.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, control: ControlBuckets | None = None,
     ) -> None:
         self.shared = shared
         self.local = InProcessQuota(clock=clock)
+        # /v2 repository load and unload: a bucket of their own per tenant, in this process (not shared
+        # through Redis: each gateway allows the rate), besides the request taken from the quota above.
+        self.control = control
         self.gateways = gateways
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -147,4 +158,5 @@ def from_settings() -> QuotaGate | None:
     if settings.FERRY_QUOTA_REDIS_URL:
         shared = RedisQuota.from_url(settings.FERRY_QUOTA_REDIS_URL, timeout_s=timeout_s,
                                      lease_s=settings.FERRY_QUOTA_LEASE_S)
-    return QuotaGate(shared=shared, gateways=settings.FERRY_QUOTA_GATEWAYS, timeout_s=timeout_s)
+    control = ControlBuckets(rate=settings.FERRY_CONTROL_LOADS_PER_MINUTE / 60, burst=settings.FERRY_CONTROL_LOAD_BURST)
+    return QuotaGate(shared=shared, gateways=settings.FERRY_QUOTA_GATEWAYS, timeout_s=timeout_s, control=control)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from serving.dataplane.snapshot import TenantEntry
 
 RATE, IN_FLIGHT, MONTHLY = "rate", "in_flight", "monthly"
+CONTROL = "control"  # the tenant's repository loads and unloads (`ControlBuckets`)
 # Retry-After for a tenant whose rate or burst is 0 (it may send nothing until its quota changes) and
 # for in-flight (a slot frees when one of its own requests is answered: we cannot know when).
 DISABLED_RETRY_S = 60.0
@@ -105,6 +106,39 @@ def scaled(limits: TenantEntry, share: int) -> TenantEntry:
         burst=max(1, limits.burst // share) if limits.burst else 0,
         max_in_flight=max(1, math.ceil(limits.max_in_flight / share)) if limits.max_in_flight else 0,
     )
+
+
+@dataclass
+class ControlBuckets:
+    """A token bucket per tenant for /v2 repository load and unload, at their own rate (tokens a second) and
+    burst, far below inference's: each writes the database and republishes the routing snapshot to every
+    gateway. On top of the tenant's request quota, which these calls take a request of too. One per
+    process; the event loop's thread only (no lock)."""
+
+    rate: float
+    burst: int
+    clock: Callable[[], float] = time.time
+    _buckets: dict[int, Bucket] = field(default_factory=dict)
+
+    def admit(self, tenant_id: int) -> Decision:
+        """Take a token, or the refusal (reason CONTROL) with when one is back; a refusal takes nothing."""
+        now = self.clock()
+        bucket = self._buckets.get(tenant_id)
+        if bucket is None:
+            bucket = self._buckets[tenant_id] = Bucket(float(self.burst), now)
+        bucket.refill(now, self.rate, self.burst)
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return Decision(True, "", self.burst, math.floor(bucket.tokens), (self.burst - bucket.tokens) / self.rate,
+                            0.0)
+        return Decision(False, CONTROL, self.burst, 0, (self.burst - bucket.tokens) / self.rate,
+                        (1.0 - bucket.tokens) / self.rate)
+
+    def refund(self, tenant_id: int) -> None:
+        """Give back the token of a call refused after it was taken (by the request quota)."""
+        bucket = self._buckets.get(tenant_id)
+        if bucket is not None:
+            bucket.tokens = min(float(self.burst), bucket.tokens + 1.0)
 
 
 @dataclass(slots=True)
