@@ -1,6 +1,6 @@
 """The shadow report page in a real browser, filled from live traffic of a rollout's shadow: charts drawn on
 the server, the confusion heat table, the disagreement sample; an approver approves from it and sees the new
-state, a viewer sees the report and no buttons."""
+state, an engineer reads it without the approver's buttons, a viewer gets no link and is refused the page."""
 
 from __future__ import annotations
 
@@ -99,11 +99,23 @@ def test_an_approver_sees_the_charts_approves_and_sees_the_new_state(report_page
     assert_charts(page)
 
 
-def test_a_viewer_sees_the_report_without_buttons(report_page) -> None:  # noqa: ANN001
+def test_an_engineer_reads_the_report_without_the_approvers_buttons(report_page) -> None:  # noqa: ANN001
     from playwright.sync_api import expect
 
-    open_report(report_page, "shadow-viewer")
+    open_report(report_page, "shadow-engineer")
     assert_charts(report_page)
     expect(report_page.locator("article.rollout .rollout-state")).to_have_text("Shadowing")
-    assert report_page.locator("main button").filter(
-        has_text=re.compile("^(Approve|Reject|Promote|Roll back|Start rollout)$")).count() == 0
+    assert report_page.locator("main button").filter(has_text=re.compile("^(Approve|Reject)$")).count() == 0
+
+
+def test_a_viewer_has_no_link_to_the_report_and_is_refused_it(report_page) -> None:  # noqa: ANN001
+    from playwright.sync_api import expect
+
+    page = report_page
+    page.goto("/console/models/shadowed/")
+    log_in(page, "shadow-viewer", PASSWORD)
+    expect(page.locator("h1")).to_have_text("shadowed")  # the viewer sees the model
+    assert page.get_by_role("link", name="Shadow report").count() == 0
+    response = page.goto("/console/models/shadowed/shadow/")
+    assert response is not None and response.status == 403
+    assert page.locator("table.disagreements").count() == 0
