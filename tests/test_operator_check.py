@@ -208,6 +208,8 @@ def test_a_torchscript_module_reading_a_file_is_refused_at_load(case: str, secre
     # given a module that, unchecked, hands out the secret
     unchecked = load_module(archive, "torchscript", CPU, check_operators=False)
     assert bytes(leak(unchecked).tolist()) == SECRET
+    # the module alone (no compilation unit: its methods inlined) shows the call too
+    assert "aten::from_file" in operator_check.torchscript_operators(unchecked)
     # then the checked load refuses it, naming the operator
     assert refusal(archive).endswith("operator not allowed: aten::from_file")
 

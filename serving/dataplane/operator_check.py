@@ -27,9 +27,10 @@ clock), `aten::seed`/`aten::initial_seed` (on a Generator the model was given).
 
 TorchScript is walked from its compiled code: every function of the archive's compilation unit
 (module methods of every submodule, TorchScript class methods such as `__setstate__`, free
-functions), each on an inlined copy so calls are followed, including nested blocks (prim::If,
-prim::Loop) and subgraphs (prim::fork). TorchBind classes (C++ classes in `torch.classes`) are named
-`torch.classes.<namespace>.<Class>.<method>` and judged by their namespace. A torch.export program
+functions), including nested blocks (prim::If, prim::Loop) and subgraphs (prim::fork); given a
+module alone, its methods' graphs are inlined so that the calls they make are followed. TorchBind
+classes (C++ classes in `torch.classes`) are named `torch.classes.<namespace>.<Class>.<method>` and
+judged by their namespace. A torch.export program
 is read from its JSON (the archive check reads the same document), higher-order ops' subgraphs
 included. Plain Python and torch; the Django side passes the setting in.
 """
@@ -160,26 +161,30 @@ def load_torchscript(
 
 
 def torchscript_operators(module: torch.jit.ScriptModule, unit: torch._C.CompilationUnit | None = None) -> set[str]:
-    """The node kinds of every method of the module and its submodules (hooks included), and of every
-    function in `unit` when given, each graph inlined so that calls to TorchScript functions and class
-    methods are followed."""
+    """The node kinds of every function in `unit` (the compilation unit the module was loaded into: its
+    modules' methods and hooks, TorchScript class methods, free functions), each graph as compiled, since
+    every function it calls is in the unit and walked in its own right. Without the unit: of every method
+    of the module and its submodules (hooks included), each on an inlined copy so that calls to TorchScript
+    functions and class methods are followed (inlining every graph of a unit instead costs a second on a
+    transformer layer, whose forward inlines most of the others)."""
     graphs: list[torch.Graph] = []
-    for _, sub in module.named_modules():
-        cpp = sub._c
-        graphs += [cpp._get_method(name).graph for name in cpp._method_names()]
-        graphs += [hook.graph for hook in (*cpp._get_forward_hooks(), *cpp._get_forward_pre_hooks())]
     if unit is not None:
-        graphs += [function.graph for function in unit.get_functions()]
+        graphs += [function.graph for function in unit.get_functions()]  # the modules' methods among them
+    else:
+        for _, sub in module.named_modules():
+            cpp = sub._c
+            graphs += [cpp._get_method(name).graph for name in cpp._method_names()]
+            graphs += [hook.graph for hook in (*cpp._get_forward_hooks(), *cpp._get_forward_pre_hooks())]
     found: set[str] = set()
     for graph in graphs:
-        inlined = graph.copy()
-        try:
-            torch._C._jit_pass_inline(inlined)
-        except RuntimeError:
-            # torch's inliner asserts on some graphs (a prim::fork of a function); the graph as compiled is
-            # walked instead, and the functions it calls are walked from `unit` in their own right.
-            inlined = graph
-        _collect(inlined.block(), found)
+        if unit is None:
+            inlined = graph.copy()
+            try:
+                torch._C._jit_pass_inline(inlined)
+                graph = inlined
+            except RuntimeError:
+                pass  # torch's inliner asserts on some graphs (a prim::fork of a function): walked as compiled
+        _collect(graph.block(), found)
     return found
 
 
