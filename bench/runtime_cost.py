@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import loadgen
 from bench.run import digits_body, setup_data_dir
-from bench.server import HEADERS, Server, free_port, say
+from bench.server import HEADERS, Server, free_port, say, use_key
 
 MODES = ("inline", "process")
 MODELS = ("digits", "digits-wide")
@@ -36,15 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide-rates", type=parse_rates, default=parse_rates("40,80,160"))
     parser.add_argument("--threads", type=int, default=1, help="FERRY_TORCH_THREADS of the server")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--data-dir", type=Path, help="reuse a data dir an earlier run set up (skips the demo build)")
     args = parser.parse_args(argv)
 
-    data_dir = Path(tempfile.mkdtemp(prefix="ferry-runtime-cost-"))
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="ferry-runtime-cost-"))
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update({"FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "FERRY_TORCH_THREADS": str(args.threads),
                 # about the runtime's cost, not saturation: the front door must not shed what the node could serve
                 "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000"})
     say(f"FERRY_DATA_DIR={data_dir}")
-    setup_data_dir(env, None, demo=True)
+    if args.data_dir is None:
+        setup_data_dir(env, None, demo=True)
+    elif use_key(data_dir) is None:
+        raise SystemExit(f"{data_dir} has no demo API key: set it up with a run without --data-dir")
     body = digits_body()
     rates = {"digits": args.digits_rates, "digits-wide": args.wide_rates}
     rows = []
