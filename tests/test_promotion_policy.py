@@ -281,3 +281,18 @@ def test_only_staff_change_the_policy_audited_and_members_read_it(people, model)
     assert tenant("acme").promotion_policy == PromotionPolicy.APPROVAL
     assert AuditEntry.objects.filter(action="tenant.promotion_policy").count() == 2
     assert "Engineers may promote" not in admin.get("/console/tenants/acme/").content.decode()
+
+
+def test_staff_changing_the_policy_in_the_admin_is_audited(people) -> None:  # noqa: ANN001
+    superuser = User.objects.create_user("root", "root@example.org", is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(superuser)
+    acme = tenant("acme")
+    form = {"name": acme.name, "slug": acme.slug, "promotion_policy": "engineers", "memberships-TOTAL_FORMS": "0",
+            "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000"}
+    response = client.post(f"/admin/tenants/tenant/{acme.pk}/change/", form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert tenant("acme").promotion_policy == PromotionPolicy.ENGINEERS
+    entry = AuditEntry.objects.get(action="tenant.promotion_policy")
+    assert (entry.actor_name, entry.before, entry.after) == ("root", {"promotion_policy": "approval"},
+                                                             {"promotion_policy": "engineers"})

@@ -244,7 +244,7 @@ def test_admin_role_change_is_audited(superuser_client, acme: Tenant) -> None:  
     bob = User.objects.create_user("bob")
     membership = Membership.objects.create(user=bob, tenant=acme, role=Role.VIEWER)
     response = superuser_client.post(f"/admin/tenants/tenant/{acme.pk}/change/", {
-        "name": "Acme", "slug": "acme",
+        "name": "Acme", "slug": "acme", "promotion_policy": acme.promotion_policy,
         "memberships-TOTAL_FORMS": "1", "memberships-INITIAL_FORMS": "1",
         "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000",
         "memberships-0-id": str(membership.pk), "memberships-0-tenant": str(acme.pk),
