@@ -140,6 +140,31 @@ class Writer:
         torch.save(torch.ones(1), path)
 
 
+@torch.jit.script
+class Reader:
+    """A TorchScript class whose `__setstate__` reads a file when the archive loads; no module method calls it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data = torch.zeros(1, dtype=torch.uint8)
+
+    def __getstate__(self) -> str:
+        return self.path
+
+    def __setstate__(self, path: str) -> None:
+        self.path = path
+        self.data = torch.from_file(path, size=1, dtype=torch.uint8)  # kept, or TorchScript drops the call
+
+
+class ReadsInClassSetstate(nn.Module):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.reader = Reader(path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 class WritesInClassSetstate(nn.Module):
     def __init__(self, path: str) -> None:
         super().__init__()
@@ -465,6 +490,10 @@ def test_registration_refuses_operators_with_422_and_stores_nothing(
         (scripted(ReadsInForward(str(secret)), tmp_path / "reads.pt"), "torchscript", "aten::from_file"),
         (scripted(ReadsInSubmoduleMethod(str(secret)), tmp_path / "method.pt"), "torchscript", "aten::from_file"),
         (scripted(SavesInForward(str(tmp_path / "w")), tmp_path / "saves.pt"), "torchscript", "aten::save"),
+        # only a TorchScript class's __setstate__ calls it, on a file the sandboxed child may read (its own code):
+        # the registration's inspection must walk the whole compilation unit, not the module's methods
+        (scripted(ReadsInClassSetstate(archive_check.__file__), tmp_path / "class.pt"), "torchscript",
+         "aten::from_file"),
         (file_calling_export(zeros_export, marker, tmp_path / "ff.pt2"), "torch_export", "aten::from_file"),
         # (a TorchScript archive calling ferrytest::double does not even compile in the sandboxed child, which
         # loads no such library: it registers and fails validation; its load-time refusal is tested above)

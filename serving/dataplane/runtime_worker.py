@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
-import inspect
 import io
 import os
 import signal
@@ -28,14 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.dataplane import archive_check, runtime_channel, sandbox
+from serving.dataplane import archive_check, operator_check, runtime_channel, sandbox
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, configure_torch_threads, load_module
-
-try:  # the operator allow-list's graph walk (H2's module) when it is there; else the minimal walk below
-    from serving.dataplane import operator_check
-except ImportError:
-    operator_check = None
 
 # Bounds on what one message may carry into this process (the parent is trusted, but a bug should not OOM).
 MAX_MESSAGE_BYTES = 4 * 1024**3
@@ -75,36 +69,21 @@ def warm_up(fmt: str) -> None:
     archive_check.check_archive(io.BytesIO(buffer.getvalue()))
 
 
-def operators(module: torch.nn.Module, fmt: str) -> list[str]:
-    """Sorted operator names called by every method graph of the module (submodules included)."""
-    if operator_check is not None and fmt == "torchscript" and hasattr(operator_check, "torchscript_operators"):
-        return sorted(operator_check.torchscript_operators(module))
-    names: set[str] = set()
+def operators(data: bytes, fmt: str, device: torch.device) -> list[str]:
+    """Sorted operator names of an artifact, allowed or not (the caller judges them). For TorchScript, every
+    function its code compiles to (operator_check.load_torchscript keeps the compilation unit, so a class's
+    `__setstate__` counts too); for torch.export, the calls of the deserialised program's graph."""
     if fmt == "torchscript":
-        for sub in module.modules():
-            methods = sub._c._method_names() if hasattr(sub, "_c") else []
-            for method in methods:
-                _graph_operators(sub._c._get_method(method).graph, names)
-    else:
-        for node in module.graph.nodes:
-            if node.op == "call_function":
-                schema = getattr(node.target, "_schema", None)
-                names.add(schema.name if schema is not None else str(node.target))
-    return sorted(names)
-
-
-def _graph_operators(block: torch._C.Graph | torch._C.Block, names: set[str]) -> None:
-    for node in block.nodes():
-        names.add(node.kind())
-        for inner in node.blocks():
-            _graph_operators(inner, names)
-
-
-def _operator_option(check: bool) -> dict[str, bool]:
-    """load_module's operator-check keyword, where it has one (serving.dataplane.operator_check)."""
-    if "check_operators" in inspect.signature(load_module).parameters:
-        return {"check_operators": check}
-    return {}
+        archive_check.check_archive(io.BytesIO(data))
+        _, names = operator_check.load_torchscript(io.BytesIO(data), device)
+        return sorted(names)
+    module = load_module(io.BytesIO(data), fmt, device, check_operators=False)
+    found: set[str] = set()
+    for node in module.graph.nodes:
+        if node.op == "call_function":
+            schema = getattr(node.target, "_schema", None)
+            found.add(schema.name if schema is not None else str(node.target))
+    return sorted(found)
 
 
 def probe(paths: list[str], connect: list[list]) -> dict:
@@ -178,14 +157,12 @@ class Worker:
             inputs = [TensorSpec.from_dict(d) for d in header["inputs"]]
             outputs = [TensorSpec.from_dict(d) for d in header["outputs"]]
             runtime = ModelRuntime(None, header["format"], inputs, outputs, self.device)  # type: ignore[arg-type]
-            runtime.load(io.BytesIO(arrays[0].tobytes()), **_operator_option(bool(header.get("check_operators", True))))
+            runtime.load(io.BytesIO(arrays[0].tobytes()), check_operators=bool(header.get("check_operators", True)))
             self.runtime = runtime
             return {"ok": True, "memory_bytes": runtime.memory_bytes, "load_seconds": runtime.load_seconds}, []
         if op == "operators":
             # The names of every operator, allowed or not: the caller judges them.
-            module = load_module(io.BytesIO(arrays[0].tobytes()), header["format"], self.device,
-                                 **_operator_option(False))
-            return {"ok": True, "operators": operators(module, header["format"])}, []
+            return {"ok": True, "operators": operators(arrays[0].tobytes(), header["format"], self.device)}, []
         if op in ("to_host", "to_device"):
             if self.runtime is not None:
                 self.runtime.to_host() if op == "to_host" else self.runtime.to_device()
