@@ -208,7 +208,7 @@ elif FERRY_ARTIFACT_STORAGE == "s3":
         raise ImproperSetting("FERRY_ARTIFACT_STORAGE=s3 needs FERRY_ARTIFACT_S3_BUCKET")
 else:
     raise ImproperSetting(f"FERRY_ARTIFACT_STORAGE={FERRY_ARTIFACT_STORAGE!r} is not filesystem or s3")
-# Artifact distribution to nodes (docs/design.md, "Artifacts on every node"). A node with FERRY_ARTIFACT_URL
+# Artifact distribution to nodes (docs/decisions/0015-registry-and-artifacts.md). A node with FERRY_ARTIFACT_URL
 # (the control plane's base URL) fetches by sha256 from /internal/artifacts/, sending FERRY_NODE_TOKEN, which
 # the web process requires (empty: the endpoint is off). Without it a node reads the storage itself. Either
 # way what it fetches goes through its disk cache, bounded in bytes, hash-checked before every load.
@@ -222,7 +222,7 @@ FERRY_MAX_INFER_BODY_BYTES = env_int("FERRY_MAX_INFER_BODY_BYTES", 8 * 1024 * 10
 # computing, HTTP parsing starves and tail latency grows (docs/benchmarks.md has the numbers).
 FERRY_TORCH_THREADS = env_int("FERRY_TORCH_THREADS", 0, minimum=0)
 FERRY_MAX_CONCURRENCY = env_int("FERRY_MAX_CONCURRENCY", 4096, minimum=1)
-# Front-end shedding (docs/design.md, "Saturation"): the front door refuses a share of inference,
+# Front-end shedding (docs/decisions/0014-admission-and-shedding.md): the front door refuses a share of inference,
 # steered to keep the event loop's lag near the target; the consumer refuses outright past the maximum
 # lag, or when a request waited longer than the maximum between its first byte and its handler.
 FERRY_LOOP_LAG_TARGET_MS = env_int("FERRY_LOOP_LAG_TARGET_MS", 40, minimum=1)
@@ -246,7 +246,7 @@ FERRY_MAX_QUEUED_LOADS = env_int("FERRY_MAX_QUEUED_LOADS", 16, minimum=1)
 FERRY_NODE_METRICS_PORT = env_int("FERRY_NODE_METRICS_PORT", 0, minimum=0)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
-# Per-tenant quotas on /v2 inference (docs/design.md, "Quotas"). Shared through Redis (one script call
+# Per-tenant quotas on /v2 inference (docs/decisions/0012-quotas.md). Shared through Redis (one script call
 # per request, FERRY_QUOTA_REDIS_TIMEOUT_MS at most) when FERRY_QUOTA_REDIS_URL (default REDIS_URL) is
 # set, in-process otherwise. While Redis does not answer, each gateway enforces its share: the tenant's
 # limits divided by FERRY_QUOTA_GATEWAYS, the number of gateways you run. An in-flight lease a gateway

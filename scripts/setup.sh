@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian's CPython first: it is built with profile-guided and link-time optimisation, pyenv's build here is
-# not, and the pure-Python paths (the gateway, the fleet simulator) run 1.3-1.4x faster on it (docs/design.md).
+# not, and the pure-Python paths (the gateway, the fleet simulator) run 1.3-1.4x faster on it
+# (docs/decisions/0023-simulator.md).
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   for candidate in /usr/bin/python3.11 python3.11 python3; do

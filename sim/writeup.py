@@ -130,7 +130,7 @@ and answers while the device thread holds a core of this 2-core machine, which t
 uses), and that growth is not in the simulated latency, so a row can miss on p50 for the front end's
 sake rather than the device's. Where the process rather than the device is the bottleneck (`digits`
 near its capacity), the simulator, which models no gateway CPU, can only come out faster than the server
-(`docs/design.md`, Risks that remain, describes that front-end cliff). p99s differ more than p50s: the
+(`docs/decisions/0014-admission-and-shedding.md` describes that front-end cliff). p99s differ more than p50s: the
 server's tail holds the machine's other work (scheduling, collections), which the simulator leaves out
 (see below)."""
 

@@ -1,7 +1,7 @@
 """Revocation and expiry across gateways: two real `manage.py serve` processes following snapshots
 through the real Redis (FERRY_TEST_REDIS_URL), on the test PostgreSQL database.
 
-The bound under test is the propagation mechanism's promise (docs/design.md, "Revocation path"): a
+The bound under test is the propagation mechanism's promise (docs/decisions/0010-api-keys.md, "Revocation"): a
 key revoked through `revoke_key`, or past its expiry, is refused by every gateway within 2 s. Polling
 is every 50 ms; a busy machine costs milliseconds here, not seconds, so the bound is not a benchmark.
 Redis is required: if it is down these tests fail (CI runs it), they never skip.
