@@ -389,3 +389,10 @@ FERRY_PLANNER_MAX_SIMULATIONS = env_int("FERRY_PLANNER_MAX_SIMULATIONS", 2, mini
 # republishes the routing snapshot to every gateway.
 FERRY_CONTROL_LOADS_PER_MINUTE = env_int("FERRY_CONTROL_LOADS_PER_MINUTE", 6, minimum=1)
 FERRY_CONTROL_LOAD_BURST = env_int("FERRY_CONTROL_LOAD_BURST", 3, minimum=1)
+
+# --- Latency budget (issue 19) ---
+# The platform's latency SLO in milliseconds: a request without a deadline (OIP parameter `timeout`) gets it
+# as its deadline, a client's longer `timeout` is cut to it, and a version's lower `default_timeout_ms` is
+# that version's budget. Admission refuses (fallback, else 503 + Retry-After) what cannot finish within it.
+# It travels in the routing snapshot, so every gateway applies the value the control plane published.
+FERRY_LATENCY_BUDGET_MS = env_int("FERRY_LATENCY_BUDGET_MS", 300, minimum=1)

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+from django.conf import settings
+
 from rollout.routing import NO_ROUTES, RouteTable
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.snapshot import (
@@ -147,13 +149,12 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
             share_shadow_samples=t.share_shadow_samples,
         )
     serial = next(_serial) if serial is None else serial
-    return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys, tenants=tenants)
+    return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys, tenants=tenants,
+                           latency_budget_ms=settings.FERRY_LATENCY_BUDGET_MS)
 
 
 def publish_snapshot() -> RoutingSnapshot:
     """Build from the registry and hand to this process; with Redis, to every gateway and node too."""
-    from django.conf import settings
-
     if not settings.REDIS_URL:
         snapshot = build_snapshot()
         hub.set(snapshot)

@@ -47,7 +47,8 @@ def fleet(transactional_db, redis_db, model_files, tmp_path, django_user_model) 
     from tests.conftest import tenant
 
     register(model_files.digits, "digits", max_batch_size=4, max_queue_delay_ms=2)
-    register(model_files.digits, "digits", max_batch_size=4, max_queue_delay_ms=2)
+    # infer_v2 gives version 2 a 60 s deadline to load on a node; its default_timeout_ms caps any client's.
+    register(model_files.digits, "digits", max_batch_size=4, max_queue_delay_ms=2, default_timeout_ms=60_000)
     footprint = ModelVersion.objects.get(model__name="digits", version=1).memory_bytes
     assert footprint > 0
     user = django_user_model.objects.create_user("fleet-viewer", password=PASSWORD)

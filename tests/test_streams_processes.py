@@ -225,7 +225,9 @@ def redis_db() -> Iterator[redis.Redis]:
 @pytest.fixture
 def cluster(transactional_db, redis_db, model_files, tmp_path) -> Iterator[tuple[Proc, Proc, Proc, str]]:  # noqa: ANN001
     """The web process, node-a, node-b, and an API key (in the snapshot the web process publishes at start)."""
-    register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
+    # The version's default_timeout_ms caps every client deadline: the kill test's clients ask TIMEOUT_US.
+    register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2,
+             default_timeout_ms=TIMEOUT_US // 1000)
     key = mint_key()
     procs = [start_web(tmp_path, REDIS_URL), start_node("node-a", tmp_path, REDIS_URL),
              start_node("node-b", tmp_path, REDIS_URL)]

@@ -323,7 +323,7 @@ class InferenceRequest:
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), [*JSON, *rate]
         if action == "config":
             entry = gateway.route(name, version, viewer, self._routing_key(caller))
-            return 200, orjson.dumps(_config(entry)), [*JSON, *rate]
+            return 200, orjson.dumps(_config(entry, gateway.snapshot.budget_ms(entry))), [*JSON, *rate]
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
     async def _repository(
@@ -530,7 +530,9 @@ def _metadata(name: str, versions: dict[int, VersionEntry], entry: VersionEntry,
     }
 
 
-def _config(entry: VersionEntry) -> dict:
+def _config(entry: VersionEntry, budget_ms: int) -> dict:
+    """Triton's model configuration; its default timeout is the deadline a request without one gets
+    (`budget_ms`, `RoutingSnapshot.budget_ms`), not the version's stored `default_timeout_ms` alone."""
     def tensors(specs):  # noqa: ANN001, ANN202
         return [{"name": s.name, "data_type": f"TYPE_{s.datatype}",
                  "dims": list(s.shape)} for s in specs]
@@ -548,7 +550,7 @@ def _config(entry: VersionEntry) -> dict:
             "max_queue_delay_microseconds": int(batching.max_queue_delay * 1e6),
             "default_queue_policy": {
                 "max_queue_size": batching.max_queue_size,
-                "default_timeout_microseconds": entry.default_timeout_ms * 1000,
+                "default_timeout_microseconds": budget_ms * 1000,
             },
         },
         "version_policy": {"specific": {"versions": [entry.version]}},

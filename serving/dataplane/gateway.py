@@ -22,7 +22,6 @@ from usage.recorder import UsageRecorder
 
 log = logging.getLogger(__name__)
 
-MAX_TIMEOUT_S = 60.0
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted, never sent
 
 
@@ -113,7 +112,7 @@ class Gateway:
                 unknown = [o.name for o in request.outputs if o.name not in known]
                 if unknown:
                     raise ProtocolError(f"model '{name}' has no output {unknown[0]!r}")
-            deadline = arrived + self._timeout(entry, request.parameters)
+            deadline = arrived + self._timeout(self.snapshot.budget_ms(entry), request.parameters)
             priority = _priority(request.parameters, tier)
             served = entry
             # The output names asked for: a remote node answers with only those (stream_codec).
@@ -181,7 +180,8 @@ class Gateway:
             if candidate is not None:
                 self.mirror.offer(model.task, entry, candidate, inputs, rows, nbytes,  # type: ignore[union-attr]
                                   outputs, getattr(outputs, "compute_seconds", 0.0),
-                                  keep_sample=may_keep_sample(model, viewer, snapshot.tenants))
+                                  keep_sample=may_keep_sample(model, viewer, snapshot.tenants),
+                                  budget_ms=snapshot.budget_ms(candidate))
         except Exception:  # a bug in the shadow's path must not cost the caller its answer
             log.exception("mirroring a request of %s failed", entry.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()
@@ -214,14 +214,16 @@ class Gateway:
         return candidate
 
     @staticmethod
-    def _timeout(entry: VersionEntry, parameters: dict) -> float:
+    def _timeout(budget_ms: int, parameters: dict) -> float:
+        """The request's time in seconds: its version's latency budget (`RoutingSnapshot.budget_ms`), or the
+        client's shorter deadline. A longer one is cut to the budget, so admission, which admits what can
+        finish by the deadline, keeps what it admits within the budget whatever the client asked."""
         # Triton's request parameter "timeout" is in microseconds.
         raw = parameters.get("timeout")
-        if raw is None:
-            return entry.default_timeout_ms / 1000.0
-        if not isinstance(raw, int) or isinstance(raw, bool) or raw <= 0:
+        if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool) or raw <= 0):
             raise ProtocolError("parameter 'timeout' must be a positive integer of microseconds")
-        return min(raw / 1e6, MAX_TIMEOUT_S)
+        budget = budget_ms / 1000.0
+        return budget if raw is None else min(raw / 1e6, budget)
 
 
 def _priority(parameters: dict, tier: int = 1) -> int:

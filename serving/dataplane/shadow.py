@@ -36,7 +36,7 @@ from prometheus_client import Counter
 
 from serving.dataplane import metrics
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed
-from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry
+from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry, version_budget_ms
 from serving.dataplane.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
 
@@ -178,17 +178,20 @@ class Mirror:
     def offer(
         self, task: str, baseline: VersionEntry, candidate: VersionEntry, inputs: dict[str, np.ndarray],
         rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_compute: float, *,
-        keep_sample: bool = False,
+        keep_sample: bool = False, budget_ms: int | None = None,
     ) -> bool:
         """Queue a mirror, or drop it (counted) when the queue has no room. Never blocks, never raises
-        for the caller's request: True when queued. `keep_sample`: `may_keep_sample` for its caller."""
+        for the caller's request: True when queued. `keep_sample`: `may_keep_sample` for its caller.
+        `budget_ms`: the candidate's latency budget (`RoutingSnapshot.budget_ms`), the mirror's deadline as
+        it is a caller's without one; None (no snapshot at hand) takes the platform default's."""
         if len(self.queue) >= self.max_items or self.queued_bytes + nbytes > self.max_bytes:
             DROPPED.labels(candidate.model, str(candidate.version), "queue_full").inc()
             return False
         now = self._clock()
         self.queue.append(Mirrored(
             task, baseline, candidate, inputs, rows, nbytes, primary, primary_compute, now,
-            now + candidate.default_timeout_ms / 1000.0, self._wall(), keep_sample,
+            now + (version_budget_ms(candidate) if budget_ms is None else budget_ms) / 1000.0, self._wall(),
+            keep_sample,
         ))
         self.queued_bytes += nbytes
         if self._wake is not None:

@@ -14,6 +14,9 @@ from rollout.routing import NO_ROUTES, RouteTable
 from serving.dataplane.protocol import TensorSpec
 from serving.policies.batching import BatchingConfig
 
+# The platform's latency SLO (FERRY_LATENCY_BUDGET_MS), what a snapshot from a publisher that predates it gets.
+DEFAULT_LATENCY_BUDGET_MS = 300
+
 
 @dataclass(frozen=True, slots=True)
 class PlacementEntry:
@@ -120,9 +123,22 @@ class RoutingSnapshot:
     models: dict[str, ModelEntry] = field(default_factory=dict)
     keys: dict[str, KeyEntry] = field(default_factory=dict)  # by prefix; revoked keys are left out
     tenants: dict[int, TenantEntry] = field(default_factory=dict)  # by tenant id
+    # The platform's latency budget (FERRY_LATENCY_BUDGET_MS), carried here rather than read from each
+    # gateway's settings so every gateway of a deployment applies the one the control plane published.
+    latency_budget_ms: int = DEFAULT_LATENCY_BUDGET_MS
+
+    def budget_ms(self, entry: VersionEntry) -> int:
+        return version_budget_ms(entry, self.latency_budget_ms)
 
     def hosted_versions(self) -> list[VersionEntry]:
         return [v for m in self.models.values() for v in m.servable_versions()]
+
+
+def version_budget_ms(entry: VersionEntry, platform_budget_ms: int = DEFAULT_LATENCY_BUDGET_MS) -> int:
+    """The longest a request of `entry` may take: the platform's budget, or the version's `default_timeout_ms`
+    where that is lower. A request without a deadline gets this one; a client's `timeout` may only shorten it
+    (`Gateway._timeout`)."""
+    return min(platform_budget_ms, entry.default_timeout_ms)
 
 
 class SnapshotHub:

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from rollout.routing import RouteTable
 from serving.dataplane.protocol import TensorSpec
 from serving.dataplane.snapshot import (
+    DEFAULT_LATENCY_BUDGET_MS,
     NO_PLACEMENT,
     KeyEntry,
     ModelEntry,
@@ -94,7 +95,8 @@ def decode(raw: bytes) -> RoutingSnapshot:
     }
     tenants = {int(tid): TenantEntry(**t) for tid, t in doc.get("tenants", {}).items()}
     return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys,
-                           tenants=tenants)
+                           tenants=tenants,
+                           latency_budget_ms=doc.get("latency_budget_ms", DEFAULT_LATENCY_BUDGET_MS))
 
 
 # A serial sequence starts at Redis' clock in milliseconds, not at 1: when Redis loses its data (a
