@@ -396,3 +396,9 @@ FERRY_CONTROL_LOAD_BURST = env_int("FERRY_CONTROL_LOAD_BURST", 3, minimum=1)
 # that version's budget. Admission refuses (fallback, else 503 + Retry-After) what cannot finish within it.
 # It travels in the routing snapshot, so every gateway applies the value the control plane published.
 FERRY_LATENCY_BUDGET_MS = env_int("FERRY_LATENCY_BUDGET_MS", 300, minimum=1)
+
+# --- API docs for people: /api/ (index), /api/docs/ (Swagger UI), /api/redoc/ (Redoc) ---
+# Their JavaScript and CSS come from drf-spectacular-sidecar through our static files (whitenoise), never a
+# CDN: the pages load nothing from outside this server.
+INSTALLED_APPS += ["drf_spectacular_sidecar"]
+SPECTACULAR_SETTINGS.update(SWAGGER_UI_DIST="SIDECAR", SWAGGER_UI_FAVICON_HREF="SIDECAR", REDOC_DIST="SIDECAR")

@@ -9,6 +9,7 @@ from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
 from serving import artifact_views, fleet_views, planner_views
 from serving import views as console
+from serving.api import docs as api_docs
 from tenants import policy_views as policy_console
 from tenants import views as tenant_console
 from usage import views as usage_console
@@ -39,6 +40,9 @@ urlpatterns = [
     path("console/fleet/", fleet_views.fleet_page, name="console-fleet"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", api_docs.SwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/redoc/", api_docs.RedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("api/", api_docs.ApiIndexView.as_view(), name="api-index"),
     path("api/", include("usage.api.urls")),
     path("api/", include("rollout.api.urls")),
     path("api/", include("serving.api.urls")),
