@@ -416,7 +416,7 @@ def test_pagination_within_bounds(charlie, registry) -> None:
 @pytest.mark.parametrize(
     "path",
     ["/api/models/-dash/", "/api/models/%C2%84/", "/api/models/digits/versions/0/", "/api/models/digits/versions/x/",
-     "/api/nope/", "/api/"],
+     "/api/nope/", "/api/models/digits/nope/"],
 )
 def test_unknown_api_paths_are_json_404s(charlie, registry, path: str) -> None:
     assert_json_error(charlie.get(path), 404)
