@@ -3,8 +3,9 @@
 
 Neither page may load anything from elsewhere: Redoc's page comes without drf-spectacular's web-font links
 (templates/api/redoc.html), Swagger UI's script is a file of its own (the split view) rather than inline, and
-both answer with a Content-Security-Policy of this origin only, which also stops the Redocly logo that Redoc's
-bundle fetches from its CDN (the image is dropped; the "API docs by Redocly" link stays).
+both answer with a Content-Security-Policy that allows this origin only (besides data: images, blob: workers and
+inline styles), which also stops the Redocly logo that Redoc's bundle fetches from its CDN (the image is
+dropped; the "API docs by Redocly" link stays).
 
 All three are open to anonymous visitors, like /api/schema/ itself: they name only paths the public schema
 names already, and every resource behind them keeps its own authentication and permissions."""
