@@ -9,7 +9,8 @@
   holds what waits plus what nodes hold: backlog = XLEN - the group's pending entries. A node reads
   only while it holds fewer than two batches, so a backlog means every replica is full.
 - Replicas: live nodes (heartbeats, `serving.dataplane.fleet`) that hold the version hot.
-- Settings: the version's latency profile, batch size and deadline (its latency budget), its measured
+- Settings: the version's latency profile, batch size and latency budget (FERRY_LATENCY_BUDGET_MS, or its
+  `default_timeout_ms` where lower: the deadline the gateways give its requests), its measured
   footprint and cold start on the pool's accelerator type (`placement_measurements`, else what
   validation measured), and its `ScalingPolicy`.
 """
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
+from django.conf import settings
 
 from serving.dataplane import fleet
 from serving.dataplane.packing import DEFAULT_COLD_START
@@ -90,7 +92,8 @@ def target_for(version, policy, accelerator: str, scheduling_delay: float) -> Ta
     profile = LatencyProfile({int(b): float(s) for b, s in (version.latency_profile or {}).items()})
     config = ScalingConfig(
         accelerator=accelerator, memory_bytes=int(memory), cold_start=float(cold_start),
-        latency_budget=version.default_timeout_ms / 1000, max_batch_size=version.max_batch_size,
+        latency_budget=min(settings.FERRY_LATENCY_BUDGET_MS, version.default_timeout_ms) / 1000,
+        max_batch_size=version.max_batch_size,
         target_utilisation=policy.target_utilisation, warm_pool=policy.warm_pool,
         min_replicas=version.min_replicas, max_replicas=max(policy.max_replicas, version.min_replicas, 1),
         cool_down=policy.cool_down_seconds,

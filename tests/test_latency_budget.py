@@ -13,11 +13,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
 import pytest
 
+from autoscaling.observe import target_for
 from rollout.routing import RouteTable
 from serving.dataplane import snapshot_redis
 from serving.dataplane.consumers import _config
@@ -153,6 +155,22 @@ def test_model_config_reports_the_effective_default_timeout() -> None:
     version = snap.models["m"].versions[1]
     policy = _config(version, snap.budget_ms(version))["dynamic_batching"]["default_queue_policy"]
     assert policy["default_timeout_microseconds"] == 300_000
+
+
+def test_the_autoscaler_plans_for_the_budget(settings) -> None:  # noqa: ANN001
+    # given a version whose default_timeout_ms is 1 s under a 300 ms platform budget, and one of 200 ms
+    settings.FERRY_LATENCY_BUDGET_MS = 300
+    policy = SimpleNamespace(target_utilisation=0.7, warm_pool=0, max_replicas=4, cool_down_seconds=60,
+                             idle_to_zero_seconds=None)
+
+    def version(default_timeout_ms: int) -> SimpleNamespace:
+        return SimpleNamespace(placement_measurements={}, memory_bytes=1, min_memory_bytes=0, load_seconds=1.0,
+                               latency_profile={"1": 0.01}, default_timeout_ms=default_timeout_ms, max_batch_size=8,
+                               min_replicas=1, model=SimpleNamespace(name="m"), version=1, pk=1)
+
+    # then capacity is planned for the deadline the gateways give its requests
+    assert target_for(version(1000), policy, "cpu", 0.0).config.latency_budget == pytest.approx(0.300)
+    assert target_for(version(200), policy, "cpu", 0.0).config.latency_budget == pytest.approx(0.200)
 
 
 # -- the setting and its journey in the snapshot ------------------------------------------------------
