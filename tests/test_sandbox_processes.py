@@ -24,6 +24,7 @@ from tenants.models import Membership, Role, Tenant
 from tests.conftest import DIGITS_IO, free_port
 from tests.test_runtime_sandbox import ReadsAFile
 from tests.test_streams_processes import ROOT, Proc, digits, stop_all, wait_for, web_ready
+from tests.xdist_workers import SUITE_LATENCY_BUDGET_MS
 
 SETUP = """
 import os
@@ -42,7 +43,8 @@ def embedded_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY") and not k.startswith("FERRY_")}
     return {**env, "FERRY_DATA_DIR": str(home), "FERRY_TORCH_THREADS": "1", "FERRY_NODE_TOKEN": NODE_TOKEN,
-            "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000"}
+            "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000",
+            "FERRY_LATENCY_BUDGET_MS": SUITE_LATENCY_BUDGET_MS}  # the FERRY_ variables above are dropped
 
 
 def manage(home: Path, *args: str, extra: dict[str, str] | None = None) -> str:
