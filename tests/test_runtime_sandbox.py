@@ -170,6 +170,7 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
     database.write_bytes(b"SQLite format 3\0")  # embedded mode's database lives here (these tests use PostgreSQL)
     store = Path(settings.FERRY_ARTIFACT_ROOT)
     store.mkdir(parents=True, exist_ok=True)
+    (Path(settings.BASE_DIR) / "var").mkdir(exist_ok=True)  # embedded mode's default data dir; a fresh clone lacks it
     paths = [str(data_dir), str(secret), str(database), str(store), str(model_files.tokens),
              str(model_files.digits), str(Path(settings.BASE_DIR) / "manage.py"), str(Path(settings.BASE_DIR) / "var"),
              "/etc/shadow", "/root"]
