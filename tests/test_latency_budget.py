@@ -28,6 +28,7 @@ from serving.dataplane.gateway import Gateway
 from serving.dataplane.shadow import Mirror
 from serving.dataplane.snapshot import DEFAULT_LATENCY_BUDGET_MS, ModelEntry, RoutingSnapshot, SnapshotHub
 from serving.dataplane.transport import InProcessTransport
+from serving.publish import build_snapshot
 from tests.test_admission import Clock, StandIn, entry, node  # noqa: F401 (node: the fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,8 +179,6 @@ def test_the_autoscaler_plans_for_the_budget(settings) -> None:  # noqa: ANN001
 
 @pytest.mark.django_db
 def test_the_published_snapshot_carries_the_setting(settings) -> None:  # noqa: ANN001
-    from serving.publish import build_snapshot
-
     settings.FERRY_LATENCY_BUDGET_MS = 123
     built = build_snapshot()
     assert built.latency_budget_ms == 123

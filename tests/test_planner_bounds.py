@@ -17,6 +17,7 @@ from sim.budget import CANCELLED, DEADLINE, Budget, Stopped
 from sim.engine import Simulation
 from sim.planner import BOUNDS, OutOfRange, WhatIf, scenario_doc
 from sim.scenario import from_dict
+from tenants.models import Membership
 from tests.conftest import tenant
 
 PAGE = "/console/planner/"
@@ -30,8 +31,6 @@ CSRF = "k" * 32  # an unmasked CSRF secret: the cookie and the form field may ca
 
 
 def user(django_user_model, name: str, role: str | None = None):  # noqa: ANN001, ANN201
-    from tenants.models import Membership
-
     u = django_user_model.objects.create_user(name, password=PASSWORD)
     if role is not None:
         Membership.objects.create(user=u, tenant=tenant(), role=role)
@@ -190,6 +189,7 @@ def _wait(predicate, what: str) -> None:  # noqa: ANN001
 
 def test_a_client_that_leaves_stops_its_check(transactional_db, client, django_user_model,  # noqa: ANN001
                                               settings) -> None:
+    # config.asgi builds the whole application when imported: only this test needs it
     from config.asgi import application
 
     settings.FERRY_PLANNER_DEADLINE_S = 600  # only the client's leaving may stop it
