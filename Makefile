@@ -26,7 +26,8 @@ test:
 	@scripts/services.sh
 	TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh $(TESTS)
 
-bench: setup
+bench:
+	@scripts/setup.sh bench
 	$(PY) -m bench.run
 
 # The fleet simulator's scenarios under each scaling policy: writes docs/simulation.md and its plots.

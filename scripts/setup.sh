@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtualenv with the CPU build of torch from local disk, then Ferry itself.
-# Usage: scripts/setup.sh [test]   ("test" adds the test tools and Debian's Chromium for browser tests)
+# Usage: scripts/setup.sh [test|bench]   ("test" adds the test tools and Debian's Chromium for browser tests,
+# "bench" what the benchmarks need beyond Ferry)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian's CPython first: it is built with profile-guided and link-time optimisation, pyenv's build here is
@@ -28,8 +29,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 
 extra=""
-[ "${1:-}" = "test" ] && extra="[test]"
-stamp=".venv/.ferry-installed${extra:+-test}"
+case "${1:-}" in
+  test) extra="[test]" ;;
+  bench) extra="[bench]" ;;
+esac
+stamp=".venv/.ferry-installed${extra:+-${1}}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "==> installing Ferry${extra}"
   .venv/bin/pip install -q -e ".${extra}" 2>&1 | grep -v "is ignored: it is neither" || true
