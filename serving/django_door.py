@@ -16,6 +16,8 @@ from importlib import import_module
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.backends import ModelBackend
 from django.db import InterfaceError, OperationalError
 
 from serving.dataplane import frontdoor
@@ -138,8 +140,6 @@ def _session_user(key: str):  # noqa: ANN202
 
 
 def _basic_user(authorization: bytes):  # noqa: ANN202
-    from django.contrib.auth import get_user_model
-    from django.contrib.auth.backends import ModelBackend
 
     scheme, _, encoded = authorization.strip().partition(b" ")
     if scheme.lower() != b"basic":

@@ -120,7 +120,7 @@ def engineers_may_promote(slug: str = TEST_TENANT):  # noqa: ANN201
     """Tenant `slug` (created if missing) with the "engineers may promote" policy, for tests about routing
     rather than approvals: by default a tenant requires an approval for every change of a stable version
     (tests/test_promotion_policy.py tests that)."""
-    from tenants.models import PromotionPolicy
+    from tenants.models import PromotionPolicy  # at use, as tenant() does: conftest loads before Django's apps
 
     t = tenant(slug)
     t.promotion_policy = PromotionPolicy.ENGINEERS

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from sim.planner import WhatIf, answer
+from tenants.models import Membership
+from tests.conftest import tenant
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -67,9 +69,6 @@ def page(planner_server, django_user_model) -> Iterator:  # noqa: ANN001
     if not CHROMIUM.exists():
         pytest.fail(f"Chromium is missing at {CHROMIUM}: install Debian's chromium package")
     from playwright.sync_api import sync_playwright
-
-    from tenants.models import Membership
-    from tests.conftest import tenant
 
     # The simulation check needs the engineer role in some tenant (tests/test_planner_bounds.py).
     operator = django_user_model.objects.create_user(USERNAME, password=PASSWORD)
