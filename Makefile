@@ -36,3 +36,4 @@ sim:
 
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .

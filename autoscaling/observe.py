@@ -66,8 +66,10 @@ def read_streams(client: redis.Redis, keys: Iterable[str]) -> dict[str, StreamSt
     if not keys:
         return {}
     rows = client.register_script(_STREAM_STATS)(keys=[request_stream(k) for k in keys], args=[GROUP])
-    return {key: StreamStats(int(added), max(0, int(length) - int(pending)))
-            for key, (added, length, pending) in zip(keys, rows, strict=True)}
+    return {
+        key: StreamStats(int(added), max(0, int(length) - int(pending)))
+        for key, (added, length, pending) in zip(keys, rows, strict=True)
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +93,15 @@ def target_for(version, policy, accelerator: str, scheduling_delay: float) -> Ta
     # Stored in seconds per batch size, as validation measured them (the snapshot carries the same).
     profile = LatencyProfile({int(b): float(s) for b, s in (version.latency_profile or {}).items()})
     config = ScalingConfig(
-        accelerator=accelerator, memory_bytes=int(memory), cold_start=float(cold_start),
+        accelerator=accelerator,
+        memory_bytes=int(memory),
+        cold_start=float(cold_start),
         latency_budget=min(settings.FERRY_LATENCY_BUDGET_MS, version.default_timeout_ms) / 1000,
         max_batch_size=version.max_batch_size,
-        target_utilisation=policy.target_utilisation, warm_pool=policy.warm_pool,
-        min_replicas=version.min_replicas, max_replicas=max(policy.max_replicas, version.min_replicas, 1),
+        target_utilisation=policy.target_utilisation,
+        warm_pool=policy.warm_pool,
+        min_replicas=version.min_replicas,
+        max_replicas=max(policy.max_replicas, version.min_replicas, 1),
         cool_down=policy.cool_down_seconds,
         idle_to_zero=policy.idle_to_zero_seconds if version.min_replicas == 0 else None,
         scheduling_delay=scheduling_delay,
@@ -112,8 +118,9 @@ def pick_accelerator(policy, version, known: Iterable[str]) -> str | None:  # no
     return next(iter(known), None)
 
 
-def observe(targets: Iterable[Target], streams: Mapping[str, StreamStats],
-            nodes: Iterable[fleet.NodeInfo]) -> list[Observation]:
+def observe(
+    targets: Iterable[Target], streams: Mapping[str, StreamStats], nodes: Iterable[fleet.NodeInfo]
+) -> list[Observation]:
     nodes = list(nodes)
     observations = []
     for t in targets:

@@ -17,8 +17,13 @@ def provider_from_settings() -> NodeProvider | None:
     if kind == "":
         return None
     if kind == "local":
-        return LocalProvider(pools, settings.DATA_DIR / "nodes", max_total=settings.FERRY_LOCAL_NODES_MAX,
-                             env=dict(os.environ), cwd=settings.BASE_DIR)
+        return LocalProvider(
+            pools,
+            settings.DATA_DIR / "nodes",
+            max_total=settings.FERRY_LOCAL_NODES_MAX,
+            env=dict(os.environ),
+            cwd=settings.BASE_DIR,
+        )
     if kind == "kubernetes":
         return KubernetesProvider(pools, namespace=settings.FERRY_K8S_NAMESPACE)
     raise ValueError(f"FERRY_NODE_PROVIDER={kind!r}: use local, kubernetes, or leave it empty")

@@ -77,8 +77,12 @@ def pools_from(raw: Mapping[str, Mapping]) -> dict[str, Pool]:
         if memory is None:
             raise ValueError(f"pool {accelerator}: memory is required")
         pools[accelerator] = Pool(
-            accelerator, parse_bytes(str(memory)), int(spec.get("min_nodes", 0)), int(spec.get("max_nodes", 1)),
-            {str(k): str(v) for k, v in dict(spec.get("labels", {})).items()}, str(spec.get("statefulset", "")),
+            accelerator,
+            parse_bytes(str(memory)),
+            int(spec.get("min_nodes", 0)),
+            int(spec.get("max_nodes", 1)),
+            {str(k): str(v) for k, v in dict(spec.get("labels", {})).items()},
+            str(spec.get("statefulset", "")),
         )
     return pools
 
@@ -105,8 +109,15 @@ class NodeProvider(Protocol):
 
 class LocalProvider:
     def __init__(
-        self, pools: Mapping[str, Pool], run_dir: Path, *, max_total: int, prefix: str = "local",
-        command: Sequence[str] | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+        self,
+        pools: Mapping[str, Pool],
+        run_dir: Path,
+        *,
+        max_total: int,
+        prefix: str = "local",
+        command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.pools = dict(pools)
         self.run_dir = Path(run_dir)
@@ -149,8 +160,9 @@ class LocalProvider:
             while len(names) < want:
                 total = sum(len(v) for k, v in running.items() if k != kind) + len(names)
                 if total >= self.max_total:
-                    log.warning("local nodes: %d running, the limit; pool %s gets %d of %d",
-                                total, kind, len(names), want)
+                    log.warning(
+                        "local nodes: %d running, the limit; pool %s gets %d of %d", total, kind, len(names), want
+                    )
                     break
                 while index in taken:
                     index += 1
@@ -168,8 +180,18 @@ class LocalProvider:
         # here (init reaps it), since the worker process that stops it may not be the one that started it.
         # Its own session: a signal to the worker's process group does not reach the node.
         launcher = ["sh", "-c", '"$@" >>"$0" 2>&1 </dev/null & echo $!', str(self.run_dir / f"{name}.log"), *args]
-        pid = int(subprocess.run(launcher, env=self.env, cwd=self.cwd, start_new_session=True, check=True,
-                                 capture_output=True, text=True, timeout=30).stdout.split()[0])
+        pid = int(
+            subprocess.run(
+                launcher,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()[0]
+        )
         (self.run_dir / f"{name}.pid").write_text(f"{pid} {name}\n")
         log.info("local nodes: started %s (pid %d, %s, %d bytes)", name, pid, pool.accelerator, pool.memory_bytes)
         return name
@@ -209,8 +231,13 @@ def _alive(pid_file: Path) -> bool:
 
 class KubernetesProvider:
     def __init__(
-        self, pools: Mapping[str, Pool], *, namespace: str = "", base_url: str = "",
-        token_file: Path = SERVICE_ACCOUNT / "token", ca_file: Path | None = SERVICE_ACCOUNT / "ca.crt",
+        self,
+        pools: Mapping[str, Pool],
+        *,
+        namespace: str = "",
+        base_url: str = "",
+        token_file: Path = SERVICE_ACCOUNT / "token",
+        ca_file: Path | None = SERVICE_ACCOUNT / "ca.crt",
         timeout: float = 5.0,
     ) -> None:
         self.pools = dict(pools)
@@ -241,8 +268,9 @@ class KubernetesProvider:
                 current = self._request("GET", pool)["spec"].get("replicas", 0)
                 if current != want:
                     self._request("PATCH", pool, {"spec": {"replicas": want}})
-                    log.info("kubernetes: %s/%s scaled from %d to %d nodes", self.namespace, pool.workload,
-                             current, want)
+                    log.info(
+                        "kubernetes: %s/%s scaled from %d to %d nodes", self.namespace, pool.workload, current, want
+                    )
                 result[kind] = want
             except (ProviderError, KeyError, TypeError) as exc:
                 errors.append(f"{pool.workload}: {exc}")

@@ -13,7 +13,10 @@ def autoscale() -> dict | None:
     if report is None:
         return None
     decisions = report.plan.decisions if report.plan else {}
-    return {"changed": {k: list(v) for k, v in report.changed.items()},
-            "decided": {k: [d.replicas, d.reason, round(d.demand, 2)] for k, d in decisions.items()},
-            "nodes": report.nodes,
-            "skipped": report.skipped, "provider_error": report.provider_error}
+    return {
+        "changed": {k: list(v) for k, v in report.changed.items()},
+        "decided": {k: [d.replicas, d.reason, round(d.demand, 2)] for k, d in decisions.items()},
+        "nodes": report.nodes,
+        "skipped": report.skipped,
+        "provider_error": report.provider_error,
+    }

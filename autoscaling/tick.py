@@ -50,8 +50,11 @@ class TickReport:
 
 
 def run_tick(
-    client: redis.Redis | None = None, *, provider: NodeProvider | None = None,
-    pools: dict[str, Pool] | None = None, after_change: Callable[[], None] | None = None,
+    client: redis.Redis | None = None,
+    *,
+    provider: NodeProvider | None = None,
+    pools: dict[str, Pool] | None = None,
+    after_change: Callable[[], None] | None = None,
 ) -> TickReport | None:
     """Tick once; None when another tick holds the lock."""
     client = client or redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
@@ -60,14 +63,16 @@ def run_tick(
         log.info("autoscaler: another tick is running; skipping this one")
         return None
     try:
-        return _tick(client, provider, pools if pools is not None else pools_from(settings.FERRY_NODE_POOLS),
-                     after_change)
+        return _tick(
+            client, provider, pools if pools is not None else pools_from(settings.FERRY_NODE_POOLS), after_change
+        )
     finally:
         client.eval(_RELEASE, 1, LOCK_KEY, token)
 
 
-def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, Pool],
-          after_change: Callable[[], None] | None) -> TickReport:
+def _tick(
+    client: redis.Redis, provider: NodeProvider | None, pools: dict[str, Pool], after_change: Callable[[], None] | None
+) -> TickReport:
     seconds, micros = client.time()
     now = seconds + micros / 1e6
     report = TickReport(now)
@@ -78,8 +83,11 @@ def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, P
         node_memory[node.accelerator] = max(node_memory[node.accelerator], node.memory_budget)
 
     targets = []
-    policies = (ScalingPolicy.objects.filter(enabled=True, version__state=State.READY)
-                .select_related("version__model").order_by("version_id"))
+    policies = (
+        ScalingPolicy.objects.filter(enabled=True, version__state=State.READY)
+        .select_related("version__model")
+        .order_by("version_id")
+    )
     for policy in policies:
         version = policy.version
         key = f"{version.model.name}:{version.version}"
@@ -99,11 +107,15 @@ def _tick(client: redis.Redis, provider: NodeProvider | None, pools: dict[str, P
     for key, why in report.skipped.items():
         log.warning("autoscaler: %s is not sized: %s", key, why)
 
-    scaler = Autoscaler(node_memory, short_window=settings.FERRY_AUTOSCALE_SHORT_WINDOW_S,
-                        long_window=settings.FERRY_AUTOSCALE_LONG_WINDOW_S, surge=float(settings.FERRY_AUTOSCALE_SURGE),
-                        season=float(settings.FERRY_AUTOSCALE_SEASON_S),
-                        season_buckets=settings.FERRY_AUTOSCALE_SEASON_BUCKETS,
-                        season_min_periods=settings.FERRY_AUTOSCALE_SEASON_MIN_PERIODS)
+    scaler = Autoscaler(
+        node_memory,
+        short_window=settings.FERRY_AUTOSCALE_SHORT_WINDOW_S,
+        long_window=settings.FERRY_AUTOSCALE_LONG_WINDOW_S,
+        surge=float(settings.FERRY_AUTOSCALE_SURGE),
+        season=float(settings.FERRY_AUTOSCALE_SEASON_S),
+        season_buckets=settings.FERRY_AUTOSCALE_SEASON_BUCKETS,
+        season_min_periods=settings.FERRY_AUTOSCALE_SEASON_MIN_PERIODS,
+    )
     stored = client.get(STATE_KEY)
     if stored:
         scaler.restore_state(json.loads(stored))
@@ -145,19 +157,36 @@ def _write(pk: int, key: str, decision: Decision) -> int | None | bool:
     from tenants import audit
 
     with transaction.atomic():
-        version = ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant").filter(
-            pk=pk).first()
+        version = (
+            ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant").filter(pk=pk).first()
+        )
         if version is None or version.desired_replicas == decision.replicas:
             return False
         before = version.desired_replicas
         # update(): updated_at stays, so no routing snapshot is rebuilt for a scaling decision.
         ModelVersion.objects.filter(pk=pk).update(desired_replicas=decision.replicas)
-        audit.record(None, "version.scaled", f"model {version.model.name} version {version.version}",
-                     tenant=version.model.tenant, before={"desired_replicas": before},
-                     after={"desired_replicas": decision.replicas, "reason": decision.reason,
-                            "demand_per_s": round(decision.demand, 3), "forecast_per_s": round(decision.forecast, 3),
-                            "short_rate_per_s": round(decision.short_rate, 3),
-                            **_capacity(decision)})
-    log.info("autoscaler: %s desired replicas %s -> %d (%s; demand %.1f/s, forecast %.1f/s)", key, before,
-             decision.replicas, decision.reason, decision.demand, decision.forecast)
+        audit.record(
+            None,
+            "version.scaled",
+            f"model {version.model.name} version {version.version}",
+            tenant=version.model.tenant,
+            before={"desired_replicas": before},
+            after={
+                "desired_replicas": decision.replicas,
+                "reason": decision.reason,
+                "demand_per_s": round(decision.demand, 3),
+                "forecast_per_s": round(decision.forecast, 3),
+                "short_rate_per_s": round(decision.short_rate, 3),
+                **_capacity(decision),
+            },
+        )
+    log.info(
+        "autoscaler: %s desired replicas %s -> %d (%s; demand %.1f/s, forecast %.1f/s)",
+        key,
+        before,
+        decision.replicas,
+        decision.reason,
+        decision.demand,
+        decision.forecast,
+    )
     return before

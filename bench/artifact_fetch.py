@@ -59,8 +59,13 @@ def main() -> None:
             source = http_source(server.base, TOKEN, max_bytes=2 * args.mib * 1024 * 1024)
             cold, hit = [], []
             for i in range(args.rounds):
-                cache = ArtifactCache(work / f"cache-{i}", 4 * args.mib * 1024 * 1024, source,
-                                      max_artifact_bytes=2 * args.mib * 1024 * 1024, timeout_s=600)
+                cache = ArtifactCache(
+                    work / f"cache-{i}",
+                    4 * args.mib * 1024 * 1024,
+                    source,
+                    max_artifact_bytes=2 * args.mib * 1024 * 1024,
+                    timeout_s=600,
+                )
                 started = time.perf_counter()
                 cache.path(sha)
                 cold.append(time.perf_counter() - started)
@@ -74,8 +79,10 @@ def main() -> None:
         say(f"{args.mib} MiB artifact, {args.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
         print(f"cold fetch: median {med:.2f} s ({args.mib / med:.0f} MiB/s); all {[round(c, 2) for c in cold]}")
         print(f"cache hit (hash check): median {med_hit:.2f} s ({args.mib / med_hit:.0f} MiB/s)")
-        print(f"web peak RSS: {before.get('VmHWM', 0) / 1024:.0f} MiB before, {after.get('VmHWM', 0) / 1024:.0f} MiB"
-              f" after")
+        print(
+            f"web peak RSS: {before.get('VmHWM', 0) / 1024:.0f} MiB before, {after.get('VmHWM', 0) / 1024:.0f} MiB"
+            f" after"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

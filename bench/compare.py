@@ -77,8 +77,10 @@ class Checkout:
 
     def check_imports(self) -> None:
         """The worktree's own code must be what runs, not the editable install's checkout."""
-        code = ("import serving, config, importlib.util as u; print(serving.__file__); print(config.__file__);"
-                " [print(s.origin) for s in [u.find_spec('rollout.migrations')] if s]")
+        code = (
+            "import serving, config, importlib.util as u; print(serving.__file__); print(config.__file__);"
+            " [print(s.origin) for s in [u.find_spec('rollout.migrations')] if s]"
+        )
         out = subprocess.run([sys.executable, "-c", code], cwd=self.tree, env=self.env(), check=True,
                              capture_output=True, text=True).stdout.split()  # fmt: skip
         for path in out:
@@ -103,8 +105,10 @@ def measure(co: Checkout, model: str, s: Settings) -> float | None:
     for step in result.steps:  # what failed each failing step: a shed (503), a deadline (504) or a timeout
         if step.errors:
             kinds = {**{f"HTTP {k}": v for k, v in step.errors_by_status.items()}, **step.client_errors_by_kind}
-            say(f"{co.rev}: {step.offered_rate:,.1f} req/s: {step.errors} errors of {step.count}"
-                f" ({', '.join(f'{k} x{v}' for k, v in kinds.items())}), p99 {step.p99_ms:.1f} ms")
+            say(
+                f"{co.rev}: {step.offered_rate:,.1f} req/s: {step.errors} errors of {step.count}"
+                f" ({', '.join(f'{k} x{v}' for k, v in kinds.items())}), p99 {step.p99_ms:.1f} ms"
+            )
     if result.best is None:
         say(f"{co.rev}: no rate passed ({result.error or 'see the steps above'})")
         return None
@@ -121,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short steps: a smoke run, not numbers to publish")
     p.add_argument("--keep", action="store_true", help="keep the worktrees and data dirs under /tmp")
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
-    p.add_argument("--record", type=Path, help="write the result into this report's compare section "
-                   "(e.g. docs/benchmarks/revisions.md; `make bench` leaves that page alone)")
+    p.add_argument(
+        "--record",
+        type=Path,
+        help="write the result into this report's compare section "
+        "(e.g. docs/benchmarks/revisions.md; `make bench` leaves that page alone)",
+    )
     a = p.parse_args(argv)
     s = Settings.for_mode(a.quick)
     figures: dict[str, list[float | None]] = {"a": [], "b": []}
@@ -179,6 +187,7 @@ def record(path: Path, a: argparse.Namespace, shas: dict[str, str], figures: dic
         lines.append(f"| {rev} | {shas[key][:12]} | {', '.join(fmt(v) for v in figures[key])} | **{fmt(med[key])}** |")
     lines += ["", f"Ratio {a.rev_b} / {a.rev_a}: **{'n/a' if ratio is None else f'{ratio:.3f}'}**.", "", COMPARE_END]
     splice_section(path, COMPARE_START, COMPARE_END, "\n".join(lines))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,9 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ECHO_BODY = (
-    b'{"model_name":"echo","outputs":[{"name":"scores","datatype":"FP32","shape":[1,1],"data":[1.0]}]}'
-)
+ECHO_BODY = b'{"model_name":"echo","outputs":[{"name":"scores","datatype":"FP32","shape":[1,1],"data":[1.0]}]}'
 
 
 class _EchoProtocol(asyncio.Protocol):
@@ -61,9 +59,7 @@ class _EchoProtocol(asyncio.Protocol):
 
 async def echo_server(port: int, delay_ms: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: _EchoProtocol(delay_ms / 1000.0), "127.0.0.1", port, backlog=1024
-    )
+    server = await loop.create_server(lambda: _EchoProtocol(delay_ms / 1000.0), "127.0.0.1", port, backlog=1024)
     bound = server.sockets[0].getsockname()[1]
     print(f"READY {bound}", flush=True)
     async with server:

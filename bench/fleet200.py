@@ -155,8 +155,14 @@ class Procs:
     def start(self, name: str, args: list[str]) -> None:
         say(f"$ manage.py {' '.join(args)}  (log: {self.logs / name}.log)")
         with open(self.logs / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
-                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "manage.py", *args],
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
@@ -186,32 +192,63 @@ class Procs:
 async def read_nodes(client) -> dict[str, dict]:  # noqa: ANN001
     from serving.dataplane import fleet
 
-    return {n.name: {"hot": sorted(n.hot), "ready": len(n.ready), "memory_used": n.memory_used,
-                     "memory_budget": n.memory_budget, "counts": dict(n.counts), "failures": dict(n.failures)}
-            for n in await fleet.read_fleet(client)}
+    return {
+        n.name: {
+            "hot": sorted(n.hot),
+            "ready": len(n.ready),
+            "memory_used": n.memory_used,
+            "memory_budget": n.memory_budget,
+            "counts": dict(n.counts),
+            "failures": dict(n.failures),
+        }
+        for n in await fleet.read_fleet(client)
+    }
 
 
 # -- the stream --------------------------------------------------------------------------------------------
 
 
-async def one(session, url: str, version: int, token: str, sent: float, limit: float,  # noqa: ANN001
-              results: list[Result]) -> None:
+async def one(
+    session,
+    url: str,
+    version: int,
+    token: str,
+    sent: float,
+    limit: float,  # noqa: ANN001
+    results: list[Result],
+) -> None:
     import aiohttp
 
     started = time.monotonic()
     try:
-        async with session.post(f"{url}/v2/models/{MODEL}/versions/{version}/infer", data=BODY,
-                                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=limit)) as resp:
+        async with session.post(
+            f"{url}/v2/models/{MODEL}/versions/{version}/infer",
+            data=BODY,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=limit),
+        ) as resp:
             body = await resp.read()
-            results.append(Result(version, sent, resp.status, "Retry-After" in resp.headers,
-                                  time.monotonic() - started, body if resp.status != 200 else b""))
+            results.append(
+                Result(
+                    version,
+                    sent,
+                    resp.status,
+                    "Retry-After" in resp.headers,
+                    time.monotonic() - started,
+                    body if resp.status != 200 else b"",
+                )
+            )
     except (TimeoutError, aiohttp.ClientError) as exc:
         results.append(Result(version, sent, -1, False, time.monotonic() - started, repr(exc).encode()))
 
 
-async def stream(a: argparse.Namespace, url: str, token: str, redis_url: str, budget: int,
-                 ) -> tuple[list[Result], list[Sample], dict[str, dict]]:
+async def stream(
+    a: argparse.Namespace,
+    url: str,
+    token: str,
+    redis_url: str,
+    budget: int,
+) -> tuple[list[Result], list[Sample], dict[str, dict]]:
     import aiohttp
     import redis.asyncio as aioredis
 
@@ -236,8 +273,10 @@ async def stream(a: argparse.Namespace, url: str, token: str, redis_url: str, bu
                 last_note = now
                 statuses = Counter(r.status for r in results)
                 hot = {n: f"{len(s['hot'])} hot" for n, s in samples[-1].nodes.items()}
-                say(f"  {now:5.0f} s: sent {len(results) + len(tasks)}, answered {len(results)}"
-                    f" {dict(sorted(statuses.items()))}; {hot} (budget {a.hold / a.nodes:g} each)")
+                say(
+                    f"  {now:5.0f} s: sent {len(results) + len(tasks)}, answered {len(results)}"
+                    f" {dict(sorted(statuses.items()))}; {hot} (budget {a.hold / a.nodes:g} each)"
+                )
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except TimeoutError:
@@ -281,14 +320,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-ms", type=int, default=2000, help="the versions' default request timeout")
     p.add_argument("--connections", type=int, default=256, help="client connections at most")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--database-url", default=os.environ.get(
-        "FERRY_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/ferry_bench_fleet200"),
-        help="dropped and created again")
-    p.add_argument("--redis-url", default=os.environ.get("FERRY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/4"),
-                   help="its ferry:* keys are cleared")
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get("FERRY_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/ferry_bench_fleet200"),
+        help="dropped and created again",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("FERRY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/4"),
+        help="its ferry:* keys are cleared",
+    )
     p.add_argument("--record", type=Path, default=None, help="write the fleet200 section of this page")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="the figure (default: bench-fleet200.png one folder above --record's page)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="the figure (default: bench-fleet200.png one folder above --record's page)",
+    )
     a = p.parse_args(argv)
     outcome = run(a)
     return 0 if outcome else 1
@@ -298,14 +346,22 @@ def run(a: argparse.Namespace) -> bool:
     started = time.monotonic()
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-fleet200-"))
     env = {k: v for k, v in os.environ.items() if k not in ("FERRY_QUOTA_REDIS_URL",)}
-    env.update({
-        "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "DATABASE_URL": a.database_url,
-        "DATABASE_CONN_MAX_AGE": "0", "REDIS_URL": a.redis_url, "FERRY_EMBEDDED_NODE": "false",
-        "FERRY_TORCH_THREADS": "1", "FERRY_QUOTAS": "false",
-        # on-demand loading is measured here, not the front door's shedding on a small shared machine
-        "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000",
-        "FERRY_MAX_FRONTEND_WAIT_MS": "60000",
-    })
+    env.update(
+        {
+            "FERRY_DATA_DIR": str(data_dir),
+            "PYTHONUNBUFFERED": "1",
+            "DATABASE_URL": a.database_url,
+            "DATABASE_CONN_MAX_AGE": "0",
+            "REDIS_URL": a.redis_url,
+            "FERRY_EMBEDDED_NODE": "false",
+            "FERRY_TORCH_THREADS": "1",
+            "FERRY_QUOTAS": "false",
+            # on-demand loading is measured here, not the front door's shedding on a small shared machine
+            "FERRY_LOOP_LAG_TARGET_MS": "60000",
+            "FERRY_MAX_LOOP_LAG_MS": "60000",
+            "FERRY_MAX_FRONTEND_WAIT_MS": "60000",
+        }
+    )
     try:
         fresh_database(a.database_url)
         clear_redis(a.redis_url)
@@ -318,26 +374,42 @@ def run(a: argparse.Namespace) -> bool:
         footprint = int((data_dir / "footprint").read_text())
         token = (data_dir / "bench.key").read_text().strip()
         budget = int(a.hold / a.nodes * footprint)
-        say(f"{a.versions} versions of about {footprint} bytes; {a.nodes} nodes of {budget} bytes"
-            f" ({a.hold / a.nodes:g} versions each)")
+        say(
+            f"{a.versions} versions of about {footprint} bytes; {a.nodes} nodes of {budget} bytes"
+            f" ({a.hold / a.nodes:g} versions each)"
+        )
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         names = [f"node-{chr(ord('a') + i)}" for i in range(a.nodes)]
         with Procs(env, data_dir) as procs:
             procs.start("web", ["serve", "--host", "127.0.0.1", "--port", str(port)])
             for name in names:
-                procs.start(name, ["runnode", "--name", name, "--accelerator", "a10g", "--memory", str(budget),
-                                   "--labels", f"zone={name}"])
+                procs.start(
+                    name,
+                    [
+                        "runnode",
+                        "--name",
+                        name,
+                        "--accelerator",
+                        "a10g",
+                        "--memory",
+                        str(budget),
+                        "--labels",
+                        f"zone={name}",
+                    ],
+                )
             wait_up(procs, url, token, a.redis_url, names)
             say(f"{a.rate:g} requests/s for {a.duration:g} s, Zipf s={a.zipf:g} over {a.versions} versions")
             skip = {name: len(procs.log(name)) for name in names}  # the loads at start-up are not the stream's
             results, samples, nodes = asyncio.run(stream(a, url, token, a.redis_url, budget))
             index = repository_index(url, token)
             procs.check()
-            loads = {name: [(key, float(s)) for key, s in NODE_LOAD.findall(procs.log(name)[skip[name]:])]
-                     for name in names}
-        lines, ok = report(a, results, samples, nodes, loads, index, footprint, budget, setup_seconds,
-                           time.monotonic() - started)
+            loads = {
+                name: [(key, float(s)) for key, s in NODE_LOAD.findall(procs.log(name)[skip[name] :])] for name in names
+            }
+        lines, ok = report(
+            a, results, samples, nodes, loads, index, footprint, budget, setup_seconds, time.monotonic() - started
+        )
         print("\n".join(lines))
         if a.record is not None:
             splice(a.record, section(a, lines))
@@ -377,8 +449,12 @@ def wait_up(procs: Procs, url: str, token: str, redis_url: str, names: list[str]
 def repository_index(url: str, token: str) -> list[dict]:
     import urllib.request
 
-    req = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v2/repository/index",
+        data=b"{}",
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return orjson.loads(resp.read())
 
@@ -389,55 +465,82 @@ def both(sample: Sample) -> int:
     return sum(1 for n in seen.values() if n > 1)
 
 
-def report(a: argparse.Namespace, results: list[Result], samples: list[Sample], nodes: dict[str, dict],
-           loads: dict[str, list[tuple[str, float]]], index: list[dict], footprint: int, budget: int,
-           setup_seconds: float, seconds: float) -> tuple[list[str], bool]:
+def report(
+    a: argparse.Namespace,
+    results: list[Result],
+    samples: list[Sample],
+    nodes: dict[str, dict],
+    loads: dict[str, list[tuple[str, float]]],
+    index: list[dict],
+    footprint: int,
+    budget: int,
+    setup_seconds: float,
+    seconds: float,
+) -> tuple[list[str], bool]:
     statuses = Counter(r.status for r in results)
     without_retry = sum(1 for r in results if r.status == 503 and not r.retry_after)
     bad = sum(n for status, n in statuses.items() if status not in (200, 503)) + without_retry
     ok_ms = [r.seconds * 1000 for r in results if r.status == 200]
-    out = [f"bench.fleet200: {a.versions} versions ({footprint} bytes each by validation), {a.nodes} nodes of"
-           f" {budget} bytes ({a.hold / a.nodes:g} versions each, {a.hold:g} in all), Zipf s={a.zipf:g},"
-           f" open loop {a.rate:g}/s for {a.duration:g} s, deadline {a.timeout_ms} ms;"
-           f" set-up {setup_seconds:.0f} s, {seconds:.0f} s in all"]
-    out.append(f"requests sent {len(results)}; answers {dict(sorted(statuses.items()))}"
-               f" (-1: none within deadline + 10 s)")
-    out.append("every request answered 200 or 503 with Retry-After: "
-               + ("yes" if not bad else f"NO ({bad} other answers or 503s without Retry-After)"))
+    out = [
+        f"bench.fleet200: {a.versions} versions ({footprint} bytes each by validation), {a.nodes} nodes of"
+        f" {budget} bytes ({a.hold / a.nodes:g} versions each, {a.hold:g} in all), Zipf s={a.zipf:g},"
+        f" open loop {a.rate:g}/s for {a.duration:g} s, deadline {a.timeout_ms} ms;"
+        f" set-up {setup_seconds:.0f} s, {seconds:.0f} s in all"
+    ]
+    out.append(
+        f"requests sent {len(results)}; answers {dict(sorted(statuses.items()))} (-1: none within deadline + 10 s)"
+    )
+    out.append(
+        "every request answered 200 or 503 with Retry-After: "
+        + ("yes" if not bad else f"NO ({bad} other answers or 503s without Retry-After)")
+    )
     out.append(f"distinct versions asked for: {len({r.version for r in results})}")
     hot = cold = 0
     for name, state in sorted(nodes.items()):
         grew = {k: v - state["before"].get(k, 0) for k, v in state["counts"].items()}
         hot += grew.get("hot", 0)
         cold += grew.get("cold", 0)
-        out.append(f"{name}: took {grew.get('hot', 0) + grew.get('cold', 0)} requests"
-                   f" ({grew.get('hot', 0)} hot, {grew.get('cold', 0)} cold), served {grew.get('served', 0)},"
-                   f" past their deadline {grew.get('expired', 0)},"
-                   f" loads {grew.get('loads', 0)}, evictions {grew.get('evictions', 0)};"
-                   f" at the end {len(state['hot'])} hot, {state['memory_used']} of {state['memory_budget']} bytes")
+        out.append(
+            f"{name}: took {grew.get('hot', 0) + grew.get('cold', 0)} requests"
+            f" ({grew.get('hot', 0)} hot, {grew.get('cold', 0)} cold), served {grew.get('served', 0)},"
+            f" past their deadline {grew.get('expired', 0)},"
+            f" loads {grew.get('loads', 0)}, evictions {grew.get('evictions', 0)};"
+            f" at the end {len(state['hot'])} hot, {state['memory_used']} of {state['memory_budget']} bytes"
+        )
     if hot + cold:
-        out.append(f"hot-version hit rate: {hot / (hot + cold):.1%} ({hot} of {hot + cold} requests taken by a node"
-                   f" found their version loaded there)")
+        out.append(
+            f"hot-version hit rate: {hot / (hot + cold):.1%} ({hot} of {hot + cold} requests taken by a node"
+            f" found their version loaded there)"
+        )
     every = [s for lst in loads.values() for _, s in lst]
     if every:
-        out.append(f"cold-load latency on the nodes (load + evictions + warm-up), {len(every)} loads:"
-                   f" p50 {percentile(every, 50) * 1000:.0f} ms, p99 {percentile(every, 99) * 1000:.0f} ms,"
-                   f" max {max(every) * 1000:.0f} ms")
+        out.append(
+            f"cold-load latency on the nodes (load + evictions + warm-up), {len(every)} loads:"
+            f" p50 {percentile(every, 50) * 1000:.0f} ms, p99 {percentile(every, 99) * 1000:.0f} ms,"
+            f" max {max(every) * 1000:.0f} ms"
+        )
     if samples:
         twice = [both(s) for s in samples]
-        out.append(f"versions hot on more than one node at once (sampled every second): mean {np.mean(twice):.1f},"
-                   f" max {max(twice)}")
+        out.append(
+            f"versions hot on more than one node at once (sampled every second): mean {np.mean(twice):.1f},"
+            f" max {max(twice)}"
+        )
     if ok_ms:
-        out.append(f"client latency of 200s: p50 {percentile(ok_ms, 50):.1f} ms, p99 {percentile(ok_ms, 99):.1f} ms,"
-                   f" max {max(ok_ms):.0f} ms")
-    refusals = Counter(re.sub(rb"fleet:[0-9]+", b"fleet:N", r.body)[:140].decode(errors="replace")
-                       for r in results if r.status != 200)
+        out.append(
+            f"client latency of 200s: p50 {percentile(ok_ms, 50):.1f} ms, p99 {percentile(ok_ms, 99):.1f} ms,"
+            f" max {max(ok_ms):.0f} ms"
+        )
+    refusals = Counter(
+        re.sub(rb"fleet:[0-9]+", b"fleet:N", r.body)[:140].decode(errors="replace") for r in results if r.status != 200
+    )
     for kind, n in refusals.most_common(3):
         out.append(f"refusal seen {n} times: {kind}")
     ours = [row for row in index if row.get("name") == MODEL]
     states = Counter((row["state"], row["reason"].split(":")[0] if row.get("reason") else "") for row in ours)
-    out.append("/v2/repository/index at the end: " + ", ".join(
-        f"{state}{f' ({why})' if why else ''} {n}" for (state, why), n in sorted(states.items())))
+    out.append(
+        "/v2/repository/index at the end: "
+        + ", ".join(f"{state}{f' ({why})' if why else ''} {n}" for (state, why), n in sorted(states.items()))
+    )
     return out, not bad and bool(results)
 
 
@@ -445,27 +548,40 @@ def report(a: argparse.Namespace, results: list[Result], samples: list[Sample], 
 
 
 def command(a: argparse.Namespace) -> str:
-    return (f"python -m bench.fleet200 --versions {a.versions} --hold {a.hold:g} --nodes {a.nodes} --rate {a.rate:g}"
-            f" --duration {a.duration:g} --zipf {a.zipf:g} --timeout-ms {a.timeout_ms}"
-            " --record docs/benchmarks/fleet.md")
+    return (
+        f"python -m bench.fleet200 --versions {a.versions} --hold {a.hold:g} --nodes {a.nodes} --rate {a.rate:g}"
+        f" --duration {a.duration:g} --zipf {a.zipf:g} --timeout-ms {a.timeout_ms}"
+        " --record docs/benchmarks/fleet.md"
+    )
 
 
 def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
     from datetime import UTC, datetime
 
-    return [START, "## 200 versions on two nodes", "",
-            f"`{command(a)}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC}: distributed mode with real processes (one"
-            " web process, two `runnode` processes, PostgreSQL, Redis Streams), every version a distinct small"
-            " model registered with validation. No versions are placed by a reconciler: a node takes the requests"
-            " of the versions it holds and of those no other live node holds or is loading, and loads a cold one on"
-            " demand, evicting idle versions least recently used first."
-            f" Zipf s={a.zipf:g} puts {top_share(a):.0%} of requests on the {a.hold:g} most popular versions, the"
-            " best a static placement of that many could do. The hit rate is counted by the nodes (an entry"
-            " taken from a version's stream, with the version loaded or not); load times come from the nodes'"
-            " log lines.", "",
-            f"Load average (1 min) at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-            " (other work on the machine shares them).", "",
-            "```", *lines, "```", "", "![200 versions on two nodes](../bench-fleet200.png)", END]
+    return [
+        START,
+        "## 200 versions on two nodes",
+        "",
+        f"`{command(a)}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC}: distributed mode with real processes (one"
+        " web process, two `runnode` processes, PostgreSQL, Redis Streams), every version a distinct small"
+        " model registered with validation. No versions are placed by a reconciler: a node takes the requests"
+        " of the versions it holds and of those no other live node holds or is loading, and loads a cold one on"
+        " demand, evicting idle versions least recently used first."
+        f" Zipf s={a.zipf:g} puts {top_share(a):.0%} of requests on the {a.hold:g} most popular versions, the"
+        " best a static placement of that many could do. The hit rate is counted by the nodes (an entry"
+        " taken from a version's stream, with the version loaded or not); load times come from the nodes'"
+        " log lines.",
+        "",
+        f"Load average (1 min) at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        " (other work on the machine shares them).",
+        "",
+        "```",
+        *lines,
+        "```",
+        "",
+        "![200 versions on two nodes](../bench-fleet200.png)",
+        END,
+    ]
 
 
 def top_share(a: argparse.Namespace) -> float:
@@ -486,8 +602,15 @@ def kept_section(text: str) -> str:
     return reports.kept_section(text, START, END)
 
 
-def plot(path: Path, a: argparse.Namespace, results: list[Result], samples: list[Sample],
-         loads: dict[str, list[tuple[str, float]]], budget: int, footprint: int) -> None:
+def plot(
+    path: Path,
+    a: argparse.Namespace,
+    results: list[Result],
+    samples: list[Sample],
+    loads: dict[str, list[tuple[str, float]]],
+    budget: int,
+    footprint: int,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -512,18 +635,39 @@ def plot(path: Path, a: argparse.Namespace, results: list[Result], samples: list
     pairs = list(zip(samples, samples[1:], strict=False))
     xs = [later.at for _, later in pairs]
     for name in names:
+
         def grew(what: str, name: str = name) -> list[float]:
-            return [(later.nodes.get(name, {}).get("counts", {}).get(what, 0)
-                     - early.nodes.get(name, {}).get("counts", {}).get(what, 0)) / max(later.at - early.at, 1e-9)
-                    for early, later in pairs]
+            return [
+                (
+                    later.nodes.get(name, {}).get("counts", {}).get(what, 0)
+                    - early.nodes.get(name, {}).get("counts", {}).get(what, 0)
+                )
+                / max(later.at - early.at, 1e-9)
+                for early, later in pairs
+            ]
+
         rate.plot(xs, grew("loads"), label=f"{name} loads (= evictions)")
-    taken = [sum(later.nodes.get(n, {}).get("counts", {}).get(k, 0) - early.nodes.get(n, {}).get("counts", {}).get(
-        k, 0) for n in names for k in ("hot", "cold")) for early, later in pairs]
-    found = [sum(later.nodes.get(n, {}).get("counts", {}).get("hot", 0) - early.nodes.get(n, {}).get(
-        "counts", {}).get("hot", 0) for n in names) for early, later in pairs]
+    taken = [
+        sum(
+            later.nodes.get(n, {}).get("counts", {}).get(k, 0) - early.nodes.get(n, {}).get("counts", {}).get(k, 0)
+            for n in names
+            for k in ("hot", "cold")
+        )
+        for early, later in pairs
+    ]
+    found = [
+        sum(
+            later.nodes.get(n, {}).get("counts", {}).get("hot", 0)
+            - early.nodes.get(n, {}).get("counts", {}).get("hot", 0)
+            for n in names
+        )
+        for early, later in pairs
+    ]
     window = 5
-    hits = [sum(found[max(0, i - window + 1): i + 1]) / max(sum(taken[max(0, i - window + 1): i + 1]), 1)
-            for i in range(len(found))]
+    hits = [
+        sum(found[max(0, i - window + 1) : i + 1]) / max(sum(taken[max(0, i - window + 1) : i + 1]), 1)
+        for i in range(len(found))
+    ]
     rate.set_ylabel("loads per second")
     rate.set_xlabel("seconds")
     share = rate.twinx()
@@ -533,8 +677,9 @@ def plot(path: Path, a: argparse.Namespace, results: list[Result], samples: list
     rate.legend(loc="upper left", fontsize=8)
     share.legend(loc="lower right", fontsize=8)
     for name in names:
-        hot.plot([s.at for s in samples], [len(s.nodes.get(name, {}).get("hot", ())) for s in samples],
-                 label=f"{name} hot")
+        hot.plot(
+            [s.at for s in samples], [len(s.nodes.get(name, {}).get("hot", ())) for s in samples], label=f"{name} hot"
+        )
     hot.plot([s.at for s in samples], [both(s) for s in samples], color="black", label="hot on both nodes")
     hot.axhline(a.hold / a.nodes, color="grey", linewidth=0.8, linestyle=":", label="budget of a node (versions)")
     hot.set_ylabel("versions")

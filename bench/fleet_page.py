@@ -45,10 +45,26 @@ def main() -> None:
     now = time.time()
     for name in ("node-a", "node-b"):
         resident = {f"m{i}:1": {"tier": "hot", "bytes": 10_000 + i} for i in range(50)}
-        info = NodeInfo(name=name, instance="bench", host="h", pid=1, device="cpu", accelerator="a10g",
-                        accelerator_count=1, memory_total=10**6, memory_budget=10**6, memory_used=500_000,
-                        labels={}, started_at=now, heartbeat_at=now, serial=1, ready=frozenset(resident),
-                        hot=frozenset(resident), busy=0.3, resident=resident)
+        info = NodeInfo(
+            name=name,
+            instance="bench",
+            host="h",
+            pid=1,
+            device="cpu",
+            accelerator="a10g",
+            accelerator_count=1,
+            memory_total=10**6,
+            memory_budget=10**6,
+            memory_used=500_000,
+            labels={},
+            started_at=now,
+            heartbeat_at=now,
+            serial=1,
+            ready=frozenset(resident),
+            hot=frozenset(resident),
+            busy=0.3,
+            resident=resident,
+        )
         client.hset(fleet.node_key(name), mapping=info.to_hash())
         client.expire(fleet.node_key(name), 600)
         client.sadd(fleet.NODES_KEY, name)
@@ -56,8 +72,14 @@ def main() -> None:
         heartbeat = sum(len(v) for v in info.to_hash().values())
     pipe = client.pipeline()
     for i in range(10_000):
-        pipe.xadd(fleet_events.STREAM, {fleet_events.FIELD: fleet_events.encode(
-            FleetEvent("node-a", now, "evict", f"m{i % 200}:1", "LRU: room for m1:1"))})
+        pipe.xadd(
+            fleet_events.STREAM,
+            {
+                fleet_events.FIELD: fleet_events.encode(
+                    FleetEvent("node-a", now, "evict", f"m{i % 200}:1", "LRU: room for m1:1")
+                )
+            },
+        )
     pipe.execute()
 
     async def pushes() -> tuple[list[float], list[float], list[float]]:
@@ -84,8 +106,10 @@ def main() -> None:
     finally:
         clear()
     print(f"heartbeat of a node with 50 versions: {heartbeat} bytes")
-    print(f"read_state (once per push and process): wall p50 {statistics.median(walls) * 1000:.1f} ms,"
-          f" CPU p50 {statistics.median(reads) * 1000:.1f} ms")
+    print(
+        f"read_state (once per push and process): wall p50 {statistics.median(walls) * 1000:.1f} ms,"
+        f" CPU p50 {statistics.median(reads) * 1000:.1f} ms"
+    )
     print(f"scoped + rendered (per push and set of visible models): CPU p50 {statistics.median(renders) * 1000:.1f} ms")
     print(f"load average: {os.getloadavg()[0]:.1f}")
 

@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop.set()
             thread.join()
-    print(f"forward alone {alone * 1000:.1f} ms, beside a busy Python thread {shared * 1000:.1f} ms:"
-          f" {shared / alone:.2f}x")
+    print(
+        f"forward alone {alone * 1000:.1f} ms, beside a busy Python thread {shared * 1000:.1f} ms:"
+        f" {shared / alone:.2f}x"
+    )
     return 0
 
 

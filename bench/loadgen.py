@@ -432,8 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("url", nargs="?")
     p.add_argument("--body-file", type=Path)
     p.add_argument("--header", action="append", default=[], help="'Name: value'; repeatable")
-    p.add_argument("--key-file", type=Path, help="API key to send as 'Authorization: Bearer ...' (default: "
-                   "$FERRY_DATA_DIR/demo-api-key, else var/demo-api-key, when present)")
+    p.add_argument(
+        "--key-file",
+        type=Path,
+        help="API key to send as 'Authorization: Bearer ...' (default: "
+        "$FERRY_DATA_DIR/demo-api-key, else var/demo-api-key, when present)",
+    )
     p.add_argument("--rate", type=float, default=100.0)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=1.0)

@@ -73,9 +73,18 @@ def _server_config(port: int) -> Any:
         except ImportError:  # before the front door: what serve passed to uvicorn.run then
             from django.conf import settings
 
-            return uvicorn.Config("config.asgi:application", host="127.0.0.1", port=port, loop="uvloop",
-                                  http="httptools", lifespan="on", access_log=False, proxy_headers=False,
-                                  limit_concurrency=settings.FERRY_MAX_CONCURRENCY, log_level="warning")
+            return uvicorn.Config(
+                "config.asgi:application",
+                host="127.0.0.1",
+                port=port,
+                loop="uvloop",
+                http="httptools",
+                lifespan="on",
+                access_log=False,
+                proxy_headers=False,
+                limit_concurrency=settings.FERRY_MAX_CONCURRENCY,
+                log_level="warning",
+            )
     return uvicorn_config("config.asgi:application", "127.0.0.1", port, log_level="warning")
 
 

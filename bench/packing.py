@@ -94,17 +94,26 @@ def zipf_weights(n: int, s: float, seed: int) -> list[float]:
     return [1.0 / r**s for r in ranks]
 
 
-async def client(port: int, token: str, versions: list[int], weights: list[float], until: float, seed: int,
-                 results: list[tuple[int, int, bool, float]]) -> None:
+async def client(
+    port: int,
+    token: str,
+    versions: list[int],
+    weights: list[float],
+    until: float,
+    seed: int,
+    results: list[tuple[int, int, bool, float]],
+) -> None:
     """One keep-alive connection sending requests back to back; (version, status, retry-after, seconds)."""
     rng = random.Random(seed)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.monotonic() < until:
             version = rng.choices(versions, weights)[0]
-            head = (f"POST /v2/models/{MODEL}/versions/{version}/infer HTTP/1.1\r\nHost: bench\r\n"
-                    f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(BODY)}\r\n\r\n").encode()
+            head = (
+                f"POST /v2/models/{MODEL}/versions/{version}/infer HTTP/1.1\r\nHost: bench\r\n"
+                f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(BODY)}\r\n\r\n"
+            ).encode()
             started = time.monotonic()
             writer.write(head + BODY)
             status_line = await reader.readline()
@@ -149,8 +158,11 @@ def histogram_quantile(text: str | None, name: str, q: float) -> float | None:
 
 
 def total(text: str | None, name: str, **match: str) -> float:
-    return sum(v for (_, labels), v in counters(text, (name,)).items()
-               if all(dict(labels).get(k) == want for k, want in match.items()))
+    return sum(
+        v
+        for (_, labels), v in counters(text, (name,)).items()
+        if all(dict(labels).get(k) == want for k, want in match.items())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,18 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-packing-"))
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "FERRY_QUOTA_REDIS_URL")}
-    env.update({"FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1",
-                # packing is measured here, not the front door's shedding on a small shared machine
-                "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000"})
+    env.update(
+        {
+            "FERRY_DATA_DIR": str(data_dir),
+            "PYTHONUNBUFFERED": "1",
+            # packing is measured here, not the front door's shedding on a small shared machine
+            "FERRY_LOOP_LAG_TARGET_MS": "60000",
+            "FERRY_MAX_LOOP_LAG_MS": "60000",
+        }
+    )
     try:
         manage(["migrate", "--noinput", "-v0"], env)
-        manage(["shell", "-c", SETUP.format(model=MODEL, versions=a.versions, data_dir=data_dir,
-                                            timeout_ms=a.timeout_ms)], env)
+        manage(
+            ["shell", "-c", SETUP.format(model=MODEL, versions=a.versions, data_dir=data_dir, timeout_ms=a.timeout_ms)],
+            env,
+        )
         footprint = int((data_dir / "footprint").read_text())
         token = (data_dir / "bench.key").read_text().strip()
         env["FERRY_NODE_MEMORY_BYTES"] = str(int(a.hold * footprint))
-        say(f"{a.versions} versions of {footprint} bytes; node budget {env['FERRY_NODE_MEMORY_BYTES']} bytes"
-            f" ({a.hold:g} versions)")
+        say(
+            f"{a.versions} versions of {footprint} bytes; node budget {env['FERRY_NODE_MEMORY_BYTES']} bytes"
+            f" ({a.hold:g} versions)"
+        )
         port = free_port()
         with Server(env, port, data_dir / "server.log") as server:
             server_started = time.monotonic()
@@ -195,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             until = time.monotonic() + a.duration
 
             async def drive() -> None:
-                await asyncio.gather(*(client(port, token, versions, weights, until, a.seed + i, results)
-                                       for i in range(a.concurrency)))
+                await asyncio.gather(
+                    *(client(port, token, versions, weights, until, a.seed + i, results) for i in range(a.concurrency))
+                )
 
             asyncio.run(drive())
             after = scrape(server.base)
@@ -209,8 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], before: str | None,
-           after: str | None, footprint: int, seconds: float) -> list[str]:
+def report(
+    a: argparse.Namespace,
+    results: list[tuple[int, int, bool, float]],
+    before: str | None,
+    after: str | None,
+    footprint: int,
+    seconds: float,
+) -> list[str]:
     statuses = Counter(status for _, status, _, _ in results)
     unanswered_503 = sum(1 for _, status, retry, _ in results if status == 503 and not retry)
     other = sum(n for status, n in statuses.items() if status not in (200, 503))
@@ -221,56 +250,81 @@ def report(a: argparse.Namespace, results: list[tuple[int, int, bool, float]], b
 
     requests = grew("ferry_requests_total", model=MODEL)
     cold = grew("ferry_cold_loads_total", model=MODEL)
-    outcomes = {o: grew("ferry_cold_loads_total", model=MODEL, outcome=o)
-                for o in ("waited", "refused", "load_queue_full", "deadline", "failed")}
+    outcomes = {
+        o: grew("ferry_cold_loads_total", model=MODEL, outcome=o)
+        for o in ("waited", "refused", "load_queue_full", "deadline", "failed")
+    }
     evictions = grew("ferry_evictions_total", model=MODEL)
     p50 = histogram_quantile(after, "ferry_cold_start_seconds", 0.5)
     p99 = histogram_quantile(after, "ferry_cold_start_seconds", 0.99)
     loads = total(after, "ferry_cold_start_seconds_count", model=MODEL)
     out: list[str] = []
-    out.append(f"bench.packing: {a.versions} versions, budget {a.hold:g} of them ({footprint} bytes each),"
-               f" Zipf s={a.zipf}, {a.concurrency} clients for {a.duration:g} s; {seconds:.0f} s in all")
-    out.append(f"  requests sent {len(results)} ({len(results) / a.duration:.0f}/s);"
-               f" answers {dict(sorted(statuses.items()))}")
-    out.append(f"  every request answered 200 or 503 with Retry-After: "
-               f"{'yes' if not other and not unanswered_503 else f'NO ({other} other, {unanswered_503} 503 without)'}")
+    out.append(
+        f"bench.packing: {a.versions} versions, budget {a.hold:g} of them ({footprint} bytes each),"
+        f" Zipf s={a.zipf}, {a.concurrency} clients for {a.duration:g} s; {seconds:.0f} s in all"
+    )
+    out.append(
+        f"  requests sent {len(results)} ({len(results) / a.duration:.0f}/s); answers {dict(sorted(statuses.items()))}"
+    )
+    out.append(
+        f"  every request answered 200 or 503 with Retry-After: "
+        f"{'yes' if not other and not unanswered_503 else f'NO ({other} other, {unanswered_503} 503 without)'}"
+    )
     out.append(f"  distinct versions asked for: {len({v for v, *_ in results})}")
     if requests:
-        out.append(f"  hot-version hit rate: {1 - cold / requests:.1%} ({requests - cold:.0f} of {requests:.0f} found"
-                   f" their version loaded)")
+        out.append(
+            f"  hot-version hit rate: {1 - cold / requests:.1%} ({requests - cold:.0f} of {requests:.0f} found"
+            f" their version loaded)"
+        )
     out.append(f"  cold requests: {cold:.0f} ({', '.join(f'{k} {v:.0f}' for k, v in outcomes.items())})")
     out.append(f"  evictions: {evictions:.0f}; loads on the node (start-up included): {loads:.0f}")
     if p50 is not None and p99 is not None:
-        out.append(f"  cold start (load + evictions + warm-up, node histogram, interpolated): p50 {p50 * 1000:.0f} ms,"
-                   f" p99 {p99 * 1000:.0f} ms")
+        out.append(
+            f"  cold start (load + evictions + warm-up, node histogram, interpolated): p50 {p50 * 1000:.0f} ms,"
+            f" p99 {p99 * 1000:.0f} ms"
+        )
     w50 = histogram_quantile(after, "ferry_cold_wait_seconds", 0.5)
     w99 = histogram_quantile(after, "ferry_cold_wait_seconds", 0.99)
     if w50 is not None and w99 is not None:
-        out.append(f"  wait of a served cold request for its load (node histogram, interpolated):"
-                   f" p50 {w50 * 1000:.0f} ms, p99 {w99 * 1000:.0f} ms")
+        out.append(
+            f"  wait of a served cold request for its load (node histogram, interpolated):"
+            f" p50 {w50 * 1000:.0f} ms, p99 {w99 * 1000:.0f} ms"
+        )
     kinds = Counter(re.sub(r"packed:[0-9]+", "packed:N", sample)[:160] for sample in SAMPLES)
     for kind, n in kinds.most_common(4):
         out.append(f"  refusal seen ({n} of the first {len(SAMPLES)}): {kind}")
     if ok.size:
-        out.append(f"  client latency of 200s: p50 {np.percentile(ok, 50):.1f} ms, p99 {np.percentile(ok, 99):.1f} ms,"
-                   f" max {ok.max():.1f} ms")
+        out.append(
+            f"  client latency of 200s: p50 {np.percentile(ok, 50):.1f} ms, p99 {np.percentile(ok, 99):.1f} ms,"
+            f" max {ok.max():.1f} ms"
+        )
     return out
 
 
 def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
     from datetime import UTC, datetime
 
-    return [START, "## Multi-model packing", "",
-            f"`python -m bench.packing` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC} (embedded mode, one in-process"
-            " node). Versions of one small model, a node budget that holds a quarter of them, closed-loop clients"
-            " whose requests are pinned to versions drawn from a Zipf law; a request for a cold version loads it"
-            " (evicting idle versions, least recently used first) and waits when its cold start fits the deadline,"
-            " else 503 with Retry-After, as does one that finds the node's load queue full"
-            " (`FERRY_MAX_QUEUED_LOADS`). The hit rate counts requests that found their version loaded; Zipf"
-            f" s={a.zipf:g} puts {top_share(a):.0%} of requests on the most popular quarter, the best a static"
-            " placement of that quarter could do.", "",
-            f"Load average (1 min) at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-            " (other work on the machine shares them).", "", "```", *(line.strip() for line in lines), "```", END]
+    return [
+        START,
+        "## Multi-model packing",
+        "",
+        f"`python -m bench.packing` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC} (embedded mode, one in-process"
+        " node). Versions of one small model, a node budget that holds a quarter of them, closed-loop clients"
+        " whose requests are pinned to versions drawn from a Zipf law; a request for a cold version loads it"
+        " (evicting idle versions, least recently used first) and waits when its cold start fits the deadline,"
+        " else 503 with Retry-After, as does one that finds the node's load queue full"
+        " (`FERRY_MAX_QUEUED_LOADS`). The hit rate counts requests that found their version loaded; Zipf"
+        f" s={a.zipf:g} puts {top_share(a):.0%} of requests on the most popular quarter, the best a static"
+        " placement of that quarter could do.",
+        "",
+        f"Load average (1 min) at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        " (other work on the machine shares them).",
+        "",
+        "```",
+        *(line.strip() for line in lines),
+        "```",
+        END,
+    ]
 
 
 def top_share(a: argparse.Namespace) -> float:
@@ -290,8 +344,6 @@ def splice(path: Path, lines: list[str]) -> None:
 def kept_section(text: str) -> str:
     """This benchmark's section of an existing report, for bench.run to keep when it rewrites the page."""
     return reports.kept_section(text, START, END)
-
-
 
 
 if __name__ == "__main__":

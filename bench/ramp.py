@@ -220,9 +220,7 @@ class _Ramp:
 
     async def _connect(self) -> _Conn:
         try:
-            _, conn = await self.loop.create_connection(
-                lambda: _Conn(self), self.requests.host, self.requests.port
-            )
+            _, conn = await self.loop.create_connection(lambda: _Conn(self), self.requests.host, self.requests.port)
         finally:
             self.connecting -= 1
         self.conns.add(conn)

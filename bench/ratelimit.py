@@ -90,32 +90,52 @@ async def measure(base: str, tokens: dict[str, str], limit: int, b_rate: float, 
     say(f"step 1: tenant B alone at {b_rate:g}/s for {duration:g} s")
     alone = await run(url, body(), headers(tokens["tenant-b"]), b_rate, duration)
     before = refusals(scrape(base))
-    say(f"step 2: tenant A at {2 * limit}/s (twice its limit of {limit}/s) and tenant B at {b_rate:g}/s,"
-        f" for {duration:g} s")
+    say(
+        f"step 2: tenant A at {2 * limit}/s (twice its limit of {limit}/s) and tenant B at {b_rate:g}/s,"
+        f" for {duration:g} s"
+    )
     a, b = await asyncio.gather(
         run(url, body(), headers(tokens["tenant-a"]), 2.0 * limit, duration),
         run(url, body(), headers(tokens["tenant-b"]), b_rate, duration, progress=False),
     )
     after = refusals(scrape(base))
     refused = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-    return {"limit": limit, "b_rate": b_rate, "duration": duration, "b_alone": alone, "a": a, "b_with_a": b,
-            "refusals": refused}
+    return {
+        "limit": limit,
+        "b_rate": b_rate,
+        "duration": duration,
+        "b_alone": alone,
+        "a": a,
+        "b_with_a": b,
+        "refusals": refused,
+    }
 
 
-def run_all(env: dict[str, str], data_dir: Path, *, rate_limit: int = 200, b_rate: float = 50.0,
-            duration: float = 10.0, redis_url: str | None = None) -> list[dict[str, Any]]:
+def run_all(
+    env: dict[str, str],
+    data_dir: Path,
+    *,
+    rate_limit: int = 200,
+    b_rate: float = 50.0,
+    duration: float = 10.0,
+    redis_url: str | None = None,
+) -> list[dict[str, Any]]:
     """Set up the two tenants (and `digits`, unless the data dir has it) and measure: in-process, then,
     with `redis_url`, with the quotas in that Redis. `make bench` runs the in-process half (~40 s)."""
     manage(["shell", "-c", SETUP.format(rate_a=rate_limit, data_dir=data_dir)], env)
     results = [run_mode(env, data_dir, "in-process (embedded)", rate_limit, b_rate, duration)]
     if redis_url:
-        results.append(run_mode({**env, "FERRY_QUOTA_REDIS_URL": redis_url}, data_dir, "Redis (shared)",
-                                rate_limit, b_rate, duration))
+        results.append(
+            run_mode(
+                {**env, "FERRY_QUOTA_REDIS_URL": redis_url}, data_dir, "Redis (shared)", rate_limit, b_rate, duration
+            )
+        )
     return results
 
 
-def run_mode(env: dict[str, str], data_dir: Path, label: str, rate_limit: int, b_rate: float,
-             duration: float) -> dict[str, Any]:
+def run_mode(
+    env: dict[str, str], data_dir: Path, label: str, rate_limit: int, b_rate: float, duration: float
+) -> dict[str, Any]:
     from bench.run import OtherCpu  # not at the top: bench.run imports this module
 
     tokens = {slug: (data_dir / f"{slug}.key").read_text().strip() for slug in ("tenant-a", "tenant-b")}
@@ -148,18 +168,25 @@ def verdict(r: dict[str, Any]) -> tuple[float, str]:
 
 
 def section(results: list[dict[str, Any]], command: str, seconds: float) -> list[str]:
-    L = [START, "## Rate limits under overload", "",
-         f"`{command}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC}, {seconds:.0f} s in all (bench.ratelimit).", "",
-         "Two tenants on one server serving `digits`. Tenant A's quota: the limit below in requests/s, a bucket"
-         " a fifth of that deep; tenant B: the default quota. A is offered twice its limit, open loop, while B"
-         " sends at a modest rate; B's p99 is measured alone first. Each run's first second (which drains A's"
-         " burst) is not measured. Target: A's admitted rate within 5% of its limit; B's p99 unchanged beyond"
-         " noise.", "",
-         "A check reads `saturated` when the server itself refused (503) or lost some of A's requests: the"
-         " machine, not the quota, set A's rate then.", "",
-         "| quotas | A limit/s | A offered/s | A admitted/s | vs limit | A 429s | A other errors | B/s"
-         " | B p99 alone | B p99 with A | B errors alone / with A | other processes' CPU | check |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        START,
+        "## Rate limits under overload",
+        "",
+        f"`{command}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC}, {seconds:.0f} s in all (bench.ratelimit).",
+        "",
+        "Two tenants on one server serving `digits`. Tenant A's quota: the limit below in requests/s, a bucket"
+        " a fifth of that deep; tenant B: the default quota. A is offered twice its limit, open loop, while B"
+        " sends at a modest rate; B's p99 is measured alone first. Each run's first second (which drains A's"
+        " burst) is not measured. Target: A's admitted rate within 5% of its limit; B's p99 unchanged beyond"
+        " noise.",
+        "",
+        "A check reads `saturated` when the server itself refused (503) or lost some of A's requests: the"
+        " machine, not the quota, set A's rate then.",
+        "",
+        "| quotas | A limit/s | A offered/s | A admitted/s | vs limit | A 429s | A other errors | B/s"
+        " | B p99 alone | B p99 with A | B errors alone / with A | other processes' CPU | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         a, alone, b = r["a"], r["b_alone"], r["b_with_a"]
         share, check = verdict(r)
@@ -171,11 +198,20 @@ def section(results: list[dict[str, Any]], command: str, seconds: float) -> list
         )
     busiest = max((r.get("other_cpu") or 0.0 for r in results), default=0.0)
     if busiest > 0.2:
-        L += ["", f"Other processes used up to {busiest:.2f} cores during these runs: B's p99 figures measure that"
-              " contention as much as A's overload; judge isolation from a run on a quiet machine."]
-    L += ["", "Refusals counted by the server in the overload run (`ferry_quota_refusals_total`, tenant/reason): "
-          + "; ".join(f"{r['label']}: " + (", ".join(f"{k} {v:.0f}" for k, v in r["refusals"].items()) or "none")
-                      for r in results) + ".", END]
+        L += [
+            "",
+            f"Other processes used up to {busiest:.2f} cores during these runs: B's p99 figures measure that"
+            " contention as much as A's overload; judge isolation from a run on a quiet machine.",
+        ]
+    L += [
+        "",
+        "Refusals counted by the server in the overload run (`ferry_quota_refusals_total`, tenant/reason): "
+        + "; ".join(
+            f"{r['label']}: " + (", ".join(f"{k} {v:.0f}" for k, v in r["refusals"].items()) or "none") for r in results
+        )
+        + ".",
+        END,
+    ]
     return L
 
 
@@ -214,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         manage(["migrate", "--noinput", "-v0"], env)
-        results = run_all(env, data_dir, rate_limit=a.rate_limit, b_rate=a.b_rate, duration=a.duration,
-                          redis_url=a.redis_url)
+        results = run_all(
+            env, data_dir, rate_limit=a.rate_limit, b_rate=a.b_rate, duration=a.duration, redis_url=a.redis_url
+        )
         command = "python -m bench.ratelimit" + (" --redis-url URL" if a.redis_url else "")
         splice(report.page(a.docs, "ratelimit"), section(results, command, time.monotonic() - started))
         if a.json:
@@ -223,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             say(f"wrote {a.json}")
         for r in results:
             share, check = verdict(r)
-            say(f"{r['label']}: A admitted {r['a'].achieved_rate:.1f}/s of {r['limit']}/s ({share:+.1%},"
+            say(
+                f"{r['label']}: A admitted {r['a'].achieved_rate:.1f}/s of {r['limit']}/s ({share:+.1%},"
                 f" {check}); B p99 {r['b_alone'].p99_ms:.1f} ms alone,"
-                f" {r['b_with_a'].p99_ms:.1f} ms with A")
+                f" {r['b_with_a'].p99_ms:.1f} ms with A"
+            )
         ok = True
     finally:
         if ok and not a.data_dir:

@@ -115,9 +115,7 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.raw", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="TorchScript file; default: the 4096x4 wide MLP, built in memory")
-    p.add_argument(
-        "--shape", default="64", help="input shape without the batch dimension, e.g. 64 or 3,32,32"
-    )
+    p.add_argument("--shape", default="64", help="input shape without the batch dimension, e.g. 64 or 3,32,32")
     p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     p.add_argument("--seconds", type=float, default=2.0)
     a = p.parse_args(argv)

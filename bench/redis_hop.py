@@ -48,9 +48,26 @@ def setup(env: dict[str, str]) -> None:
     manage(["migrate", "--noinput", "-v0"], env)
     artifact = Path(env["FERRY_DATA_DIR"]) / "digits.pt"
     save_artifact(build_digits(64, 1, 40)(lambda line: None, 0.05)[0], "torchscript", torch.zeros(2, 64), artifact)
-    manage(["register_model", "digits", str(artifact), "--format", "torchscript", "--input", "input:FP32:64",
-            "--output", "scores:FP32:10", "--max-batch-size", "64", "--max-queue-delay-ms", "2",
-            "--max-queue-size", "2048"], env)
+    manage(
+        [
+            "register_model",
+            "digits",
+            str(artifact),
+            "--format",
+            "torchscript",
+            "--input",
+            "input:FP32:64",
+            "--output",
+            "scores:FP32:10",
+            "--max-batch-size",
+            "64",
+            "--max-queue-delay-ms",
+            "2",
+            "--max-queue-size",
+            "2048",
+        ],
+        env,
+    )
     manage(["ensure_demo_user"], env)
     if use_key(Path(env["FERRY_DATA_DIR"])) is None:
         raise RuntimeError("ensure_demo_user wrote no demo API key")
@@ -67,7 +84,11 @@ class Node:
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "manage.py", "runnode", "--name", "bench-node", "--accelerator", "cpu"],
-                cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 
@@ -130,8 +151,10 @@ def open_loop(bases: dict[str, str], rate: float, seconds: float, rounds: int) -
         for mode in order:
             url = f"{bases[mode]}/v2/models/digits/infer"
             r = loadgen.arun(loadgen.run(url, body, dict(HEADERS), rate, seconds, warmup=1.0, progress=False))
-            say(f"  {mode}, {rate:.0f} req/s offered: {r.achieved_rate:.0f}/s ok, p50 {r.p50_ms:.2f} ms,"
-                f" p99 {r.p99_ms:.2f} ms, errors {r.errors_by_status or {}} {r.client_errors_by_kind or {}}")
+            say(
+                f"  {mode}, {rate:.0f} req/s offered: {r.achieved_rate:.0f}/s ok, p50 {r.p50_ms:.2f} ms,"
+                f" p99 {r.p99_ms:.2f} ms, errors {r.errors_by_status or {}} {r.client_errors_by_kind or {}}"
+            )
             runs[mode].append(r)
     return Step(rate, runs)
 
@@ -140,12 +163,22 @@ def section(a: argparse.Namespace, alone: dict[str, tuple[float, float]], steps:
     e, d = MODES
     rows = [("p50 ms, one at a time", alone[e][0], alone[d][0]), ("p99 ms, one at a time", alone[e][1], alone[d][1])]
     for step in steps:
-        rows += [(f"throughput /s at {step.rate:.0f}/s offered", step.median(e, "achieved_rate"),
-                  step.median(d, "achieved_rate")),
-                 (f"p50 ms at {step.rate:.0f}/s", step.median(e, "p50_ms"), step.median(d, "p50_ms")),
-                 (f"p99 ms at {step.rate:.0f}/s", step.median(e, "p99_ms"), step.median(d, "p99_ms"))]
-    errors = [f"{mode} at {step.rate:.0f}/s: {r.errors_by_status} {r.client_errors_by_kind}"
-              for step in steps for mode, results in step.runs.items() for r in results if r.errors]
+        rows += [
+            (
+                f"throughput /s at {step.rate:.0f}/s offered",
+                step.median(e, "achieved_rate"),
+                step.median(d, "achieved_rate"),
+            ),
+            (f"p50 ms at {step.rate:.0f}/s", step.median(e, "p50_ms"), step.median(d, "p50_ms")),
+            (f"p99 ms at {step.rate:.0f}/s", step.median(e, "p99_ms"), step.median(d, "p99_ms")),
+        ]
+    errors = [
+        f"{mode} at {step.rate:.0f}/s: {r.errors_by_status} {r.client_errors_by_kind}"
+        for step in steps
+        for mode, results in step.runs.items()
+        for r in results
+        if r.errors
+    ]
     hop = alone[d][0] - alone[e][0]
     load = os.getloadavg()[0]
     lines = [
@@ -179,8 +212,11 @@ def kept_section(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.redis_hop", description=__doc__.split("\n\n")[0])
     p.add_argument("--redis", default="redis://127.0.0.1:6379/4", help="a Redis database this run may flush")
-    p.add_argument("--rates", default="100,600,2000",
-                   help="offered req/s, comma-separated: a light one (latency), a fixed load, one past saturation")
+    p.add_argument(
+        "--rates",
+        default="100,600,2000",
+        help="offered req/s, comma-separated: a light one (latency), a fixed load, one past saturation",
+    )
     p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
     p.add_argument("--rounds", type=int, default=2, help="runs per rate and mode, the modes alternating")
     p.add_argument("--record", type=Path, help="write the result into this page (docs/benchmarks/request-path.md)")
@@ -199,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         setup(env)
         client.flushdb()
         say(f"embedded: one process; web+node: FERRY_EMBEDDED_NODE=false + runnode, through Redis at {a.redis}")
-        with (Server(env, free_port(), data_dir / "embedded.log") as embedded,
-              Server(remote_env, free_port(), data_dir / "web.log") as web, Node(remote_env, data_dir / "node.log")):
+        with (
+            Server(env, free_port(), data_dir / "embedded.log") as embedded,
+            Server(remote_env, free_port(), data_dir / "web.log") as web,
+            Node(remote_env, data_dir / "node.log"),
+        ):
             embedded.wait_ready(("digits",))
             web.wait_ready(("digits",))
             alone = one_at_a_time({"embedded": embedded.port, "web+node": web.port})

@@ -17,9 +17,7 @@ WIDE = "wide-mlp"
 WIDE_OFF = "wide-mlp-unbatched"
 DIGITS_MODELS = ("digits", "digits-small")
 SERVED_MODELS = (*DIGITS_MODELS, WIDE, WIDE_OFF)
-SERVED_HEADER = (
-    "| model | max req/s (p99 < 300 ms, < 0.1% errors) | p50 ms | p99 ms | mean batch | send lag p99 ms |"
-)
+SERVED_HEADER = "| model | max req/s (p99 < 300 ms, < 0.1% errors) | p50 ms | p99 ms | mean batch | send lag p99 ms |"
 
 
 @dataclass
@@ -34,9 +32,7 @@ class Settings:
     @classmethod
     def for_mode(cls, quick: bool) -> Settings:
         if quick:
-            return cls(
-                step=3.0, warmup=0.5, raw_seconds=0.5, ceiling_step=2.0, refine_steps=1, probe_seconds=1.0
-            )
+            return cls(step=3.0, warmup=0.5, raw_seconds=0.5, ceiling_step=2.0, refine_steps=1, probe_seconds=1.0)
         return cls(step=8.0, warmup=1.0, raw_seconds=2.0, ceiling_step=5.0, refine_steps=2, probe_seconds=2.0)
 
 
@@ -115,7 +111,7 @@ def splice_section(path: Path, start: str, end: str, section: str) -> None:
     text = path.read_text() if path.exists() else ""
     i, j = text.find(start), text.find(end)
     if 0 <= i < j:
-        text = text[:i] + section + text[j + len(end):]
+        text = text[:i] + section + text[j + len(end) :]
     else:
         marker = "\n## Every step"
         text = text.replace(marker, f"\n{section}\n{marker}", 1) if marker in text else f"{text}\n{section}\n"
@@ -186,8 +182,7 @@ def write_report(
         " The sweep starts at"
         " 0.4 x a closed-loop probe's throughput, climbs in ×1.3 steps to the first failure, then bisects"
         f" {s.refine_steps}× between the last pass and the first fail. Reported: the highest passing step.",
-        "- *mean batch* = Δ`ferry_batch_size_sum` / Δ`ferry_batch_size_count` from `/metrics`"
-        " around the step.",
+        "- *mean batch* = Δ`ferry_batch_size_sum` / Δ`ferry_batch_size_count` from `/metrics` around the step.",
         "- Raw model throughput is a tight `torch.inference_mode()` loop over the same TorchScript file, run"
         " **before** the server starts (and at the served mean batch size once it has stopped), under the"
         " same `FERRY_TORCH_THREADS`, on the device the server picks (`FERRY_DEVICE`; on CUDA each call is"

@@ -121,9 +121,7 @@ def machine_facts(threads: int) -> dict[str, str]:
 
 
 def command_line() -> str:
-    env = "".join(
-        f"{k}={os.environ[k]} " for k in ("FERRY_TORCH_THREADS", "FERRY_DEVICE") if os.environ.get(k)
-    )
+    env = "".join(f"{k}={os.environ[k]} " for k in ("FERRY_TORCH_THREADS", "FERRY_DEVICE") if os.environ.get(k))
     return env + " ".join([".venv/bin/python", "-m", "bench.run", *map(shlex.quote, sys.argv[1:])])
 
 
@@ -131,9 +129,7 @@ def command_line() -> str:
 
 
 def infer_body(data: list[float]) -> bytes:
-    return json.dumps(
-        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": data}]}
-    ).encode()
+    return json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": data}]}).encode()
 
 
 def digits_body() -> bytes:
@@ -342,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             size = round(wide.mean_batch)
             if size not in {r.batch_size for r in raw_rows}:
                 with phase(f"raw model throughput at the served mean batch {size} (server stopped)"):
-                    raw_rows = sorted(raw_rows + raw.measure(model_path, [64], [size], seconds=s.raw_seconds),
-                                      key=lambda r: r.batch_size)
+                    raw_rows = sorted(
+                        raw_rows + raw.measure(model_path, [64], [size], seconds=s.raw_seconds),
+                        key=lambda r: r.batch_size,
+                    )
         if "overload" in only:
             digits = sweeps.get("digits")
             known = digits.best.achieved_rate if digits and digits.best else None
@@ -439,10 +437,7 @@ def _summary(ceiling: LoadResult | None, sweeps: dict[str, Sweep], rt: dict[str,
                 else f"n/a {sw.error}"
             )
         )
-    say(
-        f"served/raw(mean batch): {verdict(rt.get('efficiency'))}; "
-        f"speedup ratio: {verdict(rt.get('speedup_ratio'))}"
-    )
+    say(f"served/raw(mean batch): {verdict(rt.get('efficiency'))}; speedup ratio: {verdict(rt.get('speedup_ratio'))}")
     for r in (over or {}).get("ramps", []):
         for check, measured, target, passed in overload_report.checks(r):
             if passed is not None or r.admission:

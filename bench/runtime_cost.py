@@ -41,9 +41,16 @@ def main(argv: list[str] | None = None) -> int:
 
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="ferry-runtime-cost-"))
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update({"FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "FERRY_TORCH_THREADS": str(args.threads),
-                # about the runtime's cost, not saturation: the front door must not shed what the node could serve
-                "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000"})
+    env.update(
+        {
+            "FERRY_DATA_DIR": str(data_dir),
+            "PYTHONUNBUFFERED": "1",
+            "FERRY_TORCH_THREADS": str(args.threads),
+            # about the runtime's cost, not saturation: the front door must not shed what the node could serve
+            "FERRY_LOOP_LAG_TARGET_MS": "60000",
+            "FERRY_MAX_LOOP_LAG_MS": "60000",
+        }
+    )
     say(f"FERRY_DATA_DIR={data_dir}")
     if args.data_dir is None:
         setup_data_dir(env, None, demo=True)
@@ -57,21 +64,42 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(MODELS)
             for model in MODELS:
                 for rate in rates[model]:
-                    result = loadgen.arun(loadgen.run(f"{server.base}/v2/models/{model}/infer", body, dict(HEADERS),
-                                                      rate, args.duration, progress=False))
-                    rows.append({"mode": mode, "model": model, "offered": rate, "achieved": result.achieved_rate,
-                                 "p50_ms": result.p50_ms, "p99_ms": result.p99_ms, "errors": result.errors,
-                                 "count": result.count})
-                    say(f"{mode:7} {model:11} offered {rate:7.0f}/s: {result.achieved_rate:7.1f}/s"
-                        f" p50 {result.p50_ms:6.1f} ms p99 {result.p99_ms:7.1f} ms errors {result.errors}")
+                    result = loadgen.arun(
+                        loadgen.run(
+                            f"{server.base}/v2/models/{model}/infer",
+                            body,
+                            dict(HEADERS),
+                            rate,
+                            args.duration,
+                            progress=False,
+                        )
+                    )
+                    rows.append(
+                        {
+                            "mode": mode,
+                            "model": model,
+                            "offered": rate,
+                            "achieved": result.achieved_rate,
+                            "p50_ms": result.p50_ms,
+                            "p99_ms": result.p99_ms,
+                            "errors": result.errors,
+                            "count": result.count,
+                        }
+                    )
+                    say(
+                        f"{mode:7} {model:11} offered {rate:7.0f}/s: {result.achieved_rate:7.1f}/s"
+                        f" p50 {result.p50_ms:6.1f} ms p99 {result.p99_ms:7.1f} ms errors {result.errors}"
+                    )
     print("\n| model | offered req/s | inline req/s | process req/s | inline p99 ms | process p99 ms |")
     print("|---|---:|---:|---:|---:|---:|")
     by = {(r["mode"], r["model"], r["offered"]): r for r in rows}
     for model in MODELS:
         for rate in rates[model]:
             a, b = by[("inline", model, rate)], by[("process", model, rate)]
-            print(f"| {model} | {rate:.0f} | {a['achieved']:.1f} | {b['achieved']:.1f} | {a['p99_ms']:.1f} |"
-                  f" {b['p99_ms']:.1f} |")
+            print(
+                f"| {model} | {rate:.0f} | {a['achieved']:.1f} | {b['achieved']:.1f} | {a['p99_ms']:.1f} |"
+                f" {b['p99_ms']:.1f} |"
+            )
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "duration": args.duration, "rows": rows}, indent=1))
     return 0

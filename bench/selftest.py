@@ -77,9 +77,7 @@ async def main() -> int:
         results.append(
             check(
                 "timeouts",
-                r.client_errors_by_kind.get("timeout") == r.count == 100
-                and abs(r.p50_ms - 1000) < 1e-6
-                and r.ok == 0,
+                r.client_errors_by_kind.get("timeout") == r.count == 100 and abs(r.p50_ms - 1000) < 1e-6 and r.ok == 0,
                 f"count={r.count} client_errors={r.client_errors_by_kind} p50={r.p50_ms:.1f}ms",
             )
         )
@@ -112,8 +110,11 @@ async def ramp_checks() -> list[bool]:
     out.append(
         check(
             "ramp",
-            len(rec.sched) == 400 and bool((rec.outcome == PRIMARY).all()) and bool((rec.correct == 1).all())
-            and series["offered"] == [100.0, 300.0] and series["goodput"] == [100.0, 300.0],
+            len(rec.sched) == 400
+            and bool((rec.outcome == PRIMARY).all())
+            and bool((rec.correct == 1).all())
+            and series["offered"] == [100.0, 300.0]
+            and series["goodput"] == [100.0, 300.0],
             f"offered/s {series['offered']} goodput/s {series['goodput']} p99 {series['p99_ms']}",
         )
     )

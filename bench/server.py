@@ -38,8 +38,12 @@ def manage(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> None:
 
 # The demo tenant's quota for capacity runs: checked on every request, as in production, but far above
 # what one machine can offer, so the quota never decides a measurement (bench.ratelimit measures quotas).
-UNBINDING_QUOTA = ["requests_per_second=10000000", "burst=10000000", "max_in_flight=1000000",
-                   "monthly_requests=1000000000000"]
+UNBINDING_QUOTA = [
+    "requests_per_second=10000000",
+    "burst=10000000",
+    "max_in_flight=1000000",
+    "monthly_requests=1000000000000",
+]
 
 
 def unbind_quota(env: dict[str, str], cwd: Path = ROOT) -> None:
@@ -94,8 +98,9 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
 class Server:
     """`manage.py serve` in its own process group, always terminated on exit (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, env: dict[str, str], port: int, log_path: Path, cwd: Path = ROOT,
-                 launcher: list[str] | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str], port: int, log_path: Path, cwd: Path = ROOT, launcher: list[str] | None = None
+    ) -> None:
         self.env, self.port, self.log_path, self.cwd = env, port, log_path, cwd
         self.launcher = launcher or [sys.executable, "manage.py", "serve"]  # what takes --host/--port
         self.proc: subprocess.Popen[bytes] | None = None

@@ -50,9 +50,24 @@ def setup(env: dict[str, str], data_dir: Path) -> None:
     manage(["migrate", "--noinput", "-v0"], env)
     artifact = data_dir / "digits-1536x3.pt"
     build_artifact(artifact)
-    common = ["--format", "torchscript", "--input", "input:FP32:64", "--output", "scores:FP32:10",
-              "--task", "classification", "--max-batch-size", "32", "--max-queue-delay-ms", "5",
-              "--preferred-batch-sizes", "8,16,32", "--max-queue-size", "2048"]
+    common = [
+        "--format",
+        "torchscript",
+        "--input",
+        "input:FP32:64",
+        "--output",
+        "scores:FP32:10",
+        "--task",
+        "classification",
+        "--max-batch-size",
+        "32",
+        "--max-queue-delay-ms",
+        "5",
+        "--preferred-batch-sizes",
+        "8,16,32",
+        "--max-queue-size",
+        "2048",
+    ]
     for _ in range(2):
         manage(["register_model", MODEL, str(artifact), *common], env)
     manage(["ensure_demo_user"], env)
@@ -63,8 +78,7 @@ def setup(env: dict[str, str], data_dir: Path) -> None:
 
 def body() -> bytes:
     row = np.random.default_rng(0).uniform(0, 16, 64).astype(np.float32)
-    return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                                     "data": row.tolist()}]})
+    return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": row.tolist()}]})
 
 
 def shadow_counts(base: str) -> dict[str, float]:
@@ -110,13 +124,18 @@ def loadgen_post(url: str) -> None:
 
 def phase(base: str, label: str, rate: float, seconds: float) -> tuple[loadgen.LoadResult, dict[str, float]]:
     before = shadow_counts(base)
-    result = loadgen.arun(loadgen.run(base + f"/v2/models/{MODEL}/infer", body(), dict(HEADERS), rate, seconds,
-                                      warmup=2.0, progress=False))
+    result = loadgen.arun(
+        loadgen.run(
+            base + f"/v2/models/{MODEL}/infer", body(), dict(HEADERS), rate, seconds, warmup=2.0, progress=False
+        )
+    )
     after = shadow_counts(base)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-    say(f"{label}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, ok {result.ok}/{result.count},"
+    say(
+        f"{label}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, ok {result.ok}/{result.count},"
         f" errors {result.errors_by_status} client {result.client_errors}, send lag p99"
-        f" {result.send_lag_p99_ms:.1f} ms; server: {delta or 'nothing mirrored'}")
+        f" {result.send_lag_p99_ms:.1f} ms; server: {delta or 'nothing mirrored'}"
+    )
     return result, delta
 
 
@@ -128,13 +147,23 @@ def ramp(base: str, rates: list[float], seconds: float) -> tuple[list[dict], boo
         refused = result.errors_by_status.get("503", 0)
         dropped = sum(v for k, v in delta.items() if k.startswith("dropped"))
         mirrored = delta.get("mirrored ok", 0.0) + delta.get("mirrored error", 0.0)
-        steps.append({"rate": rate, "ok": result.ok, "count": result.count, "p99_ms": result.p99_ms,
-                      "primary_503": refused, "mirrors_answered": mirrored, "mirrors_dropped": dropped,
-                      "client_errors": result.client_errors})
+        steps.append(
+            {
+                "rate": rate,
+                "ok": result.ok,
+                "count": result.count,
+                "p99_ms": result.p99_ms,
+                "primary_503": refused,
+                "mirrors_answered": mirrored,
+                "mirrors_dropped": dropped,
+                "client_errors": result.client_errors,
+            }
+        )
     first_drop = next((i for i, st in enumerate(steps) if st["mirrors_dropped"]), None)
     first_shed = next((i for i, st in enumerate(steps) if st["primary_503"]), None)
     holds = first_shed is None or (
-        first_drop is not None and first_drop <= first_shed
+        first_drop is not None
+        and first_drop <= first_shed
         and steps[first_shed]["mirrors_dropped"] > steps[first_shed]["mirrors_answered"]
     )
     return steps, holds
@@ -144,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=150.0, help="offered requests per second (default 150)")
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase (default 12)")
-    parser.add_argument("--ramp", default="800,1600,2400,3200,4000",
-                        help="rates of the saturation ramp, mirroring on (default 800,...,4000; '' skips it)")
+    parser.add_argument(
+        "--ramp",
+        default="800,1600,2400,3200,4000",
+        help="rates of the saturation ramp, mirroring on (default 800,...,4000; '' skips it)",
+    )
     parser.add_argument("--ramp-seconds", type=float, default=5.0, help="measured seconds per ramp step (default 5)")
     parser.add_argument("--keep", action="store_true", help="keep the data dir")
     a = parser.parse_args(argv)
@@ -180,16 +212,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  primary p99, mirroring {label + ':':11}{r.p99_ms:7.1f} ms  (p50 {r.p50_ms:.1f}, ok {r.ok}/{r.count})")
     print(f"  mirrored in the on phase: {mirrored:.0f} answered, {dropped:.0f} dropped {counts}")
     verdict = "PASS" if ratio <= 1 + TARGET and on.errors == 0 else "FAIL"
-    print(f"  on / mean(off) p99: {ratio:.3f} (target <= {1 + TARGET:.2f}); primary errors with mirroring:"
-          f" {on.errors}: {verdict}")
+    print(
+        f"  on / mean(off) p99: {ratio:.3f} (target <= {1 + TARGET:.2f}); primary errors with mirroring:"
+        f" {on.errors}: {verdict}"
+    )
     if steps:
         print("\n  saturation ramp, mirroring every request:")
-        print("  | offered req/s | primaries ok | primaries 503 | primary p99 ms | mirrors answered"
-              " | mirrors dropped |")
+        print(
+            "  | offered req/s | primaries ok | primaries 503 | primary p99 ms | mirrors answered | mirrors dropped |"
+        )
         print("  |---|---|---|---|---|---|")
         for st in steps:
-            print(f"  | {st['rate']:,.0f} | {st['ok']:,}/{st['count']:,} | {st['primary_503']:,} | {st['p99_ms']:,.1f}"
-                  f" | {st['mirrors_answered']:,.0f} | {st['mirrors_dropped']:,.0f} |")
+            print(
+                f"  | {st['rate']:,.0f} | {st['ok']:,}/{st['count']:,} | {st['primary_503']:,} | {st['p99_ms']:,.1f}"
+                f" | {st['mirrors_answered']:,.0f} | {st['mirrors_dropped']:,.0f} |"
+            )
         print(f"  mirrors dropped before any primary is refused: {'PASS' if ramp_holds else 'FAIL'}")
     return 0 if verdict == "PASS" and ramp_holds else 1
 

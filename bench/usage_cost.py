@@ -24,8 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"record, one cell:      {hot / a.number * 1e6:.3f} us")
     rec.drain()
     tenants = iter(range(10**9))
-    spread = min(timeit.repeat(lambda: rec.record(next(tenants) % 1000, "digits", 1, 200, 4, 0.0012, 0.0034),
-                               number=a.number, repeat=5))
+    spread = min(
+        timeit.repeat(
+            lambda: rec.record(next(tenants) % 1000, "digits", 1, 200, 4, 0.0012, 0.0034), number=a.number, repeat=5
+        )
+    )
     print(f"record, 1000 cells:    {spread / a.number * 1e6:.3f} us")
     rec.drain()
 

@@ -26,9 +26,17 @@ from serving.policies.batching import BatchingConfig
 
 def entry(name: str) -> VersionEntry:
     return VersionEntry(
-        model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",
-        inputs=(TensorSpec("input", "FP32", (64,)),), outputs=(TensorSpec("scores", "FP32", (10,)),),
-        batching=BatchingConfig(8, 0.002, 100), default_timeout_ms=1000, latency_profile={},
+        model=name,
+        version=1,
+        state="ready",
+        loaded=True,
+        artifact_sha256="0" * 64,
+        format="torchscript",
+        inputs=(TensorSpec("input", "FP32", (64,)),),
+        outputs=(TensorSpec("scores", "FP32", (10,)),),
+        batching=BatchingConfig(8, 0.002, 100),
+        default_timeout_ms=1000,
+        latency_profile={},
         placement=PlacementEntry(),
     )
 
@@ -66,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         for warm in (False, True):
             times = asyncio.run(run(path, a.rounds, warm, a.device))
             label = "warm tier" if warm else "cold (no warm tier)"
-            print(f"{label:22} loads {len(times)}: median {statistics.median(times) * 1000:.1f} ms,"
-                  f" max {max(times) * 1000:.1f} ms")
+            print(
+                f"{label:22} loads {len(times)}: median {statistics.median(times) * 1000:.1f} ms,"
+                f" max {max(times) * 1000:.1f} ms"
+            )
     return 0
 
 

@@ -35,9 +35,15 @@ async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
 
 # The console's live pages: session-authenticated, and only from a page of an allowed host (a page elsewhere
 # could otherwise open a socket with the user's cookie).
-websocket_app = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([
-    path("ws/fleet/", FleetConsumer.as_asgi()),
-])))
+websocket_app = AllowedHostsOriginValidator(
+    AuthMiddlewareStack(
+        URLRouter(
+            [
+                path("ws/fleet/", FleetConsumer.as_asgi()),
+            ]
+        )
+    )
+)
 
 application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app, "lifespan": Lifespan()})
 # The front door's protocol answers inference POSTs with this handler directly, without ASGI

@@ -89,8 +89,10 @@ EMBEDDED = not REDIS_URL
 CHANNEL_LAYER_SOCKET_TIMEOUT_S = 10
 if REDIS_URL:
     CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
-            "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_SOCKET_TIMEOUT_S}]}},
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_SOCKET_TIMEOUT_S}]},
+        },
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
@@ -108,12 +110,10 @@ FERRY_RECONCILE_SECONDS = env_int("FERRY_RECONCILE_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
-    "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts",
-                          "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
+    "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts", "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
     "prune-shadow": {"task": "rollout.tasks.prune_shadow", "schedule": 3600.0},
     # serving.reconciler: also run at once when a version's desired replicas change; this catches lost nodes.
-    "reconcile-placements": {"task": "serving.tasks.reconcile_placements",
-                             "schedule": float(FERRY_RECONCILE_SECONDS)},
+    "reconcile-placements": {"task": "serving.tasks.reconcile_placements", "schedule": float(FERRY_RECONCILE_SECONDS)},
 }
 # Autoscaling (autoscaling/): a tick every FERRY_AUTOSCALE_SECONDS (Celery beat) sizes the versions that have a
 # scaling policy from their streams' arrivals and backlog, writes desired_replicas and asks FERRY_NODE_PROVIDER
@@ -141,10 +141,11 @@ FERRY_K8S_NAMESPACE = env_str("FERRY_K8S_NAMESPACE", "")  # empty: the service a
 FERRY_AUTOSCALE_QUEUE = env_str("FERRY_AUTOSCALE_QUEUE", "celery")
 if REDIS_URL:
     # A tick that waited past the next one's time is dropped: the next observes fresher numbers.
-    CELERY_BEAT_SCHEDULE["autoscale"] = {"task": "autoscaling.tasks.autoscale",
-                                         "schedule": float(FERRY_AUTOSCALE_SECONDS),
-                                         "options": {"expires": float(FERRY_AUTOSCALE_SECONDS),
-                                                     "queue": FERRY_AUTOSCALE_QUEUE}}
+    CELERY_BEAT_SCHEDULE["autoscale"] = {
+        "task": "autoscaling.tasks.autoscale",
+        "schedule": float(FERRY_AUTOSCALE_SECONDS),
+        "options": {"expires": float(FERRY_AUTOSCALE_SECONDS), "queue": FERRY_AUTOSCALE_QUEUE},
+    }
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -196,14 +197,17 @@ FERRY_ARTIFACT_STORAGE = env_str("FERRY_ARTIFACT_STORAGE", "filesystem")
 if FERRY_ARTIFACT_STORAGE == "filesystem":
     STORAGES["artifacts"] = {"BACKEND": "serving.artifacts.ArtifactFileStorage"}
 elif FERRY_ARTIFACT_STORAGE == "s3":
-    STORAGES["artifacts"] = {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
-        "bucket_name": env_str("FERRY_ARTIFACT_S3_BUCKET"),
-        "endpoint_url": env_str("FERRY_ARTIFACT_S3_ENDPOINT_URL") or None,
-        "region_name": env_str("FERRY_ARTIFACT_S3_REGION") or None,
-        "location": env_str("FERRY_ARTIFACT_S3_PREFIX", "artifacts"),
-        "file_overwrite": True,  # names are sha256: an overwrite writes the same bytes
-        "default_acl": None,
-    }}
+    STORAGES["artifacts"] = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": env_str("FERRY_ARTIFACT_S3_BUCKET"),
+            "endpoint_url": env_str("FERRY_ARTIFACT_S3_ENDPOINT_URL") or None,
+            "region_name": env_str("FERRY_ARTIFACT_S3_REGION") or None,
+            "location": env_str("FERRY_ARTIFACT_S3_PREFIX", "artifacts"),
+            "file_overwrite": True,  # names are sha256: an overwrite writes the same bytes
+            "default_acl": None,
+        },
+    }
     if not STORAGES["artifacts"]["OPTIONS"]["bucket_name"]:
         raise ImproperSetting("FERRY_ARTIFACT_STORAGE=s3 needs FERRY_ARTIFACT_S3_BUCKET")
 else:
@@ -373,8 +377,10 @@ AXES_LOCKOUT_CALLABLE = "tenants.lockout.locked_out"
 AXES_IPWARE_META_PRECEDENCE_ORDER = ("REMOTE_ADDR",)
 # The API's HTTP Basic authentication, answering a lockout 429 (tenants.lockout says why DRF needs this).
 REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"] = [
-    "tenants.lockout.LockoutAwareBasicAuthentication" if name == "rest_framework.authentication.BasicAuthentication"
-    else name for name in REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"]
+    "tenants.lockout.LockoutAwareBasicAuthentication"
+    if name == "rest_framework.authentication.BasicAuthentication"
+    else name
+    for name in REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"]
 ]
 
 # --- The capacity planner's bounds and the /v2 control calls' quota ---

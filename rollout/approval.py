@@ -33,14 +33,20 @@ def needs_approval(model: object) -> bool:
 def rollout_approves(model: object, version: int, rollout_id: int | None) -> bool:
     """Whether rollout `rollout_id` of `model` is approved for promoting `version` (defence in depth: only
     rollout.transitions passes one, and only for an approved rollout)."""
-    return rollout_id is not None and Rollout.objects.filter(
-        pk=rollout_id, model=model, candidate=version, approved=True).exists()
+    return (
+        rollout_id is not None
+        and Rollout.objects.filter(pk=rollout_id, model=model, candidate=version, approved=True).exists()
+    )
 
 
 def request_approves(model: object, version: int, request_id: int | None) -> bool:
     """Whether promotion request `request_id` is the accepted one for `version` of `model`."""
-    return request_id is not None and PromotionRequest.objects.filter(
-        pk=request_id, model=model, version=version, state=PromotionState.ACCEPTED).exists()
+    return (
+        request_id is not None
+        and PromotionRequest.objects.filter(
+            pk=request_id, model=model, version=version, state=PromotionState.ACCEPTED
+        ).exists()
+    )
 
 
 def approved_versions(model: object) -> set[int]:
@@ -50,7 +56,8 @@ def approved_versions(model: object) -> set[int]:
     stable = getattr(model, "stable_version", None)
     promoted = Rollout.objects.filter(model=model, state=RolloutState.PROMOTED).values_list("candidate", flat=True)
     accepted = PromotionRequest.objects.filter(model=model, state=PromotionState.ACCEPTED).values_list(
-        "version", flat=True)
+        "version", flat=True
+    )
     return {*promoted, *accepted, *([stable] if stable is not None else [])}
 
 
@@ -77,8 +84,10 @@ def unapproved_traffic(model: object, before: Mapping[str, object], after: Mappi
         if new[version] > old.get(version, 0.0) + TOLERANCE:
             allowed = allowed_share(model, version, approved)
             if new[version] > allowed + TOLERANCE:
-                return (f"version {version} is not approved: by hand it may take {allowed:.0%} of the traffic,"
-                        f" not {new[version]:.0%}")
+                return (
+                    f"version {version} is not approved: by hand it may take {allowed:.0%} of the traffic,"
+                    f" not {new[version]:.0%}"
+                )
     old_pins = {str(k): v for k, v in (before.get("tenant_versions") or {}).items()}  # type: ignore[union-attr]
     for tenant, version in sorted((after.get("tenant_versions") or {}).items()):  # type: ignore[union-attr]
         if old_pins.get(str(tenant)) != version and allowed_share(model, int(version), approved) < 1 - TOLERANCE:

@@ -40,26 +40,40 @@ def agreement_svg(points: Sequence[tuple[datetime, float | None, int]]) -> str:
         if share is not None:
             y = base - plot_h * share
             line.append(f"{x:.1f},{y:.1f}")
-            parts.append(f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{BASELINE_COLOUR}">'
-                         f"<title>{minute:%H:%M}: {share:.1%} of {compared} rows agree</title></circle>")
+            parts.append(
+                f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{BASELINE_COLOUR}">'
+                f"<title>{minute:%H:%M}: {share:.1%} of {compared} rows agree</title></circle>"
+            )
         if i % labels_every == 0:
             parts.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle" font-size="11">{minute:%H:%M}</text>')
     if line:
-        parts.append(f'<polyline class="agreement" points="{" ".join(line)}" fill="none" stroke="{BASELINE_COLOUR}"'
-                     ' stroke-width="2"/>')
+        parts.append(
+            f'<polyline class="agreement" points="{" ".join(line)}" fill="none" stroke="{BASELINE_COLOUR}"'
+            ' stroke-width="2"/>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
 
 def histogram_svg(bins: Sequence[tuple[str, int]], *, css: str, label: str, colour: str = BASELINE_COLOUR) -> str:
     """Bars, one per bin, labelled below (every few when there are many)."""
-    return paired_svg([(name, count, None) for name, count in bins], css=css, label=label, colours=(colour, colour),
-                      names=("rows", "rows"))
+    return paired_svg(
+        [(name, count, None) for name, count in bins],
+        css=css,
+        label=label,
+        colours=(colour, colour),
+        names=("rows", "rows"),
+    )
 
 
-def paired_svg(bins: Sequence[tuple[str, int, int | None]], *, css: str, label: str,
-               colours: tuple[str, str] = (BASELINE_COLOUR, CANDIDATE_COLOUR),
-               names: tuple[str, str] = ("baseline", "candidate")) -> str:
+def paired_svg(
+    bins: Sequence[tuple[str, int, int | None]],
+    *,
+    css: str,
+    label: str,
+    colours: tuple[str, str] = (BASELINE_COLOUR, CANDIDATE_COLOUR),
+    names: tuple[str, str] = ("baseline", "candidate"),
+) -> str:
     """One or two bars per bin (the second None draws one): two distributions over the same bins."""
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     base = TOP + plot_h
@@ -75,11 +89,15 @@ def paired_svg(bins: Sequence[tuple[str, int, int | None]], *, css: str, label: 
             if count is None:
                 continue
             h = plot_h * count / top
-            parts.append(f'<rect class="bar {who}" x="{x + j * width:.1f}" y="{base - h:.1f}" width="{width:.1f}"'
-                         f' height="{h:.1f}" fill="{colour}"><title>{name}: {count} ({who})</title></rect>')
+            parts.append(
+                f'<rect class="bar {who}" x="{x + j * width:.1f}" y="{base - h:.1f}" width="{width:.1f}"'
+                f' height="{h:.1f}" fill="{colour}"><title>{name}: {count} ({who})</title></rect>'
+            )
         if i % labels_every == 0:
-            parts.append(f'<text x="{LEFT + (i + 0.5) * slot:.1f}" y="{base + 16}" text-anchor="middle"'
-                         f' font-size="10">{name}</text>')
+            parts.append(
+                f'<text x="{LEFT + (i + 0.5) * slot:.1f}" y="{base + 16}" text-anchor="middle"'
+                f' font-size="10">{name}</text>'
+            )
     parts.append("</svg>")
     return "".join(parts)
 

@@ -20,7 +20,9 @@ def usage_side(model_name: str, version: int, since: datetime) -> Side:
     from usage.models import UsageMinute
 
     rows = UsageMinute.objects.filter(
-        model_name=model_name, version=version, minute__gte=since.replace(second=0, microsecond=0),
+        model_name=model_name,
+        version=version,
+        minute__gte=since.replace(second=0, microsecond=0),
     ).values_list("requests", "errors_4xx", "errors_5xx", "latency")
     requests = errors = 0
     latency: sketch.Sketch = {}
@@ -44,8 +46,16 @@ def shadow_agreement(model_name: str, baseline: int, candidate: int, since: date
     return agreement(model_name, baseline, candidate, since)
 
 
-def gather(*, model_name: str, baseline: int, candidate: int, since: datetime, fallback_since: datetime,
-           min_requests: int, with_usage: bool = True) -> tuple[Evidence, dict]:
+def gather(
+    *,
+    model_name: str,
+    baseline: int,
+    candidate: int,
+    since: datetime,
+    fallback_since: datetime,
+    min_requests: int,
+    with_usage: bool = True,
+) -> tuple[Evidence, dict]:
     """The evidence over the window from `since`, and where each part came from. The baseline is read over
     the same window when it has enough answers there (same load, same hour); otherwise (at a 100% step it
     has none) from `fallback_since`, the rollout's start."""

@@ -74,53 +74,89 @@ class GateResult:
 
 def error_rate_gate(evidence: Evidence, limits: Thresholds) -> GateResult:
     base, cand = evidence.baseline, evidence.candidate
-    numbers = {"candidate_requests": cand.requests, "candidate_errors": cand.errors,
-               "baseline_requests": base.requests, "baseline_errors": base.errors,
-               "candidate_error_rate": _round(cand.error_rate), "baseline_error_rate": _round(base.error_rate),
-               "max_increase": limits.max_error_rate_increase}
+    numbers = {
+        "candidate_requests": cand.requests,
+        "candidate_errors": cand.errors,
+        "baseline_requests": base.requests,
+        "baseline_errors": base.errors,
+        "candidate_error_rate": _round(cand.error_rate),
+        "baseline_error_rate": _round(base.error_rate),
+        "max_increase": limits.max_error_rate_increase,
+    }
     short = _short_sample(base, cand, limits.min_requests)
     if short:
         return GateResult("error_rate", NO_DATA, short, numbers)
     assert cand.error_rate is not None and base.error_rate is not None
     limit = base.error_rate + limits.max_error_rate_increase
     if cand.error_rate > limit:
-        return GateResult("error_rate", FAIL, f"candidate error rate {cand.error_rate:.2%} exceeds the baseline's"
-                          f" {base.error_rate:.2%} + {limits.max_error_rate_increase:.2%} ({cand.errors} errors in"
-                          f" {cand.requests} answers)", numbers)
-    return GateResult("error_rate", PASS, f"candidate error rate {cand.error_rate:.2%}, baseline"
-                      f" {base.error_rate:.2%}", numbers)
+        return GateResult(
+            "error_rate",
+            FAIL,
+            f"candidate error rate {cand.error_rate:.2%} exceeds the baseline's"
+            f" {base.error_rate:.2%} + {limits.max_error_rate_increase:.2%} ({cand.errors} errors in"
+            f" {cand.requests} answers)",
+            numbers,
+        )
+    return GateResult(
+        "error_rate", PASS, f"candidate error rate {cand.error_rate:.2%}, baseline {base.error_rate:.2%}", numbers
+    )
 
 
 def p99_gate(evidence: Evidence, limits: Thresholds) -> GateResult:
     base, cand = evidence.baseline, evidence.candidate
-    numbers = {"candidate_requests": cand.requests, "baseline_requests": base.requests,
-               "candidate_p99_ms": _round(cand.p99_ms), "baseline_p99_ms": _round(base.p99_ms),
-               "max_ratio": limits.max_p99_ratio, "slack_ms": limits.p99_slack_ms}
+    numbers = {
+        "candidate_requests": cand.requests,
+        "baseline_requests": base.requests,
+        "candidate_p99_ms": _round(cand.p99_ms),
+        "baseline_p99_ms": _round(base.p99_ms),
+        "max_ratio": limits.max_p99_ratio,
+        "slack_ms": limits.p99_slack_ms,
+    }
     short = _short_sample(base, cand, limits.min_requests)
     if short or cand.p99_ms is None or base.p99_ms is None:
         return GateResult("p99", NO_DATA, short or "no latency recorded", numbers)
     limit = base.p99_ms * limits.max_p99_ratio + limits.p99_slack_ms
     numbers["limit_ms"] = _round(limit)
     if cand.p99_ms > limit:
-        return GateResult("p99", FAIL, f"candidate p99 {cand.p99_ms:.1f} ms exceeds {limits.max_p99_ratio:g} x the"
-                          f" baseline's {base.p99_ms:.1f} ms + {limits.p99_slack_ms:g} ms = {limit:.1f} ms", numbers)
-    return GateResult("p99", PASS, f"candidate p99 {cand.p99_ms:.1f} ms within {limit:.1f} ms (baseline"
-                      f" {base.p99_ms:.1f} ms)", numbers)
+        return GateResult(
+            "p99",
+            FAIL,
+            f"candidate p99 {cand.p99_ms:.1f} ms exceeds {limits.max_p99_ratio:g} x the"
+            f" baseline's {base.p99_ms:.1f} ms + {limits.p99_slack_ms:g} ms = {limit:.1f} ms",
+            numbers,
+        )
+    return GateResult(
+        "p99",
+        PASS,
+        f"candidate p99 {cand.p99_ms:.1f} ms within {limit:.1f} ms (baseline {base.p99_ms:.1f} ms)",
+        numbers,
+    )
 
 
 def agreement_gate(evidence: Evidence, limits: Thresholds) -> GateResult:
-    numbers = {"agreement": _round(evidence.agreement), "compared": evidence.compared,
-               "min_agreement": limits.min_agreement, "min_compared": limits.min_compared}
+    numbers = {
+        "agreement": _round(evidence.agreement),
+        "compared": evidence.compared,
+        "min_agreement": limits.min_agreement,
+        "min_compared": limits.min_compared,
+    }
     if limits.min_agreement is None:
         return GateResult("agreement", PASS, "no agreement threshold set", numbers)
     if evidence.agreement is None or evidence.compared < limits.min_compared:
-        return GateResult("agreement", NO_DATA, f"{evidence.compared} of {limits.min_compared} shadow comparisons",
-                          numbers)
+        return GateResult(
+            "agreement", NO_DATA, f"{evidence.compared} of {limits.min_compared} shadow comparisons", numbers
+        )
     if evidence.agreement < limits.min_agreement:
-        return GateResult("agreement", FAIL, f"shadow agreement {evidence.agreement:.2%} is below"
-                          f" {limits.min_agreement:.2%} ({evidence.compared} compared)", numbers)
-    return GateResult("agreement", PASS, f"shadow agreement {evidence.agreement:.2%} over {evidence.compared}"
-                      " compared", numbers)
+        return GateResult(
+            "agreement",
+            FAIL,
+            f"shadow agreement {evidence.agreement:.2%} is below"
+            f" {limits.min_agreement:.2%} ({evidence.compared} compared)",
+            numbers,
+        )
+    return GateResult(
+        "agreement", PASS, f"shadow agreement {evidence.agreement:.2%} over {evidence.compared} compared", numbers
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,15 +52,17 @@ class Rollout(models.Model):
     shadow_seconds = models.PositiveIntegerField(default=600, help_text="how long to shadow; 0 skips shadowing")
     bake_seconds = models.PositiveIntegerField(default=600, help_text="how long each canary step bakes at least")
     step_timeout_seconds = models.PositiveIntegerField(
-        default=3600, validators=[MinValueValidator(1)],
+        default=3600,
+        validators=[MinValueValidator(1)],
         help_text="a phase still without enough evidence after this long rolls back",
     )
     # Gate thresholds (rollout.gates.Thresholds).
     max_error_rate_increase = models.FloatField(default=0.01, validators=[MinValueValidator(0), MaxValueValidator(1)])
     max_p99_ratio = models.FloatField(default=1.25, validators=[MinValueValidator(1)])
     p99_slack_ms = models.FloatField(default=5.0, validators=[MinValueValidator(0)])
-    min_agreement = models.FloatField(null=True, blank=True, default=0.95,
-                                      validators=[MinValueValidator(0), MaxValueValidator(1)])
+    min_agreement = models.FloatField(
+        null=True, blank=True, default=0.95, validators=[MinValueValidator(0), MaxValueValidator(1)]
+    )
     min_requests = models.PositiveIntegerField(default=100, validators=[MinValueValidator(1)])
     min_compared = models.PositiveIntegerField(default=100, validators=[MinValueValidator(1)])
     approved = models.BooleanField(default=False, help_text="the approval the tenant requires is given")
@@ -78,8 +80,11 @@ class Rollout(models.Model):
     class Meta:
         ordering = ["-started_at", "-pk"]
         constraints = [
-            models.UniqueConstraint(fields=["model"], condition=models.Q(state__in=RolloutState.active()),
-                                    name="one_active_rollout_per_model"),
+            models.UniqueConstraint(
+                fields=["model"],
+                condition=models.Q(state__in=RolloutState.active()),
+                name="one_active_rollout_per_model",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -98,8 +103,11 @@ class Rollout(models.Model):
 
     def thresholds(self) -> Thresholds:
         return Thresholds(
-            max_error_rate_increase=self.max_error_rate_increase, max_p99_ratio=self.max_p99_ratio,
-            p99_slack_ms=self.p99_slack_ms, min_agreement=self.min_agreement, min_requests=self.min_requests,
+            max_error_rate_increase=self.max_error_rate_increase,
+            max_p99_ratio=self.max_p99_ratio,
+            p99_slack_ms=self.p99_slack_ms,
+            min_agreement=self.min_agreement,
+            min_requests=self.min_requests,
             min_compared=self.min_compared,
         )
 
@@ -138,13 +146,13 @@ class PromotionRequest(models.Model):
     version = models.PositiveIntegerField(help_text="the version to make stable")
     baseline = models.PositiveIntegerField(null=True, blank=True, help_text="the stable version when requested")
     state = models.CharField(max_length=10, choices=PromotionState.choices, default=PromotionState.PENDING)
-    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL,
-                                     related_name="+")
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     requester_name = models.CharField(max_length=150, help_text="kept if the user is deleted")
     note = models.TextField(blank=True, max_length=2000, help_text="why, from the requester")
     requested_at = models.DateTimeField(default=timezone.now)
-    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
-                                   related_name="+")
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     decider_name = models.CharField(max_length=150, blank=True)
     decision_note = models.TextField(blank=True, max_length=2000)
     decided_at = models.DateTimeField(null=True, blank=True)
@@ -152,8 +160,9 @@ class PromotionRequest(models.Model):
     class Meta:
         ordering = ["-requested_at", "-pk"]
         constraints = [
-            models.UniqueConstraint(fields=["model"], condition=models.Q(state="pending"),
-                                    name="one_pending_promotion_per_model"),
+            models.UniqueConstraint(
+                fields=["model"], condition=models.Q(state="pending"), name="one_pending_promotion_per_model"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -162,7 +171,6 @@ class PromotionRequest(models.Model):
     def summary(self) -> dict:
         """What the audit log keeps of a request."""
         return {"state": self.state, "version": self.version, "baseline": self.baseline}
-
 
 
 class ShadowMinute(models.Model):
@@ -192,8 +200,9 @@ class ShadowMinute(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["model_name", "baseline", "candidate", "minute"],
-                                    name="unique_shadow_minute"),
+            models.UniqueConstraint(
+                fields=["model_name", "baseline", "candidate", "minute"], name="unique_shadow_minute"
+            ),
         ]
         indexes = [models.Index(fields=["model_name", "candidate", "minute"], name="shadow_candidate_minute")]
         ordering = ["minute"]

@@ -68,8 +68,7 @@ def promote_or_request(*, model: Model, version: int, actor: Any, note: str = ""
         raise PromotionError(exc.message, exc.status) from None
 
 
-def request(*, model: Model, version: int, actor: Any, note: str = "",
-            now: datetime | None = None) -> PromotionRequest:
+def request(*, model: Model, version: int, actor: Any, note: str = "", now: datetime | None = None) -> PromotionRequest:
     """File a request to make `version` stable. Refused (409) for a version that is not ready or is stable
     already, while a rollout of the model is active (it promotes through its own approval), and while
     another request of the model is pending (one decision at a time)."""
@@ -80,29 +79,45 @@ def request(*, model: Model, version: int, actor: Any, note: str = "",
         if state is None:
             raise PromotionError(f"model '{model.name}' has no version {version}", 404)
         if state != State.READY:
-            raise PromotionError(f"version {version} of '{model.name}' is {state}: only a ready version can be"
-                                 " promoted")
+            raise PromotionError(
+                f"version {version} of '{model.name}' is {state}: only a ready version can be promoted"
+            )
         if version == model.stable_version:
             raise PromotionError(f"version {version} is already the stable version of '{model.name}'")
         active = Rollout.objects.active().filter(model=model).first()
         if active is not None:
             raise PromotionError(
                 f"model '{model.name}' has an active rollout (#{active.pk}, {active.state}, version"
-                f" {active.candidate}): promote through it (its gates and approval) or end it first")
+                f" {active.candidate}): promote through it (its gates and approval) or end it first"
+            )
         pending = PromotionRequest.objects.filter(model=model, state=PromotionState.PENDING).first()
         if pending is not None:
-            raise PromotionError(f"model '{model.name}' has a pending promotion request (#{pending.pk}, version"
-                                 f" {pending.version}): an approver decides it first")
-        promotion = PromotionRequest(model=model, version=version, baseline=model.stable_version,
-                                     requested_by=actor if _person(actor) else None, requester_name=_name(actor),
-                                     note=note[:2000], requested_at=now or timezone.now())
+            raise PromotionError(
+                f"model '{model.name}' has a pending promotion request (#{pending.pk}, version"
+                f" {pending.version}): an approver decides it first"
+            )
+        promotion = PromotionRequest(
+            model=model,
+            version=version,
+            baseline=model.stable_version,
+            requested_by=actor if _person(actor) else None,
+            requester_name=_name(actor),
+            note=note[:2000],
+            requested_at=now or timezone.now(),
+        )
         try:
             with transaction.atomic():
                 promotion.save()
         except IntegrityError:  # another request won the race past the check above
             raise PromotionError(f"model '{model.name}' has a pending promotion request") from None
-        audit.record(actor, "promotion.request", _target(promotion), tenant=model.tenant,
-                     before={"stable_version": model.stable_version}, after={**promotion.summary(), "note": note})
+        audit.record(
+            actor,
+            "promotion.request",
+            _target(promotion),
+            tenant=model.tenant,
+            before={"stable_version": model.stable_version},
+            after={**promotion.summary(), "note": note},
+        )
     return promotion
 
 
@@ -116,8 +131,11 @@ def may_accept(request: PromotionRequest, actor: Any) -> bool:
 
 def _locked(request_id: int, doing: str) -> PromotionRequest:
     try:
-        request = (PromotionRequest.objects.select_for_update(of=("self",)).select_related("model", "model__tenant")
-                   .get(pk=request_id))
+        request = (
+            PromotionRequest.objects.select_for_update(of=("self",))
+            .select_related("model", "model__tenant")
+            .get(pk=request_id)
+        )
     except PromotionRequest.DoesNotExist:
         raise PromotionError(f"no promotion request #{request_id}", 404) from None
     if request.state != PromotionState.PENDING:
@@ -143,16 +161,24 @@ def accept(*, request: PromotionRequest, actor: Any, note: str = "", now: dateti
             raise PromotionError("the person who requested a promotion cannot accept it: another approver must", 403)
         model = Model.objects.select_for_update(of=("self",)).get(pk=request.model_id)
         if model.stable_version != request.baseline:
-            raise PromotionError(f"the stable version of '{model.name}' is {model.stable_version} now, not"
-                                 f" {request.baseline} as when the request was filed: reject it and file it again")
+            raise PromotionError(
+                f"the stable version of '{model.name}' is {model.stable_version} now, not"
+                f" {request.baseline} as when the request was filed: reject it and file it again"
+            )
         before = request.summary()
         _decide(request, actor, PromotionState.ACCEPTED, note, now)
         try:
             promote_version(model=model, version=request.version, actor=actor, by_request=request.pk)
         except RegistrationError as exc:
             raise PromotionError(exc.message, 409) from None
-        audit.record(actor, "promotion.accept", _target(request), tenant=model.tenant, before=before,
-                     after={**request.summary(), "note": request.decision_note})
+        audit.record(
+            actor,
+            "promotion.accept",
+            _target(request),
+            tenant=model.tenant,
+            before=before,
+            after={**request.summary(), "note": request.decision_note},
+        )
     return request
 
 
@@ -164,6 +190,12 @@ def reject(*, request: PromotionRequest, actor: Any, note: str = "", now: dateti
         request = _locked(request.pk, "reject")
         before = request.summary()
         _decide(request, actor, PromotionState.REJECTED, note, now)
-        audit.record(actor, "promotion.reject", _target(request), tenant=request.model.tenant, before=before,
-                     after={**request.summary(), "note": request.decision_note})
+        audit.record(
+            actor,
+            "promotion.reject",
+            _target(request),
+            tenant=request.model.tenant,
+            before=before,
+            after={**request.summary(), "note": request.decision_note},
+        )
     return request

@@ -28,23 +28,36 @@ def promotion_panel(user: Any, model: Model, rollout_active: bool) -> dict:
     if model.tenant_id is None or not member:
         requests: list[PromotionRequest] = []
     else:
-        requests = list(model.promotion_requests.select_related("model__tenant")[:RECENT + 1])
+        requests = list(model.promotion_requests.select_related("model__tenant")[: RECENT + 1])
     approver = can_write(user, Role.APPROVER, model.tenant_id)
-    rows = [{
-        "request": r,
-        "mine": getattr(user, "pk", None) == r.requested_by_id,
-        "buttons": [name for name, shown in (
-            ("approve", approver and r.state == PromotionState.PENDING and promotion.may_accept(r, user)),
-            ("reject", approver and r.state == PromotionState.PENDING),
-        ) if shown],
-    } for r in requests]
+    rows = [
+        {
+            "request": r,
+            "mine": getattr(user, "pk", None) == r.requested_by_id,
+            "buttons": [
+                name
+                for name, shown in (
+                    ("approve", approver and r.state == PromotionState.PENDING and promotion.may_accept(r, user)),
+                    ("reject", approver and r.state == PromotionState.PENDING),
+                )
+                if shown
+            ],
+        }
+        for r in requests
+    ]
     pending = any(r.state == PromotionState.PENDING for r in requests)
     candidates: list[int] = []
     if can_write(user, Role.ENGINEER, model.tenant_id) and not rollout_active and not pending:
-        candidates = list(model.versions.filter(state=State.READY).exclude(version=model.stable_version)
-                          .values_list("version", flat=True))
-    return {"promotion_requests": rows, "promote_candidates": candidates,
-            "promotion_needs_approval": approval.needs_approval(model)}
+        candidates = list(
+            model.versions.filter(state=State.READY)
+            .exclude(version=model.stable_version)
+            .values_list("version", flat=True)
+        )
+    return {
+        "promotion_requests": rows,
+        "promote_candidates": candidates,
+        "promotion_needs_approval": approval.needs_approval(model),
+    }
 
 
 def _refused(exc: promotion.PromotionError) -> HttpResponse:
@@ -67,8 +80,9 @@ def promote(request: HttpRequest, name: str) -> HttpResponse:
     except ValueError:
         return HttpResponse("version must be a whole number", status=400, content_type="text/plain")
     try:
-        promotion.promote_or_request(model=model, version=version, actor=request.user,
-                                     note=request.POST.get("note", "")[:2000])
+        promotion.promote_or_request(
+            model=model, version=version, actor=request.user, note=request.POST.get("note", "")[:2000]
+        )
     except promotion.PromotionError as exc:
         return _refused(exc)
     return redirect("console-model", name=model.name)

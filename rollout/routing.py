@@ -105,8 +105,14 @@ class RouteTable:
         return self.shadow is not None and self.shadow_fraction > 0 and served != self.shadow
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stable": self.stable, "weights": dict(self.weights), "experiment": dict(self.experiment),
-                "tenants": dict(self.tenants), "shadow": self.shadow, "shadow_fraction": self.shadow_fraction}
+        return {
+            "stable": self.stable,
+            "weights": dict(self.weights),
+            "experiment": dict(self.experiment),
+            "tenants": dict(self.tenants),
+            "shadow": self.shadow,
+            "shadow_fraction": self.shadow_fraction,
+        }
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> RouteTable:

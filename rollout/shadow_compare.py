@@ -72,8 +72,13 @@ def compare(task: str, primary: np.ndarray, shadow: np.ndarray) -> Comparison:
         return Comparison(cosine >= AGREE_COSINE, 1.0 - cosine, similarity=cosine)
     # regression (and any kind without a rule of its own): element-wise absolute differences
     agree = (delta <= REGRESSION_ATOL + REGRESSION_RTOL * np.abs(p)).all(axis=1)
-    return Comparison(agree, delta.max(axis=1), abs_sum=float(delta.sum()), abs_count=int(delta.size),
-                      abs_max=float(delta.max()) if delta.size else 0.0)
+    return Comparison(
+        agree,
+        delta.max(axis=1),
+        abs_sum=float(delta.sum()),
+        abs_count=int(delta.size),
+        abs_max=float(delta.max()) if delta.size else 0.0,
+    )
 
 
 @dataclass(slots=True)
@@ -121,12 +126,25 @@ class Cell:
     def row(self, key: Key) -> dict[str, Any]:
         model, baseline, candidate, minute = key
         return {
-            "model": model, "baseline": baseline, "candidate": candidate, "minute": minute, "task": self.task,
-            "mirrored": self.mirrored, "shadow_errors": self.shadow_errors, "incomparable": self.incomparable,
-            "compared": self.compared, "agreed": self.agreed, "abs_sum": self.abs_sum, "abs_count": self.abs_count,
-            "abs_max": self.abs_max, "similarity_sum": self.similarity_sum, "similarity_min": self.similarity_min,
-            "difference": to_json(self.difference), "confusion": dict(self.confusion),
-            "primary_latency": to_json(self.primary_latency), "shadow_latency": to_json(self.shadow_latency),
+            "model": model,
+            "baseline": baseline,
+            "candidate": candidate,
+            "minute": minute,
+            "task": self.task,
+            "mirrored": self.mirrored,
+            "shadow_errors": self.shadow_errors,
+            "incomparable": self.incomparable,
+            "compared": self.compared,
+            "agreed": self.agreed,
+            "abs_sum": self.abs_sum,
+            "abs_count": self.abs_count,
+            "abs_max": self.abs_max,
+            "similarity_sum": self.similarity_sum,
+            "similarity_min": self.similarity_min,
+            "difference": to_json(self.difference),
+            "confusion": dict(self.confusion),
+            "primary_latency": to_json(self.primary_latency),
+            "shadow_latency": to_json(self.shadow_latency),
             "statuses": dict(self.statuses),
         }
 
@@ -174,9 +192,15 @@ def _sample(pair: Pair, row: int | None, summary: str, difference: float | None)
     primary = item.primary[out]
     shadow = pair.shadow.get(out) if pair.shadow is not None else None
     return {
-        "model": item.baseline.model, "baseline": item.baseline.version, "candidate": item.candidate.version,
-        "at": item.at, "summary": summary, "difference": difference, "inputs": inputs,
-        "inputs_dropped": inputs is None, "output": out,
+        "model": item.baseline.model,
+        "baseline": item.baseline.version,
+        "candidate": item.candidate.version,
+        "at": item.at,
+        "summary": summary,
+        "difference": difference,
+        "inputs": inputs,
+        "inputs_dropped": inputs is None,
+        "output": out,
         "primary": _json_floats(primary[row] if row is not None and primary.ndim else primary),
         "shadow": None if shadow is None else _json_floats(shadow[row] if row is not None and shadow.ndim else shadow),
     }
@@ -235,8 +259,14 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
             keepable = np.repeat([m.item.keep_sample for m in members], sizes)
             for row in np.flatnonzero(~comparison.agree & keepable)[:room].tolist():
                 at = int(np.searchsorted(offsets, row, side="right")) - 1
-                kept.append(_sample(members[at], row - int(offsets[at]), _summary(task, comparison, row),
-                                    float(comparison.difference[row])))
+                kept.append(
+                    _sample(
+                        members[at],
+                        row - int(offsets[at]),
+                        _summary(task, comparison, row),
+                        float(comparison.difference[row]),
+                    )
+                )
     for key, (primary_compute, shadow_compute) in latencies.items():
         _count(cells[key].primary_latency, np.asarray(primary_compute))
         _count(cells[key].shadow_latency, np.asarray(shadow_compute))

@@ -45,9 +45,17 @@ def ingest(batch_id: str, rows: list[dict], samples: list[dict]) -> int:
     totals: dict[Key, dict] = {}
     for row in rows:
         key = (str(row["model"]), int(row["baseline"]), int(row["candidate"]), _minute(row["minute"]))
-        total = totals.setdefault(key, {"task": str(row["task"]), **{f: 0 for f in _SUMS},
-                                        **{f: 0.0 for f in _FLOATS}, "abs_max": 0.0, "similarity_min": None,
-                                        **{f: {} for f in _MAPS}})
+        total = totals.setdefault(
+            key,
+            {
+                "task": str(row["task"]),
+                **{f: 0 for f in _SUMS},
+                **{f: 0.0 for f in _FLOATS},
+                "abs_max": 0.0,
+                "similarity_min": None,
+                **{f: {} for f in _MAPS},
+            },
+        )
         for f in _SUMS:
             total[f] += int(row[f])
         for f in _FLOATS:
@@ -65,8 +73,10 @@ def ingest(batch_id: str, rows: list[dict], samples: list[dict]) -> int:
             return 0
         if totals:
             ShadowMinute.objects.bulk_create(
-                [ShadowMinute(model_name=m, baseline=b, candidate=c, minute=at, task=totals[(m, b, c, at)]["task"])
-                 for m, b, c, at in sorted(totals)],
+                [
+                    ShadowMinute(model_name=m, baseline=b, candidate=c, minute=at, task=totals[(m, b, c, at)]["task"])
+                    for m, b, c, at in sorted(totals)
+                ],
                 ignore_conflicts=True,
             )
             cells = _locked(totals)
@@ -109,17 +119,28 @@ def _locked(totals: dict[Key, dict]) -> list[ShadowMinute]:
 def _keep_samples(samples: list[dict]) -> None:
     if not samples:
         return
-    ShadowDisagreement.objects.bulk_create([
-        ShadowDisagreement(
-            model_name=s["model"], baseline=int(s["baseline"]), candidate=int(s["candidate"]),
-            at=datetime.fromtimestamp(float(s["at"]), tz=UTC), summary=str(s["summary"])[:500],
-            difference=s.get("difference"), output=str(s.get("output", ""))[:100], inputs=s.get("inputs"),
-            primary=s.get("primary"), shadow=s.get("shadow"),
-        )
-        for s in samples
-    ])
+    ShadowDisagreement.objects.bulk_create(
+        [
+            ShadowDisagreement(
+                model_name=s["model"],
+                baseline=int(s["baseline"]),
+                candidate=int(s["candidate"]),
+                at=datetime.fromtimestamp(float(s["at"]), tz=UTC),
+                summary=str(s["summary"])[:500],
+                difference=s.get("difference"),
+                output=str(s.get("output", ""))[:100],
+                inputs=s.get("inputs"),
+                primary=s.get("primary"),
+                shadow=s.get("shadow"),
+            )
+            for s in samples
+        ]
+    )
     keep = settings.FERRY_SHADOW_SAMPLES
     for model, baseline, candidate in sorted({(s["model"], int(s["baseline"]), int(s["candidate"])) for s in samples}):
-        stale = (ShadowDisagreement.objects.filter(model_name=model, baseline=baseline, candidate=candidate)
-                 .order_by("-at", "-id").values_list("id", flat=True)[keep:])
+        stale = (
+            ShadowDisagreement.objects.filter(model_name=model, baseline=baseline, candidate=candidate)
+            .order_by("-at", "-id")
+            .values_list("id", flat=True)[keep:]
+        )
         ShadowDisagreement.objects.filter(id__in=list(stale)).delete()

@@ -15,9 +15,11 @@ from usage.sketch import FLOOR_SECONDS, GROWTH, merge, quantile
 
 DISAGREEMENTS_SHOWN = 50
 # Like with like (serving.dataplane.shadow.Pair): end to end, a mirror waits at the lowest tier behind callers.
-LATENCY_MEASURE = ("device seconds per request, both versions measured by the node alike: each request's share, by"
-                   " rows, of its batch's compute, over the mirrored requests both answered. Not end to end; a"
-                   " batch of mirrors can be larger than the callers' batches, which lowers the candidate's share")
+LATENCY_MEASURE = (
+    "device seconds per request, both versions measured by the node alike: each request's share, by"
+    " rows, of its batch's compute, over the mirrored requests both answered. Not end to end; a"
+    " batch of mirrors can be larger than the callers' batches, which lowers the candidate's share"
+)
 LATENCY_BINS_PER_DOUBLING = 2  # the report's latency histograms: bins 41% wide (sketch buckets are 9%)
 
 
@@ -27,7 +29,10 @@ def agreement(model_name: str, baseline: int, candidate: int, since: datetime) -
     none were."""
     start = since.replace(second=0, microsecond=0)
     totals = ShadowMinute.objects.filter(
-        model_name=model_name, baseline=baseline, candidate=candidate, minute__gte=start,
+        model_name=model_name,
+        baseline=baseline,
+        candidate=candidate,
+        minute__gte=start,
     ).aggregate(compared=Sum("compared"), agreed=Sum("agreed"))
     compared = int(totals["compared"] or 0)
     if not compared:
@@ -61,20 +66,29 @@ def _latency(sketch: dict[int, int]) -> dict[str, Any]:
 
     bins = _histogram(sketch, per=16 // LATENCY_BINS_PER_DOUBLING)
     return {
-        "count": sum(sketch.values()), "p50_ms": ms(0.5), "p90_ms": ms(0.9), "p99_ms": ms(0.99),
+        "count": sum(sketch.values()),
+        "p50_ms": ms(0.5),
+        "p90_ms": ms(0.9),
+        "p99_ms": ms(0.99),
         "histogram": [{"low_ms": b["low"] * 1000, "high_ms": b["high"] * 1000, "count": b["count"]} for b in bins],
     }
 
 
-def build(model: Any, candidate: int, *, baseline: int | None = None, until: datetime,
-          minutes: int = 60) -> dict[str, Any]:
+def build(
+    model: Any, candidate: int, *, baseline: int | None = None, until: datetime, minutes: int = 60
+) -> dict[str, Any]:
     """The report for `candidate` of `model` (a serving.models.Model) over the `minutes` before `until`:
     against `baseline` only, or every version whose requests were mirrored to it."""
     since = until - timedelta(minutes=minutes)
-    rows = ShadowMinute.objects.filter(model_name=model.name, candidate=candidate,
-                                       minute__gte=since.replace(second=0, microsecond=0), minute__lte=until)
-    samples = ShadowDisagreement.objects.filter(model_name=model.name, candidate=candidate, at__gte=since,
-                                                at__lte=until)
+    rows = ShadowMinute.objects.filter(
+        model_name=model.name,
+        candidate=candidate,
+        minute__gte=since.replace(second=0, microsecond=0),
+        minute__lte=until,
+    )
+    samples = ShadowDisagreement.objects.filter(
+        model_name=model.name, candidate=candidate, at__gte=since, at__lte=until
+    )
     if baseline is not None:
         rows, samples = rows.filter(baseline=baseline), samples.filter(baseline=baseline)
     totals = {"mirrored": 0, "shadow_errors": 0, "incomparable": 0, "compared": 0, "agreed": 0}
@@ -132,7 +146,8 @@ def build(model: Any, candidate: int, *, baseline: int | None = None, until: dat
             "histogram": _histogram(difference),
             "mean_abs": abs_sum / abs_count if abs_count else None,
             "max_abs": abs_max,
-            "mean_cosine": similarity_sum / totals["compared"] if similarity_min is not None and totals["compared"]
+            "mean_cosine": similarity_sum / totals["compared"]
+            if similarity_min is not None and totals["compared"]
             else None,
             "min_cosine": similarity_min,
         },
@@ -140,10 +155,20 @@ def build(model: Any, candidate: int, *, baseline: int | None = None, until: dat
         "confusion": {
             "labels": labels,
             "matrix": [[confusion.get((a, b), 0) for b in labels] for a in labels],
-        } if confusion else None,
+        }
+        if confusion
+        else None,
         "disagreements": [
-            {"at": s.at, "baseline": s.baseline, "summary": s.summary, "difference": s.difference, "output": s.output,
-             "inputs": s.inputs, "primary": s.primary, "shadow": s.shadow}
+            {
+                "at": s.at,
+                "baseline": s.baseline,
+                "summary": s.summary,
+                "difference": s.difference,
+                "output": s.output,
+                "inputs": s.inputs,
+                "primary": s.primary,
+                "shadow": s.shadow,
+            }
             for s in samples.order_by("-at", "-id")[:DISAGREEMENTS_SHOWN]
         ],
     }

@@ -34,10 +34,13 @@ def _heat(confusion: dict | None) -> dict | None:
     return {
         "labels": confusion["labels"],
         "rows": [
-            {"label": a, "cells": [
-                {"count": c, "alpha": round(0.08 + 0.92 * c / top, 3) if c else 0, "diagonal": a == b}
-                for b, c in zip(confusion["labels"], row, strict=True)
-            ]}
+            {
+                "label": a,
+                "cells": [
+                    {"count": c, "alpha": round(0.08 + 0.92 * c / top, 3) if c else 0, "diagonal": a == b}
+                    for b, c in zip(confusion["labels"], row, strict=True)
+                ],
+            }
             for a, row in zip(confusion["labels"], confusion["matrix"], strict=True)
         ],
     }
@@ -84,27 +87,55 @@ def shadow_page(request: HttpRequest, name: str) -> HttpResponse:
     refusal = shadow_report_refusal(request.user, model)
     if refusal is not None:
         raise PermissionDenied(refusal)
-    candidates = sorted(set(ShadowMinute.objects.filter(model_name=model.name)
-                            .values_list("candidate", flat=True).distinct()) | ({model.shadow_version} - {None}))
-    candidate = _int(request.GET.get("candidate"), model.shadow_version or (candidates[-1] if candidates else None),
-                     low=1, high=2**31 - 1)
+    candidates = sorted(
+        set(ShadowMinute.objects.filter(model_name=model.name).values_list("candidate", flat=True).distinct())
+        | ({model.shadow_version} - {None})
+    )
+    candidate = _int(
+        request.GET.get("candidate"),
+        model.shadow_version or (candidates[-1] if candidates else None),
+        low=1,
+        high=2**31 - 1,
+    )
     minutes = _int(request.GET.get("minutes"), 60, low=1, high=7 * 24 * 60)
-    context: dict = {"model": model, "candidate": candidate, "candidates": candidates, "minutes": minutes,
-                     "windows": WINDOWS, **panel(request.user, model), "rollout_candidates": []}
+    context: dict = {
+        "model": model,
+        "candidate": candidate,
+        "candidates": candidates,
+        "minutes": minutes,
+        "windows": WINDOWS,
+        **panel(request.user, model),
+        "rollout_candidates": [],
+    }
     if candidate is not None:
         report = shadow_report.build(model, candidate, until=timezone.now(), minutes=minutes)  # type: ignore[arg-type]
         differences = report["differences"]["histogram"]
         context.update(
             report=report,
             agreement_chart=mark_safe(charts.agreement_svg(_minutes(report))),  # noqa: S308 (numbers, times only)
-            difference_chart=mark_safe(charts.histogram_svg(  # noqa: S308
-                [(f"≤{charts.number(b['high'])}", b["count"]) for b in differences],
-                css="shadow-differences", label="distribution of per-row output differences")),
-            latency_chart=mark_safe(charts.paired_svg(  # noqa: S308
-                _latency_bins(report["latency"]), css="shadow-latency",
-                label="latency distributions of the baseline and the candidate")),
+            difference_chart=mark_safe(
+                charts.histogram_svg(  # noqa: S308
+                    [(f"≤{charts.number(b['high'])}", b["count"]) for b in differences],
+                    css="shadow-differences",
+                    label="distribution of per-row output differences",
+                )
+            ),
+            latency_chart=mark_safe(
+                charts.paired_svg(  # noqa: S308
+                    _latency_bins(report["latency"]),
+                    css="shadow-latency",
+                    label="latency distributions of the baseline and the candidate",
+                )
+            ),
             heat=_heat(report["confusion"]),
-            disagreements=[{**d, "inputs": _rounded(d["inputs"]), "primary": _rounded(d["primary"]),
-                            "shadow": _rounded(d["shadow"])} for d in report["disagreements"]],
+            disagreements=[
+                {
+                    **d,
+                    "inputs": _rounded(d["inputs"]),
+                    "primary": _rounded(d["primary"]),
+                    "shadow": _rounded(d["shadow"]),
+                }
+                for d in report["disagreements"]
+            ],
         )
     return render(request, "console/shadow.html", context)

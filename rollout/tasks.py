@@ -42,6 +42,7 @@ def prune_shadow() -> tuple[int, int, int]:
     cutoff = now - timedelta(days=settings.FERRY_SHADOW_RETENTION_DAYS)
     minutes, _ = ShadowMinute.objects.filter(minute__lt=cutoff).delete()
     samples, _ = ShadowDisagreement.objects.filter(at__lt=cutoff).delete()
-    batches, _ = ShadowBatch.objects.filter(recorded_at__lt=now - timedelta(days=settings.FERRY_USAGE_BATCH_DAYS)
-                                            ).delete()
+    batches, _ = ShadowBatch.objects.filter(
+        recorded_at__lt=now - timedelta(days=settings.FERRY_USAGE_BATCH_DAYS)
+    ).delete()
     return minutes, samples, batches

@@ -66,8 +66,14 @@ def _target(rollout: Rollout) -> str:
 
 
 def _audit(rollout: Rollout, actor: Any, action: str, before: dict, **extra: object) -> None:
-    audit.record(actor, f"rollout.{action}", _target(rollout), tenant=rollout.model.tenant,
-                 before=before, after={**rollout.summary(), **extra})
+    audit.record(
+        actor,
+        f"rollout.{action}",
+        _target(rollout),
+        tenant=rollout.model.tenant,
+        before=before,
+        after={**rollout.summary(), **extra},
+    )
 
 
 def _weights(rollout: Rollout, percent: float) -> dict[int, float]:
@@ -92,23 +98,37 @@ def _shadow(model: Model, actor: Any, candidate: int | None) -> None:
         if candidate is None:
             set_routing(model=model, actor=actor, shadow_version=None)
         else:
-            set_routing(model=model, actor=actor, shadow_version=candidate,
-                        shadow_fraction=settings.FERRY_ROLLOUT_SHADOW_FRACTION)
+            set_routing(
+                model=model,
+                actor=actor,
+                shadow_version=candidate,
+                shadow_fraction=settings.FERRY_ROLLOUT_SHADOW_FRACTION,
+            )
     except ValidationError as exc:
         raise RolloutError(f"cannot shadow model '{model.name}': {'; '.join(exc.messages)}", 409) from None
 
 
 def _locked(rollout_id: int) -> Rollout:
     try:
-        return (Rollout.objects.select_for_update(of=("self",)).select_related("model", "model__tenant")
-                .get(pk=rollout_id))
+        return (
+            Rollout.objects.select_for_update(of=("self",)).select_related("model", "model__tenant").get(pk=rollout_id)
+        )
     except Rollout.DoesNotExist:
         raise RolloutError(f"no rollout #{rollout_id}", 404) from None
 
 
-def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] | None = None,
-          shadow_seconds: int = 600, bake_seconds: int = 600, step_timeout_seconds: int = 3600,
-          thresholds: gates.Thresholds | None = None, now: datetime | None = None) -> Rollout:
+def start(
+    *,
+    model: Model,
+    candidate: int,
+    actor: Any = None,
+    steps: list[int] | None = None,
+    shadow_seconds: int = 600,
+    bake_seconds: int = 600,
+    step_timeout_seconds: int = 3600,
+    thresholds: gates.Thresholds | None = None,
+    now: datetime | None = None,
+) -> Rollout:
     """Begin rolling `candidate` out against the model's stable version: shadowing, or the first canary step
     at once when `shadow_seconds` is 0."""
     now = now or timezone.now()
@@ -125,26 +145,44 @@ def start(*, model: Model, candidate: int, actor: Any = None, steps: list[int] |
         if state is None:
             raise RolloutError(f"model '{model.name}' has no version {candidate}", 404)
         if state != State.READY:
-            raise RolloutError(f"version {candidate} of '{model.name}' is {state}: only a ready version can be"
-                               " rolled out")
+            raise RolloutError(
+                f"version {candidate} of '{model.name}' is {state}: only a ready version can be rolled out"
+            )
         active = Rollout.objects.active().filter(model=model).first()
         if active is not None:
             raise RolloutError(f"model '{model.name}' has an active rollout (#{active.pk}, {active.state})")
         rollout = Rollout(
-            model=model, candidate=candidate, baseline=model.stable_version,
-            started_by=actor if _person(actor) else None, steps=steps, shadow_seconds=shadow_seconds,
-            bake_seconds=bake_seconds, step_timeout_seconds=step_timeout_seconds, started_at=now, phase_started_at=now,
-            max_error_rate_increase=thresholds.max_error_rate_increase, max_p99_ratio=thresholds.max_p99_ratio,
-            p99_slack_ms=thresholds.p99_slack_ms, min_agreement=thresholds.min_agreement,
-            min_requests=thresholds.min_requests, min_compared=thresholds.min_compared,
+            model=model,
+            candidate=candidate,
+            baseline=model.stable_version,
+            started_by=actor if _person(actor) else None,
+            steps=steps,
+            shadow_seconds=shadow_seconds,
+            bake_seconds=bake_seconds,
+            step_timeout_seconds=step_timeout_seconds,
+            started_at=now,
+            phase_started_at=now,
+            max_error_rate_increase=thresholds.max_error_rate_increase,
+            max_p99_ratio=thresholds.max_p99_ratio,
+            p99_slack_ms=thresholds.p99_slack_ms,
+            min_agreement=thresholds.min_agreement,
+            min_requests=thresholds.min_requests,
+            min_compared=thresholds.min_compared,
         )
         try:
             with transaction.atomic():
                 rollout.save()
         except IntegrityError:  # another start won the race past the check above
             raise RolloutError(f"model '{model.name}' has an active rollout") from None
-        _audit(rollout, actor, "start", {"stable_version": model.stable_version},
-               steps=steps, baseline=rollout.baseline, candidate=candidate)
+        _audit(
+            rollout,
+            actor,
+            "start",
+            {"stable_version": model.stable_version},
+            steps=steps,
+            baseline=rollout.baseline,
+            candidate=candidate,
+        )
         if shadow_seconds == 0:
             _enter_step(rollout, 0, actor, now)
         else:
@@ -181,8 +219,12 @@ def _finish(rollout: Rollout, state: str, actor: Any, reason: str, now: datetime
         _shadow(model, actor, None)
     rollout.state, rollout.reason, rollout.finished_at = state, reason[:2000], now
     rollout.save(update_fields=["state", "reason", "finished_at", "updated_at"])
-    action = {RolloutState.PROMOTED: "promote", RolloutState.ROLLED_BACK: "roll_back",
-              RolloutState.REJECTED: "reject", RolloutState.CANCELLED: "cancel"}[state]
+    action = {
+        RolloutState.PROMOTED: "promote",
+        RolloutState.ROLLED_BACK: "roll_back",
+        RolloutState.REJECTED: "reject",
+        RolloutState.CANCELLED: "cancel",
+    }[state]
     _audit(rollout, actor, action, before, reason=rollout.reason)
 
 
@@ -227,13 +269,24 @@ def judge(rollout: Rollout, now: datetime) -> tuple[gates.Verdict, dict]:
     """The gates' verdict on the current phase, and the verdict entry a rollout keeps."""
     phase = gates.SHADOW if rollout.state == RolloutState.SHADOWING else gates.CANARY
     evidence, windows = gather(
-        model_name=rollout.model.name, baseline=rollout.baseline, candidate=rollout.candidate,
-        since=rollout.phase_started_at, fallback_since=rollout.started_at, min_requests=rollout.min_requests,
+        model_name=rollout.model.name,
+        baseline=rollout.baseline,
+        candidate=rollout.candidate,
+        since=rollout.phase_started_at,
+        fallback_since=rollout.started_at,
+        min_requests=rollout.min_requests,
         with_usage=phase == gates.CANARY,
     )
     verdict = gates.judge(phase, evidence, rollout.thresholds())
-    entry = {"at": now.isoformat(), "phase": phase, "state": rollout.state, "step": rollout.step,
-             "percent": rollout.percent, **verdict.to_dict(), "windows": windows}
+    entry = {
+        "at": now.isoformat(),
+        "phase": phase,
+        "state": rollout.state,
+        "step": rollout.step,
+        "percent": rollout.percent,
+        **verdict.to_dict(),
+        "windows": windows,
+    }
     return verdict, entry
 
 
@@ -269,8 +322,13 @@ def evaluate(rollout_id: int, *, now: datetime | None = None) -> Rollout:
         elif verdict.outcome == gates.NO_DATA and elapsed >= rollout.step_timeout_seconds:
             waiting = "; ".join(f"{r.gate}: {r.reason}" for r in verdict.results if r.status == gates.NO_DATA)
             _keep(rollout, {**entry, "action": "roll_back"})
-            _finish(rollout, RolloutState.ROLLED_BACK, None,
-                    f"not enough evidence after {rollout.step_timeout_seconds} s ({waiting})", now)
+            _finish(
+                rollout,
+                RolloutState.ROLLED_BACK,
+                None,
+                f"not enough evidence after {rollout.step_timeout_seconds} s ({waiting})",
+                now,
+            )
         else:
             rollout.last_verdict = entry
             rollout.save(update_fields=["last_verdict", "updated_at"])
@@ -322,14 +380,18 @@ def approve(*, rollout: Rollout, actor: Any, note: str = "", now: datetime | Non
     with transaction.atomic():
         rollout = _active(rollout.pk, "approve")
         tenant = rollout.model.tenant
-        if (_person(actor) and actor.pk == rollout.started_by_id
-                and not (tenant is not None and tenant.allow_self_approval)):
+        if (
+            _person(actor)
+            and actor.pk == rollout.started_by_id
+            and not (tenant is not None and tenant.allow_self_approval)
+        ):
             raise RolloutError("the person who started a rollout cannot approve it: another approver must", 403)
         if rollout.approvals.filter(user=actor).exists():
             return rollout
         before = rollout.summary()
-        Approval.objects.create(rollout=rollout, user=actor if _person(actor) else None, username=_name(actor),
-                                note=note[:2000])
+        Approval.objects.create(
+            rollout=rollout, user=actor if _person(actor) else None, username=_name(actor), note=note[:2000]
+        )
         rollout.approved = approval_satisfied(rollout)
         rollout.save(update_fields=["approved", "updated_at"])
         _audit(rollout, actor, "approve", before, note=note[:2000])
@@ -355,8 +417,9 @@ def reject(*, rollout: Rollout, actor: Any, note: str = "", now: datetime | None
     _require(actor, Role.APPROVER, rollout.model, "rejecting a rollout")
     with transaction.atomic():
         rollout = _active(rollout.pk, "reject")
-        _finish(rollout, RolloutState.REJECTED, actor, f"rejected by {_name(actor)}" + (f": {note}" if note else ""),
-                now)
+        _finish(
+            rollout, RolloutState.REJECTED, actor, f"rejected by {_name(actor)}" + (f": {note}" if note else ""), now
+        )
     return rollout
 
 
@@ -365,8 +428,13 @@ def roll_back(*, rollout: Rollout, actor: Any, note: str = "", now: datetime | N
     _require(actor, Role.ENGINEER, rollout.model, "rolling back a rollout")
     with transaction.atomic():
         rollout = _active(rollout.pk, "roll back")
-        _finish(rollout, RolloutState.ROLLED_BACK, actor,
-                f"rolled back by {_name(actor)}" + (f": {note}" if note else ""), now)
+        _finish(
+            rollout,
+            RolloutState.ROLLED_BACK,
+            actor,
+            f"rolled back by {_name(actor)}" + (f": {note}" if note else ""),
+            now,
+        )
     return rollout
 
 

@@ -31,28 +31,39 @@ def panel(user: Any, model: Model) -> dict:
     engineer = can_write(user, Role.ENGINEER, model.tenant_id)
     approver = can_write(user, Role.APPROVER, model.tenant_id)
     self_ok = model.tenant is not None and model.tenant.allow_self_approval
-    rollouts = list(model.rollouts.select_related("started_by").prefetch_related("approvals")[:RECENT + 1])
+    rollouts = list(model.rollouts.select_related("started_by").prefetch_related("approvals")[: RECENT + 1])
     rows = []
     for r in rollouts:
         approvers = {a.user_id for a in r.approvals.all()}
         own = getattr(user, "pk", None) == r.started_by_id
-        rows.append({
-            "rollout": r,
-            "steps": [{"percent": p, "current": r.step == i and r.active, "done": r.step is not None and i < r.step}
-                      for i, p in enumerate(r.steps)],
-            "failed": [g for v in r.verdicts[-1:] for g in v.get("gates", []) if g.get("status") == "fail"],
-            "buttons": [name for name, shown in (
-                ("approve", approver and r.active and (self_ok or not own) and user.pk not in approvers),
-                ("reject", approver and r.active),
-                ("promote", approver and r.active and r.approved),
-                ("roll-back", engineer and r.active),
-            ) if shown],
-        })
+        rows.append(
+            {
+                "rollout": r,
+                "steps": [
+                    {"percent": p, "current": r.step == i and r.active, "done": r.step is not None and i < r.step}
+                    for i, p in enumerate(r.steps)
+                ],
+                "failed": [g for v in r.verdicts[-1:] for g in v.get("gates", []) if g.get("status") == "fail"],
+                "buttons": [
+                    name
+                    for name, shown in (
+                        ("approve", approver and r.active and (self_ok or not own) and user.pk not in approvers),
+                        ("reject", approver and r.active),
+                        ("promote", approver and r.active and r.approved),
+                        ("roll-back", engineer and r.active),
+                    )
+                    if shown
+                ],
+            }
+        )
     active = any(r.active for r in rollouts)
     candidates = []
     if engineer and not active and model.stable_version is not None:
-        candidates = list(model.versions.filter(state=State.READY).exclude(version=model.stable_version)
-                          .values_list("version", flat=True))
+        candidates = list(
+            model.versions.filter(state=State.READY)
+            .exclude(version=model.stable_version)
+            .values_list("version", flat=True)
+        )
     return {"rollouts": rows, "rollout_candidates": candidates, **promotion_panel(user, model, active)}
 
 
@@ -103,11 +114,13 @@ def rollout_start(request: HttpRequest, name: str) -> HttpResponse:
         if shadow < 0 or bake < 0:
             raise ValueError
     except ValueError:
-        return HttpResponse("candidate, steps and seconds must be whole non-negative numbers", status=400,
-                            content_type="text/plain")
+        return HttpResponse(
+            "candidate, steps and seconds must be whole non-negative numbers", status=400, content_type="text/plain"
+        )
     try:
-        transitions.start(model=model, candidate=candidate, actor=request.user, steps=steps,
-                          shadow_seconds=shadow, bake_seconds=bake)
+        transitions.start(
+            model=model, candidate=candidate, actor=request.user, steps=steps, shadow_seconds=shadow, bake_seconds=bake
+        )
     except transitions.RolloutError as exc:
         if exc.status == 403:
             raise PermissionDenied(exc.message) from None

@@ -93,8 +93,13 @@ def register_version(
             model.description = description if description is not None else model.description
             model.save()
         version = ModelVersion(
-            model=model, version=model.next_version_number(), artifact=artifact, format=fmt,
-            inputs=inputs, outputs=outputs, metrics=metrics or {},
+            model=model,
+            version=model.next_version_number(),
+            artifact=artifact,
+            format=fmt,
+            inputs=inputs,
+            outputs=outputs,
+            metrics=metrics or {},
             **batching,
         )
         try:
@@ -115,8 +120,10 @@ def register_version(
 
 def _check_batching(batching: dict) -> None:
     defaults = {f.name: f.default for f in ModelVersion._meta.get_fields() if hasattr(f, "default")}
-    merged = {k: batching.get(k, defaults[k]) for k in
-              ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "preferred_batch_sizes")}
+    merged = {
+        k: batching.get(k, defaults[k])
+        for k in ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "preferred_batch_sizes")
+    }
     preferred = merged["preferred_batch_sizes"]
     if callable(preferred):
         preferred = preferred()
@@ -135,12 +142,12 @@ def _check_batching(batching: dict) -> None:
 
 def sharing_state(model: Model) -> dict:
     """What the audit log keeps of a model's visibility."""
-    return {"visibility": model.visibility,
-            "shared_with": sorted(model.shared_with.values_list("slug", flat=True))}
+    return {"visibility": model.visibility, "shared_with": sorted(model.shared_with.values_list("slug", flat=True))}
 
 
-def set_visibility(*, model: Model, visibility: str | None = None, shared_with: list | None = None,
-                   actor: object = None) -> Model:
+def set_visibility(
+    *, model: Model, visibility: str | None = None, shared_with: list | None = None, actor: object = None
+) -> Model:
     """Change who may see `model` (None leaves that part alone), with its audit entry, in one transaction."""
     from tenants import audit
 
@@ -153,8 +160,9 @@ def set_visibility(*, model: Model, visibility: str | None = None, shared_with: 
             model.shared_with.set(shared_with)
         after = sharing_state(model)
         if after != before:
-            audit.record(actor, "model.visibility", f"model {model.name}", tenant=model.tenant,
-                         before=before, after=after)
+            audit.record(
+                actor, "model.visibility", f"model {model.name}", tenant=model.tenant, before=before, after=after
+            )
     return model
 
 
@@ -177,8 +185,9 @@ def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
     return publish_snapshot()
 
 
-def promote(*, model: Model, version: int, actor: object = None, by_rollout: int | None = None,
-            by_request: int | None = None) -> Model:
+def promote(
+    *, model: Model, version: int, actor: object = None, by_rollout: int | None = None, by_request: int | None = None
+) -> Model:
     """Make `version` the model's stable version: all unpinned traffic the other rules leave goes to it.
     The rollout weights end with it (they split traffic between the old stable and a canary); tenant pins
     and experiment arms stay. Only a ready version can be promoted (RegistrationError 409 otherwise).
@@ -199,24 +208,38 @@ def promote(*, model: Model, version: int, actor: object = None, by_rollout: int
         if active is not None:
             raise RegistrationError(
                 f"model '{model.name}' has an active rollout (#{active.pk}, {active.state}, version"
-                f" {active.candidate}): promote through it (its gates and approval) or end it first", 409)
+                f" {active.candidate}): promote through it (its gates and approval) or end it first",
+                409,
+            )
         if target.state != State.READY:
-            raise RegistrationError(f"version {version} of '{model.name}' is {target.state}: only a ready version"
-                                    " can be promoted", 409)
-        if (version != model.stable_version and approval.needs_approval(model)
-                and not approval.rollout_approves(model, version, by_rollout)
-                and not approval.request_approves(model, version, by_request)):
+            raise RegistrationError(
+                f"version {version} of '{model.name}' is {target.state}: only a ready version can be promoted", 409
+            )
+        if (
+            version != model.stable_version
+            and approval.needs_approval(model)
+            and not approval.rollout_approves(model, version, by_rollout)
+            and not approval.request_approves(model, version, by_request)
+        ):
             raise RegistrationError(
                 f"the tenant that owns '{model.name}' requires an approval for every change of its stable version:"
-                " roll the version out, or request its promotion for an approver to accept", 409)
+                " roll the version out, or request its promotion for an approver to accept",
+                409,
+            )
         before = model.routing_state()
         model.stable_version = version
         model.rollout_weights = {}
         after = model.routing_state()
         if after != before:
             model.save(update_fields=["stable_version", "rollout_weights", "updated_at"])
-            audit.record(actor, "model.promote", f"model {model.name} version {version}", tenant=model.tenant,
-                         before=before, after=after)
+            audit.record(
+                actor,
+                "model.promote",
+                f"model {model.name} version {version}",
+                tenant=model.tenant,
+                before=before,
+                after=after,
+            )
     return model
 
 
@@ -245,10 +268,12 @@ def set_routing(*, model: Model, actor: object = None, **rules: object) -> Model
         if after != before and approval.needs_approval(model):
             why = approval.unapproved_traffic(model, before, after)
             if why:
-                raise RegistrationError(f"the tenant that owns '{model.name}' requires an approval: {why}; roll it"
-                                        " out (its gates set the weights) or have its promotion approved", 409)
+                raise RegistrationError(
+                    f"the tenant that owns '{model.name}' requires an approval: {why}; roll it"
+                    " out (its gates set the weights) or have its promotion approved",
+                    409,
+                )
         if after != before:
             model.save(update_fields=[*rules, "updated_at"])
-            audit.record(actor, "model.routing", f"model {model.name}", tenant=model.tenant,
-                         before=before, after=after)
+            audit.record(actor, "model.routing", f"model {model.name}", tenant=model.tenant, before=before, after=after)
     return model

@@ -10,8 +10,17 @@ class VersionInline(admin.TabularInline):
 
     model = ModelVersion
     extra = 0
-    fields = ["version", "state", "loaded", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes",
-              "max_queue_size", "default_timeout_ms", "failure_reason"]
+    fields = [
+        "version",
+        "state",
+        "loaded",
+        "max_batch_size",
+        "max_queue_delay_ms",
+        "preferred_batch_sizes",
+        "max_queue_size",
+        "default_timeout_ms",
+        "failure_reason",
+    ]
     readonly_fields = ["version", "state", "failure_reason"]
 
 
@@ -36,8 +45,9 @@ class ModelAdmin(admin.ModelAdmin):
         model = form.instance
         before, after = getattr(model, "_sharing_before", None), sharing_state(model)
         if after != before:
-            audit.record(request.user, "model.visibility", f"model {model.name}", tenant=model.tenant,
-                         before=before, after=after)
+            audit.record(
+                request.user, "model.visibility", f"model {model.name}", tenant=model.tenant, before=before, after=after
+            )
 
 
 @admin.register(Artifact)

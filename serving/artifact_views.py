@@ -27,12 +27,14 @@ from serving.dataplane.artifact_cache import SHA256, ArtifactUnavailable
 async def artifact(request: HttpRequest, sha256: str) -> HttpResponseBase:
     token = settings.FERRY_NODE_TOKEN
     if not token:
-        return JsonResponse({"error": "artifact distribution is off: set FERRY_NODE_TOKEN on web and nodes"},
-                            status=403)
+        return JsonResponse(
+            {"error": "artifact distribution is off: set FERRY_NODE_TOKEN on web and nodes"}, status=403
+        )
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not constant_time_compare(given.strip(), token):
-        response = JsonResponse({"error": "a node token is required (Authorization: Bearer <FERRY_NODE_TOKEN>)"},
-                                status=401)
+        response = JsonResponse(
+            {"error": "a node token is required (Authorization: Bearer <FERRY_NODE_TOKEN>)"}, status=401
+        )
         response["WWW-Authenticate"] = "Bearer"
         return response
     if not SHA256.fullmatch(sha256):

@@ -182,9 +182,13 @@ def local_reader() -> Callable[[str], Path]:
     stored file where the storage is a local filesystem, else a disk cache filled from the storage."""
     if isinstance(storage(), FileSystemStorage):
         return verified_path
-    return ArtifactCache(settings.FERRY_ARTIFACT_CACHE_DIR, settings.FERRY_ARTIFACT_CACHE_BYTES, open_chunks,
-                         max_artifact_bytes=settings.FERRY_MAX_ARTIFACT_BYTES,
-                         timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S).path
+    return ArtifactCache(
+        settings.FERRY_ARTIFACT_CACHE_DIR,
+        settings.FERRY_ARTIFACT_CACHE_BYTES,
+        open_chunks,
+        max_artifact_bytes=settings.FERRY_MAX_ARTIFACT_BYTES,
+        timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S,
+    ).path
 
 
 def for_node() -> Callable[[str], Path]:
@@ -195,9 +199,13 @@ def for_node() -> Callable[[str], Path]:
     if not settings.FERRY_NODE_TOKEN:
         raise ImproperlyConfigured("FERRY_ARTIFACT_URL needs FERRY_NODE_TOKEN (the web process's, to fetch with)")
     source = http_source(settings.FERRY_ARTIFACT_URL, settings.FERRY_NODE_TOKEN, settings.FERRY_MAX_ARTIFACT_BYTES)
-    return ArtifactCache(settings.FERRY_ARTIFACT_CACHE_DIR, settings.FERRY_ARTIFACT_CACHE_BYTES, source,
-                         max_artifact_bytes=settings.FERRY_MAX_ARTIFACT_BYTES,
-                         timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S).path
+    return ArtifactCache(
+        settings.FERRY_ARTIFACT_CACHE_DIR,
+        settings.FERRY_ARTIFACT_CACHE_BYTES,
+        source,
+        max_artifact_bytes=settings.FERRY_MAX_ARTIFACT_BYTES,
+        timeout_s=settings.FERRY_ARTIFACT_FETCH_TIMEOUT_S,
+    ).path
 
 
 def on_node_disk() -> Callable[[str], bool]:

@@ -93,8 +93,9 @@ def digits_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return train_test_split(x, y, test_size=0.2, random_state=SEED, stratify=y)
 
 
-def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float,
-           say: Callable[[str], None]) -> None:
+def _train(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float, say: Callable[[str], None]
+) -> None:
     torch.manual_seed(SEED)
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
@@ -207,33 +208,52 @@ DIGITS_IO = {
 
 DEMO_MODELS = [
     DemoModel(
-        "digits-small", "Handwritten digits (scikit-learn's 8x8 set), 64 hidden units; fallback of digits.",
-        "torch_export", **DIGITS_IO,
+        "digits-small",
+        "Handwritten digits (scikit-learn's 8x8 set), 64 hidden units; fallback of digits.",
+        "torch_export",
+        **DIGITS_IO,
         batching={"max_batch_size": 64, "max_queue_delay_ms": 2.0, "max_queue_size": 2048},
-        build=build_digits(64, 1, 40), example=torch.zeros(2, 64),
+        build=build_digits(64, 1, 40),
+        example=torch.zeros(2, 64),
     ),
     DemoModel(
-        "digits", "Handwritten digits (scikit-learn's 8x8 set), 3 x 1536 MLP: the demo classifier.",
-        "torchscript", **DIGITS_IO,
-        batching={"max_batch_size": 32, "max_queue_delay_ms": 5.0, "max_queue_size": 2048,
-                  "preferred_batch_sizes": [8, 16, 32]},
-        build=build_digits(1536, 3, 12), example=torch.zeros(2, 64),
+        "digits",
+        "Handwritten digits (scikit-learn's 8x8 set), 3 x 1536 MLP: the demo classifier.",
+        "torchscript",
+        **DIGITS_IO,
+        batching={
+            "max_batch_size": 32,
+            "max_queue_delay_ms": 5.0,
+            "max_queue_size": 2048,
+            "preferred_batch_sizes": [8, 16, 32],
+        },
+        build=build_digits(1536, 3, 12),
+        example=torch.zeros(2, 64),
     ),
     DemoModel(
-        "digits-wide", "Handwritten digits (scikit-learn's 8x8 set), a 384-channel convnet: compute-bound,"
+        "digits-wide",
+        "Handwritten digits (scikit-learn's 8x8 set), a 384-channel convnet: compute-bound,"
         " a few hundred requests/s per process; falls back to digits-small.",
-        "torchscript", **DIGITS_IO,
-        batching={"max_batch_size": 32, "max_queue_delay_ms": 5.0, "max_queue_size": 1024,
-                  "preferred_batch_sizes": [8, 16, 32]},
-        build=build_wide_digits(384, 3, 3), example=torch.zeros(2, 64),
+        "torchscript",
+        **DIGITS_IO,
+        batching={
+            "max_batch_size": 32,
+            "max_queue_delay_ms": 5.0,
+            "max_queue_size": 1024,
+            "preferred_batch_sizes": [8, 16, 32],
+        },
+        build=build_wide_digits(384, 3, 3),
+        example=torch.zeros(2, 64),
     ),
     DemoModel(
-        "token-sentiment", "Variable-length token ids (0 pads): do ids 1-8 outnumber ids 9-16?",
+        "token-sentiment",
+        "Variable-length token ids (0 pads): do ids 1-8 outnumber ids 9-16?",
         "torchscript",
         inputs=[{"name": "tokens", "datatype": "INT64", "shape": [-1]}],
         outputs=[{"name": "scores", "datatype": "FP32", "shape": [2]}],
         batching={"max_batch_size": 32, "max_queue_delay_ms": 5.0, "max_queue_size": 1024},
-        build=build_sentiment, example=torch.ones(2, 8, dtype=torch.int64),
+        build=build_sentiment,
+        example=torch.ones(2, 8, dtype=torch.int64),
     ),
 ]
 
@@ -250,8 +270,11 @@ def save_artifact(model: nn.Module, fmt: str, example: torch.Tensor, path: Path)
     torch.export.save(program, str(path))
 
 
-def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
-              only_missing: bool = True, epoch_scale: float = 1.0) -> list[str]:
+def build_all(
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    only_missing: bool = True,
+    epoch_scale: float = 1.0,
+) -> list[str]:
     """Train, save and register each demo model; skip those already ready unless told otherwise.
     `epoch_scale` < 1 trains briefly: the same models and code path, at lower accuracy (tests)."""
     from serving.actions import register_version
@@ -271,12 +294,21 @@ def build_all(say: Callable[[str], None] = lambda line: print(line, file=sys.std
             save_artifact(module, demo.fmt, demo.example, path)
             with path.open("rb") as f:
                 version = register_version(
-                    model_name=demo.name, artifact_file=f, fmt=demo.fmt, inputs=demo.inputs, outputs=demo.outputs,
-                    description=demo.description, task="classification", metrics={"accuracy": round(accuracy, 4)},
-                    validate="sync", **demo.batching,
+                    model_name=demo.name,
+                    artifact_file=f,
+                    fmt=demo.fmt,
+                    inputs=demo.inputs,
+                    outputs=demo.outputs,
+                    description=demo.description,
+                    task="classification",
+                    metrics={"accuracy": round(accuracy, 4)},
+                    validate="sync",
+                    **demo.batching,
                 )
-        say(f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
-            f"({time.perf_counter() - started:.1f}s)")
+        say(
+            f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
+            f"({time.perf_counter() - started:.1f}s)"
+        )
         built.append(demo.name)
     for name, fallback in FALLBACKS.items():
         model = Model.objects.filter(name=name).first()

@@ -51,8 +51,10 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             engineer = await _is_engineer(scope["headers"])
         except (OperationalError, InterfaceError) as exc:  # PostgreSQL out of reach: an outage, not a bug
-            log.warning("checking upload credentials failed: the database is unavailable (%s)",
-                        str(exc).strip().splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning(
+                "checking upload credentials failed: the database is unavailable (%s)",
+                str(exc).strip().splitlines()[0] if str(exc) else type(exc).__name__,
+            )
             return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
         if engineer:
             limit, error = artifact_limit, artifact_error

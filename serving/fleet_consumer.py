@@ -65,8 +65,11 @@ class FleetFeed:
         client = waiter = None
         if settings.REDIS_URL:
             client = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-feed")
-            waiter = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-feed-events",
-                                       socket_timeout=PUSH_SECONDS + redis_pipe.COMMAND_TIMEOUT_S)
+            waiter = redis_pipe.client(
+                settings.REDIS_URL,
+                name="ferry-fleet-feed-events",
+                socket_timeout=PUSH_SECONDS + redis_pipe.COMMAND_TIMEOUT_S,
+            )
         failing = False
         last_id: bytes | str | None = None  # the newest event pushed: the state read at each push carries it
         try:
@@ -80,8 +83,9 @@ class FleetFeed:
                     if waiter is None or last_id is None:
                         await asyncio.sleep(PUSH_SECONDS)
                     else:
-                        found = await waiter.xread({fleet_events.STREAM: last_id}, count=100,
-                                                   block=int(PUSH_SECONDS * 1000))
+                        found = await waiter.xread(
+                            {fleet_events.STREAM: last_id}, count=100, block=int(PUSH_SECONDS * 1000)
+                        )
                         for _, entries in found or ():
                             last_id = entries[-1][0]
                         await asyncio.sleep(max(0.0, EVENT_PUSH_SECONDS - (time.monotonic() - started)))

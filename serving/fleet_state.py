@@ -36,12 +36,23 @@ def embedded_info(node: Node, now: float) -> NodeInfo:
     """This process's in-process node, as a heartbeat would announce it."""
     hosted = dict(node.hosted)
     return NodeInfo(
-        name=embedded_name(), instance="embedded", host=socket.gethostname(), pid=os.getpid(),
-        device=str(node.device), accelerator=node.accelerator, accelerator_count=0 if node.device.type == "cpu" else 1,
-        memory_total=node.memory_budget, memory_budget=node.memory_budget,
-        memory_used=sum(h.runtime.memory_bytes for h in hosted.values()), labels={}, started_at=0.0,
-        heartbeat_at=now, serial=node.reconciled_serial, hot=frozenset(hosted),
-        failures={k: f.reason for k, f in dict(node.failures).items()}, busy=round(node.busy.fraction(), 4),
+        name=embedded_name(),
+        instance="embedded",
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=str(node.device),
+        accelerator=node.accelerator,
+        accelerator_count=0 if node.device.type == "cpu" else 1,
+        memory_total=node.memory_budget,
+        memory_budget=node.memory_budget,
+        memory_used=sum(h.runtime.memory_bytes for h in hosted.values()),
+        labels={},
+        started_at=0.0,
+        heartbeat_at=now,
+        serial=node.reconciled_serial,
+        hot=frozenset(hosted),
+        failures={k: f.reason for k, f in dict(node.failures).items()},
+        busy=round(node.busy.fraction(), 4),
         resident=fleet.resident_of(hosted),
     )
 
@@ -49,13 +60,24 @@ def embedded_info(node: Node, now: float) -> NodeInfo:
 def node_doc(info: NodeInfo, state: str, now: float) -> dict[str, Any]:
     used = sum(int(r.get("bytes", 0)) for r in info.resident.values() if r.get("tier", "hot") == "hot")
     return {
-        "name": info.name, "state": state, "host": info.host, "pid": info.pid, "device": info.device,
-        "accelerator": info.accelerator, "accelerator_count": info.accelerator_count, "labels": info.labels,
-        "heartbeat_at": info.heartbeat_at, "heartbeat_age": round(max(0.0, now - info.heartbeat_at), 1),
-        "memory_total": info.memory_total, "memory_budget": info.memory_budget,
-        "memory_used": max(info.memory_used, used), "busy": info.busy,
-        "resident": [{"key": key, "tier": str(r.get("tier", "hot")), "bytes": int(r.get("bytes", 0))}
-                     for key, r in sorted(info.resident.items())],
+        "name": info.name,
+        "state": state,
+        "host": info.host,
+        "pid": info.pid,
+        "device": info.device,
+        "accelerator": info.accelerator,
+        "accelerator_count": info.accelerator_count,
+        "labels": info.labels,
+        "heartbeat_at": info.heartbeat_at,
+        "heartbeat_age": round(max(0.0, now - info.heartbeat_at), 1),
+        "memory_total": info.memory_total,
+        "memory_budget": info.memory_budget,
+        "memory_used": max(info.memory_used, used),
+        "busy": info.busy,
+        "resident": [
+            {"key": key, "tier": str(r.get("tier", "hot")), "bytes": int(r.get("bytes", 0))}
+            for key, r in sorted(info.resident.items())
+        ],
         "failures": dict(sorted(info.failures.items())),
     }
 
@@ -81,8 +103,12 @@ async def read_state(client: aioredis.Redis | None, *, now: float | None = None)
         record = list(embedded.packing.events)  # one C-level copy: a sync view may read it off the node's loop
         events = [FleetEvent.of(name, e) for e in record if e.at >= now - fleet_events.WINDOW_SECONDS]
     events.sort(key=lambda e: e.at, reverse=True)
-    return {"at": now, "nodes": nodes, "versions": versions_doc(plane, nodes),
-            "events": [e.to_doc() for e in events[:EVENTS_SHOWN]]}
+    return {
+        "at": now,
+        "nodes": nodes,
+        "versions": versions_doc(plane, nodes),
+        "events": [e.to_doc() for e in events[:EVENTS_SHOWN]],
+    }
 
 
 def versions_doc(plane: planes.DataPlane | None, nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -100,9 +126,15 @@ def versions_doc(plane: planes.DataPlane | None, nodes: list[dict[str, Any]]) ->
     for model in plane.gateway.snapshot.models.values():
         for v in model.versions.values():
             held = where.get(v.key, {})
-            rows.append({"key": v.key, "state": repository_state(plane, v),
-                         "reason": v.failure_reason or load_failure(plane, v),
-                         "hot": sorted(held.get("hot", [])), "warm": sorted(held.get("warm", []))})
+            rows.append(
+                {
+                    "key": v.key,
+                    "state": repository_state(plane, v),
+                    "reason": v.failure_reason or load_failure(plane, v),
+                    "hot": sorted(held.get("hot", [])),
+                    "warm": sorted(held.get("warm", [])),
+                }
+            )
     rows.sort(key=lambda r: (_model(r["key"]), int(r["key"].rpartition(":")[2])))
     return rows
 
@@ -138,5 +170,8 @@ def scoped(state: dict[str, Any], models: set[str] | None) -> dict[str, Any]:
         resident = [r if shown(r["key"]) else r | {"key": "", "hidden": True} for r in node["resident"]]
         failures = {k: v for k, v in node["failures"].items() if shown(k)}
         nodes.append(node | {"resident": resident, "failures": failures})
-    return state | {"nodes": nodes, "events": [e for e in state["events"] if shown(e["key"])],
-                    "versions": [v for v in state.get("versions", []) if shown(v["key"])]}
+    return state | {
+        "nodes": nodes,
+        "events": [e for e in state["events"] if shown(e["key"])],
+        "versions": [v for v in state.get("versions", []) if shown(v["key"])],
+    }

@@ -55,10 +55,15 @@ def _ago(seconds: float) -> str:
 def parts(state: dict[str, Any]) -> dict[str, str]:
     """The page's live sections rendered from a (scoped) state: what the page draws first and the socket sends."""
     nodes = [
-        n | {"bar": mark_safe(packing_svg(n)),  # noqa: S308 (packing_svg escapes every name it draws)
-             "used_text": size(n["memory_used"]), "budget_text": size(n["memory_budget"]),
-             "busy_pct": round(n["busy"] * 100), "seen": _ago(n["heartbeat_age"]),
-             "heartbeat_text": time.strftime("%H:%M:%S", time.gmtime(n["heartbeat_at"]))}
+        n
+        | {
+            "bar": mark_safe(packing_svg(n)),  # noqa: S308 (packing_svg escapes every name it draws)
+            "used_text": size(n["memory_used"]),
+            "budget_text": size(n["memory_budget"]),
+            "busy_pct": round(n["busy"] * 100),
+            "seen": _ago(n["heartbeat_age"]),
+            "heartbeat_text": time.strftime("%H:%M:%S", time.gmtime(n["heartbeat_at"])),
+        }
         for n in state["nodes"]
     ]
     events = [e | {"time": time.strftime("%H:%M:%S", time.gmtime(e["at"]))} for e in state["events"]]
@@ -136,7 +141,8 @@ class FleetView(APIView):
     """GET /api/fleet/: what the console's fleet page shows, for automation."""
 
     @extend_schema(
-        operation_id="fleet_retrieve", responses={
+        operation_id="fleet_retrieve",
+        responses={
             200: FleetSerializer,
             403: OpenApiResponse(ErrorSerializer, description=f"Not logged in, or no role: {NEEDS}."),
         },

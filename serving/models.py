@@ -15,8 +15,13 @@ MODEL_NAME = RegexValidator(
     "Model names use letters, digits, '_', '.' and '-', starting with a letter or digit.",
 )
 # The batching fields, and the field each of BatchingConfig's messages is about (by the name it starts with).
-BATCHING_FIELDS = ("max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes", "max_queue_size",
-                   "default_timeout_ms")
+BATCHING_FIELDS = (
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "preferred_batch_sizes",
+    "max_queue_size",
+    "default_timeout_ms",
+)
 PLACEMENT_FIELDS = ("min_memory_bytes", "accelerators", "pinned", "min_replicas")
 _CONFIG_MESSAGE_FIELD = {
     "max_batch_size": "max_batch_size",
@@ -68,39 +73,52 @@ class Visibility(models.TextChoices):
 class Model(models.Model):
     name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME])
     # No tenant: a platform model, visible to every tenant whatever its visibility.
-    tenant = models.ForeignKey(
-        "tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="models"
-    )
+    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="models")
     visibility = models.CharField(max_length=10, choices=Visibility.choices, default=Visibility.PRIVATE)
     shared_with = models.ManyToManyField("tenants.Tenant", blank=True, related_name="shared_models")
     description = models.TextField(blank=True)
     task = models.CharField(max_length=20, choices=Task.choices, default=Task.CLASSIFICATION)
     fallback = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="fallback_for",
         help_text="A smaller model that answers when this one is saturated.",
     )
     # Routing (rollout.routing): the version unpinned traffic goes to, and the rules that send some of it
     # elsewhere. Changed through serving.actions (promote, set_routing), which validate and audit.
     stable_version = models.PositiveIntegerField(
-        null=True, blank=True, help_text="The version unpinned traffic goes to; set when the first version is"
-                                         " ready, then by promotion.",
+        null=True,
+        blank=True,
+        help_text="The version unpinned traffic goes to; set when the first version is ready, then by promotion.",
     )
     rollout_weights = models.JSONField(
-        default=dict, blank=True, help_text='{version: share} summing to 1, e.g. {"3": 0.95, "4": 0.05}',
+        default=dict,
+        blank=True,
+        help_text='{version: share} summing to 1, e.g. {"3": 0.95, "4": 0.05}',
     )
     experiment_arms = models.JSONField(
-        default=dict, blank=True, help_text='A/B arms, {version: share} summing to 1, sticky per routing key',
+        default=dict,
+        blank=True,
+        help_text="A/B arms, {version: share} summing to 1, sticky per routing key",
     )
     tenant_versions = models.JSONField(
-        default=dict, blank=True, help_text='{tenant id: version}: the version each named tenant is served',
+        default=dict,
+        blank=True,
+        help_text="{tenant id: version}: the version each named tenant is served",
     )
     # A shadow (rollout.shadow_report): this share of the live requests served by other versions is mirrored
     # to `shadow_version` at the lowest priority and the answers compared; callers never see its answers.
     shadow_version = models.PositiveIntegerField(
-        null=True, blank=True, help_text="the version live requests are mirrored to for comparison",
+        null=True,
+        blank=True,
+        help_text="the version live requests are mirrored to for comparison",
     )
     shadow_fraction = models.FloatField(
-        default=0.0, blank=True, help_text="the share of live requests mirrored to the shadow version, 0 to 1",
+        default=0.0,
+        blank=True,
+        help_text="the share of live requests mirrored to the shadow version, 0 to 1",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -113,6 +131,7 @@ class Model(models.Model):
 
     def route_table(self) -> RouteTable:
         """The stored routing rules as the policy takes them; ValueError when they are malformed."""
+
         def numbered(raw: object, what: str) -> dict[int, object]:
             if not isinstance(raw, dict):
                 raise ValueError(f"{what} must be an object of version numbers")
@@ -138,8 +157,9 @@ class Model(models.Model):
         try:
             table = self.route_table()
         except ValueError as exc:
-            raise ValidationError({_ROUTING_MESSAGE_FIELD.get(str(exc).split(":")[0].split(" ")[0],
-                                                              NON_FIELD_ERRORS): str(exc)}) from None
+            raise ValidationError(
+                {_ROUTING_MESSAGE_FIELD.get(str(exc).split(":")[0].split(" ")[0], NON_FIELD_ERRORS): str(exc)}
+            ) from None
         if self.pk is None:
             if table.versions():
                 raise ValidationError({NON_FIELD_ERRORS: "a new model has no versions to route to"})
@@ -152,16 +172,22 @@ class Model(models.Model):
             raise ValidationError({NON_FIELD_ERRORS: f"routing names versions that are not live: {missing}"})
         if table.stable is not None and not self.versions.filter(version=table.stable, state=State.READY).exists():
             raise ValidationError({"stable_version": f"version {table.stable} is not ready"})
-        unknown = sorted(set(table.tenants) - set(Tenant.objects.filter(pk__in=table.tenants)
-                                                  .values_list("pk", flat=True)))
+        unknown = sorted(
+            set(table.tenants) - set(Tenant.objects.filter(pk__in=table.tenants).values_list("pk", flat=True))
+        )
         if unknown:
             raise ValidationError({"tenant_versions": f"no such tenants: {unknown}"})
 
     def routing_state(self) -> dict:
         """What the audit log keeps of a model's routing."""
-        return {"stable_version": self.stable_version, "rollout_weights": self.rollout_weights,
-                "experiment_arms": self.experiment_arms, "tenant_versions": self.tenant_versions,
-                "shadow_version": self.shadow_version, "shadow_fraction": self.shadow_fraction}
+        return {
+            "stable_version": self.stable_version,
+            "rollout_weights": self.rollout_weights,
+            "experiment_arms": self.experiment_arms,
+            "tenant_versions": self.tenant_versions,
+            "shadow_version": self.shadow_version,
+            "shadow_fraction": self.shadow_fraction,
+        }
 
     def next_version_number(self) -> int:
         last = self.versions.order_by("-version").values_list("version", flat=True).first()
@@ -204,16 +230,20 @@ class ModelVersion(models.Model):
     metrics = models.JSONField(default=dict, blank=True, help_text="e.g. held-out accuracy")
     # Placement (serving.policies.placement): constraints a node must meet, and what keeps the version loaded.
     min_memory_bytes = models.BigIntegerField(
-        default=0, validators=[MinValueValidator(0)], help_text="a node's device memory must be at least this")
+        default=0, validators=[MinValueValidator(0)], help_text="a node's device memory must be at least this"
+    )
     accelerators = models.JSONField(
-        default=list, blank=True, help_text="accelerator types allowed to host it, e.g. a10g, h100; empty: any")
+        default=list, blank=True, help_text="accelerator types allowed to host it, e.g. a10g, h100; empty: any"
+    )
     pinned = models.BooleanField(default=False, help_text="never evicted to make room for another version")
     min_replicas = models.PositiveIntegerField(
-        default=0, help_text="replicas kept loaded; the stable version with a minimum is never evicted")
+        default=0, help_text="replicas kept loaded; the stable version with a minimum is never evicted"
+    )
     # Replicas the autoscaler (Celery beat) last asked for; null when the autoscaler has not decided. The placement
     # reconciler keeps max(min_replicas, desired_replicas) loaded across the fleet.
     desired_replicas = models.PositiveIntegerField(
-        null=True, blank=True, help_text="replicas the autoscaler wants loaded; null: not decided")
+        null=True, blank=True, help_text="replicas the autoscaler wants loaded; null: not decided"
+    )
     # What nodes measured when they loaded it, per accelerator type: {type: {memory_bytes, cold_start_seconds}}.
     placement_measurements = models.JSONField(default=dict, blank=True)
     # Why no node can hold it (too big for the budget, constraints no node meets); empty when placeable.
@@ -263,8 +293,9 @@ class ModelVersion(models.Model):
             )
         except ValueError as exc:
             message = str(exc)
-            field = next((f for prefix, f in _CONFIG_MESSAGE_FIELD.items() if message.startswith(prefix)),
-                         NON_FIELD_ERRORS)
+            field = next(
+                (f for prefix, f in _CONFIG_MESSAGE_FIELD.items() if message.startswith(prefix)), NON_FIELD_ERRORS
+            )
             raise ValidationError({field: message}) from None
 
     def mark(self, state: str, reason: str = "") -> None:

@@ -95,9 +95,16 @@ class NodeWorker:
             # Made on this thread, not the event loop's: the worker's start-up closes Django's database
             # connections, which Django refuses to do from a thread running an event loop.
             self.worker = self.app.WorkController(
-                concurrency=1, pool="solo", hostname=f"{queue_for(self.name)}@{socket.gethostname()}",
-                queues=[queue_for(self.name)], without_heartbeat=True, without_mingle=True, without_gossip=True,
-                loglevel="INFO", logfile=None, ready_callback=None,
+                concurrency=1,
+                pool="solo",
+                hostname=f"{queue_for(self.name)}@{socket.gethostname()}",
+                queues=[queue_for(self.name)],
+                without_heartbeat=True,
+                without_mingle=True,
+                without_gossip=True,
+                loglevel="INFO",
+                logfile=None,
+                ready_callback=None,
             )
         finally:
             self._made.set()

@@ -69,8 +69,9 @@ async def check(what: WhatIf, *, user_id: int, deadline_s: float, limit: int) ->
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[dict[str, Any], bytes]] = loop.create_future()
     try:
-        threading.Thread(target=_run, args=(what, budget, user_id, loop, done), name="planner-check",
-                         daemon=True).start()
+        threading.Thread(
+            target=_run, args=(what, budget, user_id, loop, done), name="planner-check", daemon=True
+        ).start()
     except BaseException:
         SLOTS.give(user_id)
         raise
@@ -81,8 +82,7 @@ async def check(what: WhatIf, *, user_id: int, deadline_s: float, limit: int) ->
         raise
 
 
-def _run(what: WhatIf, budget: Budget, user_id: int, loop: asyncio.AbstractEventLoop,
-         done: asyncio.Future) -> None:
+def _run(what: WhatIf, budget: Budget, user_id: int, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
     outcome = "error"
     try:
         result: Any = simulate(what, budget)

@@ -81,27 +81,41 @@ async def planner_page(request: HttpRequest) -> HttpResponse:
         return await _refuse(request, as_json, what, result, 400, str(exc), field=exc.field)
     user = await request.auser()
     if not await sync_to_async(has_role)(user, Role.ENGINEER):
-        return await _refuse(request, as_json, what, result, 403,
-                             "a simulation check needs the engineer role in a tenant")
+        return await _refuse(
+            request, as_json, what, result, 403, "a simulation check needs the engineer role in a tenant"
+        )
     deadline = settings.FERRY_PLANNER_DEADLINE_S
     try:
-        run, png = await planner_runs.check(what, user_id=user.pk, deadline_s=deadline,
-                                            limit=settings.FERRY_PLANNER_MAX_SIMULATIONS)
+        run, png = await planner_runs.check(
+            what, user_id=user.pk, deadline_s=deadline, limit=settings.FERRY_PLANNER_MAX_SIMULATIONS
+        )
     except planner_runs.Busy as busy:
         return await _refuse(request, as_json, what, result, busy.status, str(busy), retry_after=busy.retry_after)
     except Stopped as stopped:
-        message = (f"the simulation gave up at its {deadline:g} s deadline after {stopped.simulated_s:.2f} of"
-                   f" {stopped.duration_s:.2f} simulated seconds; the analytic answer stands")
-        return await _refuse(request, as_json, what, result, 504, message, simulated_s=stopped.simulated_s,
-                             duration_s=stopped.duration_s)
+        message = (
+            f"the simulation gave up at its {deadline:g} s deadline after {stopped.simulated_s:.2f} of"
+            f" {stopped.duration_s:.2f} simulated seconds; the analytic answer stands"
+        )
+        return await _refuse(
+            request, as_json, what, result, 504, message, simulated_s=stopped.simulated_s, duration_s=stopped.duration_s
+        )
     if as_json:
         return JsonResponse({"answer": result.as_dict(), "simulation": _sim_summary(run)})
-    return await _page(request, _context(what, "") | {"answer": result, "sim": run,
-                                                      "plot": base64.b64encode(png).decode()})
+    return await _page(
+        request, _context(what, "") | {"answer": result, "sim": run, "plot": base64.b64encode(png).decode()}
+    )
 
 
-async def _refuse(request: HttpRequest, as_json: bool, what: WhatIf, result: object, status: int, error: str,
-                  retry_after: int | None = None, **extra: object) -> HttpResponse:
+async def _refuse(
+    request: HttpRequest,
+    as_json: bool,
+    what: WhatIf,
+    result: object,
+    status: int,
+    error: str,
+    retry_after: int | None = None,
+    **extra: object,
+) -> HttpResponse:
     """The refusal as JSON {"error", ...extra} or as the page with the error (and the analytic answer)."""
     if as_json:
         response: HttpResponse = JsonResponse({"error": error, **extra}, status=status)
@@ -130,6 +144,8 @@ def _finite(value: object) -> object:
 
 
 def _context(what: WhatIf, error: str) -> dict:
-    fields = [{"name": name, "label": label, "value": getattr(what, name), "range": _range(name)}
-              for name, (_, label) in FIELDS.items()]
+    fields = [
+        {"name": name, "label": label, "value": getattr(what, name), "range": _range(name)}
+        for name, (_, label) in FIELDS.items()
+    ]
     return {"fields": fields, "what": what, "error": error}

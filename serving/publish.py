@@ -144,13 +144,23 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
     for t in Tenant.objects.select_related("quota"):
         q = getattr(t, "quota", None) or default
         tenants[t.pk] = TenantEntry(
-            slug=t.slug, requests_per_second=q.requests_per_second, burst=q.burst,
-            max_in_flight=q.max_in_flight, monthly_requests=q.monthly_requests, priority=q.priority,
+            slug=t.slug,
+            requests_per_second=q.requests_per_second,
+            burst=q.burst,
+            max_in_flight=q.max_in_flight,
+            monthly_requests=q.monthly_requests,
+            priority=q.priority,
             share_shadow_samples=t.share_shadow_samples,
         )
     serial = next(_serial) if serial is None else serial
-    return RoutingSnapshot(serial=serial, built_at=time.time(), models=models, keys=keys, tenants=tenants,
-                           latency_budget_ms=settings.FERRY_LATENCY_BUDGET_MS)
+    return RoutingSnapshot(
+        serial=serial,
+        built_at=time.time(),
+        models=models,
+        keys=keys,
+        tenants=tenants,
+        latency_budget_ms=settings.FERRY_LATENCY_BUDGET_MS,
+    )
 
 
 def publish_snapshot() -> RoutingSnapshot:

@@ -57,7 +57,10 @@ def check_new_version(tenant_id: int | None) -> None:
 def loaded_private_bytes(tenant_id: int, *, excluding_model: int | None = None) -> int:
     """Accelerator memory of the tenant's private models' versions that are ready and loaded."""
     rows = ModelVersion.objects.filter(
-        model__tenant_id=tenant_id, model__visibility=Visibility.PRIVATE, state=State.READY, loaded=True,
+        model__tenant_id=tenant_id,
+        model__visibility=Visibility.PRIVATE,
+        state=State.READY,
+        loaded=True,
     )
     if excluding_model is not None:
         rows = rows.exclude(model_id=excluding_model)
@@ -89,8 +92,14 @@ def usage_against_quota(tenant_id: int, now: datetime | None = None) -> dict[str
     month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     usage = UsageMinute.objects.filter(tenant_id=tenant_id)
     this_month = usage.filter(minute__gte=month_start).aggregate(total=Sum("requests"))["total"] or 0
-    busiest = (usage.filter(minute__gte=now - timedelta(hours=1)).values("minute")
-               .annotate(n=Sum("requests")).order_by("-n").values_list("n", flat=True).first()) or 0
+    busiest = (
+        usage.filter(minute__gte=now - timedelta(hours=1))
+        .values("minute")
+        .annotate(n=Sum("requests"))
+        .order_by("-n")
+        .values_list("n", flat=True)
+        .first()
+    ) or 0
     return {
         "monthly_requests": int(this_month),
         "requests_per_second": math.ceil(busiest / 60),

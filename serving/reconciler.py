@@ -74,8 +74,12 @@ def holdings(nodes: Sequence[fleet.NodeInfo], pending: Sequence[Pending]) -> dic
 
 
 def plan(
-    wants: Mapping[str, int], specs: Mapping[str, VersionSpec], nodes: Sequence[fleet.NodeInfo],
-    pending: Sequence[Pending] = (), *, now: float = 0.0,
+    wants: Mapping[str, int],
+    specs: Mapping[str, VersionSpec],
+    nodes: Sequence[fleet.NodeInfo],
+    pending: Sequence[Pending] = (),
+    *,
+    now: float = 0.0,
 ) -> Plan:
     """What to do so that each version in `wants` (key -> desired replicas) has that many replicas on the
     live `nodes`. Versions hot on a node without an assignment (loaded there on demand) count as replicas
@@ -88,12 +92,10 @@ def plan(
             spec = specs.get(key)
             if spec is not None:  # by assignment first: the plan keeps those over on-demand copies
                 hot[key] = Resident(spec, last_used=2.0 if key in held[n.name] else 1.0)
-        states.append(NodeState(n.name, n.accelerator, n.memory_budget, hot, warm=n.warm,
-                                memory_total=n.memory_total))
+        states.append(NodeState(n.name, n.accelerator, n.memory_budget, hot, warm=n.warm, memory_total=n.memory_total))
     desired = {k: count for k, count in wants.items() if count > 0 and k in specs}
     placement = place(desired, specs, states, now=now)
-    result = Plan(unschedulable={k: u.reason for k, u in placement.unschedulable.items()},
-                  placed=placement.assignments)
+    result = Plan(unschedulable={k: u.reason for k, u in placement.unschedulable.items()}, placed=placement.assignments)
     failures = {n.name: n.failures for n in nodes}
     for key, names in placement.assignments.items():
         for name in names:
@@ -155,12 +157,17 @@ def clear_pending(pending_field: str, url: str | None = None) -> None:
 def spec_of(version: object) -> VersionSpec:
     """A version as placement sees it; its footprint the largest any accelerator type measured, else what
     validation measured."""
-    measured = [m.get("memory_bytes", 0) for m in (version.placement_measurements or {}).values()
-                if isinstance(m, dict)]
+    measured = [
+        m.get("memory_bytes", 0) for m in (version.placement_measurements or {}).values() if isinstance(m, dict)
+    ]
     footprint = max(measured, default=0) or version.memory_bytes or 0
     return VersionSpec(
-        version.key, footprint, min_memory=version.min_memory_bytes, accelerators=frozenset(version.accelerators),
-        pinned=version.pinned, stable=version.model.stable_version == version.version,
+        version.key,
+        footprint,
+        min_memory=version.min_memory_bytes,
+        accelerators=frozenset(version.accelerators),
+        pinned=version.pinned,
+        stable=version.model.stable_version == version.version,
         min_replicas=version.min_replicas,
     )
 
@@ -219,10 +226,15 @@ def _send(client: redis.Redis, result: Plan, now: float) -> None:
     sends += [(Pending("unload", n, k), node_tasks.unload_version, {"unload": False}) for n, k in result.releases]
     for pending, task, kwargs in sends:
         client.hset(PENDING_KEY, pending.field, lapse)  # before the send: its outcome may come back first
-        task.apply_async(args=[pending.key], kwargs={**kwargs, "pending": pending.field},
-                         queue=node_tasks.queue_for(pending.node), expires=node_tasks.EXPIRES_S)
-        log.info("placement: %s %s on %s", pending.op if kwargs.get("unload", True) else "release", pending.key,
-                 pending.node)
+        task.apply_async(
+            args=[pending.key],
+            kwargs={**kwargs, "pending": pending.field},
+            queue=node_tasks.queue_for(pending.node),
+            expires=node_tasks.EXPIRES_S,
+        )
+        log.info(
+            "placement: %s %s on %s", pending.op if kwargs.get("unload", True) else "release", pending.key, pending.node
+        )
 
 
 def _mark_unschedulable(versions: list, wants: Mapping[str, int], result: Plan) -> None:

@@ -24,8 +24,7 @@ def tiers(node: fleet.NodeInfo) -> dict[str, str]:
 
 
 @transaction.atomic
-def record(nodes: Sequence[fleet.NodeInfo], versions: Mapping[str, ModelVersion],
-           held: Mapping[str, set[str]]) -> int:
+def record(nodes: Sequence[fleet.NodeInfo], versions: Mapping[str, ModelVersion], held: Mapping[str, set[str]]) -> int:
     """Replace the records with what `nodes` hold now; returns the rows written."""
     rows = []
     for node in nodes:
@@ -33,8 +32,15 @@ def record(nodes: Sequence[fleet.NodeInfo], versions: Mapping[str, ModelVersion]
         for key, tier in tiers(node).items():
             version = versions.get(key)
             if version is not None:
-                rows.append(Replica(node=node.name, version=version, tier=tier, assigned=key in assigned,
-                                    accelerator=node.accelerator))
+                rows.append(
+                    Replica(
+                        node=node.name,
+                        version=version,
+                        tier=tier,
+                        assigned=key in assigned,
+                        accelerator=node.accelerator,
+                    )
+                )
     Replica.objects.all().delete()
     Replica.objects.bulk_create(rows)
     return len(rows)

@@ -27,8 +27,13 @@ def reconcile_placements() -> dict:
     if outcome.plan is None:
         return {"skipped": outcome.skipped}
     plan = outcome.plan
-    return {"nodes": outcome.nodes, "loads": len(plan.loads), "unloads": len(plan.unloads),
-            "releases": len(plan.releases), "unschedulable": sorted(plan.unschedulable)}
+    return {
+        "nodes": outcome.nodes,
+        "loads": len(plan.loads),
+        "unloads": len(plan.unloads),
+        "releases": len(plan.releases),
+        "unschedulable": sorted(plan.unschedulable),
+    }
 
 
 @shared_task(ignore_result=True)

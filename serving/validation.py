@@ -59,8 +59,17 @@ def validate(version: ModelVersion) -> ModelVersion:
             # Ready but not loaded: the tenant loads it (repository load) once it has room.
             version.loaded = False
             version.failure_reason = f"{NOT_LOADED}{full.message}"
-        version.save(update_fields=["latency_profile", "memory_bytes", "load_seconds", "state", "failure_reason",
-                                    "loaded", "updated_at"])
+        version.save(
+            update_fields=[
+                "latency_profile",
+                "memory_bytes",
+                "load_seconds",
+                "state",
+                "failure_reason",
+                "loaded",
+                "updated_at",
+            ]
+        )
         _stable_if_first(version)
     return version
 

@@ -97,8 +97,9 @@ def model_page(request: HttpRequest, name: str) -> HttpResponse:
             return render(request, "console/model.html", context, status=400)
         set_visibility(model=model, visibility=visibility, shared_with=shared, actor=request.user)
         return redirect("console-model", name=model.name)
-    return render(request, "console/model.html", _model_context(model, may_share, request.user)
-                  | _fallback(request.user, model))
+    return render(
+        request, "console/model.html", _model_context(model, may_share, request.user) | _fallback(request.user, model)
+    )
 
 
 def _fallback(user: object, model: Model) -> dict:
@@ -109,6 +110,12 @@ def _fallback(user: object, model: Model) -> dict:
 def _model_context(model: Model, may_share: bool, user: object) -> dict:
     versions = [{"v": v, "profile": _profile(v)} for v in model.versions.all()]
     shared = sorted(model.shared_with.values_list("slug", flat=True)) if may_share else []
-    return {"model": model, "versions": versions, "may_share": may_share, "shared_with": " ".join(shared),
-            "visibilities": Visibility.values, "may_read_shadow": shadow_report_refusal(user, model) is None,
-            **panel(user, model)}
+    return {
+        "model": model,
+        "versions": versions,
+        "may_share": may_share,
+        "shared_with": " ".join(shared),
+        "visibilities": Visibility.values,
+        "may_read_shadow": shadow_report_refusal(user, model) is None,
+        **panel(user, model),
+    }

@@ -59,8 +59,17 @@ def _registry_fingerprint() -> tuple:
     # A tenant's shadow-sample opt-in changed in another process: Tenant has no updated_at, so the ids of
     # those opted in (a few) stand for it.
     sharing = tuple(Tenant.objects.filter(share_shadow_samples=True).order_by("pk").values_list("pk", flat=True))
-    return (versions["n"], versions["t"], models["n"], models["t"], api_keys["n"], api_keys["t"],
-            quotas["n"], quotas["t"], sharing)
+    return (
+        versions["n"],
+        versions["t"],
+        models["n"],
+        models["t"],
+        api_keys["n"],
+        api_keys["t"],
+        quotas["n"],
+        quotas["t"],
+        sharing,
+    )
 
 
 def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
@@ -92,8 +101,12 @@ def write_placement(report: LoadReport) -> None:
     from tenants import audit
 
     with transaction.atomic():
-        version = (ModelVersion.objects.select_for_update(of=("self",)).select_related("model__tenant")
-                   .filter(model__name=report.model, version=report.version).first())
+        version = (
+            ModelVersion.objects.select_for_update(of=("self",))
+            .select_related("model__tenant")
+            .filter(model__name=report.model, version=report.version)
+            .first()
+        )
         if version is None:
             return
         rows = ModelVersion.objects.filter(pk=version.pk)
@@ -103,8 +116,10 @@ def write_placement(report: LoadReport) -> None:
             rows.update(unschedulable_reason=after, updated_at=timezone.now())
         else:
             measured = dict(version.placement_measurements or {})
-            measured[report.accelerator] = {"memory_bytes": report.memory_bytes,
-                                            "cold_start_seconds": round(report.cold_start, 4)}
+            measured[report.accelerator] = {
+                "memory_bytes": report.memory_bytes,
+                "cold_start_seconds": round(report.cold_start, 4),
+            }
             # It loaded: what a node found unschedulable about it no longer holds. What the placement reconciler
             # found (too few nodes for its replicas) is the reconciler's to clear.
             after = before if before.startswith(PLACEMENT_REASON) else ""
@@ -113,9 +128,14 @@ def write_placement(report: LoadReport) -> None:
                 changes.update(unschedulable_reason="", updated_at=timezone.now())
             rows.update(**changes)
         if after != before:  # a state change of the version, made by the system (a node)
-            audit.record(None, "version.unschedulable" if after else "version.schedulable",
-                         f"model {report.model} version {report.version}", tenant=version.model.tenant,
-                         before={"unschedulable_reason": before}, after={"unschedulable_reason": after})
+            audit.record(
+                None,
+                "version.unschedulable" if after else "version.schedulable",
+                f"model {report.model} version {report.version}",
+                tenant=version.model.tenant,
+                before={"unschedulable_reason": before},
+                after={"unschedulable_reason": after},
+            )
 
 
 def _send_usage(batch_id: str, drained: Drained) -> None:
@@ -196,17 +216,33 @@ async def start() -> DataPlane:
             publisher.start()
             _events.append(publisher)
     # Mirrors go only to a shadow that is loaded: a mirror never pays for a cold load.
-    mirror = Mirror(transport, max_items=settings.FERRY_SHADOW_QUEUE_ITEMS, max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
-                    workers=settings.FERRY_SHADOW_WORKERS, max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
-                    max_pair_bytes=settings.FERRY_SHADOW_MAX_PAIR_BYTES, ready=node.is_ready)
-    gateway = Gateway(hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder,
-                      ready=node.routable, mirror=mirror)
+    mirror = Mirror(
+        transport,
+        max_items=settings.FERRY_SHADOW_QUEUE_ITEMS,
+        max_bytes=settings.FERRY_SHADOW_QUEUE_BYTES,
+        workers=settings.FERRY_SHADOW_WORKERS,
+        max_pairs=settings.FERRY_SHADOW_MAX_PAIRS,
+        max_pair_bytes=settings.FERRY_SHADOW_MAX_PAIR_BYTES,
+        ready=node.is_ready,
+    )
+    gateway = Gateway(
+        hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder, ready=node.routable, mirror=mirror
+    )
     gateway.unready_reason = node.unready_reason
-    plane = DataPlane(gateway=gateway, node=node, loop=asyncio.get_running_loop(),
-                      pepper=pepper_from(settings.SECRET_KEY), quota=quota_gate_from_settings(),
-                      usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
-                      fingerprint=_registry_fingerprint, publish=publish_snapshot, record_key_use=_record_key_use,
-                      set_loaded=_set_loaded, mirror=mirror, send_shadow=_send_shadow)
+    plane = DataPlane(
+        gateway=gateway,
+        node=node,
+        loop=asyncio.get_running_loop(),
+        pepper=pepper_from(settings.SECRET_KEY),
+        quota=quota_gate_from_settings(),
+        usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
+        fingerprint=_registry_fingerprint,
+        publish=publish_snapshot,
+        record_key_use=_record_key_use,
+        set_loaded=_set_loaded,
+        mirror=mirror,
+        send_shadow=_send_shadow,
+    )
     hub.subscribe(plane.on_snapshot)
     planes.install(plane)
     GATE.count = plane.count_frontend_shed
@@ -267,8 +303,14 @@ async def stop() -> None:
         return
     hub.unsubscribe(plane.on_snapshot)
     GATE.reset()
-    for task in (plane.refresher, plane.lag_watch, plane.key_flusher, plane.usage_task, plane.shadow_task,
-                 *_control_tasks):
+    for task in (
+        plane.refresher,
+        plane.lag_watch,
+        plane.key_flusher,
+        plane.usage_task,
+        plane.shadow_task,
+        *_control_tasks,
+    ):
         if task is not None:
             task.cancel()
     _control_tasks.clear()

@@ -27,8 +27,14 @@ class Stopped(Exception):
 
 
 class Budget:
-    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic,
-                 cancelled: threading.Event | None = None, every: int = 256) -> None:
+    def __init__(
+        self,
+        seconds: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        cancelled: threading.Event | None = None,
+        every: int = 256,
+    ) -> None:
         self.clock = clock
         self.until = clock() + seconds
         self.cancelled = cancelled if cancelled is not None else threading.Event()

@@ -83,8 +83,17 @@ class SimModel:
 
 def _entry(name: str, number: int, batching: BatchingConfig, timeout: float, profile: dict[int, float]) -> VersionEntry:
     return VersionEntry(
-        model=name, version=number, state="ready", loaded=True, artifact_sha256="", format="torchscript",
-        inputs=(), outputs=(), batching=batching, default_timeout_ms=int(timeout * 1000), latency_profile=profile,
+        model=name,
+        version=number,
+        state="ready",
+        loaded=True,
+        artifact_sha256="",
+        format="torchscript",
+        inputs=(),
+        outputs=(),
+        batching=batching,
+        default_timeout_ms=int(timeout * 1000),
+        latency_profile=profile,
     )
 
 
@@ -94,7 +103,7 @@ def build(scenario: Scenario) -> list[SimModel]:
     n_models = max(1, round(scenario.versions / (1 + scenario.canary_share)))
     n_canary = min(scenario.versions - n_models, n_models)
     ranks = np.arange(1, n_models + 1, dtype=float)
-    popularity = ranks ** -scenario.zipf
+    popularity = ranks**-scenario.zipf
     popularity /= popularity.sum()
     shares = np.array([f.share for f in scenario.families])
     family_of = rng.choice(len(scenario.families), size=n_models, p=shares / shares.sum())
@@ -128,9 +137,14 @@ def build(scenario: Scenario) -> list[SimModel]:
     for model in models:
         weights = {n: v.weight for n, v in model.versions.items()} if len(model.versions) > 1 else {}
         model.entry = ModelEntry(
-            name=model.name, task="", description="", fallback=model.fallback.name if model.fallback else None,
-            versions={n: _entry(model.name, n, v.batching, scaling.timeout, v.profile.as_dict())
-                      for n, v in model.versions.items()},
+            name=model.name,
+            task="",
+            description="",
+            fallback=model.fallback.name if model.fallback else None,
+            versions={
+                n: _entry(model.name, n, v.batching, scaling.timeout, v.profile.as_dict())
+                for n, v in model.versions.items()
+            },
             routes=RouteTable(stable=1, weights=weights),
         )
     return models
@@ -141,25 +155,43 @@ def _cost(model: SimModel) -> float:
     return v.estimate(v.max_batch) / v.max_batch
 
 
-def _version(rng: np.random.Generator, model: SimModel, number: int, family: Family, node: NodeType,
-             scaling: Scaling, weight: float) -> SimVersion:
+def _version(
+    rng: np.random.Generator,
+    model: SimModel,
+    number: int,
+    family: Family,
+    node: NodeType,
+    scaling: Scaling,
+    weight: float,
+) -> SimVersion:
     base = rng.uniform(*family.base_ms) / 1000 / node.speed
     per_row = rng.uniform(*family.per_row_ms) / 1000 / node.speed
     memory = int(rng.uniform(*family.memory_gb) * GB)
     # Warm-up measures the profile at powers of two up to the largest batch, as the node does.
-    sizes = sorted({1 << k for k in range(family.max_batch_size.bit_length()) if 1 << k <= family.max_batch_size}
-                   | {family.max_batch_size})
+    sizes = sorted(
+        {1 << k for k in range(family.max_batch_size.bit_length()) if 1 << k <= family.max_batch_size}
+        | {family.max_batch_size}
+    )
     measured = {b: ms / 1000 / node.speed for b, ms in family.profile_ms}
     profile = LatencyProfile(measured or {b: base + per_row * b for b in sizes})
-    batching = BatchingConfig(max_batch_size=family.max_batch_size,
-                              max_queue_delay=family.max_queue_delay_ms / 1000,
-                              max_queue_size=scaling.max_queue_size)
+    batching = BatchingConfig(
+        max_batch_size=family.max_batch_size,
+        max_queue_delay=family.max_queue_delay_ms / 1000,
+        max_queue_size=scaling.max_queue_size,
+    )
     cold_start = node.cold_start + node.cold_start_per_gb * memory / GB
     config = ScalingConfig(
-        accelerator=node.name, memory_bytes=memory, cold_start=cold_start, latency_budget=scaling.latency_budget,
-        max_batch_size=family.max_batch_size, target_utilisation=scaling.target_utilisation,
-        warm_pool=scaling.warm_pool, min_replicas=1, max_replicas=max(1, node.nodes),
-        cool_down=scaling.cool_down, scheduling_delay=scaling.scheduling_delay,
+        accelerator=node.name,
+        memory_bytes=memory,
+        cold_start=cold_start,
+        latency_budget=scaling.latency_budget,
+        max_batch_size=family.max_batch_size,
+        target_utilisation=scaling.target_utilisation,
+        warm_pool=scaling.warm_pool,
+        min_replicas=1,
+        max_replicas=max(1, node.nodes),
+        cool_down=scaling.cool_down,
+        scheduling_delay=scaling.scheduling_delay,
     )
     capacity = replica_capacity(profile.estimate, family.max_batch_size, scaling.latency_budget)
     assert capacity is not None  # a profile with points always has a capacity
@@ -168,8 +200,18 @@ def _version(rng: np.random.Generator, model: SimModel, number: int, family: Fam
     times = times_of(profile, family.max_batch_size)
     queue = BatchQueue(batching, times.__getitem__, max_bytes=scaling.max_queue_size)
     return SimVersion(
-        key=f"{model.name}:{number}", model=model, number=number, family=family, node=node, memory_bytes=memory,
-        profile=profile, batching=batching, scaling=config, capacity=capacity, queue=queue, weight=weight,
+        key=f"{model.name}:{number}",
+        model=model,
+        number=number,
+        family=family,
+        node=node,
+        memory_bytes=memory,
+        profile=profile,
+        batching=batching,
+        scaling=config,
+        capacity=capacity,
+        queue=queue,
+        weight=weight,
         times=times,
     )
 

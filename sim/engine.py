@@ -78,8 +78,15 @@ def binomial(rng: random.Random, n: int, p: float) -> int:
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, policy: str, *, duration: float | None = None,
-                 progress: Callable[[str], None] | None = None, budget: Budget | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: str,
+        *,
+        duration: float | None = None,
+        progress: Callable[[str], None] | None = None,
+        budget: Budget | None = None,
+    ) -> None:
         """`budget`: when to give up (its deadline or cancel flag), raising `Stopped`; None runs to the end."""
         self.sc = scenario
         self.budget = budget
@@ -138,8 +145,10 @@ class Simulation:
                 self._tick(t)
                 if self.progress and t >= next_report and t <= self.duration:
                     next_report += self.duration / 10
-                    self.progress(f"{self.sc.name}/{self.policy.name}: {t:.0f}/{self.duration:.0f} s simulated,"
-                                  f" {time.perf_counter() - started:.1f} s wall")
+                    self.progress(
+                        f"{self.sc.name}/{self.policy.name}: {t:.0f}/{self.duration:.0f} s simulated,"
+                        f" {time.perf_counter() - started:.1f} s wall"
+                    )
             else:
                 self._ready(a, t)
         self.events = events
@@ -227,8 +236,9 @@ class Simulation:
         m.routes_dirty = False
         return m.routes
 
-    def _dispatch(self, m: SimModel, k: int, lo: float, hi: float, now: float, *, fallback: bool, reason: str,
-                  first: bool = False) -> None:
+    def _dispatch(
+        self, m: SimModel, k: int, lo: float, hi: float, now: float, *, fallback: bool, reason: str, first: bool = False
+    ) -> None:
         """`first`: the cohort's earliest row arrived at `lo` exactly (a cohort from `_advance`); the others
         are uniform over [lo, hi]."""
         routes = self._routes(m) if m.routes_dirty else m.routes
@@ -246,8 +256,18 @@ class Simulation:
                 self._offer(m, v, n, lo, hi, now, fallback, reason, 0 <= holder < n)
                 holder -= n
 
-    def _offer(self, m: SimModel, v: SimVersion | None, k: int, lo: float, hi: float, now: float,
-               fallback: bool, reason: str, first: bool = False) -> None:
+    def _offer(
+        self,
+        m: SimModel,
+        v: SimVersion | None,
+        k: int,
+        lo: float,
+        hi: float,
+        now: float,
+        fallback: bool,
+        reason: str,
+        first: bool = False,
+    ) -> None:
         if v is None or not v.ready_count:
             self._refused(m, k, lo, hi, now, fallback, reason, first)
             return
@@ -279,8 +299,9 @@ class Simulation:
         if admit < k:
             self._refused(m, k - admit, split, hi, now, fallback, why, first and admit == 0)
 
-    def _refused(self, m: SimModel, k: int, lo: float, hi: float, now: float, fallback: bool, reason: str,
-                 first: bool = False) -> None:
+    def _refused(
+        self, m: SimModel, k: int, lo: float, hi: float, now: float, fallback: bool, reason: str, first: bool = False
+    ) -> None:
         fb = m.fallback
         if fallback or fb is None:
             self.metrics.shed(now, k, reason)
@@ -306,8 +327,11 @@ class Simulation:
             # of every version on the device, and that already fits: its verdict would be to admit.
             return k
         own = VersionLoad(v.queue.rows // replicas, v.max_batch, v.estimate)
-        others = [VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate)
-                  for r in home.hosted if r.ready and (o := r.version) is not v and o.queue.rows]
+        others = [
+            VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate)
+            for r in home.hosted
+            if r.ready and (o := r.version) is not v and o.queue.rows
+        ]
 
         def fits(rows: int) -> bool:
             c = completion_seconds(own=own, rows=-(-rows // replicas), others=others, in_flight=in_flight)

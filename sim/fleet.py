@@ -85,8 +85,9 @@ def spec_of(v: SimVersion) -> VersionSpec:
     if spec is None or spec.key != v.key:
         # Every simulated version is a stable one with a minimum replica: placement never evicts it,
         # the reconciler alone scales it in.
-        spec = _SPECS[id(v)] = VersionSpec(v.key, v.memory_bytes, accelerators=frozenset({v.node.name}),
-                                           stable=True, min_replicas=1)
+        spec = _SPECS[id(v)] = VersionSpec(
+            v.key, v.memory_bytes, accelerators=frozenset({v.node.name}), stable=True, min_replicas=1
+        )
     return spec
 
 
@@ -176,8 +177,14 @@ class Fleet:
         for device in self.powered():
             if device.planned_load(observed=True) <= 1.0:
                 continue
-            movable = [r for r in device.hosted if r.ready and not r.draining and r.replaces is None
-                       and not any(o.replaces is not None for o in r.version.replicas)]
+            movable = [
+                r
+                for r in device.hosted
+                if r.ready
+                and not r.draining
+                and r.replaces is None
+                and not any(o.replaces is not None for o in r.version.replicas)
+            ]
             if len(movable) < 2:  # alone on its device, a replica is the scaling policy's to multiply
                 continue
             busiest = max(movable, key=lambda r: r.version.busy_share(r.version.observed / max(staying(r.version), 1)))

@@ -128,22 +128,44 @@ def answer(w: WhatIf) -> Answer:
 
     budget = HEADROOM * w.p99_ms / 1000
     if not cap.fits_budget:
-        name, why = "p99 budget", (f"even a batch of one waits and runs for {2 * profile.estimate(1) * 1000:.0f} ms,"
-                                   f" over {budget * 1000:.0f} ms (80% of the target): a faster model or device")
+        name, why = (
+            "p99 budget",
+            (
+                f"even a batch of one waits and runs for {2 * profile.estimate(1) * 1000:.0f} ms,"
+                f" over {budget * 1000:.0f} ms (80% of the target): a faster model or device"
+            ),
+        )
     elif rho >= 1:
-        name, why = "serving capacity", (f"{w.rate:.0f} requests/s against {capacity:.0f} the replicas serve within"
-                                         f" the target: {needed} replicas at {TARGET_UTILISATION:.0%} utilisation")
+        name, why = (
+            "serving capacity",
+            (
+                f"{w.rate:.0f} requests/s against {capacity:.0f} the replicas serve within"
+                f" the target: {needed} replicas at {TARGET_UTILISATION:.0%} utilisation"
+            ),
+        )
     elif rho > TARGET_UTILISATION or needed > w.replicas:
-        name, why = "fleet pressure", (f"utilisation {rho:.0%} leaves no room for a burst or a cold start:"
-                                       f" {needed} replicas keep {TARGET_UTILISATION:.0%}")
+        name, why = (
+            "fleet pressure",
+            (
+                f"utilisation {rho:.0%} leaves no room for a burst or a cold start:"
+                f" {needed} replicas keep {TARGET_UTILISATION:.0%}"
+            ),
+        )
     elif w.models > 1 and p99 > w.p99_ms / 1000:
-        name, why = "multi-model packing", (f"{w.models} models take turns on each device: a model waits about"
-                                            f" {gap * 1000:.0f} ms for its turn")
+        name, why = (
+            "multi-model packing",
+            (f"{w.models} models take turns on each device: a model waits about {gap * 1000:.0f} ms for its turn"),
+        )
     elif p99 > w.p99_ms / 1000:
         name, why = "p99 budget", f"queueing at {rho:.0%} utilisation puts p99 near {p99 * 1000:.0f} ms"
     elif w.device == "accelerator" and batch <= 2:
-        name, why = "accelerator efficiency", (f"batches of {batch}: the accelerator runs almost empty; fewer"
-                                               " replicas, a longer window or more models per device would fill it")
+        name, why = (
+            "accelerator efficiency",
+            (
+                f"batches of {batch}: the accelerator runs almost empty; fewer"
+                " replicas, a longer window or more models per device would fill it"
+            ),
+        )
     else:
         name, why = "none", f"utilisation {rho:.0%}, batches of {batch}, p99 near {p99 * 1000:.0f} ms"
     return Answer(capacity, rho, cap.batch, needed, p50 * 1000, p99 * 1000, name, why)
@@ -160,16 +182,42 @@ def scenario_doc(w: WhatIf, seconds: float = SIM_SECONDS) -> dict[str, Any]:
     seconds = min(seconds, sim_requests(w) / w.rate)
     profile_ms = {b: s * 1000 for b, s in w.profile().items()}
     return {
-        "name": "planner", "duration": seconds, "seed": 1, "versions": w.models, "canary_share": 0.0,
-        "fallback_share": 0.0, "zipf": 0.0, "window": max(1.0, seconds / 20),
+        "name": "planner",
+        "duration": seconds,
+        "seed": 1,
+        "versions": w.models,
+        "canary_share": 0.0,
+        "fallback_share": 0.0,
+        "zipf": 0.0,
+        "window": max(1.0, seconds / 20),
         "traffic": {"shape": "steady", "rate": w.rate},
-        "families": {"model": {"share": 1.0, "accelerator": "device", "memory_gb": 1.0, "base_ms": 1, "per_row_ms": 0,
-                               "max_batch_size": w.max_batch, "max_queue_delay_ms": w.batch_window_ms,
-                               "profile_ms": profile_ms}},
-        "fleet": {"device": {"nodes": w.replicas, "memory_gb": max(1.0, w.models * 1.0), "speed": 1.0,
-                             "cost_per_hour": 1.0, "cold_start": 0}},
-        "scaling": {"latency_budget": w.p99_ms / 1000, "timeout": max(1.0, 2 * w.p99_ms / 1000),
-                    "max_device_load": 10.0, "fixed_replicas": w.replicas},
+        "families": {
+            "model": {
+                "share": 1.0,
+                "accelerator": "device",
+                "memory_gb": 1.0,
+                "base_ms": 1,
+                "per_row_ms": 0,
+                "max_batch_size": w.max_batch,
+                "max_queue_delay_ms": w.batch_window_ms,
+                "profile_ms": profile_ms,
+            }
+        },
+        "fleet": {
+            "device": {
+                "nodes": w.replicas,
+                "memory_gb": max(1.0, w.models * 1.0),
+                "speed": 1.0,
+                "cost_per_hour": 1.0,
+                "cold_start": 0,
+            }
+        },
+        "scaling": {
+            "latency_budget": w.p99_ms / 1000,
+            "timeout": max(1.0, 2 * w.p99_ms / 1000),
+            "max_device_load": 10.0,
+            "fixed_replicas": w.replicas,
+        },
         "policies": ["static"],
     }
 
@@ -177,8 +225,11 @@ def scenario_doc(w: WhatIf, seconds: float = SIM_SECONDS) -> dict[str, Any]:
 def check_simulable(w: WhatIf) -> None:
     """OutOfRange when the what-if is too large to check in a request (the analytic answer still stands)."""
     if w.replicas * w.models > MAX_SIM_REPLICAS:
-        raise OutOfRange("replicas", f"{w.replicas} replicas x {w.models} models is too large to simulate here"
-                                     f" (at most {MAX_SIM_REPLICAS}); `python -m sim.report` runs fleets of any size")
+        raise OutOfRange(
+            "replicas",
+            f"{w.replicas} replicas x {w.models} models is too large to simulate here"
+            f" (at most {MAX_SIM_REPLICAS}); `python -m sim.report` runs fleets of any size",
+        )
 
 
 def simulate(w: WhatIf, budget: Budget | None = None) -> tuple[dict[str, Any], bytes]:

@@ -10,8 +10,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLOURS = {"predictive": "#1f77b4", "forecast-only": "#9467bd", "trend-only": "#ff7f0e", "reactive": "#d62728",
-           "static": "#2ca02c"}
+COLOURS = {
+    "predictive": "#1f77b4",
+    "forecast-only": "#9467bd",
+    "trend-only": "#ff7f0e",
+    "reactive": "#d62728",
+    "static": "#2ca02c",
+}
 
 
 def scenario_plot(name: str, title: str, runs: list[dict[str, Any]], path: Path, budget_ms: float = 300.0) -> Path:

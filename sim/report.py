@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="scenario names (default: every shipped one)")
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--duration", type=float, help="simulate only this many seconds of each (a quick look)")
-    p.add_argument("--render-only", action="store_true",
-                   help="run nothing: rewrite the page from docs/simulation.json (after sim.validate, say)")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: rewrite the page from docs/simulation.json (after sim.validate, say)",
+    )
     args = p.parse_args(argv)
 
     paths = [] if args.render_only else [p for p in scenarios.shipped() if not args.only or p.stem in args.only]
@@ -83,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             for job, future in futures.items():
                 results[job] = _clean(future.result())
                 r = results[job]
-                log(f"done {r['scenario']}/{r['policy']}: p99 {r['latency_ms']['p99']:.0f} ms, shed"
+                log(
+                    f"done {r['scenario']}/{r['policy']}: p99 {r['latency_ms']['p99']:.0f} ms, shed"
                     f" {100 * r['shed_share']:.2f}%, {r['accelerator_hours']:.2f} accelerator-hours,"
-                    f" {r['cpu_s']:.0f} s CPU")
+                    f" {r['cpu_s']:.0f} s CPU"
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     # Scenarios not run this time keep their last results (`--only` refreshes some of the page).
     json_path = args.out / "simulation.json"
@@ -103,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         png = args.out / f"sim-{sc.name}.png"
         if sc.name in {s.name for s in loaded.values()} or not png.exists():
             scenario_plot(sc.name, sc.title, runs, png, budget_ms=sc.scaling.latency_budget * 1000)
-        by_scenario.append({"name": sc.name, "title": sc.title, "file": path.name, "scenario": sc,
-                            "runs": runs, "plot": png.name})
+        by_scenario.append(
+            {"name": sc.name, "title": sc.title, "file": path.name, "scenario": sc, "runs": runs, "plot": png.name}
+        )
     validation_path = args.out / "sim-validation.json"
     validation = json.loads(validation_path.read_text()) if validation_path.exists() else None
-    json_path.write_text(json.dumps(
-        {s["name"]: {r["policy"]: r for r in s["runs"]} for s in by_scenario}, indent=1))
+    json_path.write_text(json.dumps({s["name"]: {r["policy"]: r for r in s["runs"]} for s in by_scenario}, indent=1))
     (args.out / "simulation.md").write_text(render(by_scenario, validation, time.perf_counter() - started))
     log(f"wrote {args.out / 'simulation.md'} in {time.perf_counter() - started:.0f} s")
     return 0

@@ -27,19 +27,24 @@ from sim.scenario import Scenario
 class Predictive:
     name = "predictive"
 
-    def __init__(self, scenario: Scenario, versions: list[SimVersion], *, surge: bool = True,
-                 season: bool = True) -> None:
+    def __init__(
+        self, scenario: Scenario, versions: list[SimVersion], *, surge: bool = True, season: bool = True
+    ) -> None:
         memory = {node.name: int(node.memory_gb * 2**30) for node in scenario.fleet}
         scaling = scenario.scaling
-        self.autoscaler = Autoscaler(memory, surge=scaling.surge if surge else 0.0,
-                                     season=scaling.season if season else 0.0, season_buckets=scaling.season_buckets)
+        self.autoscaler = Autoscaler(
+            memory,
+            surge=scaling.surge if surge else 0.0,
+            season=scaling.season if season else 0.0,
+            season_buckets=scaling.season_buckets,
+        )
         self.versions = versions
         self.nodes_wanted: dict[str, int] = {}
 
     def desired(self, now: float) -> dict[SimVersion, int]:
-        plan = self.autoscaler.tick(now, [
-            Observation(v.key, v.scaling, v.arrivals_total, staying(v), v.estimate) for v in self.versions
-        ])
+        plan = self.autoscaler.tick(
+            now, [Observation(v.key, v.scaling, v.arrivals_total, staying(v), v.estimate) for v in self.versions]
+        )
         self.nodes_wanted = {kind: demand.nodes for kind, demand in plan.accelerators.items()}
         out: dict[SimVersion, int] = {}
         for v in self.versions:
@@ -130,6 +135,11 @@ class Static:
 
 
 def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictive | Reactive | Static:
-    policies = {"predictive": Predictive, "forecast-only": ForecastOnly, "trend-only": TrendOnly, "reactive": Reactive,
-                "static": Static}
+    policies = {
+        "predictive": Predictive,
+        "forecast-only": ForecastOnly,
+        "trend-only": TrendOnly,
+        "reactive": Reactive,
+        "static": Static,
+    }
     return policies[name](scenario, versions)

@@ -174,8 +174,11 @@ def from_dict(doc: dict[str, Any]) -> Scenario:
         if family.profile_ms and family.max_batch_size not in dict(family.profile_ms):
             raise ValueError(f"family {family.name}'s measured profile lacks its max_batch_size")
     fleet = tuple(NodeType(name=name, **spec) for name, spec in doc["fleet"].items())
-    known = {k: doc[k] for k in ("versions", "canary_share", "canary_weight", "fallback_share", "zipf", "seed",
-                                 "window", "jitter") if k in doc}
+    known = {
+        k: doc[k]
+        for k in ("versions", "canary_share", "canary_weight", "fallback_share", "zipf", "seed", "window", "jitter")
+        if k in doc
+    }
     return Scenario(
         name=doc["name"],
         title=doc.get("title", doc["name"]),

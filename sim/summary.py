@@ -38,17 +38,21 @@ def summarise(sim: Simulation, wall: float, cpu: float) -> dict[str, Any]:
         "shed_share": totals["shed"] / arrived if arrived else 0.0,
         "expired_share": totals["expired"] / arrived if arrived else 0.0,
         "shed_reasons": m.shed_reasons(),
-        "latency_ms": {name: percentile(hist, q) * 1000 for name, q in
-                       (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))},
+        "latency_ms": {
+            name: percentile(hist, q) * 1000 for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
+        },
         # Every request, a refused or timed-out one counting as past any budget: None when over 1% failed.
         "p99_all_ms": _ms(percentile_all(hist, totals["shed"] + totals["expired"], 0.99)),
         "worst_window_p99_ms": max(p99s) if p99s else float("nan"),
-        "windows_p99_all_over_300ms": sum(1 for row in timeline
-                                          if row["p99_all_ms"] is None or row["p99_all_ms"] > 300),
+        "windows_p99_all_over_300ms": sum(
+            1 for row in timeline if row["p99_all_ms"] is None or row["p99_all_ms"] > 300
+        ),
         "windows": len(timeline),
         "utilisation": busy / on if on else 0.0,
-        "utilisation_by_type": {kind: (v["busy_seconds"] / v["on_seconds"] if v["on_seconds"] else 0.0)  # type: ignore[index]
-                                for kind, v in kinds.items()},
+        "utilisation_by_type": {
+            kind: (v["busy_seconds"] / v["on_seconds"] if v["on_seconds"] else 0.0)  # type: ignore[index]
+            for kind, v in kinds.items()
+        },
         "accelerator_hours": sum(hours.values()),
         "accelerator_hours_by_type": hours,
         "cost": sum(hours[k] * costs[k] for k in hours),

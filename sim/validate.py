@@ -51,8 +51,14 @@ def _version(base: str, model: str) -> dict[str, Any]:
     return min(rows, key=lambda r: r["version"])
 
 
-SERIES = ("ferry_compute_seconds_sum", "ferry_compute_seconds_count", "ferry_batch_size_sum",
-          "ferry_batch_size_count", "ferry_request_seconds_sum", "ferry_request_seconds_count")
+SERIES = (
+    "ferry_compute_seconds_sum",
+    "ferry_compute_seconds_count",
+    "ferry_batch_size_sum",
+    "ferry_batch_size_count",
+    "ferry_request_seconds_sum",
+    "ferry_request_seconds_count",
+)
 
 
 def _totals(base: str, model: str) -> dict[str, float]:
@@ -68,9 +74,11 @@ def _phase(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     """Means over one load phase: seconds of compute per batch, rows per batch, seconds per request."""
     d = {k: after[k] - before[k] for k in SERIES}
     batches = max(d["ferry_batch_size_count"], 1.0)
-    return {"compute": d["ferry_compute_seconds_sum"] / max(d["ferry_compute_seconds_count"], 1.0),
-            "batch": d["ferry_batch_size_sum"] / batches,
-            "request": d["ferry_request_seconds_sum"] / max(d["ferry_request_seconds_count"], 1.0)}
+    return {
+        "compute": d["ferry_compute_seconds_sum"] / max(d["ferry_compute_seconds_count"], 1.0),
+        "batch": d["ferry_batch_size_sum"] / batches,
+        "request": d["ferry_request_seconds_sum"] / max(d["ferry_request_seconds_count"], 1.0),
+    }
 
 
 def served_profile(idle: dict[str, float], loaded: dict[str, float], max_batch: int) -> dict[int, float]:
@@ -93,17 +101,33 @@ def simulated(version: dict[str, Any], rate: float, duration: float, seed: int =
     if max_batch not in profile_ms:  # the profile is measured at powers of two; the largest batch is its own
         top = max(profile_ms)
         profile_ms[max_batch] = profile_ms[top] * max_batch / top
-    sc = from_dict({
-        "name": "validate", "duration": duration, "seed": seed, "versions": 1, "canary_share": 0.0,
-        "fallback_share": 0.0, "window": max(1.0, duration / 10),
-        "traffic": {"shape": "steady", "rate": rate},
-        "families": {"demo": {"share": 1.0, "accelerator": "cpu", "memory_gb": 0.1, "base_ms": 1, "per_row_ms": 0,
-                              "max_batch_size": max_batch, "max_queue_delay_ms": version["max_queue_delay_ms"],
-                              "profile_ms": profile_ms}},
-        "fleet": {"cpu": {"nodes": 1, "memory_gb": 1, "speed": 1.0, "cost_per_hour": 0.0, "cold_start": 0}},
-        "scaling": {"timeout": version["default_timeout_ms"] / 1000, "max_queue_size": version["max_queue_size"]},
-        "policies": ["static"],
-    })
+    sc = from_dict(
+        {
+            "name": "validate",
+            "duration": duration,
+            "seed": seed,
+            "versions": 1,
+            "canary_share": 0.0,
+            "fallback_share": 0.0,
+            "window": max(1.0, duration / 10),
+            "traffic": {"shape": "steady", "rate": rate},
+            "families": {
+                "demo": {
+                    "share": 1.0,
+                    "accelerator": "cpu",
+                    "memory_gb": 0.1,
+                    "base_ms": 1,
+                    "per_row_ms": 0,
+                    "max_batch_size": max_batch,
+                    "max_queue_delay_ms": version["max_queue_delay_ms"],
+                    "profile_ms": profile_ms,
+                }
+            },
+            "fleet": {"cpu": {"nodes": 1, "memory_gb": 1, "speed": 1.0, "cost_per_hour": 0.0, "cold_start": 0}},
+            "scaling": {"timeout": version["default_timeout_ms"] / 1000, "max_queue_size": version["max_queue_size"]},
+            "policies": ["static"],
+        }
+    )
     return simulate(sc, "static")
 
 
@@ -118,17 +142,24 @@ def _settings(model: str, row: dict[str, Any]) -> dict[str, Any]:
     from serving.demo import DEMO_MODELS
 
     demo = next(d for d in DEMO_MODELS if d.name == model)
-    return {"max_batch_size": demo.batching["max_batch_size"],
-            "max_queue_delay_ms": demo.batching["max_queue_delay_ms"],
-            "default_timeout_ms": 1000, "max_queue_size": demo.batching["max_queue_size"]}
+    return {
+        "max_batch_size": demo.batching["max_batch_size"],
+        "max_queue_delay_ms": demo.batching["max_queue_delay_ms"],
+        "default_timeout_ms": 1000,
+        "max_queue_size": demo.batching["max_queue_size"],
+    }
 
 
 def _judge(result: dict[str, Any], sim: dict[str, Any], front_end_ms: float) -> None:
     """Fill in the simulated side and the verdicts of `result` (measured side already there)."""
     sim_throughput = (sim["outcomes"]["served"] + sim["outcomes"]["fallback"]) / result["duration"]
     sim_p50 = sim["latency_ms"]["p50"] + front_end_ms
-    result["simulated"] = {"throughput": sim_throughput, "p50_ms": sim_p50,
-                           "p99_ms": sim["latency_ms"]["p99"] + front_end_ms, "shed": sim["outcomes"]["shed"]}
+    result["simulated"] = {
+        "throughput": sim_throughput,
+        "p50_ms": sim_p50,
+        "p99_ms": sim["latency_ms"]["p99"] + front_end_ms,
+        "shed": sim["outcomes"]["shed"],
+    }
     measured = result["measured"]
     result["throughput_ok"] = abs(sim_throughput - measured["throughput"]) <= WITHIN * measured["throughput"]
     result["p50_ok"] = abs(sim_p50 - measured["p50_ms"]) <= WITHIN * measured["p50_ms"]
@@ -147,9 +178,11 @@ def resimulate(path: Path) -> int:
         _judge(row, simulated(version, row["rate"], row["duration"]), row["front_end_ms"])
         row["settings"] = settings
         row["resimulated"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        print(f"{model}: measured p50 {row['measured']['p50_ms']:.2f} ms,"
-              f" simulated {row['simulated']['p50_ms']:.2f} ms; throughput within 20%: {row['throughput_ok']};"
-              f" p50 within 20%: {row['p50_ok']}")
+        print(
+            f"{model}: measured p50 {row['measured']['p50_ms']:.2f} ms,"
+            f" simulated {row['simulated']['p50_ms']:.2f} ms; throughput within 20%: {row['throughput_ok']};"
+            f" p50 within 20%: {row['p50_ok']}"
+        )
     path.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["throughput_ok"] and r["p50_ok"] for r in rows.values()) else 1
 
@@ -160,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=300.0)
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=DOCS / "sim-validation.json")
-    p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "ferry-sim-validate",
-                   help="FERRY_DATA_DIR, kept: the demo models are trained once and reused (training takes minutes)")
-    p.add_argument("--resimulate", action="store_true",
-                   help="measure nothing: simulate again the rows recorded in --out (after a simulator change)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "ferry-sim-validate",
+        help="FERRY_DATA_DIR, kept: the demo models are trained once and reused (training takes minutes)",
+    )
+    p.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="measure nothing: simulate again the rows recorded in --out (after a simulator change)",
+    )
     args = p.parse_args(argv)
     if args.resimulate:
         return resimulate(args.out)
@@ -178,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready((args.model,))
         version = _version(server.base, args.model)
         url = f"{server.base}/v2/models/{args.model}/infer"
-        say(f"{args.model}: profile {version['latency_profile']}, max batch {version['max_batch_size']},"
-            f" window {version['max_queue_delay_ms']} ms")
+        say(
+            f"{args.model}: profile {version['latency_profile']}, max batch {version['max_batch_size']},"
+            f" window {version['max_queue_delay_ms']} ms"
+        )
         t0 = _totals(server.base, args.model)
         idle = arun(loadgen_run(url, body, HEADERS, 20.0, 5.0, warmup=1.0, progress=False))
         t1 = _totals(server.base, args.model)
@@ -204,14 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         "loaded_phase": busy,
         "front_end_ms": front_end_ms,
         "settings": {k: version[k] for k in SETTINGS},
-        "measured": {"throughput": measured.achieved_rate, "p50_ms": measured.p50_ms, "p99_ms": measured.p99_ms,
-                     "errors": measured.errors, "send_lag_p99_ms": measured.send_lag_p99_ms},
+        "measured": {
+            "throughput": measured.achieved_rate,
+            "p50_ms": measured.p50_ms,
+            "p99_ms": measured.p99_ms,
+            "errors": measured.errors,
+            "send_lag_p99_ms": measured.send_lag_p99_ms,
+        },
     }
     _judge(result, sim, front_end_ms)
-    result["note"] = (f"The profile is the node's own (ferry_compute_seconds over ferry_batch_size, a line through"
-                      f" the quiet and the loaded phase); the front end's cost, {front_end_ms:.2f} ms a request (the"
-                      " client's p50 at 20 requests/s less the node's mean request time), is added to the simulated"
-                      " latencies.")
+    result["note"] = (
+        f"The profile is the node's own (ferry_compute_seconds over ferry_batch_size, a line through"
+        f" the quiet and the loaded phase); the front end's cost, {front_end_ms:.2f} ms a request (the"
+        " client's p50 at 20 requests/s less the node's mean request time), is added to the simulated"
+        " latencies."
+    )
     # One entry per model: a run for one model keeps the others' last results.
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     if "model" in previous:  # the one-result layout of before

@@ -86,10 +86,14 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             " ramp's own slope: `scaling.surge` in the scenario), each version holding at full utilisation its"
             " demand plus its share of surge x lead, which costs little once the rate is high (the target's own"
             " slack covers it). The pooled trend (all versions' summed rate) then orders the rest within seconds"
-            " of the ramp's start." + (
+            " of the ramp's start."
+            + (
                 f" Without the declared surge (forecast-only): p99 of all requests {_ms(alone['p99_all_ms'])},"
                 f" {_pct(alone['shed_share'])} shed, {alone['windows_p99_all_over_300ms']} windows over 300 ms,"
-                f" {alone['accelerator_hours']:.2f} accelerator-hours." if alone else "")
+                f" {alone['accelerator_hours']:.2f} accelerator-hours."
+                if alone
+                else ""
+            )
         )
     rush = by.get("daily-rush", {})
     if "predictive" in rush and "trend-only" in rush:
@@ -97,8 +101,11 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
         period = sc.traffic.period
 
         def late(r: dict[str, Any], day: int) -> int:
-            return sum(1 for w in r["timeline"] if day * period < w["t"] <= (day + 1) * period
-                       and (w["p99_all_ms"] is None or w["p99_all_ms"] > 300))
+            return sum(
+                1
+                for w in r["timeline"]
+                if day * period < w["t"] <= (day + 1) * period and (w["p99_all_ms"] is None or w["p99_all_ms"] > 300)
+            )
 
         days = ", ".join(f"{p} {late(r, 0)} / {late(r, 1)}" for p, r in rush.items())
         ok = late(rush["predictive"], 1) == 0 and late(rush["trend-only"], 1) > 0
@@ -186,9 +193,9 @@ def render(scenarios: list[dict[str, Any]], validation: dict[str, Any] | None, s
         "**trend-only** are the same without the one or the other); **reactive** scales on queue depth (concurrency",
         "averaged over 6 s over what a replica holds at the target, as Knative's KPA does; same cool-down);",
         "**static** loads, before the start, the",
-        "replicas the scenario's peak needs at the same target. \"p99 (all)\" counts a refused or timed-out",
-        "request as slower than any answer, so it fails when more than 1% of requests were refused; \"p99",
-        "(answered)\" is over the requests that got an answer (primary or fallback). Utilisation is device busy",
+        'replicas the scenario\'s peak needs at the same target. "p99 (all)" counts a refused or timed-out',
+        'request as slower than any answer, so it fails when more than 1% of requests were refused; "p99',
+        '(answered)" is over the requests that got an answer (primary or fallback). Utilisation is device busy',
         "time over powered time; accelerator-hours are powered time, over the scenario's duration. Cold starts",
         "count every replica loaded after the start, including the replacements of moves (a replica moved off a",
         "device its versions outgrew, make before break); unschedulable counts, per tick, replicas wanted that",
@@ -202,8 +209,11 @@ def render(scenarios: list[dict[str, Any]], validation: dict[str, Any] | None, s
     ]
     for s in scenarios:
         sc = s["scenario"]
-        fleet = ", ".join(f"{n.name} x{n.nodes} ({n.memory_gb:.0f} GB, speed {n.speed}, ${n.cost_per_hour}/h,"
-                          f" cold start {n.cold_start:.0f} s + {n.cold_start_per_gb} s/GB)" for n in sc.fleet)
+        fleet = ", ".join(
+            f"{n.name} x{n.nodes} ({n.memory_gb:.0f} GB, speed {n.speed}, ${n.cost_per_hour}/h,"
+            f" cold start {n.cold_start:.0f} s + {n.cold_start_per_gb} s/GB)"
+            for n in sc.fleet
+        )
         lines += [
             f"## {s['title']}",
             "",
@@ -244,7 +254,9 @@ def render(scenarios: list[dict[str, Any]], validation: dict[str, Any] | None, s
             )
         lines += ["", VALIDATION_NOTE, ""]
     else:
-        lines += ["Not run yet: `python -m sim.validate` writes docs/sim-validation.json, which this page includes.",
-                  ""]
+        lines += [
+            "Not run yet: `python -m sim.validate` writes docs/sim-validation.json, which this page includes.",
+            "",
+        ]
     lines.append(LEFT_OUT)
     return "\n".join(lines) + "\n"

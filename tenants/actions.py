@@ -50,8 +50,13 @@ def create_key(
     minted = keys.mint(keys.pepper_from(settings.SECRET_KEY))
     with transaction.atomic():
         key = ApiKey.objects.create(
-            tenant=tenant, name=name, prefix=minted.prefix, digest=minted.digest, scopes=cleaned,
-            expires_at=expires_at, created_by=created_by,
+            tenant=tenant,
+            name=name,
+            prefix=minted.prefix,
+            digest=minted.digest,
+            scopes=cleaned,
+            expires_at=expires_at,
+            created_by=created_by,
         )
         audit.record(created_by, "key.create", f"key fy_{key.prefix}", tenant=tenant, after=key_state(key))
     return key, minted.token
@@ -65,8 +70,14 @@ def revoke_key(*, key: ApiKey, actor: object | None = None) -> ApiKey:
             before = key_state(locked)
             locked.revoked_at = timezone.now()
             locked.save(update_fields=["revoked_at", "updated_at"])
-            audit.record(actor, "key.revoke", f"key fy_{locked.prefix}", tenant=locked.tenant,
-                         before=before, after=key_state(locked))
+            audit.record(
+                actor,
+                "key.revoke",
+                f"key fy_{locked.prefix}",
+                tenant=locked.tenant,
+                before=before,
+                after=key_state(locked),
+            )
     key.revoked_at, key.updated_at = locked.revoked_at, locked.updated_at
     return key
 
@@ -74,7 +85,9 @@ def revoke_key(*, key: ApiKey, actor: object | None = None) -> ApiKey:
 def key_state(key: ApiKey) -> dict:
     """What the audit log keeps of a key: never its digest."""
     return {
-        "name": key.name, "prefix": key.prefix, "scopes": list(key.scopes),
+        "name": key.name,
+        "prefix": key.prefix,
+        "scopes": list(key.scopes),
         "expires_at": key.expires_at.isoformat() if key.expires_at else None,
         "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
     }

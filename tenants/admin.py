@@ -20,17 +20,32 @@ class TenantAdmin(admin.ModelAdmin):
         """Loosening (or restoring) the four-eyes rule on rollouts is a change the audit log keeps."""
         super().save_model(request, obj, form, change)
         if change and "allow_self_approval" in form.changed_data:
-            audit.record(request.user, "tenant.self_approval", f"tenant {obj.slug}", tenant=obj,
-                         before={"allow_self_approval": not obj.allow_self_approval},
-                         after={"allow_self_approval": obj.allow_self_approval})
+            audit.record(
+                request.user,
+                "tenant.self_approval",
+                f"tenant {obj.slug}",
+                tenant=obj,
+                before={"allow_self_approval": not obj.allow_self_approval},
+                after={"allow_self_approval": obj.allow_self_approval},
+            )
         if change and "promotion_policy" in form.changed_data:  # staff only (the admin site), audited as the API's is
-            audit.record(request.user, "tenant.promotion_policy", f"tenant {obj.slug}", tenant=obj,
-                         before={"promotion_policy": form.initial.get("promotion_policy")},
-                         after={"promotion_policy": obj.promotion_policy})
+            audit.record(
+                request.user,
+                "tenant.promotion_policy",
+                f"tenant {obj.slug}",
+                tenant=obj,
+                before={"promotion_policy": form.initial.get("promotion_policy")},
+                after={"promotion_policy": obj.promotion_policy},
+            )
         if change and "share_shadow_samples" in form.changed_data:  # as the console's and the API's change is
-            audit.record(request.user, "tenant.shadow_samples", f"tenant {obj.slug}", tenant=obj,
-                         before={"share_shadow_samples": not obj.share_shadow_samples},
-                         after={"share_shadow_samples": obj.share_shadow_samples})
+            audit.record(
+                request.user,
+                "tenant.shadow_samples",
+                f"tenant {obj.slug}",
+                tenant=obj,
+                before={"share_shadow_samples": not obj.share_shadow_samples},
+                after={"share_shadow_samples": obj.share_shadow_samples},
+            )
 
     def save_formset(self, request, form, formset, change) -> None:  # noqa: ANN001
         """Role changes made here go into the audit log like the console's (the admin's view runs in one
@@ -40,15 +55,27 @@ class TenantAdmin(admin.ModelAdmin):
         if formset.model is not Membership:
             return
         for m in formset.new_objects:
-            audit.record(request.user, "role.add", f"member {m.user.get_username()}", tenant=m.tenant,
-                         after={"role": m.role})
+            audit.record(
+                request.user, "role.add", f"member {m.user.get_username()}", tenant=m.tenant, after={"role": m.role}
+            )
         for m, fields in formset.changed_objects:
             if "role" in fields or "user" in fields:
-                audit.record(request.user, "role.change", f"member {m.user.get_username()}", tenant=m.tenant,
-                             before={"role": roles_before.get(id(m))}, after={"role": m.role})
+                audit.record(
+                    request.user,
+                    "role.change",
+                    f"member {m.user.get_username()}",
+                    tenant=m.tenant,
+                    before={"role": roles_before.get(id(m))},
+                    after={"role": m.role},
+                )
         for m in formset.deleted_objects:
-            audit.record(request.user, "role.remove", f"member {m.user.get_username()}", tenant=m.tenant,
-                         before={"role": roles_before.get(id(m))})
+            audit.record(
+                request.user,
+                "role.remove",
+                f"member {m.user.get_username()}",
+                tenant=m.tenant,
+                before={"role": roles_before.get(id(m))},
+            )
 
 
 @admin.register(ApiKey)
@@ -58,8 +85,17 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     list_display = ["name", "tenant", "prefix", "scopes", "expires_at", "revoked_at", "last_used_at"]
     list_filter = ["tenant"]
-    readonly_fields = ["tenant", "name", "prefix", "digest", "scopes", "created_by", "created_at", "updated_at",
-                       "last_used_at"]
+    readonly_fields = [
+        "tenant",
+        "name",
+        "prefix",
+        "digest",
+        "scopes",
+        "created_by",
+        "created_at",
+        "updated_at",
+        "last_used_at",
+    ]
 
     def has_add_permission(self, request) -> bool:  # noqa: ANN001
         return False

@@ -53,8 +53,14 @@ def set_role(*, tenant: Tenant, user: object, role: str, actor: object) -> Membe
             membership.save(update_fields=["role"])
         else:
             return membership
-        audit.record(actor, "role.add" if before is None else "role.change", f"member {_name(user)}",
-                     tenant=tenant, before=before, after={"role": role})
+        audit.record(
+            actor,
+            "role.add" if before is None else "role.change",
+            f"member {_name(user)}",
+            tenant=tenant,
+            before=before,
+            after={"role": role},
+        )
     return membership
 
 
@@ -64,8 +70,14 @@ def remove_member(*, membership: Membership, actor: object) -> None:
         _keep_an_admin(membership, losing=True)
         before = {"role": membership.role}
         membership.delete()
-        audit.record(actor, "role.remove", f"member {_name(membership.user)}", tenant=membership.tenant,
-                     before=before, after=None)
+        audit.record(
+            actor,
+            "role.remove",
+            f"member {_name(membership.user)}",
+            tenant=membership.tenant,
+            before=before,
+            after=None,
+        )
 
 
 def _keep_an_admin(membership: Membership, *, losing: bool) -> None:
@@ -107,10 +119,17 @@ def request_quota(*, tenant: Tenant, changes: object, justification: str, actor:
     if len(justification) > 2000:
         raise GovernanceError("the justification is limited to 2000 characters")
     with transaction.atomic():
-        request = QuotaRequest.objects.create(tenant=tenant, changes=cleaned, justification=justification,
-                                              requested_by=actor)
-        audit.record(actor, "quota.request", f"quota request #{request.pk}", tenant=tenant,
-                     before=Quota.objects.get_or_create(tenant=tenant)[0].limits(), after=cleaned)
+        request = QuotaRequest.objects.create(
+            tenant=tenant, changes=cleaned, justification=justification, requested_by=actor
+        )
+        audit.record(
+            actor,
+            "quota.request",
+            f"quota request #{request.pk}",
+            tenant=tenant,
+            before=Quota.objects.get_or_create(tenant=tenant)[0].limits(),
+            after=cleaned,
+        )
     return request
 
 
@@ -128,13 +147,25 @@ def decide(*, request: QuotaRequest, approve: bool, note: str, actor: object) ->
         request.save()
         target = f"quota request #{request.pk}"
         if not approve:
-            audit.record(actor, "quota.reject", target, tenant=request.tenant,
-                         before={"state": "pending"}, after={"state": request.state, "note": request.decision_note})
+            audit.record(
+                actor,
+                "quota.reject",
+                target,
+                tenant=request.tenant,
+                before={"state": "pending"},
+                after={"state": request.state, "note": request.decision_note},
+            )
             return request
         # Validated again: the limits' bounds may have changed since it was filed.
         quota, before = _apply_limits(request.tenant, clean_changes(request.changes))
-        audit.record(actor, "quota.approve", target, tenant=request.tenant, before=before,
-                     after={**quota.limits(), "note": request.decision_note})
+        audit.record(
+            actor,
+            "quota.approve",
+            target,
+            tenant=request.tenant,
+            before=before,
+            after={**quota.limits(), "note": request.decision_note},
+        )
     return request
 
 
@@ -155,8 +186,7 @@ def set_quota(*, tenant: Tenant, changes: object, actor: object) -> Quota:
     cleaned = clean_changes(changes)
     with transaction.atomic():
         quota, before = _apply_limits(tenant, cleaned)
-        audit.record(actor, "quota.set", f"quota of {tenant.slug}", tenant=tenant, before=before,
-                     after=quota.limits())
+        audit.record(actor, "quota.set", f"quota of {tenant.slug}", tenant=tenant, before=before, after=quota.limits())
     return quota
 
 
@@ -174,6 +204,12 @@ def set_shadow_sharing(*, tenant: Tenant, share: bool, actor: object) -> Tenant:
             return tenant
         tenant.share_shadow_samples = share
         tenant.save(update_fields=["share_shadow_samples"])
-        audit.record(actor, "tenant.shadow_samples", f"tenant {tenant.slug}", tenant=tenant,
-                     before={"share_shadow_samples": not share}, after={"share_shadow_samples": share})
+        audit.record(
+            actor,
+            "tenant.shadow_samples",
+            f"tenant {tenant.slug}",
+            tenant=tenant,
+            before={"share_shadow_samples": not share},
+            after={"share_shadow_samples": share},
+        )
     return tenant

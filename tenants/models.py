@@ -25,18 +25,22 @@ class Tenant(models.Model):
     name = models.CharField(max_length=100, unique=True)
     slug = models.SlugField(max_length=50, unique=True)
     allow_self_approval = models.BooleanField(
-        default=False, help_text="whether the person who started a rollout may approve it alone",
+        default=False,
+        help_text="whether the person who started a rollout may approve it alone",
     )
     # Who may change a model's stable version. Under APPROVAL every change goes through an approval (a
     # rollout's, or a promotion request's); only a platform admin changes the policy.
     promotion_policy = models.CharField(
-        max_length=20, choices=PromotionPolicy.choices, default=PromotionPolicy.APPROVAL,
+        max_length=20,
+        choices=PromotionPolicy.choices,
+        default=PromotionPolicy.APPROVAL,
         help_text="approval: every change of a stable version needs an approver; engineers: engineers may promote",
     )
     # Whether this tenant's requests, mirrored to another tenant's shadow, may be stored there as samples
     # (inputs and outputs). Off: they count in that shadow's aggregates only.
     share_shadow_samples = models.BooleanField(
-        default=False, help_text="whether other tenants' shadow reports may keep samples of this tenant's traffic",
+        default=False,
+        help_text="whether other tenants' shadow reports may keep samples of this tenant's traffic",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -142,8 +146,16 @@ class Quota(models.Model):
     priority = models.PositiveSmallIntegerField(choices=Tier.choices, default=Tier.HIGH)
     updated_at = models.DateTimeField(auto_now=True)
 
-    LIMITS = ("requests_per_second", "burst", "max_in_flight", "monthly_requests", "max_models",
-              "max_versions", "max_accelerator_bytes", "priority")
+    LIMITS = (
+        "requests_per_second",
+        "burst",
+        "max_in_flight",
+        "monthly_requests",
+        "max_models",
+        "max_versions",
+        "max_accelerator_bytes",
+        "priority",
+    )
 
     def __str__(self) -> str:
         return f"quota of {self.tenant}"
@@ -164,9 +176,7 @@ class QuotaRequest(models.Model):
     changes = models.JSONField(help_text="the requested limits, by Quota field name")
     justification = models.TextField(max_length=2000)
     state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
-    requested_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
-    )
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     requested_at = models.DateTimeField(auto_now_add=True)
     decided_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"

@@ -25,8 +25,7 @@ def set_promotion_policy(*, tenant: Tenant, policy: str, actor: Any) -> Tenant:
     if actor is not None and not getattr(actor, "is_staff", False):
         raise PolicyError("changing a tenant's promotion policy needs platform staff", 403)
     if policy not in PromotionPolicy.values:
-        raise PolicyError(f"unknown promotion policy {policy!r}; policies are {', '.join(PromotionPolicy.values)}",
-                          400)
+        raise PolicyError(f"unknown promotion policy {policy!r}; policies are {', '.join(PromotionPolicy.values)}", 400)
     with transaction.atomic():
         tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
         if tenant.promotion_policy == policy:
@@ -34,6 +33,12 @@ def set_promotion_policy(*, tenant: Tenant, policy: str, actor: Any) -> Tenant:
         before = {"promotion_policy": tenant.promotion_policy}
         tenant.promotion_policy = policy
         tenant.save(update_fields=["promotion_policy"])
-        audit.record(actor, "tenant.promotion_policy", f"tenant {tenant.slug}", tenant=tenant, before=before,
-                     after={"promotion_policy": policy})
+        audit.record(
+            actor,
+            "tenant.promotion_policy",
+            f"tenant {tenant.slug}",
+            tenant=tenant,
+            before=before,
+            after={"promotion_policy": policy},
+        )
     return tenant

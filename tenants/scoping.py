@@ -39,7 +39,9 @@ def visible_models(user: Any, queryset: QuerySet | None = None) -> QuerySet:
     mine = member_tenant_ids(user)
     shared = Model.shared_with.through.objects.filter(tenant_id__in=mine).values("model_id")
     return queryset.filter(
-        Q(tenant__isnull=True) | Q(visibility=Visibility.PUBLIC) | Q(tenant_id__in=mine)
+        Q(tenant__isnull=True)
+        | Q(visibility=Visibility.PUBLIC)
+        | Q(tenant_id__in=mine)
         | Q(visibility=Visibility.SHARED, pk__in=shared)
     )
 

@@ -65,9 +65,14 @@ def tenant_page(request: HttpRequest, slug: str) -> HttpResponse:
     members = Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
 
     def context() -> dict:
-        return {"tenant": tenant, "members": members, "roles": Role.values,
-                "is_admin": has_role(request.user, Role.ADMIN, tenant), "my_role": role_in(request.user, tenant),
-                "promotion_policies": PromotionPolicy.choices}
+        return {
+            "tenant": tenant,
+            "members": members,
+            "roles": Role.values,
+            "is_admin": has_role(request.user, Role.ADMIN, tenant),
+            "my_role": role_in(request.user, tenant),
+            "promotion_policies": PromotionPolicy.choices,
+        }
 
     if request.method == "GET":
         return render(request, "console/tenant.html", context())
@@ -75,8 +80,9 @@ def tenant_page(request: HttpRequest, slug: str) -> HttpResponse:
     username, role = request.POST.get("username", ""), request.POST.get("role", "")
     try:
         if request.POST.get("action") == "shadow_samples":
-            set_shadow_sharing(tenant=tenant, share=request.POST.get("share_shadow_samples") == "on",
-                               actor=request.user)
+            set_shadow_sharing(
+                tenant=tenant, share=request.POST.get("share_shadow_samples") == "on", actor=request.user
+            )
         elif request.POST.get("action") == "remove":
             membership = members.filter(user__username=username).first()
             if membership is None:
@@ -99,8 +105,11 @@ def keys_page(request: HttpRequest, slug: str) -> HttpResponse:
     tenant = tenant_with_role(request, slug, Role.ADMIN)
 
     def context() -> dict:
-        return {"tenant": tenant, "keys": ApiKey.objects.filter(tenant=tenant).select_related("created_by"),
-                "scopes": keys.SCOPES}
+        return {
+            "tenant": tenant,
+            "keys": ApiKey.objects.filter(tenant=tenant).select_related("created_by"),
+            "scopes": keys.SCOPES,
+        }
 
     if request.method == "GET":
         # Popped: a reload, or any later view, no longer has it.
@@ -121,8 +130,13 @@ def keys_page(request: HttpRequest, slug: str) -> HttpResponse:
             if not days.isdigit() or not 1 <= int(days) <= 3650:
                 raise KeyRequestError("expiry must be a whole number of days from 1 to 3650, or empty")
             expires_at = timezone.now() + timedelta(days=int(days))
-        _, token = create_key(tenant=tenant, name=request.POST.get("name", "").strip(),
-                              scopes=request.POST.getlist("scopes"), expires_at=expires_at, created_by=request.user)
+        _, token = create_key(
+            tenant=tenant,
+            name=request.POST.get("name", "").strip(),
+            scopes=request.POST.getlist("scopes"),
+            expires_at=expires_at,
+            created_by=request.user,
+        )
     except KeyRequestError as exc:
         return _bad(request, "console/keys.html", context(), str(exc))
     request.session[NEW_TOKEN] = token
@@ -138,9 +152,12 @@ def quota_page(request: HttpRequest, slug: str) -> HttpResponse:
 
     def context() -> dict:
         used = usage_against_quota(tenant.pk)
-        return {"tenant": tenant, "limits": [(name, value, used.get(name)) for name, value in quota.limits().items()],
-                "is_admin": has_role(request.user, Role.ADMIN, tenant),
-                "requests": QuotaRequest.objects.filter(tenant=tenant).select_related("requested_by", "decided_by")}
+        return {
+            "tenant": tenant,
+            "limits": [(name, value, used.get(name)) for name, value in quota.limits().items()],
+            "is_admin": has_role(request.user, Role.ADMIN, tenant),
+            "requests": QuotaRequest.objects.filter(tenant=tenant).select_related("requested_by", "decided_by"),
+        }
 
     if request.method == "GET":
         return render(request, "console/quota.html", context())
@@ -153,8 +170,9 @@ def quota_page(request: HttpRequest, slug: str) -> HttpResponse:
                 if not raw.isdigit():
                     raise GovernanceError(f"{name} must be a whole number")
                 changes[name] = int(raw)
-        request_quota(tenant=tenant, changes=changes, justification=request.POST.get("justification", ""),
-                      actor=request.user)
+        request_quota(
+            tenant=tenant, changes=changes, justification=request.POST.get("justification", ""), actor=request.user
+        )
     except GovernanceError as exc:
         return _bad(request, "console/quota.html", context(), exc.message)
     return redirect("console-quota", slug=tenant.slug)
@@ -169,8 +187,10 @@ def quota_review_page(request: HttpRequest) -> HttpResponse:
     pending = QuotaRequest.objects.filter(state=QuotaRequest.State.PENDING).select_related("tenant", "requested_by")
 
     def context() -> dict:
-        rows = [{"request": r, "changes": [(n, getattr(r.tenant.quota, n, None), v) for n, v in r.changes.items()]}
-                for r in pending]
+        rows = [
+            {"request": r, "changes": [(n, getattr(r.tenant.quota, n, None), v) for n, v in r.changes.items()]}
+            for r in pending
+        ]
         return {"rows": rows}
 
     if request.method == "GET":
@@ -183,8 +203,7 @@ def quota_review_page(request: HttpRequest) -> HttpResponse:
     if decision not in ("approve", "reject"):
         return _bad(request, "console/quota_review.html", context(), "the decision must be approve or reject")
     try:
-        decide(request=filed, approve=decision == "approve",
-               note=request.POST.get("note", ""), actor=request.user)
+        decide(request=filed, approve=decision == "approve", note=request.POST.get("note", ""), actor=request.user)
     except GovernanceError as exc:
         return _bad(request, "console/quota_review.html", context(), exc.message)
     return redirect("console-quota-review")

@@ -135,8 +135,16 @@ def mint_key(slug: str = TEST_TENANT, scopes: tuple[str, ...] = ("infer", "manag
     return create_key(tenant=tenant(slug), name=f"test-{slug}", scopes=list(scopes), **extra)[1]
 
 
-def register(path: Path, name: str, fmt: str = "torchscript", io: dict | None = None, *,
-             owner: object = _OWNER, visibility: str = "public", **batching: object):
+def register(
+    path: Path,
+    name: str,
+    fmt: str = "torchscript",
+    io: dict | None = None,
+    *,
+    owner: object = _OWNER,
+    visibility: str = "public",
+    **batching: object,
+):
     """Register and validate synchronously; returns the ModelVersion. The model belongs to the test tenant
     (or `owner`, a Tenant or None for a platform model) with `visibility`, public by default."""
     from serving.actions import register_version
@@ -144,8 +152,13 @@ def register(path: Path, name: str, fmt: str = "torchscript", io: dict | None = 
     io = io or DIGITS_IO
     with path.open("rb") as f:
         version = register_version(
-            model_name=name, artifact_file=f, fmt=fmt, inputs=io["inputs"], outputs=io["outputs"],
-            validate="sync", **batching,
+            model_name=name,
+            artifact_file=f,
+            fmt=fmt,
+            inputs=io["inputs"],
+            outputs=io["outputs"],
+            validate="sync",
+            **batching,
         )
     model = version.model
     owner = tenant() if owner is _OWNER else owner
@@ -175,8 +188,9 @@ class LiveServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn_config(application, "127.0.0.1", self.port,
-                                **{"log_level": "warning", "loop": "asyncio", **overrides})
+        config = uvicorn_config(
+            application, "127.0.0.1", self.port, **{"log_level": "warning", "loop": "asyncio", **overrides}
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.key: str | None = None  # infer + manage for the test tenant, minted at start
@@ -256,9 +270,27 @@ def celery_worker(log_dir: Path, broker: str, **extra_env: str) -> Iterator[subp
     }
     with (log_dir / "worker.log").open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "config", "worker", "-P", "solo", "-Q", "celery",
-             "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "info"],
-            cwd=Path(__file__).resolve().parent.parent, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "config",
+                "worker",
+                "-P",
+                "solo",
+                "-Q",
+                "celery",
+                "--without-heartbeat",
+                "--without-gossip",
+                "--without-mingle",
+                "-l",
+                "info",
+            ],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             yield proc

@@ -57,8 +57,14 @@ def settings_env_names() -> set[str]:
     names: set[str] = set()
     tree = ast.parse((ROOT / "config" / "settings.py").read_text())
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith("env_")
-                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id.startswith("env_")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names.add(node.args[0].value)
             if node.func.id == "env_str":
                 names.add(node.args[0].value + "_FILE")
@@ -66,6 +72,7 @@ def settings_env_names() -> set[str]:
 
 
 # Entry points -------------------------------------------------------------------------------------------
+
 
 def command_problem(argv: list[str], missing_ok: Iterable[str] = ()) -> str | None:
     """None if `argv` starts one of Ferry's entry points with arguments it accepts, else what is wrong.
@@ -134,6 +141,7 @@ def option(argv: list[str], name: str) -> str | None:
 
 # Kubernetes ---------------------------------------------------------------------------------------------
 
+
 def pod_spec(doc: Doc) -> Doc | None:
     if doc.get("kind") in WORKLOADS:
         return doc["spec"]["template"]["spec"]
@@ -166,8 +174,9 @@ def selects(selector: Doc, labels: dict[str, str]) -> bool:
     return bool(wanted or selector.get("matchExpressions"))
 
 
-def check_manifests(docs: list[Doc], *, missing_commands: Iterable[str] = (),
-                    path_answers: Callable[[str], bool] | None = None) -> list[str]:
+def check_manifests(
+    docs: list[Doc], *, missing_commands: Iterable[str] = (), path_answers: Callable[[str], bool] | None = None
+) -> list[str]:
     """Problems in a set of Kubernetes objects (empty when none). `path_answers(path)` says whether a
     live server answers 200 on an HTTP path, for probes; None skips that check."""
     problems: list[str] = []
@@ -175,16 +184,19 @@ def check_manifests(docs: list[Doc], *, missing_commands: Iterable[str] = (),
     for doc in docs:
         by_kind.setdefault(doc["kind"], {})[doc["metadata"]["name"]] = doc
     config_keys = {name: set(doc.get("data", {})) for name, doc in by_kind.get("ConfigMap", {}).items()}
-    secret_keys = {name: set(doc.get("stringData", {})) | set(doc.get("data", {}))
-                   for name, doc in by_kind.get("Secret", {}).items()}
+    secret_keys = {
+        name: set(doc.get("stringData", {})) | set(doc.get("data", {}))
+        for name, doc in by_kind.get("Secret", {}).items()
+    }
     settings_names = settings_env_names()
     for name, keys in [*config_keys.items(), *secret_keys.items()]:
         for key in sorted(keys - settings_names):
             problems.append(f"{name}: {key} is not a setting config/settings.py reads")
     workloads = [doc for doc in docs if pod_spec(doc) is not None]
     for doc in workloads:
-        problems += _workload_problems(doc, by_kind, config_keys, secret_keys, settings_names,
-                                       set(missing_commands), path_answers)
+        problems += _workload_problems(
+            doc, by_kind, config_keys, secret_keys, settings_names, set(missing_commands), path_answers
+        )
     for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
         for name, doc in by_kind.get(kind, {}).items():
             selector = doc["spec"]["podSelector"] if kind == "NetworkPolicy" else doc["spec"]["selector"]
@@ -202,14 +214,22 @@ def check_manifests(docs: list[Doc], *, missing_commands: Iterable[str] = (),
         if target["name"] not in by_kind.get(target["kind"], {}):
             problems.append(f"HorizontalPodAutoscaler {name}: no {target['kind']} {target['name']}")
         elif "replicas" in by_kind[target["kind"]][target["name"]]["spec"]:
-            problems.append(f"{target['kind']} {target['name']} sets replicas, which every apply would reset "
-                            "under its HorizontalPodAutoscaler")
+            problems.append(
+                f"{target['kind']} {target['name']} sets replicas, which every apply would reset "
+                "under its HorizontalPodAutoscaler"
+            )
     return problems
 
 
-def _workload_problems(doc: Doc, by_kind: dict[str, dict[str, Doc]], config_keys: dict[str, set[str]],
-                       secret_keys: dict[str, set[str]], settings_names: set[str], missing_commands: set[str],
-                       path_answers: Callable[[str], bool] | None) -> list[str]:
+def _workload_problems(
+    doc: Doc,
+    by_kind: dict[str, dict[str, Doc]],
+    config_keys: dict[str, set[str]],
+    secret_keys: dict[str, set[str]],
+    settings_names: set[str],
+    missing_commands: set[str],
+    path_answers: Callable[[str], bool] | None,
+) -> list[str]:
     where = f"{doc['kind']} {doc['metadata']['name']}"
     spec = pod_spec(doc)
     labels = pod_labels(doc)
@@ -234,13 +254,24 @@ def _workload_problems(doc: Doc, by_kind: dict[str, dict[str, Doc]], config_keys
             problems.append(f"{where}: volume {volume['name']} claims a missing PersistentVolumeClaim {claim}")
     if doc["kind"] == "StatefulSet" and doc["spec"].get("serviceName") not in by_kind.get("Service", {}):
         problems.append(f"{where}: its serviceName names no Service")
-    if component == "beat" and (doc["spec"].get("replicas") != 1
-                                or doc["spec"].get("strategy", {}).get("type") != "Recreate"):
+    if component == "beat" and (
+        doc["spec"].get("replicas") != 1 or doc["spec"].get("strategy", {}).get("type") != "Recreate"
+    ):
         problems.append(f"{where}: beat must be exactly one (replicas 1, strategy Recreate)")
     for container in containers(spec):
-        problems += _container_problems(f"{where}/{container['name']}", container, volumes, component,
-                                        labels, by_kind, config_keys, secret_keys, settings_names,
-                                        missing_commands, path_answers)
+        problems += _container_problems(
+            f"{where}/{container['name']}",
+            container,
+            volumes,
+            component,
+            labels,
+            by_kind,
+            config_keys,
+            secret_keys,
+            settings_names,
+            missing_commands,
+            path_answers,
+        )
     if component == "node" and not (spec.get("nodeSelector") or spec.get("affinity", {}).get("nodeAffinity")):
         problems.append(f"{where}: a node must be placed by accelerator type (nodeSelector or node affinity)")
     return problems
@@ -258,11 +289,17 @@ def _api_token_problems(where: str, spec: Doc, by_kind: dict[str, dict[str, Doc]
     account = spec.get("serviceAccountName")
     if account not in by_kind.get("ServiceAccount", {}):
         return [f"{where}: mounts an API token without a ServiceAccount of its own"]
-    if any(s.get("kind") == "ServiceAccount" and s.get("name") == account
-           for b in by_kind.get("ClusterRoleBinding", {}).values() for s in b.get("subjects", [])):
+    if any(
+        s.get("kind") == "ServiceAccount" and s.get("name") == account
+        for b in by_kind.get("ClusterRoleBinding", {}).values()
+        for s in b.get("subjects", [])
+    ):
         problems.append(f"{where}: its service account is bound cluster-wide")
-    bindings = [b for b in by_kind.get("RoleBinding", {}).values()
-                if any(s.get("kind") == "ServiceAccount" and s.get("name") == account for s in b.get("subjects", []))]
+    bindings = [
+        b
+        for b in by_kind.get("RoleBinding", {}).values()
+        if any(s.get("kind") == "ServiceAccount" and s.get("name") == account for s in b.get("subjects", []))
+    ]
     if not bindings:
         problems.append(f"{where}: its service account is bound to no Role")
     for binding in bindings:
@@ -281,11 +318,19 @@ def _api_token_problems(where: str, spec: Doc, by_kind: dict[str, dict[str, Doc]
     return problems
 
 
-def _container_problems(where: str, container: Doc, volumes: dict[str, Doc], component: str | None,
-                        labels: dict[str, str], by_kind: dict[str, dict[str, Doc]],
-                        config_keys: dict[str, set[str]], secret_keys: dict[str, set[str]],
-                        settings_names: set[str], missing_commands: set[str],
-                        path_answers: Callable[[str], bool] | None) -> list[str]:
+def _container_problems(
+    where: str,
+    container: Doc,
+    volumes: dict[str, Doc],
+    component: str | None,
+    labels: dict[str, str],
+    by_kind: dict[str, dict[str, Doc]],
+    config_keys: dict[str, set[str]],
+    secret_keys: dict[str, set[str]],
+    settings_names: set[str],
+    missing_commands: set[str],
+    path_answers: Callable[[str], bool] | None,
+) -> list[str]:
     problems: list[str] = []
     argv = [*container.get("command", []), *container.get("args", [])]
     problem = command_problem(argv, missing_commands) if argv else "no command (the image's default is web)"
@@ -348,12 +393,16 @@ def _container_problems(where: str, container: Doc, volumes: dict[str, Doc], com
         threads = env.get("FERRY_TORCH_THREADS")
         cores = cpu_cores(resources.get("limits", {}).get("cpu", "0"))
         if not threads or not 0 < int(threads) < max(cores, 2):
-            problems.append(f"{where}: set FERRY_TORCH_THREADS below its CPU limit ({cores:g}): the default "
-                            "counts the machine's cores, not the pod's")
+            problems.append(
+                f"{where}: set FERRY_TORCH_THREADS below its CPU limit ({cores:g}): the default "
+                "counts the machine's cores, not the pod's"
+            )
         accelerator = option(argv, "--accelerator")
         if accelerator != labels.get("ferry.dev/accelerator"):
-            problems.append(f"{where}: --accelerator {accelerator} differs from its pods' label "
-                            f"ferry.dev/accelerator={labels.get('ferry.dev/accelerator')}")
+            problems.append(
+                f"{where}: --accelerator {accelerator} differs from its pods' label "
+                f"ferry.dev/accelerator={labels.get('ferry.dev/accelerator')}"
+            )
     # Probes: on the serving port, on paths a real server answers.
     ports = {port.get("name"): port["containerPort"] for port in container.get("ports", [])}
     serve_port = option(argv, "--port")
@@ -374,6 +423,7 @@ def _container_problems(where: str, container: Doc, volumes: dict[str, Doc], com
 
 
 # The image ----------------------------------------------------------------------------------------------
+
 
 def dockerfile_final_stage(text: str) -> dict[str, str]:
     """WORKDIR, USER and the ENV values of the Dockerfile's last stage (continuation lines joined)."""
@@ -411,12 +461,15 @@ def check_image_agrees(docs: list[Doc], stage: dict[str, str] = IMAGE) -> list[s
         if doc["kind"] == "ConfigMap":
             data_dir = doc.get("data", {}).get("FERRY_DATA_DIR")
             if data_dir and data_dir != stage.get("ENV FERRY_DATA_DIR"):
-                problems.append(f"ConfigMap {doc['metadata']['name']}: FERRY_DATA_DIR {data_dir} is not the image's "
-                                f"{stage.get('ENV FERRY_DATA_DIR')} (owned by its user)")
+                problems.append(
+                    f"ConfigMap {doc['metadata']['name']}: FERRY_DATA_DIR {data_dir} is not the image's "
+                    f"{stage.get('ENV FERRY_DATA_DIR')} (owned by its user)"
+                )
     return problems
 
 
 # Compose ------------------------------------------------------------------------------------------------
+
 
 def compose_environment(service: Doc) -> dict[str, str]:
     env = service.get("environment", {})

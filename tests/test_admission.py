@@ -123,8 +123,16 @@ class StandIn:
 
 def entry(name: str, *, max_batch: int = 8, queue: int = 100) -> VersionEntry:
     return VersionEntry(
-        model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",
-        inputs=X, outputs=Y, batching=BatchingConfig(max_batch, 10.0, queue), default_timeout_ms=1000,
+        model=name,
+        version=1,
+        state="ready",
+        loaded=True,
+        artifact_sha256="0" * 64,
+        format="torchscript",
+        inputs=X,
+        outputs=Y,
+        batching=BatchingConfig(max_batch, 10.0, queue),
+        default_timeout_ms=1000,
         latency_profile={},
     )
 

@@ -99,8 +99,9 @@ def test_engineer_and_operator_upload_a_version_that_becomes_ready(request, mode
     # given an engineer (or a tenant admin, who ranks above)
     client = request.getfixturevalue(who)
     # when they upload the digits artifact as a new model's first version
-    response = upload(client, "digits", form(model_files.digits, description="handwritten digits",
-                                             preferred_batch_sizes="[2]"))
+    response = upload(
+        client, "digits", form(model_files.digits, description="handwritten digits", preferred_batch_sizes="[2]")
+    )
     # then it is created and, validated eagerly on commit, already READY
     assert response.status_code == 201, response.content
     body = response.json()
@@ -158,11 +159,9 @@ def test_staff_without_membership_can_upload(people, model_files) -> None:
     ("overrides", "status", "field", "message"),
     [
         ({"inputs": '[{"name": "input"'}, 400, "inputs", "not valid JSON"),
-        ({"inputs": '{"name": "input", "datatype": "FP32", "shape": [64]}'}, 400, "inputs",
-         "must be a JSON list"),
+        ({"inputs": '{"name": "input", "datatype": "FP32", "shape": [64]}'}, 400, "inputs", "must be a JSON list"),
         ({"outputs": "42"}, 400, "outputs", "must be a JSON list"),
-        ({"inputs": '[{"name": "input", "datatype": "FP99", "shape": [64]}]'}, 400, None,
-         "unsupported datatype"),
+        ({"inputs": '[{"name": "input", "datatype": "FP99", "shape": [64]}]'}, 400, None, "unsupported datatype"),
         ({"inputs": "[]"}, 400, None, "non-empty list"),
         ({"format": "onnx"}, 400, "format", "not a valid choice"),
         ({"format": None}, 400, "format", "required"),
@@ -170,15 +169,15 @@ def test_staff_without_membership_can_upload(people, model_files) -> None:
         ({"sha256": "0" * 64}, 400, None, "sha256 mismatch"),
         ({"max_batch_size": 0}, 400, "max_batch_size", ""),
         ({"max_batch_size": "lots"}, 400, "max_batch_size", ""),
-        ({"max_batch_size": 4, "preferred_batch_sizes": "[8]"}, 400, None,
-         "preferred batch size 8 is outside"),
+        ({"max_batch_size": 4, "preferred_batch_sizes": "[8]"}, 400, None, "preferred batch size 8 is outside"),
         ({"preferred_batch_sizes": "[2"}, 400, "preferred_batch_sizes", "not valid JSON"),
         ({"default_timeout_ms": 0}, 400, "default_timeout_ms", ""),
         ({"task": "translation"}, 400, "task", "not a valid choice"),
     ],
 )
-def test_bad_upload_fields_are_json_400s(bob, model_files, overrides: dict, status: int, field: str | None,
-                                         message: str) -> None:
+def test_bad_upload_fields_are_json_400s(
+    bob, model_files, overrides: dict, status: int, field: str | None, message: str
+) -> None:
     # when an engineer uploads with one bad field
     response = upload(bob, "digits", form(model_files.digits, **overrides))
     # then it is a JSON 4xx naming the problem, and nothing is registered
@@ -395,8 +394,9 @@ def test_viewer_gets_403_before_the_body_is_validated(charlie, registry) -> None
     ],
 )
 @pytest.mark.parametrize("path", ["/api/models/", "/api/models/digits/versions/"])
-def test_bad_pagination_is_a_json_400_naming_the_parameter(charlie, registry, path: str, query: str,
-                                                           field: str) -> None:
+def test_bad_pagination_is_a_json_400_naming_the_parameter(
+    charlie, registry, path: str, query: str, field: str
+) -> None:
     body = assert_json_error(charlie.get(f"{path}?{query}"), 400)
     assert field in body["fields"]
 
@@ -415,8 +415,14 @@ def test_pagination_within_bounds(charlie, registry) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    ["/api/models/-dash/", "/api/models/%C2%84/", "/api/models/digits/versions/0/", "/api/models/digits/versions/x/",
-     "/api/nope/", "/api/models/digits/nope/"],
+    [
+        "/api/models/-dash/",
+        "/api/models/%C2%84/",
+        "/api/models/digits/versions/0/",
+        "/api/models/digits/versions/x/",
+        "/api/nope/",
+        "/api/models/digits/nope/",
+    ],
 )
 def test_unknown_api_paths_are_json_404s(charlie, registry, path: str) -> None:
     assert_json_error(charlie.get(path), 404)
@@ -522,8 +528,9 @@ def batching_of(name: str = "digits", version: int = 1) -> dict:
         ({"state": "ready"}, "state", "not a batching setting"),
     ],
 )
-def test_bad_batching_patch_is_a_json_400_and_changes_nothing(bob, registry, body: dict, field: str,
-                                                              message: str) -> None:
+def test_bad_batching_patch_is_a_json_400_and_changes_nothing(
+    bob, registry, body: dict, field: str, message: str
+) -> None:
     ModelVersion.objects.filter(model__name="digits", version=1).update(preferred_batch_sizes=[2])
     before = batching_of()
     response = bob.patch(VERSION, body, format="json")
@@ -532,13 +539,19 @@ def test_bad_batching_patch_is_a_json_400_and_changes_nothing(bob, registry, bod
     assert batching_of() == before
 
 
-def test_engineer_patches_batching_and_the_data_plane_gets_it(bob, registry,
-                                                              django_capture_on_commit_callbacks) -> None:
+def test_engineer_patches_batching_and_the_data_plane_gets_it(
+    bob, registry, django_capture_on_commit_callbacks
+) -> None:
     from serving.dataplane.snapshot import hub
 
     # when an engineer changes digits v1's batching
-    change = {"max_batch_size": 8, "preferred_batch_sizes": [4, 8], "max_queue_delay_ms": 1.5,
-              "max_queue_size": 64, "default_timeout_ms": 250}
+    change = {
+        "max_batch_size": 8,
+        "preferred_batch_sizes": [4, 8],
+        "max_queue_delay_ms": 1.5,
+        "max_queue_size": 64,
+        "default_timeout_ms": 250,
+    }
     with django_capture_on_commit_callbacks(execute=True):
         response = bob.patch(VERSION, change, format="json")
     # then the row holds it, the answer shows it, and the routing snapshot was republished with it
@@ -594,16 +607,27 @@ def admin_post(client, model: Model, **version_fields: object):  # noqa: ANN001,
     """POST the admin change form of `model` with its first version's inline row changed."""
     rows = list(model.versions.order_by("version"))
     data = {
-        "name": model.name, "description": model.description, "task": model.task, "fallback": "",
-        "tenant": model.tenant_id or "", "visibility": model.visibility,
-        "versions-TOTAL_FORMS": str(len(rows)), "versions-INITIAL_FORMS": str(len(rows)),
-        "versions-MIN_NUM_FORMS": "0", "versions-MAX_NUM_FORMS": "1000", "_save": "Save",
+        "name": model.name,
+        "description": model.description,
+        "task": model.task,
+        "fallback": "",
+        "tenant": model.tenant_id or "",
+        "visibility": model.visibility,
+        "versions-TOTAL_FORMS": str(len(rows)),
+        "versions-INITIAL_FORMS": str(len(rows)),
+        "versions-MIN_NUM_FORMS": "0",
+        "versions-MAX_NUM_FORMS": "1000",
+        "_save": "Save",
     }
     for i, row in enumerate(rows):
         fields = {
-            "id": row.pk, "model": model.pk, "loaded": "on" if row.loaded else "",
-            "max_batch_size": row.max_batch_size, "max_queue_delay_ms": row.max_queue_delay_ms,
-            "preferred_batch_sizes": json.dumps(row.preferred_batch_sizes), "max_queue_size": row.max_queue_size,
+            "id": row.pk,
+            "model": model.pk,
+            "loaded": "on" if row.loaded else "",
+            "max_batch_size": row.max_batch_size,
+            "max_queue_delay_ms": row.max_queue_delay_ms,
+            "preferred_batch_sizes": json.dumps(row.preferred_batch_sizes),
+            "max_queue_size": row.max_queue_size,
             "default_timeout_ms": row.default_timeout_ms,
         }
         if i == 0:
@@ -643,8 +667,7 @@ def test_admin_refuses_invalid_batching_and_changes_nothing(admin_client_, chang
 
 def test_admin_saves_valid_batching(admin_client_) -> None:
     model = Model.objects.get(name="digits")
-    response = admin_post(admin_client_, model, max_batch_size="8", preferred_batch_sizes="[4, 8]",
-                          max_queue_size="64")
+    response = admin_post(admin_client_, model, max_batch_size="8", preferred_batch_sizes="[4, 8]", max_queue_size="64")
     assert response.status_code == 302, response.content.decode()[-3000:]
     assert batching_of()["max_batch_size"] == 8
     assert batching_of()["preferred_batch_sizes"] == [4, 8]

@@ -113,8 +113,9 @@ def browsing(transactional_db) -> Iterator[Browsing]:  # noqa: ANN001
                 context.set_default_timeout(WAIT_MS)
                 browsing = Browsing(context.new_page(), server)
                 browsing.page.on("request", lambda request: browsing.requested.append(request.url))
-                browsing.page.on("requestfailed",
-                                 lambda request: browsing.failed.update({request.url: request.failure}))
+                browsing.page.on(
+                    "requestfailed", lambda request: browsing.failed.update({request.url: request.failure})
+                )
                 yield browsing
                 context.close()
             finally:

@@ -42,28 +42,42 @@ PASSWORD = "tenant-admin-password"
 ACCEPTED = ("2xx", "3xx", "401", "403", "404", "409", "429", "5xx")
 # operation -> (statuses a schema-valid request may also get, why the schema cannot rule them out)
 ALLOWANCES = {
-    "POST /api/models/": (("400",), "`fallback` must name an existing model, `tenant` and `shared_with` existing"
-                                    " tenants: references the schema cannot check"),
-    "PUT /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one, `tenant`"
-                                          " stays the model's, `shared_with` names existing tenants"),
-    "PATCH /api/models/{name}/": (("400",), "`fallback` must name an existing model other than this one, `tenant`"
-                                            " stays the model's, `shared_with` names existing tenants"),
+    "POST /api/models/": (
+        ("400",),
+        "`fallback` must name an existing model, `tenant` and `shared_with` existing"
+        " tenants: references the schema cannot check",
+    ),
+    "PUT /api/models/{name}/": (
+        ("400",),
+        "`fallback` must name an existing model other than this one, `tenant`"
+        " stays the model's, `shared_with` names existing tenants",
+    ),
+    "PATCH /api/models/{name}/": (
+        ("400",),
+        "`fallback` must name an existing model other than this one, `tenant`"
+        " stays the model's, `shared_with` names existing tenants",
+    ),
     "POST /api/models/{model_name}/versions/": (
         ("400", "413", "422"),
         "the artifact must be a TorchScript or torch.export archive that fits the limit, `sha256` must be the"
         " upload's digest, tensor names unique, `preferred_batch_sizes` within `max_batch_size`",
     ),
     "PATCH /api/models/{model_name}/versions/{version}/": (
-        ("400",), "`preferred_batch_sizes` must lie within `max_batch_size` (the request's or the stored one)",
+        ("400",),
+        "`preferred_batch_sizes` must lie within `max_batch_size` (the request's or the stored one)",
     ),
     "POST /api/tenants/{slug}/members/": (("400",), "`username` must name an existing user"),
-    "PATCH /api/tenants/{slug}/": (("400",), "only the tenant's own settings (`share_shadow_samples`) may be changed:"
-                                            " any other property is refused by name rather than ignored"),
+    "PATCH /api/tenants/{slug}/": (
+        ("400",),
+        "only the tenant's own settings (`share_shadow_samples`) may be changed:"
+        " any other property is refused by name rather than ignored",
+    ),
     "POST /api/tenants/{slug}/keys/": (("400",), "`expires_at` must lie in the future"),
     "POST /api/tenants/{slug}/quota-requests/": (("400",), "the justification must hold more than whitespace"),
     "POST /api/rollouts/": (("400",), "`steps` must increase and end at 100: a rule across the list's items"),
     "GET /api/usage/": (
-        ("400",), "`from` must come before `to`, and the range may span at most 1 day of minutes, 14 days of hours"
+        ("400",),
+        "`from` must come before `to`, and the range may span at most 1 day of minutes, 14 days of hours"
         " or 92 days of days: rules across parameters",
     ),
 }
@@ -76,7 +90,7 @@ def schemathesis_config() -> str:
     blocks = [f"[warnings]\nfail-on = {json.dumps(fail_on)}\n"]
     for operation, (extra, why) in ALLOWANCES.items():
         blocks.append(
-            f"# {why}\n[[operations]]\ninclude-name = \"{operation}\"\n"
+            f'# {why}\n[[operations]]\ninclude-name = "{operation}"\n'
             f"checks.positive_data_acceptance.expected-statuses = {json.dumps([*ACCEPTED, *extra])}\n"
         )
     return "\n".join(blocks)
@@ -103,10 +117,14 @@ def demo_model(tenant_admin, tmp_path: Path) -> Model:  # noqa: ANN001
     for _ in range(2):
         with path.open("rb") as f:
             version = register_version(
-                model_name="digits", artifact_file=f, fmt="torchscript", validate="none",
+                model_name="digits",
+                artifact_file=f,
+                fmt="torchscript",
+                validate="none",
                 inputs=[{"name": "input", "datatype": "FP32", "shape": [4]}],
                 outputs=[{"name": "scores", "datatype": "FP32", "shape": [2]}],
-                max_batch_size=4, tenant=Tenant.objects.get(slug="demo"),
+                max_batch_size=4,
+                tenant=Tenant.objects.get(slug="demo"),
             )
     return version.model
 
@@ -122,7 +140,11 @@ def api_server(transactional_db) -> Iterator[LiveServer]:  # noqa: ANN001
 
 
 def test_schemathesis_finds_no_disagreement(
-    tenant_admin, demo_model, api_server: LiveServer, tmp_path: Path, settings  # noqa: ANN001
+    tenant_admin,
+    demo_model,
+    api_server: LiveServer,
+    tmp_path: Path,
+    settings,  # noqa: ANN001
 ) -> None:
     # given the live app, a tenant admin's credentials and the allowances above. The authentication checks
     # send wrong passwords for the admin on purpose: past the login throttle's limit every later request,
@@ -132,15 +154,27 @@ def test_schemathesis_finds_no_disagreement(
     config = tmp_path / "schemathesis.toml"
     config.write_text(schemathesis_config())
     command = [
-        sys.executable, "-m", "schemathesis.cli", "--config-file", str(config),
-        "run", f"{api_server.url}/api/schema/",
-        "--auth", f"{tenant_admin.username}:{PASSWORD}",
-        "--checks", "all",
-        "--max-examples", str(EXAMPLES),
-        "--seed", str(SEED),
-        "--workers", "1",
-        "--generation-database", "none",
-        "--request-timeout", "30",
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "--config-file",
+        str(config),
+        "run",
+        f"{api_server.url}/api/schema/",
+        "--auth",
+        f"{tenant_admin.username}:{PASSWORD}",
+        "--checks",
+        "all",
+        "--max-examples",
+        str(EXAMPLES),
+        "--seed",
+        str(SEED),
+        "--workers",
+        "1",
+        "--generation-database",
+        "none",
+        "--request-timeout",
+        "30",
         "--no-color",
     ]
     # when schemathesis runs every phase and every check against it

@@ -31,7 +31,7 @@ class Source:
         if sha256 not in self.blobs:
             raise ArtifactUnavailable(f"no artifact {sha256}", missing=True)
         data = self.blobs[sha256]
-        return iter([data[i:i + 1000] for i in range(0, len(data), 1000)])
+        return iter([data[i : i + 1000] for i in range(0, len(data), 1000)])
 
 
 def sample(name: str, n: int = 3000) -> bytes:
@@ -168,15 +168,25 @@ async def test_a_failed_fetch_is_tried_again_at_the_next_snapshot_a_refused_load
 
     def version(name: str) -> VersionEntry:
         return VersionEntry(
-            model=name, version=1, state="ready", loaded=True, artifact_sha256=sha(name.encode()),
-            format="torchscript", inputs=(TensorSpec("input", "FP32", (64,)),),
-            outputs=(TensorSpec("scores", "FP32", (10,)),), batching=BatchingConfig(8, 0.0, 100),
-            default_timeout_ms=1000, latency_profile={},
+            model=name,
+            version=1,
+            state="ready",
+            loaded=True,
+            artifact_sha256=sha(name.encode()),
+            format="torchscript",
+            inputs=(TensorSpec("input", "FP32", (64,)),),
+            outputs=(TensorSpec("scores", "FP32", (10,)),),
+            batching=BatchingConfig(8, 0.0, 100),
+            default_timeout_ms=1000,
+            latency_profile={},
         )
 
     def snapshot(serial: int) -> RoutingSnapshot:
-        return RoutingSnapshot(serial=serial, built_at=0.0, models={
-            name: ModelEntry(name, "", "", None, {1: version(name)}) for name in ("fetched", "broken")})
+        return RoutingSnapshot(
+            serial=serial,
+            built_at=0.0,
+            models={name: ModelEntry(name, "", "", None, {1: version(name)}) for name in ("fetched", "broken")},
+        )
 
     asked: list[str] = []
 

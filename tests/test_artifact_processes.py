@@ -32,13 +32,33 @@ def start_remote_node(name: str, tmp_path: Path, web: Proc, metrics_port: int) -
     """A node that shares nothing on disk with the web process: its own data dir, artifact root and cache."""
     home = tmp_path / f"{name}-home"
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
-    env = {**_env(REDIS_URL, home), "FERRY_ARTIFACT_ROOT": str(home / "artifacts"),
-           "FERRY_ARTIFACT_URL": f"http://127.0.0.1:{web.port}", "FERRY_NODE_TOKEN": TOKEN}
+    env = {
+        **_env(REDIS_URL, home),
+        "FERRY_ARTIFACT_ROOT": str(home / "artifacts"),
+        "FERRY_ARTIFACT_URL": f"http://127.0.0.1:{web.port}",
+        "FERRY_NODE_TOKEN": TOKEN,
+    }
     log_path = tmp_path / f"{name}.log"
     with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "runnode", "--name", name, "--accelerator", "a10g",
-                                 "--memory", "24GiB", "--metrics-port", str(metrics_port)],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "runnode",
+                "--name",
+                name,
+                "--accelerator",
+                "a10g",
+                "--memory",
+                "24GiB",
+                "--metrics-port",
+                str(metrics_port),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(name, proc, log_path)
 
 
@@ -62,7 +82,11 @@ def web_live(web: Proc) -> bool:
 
 
 def test_a_node_without_the_webs_disk_fetches_checks_and_serves(
-    transactional_db, redis_db, model_files, tmp_path, monkeypatch,  # noqa: ANN001, F811
+    transactional_db,
+    redis_db,  # noqa: F811 (a fixture)
+    model_files,
+    tmp_path,
+    monkeypatch,
 ) -> None:
     version = register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
     sha = version.artifact_id
@@ -105,16 +129,22 @@ def test_a_node_without_the_webs_disk_fetches_checks_and_serves(
         cache.write_bytes(cache.read_bytes()[:-16] + b"\0" * 16)
         node = start_remote_node("node-far", tmp_path, web, metrics_port)
         procs[1] = node
-        wait_for("the restarted node ready", lambda: ready_on(redis_db, "node-far", "digits:1")
-                 and "does not hash to its name" in node.log(), procs)
+        wait_for(
+            "the restarted node ready",
+            lambda: ready_on(redis_db, "node-far", "digits:1") and "does not hash to its name" in node.log(),
+            procs,
+        )
         # then the tampered bytes were refused, counted and logged, never loaded, and the artifact fetched again
         samples = scrape(metrics_port)
         assert samples['ferry_artifact_refused_total{where="cache"}'] == 1
         assert samples['ferry_artifact_fetches_total{outcome="fetched"}'] == 1
         assert cache.read_bytes() == model_files.digits.read_bytes()
         # and the web process routes to it again once its fleet view (re-read every 0.25 s) has it
-        wait_for("the web process serving through the restarted node", lambda: digits(web, key)[0].status == 200,
-                 procs, timeout=30)
+        wait_for(
+            "the web process serving through the restarted node",
+            lambda: digits(web, key)[0].status == 200,
+            procs,
+            timeout=30,
+        )
     finally:
         stop_all(procs)
-

@@ -93,8 +93,12 @@ def opaque_constant(base: Path, marker: Path, out: Path) -> Path:
     root = member(members, "archive_format").split("/")[0]
 
     def edit(doc: dict) -> None:
-        doc["config"]["evil"] = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True,
-                                 "tensor_meta": None}
+        doc["config"]["evil"] = {
+            "path_name": "opaque_obj_0",
+            "is_param": False,
+            "use_pickle": True,
+            "tensor_meta": None,
+        }
 
     edit_json(members, "data/constants/model_constants_config.json", edit)
     members[f"{root}/data/constants/opaque_obj_0"] = pickle.dumps(OpensMarker(marker))
@@ -112,13 +116,16 @@ def legacy_layout(base: Path, marker: Path, out: Path) -> Path:
     """The flat 2.7 layout: load_pt2 fails on it, and torch.export.load falls back to reading it with
     torch.load, retrying with weights_only=False."""
     program = read_members(base)
-    return write_members(out, {
-        "version": b"8.20",
-        "serialized_exported_program.json": program[member(program, "models/model.json")],
-        "serialized_state_dict.pt": b"",
-        "serialized_constants.pt": torch_saved({"c": OpensMarker(marker)}),
-        "serialized_example_inputs.pt": b"",
-    })
+    return write_members(
+        out,
+        {
+            "version": b"8.20",
+            "serialized_exported_program.json": program[member(program, "models/model.json")],
+            "serialized_state_dict.pt": b"",
+            "serialized_constants.pt": torch_saved({"c": OpensMarker(marker)}),
+            "serialized_example_inputs.pt": b"",
+        },
+    )
 
 
 def sympy_expression(base: Path, marker: Path, out: Path) -> Path:
@@ -147,8 +154,10 @@ def generated_code_name(base: Path, marker: Path, out: Path) -> Path:
     """A parameter name that closes the string FX writes it into (getattr(self, "<name>")) in the
     Python source of forward: the rest of the name runs as code when the model is called. No dots:
     torch splits names on them."""
-    evil = (f'weight") is None or getattr(__import__("builtins"), "open")(getattr(bytes, "fromhex")('
-            f'"{str(marker).encode().hex()}"), "w") is None or getattr(self, "x')
+    evil = (
+        f'weight") is None or getattr(__import__("builtins"), "open")(getattr(bytes, "fromhex")('
+        f'"{str(marker).encode().hex()}"), "w") is None or getattr(self, "x'
+    )
     assert "." not in evil
     members = read_members(base)
 
@@ -225,8 +234,14 @@ def test_registration_refuses_the_archive_with_422_and_the_reason(hostile: dict[
     archive = hostile[case]
     archive.marker.unlink(missing_ok=True)
     with archive.path.open("rb") as f, pytest.raises(RegistrationError) as refused:
-        register_version(model_name=f"hostile-{case.replace('_', '-')}", artifact_file=f, fmt="torch_export",
-                         inputs=DIGITS_IO["inputs"], outputs=DIGITS_IO["outputs"], validate="sync")
+        register_version(
+            model_name=f"hostile-{case.replace('_', '-')}",
+            artifact_file=f,
+            fmt="torch_export",
+            inputs=DIGITS_IO["inputs"],
+            outputs=DIGITS_IO["outputs"],
+            validate="sync",
+        )
     assert refused.value.status == 422
     assert archive.reason in refused.value.message
     assert not archive.marker.exists()
@@ -243,10 +258,17 @@ def test_upload_over_http_answers_422_with_the_reason(hostile: dict[str, Hostile
     archive = hostile["pickled_weights"]
     upload = io.BytesIO(archive.path.read_bytes())
     upload.name = "model.pt2"
-    response = client.post("/api/models/digits/versions/", {
-        "format": "torch_export", "artifact": upload, "max_batch_size": 2,
-        "inputs": json.dumps(DIGITS_IO["inputs"]), "outputs": json.dumps(DIGITS_IO["outputs"]),
-    }, format="multipart")
+    response = client.post(
+        "/api/models/digits/versions/",
+        {
+            "format": "torch_export",
+            "artifact": upload,
+            "max_batch_size": 2,
+            "inputs": json.dumps(DIGITS_IO["inputs"]),
+            "outputs": json.dumps(DIGITS_IO["outputs"]),
+        },
+        format="multipart",
+    )
     assert response.status_code == 422, response.content
     assert "use_pickle" in response.json()["error"]
     assert not archive.marker.exists()
@@ -264,11 +286,17 @@ def test_an_unknown_member_or_graph_call_is_refused(base_export: Path, tmp_path:
     members = read_members(base_export)
 
     def add_call(doc: dict) -> None:
-        doc["graph_module"]["graph"]["nodes"].insert(0, {
-            "target": "torch.export.custom_ops._call_custom_autograd_function_in_pre_dispatch",
-            "inputs": [{"name": "a", "arg": {"as_string": "antigravity.Fn"}, "kind": 1}],
-            "outputs": [], "metadata": {}, "is_hop_single_tensor_return": None, "name": "imports",
-        })
+        doc["graph_module"]["graph"]["nodes"].insert(
+            0,
+            {
+                "target": "torch.export.custom_ops._call_custom_autograd_function_in_pre_dispatch",
+                "inputs": [{"name": "a", "arg": {"as_string": "antigravity.Fn"}, "kind": 1}],
+                "outputs": [],
+                "metadata": {},
+                "is_hop_single_tensor_return": None,
+                "name": "imports",
+            },
+        )
 
     edit_json(members, "models/model.json", add_call)
     call = write_members(tmp_path / "call.pt2", members)

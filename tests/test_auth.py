@@ -58,8 +58,13 @@ def world(transactional_db, model_files, settings) -> Iterator[World]:  # noqa: 
     keys = {slug: mint_key(slug) for slug in ("owner", "member", "outsider")}
     server = LiveServer().start()
     try:
-        yield World(server, keys["owner"], keys["member"], keys["outsider"],
-                    {slug: tenant(slug).pk for slug in ("owner", "member", "outsider")})
+        yield World(
+            server,
+            keys["owner"],
+            keys["member"],
+            keys["outsider"],
+            {slug: tenant(slug).pk for slug in ("owner", "member", "outsider")},
+        )
     finally:
         server.stop()
 
@@ -87,8 +92,15 @@ def test_requests_without_a_usable_key_are_401(world: World) -> None:
     for method, template, body in endpoints:
         assert_401(ask(server, method, template, body, "owned-public", None), "API key")
     # given malformed headers and tokens / then 401 saying so
-    for header in ("Basic b3duZXI6cHc=", "Bearer", "Bearer ", "Bearer not-a-key", "Bearer fy_short_x",
-                   "bearer fy_", "Token " + world.owner):
+    for header in (
+        "Basic b3duZXI6cHc=",
+        "Bearer",
+        "Bearer ",
+        "Bearer not-a-key",
+        "Bearer fy_short_x",
+        "bearer fy_",
+        "Token " + world.owner,
+    ):
         resp = call(server, "GET", "/v2/models/owned-public", headers={"Authorization": header}, auth=None)
         assert_401(resp, "malformed")
     # given a well-formed key that was never issued, and a real prefix with a wrong secret / then 401
@@ -110,13 +122,13 @@ def test_expired_key_is_401(world: World) -> None:
     from tenants.models import ApiKey
 
     server = world.server
-    key, token = create_key(tenant=tenant("owner"), name="short-lived", scopes=["infer"],
-                            expires_at=timezone.now() + timedelta(hours=1))
+    key, token = create_key(
+        tenant=tenant("owner"), name="short-lived", scopes=["infer"], expires_at=timezone.now() + timedelta(hours=1)
+    )
     # given a key that is still valid / then it serves
     assert infer(server, "owned-public", ZERO, auth=token).status == 200
     # when its expiry passes (moved into the past here) / then 401 naming the expiry
-    ApiKey.objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1),
-                                            updated_at=timezone.now())
+    ApiKey.objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1), updated_at=timezone.now())
     server.refresh()
     assert_401(infer(server, "owned-public", ZERO, auth=token), "expired")
     assert_401(call(server, "GET", "/v2/models/owned-public", auth=token), "expired")
@@ -276,8 +288,11 @@ def test_the_memo_of_verified_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -
     pepper = b"p" * 32
     monkeypatch.setattr(auth, "MAX_REMEMBERED", 3)
     minted = [keys.mint(pepper) for _ in range(5)]
-    snapshot = RoutingSnapshot(serial=3, built_at=0.0, keys={
-        m.prefix: KeyEntry(digest=m.digest, tenant_id=1, scopes=("infer",), expires_at=None) for m in minted})
+    snapshot = RoutingSnapshot(
+        serial=3,
+        built_at=0.0,
+        keys={m.prefix: KeyEntry(digest=m.digest, tenant_id=1, scopes=("infer",), expires_at=None) for m in minted},
+    )
     for m in minted:
         auth.authenticate(b"Bearer " + m.token.encode(), snapshot, pepper, now=0.0)
         assert len(auth._memo) <= 3

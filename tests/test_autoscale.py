@@ -203,15 +203,15 @@ def test_idle_never_scales_to_zero_with_a_minimum_of_one() -> None:
 
 def test_min_and_max_clamp_and_the_warm_pool_adds() -> None:
     busy = Driver(config(max_replicas=20))
-    (_, d), = busy.run(120, lambda t: 5000)[-1:]
+    ((_, d),) = busy.run(120, lambda t: 5000)[-1:]
     assert (d.replicas, d.reason) == (20, "max")
 
     quiet = Driver(config(min_replicas=3))
-    (_, d), = quiet.run(120, lambda t: 10)[-1:]
+    ((_, d),) = quiet.run(120, lambda t: 10)[-1:]
     assert (d.replicas, d.reason) == (3, "min")
 
     warm = Driver(config(warm_pool=2))
-    (_, d), = warm.run(120, lambda t: 200)[-1:]
+    ((_, d),) = warm.run(120, lambda t: 200)[-1:]
     assert (d.replicas, d.reason) == (4 + 2, "forecast")
 
 
@@ -350,8 +350,9 @@ def test_a_ramp_every_version_shares_is_seen_in_the_pool_before_any_one_version_
         out = []
         for t, counts in enumerate(arrivals, 1):
             totals = [a + c for a, c in zip(totals, counts, strict=True)]
-            plan = scaler.tick(float(t), [Observation(n, cfg, total, 1, per_row)
-                                          for n, total in zip(names, totals, strict=True)])
+            plan = scaler.tick(
+                float(t), [Observation(n, cfg, total, 1, per_row) for n, total in zip(names, totals, strict=True)]
+            )
             out.append(sum(d.replicas for d in plan.decisions.values()))
         return out
 

@@ -60,16 +60,26 @@ COOL_DOWN_S = 8.0
 pytestmark = pytest.mark.solo
 # The autoscaler's settings in the worker: a short window of 5 s, so the step shows within a few ticks and
 # leaves the window soon after it ends.
-AUTOSCALE_ENV = {"FERRY_AUTOSCALE_SECONDS": "1", "FERRY_AUTOSCALE_SHORT_WINDOW_S": "5",
-                 "FERRY_AUTOSCALE_LONG_WINDOW_S": "60", "FERRY_AUTOSCALE_SCHEDULING_DELAY_S": "1"}
+AUTOSCALE_ENV = {
+    "FERRY_AUTOSCALE_SECONDS": "1",
+    "FERRY_AUTOSCALE_SHORT_WINDOW_S": "5",
+    "FERRY_AUTOSCALE_LONG_WINDOW_S": "60",
+    "FERRY_AUTOSCALE_SCHEDULING_DELAY_S": "1",
+}
 
 
 def start(name: str, argv: list[str], tmp_path: Path, **extra: str) -> Proc:
     data_dir = tmp_path / name
     data_dir.mkdir(exist_ok=True)
     log_path = tmp_path / f"{name}.log"
-    env = {**_env(REDIS_URL, data_dir), "CELERY_BROKER_URL": BROKER, "CELERY_RESULT_BACKEND": REDIS_URL,
-           "CELERY_TASK_ALWAYS_EAGER": "false", **AUTOSCALE_ENV, **extra}
+    env = {
+        **_env(REDIS_URL, data_dir),
+        "CELERY_BROKER_URL": BROKER,
+        "CELERY_RESULT_BACKEND": REDIS_URL,
+        "CELERY_TASK_ALWAYS_EAGER": "false",
+        **AUTOSCALE_ENV,
+        **extra,
+    }
     with log_path.open("a") as log:
         proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return Proc(name, proc, log_path)
@@ -186,18 +196,28 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
     port = free_port()
     web = start("web", ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path)
     web.port = port
-    nodes = [start(n, ["manage.py", "runnode", "--name", n, "--accelerator", "a10g", "--memory", "2GiB"], tmp_path)
-             for n in NODES]
-    beat = start("beat", ["-m", "celery", "-A", "config", "beat", "-l", "info", "-s",
-                          str(tmp_path / "beat-schedule")], tmp_path)
+    nodes = [
+        start(n, ["manage.py", "runnode", "--name", n, "--accelerator", "a10g", "--memory", "2GiB"], tmp_path)
+        for n in NODES
+    ]
+    beat = start(
+        "beat", ["-m", "celery", "-A", "config", "beat", "-l", "info", "-s", str(tmp_path / "beat-schedule")], tmp_path
+    )
     procs = [web, *nodes, beat]
     try:
-        with celery_worker(tmp_path, BROKER, REDIS_URL=REDIS_URL, CELERY_BROKER_URL=BROKER,
-                           FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
-                           SECRET_KEY=django_settings.SECRET_KEY, **AUTOSCALE_ENV) as worker:
+        with celery_worker(
+            tmp_path,
+            BROKER,
+            REDIS_URL=REDIS_URL,
+            CELERY_BROKER_URL=BROKER,
+            FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
+            SECRET_KEY=django_settings.SECRET_KEY,
+            **AUTOSCALE_ENV,
+        ) as worker:
             wait_for("web answering", lambda: answers(web), procs, START_TIMEOUT_S)
-            wait_for("both nodes up", lambda: all(client.exists(fleet.node_key(n)) for n in NODES), procs,
-                     START_TIMEOUT_S)
+            wait_for(
+                "both nodes up", lambda: all(client.exists(fleet.node_key(n)) for n in NODES), procs, START_TIMEOUT_S
+            )
             assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
             yield client, web, key, procs
     finally:
@@ -222,8 +242,12 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     policy = ScalingPolicy.objects.create(version=version, max_replicas=1, cool_down_seconds=COOL_DOWN_S)
     # (and only there: at start-up both nodes may load it on demand, and the probe below must not count a second
     # copy that is still draining before its unload)
-    wait_for("one replica placed", lambda: desired() == 1 and len(holding(client)) == 1
-             and loaded_on(client) == holding(client), procs, 120)
+    wait_for(
+        "one replica placed",
+        lambda: desired() == 1 and len(holding(client)) == 1 and loaded_on(client) == holding(client),
+        procs,
+        120,
+    )
     first = holding(client)[0]
     # and what that replica serves here, measured: what the profile says, less the node's own work per request
     # and whatever else this 2-core machine runs (the web process, the load's threads, the other node)
@@ -237,9 +261,11 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     time.sleep(2)  # two ticks under the new policy: still one replica without load
     assert desired() == 1 and holding(client) == [first]
     overflow_s = QUEUE / (rate - served)  # one replica alone: the queue grows by the excess each second
-    print(f"one replica serves {capacity.rate:.1f}/s by its measured profile and served {served:.1f}/s here; the step"
-          f" is {rate:.1f}/s; alone, one replica's queue of {QUEUE} would overflow in {overflow_s:.1f} s; target"
-          f" utilisation {target:.2f}")
+    print(
+        f"one replica serves {capacity.rate:.1f}/s by its measured profile and served {served:.1f}/s here; the step"
+        f" is {rate:.1f}/s; alone, one replica's queue of {QUEUE} would overflow in {overflow_s:.1f} s; target"
+        f" utilisation {target:.2f}"
+    )
 
     # when a load step more than one replica serves comes
     backlog: list[int] = []  # requests no node has taken, sampled while the step runs
@@ -248,6 +274,7 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
         def sample() -> bool:
             backlog.append(observe.read_streams(client, [KEY])[KEY].backlog)
             return check()
+
         return sample
 
     step = OpenLoop(web, key, rate).start()
@@ -263,8 +290,10 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     finally:
         step.stop()
     ended = time.monotonic()
-    print(f"second replica loaded {added_after:.1f} s into the step; {len(step.answers)} requests sent; backlog"
-          f" peaked at {peak} before it, {backlog[-1]} at the end of the step")
+    print(
+        f"second replica loaded {added_after:.1f} s into the step; {len(step.answers)} requests sent; backlog"
+        f" peaked at {peak} before it, {backlog[-1]} at the end of the step"
+    )
     assert added_after < overflow_s
     scaled = AuditEntry.objects.filter(action="version.scaled", target="model slow version 1").order_by("id")
     assert [(e.before["desired_replicas"], e.after["desired_replicas"]) for e in scaled][-1] == (1, 2)
@@ -275,8 +304,9 @@ def test_a_load_step_adds_a_replica_on_the_second_node_and_the_cool_down_removes
     assert statuses and not refused, refused[:5]
 
     # when the step is over, the replica stays through the cool-down, then goes: one node keeps the version
-    wait_for("scaled back to one replica", lambda: desired() == 1 and len(holding(client)) == 1, procs,
-             90 + COOL_DOWN_S)
+    wait_for(
+        "scaled back to one replica", lambda: desired() == 1 and len(holding(client)) == 1, procs, 90 + COOL_DOWN_S
+    )
     removed_after = time.monotonic() - ended
     print(f"scaled in {removed_after:.1f} s after the step ended")
     assert removed_after >= COOL_DOWN_S

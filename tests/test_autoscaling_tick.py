@@ -48,8 +48,9 @@ def version(db, model_files) -> ModelVersion:  # noqa: ANN001
 
 def heartbeat(client: redis.Redis, name: str, hot: set[str], budget: int = 256 * MiB) -> None:
     now = time.time()
-    info = fleet.NodeInfo(name, "i1", "host", 1, "cpu", "cpu", 0, budget, budget, 0, {}, now, now, 0,
-                          frozenset(hot), frozenset(hot))
+    info = fleet.NodeInfo(
+        name, "i1", "host", 1, "cpu", "cpu", 0, budget, budget, 0, {}, now, now, 0, frozenset(hot), frozenset(hot)
+    )
     client.hset(fleet.node_key(name), mapping=info.to_hash())
     client.expire(fleet.node_key(name), 30)
     client.sadd(fleet.NODES_KEY, name)
@@ -110,7 +111,9 @@ def test_a_replica_seen_saturated_sizes_the_version_by_what_it_answered_not_by_i
 
 
 def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_down_holds_it(
-    client: redis.Redis, version: ModelVersion, settings  # noqa: ANN001
+    client: redis.Redis,
+    version: ModelVersion,
+    settings,  # noqa: ANN001
 ) -> None:
     settings.FERRY_AUTOSCALE_SHORT_WINDOW_S = 2  # so the step leaves the short window within the test
     settings.FERRY_AUTOSCALE_LONG_WINDOW_S = 10
@@ -239,7 +242,11 @@ def test_the_command_turns_scaling_on_and_off_with_audit(version: ModelVersion) 
     call_command("autoscale_version", "scaled", "1", "--max", "5", "--idle-to-zero", "600", "--cool-down", "60")
     policy = ScalingPolicy.objects.get(version=version)
     assert (policy.enabled, policy.max_replicas, policy.idle_to_zero_seconds, policy.cool_down_seconds) == (
-        True, 5, 600.0, 60.0)
+        True,
+        5,
+        600.0,
+        60.0,
+    )
     with pytest.raises(CommandError, match="target_utilisation"):
         call_command("autoscale_version", "scaled", "1", "--target-utilisation", "1.5")
     ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=3)

@@ -53,8 +53,9 @@ def item(name: str, rows: int = 1, arrival: float = 0.0, deadline: float = INF, 
     return Pending(name, rows, arrival, deadline, priority)
 
 
-def make(max_batch_size: int = 4, delay: float = 1.0, max_queue_size: int = 16, clock=None,
-         recorder: Recorder | None = None) -> tuple[Batcher, Recorder, FakeClock]:
+def make(
+    max_batch_size: int = 4, delay: float = 1.0, max_queue_size: int = 16, clock=None, recorder: Recorder | None = None
+) -> tuple[Batcher, Recorder, FakeClock]:
     recorder = recorder or Recorder()
     clock = clock or FakeClock()
     queue = BatchQueue(BatchingConfig(max_batch_size, delay, max_queue_size))

@@ -33,8 +33,13 @@ def names(items: list[Pending]) -> list[str]:
     return [p.payload for p in items]
 
 
-def queue(max_batch_size: int = 4, max_queue_delay: float = 1.0, max_queue_size: int = 100,
-          preferred: tuple[int, ...] = (), estimate=None) -> BatchQueue:
+def queue(
+    max_batch_size: int = 4,
+    max_queue_delay: float = 1.0,
+    max_queue_size: int = 100,
+    preferred: tuple[int, ...] = (),
+    estimate=None,
+) -> BatchQueue:
     config = BatchingConfig(max_batch_size, max_queue_delay, max_queue_size, preferred)
     return BatchQueue(config, estimate)
 
@@ -64,8 +69,9 @@ def test_config_rejects_invalid_values(kwargs: dict, message: str) -> None:
 def test_config_accepts_boundaries_and_normalises_preferred_sizes() -> None:
     # given boundary values: zero delay, max_queue_size 1, preferred sizes equal to 1 and to the max,
     # unsorted and repeated
-    config = BatchingConfig(max_batch_size=8, max_queue_delay=0.0, max_queue_size=1,
-                            preferred_batch_sizes=(8, 2, 8, 1, 4))
+    config = BatchingConfig(
+        max_batch_size=8, max_queue_delay=0.0, max_queue_size=1, preferred_batch_sizes=(8, 2, 8, 1, 4)
+    )
     # then the preferred sizes are deduplicated and sorted ascending
     assert config.preferred_batch_sizes == (1, 2, 4, 8)
     assert config.max_queue_delay == 0.0
@@ -631,7 +637,11 @@ def _reference_candidates(waiting: list[Pending], limit: int) -> tuple[list[Pend
     ],
 )
 def test_random_arrivals_keep_the_invariants(
-    seed: int, max_batch_size: int, delay: float, max_queue_size: int, preferred: tuple[int, ...],
+    seed: int,
+    max_batch_size: int,
+    delay: float,
+    max_queue_size: int,
+    preferred: tuple[int, ...],
     per_row: float,
 ) -> None:
     # given a queue with a compute estimate and a random stream of arrivals, deadlines, priorities
@@ -679,8 +689,9 @@ def test_random_arrivals_keep_the_invariants(
             seq += 1
 
         # ...and the policy is asked what leaves now
-        waiting_before = sorted((p for i, p in accepted.items() if i not in done),
-                                key=lambda p: (p.priority, p.payload))
+        waiting_before = sorted(
+            (p for i, p in accepted.items() if i not in done), key=lambda p: (p.priority, p.payload)
+        )
         decision = q.poll(now)
 
         # then expired requests are exactly those past their deadline, and none is batched
@@ -693,10 +704,12 @@ def test_random_arrivals_keep_the_invariants(
         # and a batch leaves exactly when it is full, blocked, preferred-full or due
         candidates, rows, more_waiting = _reference_candidates(live, max_batch_size)
         if live:
-            due_at = min(min(p.arrival for p in candidates) + delay,
-                         min(p.deadline for p in candidates) - estimate(rows))
-            should_leave = (rows >= max_batch_size or more_waiting
-                            or (bool(preferred) and rows >= preferred[-1]) or now >= due_at)
+            due_at = min(
+                min(p.arrival for p in candidates) + delay, min(p.deadline for p in candidates) - estimate(rows)
+            )
+            should_leave = (
+                rows >= max_batch_size or more_waiting or (bool(preferred) and rows >= preferred[-1]) or now >= due_at
+            )
             assert bool(decision.batch) == should_leave
             if not decision.batch:
                 # then the policy asks to be woken strictly later, and no later than it is due

@@ -14,7 +14,8 @@ from tests.conftest import DIGITS_IO, celery_worker
 # A broker of its own, so a worker here never takes another suite's tasks (FERRY_TEST_CELERY_BROKER_URL when
 # several suites run at once on one Redis).
 BROKER = os.environ.get("FERRY_TEST_CELERY_BROKER_URL") or (
-    os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14")
+    os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14"
+)
 
 
 @pytest.fixture
@@ -26,8 +27,14 @@ def worker(transactional_db, tmp_path):  # noqa: ANN001, ANN201
 def test_worker_validates_a_queued_version(worker, model_files) -> None:  # noqa: ANN001
     # given a registered version, not yet validated
     with model_files.digits.open("rb") as f:
-        version = register_version(model_name="digits", artifact_file=f, fmt="torchscript",
-                                   inputs=DIGITS_IO["inputs"], outputs=DIGITS_IO["outputs"], validate="none")
+        version = register_version(
+            model_name="digits",
+            artifact_file=f,
+            fmt="torchscript",
+            inputs=DIGITS_IO["inputs"],
+            outputs=DIGITS_IO["outputs"],
+            validate="none",
+        )
     assert version.state == State.REGISTERED
     # when the task goes through the broker to a worker process
     client = Celery(broker=BROKER, set_as_current=False)  # later tests keep the project app (eager tasks)

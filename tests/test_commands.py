@@ -25,8 +25,9 @@ def test_register_model_validates_and_prints_ready(model_files) -> None:  # noqa
     from serving.models import ModelVersion, State
 
     # given the digits artifact / when registered from the command line with a batching option
-    output = register_cli("digits-cli", model_files.digits, *DIGITS_ARGS, "--max-batch-size", "8",
-                          "--metrics", '{"accuracy": 0.9}')
+    output = register_cli(
+        "digits-cli", model_files.digits, *DIGITS_ARGS, "--max-batch-size", "8", "--metrics", '{"accuracy": 0.9}'
+    )
 
     # then it reports the version ready, with its sha256 and latency profile
     assert "digits-cli:1 ready" in output
@@ -47,8 +48,16 @@ def test_register_model_validates_and_prints_ready(model_files) -> None:  # noqa
 
 def test_register_model_variable_length_signature(model_files) -> None:  # noqa: ANN001
     # given the tokens artifact / when registered with a -1 dimension / then it is ready
-    output = register_cli("tokens-cli", model_files.tokens, "--format", "torchscript",
-                          "--input", "tokens:INT64:-1", "--output", "scores:FP32:2")
+    output = register_cli(
+        "tokens-cli",
+        model_files.tokens,
+        "--format",
+        "torchscript",
+        "--input",
+        "tokens:INT64:-1",
+        "--output",
+        "scores:FP32:2",
+    )
     assert "tokens-cli:1 ready" in output
 
 
@@ -69,8 +78,9 @@ def test_register_model_rejects_bad_tensor_spec(model_files, spec: str, reason: 
 
     # given a malformed --input / when the command runs / then CommandError says why, nothing is registered
     with pytest.raises(CommandError, match=reason):
-        register_cli("bad-spec", model_files.digits, "--format", "torchscript", "--input", spec,
-                     "--output", "scores:FP32:10")
+        register_cli(
+            "bad-spec", model_files.digits, "--format", "torchscript", "--input", spec, "--output", "scores:FP32:10"
+        )
     assert not Model.objects.filter(name="bad-spec").exists()
 
 
@@ -79,8 +89,16 @@ def test_register_model_rejects_mismatched_signature(model_files) -> None:  # no
 
     # given a signature the artifact does not produce / when registered / then CommandError with the reason
     with pytest.raises(CommandError, match=r"failed: .*scores"):
-        register_cli("wrong-sig", model_files.digits, "--format", "torchscript",
-                     "--input", "input:FP32:64", "--output", "scores:FP32:3")
+        register_cli(
+            "wrong-sig",
+            model_files.digits,
+            "--format",
+            "torchscript",
+            "--input",
+            "input:FP32:64",
+            "--output",
+            "scores:FP32:3",
+        )
     # and the version is recorded as failed, with that reason
     version = ModelVersion.objects.get(model__name="wrong-sig")
     assert version.state == State.FAILED and "scores" in version.failure_reason
@@ -199,8 +217,19 @@ def test_create_and_revoke_api_key_commands() -> None:
     Tenant.objects.create(slug="acme", name="Acme")
     # given a tenant / when a key is created with both scopes and an expiry / then only its token is printed
     out, err = StringIO(), StringIO()
-    call_command("create_api_key", "acme", "checkout", "--scope", "infer", "--scope", "manage",
-                 "--expires-in-days", "30", stdout=out, stderr=err)
+    call_command(
+        "create_api_key",
+        "acme",
+        "checkout",
+        "--scope",
+        "infer",
+        "--scope",
+        "manage",
+        "--expires-in-days",
+        "30",
+        stdout=out,
+        stderr=err,
+    )
     token = out.getvalue().strip()
     prefix, secret = split(token)
     key = ApiKey.objects.get(prefix=prefix)
@@ -219,8 +248,17 @@ def test_create_and_revoke_api_key_commands() -> None:
     with pytest.raises(CommandError, match="no tenant"):
         call_command("create_api_key", "nobody", "x", "--scope", "infer", stdout=StringIO(), stderr=StringIO())
     with pytest.raises(CommandError, match="positive"):
-        call_command("create_api_key", "acme", "x", "--scope", "infer", "--expires-in-days", "0",
-                     stdout=StringIO(), stderr=StringIO())
+        call_command(
+            "create_api_key",
+            "acme",
+            "x",
+            "--scope",
+            "infer",
+            "--expires-in-days",
+            "0",
+            stdout=StringIO(),
+            stderr=StringIO(),
+        )
     with pytest.raises(CommandError, match="no API key"):
         call_command("revoke_api_key", "zzzzzzzzzz", stdout=StringIO())
 

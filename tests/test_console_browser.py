@@ -22,8 +22,9 @@ WAIT_MS = 30_000  # deadline for polls in the page; a failure, never a timing as
 @pytest.fixture
 def page(digits_server, django_user_model) -> Iterator:  # noqa: ANN001
     if not CHROMIUM.exists():
-        pytest.fail(f"Chromium is missing at {CHROMIUM}: install Debian's chromium package "
-                    "(scripts/setup.sh test does it)")
+        pytest.fail(
+            f"Chromium is missing at {CHROMIUM}: install Debian's chromium package (scripts/setup.sh test does it)"
+        )
     from playwright.sync_api import sync_playwright
 
     # The ORM is called before Playwright starts: its sync API runs an event loop in this thread.
@@ -56,13 +57,16 @@ def log_in(page, username: str, password: str) -> None:  # noqa: ANN001
 
 
 def send_inferences(server, model: str, count: int) -> None:  # noqa: ANN001
-    body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                                     "data": [3.0] * 64}]})
+    body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [3.0] * 64}]})
     for _ in range(count):
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         try:
-            conn.request("POST", f"/v2/models/{model}/infer", body=body,
-                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
+            conn.request(
+                "POST",
+                f"/v2/models/{model}/infer",
+                body=body,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"},
+            )
             resp = conn.getresponse()
             resp.read()
             assert resp.status == 200

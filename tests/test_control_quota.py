@@ -42,8 +42,12 @@ def test_metadata_and_the_repository_index_take_requests_of_the_quota(served) ->
     set_quota(monthly_requests=4)
     served.refresh()
     # when it asks for metadata, config, readiness and the index: each answered, with the RateLimit headers
-    for method, path in (("GET", "/v2/models/digits"), ("GET", "/v2/models/digits/config"),
-                         ("GET", "/v2/models/digits/ready"), ("POST", "/v2/repository/index")):
+    for method, path in (
+        ("GET", "/v2/models/digits"),
+        ("GET", "/v2/models/digits/config"),
+        ("GET", "/v2/models/digits/ready"),
+        ("POST", "/v2/repository/index"),
+    ):
         resp = call(served, method, path, {} if method == "POST" else None)
         assert resp.status == 200, (path, resp.status, resp.body)
         assert all(name in resp.headers for name in RATE_HEADERS), (path, resp.headers)

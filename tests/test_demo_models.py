@@ -19,8 +19,12 @@ DEMO = ["digits-small", "digits", "digits-wide", "token-sentiment"]
 def post(server: LiveServer, model: str, payload: dict) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
-        conn.request("POST", f"/v2/models/{model}/infer", body=orjson.dumps(payload),
-                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
+        conn.request(
+            "POST",
+            f"/v2/models/{model}/infer",
+            body=orjson.dumps(payload),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"},
+        )
         resp = conn.getresponse()
         return resp.status, orjson.loads(resp.read())
     finally:
@@ -53,8 +57,7 @@ def test_demo_models_build_serve_and_show(transactional_db, django_user_model, d
     try:
         # when each demo model is asked / then it answers with its declared output
         x, _ = digits_samples
-        digits_input = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                                    "data": x[0].tolist()}]}
+        digits_input = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": x[0].tolist()}]}
         for model in ("digits", "digits-small", "digits-wide"):
             status, body = post(server, model, digits_input)
             assert status == 200, body
@@ -63,8 +66,15 @@ def test_demo_models_build_serve_and_show(transactional_db, django_user_model, d
         batch = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [8, 64], "data": x[:8].ravel().tolist()}]}
         status, body = post(server, "digits-wide", batch)
         assert status == 200 and body["outputs"][0]["shape"] == [8, 10], body
-        status, body = post(server, "token-sentiment", {"inputs": [
-            {"name": "tokens", "datatype": "INT64", "shape": [2, 5], "data": [1, 2, 3, 0, 0, 9, 10, 11, 12, 40]}]})
+        status, body = post(
+            server,
+            "token-sentiment",
+            {
+                "inputs": [
+                    {"name": "tokens", "datatype": "INT64", "shape": [2, 5], "data": [1, 2, 3, 0, 0, 9, 10, 11, 12, 40]}
+                ]
+            },
+        )
         assert status == 200 and body["outputs"][0]["shape"] == [2, 2], body
 
         # and the console, in a real browser, lists every demo model as ready and loaded

@@ -39,8 +39,9 @@ def defined(path: Path, dotted: str) -> bool:
     """Whether `dotted` (a function, a class, or Class.method) is defined at the top of `path`'s module."""
     scope: list[ast.stmt] = ast.parse(path.read_text()).body
     for part in dotted.split("."):
-        found = [n for n in scope if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-                 and n.name == part]
+        found = [
+            n for n in scope if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name == part
+        ]
         if not found:
             return False
         scope = found[0].body if isinstance(found[0], ast.ClassDef) else []
@@ -80,8 +81,9 @@ def test_no_page_is_over_300_lines(page: Path) -> None:
     assert lines <= MAX_LINES, f"{page.relative_to(ROOT)} has {lines} lines; split it (CONTRIBUTING.md)"
 
 
-@pytest.mark.parametrize("page", [*pages(), ROOT / "README.md", ROOT / "CONTRIBUTING.md"],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page", [*pages(), ROOT / "README.md", ROOT / "CONTRIBUTING.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_relative_links_resolve(page: Path) -> None:
     broken = []
     for target in LINK.findall(page.read_text()):

@@ -66,7 +66,7 @@ def test_the_console_hides_it_too(registry, client) -> None:  # noqa: ANN001
         resp = client.get(page)
         assert resp.status_code == 200, page
         assert SECRET.encode() not in resp.content, page
-        assert b"fallback <em class=\"hidden-fallback\">hidden</em>" in resp.content, page
+        assert b'fallback <em class="hidden-fallback">hidden</em>' in resp.content, page
     client.force_login(registry["owner"])
     for page in ("/console/models/", "/console/models/front/"):
         assert f"fallback {SECRET}".encode() in client.get(page).content, page

@@ -36,8 +36,12 @@ PASSWORD = "a-long-test-password"
 
 
 def start_small_node(name: str, tmp_path, budget: int) -> Proc:  # noqa: ANN001
-    return start(name, ["runnode", "--name", name, "--accelerator", "a10g", "--memory", str(budget),
-                        "--labels", f"zone={name}"], tmp_path, REDIS_URL)
+    return start(
+        name,
+        ["runnode", "--name", name, "--accelerator", "a10g", "--memory", str(budget), "--labels", f"zone={name}"],
+        tmp_path,
+        REDIS_URL,
+    )
 
 
 @pytest.fixture
@@ -55,12 +59,18 @@ def fleet(transactional_db, redis_db, model_files, tmp_path, django_user_model) 
     Membership.objects.create(user=user, tenant=tenant(), role=Role.VIEWER)
     key = mint_key()
     budget = footprint * 3 // 2
-    procs = [start_web(tmp_path, REDIS_URL), start_small_node("node-a", tmp_path, budget),
-             start_small_node("node-b", tmp_path, budget)]
+    procs = [
+        start_web(tmp_path, REDIS_URL),
+        start_small_node("node-a", tmp_path, budget),
+        start_small_node("node-b", tmp_path, budget),
+    ]
     try:
         web = procs[0]
-        wait_for("both nodes serving digits:1", lambda: ready_on(redis_db, "node-a", "digits:1")
-                 and ready_on(redis_db, "node-b", "digits:1"), procs)
+        wait_for(
+            "both nodes serving digits:1",
+            lambda: ready_on(redis_db, "node-a", "digits:1") and ready_on(redis_db, "node-b", "digits:1"),
+            procs,
+        )
         wait_for("the web process ready", lambda: web_ready(web), procs)
         yield web, key
     finally:
@@ -71,8 +81,12 @@ def infer_v2(web: Proc, key: str) -> int:
     body = digits_request(np.zeros((1, 64), np.float32), parameters={"timeout": 60_000_000})
     conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=90)
     try:
-        conn.request("POST", "/v2/models/digits/versions/2/infer", body=orjson.dumps(body),
-                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        conn.request(
+            "POST",
+            "/v2/models/digits/versions/2/infer",
+            body=orjson.dumps(body),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         response = conn.getresponse()
         response.read()
         return response.status
@@ -102,8 +116,9 @@ def test_the_fleet_page_shows_both_nodes_and_an_eviction_live(fleet) -> None:  #
                 expect(row.locator('svg.packing-bar rect.segment.hot[data-key="digits:1"]')).to_have_count(1)
                 expect(row.locator("td.busy")).to_have_text(re.compile(r"^\d+%$"))
             for name in ("node-a", "node-b"):  # each node's load of it is among the events (a reload would add one)
-                expect(page.locator(f'tr.event[data-kind="load"][data-key="digits:1"][data-node="{name}"]').first
-                       ).to_be_visible()
+                expect(
+                    page.locator(f'tr.event[data-kind="load"][data-key="digits:1"][data-node="{name}"]').first
+                ).to_be_visible()
             page.evaluate("window.ferryNotReloaded = true")
             expect(page.locator('tr.event[data-kind="evict"]')).to_have_count(0)
 

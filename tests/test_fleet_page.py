@@ -48,12 +48,24 @@ def redis_db() -> Iterator[redis.Redis]:
 
 def info(name: str, *, heartbeat_at: float, resident: dict[str, dict], busy: float = 0.25) -> NodeInfo:
     return NodeInfo(
-        name=name, instance=f"{name}-1", host="box", pid=42, device="cpu", accelerator="a10g", accelerator_count=1,
-        memory_total=64 * MiB, memory_budget=64 * MiB,
-        memory_used=sum(r["bytes"] for r in resident.values() if r["tier"] == "hot"), labels={"zone": name},
-        started_at=heartbeat_at - 100, heartbeat_at=heartbeat_at, serial=1,
-        ready=frozenset(resident), hot=frozenset(k for k, r in resident.items() if r["tier"] == "hot"),
-        busy=busy, resident=resident,
+        name=name,
+        instance=f"{name}-1",
+        host="box",
+        pid=42,
+        device="cpu",
+        accelerator="a10g",
+        accelerator_count=1,
+        memory_total=64 * MiB,
+        memory_budget=64 * MiB,
+        memory_used=sum(r["bytes"] for r in resident.values() if r["tier"] == "hot"),
+        labels={"zone": name},
+        started_at=heartbeat_at - 100,
+        heartbeat_at=heartbeat_at,
+        serial=1,
+        ready=frozenset(resident),
+        hot=frozenset(k for k, r in resident.items() if r["tier"] == "hot"),
+        busy=busy,
+        resident=resident,
     )
 
 
@@ -72,6 +84,7 @@ def test_a_heartbeat_with_fields_this_release_does_not_know_is_still_read() -> N
 
 
 # -- the busy meter ------------------------------------------------------------------------------------------
+
 
 def test_busy_meter_is_the_share_of_the_window_spent_computing() -> None:
     now = [100.0]
@@ -100,11 +113,15 @@ def test_a_young_busy_meter_divides_by_its_age_not_the_window() -> None:
 
 # -- the event stream ----------------------------------------------------------------------------------------
 
+
 async def test_published_events_are_read_back_newest_first_within_the_hour(redis_db: redis.Redis) -> None:
     now = time.time()
     # given an event older than an hour in the stream
-    redis_db.xadd(fleet_events.STREAM, {fleet_events.FIELD: fleet_events.encode(
-        FleetEvent("node-a", now - 4000, "load", "old:1"))}, id=f"{int((now - 4000) * 1000)}-0")
+    redis_db.xadd(
+        fleet_events.STREAM,
+        {fleet_events.FIELD: fleet_events.encode(FleetEvent("node-a", now - 4000, "load", "old:1"))},
+        id=f"{int((now - 4000) * 1000)}-0",
+    )
     # when a node's packing records a load, an eviction and a failure, and its publisher flushes
     publisher = EventPublisher(REDIS_URL, "node-a")
     publisher.add(Event(now - 2, "load", "digits:1", "0.10 s, 1000 bytes"))
@@ -119,8 +136,10 @@ async def test_published_events_are_read_back_newest_first_within_the_hour(redis
     finally:
         await client.aclose()
     assert [(e.node, e.kind, e.key, e.group) for e in events] == [
-        ("node-a", "load_failed", "broken:1", "failure"), ("node-a", "evict", "digits:1", "eviction"),
-        ("node-a", "load", "digits:1", "load")]
+        ("node-a", "load_failed", "broken:1", "failure"),
+        ("node-a", "evict", "digits:1", "eviction"),
+        ("node-a", "load", "digits:1", "load"),
+    ]
 
 
 async def test_a_publisher_keeps_its_newest_events_while_redis_is_unreachable() -> None:
@@ -156,18 +175,33 @@ async def test_lost_nodes_are_those_seen_within_the_hour_whose_heartbeat_expired
 
 STATE = {
     "at": 0.0,
-    "nodes": [{"name": "n<1>", "memory_budget": 100 * MiB, "memory_used": 60 * MiB, "failures": {"secret:1": "x"},
-               "resident": [{"key": "mine:1", "tier": "hot", "bytes": 20 * MiB},
-                            {"key": "secret:1", "tier": "hot", "bytes": 40 * MiB},
-                            {"key": "mine:2", "tier": "warm", "bytes": 10 * MiB}]}],
+    "nodes": [
+        {
+            "name": "n<1>",
+            "memory_budget": 100 * MiB,
+            "memory_used": 60 * MiB,
+            "failures": {"secret:1": "x"},
+            "resident": [
+                {"key": "mine:1", "tier": "hot", "bytes": 20 * MiB},
+                {"key": "secret:1", "tier": "hot", "bytes": 40 * MiB},
+                {"key": "mine:2", "tier": "warm", "bytes": 10 * MiB},
+            ],
+        }
+    ],
     "events": [{"key": "secret:1", "kind": "evict"}, {"key": "mine:1", "kind": "load"}, {"key": "", "kind": "lost"}],
 }
 
 
 def test_a_viewer_sees_only_the_versions_of_models_it_may_see_in_the_versions_table() -> None:
-    state = {"at": 1.0, "nodes": [], "events": [],
-             "versions": [{"key": "mine:1", "state": "READY", "reason": "", "hot": ["a"], "warm": []},
-                          {"key": "theirs:1", "state": "UNAVAILABLE", "reason": "cold", "hot": [], "warm": []}]}
+    state = {
+        "at": 1.0,
+        "nodes": [],
+        "events": [],
+        "versions": [
+            {"key": "mine:1", "state": "READY", "reason": "", "hot": ["a"], "warm": []},
+            {"key": "theirs:1", "state": "UNAVAILABLE", "reason": "cold", "hot": [], "warm": []},
+        ],
+    }
     assert [v["key"] for v in scoped(state, {"mine"})["versions"]] == ["mine:1"]
     assert len(scoped(state, None)["versions"]) == 2
 
@@ -176,7 +210,10 @@ def test_a_viewer_sees_other_tenants_versions_as_unnamed_segments_and_none_of_th
     seen = scoped(STATE, {"mine"})
     node = seen["nodes"][0]
     assert [(r["key"], r.get("hidden", False), r["bytes"]) for r in node["resident"]] == [
-        ("mine:1", False, 20 * MiB), ("", True, 40 * MiB), ("mine:2", False, 10 * MiB)]
+        ("mine:1", False, 20 * MiB),
+        ("", True, 40 * MiB),
+        ("mine:2", False, 10 * MiB),
+    ]
     assert node["failures"] == {}
     assert [e["key"] for e in seen["events"]] == ["mine:1", ""]
     assert scoped(STATE, None) is STATE  # platform staff see everything
@@ -185,10 +222,27 @@ def test_a_viewer_sees_other_tenants_versions_as_unnamed_segments_and_none_of_th
 def test_a_push_is_narrowed_and_rendered_once_per_set_of_models() -> None:
     from serving.fleet_consumer import _rendered
 
-    state = {**STATE, "nodes": [{**n, "state": "live", "embedded": False, "busy": 0.5, "heartbeat_age": 1.0,
-                                 "heartbeat_at": 0.0, "labels": {}, "host": "h", "pid": 1, "accelerator": "a10g",
-                                 "accelerator_count": 1, "device": "cpu"} for n in STATE["nodes"]],
-             "events": [{**e, "at": 0.0, "node": "n", "group": "load", "detail": ""} for e in STATE["events"]]}
+    state = {
+        **STATE,
+        "nodes": [
+            {
+                **n,
+                "state": "live",
+                "embedded": False,
+                "busy": 0.5,
+                "heartbeat_age": 1.0,
+                "heartbeat_at": 0.0,
+                "labels": {},
+                "host": "h",
+                "pid": 1,
+                "accelerator": "a10g",
+                "accelerator_count": 1,
+                "device": "cpu",
+            }
+            for n in STATE["nodes"]
+        ],
+        "events": [{**e, "at": 0.0, "node": "n", "group": "load", "detail": ""} for e in STATE["events"]],
+    }
     mine = _rendered(state, {"mine"})
     assert _rendered(state, {"mine"}) is mine  # a second socket of the same tenant: no second rendering
     everything = _rendered(state, None)
@@ -198,14 +252,19 @@ def test_a_push_is_narrowed_and_rendered_once_per_set_of_models() -> None:
 
 def test_the_packing_bar_draws_each_version_as_wide_as_its_footprint_against_the_budget() -> None:
     svg = packing_svg(scoped(STATE, {"mine"})["nodes"][0])
-    widths = {m[0] + m[1]: float(m[2]) for m in re.findall(
-        r'class="segment (hot|warm)" data-key="([^"]*)" data-tier="\w+" x="[\d.]+" y="\d+" width="([\d.]+)"', svg)}
+    widths = {
+        m[0] + m[1]: float(m[2])
+        for m in re.findall(
+            r'class="segment (hot|warm)" data-key="([^"]*)" data-tier="\w+" x="[\d.]+" y="\d+" width="([\d.]+)"', svg
+        )
+    }
     assert widths == {"hotmine:1": pytest.approx(112.0), "hot": pytest.approx(224.0), "warmmine:2": pytest.approx(56.0)}
     assert "secret" not in svg and "another tenant&#x27;s version" in svg
     assert 'data-node="n&lt;1&gt;"' in svg  # names are escaped
 
 
 # -- the console page and the API, by role -------------------------------------------------------------------
+
 
 @pytest.fixture
 def people(django_user_model) -> dict[str, Client]:  # noqa: ANN001
@@ -229,13 +288,23 @@ def people(django_user_model) -> dict[str, Client]:  # noqa: ANN001
 def fleet_in_redis(settings, redis_db: redis.Redis) -> redis.Redis:  # noqa: ANN001
     settings.REDIS_URL = REDIS_URL
     now = time.time()
-    announce(redis_db, info("node-a", heartbeat_at=now, resident={
-        "mine:1": {"tier": "hot", "bytes": 8 * MiB}, "secret:1": {"tier": "hot", "bytes": 16 * MiB}}))
+    announce(
+        redis_db,
+        info(
+            "node-a",
+            heartbeat_at=now,
+            resident={"mine:1": {"tier": "hot", "bytes": 8 * MiB}, "secret:1": {"tier": "hot", "bytes": 16 * MiB}},
+        ),
+    )
     redis_db.hset(fleet.SEEN_KEY, "node-b", fleet.seen_entry(info("node-b", heartbeat_at=now - 30, resident={})))
-    redis_db.xadd(fleet_events.STREAM, {fleet_events.FIELD: fleet_events.encode(
-        FleetEvent("node-a", now - 5, "evict", "secret:1", "LRU"))})
-    redis_db.xadd(fleet_events.STREAM, {fleet_events.FIELD: fleet_events.encode(
-        FleetEvent("node-a", now - 4, "load", "mine:1", "0.1 s"))})
+    redis_db.xadd(
+        fleet_events.STREAM,
+        {fleet_events.FIELD: fleet_events.encode(FleetEvent("node-a", now - 5, "evict", "secret:1", "LRU"))},
+    )
+    redis_db.xadd(
+        fleet_events.STREAM,
+        {fleet_events.FIELD: fleet_events.encode(FleetEvent("node-a", now - 4, "load", "mine:1", "0.1 s"))},
+    )
     return redis_db
 
 
@@ -277,13 +346,24 @@ def test_the_fleet_api_is_in_the_schema() -> None:
 
 # -- the WebSocket -------------------------------------------------------------------------------------------
 
+
 class WebsocketCommunicator(ApplicationCommunicator):
     """Channels' testing communicator, which `channels.testing` cannot be imported for here (its package imports
     daphne, not in the venv): the ASGI handshake and JSON frames against the real application."""
 
     def __init__(self, application, path: str, headers: list[tuple[bytes, bytes]]) -> None:  # noqa: ANN001
-        super().__init__(application, {"type": "websocket", "path": path, "headers": headers, "subprotocols": [],
-                                       "query_string": b"", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)})
+        super().__init__(
+            application,
+            {
+                "type": "websocket",
+                "path": path,
+                "headers": headers,
+                "subprotocols": [],
+                "query_string": b"",
+                "client": ("127.0.0.1", 1),
+                "server": ("127.0.0.1", 80),
+            },
+        )
 
     async def connect(self, timeout: float = 10) -> bool:
         await self.send_input({"type": "websocket.connect"})
@@ -308,9 +388,15 @@ def session_headers(client: Client) -> list[tuple[bytes, bytes]]:
 @pytest.fixture
 def redis_layer(settings):  # noqa: ANN001, ANN201
     """The Redis channel layer as settings configure it with REDIS_URL, on the test Redis."""
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
-        "hosts": [{"address": REDIS_URL, "socket_timeout": settings.CHANNEL_LAYER_SOCKET_TIMEOUT_S}],
-        "prefix": "ferry:test-asgi"}}}
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {
+                "hosts": [{"address": REDIS_URL, "socket_timeout": settings.CHANNEL_LAYER_SOCKET_TIMEOUT_S}],
+                "prefix": "ferry:test-asgi",
+            },
+        }
+    }
 
 
 def test_an_idle_socket_channel_outlasts_the_layers_blocking_read(redis_layer) -> None:  # noqa: ANN001
@@ -376,6 +462,7 @@ def test_the_socket_pushes_the_fleet_and_new_events_to_a_viewer(people, fleet_in
 
 
 # -- what a node measures and announces ----------------------------------------------------------------------
+
 
 async def test_a_node_meters_its_device_time_and_announces_what_it_holds(model_files) -> None:  # noqa: ANN001
     from serving.dataplane.node import Node

@@ -62,8 +62,12 @@ def tiny_models(tmp_path: Path, count: int) -> list[Path]:
 
 
 def start_node(name: str, tmp_path: Path, budget: int) -> Proc:
-    return start(name, ["runnode", "--name", name, "--accelerator", "a10g", "--memory", str(budget),
-                        "--labels", f"zone={name}"], tmp_path, REDIS_URL)
+    return start(
+        name,
+        ["runnode", "--name", name, "--accelerator", "a10g", "--memory", str(budget), "--labels", f"zone={name}"],
+        tmp_path,
+        REDIS_URL,
+    )
 
 
 def nodes(client: redis.Redis) -> dict[str, fleet.NodeInfo]:
@@ -82,13 +86,17 @@ def index(web: Proc, key: str) -> dict[str, dict]:
 
 
 def test_cold_versions_load_on_demand_evicting_idle_ones_and_unschedulable_ones_say_why(
-    transactional_db, redis_db, tmp_path,  # noqa: ANN001
+    transactional_db,
+    redis_db,
+    tmp_path,  # noqa: ANN001
 ) -> None:
     from serving.models import ModelVersion
 
     paths = tiny_models(tmp_path, HOLD + COLD + 2)
-    versions = [register(path, "packed", max_batch_size=8, max_queue_delay_ms=1, default_timeout_ms=TIMEOUT_MS)
-                for path in paths]
+    versions = [
+        register(path, "packed", max_batch_size=8, max_queue_delay_ms=1, default_timeout_ms=TIMEOUT_MS)
+        for path in paths
+    ]
     footprint = max(v.memory_bytes for v in versions)
     budget = HOLD * footprint
     # Two versions no node can hold: one allowed only on h100s (the nodes are a10gs), one that needs more
@@ -97,14 +105,18 @@ def test_cold_versions_load_on_demand_evicting_idle_ones_and_unschedulable_ones_
     ModelVersion.objects.filter(pk=wrong_type.pk).update(accelerators=["h100"])
     ModelVersion.objects.filter(pk=too_big.pk).update(min_memory_bytes=1024**4)
     key = mint_key()
-    procs = [start_web(tmp_path, REDIS_URL), start_node("node-a", tmp_path, budget),
-             start_node("node-b", tmp_path, budget)]
+    procs = [
+        start_web(tmp_path, REDIS_URL),
+        start_node("node-a", tmp_path, budget),
+        start_node("node-b", tmp_path, budget),
+    ]
     web = procs[0]
     try:
         wait_for("both nodes in the fleet", lambda: len(nodes(redis_db)) == 2, procs)
         wait_for("the web process ready", lambda: web_ready(web), procs)
-        wait_for("both nodes holding their budget", lambda: all(
-            len(n.hot) == HOLD for n in nodes(redis_db).values()), procs)
+        wait_for(
+            "both nodes holding their budget", lambda: all(len(n.hot) == HOLD for n in nodes(redis_db).values()), procs
+        )
 
         # -- given two nodes, each holding what its budget allows
         before = nodes(redis_db)
@@ -122,14 +134,19 @@ def test_cold_versions_load_on_demand_evicting_idle_ones_and_unschedulable_ones_
             # then each is loaded on demand and served
             assert resp.status == 200, (name, resp.status, resp.body)
             # and the repository index shows it ready (the node announces a load at once)
-            wait_for(f"{name} READY in the index", lambda n=name: index(web, key)[n]["state"] == "READY", procs,
-                     timeout=10)
+            wait_for(
+                f"{name} READY in the index", lambda n=name: index(web, key)[n]["state"] == "READY", procs, timeout=10
+            )
             seen_ready.add(name)
 
         # then idle versions were evicted to make room, least recently used first: no node holds more than its
         # budget, and the versions asked for longest ago are cold again
-        wait_for("heartbeats after the last load", lambda: sum(
-            n.counts.get("loads", 0) for n in nodes(redis_db).values()) >= COLD + 2 * HOLD, procs, timeout=10)
+        wait_for(
+            "heartbeats after the last load",
+            lambda: sum(n.counts.get("loads", 0) for n in nodes(redis_db).values()) >= COLD + 2 * HOLD,
+            procs,
+            timeout=10,
+        )
         after = nodes(redis_db)
         for name, info in after.items():
             assert len(info.hot) <= HOLD and info.memory_used <= info.memory_budget, (name, info)
@@ -189,10 +206,32 @@ def test_the_fleet200_benchmark_small_every_request_answered(tmp_path) -> None: 
     env = {**os.environ, "FERRY_TORCH_THREADS": "1"}
     try:
         run = subprocess.run(
-            [sys.executable, "-m", "bench.fleet200", "--versions", "16", "--hold", "4", "--rate", "12",
-             "--duration", "12", "--timeout-ms", "5000", "--database-url", url, "--redis-url", REDIS_URL,
-             "--plot", str(plot)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "bench.fleet200",
+                "--versions",
+                "16",
+                "--hold",
+                "4",
+                "--rate",
+                "12",
+                "--duration",
+                "12",
+                "--timeout-ms",
+                "5000",
+                "--database-url",
+                url,
+                "--redis-url",
+                REDIS_URL,
+                "--plot",
+                str(plot),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         import psycopg

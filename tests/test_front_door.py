@@ -119,17 +119,27 @@ def chunked(data: bytes, size: int = 64 * 1024) -> Iterable[bytes]:
 
 def multipart(artifact: bytes, **fields: str) -> tuple[bytes, str]:
     boundary = uuid.uuid4().hex
-    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
-             for k, v in fields.items()]
-    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="artifact"; filename="model.pt"\r\n'
-                 "Content-Type: application/octet-stream\r\n\r\n".encode() + artifact + b"\r\n")
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()
+    ]
+    parts.append(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="artifact"; filename="model.pt"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n".encode()
+        + artifact
+        + b"\r\n"
+    )
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
 def upload_form(artifact: bytes) -> tuple[bytes, str]:
-    return multipart(artifact, format="torchscript", inputs=json.dumps(DIGITS_IO["inputs"]),
-                     outputs=json.dumps(DIGITS_IO["outputs"]), max_batch_size="2")
+    return multipart(
+        artifact,
+        format="torchscript",
+        inputs=json.dumps(DIGITS_IO["inputs"]),
+        outputs=json.dumps(DIGITS_IO["outputs"]),
+        max_batch_size="2",
+    )
 
 
 def trickle(port: int, data: bytes, prefix: bytes = b"", every: float = 0.1, give_up_s: float = 30.0):  # noqa: ANN201
@@ -187,8 +197,10 @@ def credentials(user: User, how: str) -> dict[str, str]:
     client.force_login(user)
     session = client.cookies[settings.SESSION_COOKIE_NAME].value
     csrf = "a" * 32
-    return {"Cookie": f"{settings.SESSION_COOKIE_NAME}={session}; {settings.CSRF_COOKIE_NAME}={csrf}",
-            "X-CSRFToken": csrf}
+    return {
+        "Cookie": f"{settings.SESSION_COOKIE_NAME}={session}; {settings.CSRF_COOKIE_NAME}={csrf}",
+        "X-CSRFToken": csrf,
+    }
 
 
 @pytest.fixture
@@ -203,16 +215,24 @@ def test_oversized_login_post_is_413_before_django_reads_it(transactional_db, dj
     server = request.getfixturevalue("live_server")
     # given an anonymous client posting a 5 MiB body to the login form
     body = b"username=x&password=" + b"y" * (5 * MiB)
-    resp = exchange(server.port, head("POST", "/login/", {
-        "Content-Type": "application/x-www-form-urlencoded", "Content-Length": str(len(body))}), [body])
+    resp = exchange(
+        server.port,
+        head(
+            "POST", "/login/", {"Content-Type": "application/x-www-form-urlencoded", "Content-Length": str(len(body))}
+        ),
+        [body],
+    )
     # then it is refused 413 as JSON naming the bound
     assert_error(resp, 413, str(1 * MiB))
     # and Django never received a byte of it, let alone spooled it or ran a view
     assert "/login/" not in django_seen.received
     assert "/login/" not in django_seen.started_paths()
     # while a small form post still reaches Django (which answers it: here a CSRF failure)
-    small = exchange(server.port, head("POST", "/login/", {
-        "Content-Type": "application/x-www-form-urlencoded", "Content-Length": "3"}), [b"a=b"])
+    small = exchange(
+        server.port,
+        head("POST", "/login/", {"Content-Type": "application/x-www-form-urlencoded", "Content-Length": "3"}),
+        [b"a=b"],
+    )
     assert small.status == 403
     assert django_seen.received["/login/"] == 3
 
@@ -221,8 +241,11 @@ def test_chunked_body_past_the_bound_is_413_and_never_served(transactional_db, d
     server = request.getfixturevalue("live_server")
     # given a 3 MiB body sent chunked, with no Content-Length to refuse it by
     body = b"a=" + b"b" * (3 * MiB)
-    resp = exchange(server.port, head("POST", "/login/", {
-        "Content-Type": "application/x-www-form-urlencoded", "Transfer-Encoding": "chunked"}), chunked(body))
+    resp = exchange(
+        server.port,
+        head("POST", "/login/", {"Content-Type": "application/x-www-form-urlencoded", "Transfer-Encoding": "chunked"}),
+        chunked(body),
+    )
     # when it streams past the 1 MiB bound / then 413 as JSON
     assert_error(resp, 413, "exceeds")
     # and Django got no more than the bound before being told the client was gone, and served nothing
@@ -237,10 +260,12 @@ def test_anonymous_upload_past_the_form_bound_is_413_unread(transactional_db, dj
     # given an anonymous multipart upload of 2 MiB, declared and then chunked
     form, content_type = upload_form(b"\0" * (2 * MiB))
     path = UPLOAD.format(name="digits")
-    declared = exchange(server.port, head("POST", path, {
-        "Content-Type": content_type, "Content-Length": str(len(form))}), [form])
-    streamed = exchange(server.port, head("POST", path, {
-        "Content-Type": content_type, "Transfer-Encoding": "chunked"}), chunked(form))
+    declared = exchange(
+        server.port, head("POST", path, {"Content-Type": content_type, "Content-Length": str(len(form))}), [form]
+    )
+    streamed = exchange(
+        server.port, head("POST", path, {"Content-Type": content_type, "Transfer-Encoding": "chunked"}), chunked(form)
+    )
     # then both are refused 413, saying what a bigger upload needs
     for resp in (declared, streamed):
         assert_error(resp, 413, "engineer")
@@ -264,8 +289,13 @@ def test_engineer_upload_past_the_form_bound_is_served(  # noqa: ANN001
     path = UPLOAD.format(name="digits")
 
     def post(user: User) -> Resp:
-        return exchange(server.port, head("POST", path, {
-            "Content-Type": content_type, "Content-Length": str(len(form)), **credentials(user, how)}), [form])
+        return exchange(
+            server.port,
+            head(
+                "POST", path, {"Content-Type": content_type, "Content-Length": str(len(form)), **credentials(user, how)}
+            ),
+            [form],
+        )
 
     # when the viewer uploads it / then 413 before Django reads it: the bigger bound is an engineer's
     assert_error(post(viewer), 413, "engineer")
@@ -291,13 +321,19 @@ def test_engineer_upload_past_the_artifact_limit_is_413(  # noqa: ANN001
     path = UPLOAD.format(name="digits")
     auth = credentials(engineer, "basic")
     # when the engineer declares a bigger upload / then 413 at once, naming the artifact limit
-    declared = exchange(server.port, head("POST", path, {
-        "Content-Type": content_type, "Content-Length": str(len(form)), **auth}), [form])
+    declared = exchange(
+        server.port,
+        head("POST", path, {"Content-Type": content_type, "Content-Length": str(len(form)), **auth}),
+        [form],
+    )
     assert_error(declared, 413, "artifact exceeds the 8192 byte limit")
     assert path not in django_seen.received
     # when it streams one chunked / then 413 once it passes the limit, and Django serves nothing
-    streamed = exchange(server.port, head("POST", path, {
-        "Content-Type": content_type, "Transfer-Encoding": "chunked", **auth}), chunked(form, 4096))
+    streamed = exchange(
+        server.port,
+        head("POST", path, {"Content-Type": content_type, "Transfer-Encoding": "chunked", **auth}),
+        chunked(form, 4096),
+    )
     assert_error(streamed, 413, "artifact exceeds the 8192 byte limit")
     assert path not in django_seen.started_paths()
     assert django_seen.received.get(path, 0) <= 8192 + FORM_OVERHEAD
@@ -322,9 +358,15 @@ def test_trickling_inference_body_is_answered_408(digits_server, settings) -> No
     # given a read deadline of 1 s (the consumer's per-chunk timeout is 30 s and is reset by every byte)
     settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
     body = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}]})
-    prefix = head("POST", "/v2/models/digits/infer", {"Content-Type": "application/json",
-                                                       "Content-Length": str(len(body)),
-                                                       "Authorization": f"Bearer {digits_server.key}"})
+    prefix = head(
+        "POST",
+        "/v2/models/digits/infer",
+        {
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            "Authorization": f"Bearer {digits_server.key}",
+        },
+    )
     # when the body comes one byte at a time
     reply, sent, closed = trickle(digits_server.port, body, prefix=prefix)
     # then 408 as JSON before the body is complete, and the connection is closed
@@ -366,8 +408,13 @@ def test_engineer_upload_gets_the_upload_deadline(  # noqa: ANN001
             time.sleep(2)  # past the 1 s deadline, well within the upload's
             yield form[len(form) // 2 :]
 
-        return exchange(server.port, head("POST", path, {
-            "Content-Type": content_type, "Content-Length": str(len(form)), **credentials(user, how)}), body())
+        return exchange(
+            server.port,
+            head(
+                "POST", path, {"Content-Type": content_type, "Content-Length": str(len(form)), **credentials(user, how)}
+            ),
+            body(),
+        )
 
     # when the engineer's upload takes longer than the plain deadline / then it is created
     created = slow_post(engineer)
@@ -386,8 +433,12 @@ def test_deadline_bounds_reading_not_answering(transactional_db, settings, model
     try:
         # when a request is read at once but answered after the deadline / then it is answered 200
         for _ in range(2):
-            conn.request("POST", "/v2/models/slow/infer", body=orjson.dumps(digits_request(zeros)),
-                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
+            conn.request(
+                "POST",
+                "/v2/models/slow/infer",
+                body=orjson.dumps(digits_request(zeros)),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"},
+            )
             resp = conn.getresponse()
             answer = Resp(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
             assert scores(answer).shape == (1, 10)
@@ -447,9 +498,17 @@ def test_body_budget_answers_503_then_recovers(digits_server, settings) -> None:
 
     with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as first:
         # and a first request that has sent 150 KiB of its body and is still sending
-        first.sendall(head("POST", "/v2/models/digits/infer", {"Content-Type": "application/json",
-                                                                 "Content-Length": str(len(body)),
-                                                                 "Authorization": f"Bearer {digits_server.key}"}))
+        first.sendall(
+            head(
+                "POST",
+                "/v2/models/digits/infer",
+                {
+                    "Content-Type": "application/json",
+                    "Content-Length": str(len(body)),
+                    "Authorization": f"Bearer {digits_server.key}",
+                },
+            )
+        )
         first.sendall(body[:held])
         wait_until(lambda: gauge() >= held, "the server holding the first body", deadline_s=15)
         # when a second 200 KiB body arrives / then 503 as JSON with Retry-After
@@ -547,8 +606,12 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
         GATE.drop = 1.0
         GATE._random = lambda: 0.0
         # when inference comes / then 503 JSON with Retry-After, and health is untouched
-        conn.request("POST", "/v2/models/digits/infer", body,
-                     {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}"})
+        conn.request(
+            "POST",
+            "/v2/models/digits/infer",
+            body,
+            {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}"},
+        )
         refused = conn.getresponse()
         payload = json.loads(refused.read())
         assert refused.status == 503 and refused.getheader("retry-after") == "1"
@@ -559,8 +622,12 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
         assert live.status == 200
         # and when the gate opens, the same keep-alive connection is served
         GATE.reset()
-        conn.request("POST", "/v2/models/digits/infer", body,
-                     {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}"})
+        conn.request(
+            "POST",
+            "/v2/models/digits/infer",
+            body,
+            {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}"},
+        )
         served = conn.getresponse()
         served.read()
         assert served.status == 200
@@ -596,18 +663,33 @@ def raw_heads(reply: bytes) -> list[tuple[str, list[tuple[str, str]], bytes]]:
 def test_inference_answers_keep_their_heads_on_one_keep_alive_connection(digits_server, digits_samples) -> None:  # noqa: ANN001
     x, _ = digits_samples
     body = orjson.dumps(digits_request(x[:1]))
-    request = head("POST", "/v2/models/digits/infer", {
-        "Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}",
-        "Content-Length": str(len(body))}) + body
-    bad = head("POST", "/v2/models/digits/infer", {
-        "Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}",
-        "Content-Length": "2"}) + b"{]"
+    request = (
+        head(
+            "POST",
+            "/v2/models/digits/infer",
+            {
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {digits_server.key}",
+                "Content-Length": str(len(body)),
+            },
+        )
+        + body
+    )
+    bad = (
+        head(
+            "POST",
+            "/v2/models/digits/infer",
+            {"Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}", "Content-Length": "2"},
+        )
+        + b"{]"
+    )
     with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
         # given three requests pipelined on one connection: served, malformed, served
         sock.sendall(request + bad + request)
         reply = b""
         while len(raw_heads(reply)) < 3 or len(raw_heads(reply)[-1][2]) < int(
-                dict(raw_heads(reply)[-1][1])["content-length"]):
+            dict(raw_heads(reply)[-1][1])["content-length"]
+        ):
             chunk = sock.recv(65536)
             assert chunk, "the server closed the connection"
             reply += chunk
@@ -628,17 +710,30 @@ def test_inference_answers_keep_their_heads_on_one_keep_alive_connection(digits_
 def test_inference_answer_to_a_closing_client_says_connection_close(digits_server, digits_samples) -> None:  # noqa: ANN001
     x, _ = digits_samples
     body = orjson.dumps(digits_request(x[:1]))
-    reply = exchange(digits_server.port, head("POST", "/v2/models/digits/infer", {
-        "Content-Type": "application/json", "Authorization": f"Bearer {digits_server.key}",
-        "Content-Length": str(len(body)), "Connection": "close"}) + body)
+    reply = exchange(
+        digits_server.port,
+        head(
+            "POST",
+            "/v2/models/digits/infer",
+            {
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {digits_server.key}",
+                "Content-Length": str(len(body)),
+                "Connection": "close",
+            },
+        )
+        + body,
+    )
     assert reply.status == 200 and reply.headers["connection"] == "close"
     assert len(scores(reply)) == 1
 
 
 def test_head_request_gets_the_head_without_a_body(digits_server) -> None:  # noqa: ANN001
     with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
-        sock.sendall(head("HEAD", "/v2/models/digits/infer", {"Authorization": f"Bearer {digits_server.key}"})
-                     + head("GET", "/v2/health/live", {}))
+        sock.sendall(
+            head("HEAD", "/v2/models/digits/infer", {"Authorization": f"Bearer {digits_server.key}"})
+            + head("GET", "/v2/health/live", {})
+        )
         reply = b""
         while b"HTTP/1.1 200" not in reply:
             chunk = sock.recv(65536)
@@ -662,16 +757,25 @@ def test_render_head_refuses_values_that_would_split_the_head() -> None:
 
 
 def _infer_head(key: str, body: bytes, path: str = "/v2/models/digits/infer", **extra: str) -> bytes:
-    return head("POST", path, {"Content-Type": "application/json", "Authorization": f"Bearer {key}",
-                               "Content-Length": str(len(body)), **extra})
+    return head(
+        "POST",
+        path,
+        {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {key}",
+            "Content-Length": str(len(body)),
+            **extra,
+        },
+    )
 
 
 def _read_answers(sock: socket.socket, count: int) -> list[tuple[str, list[tuple[str, str]], bytes]]:
     reply = b""
     while True:
         answers = raw_heads(reply) if reply.count(b"\r\n\r\n") >= count else []
-        if len(answers) >= count and len(answers[-1][2]) >= int(dict(
-                (k.lower(), v) for k, v in answers[-1][1]).get("content-length", "0")):
+        if len(answers) >= count and len(answers[-1][2]) >= int(
+            dict((k.lower(), v) for k, v in answers[-1][1]).get("content-length", "0")
+        ):
             return answers
         chunk = sock.recv(65536)
         assert chunk, "the server closed the connection"
@@ -683,18 +787,22 @@ def test_the_lane_answers_as_the_asgi_path_does(digits_server, digits_samples) -
     x, _ = digits_samples
     body = orjson.dumps(digits_request(x[:2]))
     lane = exchange(digits_server.port, _infer_head(digits_server.key, body) + body)
-    asgi = exchange(digits_server.port, _infer_head(digits_server.key, body, "/v2/models/digits/infer?via=asgi")
-                    + body)
+    asgi = exchange(digits_server.port, _infer_head(digits_server.key, body, "/v2/models/digits/infer?via=asgi") + body)
     # then both are the same answer: status, headers (but the date and the quota's countdown) and body
     assert lane.status == asgi.status == 200
     varying = {"date", "ratelimit-remaining", "ratelimit-reset"}
     assert {k: v for k, v in lane.headers.items() if k not in varying} == {
-        k: v for k, v in asgi.headers.items() if k not in varying}
+        k: v for k, v in asgi.headers.items() if k not in varying
+    }
     assert lane.body == asgi.body
     # and errors alike: a malformed body is the same 400 either way
     bad = b"{]"
-    assert exchange(digits_server.port, _infer_head(digits_server.key, bad) + bad).body == exchange(
-        digits_server.port, _infer_head(digits_server.key, bad, "/v2/models/digits/infer?via=asgi") + bad).body
+    assert (
+        exchange(digits_server.port, _infer_head(digits_server.key, bad) + bad).body
+        == exchange(
+            digits_server.port, _infer_head(digits_server.key, bad, "/v2/models/digits/infer?via=asgi") + bad
+        ).body
+    )
 
 
 def test_lane_and_asgi_requests_pipelined_on_one_connection_answer_in_order(digits_server, digits_samples) -> None:  # noqa: ANN001

@@ -123,8 +123,10 @@ def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_sample
     # and once the loop keeps up again, the front door stops refusing and inference is served
     from serving.dataplane.frontdoor import GATE
 
-    wait_until(lambda: plane.loop_lag * 1000 < settings.FERRY_MAX_LOOP_LAG_MS and GATE.drop == 0,
-               "the loop lag and the front door's refusals to fall")
+    wait_until(
+        lambda: plane.loop_lag * 1000 < settings.FERRY_MAX_LOOP_LAG_MS and GATE.drop == 0,
+        "the loop lag and the front door's refusals to fall",
+    )
     assert infer(digits_server, "digits", digits_request(x[:1])).status == 200
 
 
@@ -139,13 +141,18 @@ def test_a_request_whose_client_left_is_dropped_before_it_runs(  # noqa: ANN001
     before = metrics(server)
     body = orjson.dumps(digits_request(x[:1]))
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(b"POST /v2/models/held/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {server.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock.sendall(
+        b"POST /v2/models/held/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {server.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     wait_until(lambda: plane.node.queue_depth("held:1") == 1, "the request to queue")
     # when its client disconnects before the window closes
     sock.close()
-    wait_until(lambda: grew(before, metrics(server), "ferry_requests_total", model="held", version="1",
-                            status="499") == 1, "the disconnect to be noticed")
+    wait_until(
+        lambda: grew(before, metrics(server), "ferry_requests_total", model="held", version="1", status="499") == 1,
+        "the disconnect to be noticed",
+    )
     # then when the window closes the request is dropped unrun: counted as abandoned, no batch computed
     wait_until(lambda: plane.node.queue_depth("held:1") == 0, "the queue to empty")
     after = metrics(server)
@@ -157,14 +164,19 @@ def test_variable_dims_above_their_declared_maximum_are_400(  # noqa: ANN001
     transactional_db, model_files, request
 ) -> None:
     # given a tokens model whose variable dimension is declared at most 16 long
-    io = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1], "max_shape": [16]}],
-          "outputs": [{"name": "scores", "datatype": "FP32", "shape": [2]}]}
+    io = {
+        "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1], "max_shape": [16]}],
+        "outputs": [{"name": "scores", "datatype": "FP32", "shape": [2]}],
+    }
     register(model_files.tokens, "tokens16", io=io)
     server = request.getfixturevalue("live_server")
 
     def ask(length: int):  # noqa: ANN202
-        return infer(server, "tokens16", {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, length],
-                                                      "data": [1] * length}]})
+        return infer(
+            server,
+            "tokens16",
+            {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, length], "data": [1] * length}]},
+        )
 
     # when a request of 16 tokens comes / then it is served; of 17 / then 400 naming the maximum
     assert ask(16).status == 200
@@ -214,8 +226,12 @@ def test_one_bad_registry_row_does_not_stop_the_others_serving(  # noqa: ANN001
 
 def test_repository_index_validates_its_body(digits_server) -> None:  # noqa: ANN001
     # given bodies the index cannot take / when posted / then 400 with the reason
-    for body, fragment in [(b"{nope", "malformed"), (b"[1]", "object"), (b'{"ready": "yes"}', "ready"),
-                           (b'{"color": 1}', "unknown field")]:
+    for body, fragment in [
+        (b"{nope", "malformed"),
+        (b"[1]", "object"),
+        (b'{"ready": "yes"}', "ready"),
+        (b'{"color": 1}', "unknown field"),
+    ]:
         assert_error(call(digits_server, "POST", "/v2/repository/index", body), 400, fragment)
     # and {"ready": true} lists only ready versions, an empty body or {} all of them
     call(digits_server, "POST", "/v2/repository/models/tokens/unload", b"")
@@ -237,8 +253,9 @@ def test_queue_full_answers_are_counted_as_shed_by_reason_and_tier(  # noqa: ANN
     before = metrics(server)
     # when three more requests arrive at a full queue, at priorities 1 and 3
     with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(lambda p: infer(server, "held", digits_request(x[:1], parameters={"priority": p})),
-                                [1, 1, 3]))
+        answers = list(
+            pool.map(lambda p: infer(server, "held", digits_request(x[:1], parameters={"priority": p})), [1, 1, 3])
+        )
     assert [a.status for a in answers] == [503, 503, 503]
     # then /metrics says why and at which tier
     after = metrics(server)

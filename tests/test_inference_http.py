@@ -58,8 +58,14 @@ def auth_headers(server, auth: object = SERVER_KEY) -> dict[str, str]:  # noqa: 
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def call(server, method: str, path: str, body: bytes | dict | list | None = None,  # noqa: ANN001
-         headers: dict[str, str] | None = None, auth: object = SERVER_KEY) -> Resp:
+def call(
+    server,
+    method: str,
+    path: str,
+    body: bytes | dict | list | None = None,  # noqa: ANN001
+    headers: dict[str, str] | None = None,
+    auth: object = SERVER_KEY,
+) -> Resp:
     if isinstance(body, dict | list):
         body = orjson.dumps(body)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
@@ -72,19 +78,34 @@ def call(server, method: str, path: str, body: bytes | dict | list | None = None
         conn.close()
 
 
-def infer(server, model: str, body: bytes | dict, headers: dict[str, str] | None = None,  # noqa: ANN001
-          auth: object = SERVER_KEY) -> Resp:
+def infer(
+    server,
+    model: str,
+    body: bytes | dict,
+    headers: dict[str, str] | None = None,  # noqa: ANN001
+    auth: object = SERVER_KEY,
+) -> Resp:
     return call(server, "POST", f"/v2/models/{model}/infer", body, headers, auth)
 
 
 def digits_request(rows: np.ndarray, **extra: object) -> dict:
-    return {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(rows.shape),
-                        "data": rows.ravel().tolist()}], **extra}
+    return {
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": list(rows.shape), "data": rows.ravel().tolist()}],
+        **extra,
+    }
 
 
 def tokens_request(tokens: list[list[int]]) -> dict:
-    return {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [len(tokens), len(tokens[0])],
-                        "data": [t for row in tokens for t in row]}]}
+    return {
+        "inputs": [
+            {
+                "name": "tokens",
+                "datatype": "INT64",
+                "shape": [len(tokens), len(tokens[0])],
+                "data": [t for row in tokens for t in row],
+            }
+        ]
+    }
 
 
 def scores(resp: Resp) -> np.ndarray:
@@ -227,8 +248,14 @@ def test_unknown_model_version_and_endpoint_are_404(digits_server) -> None:  # n
             resp = call(digits_server, "GET", f"/v2/models/digits/versions/{version}{suffix}")
             assert_error(resp, 404, version)
         assert_error(infer(digits_server, f"digits/versions/{version}", {"inputs": []}), 404)
-    for path in ("/v2/nothing", "/v2/health/dead", "/v2/models", "/v2/models/digits/bogus",
-                 "/v2/models/digits/versions/1/infer/more", "/v2/repository/bogus"):
+    for path in (
+        "/v2/nothing",
+        "/v2/health/dead",
+        "/v2/models",
+        "/v2/models/digits/bogus",
+        "/v2/models/digits/versions/1/infer/more",
+        "/v2/repository/bogus",
+    ):
         method = "POST" if path.startswith("/v2/repository") else "GET"
         assert_error(call(digits_server, method, path), 404)
 
@@ -252,8 +279,9 @@ def test_infer_json_happy_path(digits_server, digits_samples) -> None:  # noqa: 
     x, y = digits_samples
     # given a few held-out digits / when each is sent alone as JSON / then the argmax is the label for most
     rows = x[-20:]
-    predicted = [int(scores(infer(digits_server, "digits", digits_request(rows[i : i + 1]))).argmax())
-                 for i in range(len(rows))]
+    predicted = [
+        int(scores(infer(digits_server, "digits", digits_request(rows[i : i + 1]))).argmax()) for i in range(len(rows))
+    ]
     assert np.mean(np.array(predicted) == y[-20:]) >= 0.8
 
     # when the same rows go in one multi-row request / then the answer has one row per input, same argmaxes
@@ -268,8 +296,12 @@ def test_infer_json_happy_path(digits_server, digits_samples) -> None:  # noqa: 
     assert many.headers["content-type"] == "application/json"
 
     # when an output is requested by name, on a pinned version / then just that output comes back
-    named = call(digits_server, "POST", "/v2/models/digits/versions/1/infer",
-                 digits_request(rows[:2], outputs=[{"name": "scores"}]))
+    named = call(
+        digits_server,
+        "POST",
+        "/v2/models/digits/versions/1/infer",
+        digits_request(rows[:2], outputs=[{"name": "scores"}]),
+    )
     assert [o["name"] for o in named.json()["outputs"]] == ["scores"]
     assert scores(named).shape == (2, 10)
 
@@ -278,20 +310,27 @@ def test_infer_json_happy_path(digits_server, digits_samples) -> None:  # noqa: 
     np.testing.assert_allclose(export, batch_scores[:4], rtol=1e-4, atol=1e-4)
 
     # when an unknown output is requested / then 400 naming it
-    assert_error(infer(digits_server, "digits", digits_request(rows[:1], outputs=[{"name": "logits"}])),
-                 400, "logits")
+    assert_error(infer(digits_server, "digits", digits_request(rows[:1], outputs=[{"name": "logits"}])), 400, "logits")
 
 
 def test_binary_tensor_request(digits_server, digits_samples) -> None:  # noqa: ANN001
     x, _ = digits_samples
     rows = x[:3]
     # given a request with the binary tensor extension / when sent / then it answers as the JSON form does
-    header = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 64],
-                                       "parameters": {"binary_data_size": rows.nbytes}}],
-                           "parameters": {"binary_data_output": False}})
-    resp = infer(digits_server, "digits", header + rows.tobytes(),
-                 {"Inference-Header-Content-Length": str(len(header)),
-                  "Content-Type": "application/octet-stream"})
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "input", "datatype": "FP32", "shape": [3, 64], "parameters": {"binary_data_size": rows.nbytes}}
+            ],
+            "parameters": {"binary_data_output": False},
+        }
+    )
+    resp = infer(
+        digits_server,
+        "digits",
+        header + rows.tobytes(),
+        {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )
     expected = scores(infer(digits_server, "digits", digits_request(rows)))
     np.testing.assert_allclose(scores(resp), expected, rtol=1e-5, atol=1e-5)
 
@@ -317,12 +356,10 @@ BAD_REQUESTS: list[tuple[str, bytes | dict | list, dict[str, str], int, tuple[st
     ("inputs not a list", {"inputs": {"name": "input"}}, {}, 400, ("inputs",)),
     ("input not an object", {"inputs": [42]}, {}, 400, ("inputs[0]",)),
     ("unknown input name", _with_input(name="pixels"), {}, 400, ("unknown input", "pixels")),
-    ("duplicate input",
-     {"inputs": [_good()["inputs"][0], _good()["inputs"][0]]}, {}, 400, ("more than once",)),
+    ("duplicate input", {"inputs": [_good()["inputs"][0], _good()["inputs"][0]]}, {}, 400, ("more than once",)),
     ("wrong datatype", _with_input(datatype="FP64"), {}, 400, ("expected datatype FP32", "FP64")),
     ("unsupported datatype", _with_input(datatype="FP128"), {}, 400, ("unsupported datatype",)),
-    ("datatype missing", {"inputs": [{"name": "input", "shape": [1, 64], "data": [0.0] * 64}]}, {}, 400,
-     ("datatype",)),
+    ("datatype missing", {"inputs": [{"name": "input", "shape": [1, 64], "data": [0.0] * 64}]}, {}, 400, ("datatype",)),
     ("wrong rank", _with_input(shape=[64]), {}, 400, ("rank",)),
     ("rank too high", _with_input(shape=[1, 8, 8]), {}, 400, ("rank",)),
     ("wrong fixed dim", _with_input(shape=[1, 63], data=[0.0] * 63), {}, 400, ("expected shape",)),
@@ -336,8 +373,7 @@ BAD_REQUESTS: list[tuple[str, bytes | dict | list, dict[str, str], int, tuple[st
     ("null in data", _with_input(data=[None] * 64), {}, 400, ("input 'input'",)),
     ("object in data", _with_input(data=[{"x": 1}] * 64), {}, 400, ("input 'input'",)),
     ("data not a list", _with_input(data="0" * 64), {}, 400, ("'data' must be a list",)),
-    ("no data", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64]}]}, {}, 400,
-     ("neither",)),
+    ("no data", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64]}]}, {}, 400, ("neither",)),
     ("overflowing float", _with_input(data=[1e300] * 64), {}, 400, ("out of range",)),
     ("rows over max_batch_size", _good(17), {}, 400, ("17", "max_batch_size 16")),
     ("id not a string", {**_good(), "id": 7}, {}, 400, ("'id'",)),
@@ -346,26 +382,66 @@ BAD_REQUESTS: list[tuple[str, bytes | dict | list, dict[str, str], int, tuple[st
     ("negative timeout", {**_good(), "parameters": {"timeout": -5}}, {}, 400, ("timeout",)),
     ("bad priority", {**_good(), "parameters": {"priority": -1}}, {}, 400, ("priority",)),
     ("outputs not a list", {**_good(), "outputs": "scores"}, {}, 400, ("outputs",)),
-    ("duplicate output", {**_good(), "outputs": [{"name": "scores"}, {"name": "scores"}]}, {}, 400,
-     ("more than once",)),
-    ("header length not an integer", _good(), {"Inference-Header-Content-Length": "ten"}, 400,
-     ("Inference-Header-Content-Length",)),
-    ("header length larger than body", _good(), {"Inference-Header-Content-Length": "999999"}, 400,
-     ("Inference-Header-Content-Length", "999999")),
-    ("header length negative", _good(), {"Inference-Header-Content-Length": "-3"}, 400,
-     ("Inference-Header-Content-Length",)),
-    ("header length cuts the JSON", _good(), {"Inference-Header-Content-Length": "10"}, 400,
-     ("malformed json",)),
-    ("binary size not matching shape",
-     {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                  "parameters": {"binary_data_size": 100}}]}, {"Inference-Header-Content-Length": "H"}, 400,
-     ("binary_data_size 100", "256 bytes")),
-    ("binary size and data both",
-     {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64,
-                  "parameters": {"binary_data_size": 256}}]}, {}, 400, ("both",)),
-    ("binary size negative",
-     {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                  "parameters": {"binary_data_size": -256}}]}, {}, 400, ("binary_data_size",)),
+    (
+        "duplicate output",
+        {**_good(), "outputs": [{"name": "scores"}, {"name": "scores"}]},
+        {},
+        400,
+        ("more than once",),
+    ),
+    (
+        "header length not an integer",
+        _good(),
+        {"Inference-Header-Content-Length": "ten"},
+        400,
+        ("Inference-Header-Content-Length",),
+    ),
+    (
+        "header length larger than body",
+        _good(),
+        {"Inference-Header-Content-Length": "999999"},
+        400,
+        ("Inference-Header-Content-Length", "999999"),
+    ),
+    (
+        "header length negative",
+        _good(),
+        {"Inference-Header-Content-Length": "-3"},
+        400,
+        ("Inference-Header-Content-Length",),
+    ),
+    ("header length cuts the JSON", _good(), {"Inference-Header-Content-Length": "10"}, 400, ("malformed json",)),
+    (
+        "binary size not matching shape",
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "parameters": {"binary_data_size": 100}}]},
+        {"Inference-Header-Content-Length": "H"},
+        400,
+        ("binary_data_size 100", "256 bytes"),
+    ),
+    (
+        "binary size and data both",
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": [1, 64],
+                    "data": [0.0] * 64,
+                    "parameters": {"binary_data_size": 256},
+                }
+            ]
+        },
+        {},
+        400,
+        ("both",),
+    ),
+    (
+        "binary size negative",
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "parameters": {"binary_data_size": -256}}]},
+        {},
+        400,
+        ("binary_data_size",),
+    ),
 ]
 
 
@@ -388,8 +464,9 @@ def test_bad_inputs_answer_4xx_json(digits_server) -> None:  # noqa: ANN001
 
 
 def test_binary_sizes_that_do_not_add_up(digits_server) -> None:  # noqa: ANN001
-    header = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                                       "parameters": {"binary_data_size": 256}}]})
+    header = orjson.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "parameters": {"binary_data_size": 256}}]}
+    )
     length = {"Inference-Header-Content-Length": str(len(header))}
     # given a header announcing 256 bytes / when fewer follow / then 400 saying how many did
     short = infer(digits_server, "digits", header + b"\x00" * 100, length)
@@ -399,8 +476,16 @@ def test_binary_sizes_that_do_not_add_up(digits_server) -> None:  # noqa: ANN001
     # when the exact amount follows / then it is served
     assert infer(digits_server, "digits", header + np.zeros(64, np.float32).tobytes(), length).status == 200
     # when binary bytes follow a JSON-only request / then 400
-    assert_error(infer(digits_server, "digits", orjson.dumps(_good()) + b"\x00" * 8,
-                       {"Inference-Header-Content-Length": str(len(orjson.dumps(_good())))}), 400, "8 bytes")
+    assert_error(
+        infer(
+            digits_server,
+            "digits",
+            orjson.dumps(_good()) + b"\x00" * 8,
+            {"Inference-Header-Content-Length": str(len(orjson.dumps(_good())))},
+        ),
+        400,
+        "8 bytes",
+    )
 
 
 def test_body_over_limit_is_413(digits_server, settings) -> None:  # noqa: ANN001
@@ -410,8 +495,7 @@ def test_body_over_limit_is_413(digits_server, settings) -> None:  # noqa: ANN00
     conn = http.client.HTTPConnection("127.0.0.1", digits_server.port, timeout=TIMEOUT)
     try:
         try:
-            conn.request("POST", "/v2/models/digits/infer", body=body,
-                         headers={"Content-Type": "application/json"})
+            conn.request("POST", "/v2/models/digits/infer", body=body, headers={"Content-Type": "application/json"})
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server may answer and close before reading everything: the answer is still there
         resp = conn.getresponse()
@@ -431,8 +515,13 @@ def test_chunked_body_over_limit_is_413(digits_server, settings) -> None:  # noq
     conn = http.client.HTTPConnection("127.0.0.1", digits_server.port, timeout=TIMEOUT)
     try:
         try:
-            conn.request("POST", "/v2/models/digits/infer", body=body, encode_chunked=True,
-                         headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+            conn.request(
+                "POST",
+                "/v2/models/digits/infer",
+                body=body,
+                encode_chunked=True,
+                headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+            )
         except (BrokenPipeError, ConnectionResetError):
             pass
         resp = conn.getresponse()
@@ -457,8 +546,7 @@ def test_odd_requests_never_500(digits_server) -> None:  # noqa: ANN001
     assert_error(infer(digits_server, "digits", _with_input(data=deep)), 400, "input 'input'")
     # given a client that announces a body and goes away half-way / then the server keeps answering
     with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
-        sock.sendall(b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
-                     b'{"inputs": [')
+        sock.sendall(b'POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"inputs": [')
     assert infer(digits_server, "digits", _good()).status == 200
     # given a model name with characters outside the registry's alphabet / then 404 naming it, as JSON
     assert_error(call(digits_server, "GET", "/v2/models/%C3%A9t%C3%A9"), 404, "\u00e9t\u00e9")
@@ -470,8 +558,7 @@ def test_stalled_body_is_answered_408(digits_server, settings) -> None:  # noqa:
     # given a client that announces 1000 bytes, sends 12 and then goes quiet
     settings.FERRY_BODY_TIMEOUT_S = 1
     with socket.create_connection(("127.0.0.1", digits_server.port), timeout=TIMEOUT) as sock:
-        sock.sendall(b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
-                     b'{"inputs": [')
+        sock.sendall(b'POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"inputs": [')
         # when the body timeout passes / then the server answers 408 as JSON instead of holding the slot
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
@@ -487,11 +574,15 @@ def test_stalled_body_is_answered_408(digits_server, settings) -> None:  # noqa:
 def test_random_garbage_never_breaks_the_server(digits_server, digits_samples) -> None:  # noqa: ANN001
     x, _ = digits_samples
     rng = random.Random(1234)
-    valid = [orjson.dumps(digits_request(x[:2])), orjson.dumps(digits_request(x[5:6], id="abc")),
-             orjson.dumps({**digits_request(x[:1]), "outputs": [{"name": "scores"}]})]
+    valid = [
+        orjson.dumps(digits_request(x[:2])),
+        orjson.dumps(digits_request(x[5:6], id="abc")),
+        orjson.dumps({**digits_request(x[:1]), "outputs": [{"name": "scores"}]}),
+    ]
     tokens_valid = orjson.dumps(tokens_request([[3, 4, 5]]))
-    header = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
-                                       "parameters": {"binary_data_size": 256}}]})
+    header = orjson.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "parameters": {"binary_data_size": 256}}]}
+    )
     binary_valid = header + np.ones(64, np.float32).tobytes()
 
     def mutate(data: bytes) -> bytes:
@@ -507,8 +598,20 @@ def test_random_garbage_never_breaks_the_server(digits_server, digits_samples) -
             elif op < 0.8 and b:
                 del b[pos : pos + rng.randint(1, 16)]
             else:
-                b[pos:pos] = rng.choice([b"[", b"]", b"{", b'"shape": [99999999999]', b"1e999", b"-0",
-                                         b'"binary_data_size": 4', b"null", b"[[[[[[[[", b"\x00"])
+                b[pos:pos] = rng.choice(
+                    [
+                        b"[",
+                        b"]",
+                        b"{",
+                        b'"shape": [99999999999]',
+                        b"1e999",
+                        b"-0",
+                        b'"binary_data_size": 4',
+                        b"null",
+                        b"[[[[[[[[",
+                        b"\x00",
+                    ]
+                )
         return bytes(b)
 
     # given a few hundred seeded garbage bodies: random bytes, and mutations of valid ones
@@ -546,8 +649,14 @@ def test_variable_length_requests_batch_without_changing_answers(digits_server, 
     # given each request's answer when sent alone
     alone = [scores(infer(digits_server, "tokens", tokens_request(r))) for r in requests]
     # and a copy of the tokens model that holds its queue until a full batch of 6 rows has gathered
-    register(model_files.tokens, "tokens-held", io=TOKENS_IO, max_batch_size=6,
-             max_queue_delay_ms=10_000, default_timeout_ms=30_000)
+    register(
+        model_files.tokens,
+        "tokens-held",
+        io=TOKENS_IO,
+        max_batch_size=6,
+        max_queue_delay_ms=10_000,
+        default_timeout_ms=30_000,
+    )
     digits_server.refresh()
 
     before = metrics(digits_server)
@@ -577,18 +686,22 @@ def test_variable_length_requests_batch_without_changing_answers(digits_server, 
 
 def test_bad_row_in_a_batch_fails_only_itself(digits_server, model_files) -> None:  # noqa: ANN001
     # given a tokens model that gathers full batches of 4, and one request with a token outside the vocabulary
-    register(model_files.tokens, "tokens-isolating", io=TOKENS_IO, max_batch_size=4,
-             max_queue_delay_ms=10_000, default_timeout_ms=30_000)
+    register(
+        model_files.tokens,
+        "tokens-isolating",
+        io=TOKENS_IO,
+        max_batch_size=4,
+        max_queue_delay_ms=10_000,
+        default_timeout_ms=30_000,
+    )
     digits_server.refresh()
     requests = [[[5, 6]], [[7, 8, 9]], [[500, 1]], [[2]]]
-    alone = {i: scores(infer(digits_server, "tokens", tokens_request(r)))
-             for i, r in enumerate(requests) if i != 2}
+    alone = {i: scores(infer(digits_server, "tokens", tokens_request(r))) for i, r in enumerate(requests) if i != 2}
     before = metrics(digits_server)
 
     # when the four go concurrently, so they share one batch
     with ThreadPoolExecutor(len(requests)) as pool:
-        answers = list(pool.map(lambda r: infer(digits_server, "tokens-isolating", tokens_request(r)),
-                                requests))
+        answers = list(pool.map(lambda r: infer(digits_server, "tokens-isolating", tokens_request(r)), requests))
 
     # then the bad one alone gets 422 with the model's reason, the others their usual answers
     assert_error(answers[2], 422, "model failed")
@@ -625,8 +738,10 @@ def _hold_one(server, model: str, body: dict) -> tuple[threading.Thread, dict]: 
     """Send one request that waits in `model`'s queue (long window, batch not full) until it is seen there."""
     thread, box = in_background(lambda: infer(server, model, body))
     plane = server.plane()
-    wait_until(lambda: plane.node.queue_depth(f"{model}:1") == 1 or not thread.is_alive(),
-               f"a request waiting in {model}'s queue")
+    wait_until(
+        lambda: plane.node.queue_depth(f"{model}:1") == 1 or not thread.is_alive(),
+        f"a request waiting in {model}'s queue",
+    )
     assert thread.is_alive(), box
     return thread, box
 
@@ -687,15 +802,14 @@ def test_saturated_model_falls_back_to_smaller_one(  # noqa: ANN001
     server = request.getfixturevalue("live_server")
     labels = {"model": "big", "version": "1", "fallback": "small"}
     fallbacks = lambda: REGISTRY.get_sample_value("ferry_fallbacks_total", labels) or 0  # noqa: E731
-    small_ok = lambda: REGISTRY.get_sample_value(  # noqa: E731
-        "ferry_requests_total", {"model": "small", "version": "1", "status": "200"}) or 0
+    small_labels = {"model": "small", "version": "1", "status": "200"}
+    small_ok = lambda: REGISTRY.get_sample_value("ferry_requests_total", small_labels) or 0  # noqa: E731
     fallbacks_before, small_ok_before = fallbacks(), small_ok()
     first, box = _hold_one(server, "big", digits_request(x[:1]))
 
     # when more requests for `big` arrive concurrently
     with ThreadPoolExecutor(3) as pool:
-        others = list(pool.map(lambda i: infer(server, "big", digits_request(x[i : i + 1], id=str(i))),
-                               range(1, 4)))
+        others = list(pool.map(lambda i: infer(server, "big", digits_request(x[i : i + 1], id=str(i))), range(1, 4)))
 
     # then `small` answers them, saying it stood in for big:1, and its answers are right
     for i, resp in enumerate(others, start=1):
@@ -826,8 +940,10 @@ def test_serving_survives_registry_outage(digits_server, digits_samples, monkeyp
     assert attempts.is_set()
 
     # when the periodic refresh loop hits the outage / then it logs it rather than dying
-    wait_until(lambda: any("snapshot refresh failed" in r.getMessage() for r in caplog.records),
-               "the refresh failure to be logged")
+    wait_until(
+        lambda: any("snapshot refresh failed" in r.getMessage() for r in caplog.records),
+        "the refresh failure to be logged",
+    )
     assert plane.refresher is not None and not plane.refresher.done()
 
     # and inference, metadata and readiness keep answering from the last snapshot

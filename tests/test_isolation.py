@@ -40,19 +40,29 @@ def world(db) -> World:  # noqa: ANN001
     partner = Tenant.objects.create(slug="partner", name="Partner")
     bravo = Tenant.objects.create(slug="bravo", name="Bravo")
     users = {}
-    for name, tenant, role in [("admin", acme, Role.ADMIN), ("engineer", acme, Role.ENGINEER),
-                               ("viewer", acme, Role.VIEWER), ("partner", partner, Role.ADMIN),
-                               ("outsider", bravo, Role.ADMIN), ("staff", None, None)]:
+    for name, tenant, role in [
+        ("admin", acme, Role.ADMIN),
+        ("engineer", acme, Role.ENGINEER),
+        ("viewer", acme, Role.VIEWER),
+        ("partner", partner, Role.ADMIN),
+        ("outsider", bravo, Role.ADMIN),
+        ("staff", None, None),
+    ]:
         users[name] = User.objects.create_user(name, is_staff=name == "staff")
         if tenant is not None:
             Membership.objects.create(user=users[name], tenant=tenant, role=role)
     # Registry rows only: who may see and change them does not depend on a loadable artifact.
     artifact = Artifact.objects.create(sha256="0" * 64, size_bytes=1)
-    for name, owner, visibility in [("private", acme, Visibility.PRIVATE), ("shared", acme, Visibility.SHARED),
-                                    ("public", acme, Visibility.PUBLIC), ("platform", None, Visibility.PRIVATE)]:
+    for name, owner, visibility in [
+        ("private", acme, Visibility.PRIVATE),
+        ("shared", acme, Visibility.SHARED),
+        ("public", acme, Visibility.PUBLIC),
+        ("platform", None, Visibility.PRIVATE),
+    ]:
         model = Model.objects.create(name=name, tenant=owner, visibility=visibility)
-        ModelVersion.objects.create(model=model, version=1, artifact=artifact, format="torchscript",
-                                    inputs=[], outputs=[], state=State.READY)
+        ModelVersion.objects.create(
+            model=model, version=1, artifact=artifact, format="torchscript", inputs=[], outputs=[], state=State.READY
+        )
     Model.objects.get(name="shared").shared_with.add(partner)
     key, _ = create_key(tenant=acme, name="acme-app", scopes=["infer"], created_by=users["admin"])
     filed = request_quota(tenant=acme, changes={"max_models": 60}, justification="growth", actor=users["admin"])
@@ -82,8 +92,7 @@ CONSOLE = [
     ("POST", "/console/tenants/acme/keys/", {"name": "new", "scopes": ["infer"]}, "302 403 403 404 404 302"),
     ("POST", "/console/tenants/acme/keys/", {"action": "revoke", "prefix": "{key}"}, "302 403 403 404 404 302"),
     ("GET", "/console/tenants/acme/quota/", None, "200 200 200 404 404 200"),
-    ("POST", "/console/tenants/acme/quota/", {"max_models": "70", "justification": "more"},
-     "302 403 403 404 404 302"),
+    ("POST", "/console/tenants/acme/quota/", {"max_models": "70", "justification": "more"}, "302 403 403 404 404 302"),
     ("GET", "/console/quota-requests/", None, "403 403 403 403 403 200"),
     ("POST", "/console/quota-requests/", {"id": "{request}", "decision": "approve"}, "403 403 403 403 403 302"),
     ("GET", "/console/audit/", None, "200 403 403 200 200 200"),  # what each sees: test_audit_log_is_scoped
@@ -117,8 +126,12 @@ API = [
     ("GET", "/api/tenants/acme/quota/", None, "200 200 200 404 404 200"),
     ("GET", "/api/tenants/acme/quota-requests/", None, "200 200 200 404 404 200"),
     ("GET", "/api/tenants/acme/quota-requests/{request}/", None, "200 200 200 404 404 200"),
-    ("POST", "/api/tenants/acme/quota-requests/", {"changes": {"burst": 4000}, "justification": "peak"},
-     "201 403 403 404 404 201"),
+    (
+        "POST",
+        "/api/tenants/acme/quota-requests/",
+        {"changes": {"burst": 4000}, "justification": "peak"},
+        "201 403 403 404 404 201",
+    ),
     ("POST", "/api/tenants/acme/quota-requests/{request}/approve/", {}, "403 403 403 404 404 200"),
     ("POST", "/api/tenants/acme/quota-requests/{request}/reject/", {"note": "no"}, "403 403 403 404 404 200"),
     ("GET", "/api/audit/", None, "200 403 403 200 200 200"),  # what each sees: test_audit_log_is_scoped
@@ -134,8 +147,11 @@ def _fill(world: World, value: object) -> object:
 
 
 def _cases(table: list) -> list:
-    return [pytest.param(method, path, body, who, status, id=f"{method} {path} as {who}")
-            for method, path, body, row in table for who, status in expect(row).items()]
+    return [
+        pytest.param(method, path, body, who, status, id=f"{method} {path} as {who}")
+        for method, path, body, row in table
+        for who, status in expect(row).items()
+    ]
 
 
 @pytest.mark.parametrize(("method", "path", "body", "who", "status"), _cases(CONSOLE))
@@ -153,8 +169,9 @@ def test_api(world: World, method: str, path: str, body: dict | None, who: str, 
     # given a logged-in person / when they call the API / then the table's answer, as JSON
     client = APIClient()
     client.force_login(world.users[who])
-    response = client.generic(method, _fill(world, path), data=_json(_fill(world, body)),
-                              content_type="application/json")
+    response = client.generic(
+        method, _fill(world, path), data=_json(_fill(world, body)), content_type="application/json"
+    )
     assert response.status_code == status, response.content[:500]
     if status >= 400:
         assert isinstance(response.json()["error"], str)
@@ -166,8 +183,9 @@ def _json(body: object) -> str:
     return "" if body is None else json.dumps(body)
 
 
-@pytest.mark.parametrize("path", ["/console/models/{}/", "/api/models/{}/", "/api/models/{}/versions/",
-                                  "/api/models/{}/versions/1/"])
+@pytest.mark.parametrize(
+    "path", ["/console/models/{}/", "/api/models/{}/", "/api/models/{}/versions/", "/api/models/{}/versions/1/"]
+)
 def test_a_model_the_caller_may_not_see_answers_like_a_missing_one(world: World, path: str) -> None:
     client = Client()
     client.force_login(world.users["outsider"])
@@ -219,8 +237,9 @@ def test_shared_with_is_the_owners_business(world: World) -> None:
 
 def test_audit_log_is_scoped(world: World) -> None:
     # given entries of acme (key, quota request) and one of bravo
-    AuditEntry.objects.create(actor_name="x", tenant=Tenant.objects.get(slug="bravo"), action="key.create",
-                              target="key fy_bravo")
+    AuditEntry.objects.create(
+        actor_name="x", tenant=Tenant.objects.get(slug="bravo"), action="key.create", target="key fy_bravo"
+    )
     entries = {who: [] for who in ("admin", "outsider", "staff")}
     for who in entries:
         client = APIClient()
@@ -275,8 +294,12 @@ def v2_world(transactional_db, model_files, settings):  # noqa: ANN001, ANN201
     settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
     acme, partner = tenant("acme"), tenant("partner")
     small = {"max_batch_size": 4, "max_queue_delay_ms": 1}
-    for name, owner, visibility in [("private", acme, "private"), ("shared", acme, "shared"),
-                                    ("public", acme, "public"), ("platform", None, "private")]:
+    for name, owner, visibility in [
+        ("private", acme, "private"),
+        ("shared", acme, "shared"),
+        ("public", acme, "public"),
+        ("platform", None, "private"),
+    ]:
         register(model_files.digits, name, owner=owner, visibility=visibility, **small)
     Model.objects.get(name="shared").shared_with.add(partner)
     tokens = {slug: mint_key(slug) for slug in V2_KEYS}
@@ -306,8 +329,11 @@ def test_v2_with_api_keys(v2_world) -> None:  # noqa: ANN001
                 assert isinstance(resp.error, str) and resp.error
     assert not failures, "\n".join(failures)
     # and the repository index lists, for each key, exactly what the table lets it see
-    sees = {"acme": {"private", "shared", "public", "platform"}, "partner": {"shared", "public", "platform"},
-            "bravo": {"public", "platform"}}
+    sees = {
+        "acme": {"private", "shared", "public", "platform"},
+        "partner": {"shared", "public", "platform"},
+        "bravo": {"public", "platform"},
+    }
     for slug, names in sees.items():
         resp = call(server, "POST", "/v2/repository/index", b"", auth=tokens[slug])
         assert {r["name"] for r in resp.json()} == names, slug

@@ -58,8 +58,12 @@ def snapshot(budget_ms: int, *, default_timeout_ms: int = 1000, shadow: bool = F
     if shadow:
         versions[2] = dataclasses.replace(entry("m"), version=2, default_timeout_ms=default_timeout_ms)
         routes = RouteTable(stable=1, shadow=2, shadow_fraction=1.0)
-    return RoutingSnapshot(serial=1, built_at=0.0, models={"m": ModelEntry("m", "", "", None, versions, routes=routes)},
-                           latency_budget_ms=budget_ms)
+    return RoutingSnapshot(
+        serial=1,
+        built_at=0.0,
+        models={"m": ModelEntry("m", "", "", None, versions, routes=routes)},
+        latency_budget_ms=budget_ms,
+    )
 
 
 def gateway(snap: RoutingSnapshot, transport, clock: Clock, mirror: Mirror | None = None) -> Gateway:  # noqa: ANN001
@@ -161,13 +165,24 @@ def test_model_config_reports_the_effective_default_timeout() -> None:
 def test_the_autoscaler_plans_for_the_budget(settings) -> None:  # noqa: ANN001
     # given a version whose default_timeout_ms is 1 s under a 300 ms platform budget, and one of 200 ms
     settings.FERRY_LATENCY_BUDGET_MS = 300
-    policy = SimpleNamespace(target_utilisation=0.7, warm_pool=0, max_replicas=4, cool_down_seconds=60,
-                             idle_to_zero_seconds=None)
+    policy = SimpleNamespace(
+        target_utilisation=0.7, warm_pool=0, max_replicas=4, cool_down_seconds=60, idle_to_zero_seconds=None
+    )
 
     def version(default_timeout_ms: int) -> SimpleNamespace:
-        return SimpleNamespace(placement_measurements={}, memory_bytes=1, min_memory_bytes=0, load_seconds=1.0,
-                               latency_profile={"1": 0.01}, default_timeout_ms=default_timeout_ms, max_batch_size=8,
-                               min_replicas=1, model=SimpleNamespace(name="m"), version=1, pk=1)
+        return SimpleNamespace(
+            placement_measurements={},
+            memory_bytes=1,
+            min_memory_bytes=0,
+            load_seconds=1.0,
+            latency_profile={"1": 0.01},
+            default_timeout_ms=default_timeout_ms,
+            max_batch_size=8,
+            min_replicas=1,
+            model=SimpleNamespace(name="m"),
+            version=1,
+            pk=1,
+        )
 
     # then capacity is planned for the deadline the gateways give its requests
     assert target_for(version(1000), policy, "cpu", 0.0).config.latency_budget == pytest.approx(0.300)

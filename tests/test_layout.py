@@ -15,8 +15,17 @@ ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("serving", "tenants", "usage", "rollout", "config", "bench")
 # The ORM and what reads the registry: a data-plane module reaching any of these could query the
 # database per request, or fail when it is down.
-ORM = ("django.db", "django.contrib", "serving.wiring", "serving.publish", "serving.actions",
-       "serving.artifacts", "serving.validation", "serving.quota_counts", "serving.django_door")
+ORM = (
+    "django.db",
+    "django.contrib",
+    "serving.wiring",
+    "serving.publish",
+    "serving.actions",
+    "serving.artifacts",
+    "serving.validation",
+    "serving.quota_counts",
+    "serving.django_door",
+)
 
 
 def module_file(name: str) -> Path | None:
@@ -66,16 +75,16 @@ def reaches(start: str) -> dict[str, list[str]]:
 
 def forbidden(start: str, banned: tuple[str, ...]) -> list[str]:
     chains = reaches(start)
-    return [" -> ".join(chain) for name, chain in sorted(chains.items())
-            if name.endswith(".models") or any(name == b or name.startswith(b + ".") for b in banned)]
+    return [
+        " -> ".join(chain)
+        for name, chain in sorted(chains.items())
+        if name.endswith(".models") or any(name == b or name.startswith(b + ".") for b in banned)
+    ]
 
 
 def modules_under(package: str) -> list[str]:
     folder = ROOT.joinpath(*package.split("."))
-    return sorted(
-        f"{package}.{p.stem}" if p.name != "__init__.py" else package
-        for p in folder.glob("*.py")
-    )
+    return sorted(f"{package}.{p.stem}" if p.name != "__init__.py" else package for p in folder.glob("*.py"))
 
 
 @pytest.mark.parametrize("module", modules_under("serving.dataplane"))

@@ -46,8 +46,13 @@ def start_node(name: str, tmp_path: Path) -> Proc:
     log_path = tmp_path / f"{name}.log"
     env = {**_env(REDIS_URL, data_dir), "CELERY_BROKER_URL": BROKER, "CELERY_RESULT_BACKEND": REDIS_URL}
     with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "runnode", "--name", name, "--accelerator", "a10g",
-                                 "--memory", "24GiB"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "runnode", "--name", name, "--accelerator", "a10g", "--memory", "24GiB"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(name, proc, log_path)
 
 
@@ -57,8 +62,7 @@ def heartbeat(client: redis.Redis, name: str) -> fleet.NodeInfo | None:
 
 
 def assigned_on(client: redis.Redis, names: list[str]) -> dict[str, bool]:
-    return {n: (info := heartbeat(client, n)) is not None and KEY in info.assigned and KEY in info.hot
-            for n in names}
+    return {n: (info := heartbeat(client, n)) is not None and KEY in info.assigned and KEY in info.hot for n in names}
 
 
 @pytest.fixture
@@ -75,12 +79,20 @@ def fleet_of_two(transactional_db, model_files, tmp_path) -> Iterator[tuple[redi
     nodes = [start_node("node-a", tmp_path), start_node("node-b", tmp_path)]
     app = Celery(broker=BROKER, set_as_current=False)  # the tests after keep the project app, eager
     try:
-        with celery_worker(tmp_path, BROKER, REDIS_URL=REDIS_URL, CELERY_BROKER_URL=BROKER,
-                           FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
-                           SECRET_KEY=django_settings.SECRET_KEY) as worker:
-            wait_for("both nodes serving digits:1 on demand",
-                     lambda: ready_on(client, "node-a", KEY) and ready_on(client, "node-b", KEY), nodes,
-                     START_TIMEOUT_S)
+        with celery_worker(
+            tmp_path,
+            BROKER,
+            REDIS_URL=REDIS_URL,
+            CELERY_BROKER_URL=BROKER,
+            FERRY_ARTIFACT_ROOT=str(django_settings.FERRY_ARTIFACT_ROOT),
+            SECRET_KEY=django_settings.SECRET_KEY,
+        ) as worker:
+            wait_for(
+                "both nodes serving digits:1 on demand",
+                lambda: ready_on(client, "node-a", KEY) and ready_on(client, "node-b", KEY),
+                nodes,
+                START_TIMEOUT_S,
+            )
             assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
             yield client, app, nodes
     finally:
@@ -128,10 +140,18 @@ def test_desired_replicas_load_and_unload_through_node_queues(fleet_of_two) -> N
     assert all(assigned_on(client, names).values())
 
     # and the records say so: hot on both, by assignment; the load time measured per accelerator type
-    wait_for("replica records", lambda: Replica.objects.filter(version__model__name="digits", tier="hot",
-                                                              assigned=True).count() == 2, nodes, 60)
-    wait_for("the nodes' measurements", lambda: "a10g" in (ModelVersion.objects.get(model__name="digits")
-                                                           .placement_measurements or {}), nodes, 60)
+    wait_for(
+        "replica records",
+        lambda: Replica.objects.filter(version__model__name="digits", tier="hot", assigned=True).count() == 2,
+        nodes,
+        60,
+    )
+    wait_for(
+        "the nodes' measurements",
+        lambda: "a10g" in (ModelVersion.objects.get(model__name="digits").placement_measurements or {}),
+        nodes,
+        60,
+    )
     measured = ModelVersion.objects.get(model__name="digits").placement_measurements["a10g"]
     assert measured["cold_start_seconds"] > 0 and measured["memory_bytes"] > 0
 
@@ -148,15 +168,26 @@ def test_desired_replicas_load_and_unload_through_node_queues(fleet_of_two) -> N
     assert sum(assigned_on(client, names).values()) == 1
     # and the records say where it is now: hot on one node, cold on the other (its artifact on that node's disk)
     app.send_task("serving.tasks.reconcile_placements")
-    wait_for("hot on one, cold on the other", lambda: sorted(Replica.objects.filter(
-        version__model__name="digits").values_list("tier", flat=True)) == ["cold", "hot"], nodes, 60)
+    wait_for(
+        "hot on one, cold on the other",
+        lambda: (
+            sorted(Replica.objects.filter(version__model__name="digits").values_list("tier", flat=True))
+            == ["cold", "hot"]
+        ),
+        nodes,
+        60,
+    )
 
     # -- when more replicas are wanted than there are nodes
     set_desired(3)
     app.send_task("serving.tasks.reconcile_placements")
     # then it is placed where it can be and marked unschedulable with the reason
-    wait_for("unschedulable reason", lambda: "3 replicas" in ModelVersion.objects.get(
-        model__name="digits").unschedulable_reason, nodes, 60)
+    wait_for(
+        "unschedulable reason",
+        lambda: "3 replicas" in ModelVersion.objects.get(model__name="digits").unschedulable_reason,
+        nodes,
+        60,
+    )
     wait_for("digits:1 on both nodes again", lambda: all(assigned_on(client, names).values()), nodes, 120)
 
     # -- when the node holding the one replica left is killed (-9)
@@ -168,8 +199,12 @@ def test_desired_replicas_load_and_unload_through_node_queues(fleet_of_two) -> N
     nodes[names.index(holder)].proc.kill()
     survivor = [nodes[names.index(other)]]
     # then once its heartbeat lapses the other node serves the version again (on demand)
-    wait_for("the survivor serving it", lambda: heartbeat(client, holder) is None and ready_on(client, other, KEY),
-             survivor, 30)
+    wait_for(
+        "the survivor serving it",
+        lambda: heartbeat(client, holder) is None and ready_on(client, other, KEY),
+        survivor,
+        30,
+    )
     # and the next step assigns the replica there
     app.send_task("serving.tasks.reconcile_placements")
     wait_for("re-placed on the survivor", lambda: assigned_on(client, [other])[other], survivor, 120)

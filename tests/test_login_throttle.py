@@ -30,8 +30,9 @@ WRONG = "not-the-password"
 @pytest.fixture
 def users(transactional_db, settings) -> dict[str, User]:  # noqa: ANN001
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # every attempt hashes once
-    return {name: User.objects.create_user(name, f"{name}@example.org", RIGHT, is_staff=True)
-            for name in ("alice", "bob")}
+    return {
+        name: User.objects.create_user(name, f"{name}@example.org", RIGHT, is_staff=True) for name in ("alice", "bob")
+    }
 
 
 def limit() -> int:

@@ -72,9 +72,14 @@ def test_admission_token_allow_list_and_refusal() -> None:
     assert access.admit(None, "10.1.2.3") == "redacted"
     assert access.admit(None, "::ffff:10.1.2.3") == "redacted"  # a dual-stack socket's IPv4 peer
     assert access.admit(None, "::1") == "redacted"
-    for authorization, client in [(None, "10.2.0.1"), (None, None), (None, "not-an-address"),
-                                  (b"Bearer wrong", "10.1.2.3"),  # a wrong token is refused even from the list
-                                  (f"Basic {TOKEN}".encode(), "203.0.113.9"), (TOKEN.encode(), "203.0.113.9")]:
+    for authorization, client in [
+        (None, "10.2.0.1"),
+        (None, None),
+        (None, "not-an-address"),
+        (b"Bearer wrong", "10.1.2.3"),  # a wrong token is refused even from the list
+        (f"Basic {TOKEN}".encode(), "203.0.113.9"),
+        (TOKEN.encode(), "203.0.113.9"),
+    ]:
         with pytest.raises(MetricsRefused):
             access.admit(authorization, client)
     # without a token configured, a presented one counts for nothing: only the list admits
@@ -128,8 +133,13 @@ def test_embedded_default_admits_loopback_only_until_a_token_is_set(tmp_path: Pa
     env = {k: v for k, v in _env(REDIS_URL, tmp_path).items() if not k.startswith("FERRY_METRICS_")}
     env["DJANGO_SETTINGS_MODULE"] = "config.settings"
     plain = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
-    with_token = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**env, "FERRY_METRICS_TOKEN": "t"},
-                                capture_output=True, text=True)
+    with_token = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**env, "FERRY_METRICS_TOKEN": "t"},
+        capture_output=True,
+        text=True,
+    )
     assert plain.stdout.strip() == "['127.0.0.0/8', '::1/128']", plain.stderr
     assert with_token.stdout.strip() == "[]", with_token.stderr
 
@@ -178,8 +188,10 @@ def test_web_metrics_need_the_token_or_an_allowed_address(leaky_server: LiveServ
     assert 'model="digits"' in body  # a public model keeps its name
     refusals = [line for line in body.splitlines() if line.startswith("ferry_quota_refusals_total{")]
     assert refusals and all('tenant="private-' in line for line in refusals), refusals
-    assert any(line.startswith("ferry_requests_total{") and 'model="private-' in line and 'status="429"' in line
-               for line in body.splitlines())
+    assert any(
+        line.startswith("ferry_requests_total{") and 'model="private-' in line and 'status="429"' in line
+        for line in body.splitlines()
+    )
 
 
 # -- a node's --metrics-port -------------------------------------------------------------------------
@@ -188,18 +200,41 @@ def test_web_metrics_need_the_token_or_an_allowed_address(leaky_server: LiveServ
 def start_node(tmp_path: Path, web: Proc, metrics_port: int, **env: str) -> Proc:
     home = tmp_path / "node-m-home"
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
-    environment = {**_env(REDIS_URL, home), "FERRY_ARTIFACT_ROOT": str(home / "artifacts"),
-                   "FERRY_ARTIFACT_URL": f"http://127.0.0.1:{web.port}", "FERRY_NODE_TOKEN": "node-token", **env}
+    environment = {
+        **_env(REDIS_URL, home),
+        "FERRY_ARTIFACT_ROOT": str(home / "artifacts"),
+        "FERRY_ARTIFACT_URL": f"http://127.0.0.1:{web.port}",
+        "FERRY_NODE_TOKEN": "node-token",
+        **env,
+    }
     log_path = tmp_path / "node-m.log"
     with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "runnode", "--name", "node-m", "--memory", "8GiB",
-                                 "--metrics-port", str(metrics_port)],
-                                cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "runnode",
+                "--name",
+                "node-m",
+                "--memory",
+                "8GiB",
+                "--metrics-port",
+                str(metrics_port),
+            ],
+            cwd=ROOT,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Proc("node-m", proc, log_path)
 
 
 def test_node_metrics_port_needs_the_token_or_an_allowed_address(
-    transactional_db, redis_db, model_files, tmp_path, monkeypatch,  # noqa: ANN001, F811
+    transactional_db,
+    redis_db,  # noqa: F811 (a fixture)
+    model_files,
+    tmp_path,
+    monkeypatch,
 ) -> None:
     owner = tenant(SECRET_TENANT)
     register(model_files.digits, SECRET_MODEL, owner=owner, visibility="private", **SMALL)
@@ -209,11 +244,13 @@ def test_node_metrics_port_needs_the_token_or_an_allowed_address(
     metrics_port = free_port()
     try:
         wait_for("the web process live", lambda: web_live(web), procs)
-        node = start_node(tmp_path, web, metrics_port, FERRY_METRICS_TOKEN=TOKEN,
-                          FERRY_METRICS_ALLOW=f"{ALLOWED_PEER}/32")
+        node = start_node(
+            tmp_path, web, metrics_port, FERRY_METRICS_TOKEN=TOKEN, FERRY_METRICS_ALLOW=f"{ALLOWED_PEER}/32"
+        )
         procs.append(node)
-        wait_for(f"the node ready with {SECRET_MODEL}:1", lambda: ready_on(redis_db, "node-m", f"{SECRET_MODEL}:1"),
-                 procs)
+        wait_for(
+            f"the node ready with {SECRET_MODEL}:1", lambda: ready_on(redis_db, "node-m", f"{SECRET_MODEL}:1"), procs
+        )
         # the token reads the private model's labels
         status, _, body = scrape(metrics_port, TOKEN)
         assert status == 200

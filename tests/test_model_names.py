@@ -41,15 +41,18 @@ def answer(response, name: str) -> tuple[int, str, str]:  # noqa: ANN001
 
 def test_another_tenants_names_all_answer_alike(names) -> None:  # noqa: ANN001
     client = names["globex"]
-    answers = {kind: answer(client.post("/api/models/", {"name": name}, format="json"), name)
-               for kind, name in TAKEN.items()}
+    answers = {
+        kind: answer(client.post("/api/models/", {"name": name}, format="json"), name) for kind, name in TAKEN.items()
+    }
     assert answers["private"] == answers["public"] == answers["reserved"]
     status, _, body = answers["private"]
     assert status == 409
     assert "not available" in body and "exists" not in body
     # and renaming its own model onto them answers the same
-    renames = {kind: answer(client.patch("/api/models/globex-own/", {"name": name}, format="json"), name)
-               for kind, name in TAKEN.items()}
+    renames = {
+        kind: answer(client.patch("/api/models/globex-own/", {"name": name}, format="json"), name)
+        for kind, name in TAKEN.items()
+    }
     assert set(renames.values()) == {answers["private"]}
     assert Model.objects.filter(name="globex-own").exists()
 
@@ -58,8 +61,12 @@ def test_an_upload_under_another_tenants_name_answers_alike(names, model_files) 
     def upload(name: str):  # noqa: ANN202
         artifact = io.BytesIO(model_files.digits.read_bytes())
         artifact.name = model_files.digits.name
-        data = {"format": "torchscript", "inputs": json.dumps(DIGITS_IO["inputs"]),
-                "outputs": json.dumps(DIGITS_IO["outputs"]), "artifact": artifact}
+        data = {
+            "format": "torchscript",
+            "inputs": json.dumps(DIGITS_IO["inputs"]),
+            "outputs": json.dumps(DIGITS_IO["outputs"]),
+            "artifact": artifact,
+        }
         return names["globex"].post(f"/api/models/{name}/versions/", data, format="multipart")
 
     answers = {kind: answer(upload(name), name) for kind, name in TAKEN.items()}

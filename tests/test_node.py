@@ -63,9 +63,17 @@ async def test_a_version_bigger_than_the_budget_is_unschedulable_and_others_keep
         from serving.dataplane.snapshot import PlacementEntry
 
         return VersionEntry(
-            model=name, version=1, state="ready", loaded=True, artifact_sha256="0" * 64, format="torchscript",
-            inputs=(TensorSpec("input", "FP32", (64,)),), outputs=(TensorSpec("scores", "FP32", (10,)),),
-            batching=BatchingConfig(8, 0.0, 100), default_timeout_ms=1000, latency_profile={},
+            model=name,
+            version=1,
+            state="ready",
+            loaded=True,
+            artifact_sha256="0" * 64,
+            format="torchscript",
+            inputs=(TensorSpec("input", "FP32", (64,)),),
+            outputs=(TensorSpec("scores", "FP32", (10,)),),
+            batching=BatchingConfig(8, 0.0, 100),
+            default_timeout_ms=1000,
+            latency_profile={},
             placement=PlacementEntry(memory_bytes=footprint),
         )
 

@@ -31,8 +31,11 @@ def decision(key: str, replicas: int) -> Decision:
 
 
 def test_nodes_wanted_covers_memory_and_spreads_replicas_within_the_pools_bounds() -> None:
-    pools = {"a10g": Pool("a10g", 24 * GiB, min_nodes=1, max_nodes=4), "h100": Pool("h100", 80 * GiB, max_nodes=2),
-             "l4": Pool("l4", 24 * GiB, min_nodes=1, max_nodes=3)}
+    pools = {
+        "a10g": Pool("a10g", 24 * GiB, min_nodes=1, max_nodes=4),
+        "h100": Pool("h100", 80 * GiB, max_nodes=2),
+        "l4": Pool("l4", 24 * GiB, min_nodes=1, max_nodes=3),
+    }
     plan = Plan(
         {"small:1": decision("small:1", 3), "big:1": decision("big:1", 1), "huge:1": decision("huge:1", 5)},
         {"a10g": NodeDemand(4, 30 * GiB, 2), "h100": NodeDemand(5, 400 * GiB, 5)},
@@ -65,9 +68,26 @@ class FakeApiServer:
         self.cert = tmp_path / "ca.crt"
         key = tmp_path / "tls.key"
         subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(self.cert),
-             "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-            check=True, capture_output=True,
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(self.cert),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
         )
         self.replicas = dict(replicas)
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
@@ -89,8 +109,13 @@ class FakeApiServer:
                     return
                 if self.command == "PATCH":
                     server.replicas[name] = json.loads(body)["spec"]["replicas"]
-                doc = {"kind": "Scale", "apiVersion": "autoscaling/v1", "metadata": {"name": name},
-                       "spec": {"replicas": server.replicas[name]}, "status": {"replicas": server.replicas[name]}}
+                doc = {
+                    "kind": "Scale",
+                    "apiVersion": "autoscaling/v1",
+                    "metadata": {"name": name},
+                    "spec": {"replicas": server.replicas[name]},
+                    "status": {"replicas": server.replicas[name]},
+                }
                 payload = json.dumps(doc).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -125,16 +150,21 @@ def token(tmp_path: Path) -> Path:
 def test_kubernetes_provider_patches_the_scale_subresource_only_when_it_differs(tmp_path: Path, token: Path) -> None:
     api = FakeApiServer(tmp_path, {"ferry-node-a10g": 1, "gpu-h100": 2})
     try:
-        pools = {"a10g": Pool("a10g", 24 * GiB, max_nodes=4), "h100": Pool("h100", 80 * GiB, max_nodes=4,
-                                                                             statefulset="gpu-h100")}
+        pools = {
+            "a10g": Pool("a10g", 24 * GiB, max_nodes=4),
+            "h100": Pool("h100", 80 * GiB, max_nodes=4, statefulset="gpu-h100"),
+        }
         provider = KubernetesProvider(pools, namespace="ferry", base_url=api.url, token_file=token, ca_file=api.cert)
         # when a10g is asked for 3 nodes and h100 for the 2 it runs
         assert provider.apply({"a10g": 3, "h100": 2}) == {"a10g": 3, "h100": 2}
         # then each scale subresource is read, and only a10g's is patched, as a merge patch with the bearer token
         methods = [(m, p) for m, p, _, _ in api.requests]
         base = "/apis/apps/v1/namespaces/ferry/statefulsets"
-        assert methods == [("GET", f"{base}/ferry-node-a10g/scale"), ("PATCH", f"{base}/ferry-node-a10g/scale"),
-                           ("GET", f"{base}/gpu-h100/scale")]
+        assert methods == [
+            ("GET", f"{base}/ferry-node-a10g/scale"),
+            ("PATCH", f"{base}/ferry-node-a10g/scale"),
+            ("GET", f"{base}/gpu-h100/scale"),
+        ]
         _, _, headers, body = api.requests[1]
         assert headers["Authorization"] == "Bearer sa-token-1"
         assert headers["Content-Type"] == "application/merge-patch+json"
@@ -189,7 +219,9 @@ def _wait(what: str, check, run_dir: Path, timeout: float = 240.0) -> None:  # n
 
 
 def test_local_provider_starts_and_stops_named_runnode_processes_within_its_bound(
-    tmp_path: Path, db, settings  # noqa: ANN001
+    tmp_path: Path,
+    db,
+    settings,  # noqa: ANN001
 ) -> None:
     from serving.dataplane.snapshot import hub
     from serving.publish import publish_snapshot
@@ -202,12 +234,19 @@ def test_local_provider_starts_and_stops_named_runnode_processes_within_its_boun
     held = hub.current
     publish_snapshot()  # an (empty) routing snapshot, so the nodes start serving at once
     hub.current = held
-    env = {**os.environ, "REDIS_URL": REDIS_URL, "FERRY_EMBEDDED_NODE": "false", "FERRY_DATA_DIR": str(tmp_path),
-           "FERRY_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "REDIS_URL": REDIS_URL,
+        "FERRY_EMBEDDED_NODE": "false",
+        "FERRY_DATA_DIR": str(tmp_path),
+        "FERRY_TORCH_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     pools = {"t4": Pool("t4", 512 * (1 << 20), max_nodes=3, labels={"zone": "z1"})}
     run_dir = tmp_path / "nodes"
-    provider = LocalProvider(pools, run_dir, max_total=2, prefix="as", env=env, cwd=ROOT,
-                             command=[sys.executable, "manage.py", "runnode"])
+    provider = LocalProvider(
+        pools, run_dir, max_total=2, prefix="as", env=env, cwd=ROOT, command=[sys.executable, "manage.py", "runnode"]
+    )
     try:
         # when three nodes are asked for, on a machine bounded to two
         assert provider.apply({"t4": 3}) == {"t4": 2}

@@ -277,7 +277,8 @@ def test_every_registered_operator_taking_a_file_name_is_refused() -> None:
     """Fails when a torch upgrade adds such an operator to an allowed namespace."""
     file_args = re.compile(r"file|path|dir", re.IGNORECASE)
     taking_files = {
-        schema.name for schema in torch._C._jit_get_all_schemas()
+        schema.name
+        for schema in torch._C._jit_get_all_schemas()
         if operator_check.namespace_of(schema.name) in operator_check.ALLOWED_NAMESPACES
         and any("str" in str(a.type) and file_args.search(a.name) for a in schema.arguments)
     }
@@ -315,8 +316,16 @@ class StaticQuantized(nn.Module):
 
 
 def convnet() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Dropout(0.1), nn.Flatten(), nn.Linear(64, 10), nn.Softmax(dim=1))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+        nn.Softmax(dim=1),
+    )
 
 
 def static_quantized() -> nn.Module:
@@ -329,7 +338,8 @@ def static_quantized() -> nn.Module:
 
 def standard_torchscript() -> dict[str, torch.jit.ScriptModule]:
     dynamic = torch.ao.quantization.quantize_dynamic(
-        nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), {nn.Linear}, dtype=torch.qint8)
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), {nn.Linear}, dtype=torch.qint8
+    )
     dynamic_lstm = torch.ao.quantization.quantize_dynamic(nn.LSTM(8, 8), {nn.LSTM}, dtype=torch.qint8)
     conv = convnet().eval()
     return {
@@ -413,11 +423,16 @@ def with_target(base: Path, out: Path, target: str, inputs: list[dict]) -> Path:
 
 def file_calling_export(base: Path, marker: Path, out: Path) -> Path:
     """aten.from_file(marker, shared=True, size=4): creates the file (and would read an existing one)."""
-    return with_target(base, out, "torch.ops.aten.from_file.default", [
-        {"name": "filename", "arg": {"as_string": str(marker)}, "kind": 1},
-        {"name": "shared", "arg": {"as_bool": True}, "kind": 1},
-        {"name": "size", "arg": {"as_int": 4}, "kind": 1},
-    ])
+    return with_target(
+        base,
+        out,
+        "torch.ops.aten.from_file.default",
+        [
+            {"name": "filename", "arg": {"as_string": str(marker)}, "kind": 1},
+            {"name": "shared", "arg": {"as_bool": True}, "kind": 1},
+            {"name": "size", "arg": {"as_int": 4}, "kind": 1},
+        ],
+    )
 
 
 @pytest.fixture
@@ -447,8 +462,9 @@ def test_an_export_program_calling_from_file_is_refused_by_the_archive_check(
 
 
 def custom_export(base: Path, out: Path) -> Path:
-    return with_target(base, out, "torch.ops.ferrytest.double.default",
-                       [{"name": "x", "arg": {"as_tensor": {"name": "x"}}, "kind": 1}])
+    return with_target(
+        base, out, "torch.ops.ferrytest.double.default", [{"name": "x", "arg": {"as_tensor": {"name": "x"}}, "kind": 1}]
+    )
 
 
 def test_an_export_custom_namespace_is_refused_unless_allowed(zeros_export: Path, tmp_path: Path) -> None:
@@ -464,10 +480,17 @@ def test_an_export_custom_namespace_is_refused_unless_allowed(zeros_export: Path
 def upload(client: APIClient, path: Path, fmt: str, name: str) -> object:
     artifact = io.BytesIO(path.read_bytes())
     artifact.name = path.name
-    return client.post(f"/api/models/{name}/versions/", {
-        "format": fmt, "artifact": artifact, "max_batch_size": 2,
-        "inputs": json.dumps(VECTOR_IO["inputs"]), "outputs": json.dumps(VECTOR_IO["outputs"]),
-    }, format="multipart")
+    return client.post(
+        f"/api/models/{name}/versions/",
+        {
+            "format": fmt,
+            "artifact": artifact,
+            "max_batch_size": 2,
+            "inputs": json.dumps(VECTOR_IO["inputs"]),
+            "outputs": json.dumps(VECTOR_IO["outputs"]),
+        },
+        format="multipart",
+    )
 
 
 @pytest.fixture
@@ -492,8 +515,11 @@ def test_registration_refuses_operators_with_422_and_stores_nothing(
         (scripted(SavesInForward(str(tmp_path / "w")), tmp_path / "saves.pt"), "torchscript", "aten::save"),
         # only a TorchScript class's __setstate__ calls it, on a file the sandboxed child may read (its own code):
         # the registration's inspection must walk the whole compilation unit, not the module's methods
-        (scripted(ReadsInClassSetstate(archive_check.__file__), tmp_path / "class.pt"), "torchscript",
-         "aten::from_file"),
+        (
+            scripted(ReadsInClassSetstate(archive_check.__file__), tmp_path / "class.pt"),
+            "torchscript",
+            "aten::from_file",
+        ),
         (file_calling_export(zeros_export, marker, tmp_path / "ff.pt2"), "torch_export", "aten::from_file"),
         # (a TorchScript archive calling ferrytest::double does not even compile in the sandboxed child, which
         # loads no such library: it registers and fails validation; its load-time refusal is tested above)

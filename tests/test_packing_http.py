@@ -89,8 +89,10 @@ def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_version(se
     # and the index shows the evicted version cold, loadable on demand
     assert index(server)["pack:2"]["reason"].startswith("cold")
     # and the node told the registry the footprint and cold start it measured on its accelerator type
-    wait_until(lambda: "cpu" in ModelVersion.objects.get(model__name="pack", version=3).placement_measurements,
-               "the measurements reported to the registry")
+    wait_until(
+        lambda: "cpu" in ModelVersion.objects.get(model__name="pack", version=3).placement_measurements,
+        "the measurements reported to the registry",
+    )
     measured = ModelVersion.objects.get(model__name="pack", version=3).placement_measurements["cpu"]
     assert measured["memory_bytes"] > 0 and measured["cold_start_seconds"] > 0
     # when version 2 is asked for again / then it comes back, evicting the now least recently used (1)
@@ -133,8 +135,9 @@ def test_a_pinned_version_evicts_idle_ones_to_load_at_reconcile(serve, versions,
 def measured_cold_start(version: ModelVersion, seconds: float) -> None:
     """What a node of this type reported for `version`: the node's estimate of its cold start until it
     measures its own."""
-    ModelVersion.objects.filter(pk=version.pk).update(placement_measurements={
-        "cpu": {"memory_bytes": version.memory_bytes, "cold_start_seconds": seconds}})
+    ModelVersion.objects.filter(pk=version.pk).update(
+        placement_measurements={"cpu": {"memory_bytes": version.memory_bytes, "cold_start_seconds": seconds}}
+    )
 
 
 def test_a_cold_start_longer_than_the_deadline_is_503_with_retry_after(serve, versions, digits_samples) -> None:  # noqa: ANN001
@@ -156,8 +159,7 @@ def test_a_cold_start_longer_than_the_deadline_is_503_with_retry_after(serve, ve
     assert server.plane().node.packing.cold_start(server.plane().gateway.route("pack", "3", None)) < 30.0
 
 
-def test_a_cold_start_longer_than_the_deadline_takes_the_fallback(model_files, versions, serve,
-                                                                  digits_samples) -> None:  # noqa: ANN001
+def test_a_cold_start_longer_than_the_deadline_takes_the_fallback(model_files, versions, serve, digits_samples) -> None:  # noqa: ANN001
     x, _ = digits_samples
     # given `pack` with a fallback model `small` of the same signature, and pack:3 cold with a 30 s cold start
     small = register(model_files.digits, "small", max_batch_size=8)
@@ -188,8 +190,10 @@ def test_a_version_that_can_never_fit_is_unschedulable_with_its_reason(serve, ve
     assert rows["pack:2"]["reason"].startswith("unschedulable (accelerator)") and "h100" in rows["pack:2"]["reason"]
     assert rows["pack:3"]["reason"].startswith("unschedulable (min_memory)")
     # and the registry holds the reason (the node reports it back)
-    wait_until(lambda: ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason != "",
-               "the unschedulable reason in the registry")
+    wait_until(
+        lambda: ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason != "",
+        "the unschedulable reason in the registry",
+    )
     assert "min_memory" in ModelVersion.objects.get(pk=versions[2].pk).unschedulable_reason
     # and the verdict is in the audit log, as the system's
     wait_until(lambda: AuditEntry.objects.filter(action="version.unschedulable").count() == 2, "the audit entries")

@@ -21,9 +21,17 @@ from serving.policies.batching import BatchingConfig
 
 def digits(name: str, sha: str = "a" * 64, **placement: object) -> VersionEntry:
     return VersionEntry(
-        model=name, version=1, state="ready", loaded=True, artifact_sha256=sha, format="torchscript",
-        inputs=(TensorSpec("input", "FP32", (64,)),), outputs=(TensorSpec("scores", "FP32", (10,)),),
-        batching=BatchingConfig(8, 0.0, 100), default_timeout_ms=1000, latency_profile={1: 0.001, 8: 0.002},
+        model=name,
+        version=1,
+        state="ready",
+        loaded=True,
+        artifact_sha256=sha,
+        format="torchscript",
+        inputs=(TensorSpec("input", "FP32", (64,)),),
+        outputs=(TensorSpec("scores", "FP32", (10,)),),
+        batching=BatchingConfig(8, 0.0, 100),
+        default_timeout_ms=1000,
+        latency_profile={1: 0.001, 8: 0.002},
         placement=PlacementEntry(**placement),  # type: ignore[arg-type]
     )
 
@@ -33,6 +41,7 @@ def x(rows: int = 1) -> dict[str, np.ndarray]:
 
 
 # -- estimates ------------------------------------------------------------------------------------------
+
 
 def test_cold_start_estimates_prefer_what_is_closest_to_this_node() -> None:
     packing = Packing("a10g", warmup_sizes)
@@ -77,6 +86,7 @@ def test_a_load_waits_for_the_loads_queued_ahead_of_it() -> None:
 
 
 # -- loads ----------------------------------------------------------------------------------------------
+
 
 async def test_a_busy_version_is_not_evicted_even_when_least_recently_used(model_files) -> None:  # noqa: ANN001
     node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
@@ -128,9 +138,19 @@ async def test_a_full_load_queue_refuses_with_retry_after(model_files) -> None: 
 
 # -- Redis ----------------------------------------------------------------------------------------------
 
+
 def test_placement_facts_survive_redis_encoding() -> None:
-    entry = digits("m", memory_bytes=10, load_seconds=0.5, measured=(("a10g", 12, 0.75),), min_memory=1 << 30,
-                   accelerators=frozenset({"a10g", "h100"}), pinned=True, min_replicas=2, unschedulable="why")
+    entry = digits(
+        "m",
+        memory_bytes=10,
+        load_seconds=0.5,
+        measured=(("a10g", 12, 0.75),),
+        min_memory=1 << 30,
+        accelerators=frozenset({"a10g", "h100"}),
+        pinned=True,
+        min_replicas=2,
+        unschedulable="why",
+    )
     snapshot = RoutingSnapshot(serial=3, built_at=1.0, models={"m": ModelEntry("m", "t", "", None, {1: entry})})
     assert decode(encode(snapshot)).models["m"].versions[1] == entry
     # a publisher that predates placement sends none: the defaults
@@ -188,7 +208,10 @@ async def test_an_evicted_version_stays_warm_in_host_memory_within_its_budget(mo
         assert again is not None and again.runtime is runtime and getattr(runtime, "process", None) is child
         assert set(node.warm) == {"two:1"}
         assert [e.detail.startswith("from host memory") for e in node.packing.events if e.kind == "load"] == [
-            False, False, True]
+            False,
+            False,
+            True,
+        ]
         out = await node.infer("one:1", x(), 1, node._clock() + 5, 0)
         assert out["scores"].shape == (1, 10)
         # a version whose artifact changed is not taken from the warm tier

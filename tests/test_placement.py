@@ -26,18 +26,26 @@ def spec(key: str, gb: float = 1, **kw: object) -> VersionSpec:
     return VersionSpec(key, int(gb * GB), **kw)  # type: ignore[arg-type]
 
 
-def node(name: str = "n1", budget_gb: float = 10, accelerator: str = "a10g", hot: dict | None = None,
-         warm: frozenset[str] = frozenset(), total_gb: float | None = None) -> NodeState:
+def node(
+    name: str = "n1",
+    budget_gb: float = 10,
+    accelerator: str = "a10g",
+    hot: dict | None = None,
+    warm: frozenset[str] = frozenset(),
+    total_gb: float | None = None,
+) -> NodeState:
     residents = {}
     for key, (gb, last_used, *rest) in (hot or {}).items():
         flags = rest[0] if rest else {}
         in_flight = flags.pop("in_flight", 0) if flags else 0
         residents[key] = Resident(spec(key, gb, **flags), last_used, in_flight)
-    return NodeState(name, accelerator, int(budget_gb * GB), residents, warm,
-                     None if total_gb is None else int(total_gb * GB))
+    return NodeState(
+        name, accelerator, int(budget_gb * GB), residents, warm, None if total_gb is None else int(total_gb * GB)
+    )
 
 
 # -- fit --------------------------------------------------------------------------------------------
+
 
 def test_fits_in_free_memory_without_evicting():
     verdict = fit(spec("m:1", 3), node(hot={"a:1": (6, 0.0)}))
@@ -78,8 +86,9 @@ def test_stable_without_minimum_replicas_may_be_evicted():
 
 
 def test_held_memory_is_a_transient_refusal_with_the_shortfall():
-    n = node(budget_gb=8, hot={"p:1": (5, 0.0, {"pinned": True}), "busy:1": (2, 0.0, {"in_flight": 1}),
-                               "idle:1": (1, 0.0)})
+    n = node(
+        budget_gb=8, hot={"p:1": (5, 0.0, {"pinned": True}), "busy:1": (2, 0.0, {"in_flight": 1}), "idle:1": (1, 0.0)}
+    )
     verdict = fit(spec("new:1", 4), n, now=5.0)
     assert not verdict.fits and verdict.constraint == HELD and not verdict.permanent
     assert verdict.short_bytes == 3 * GB  # 0 free + 1 GB evictable, 4 needed
@@ -124,6 +133,7 @@ def test_spec_refuses_negative_numbers():
 
 
 # -- place ------------------------------------------------------------------------------------------
+
 
 def test_best_fit_chooses_the_tightest_node():
     nodes = [node("roomy", 20), node("snug", 10, hot={"x:1": (6, 0.0)}), node("middle", 12)]
@@ -279,6 +289,7 @@ def test_packs_many_versions_into_a_fleet_without_overfilling_any_node():
 
 # -- nodes wanted ---------------------------------------------------------------------------------
 
+
 def test_nodes_wanted_packs_first_fit_decreasing_per_type():
     specs = {"a:1": spec("a:1", 6), "b:1": spec("b:1", 6), "c:1": spec("c:1", 4), "d:1": spec("d:1", 4)}
     wanted, impossible = nodes_wanted(dict.fromkeys(specs, 1), specs, {"a10g": 10 * GB})
@@ -303,14 +314,16 @@ def test_nodes_wanted_uses_the_first_allowed_type_that_holds_it():
         "never:1": spec("never:1", 100),
         "zero:1": spec("zero:1", 1),
     }
-    wanted, impossible = nodes_wanted({"any:1": 1, "big:1": 1, "h:1": 1, "never:1": 1, "zero:1": 0}, specs,
-                                      {"l4": 24 * GB, "h100": 80 * GB})
+    wanted, impossible = nodes_wanted(
+        {"any:1": 1, "big:1": 1, "h:1": 1, "never:1": 1, "zero:1": 0}, specs, {"l4": 24 * GB, "h100": 80 * GB}
+    )
     assert wanted == {"l4": 1, "h100": 1}
     assert list(impossible) == ["never:1"]
 
 
 def test_nodes_wanted_honours_minimum_device_memory():
     specs = {"m:1": spec("m:1", 1, min_memory=40 * GB)}
-    wanted, impossible = nodes_wanted({"m:1": 1}, specs, {"l4": 20 * GB, "a100": 20 * GB},
-                                      device_memory={"l4": 24 * GB, "a100": 80 * GB})
+    wanted, impossible = nodes_wanted(
+        {"m:1": 1}, specs, {"l4": 20 * GB, "a100": 20 * GB}, device_memory={"l4": 24 * GB, "a100": 80 * GB}
+    )
     assert wanted == {"l4": 0, "a100": 1} and impossible == {}

@@ -29,7 +29,11 @@ def test_an_engineer_sets_constraints_and_flags_and_the_change_is_audited(bob, d
     assert response.status_code == 200, response.content
     data = response.json()
     assert (data["min_memory_bytes"], data["accelerators"], data["pinned"], data["min_replicas"]) == (
-        1 << 34, ["a100", "h100"], True, 2)
+        1 << 34,
+        ["a100", "h100"],
+        True,
+        2,
+    )
     assert data["unschedulable_reason"] == "" and data["placement_measurements"] == {}
     stored = ModelVersion.objects.get(pk=digits.pk)
     assert (stored.accelerators, stored.pinned, stored.unschedulable_reason) == (["a100", "h100"], True, "")
@@ -47,17 +51,20 @@ def test_a_subset_changes_only_itself_and_no_change_is_not_audited(bob, digits) 
     assert AuditEntry.objects.filter(action="version.placement").count() == 1
 
 
-@pytest.mark.parametrize("body", [
-    {"pinned": "true"},
-    {"pinned": 1},
-    {"min_replicas": -1},
-    {"min_replicas": 2.0},
-    {"min_memory_bytes": "16GiB"},
-    {"accelerators": "h100"},
-    {"accelerators": ["H100"]},
-    {"accelerators": [""]},
-    {"max_batch_size": 4},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"pinned": "true"},
+        {"pinned": 1},
+        {"min_replicas": -1},
+        {"min_replicas": 2.0},
+        {"min_memory_bytes": "16GiB"},
+        {"accelerators": "h100"},
+        {"accelerators": ["H100"]},
+        {"accelerators": [""]},
+        {"max_batch_size": 4},
+    ],
+)
 def test_malformed_or_unknown_settings_are_400(bob, digits, body) -> None:  # noqa: ANN001, F811
     assert_json_error(bob.patch(URL, body, format="json"), 400)
     assert not ModelVersion.objects.get(pk=digits.pk).pinned
@@ -79,8 +86,9 @@ def test_the_schema_documents_the_placement_patch(bob) -> None:  # noqa: ANN001,
 
 
 def test_the_console_marks_unschedulable_and_pinned_versions(bob, digits) -> None:  # noqa: ANN001, F811
-    ModelVersion.objects.filter(pk=digits.pk).update(unschedulable_reason="unschedulable (memory): too big",
-                                                     pinned=True)
+    ModelVersion.objects.filter(pk=digits.pk).update(
+        unschedulable_reason="unschedulable (memory): too big", pinned=True
+    )
     for url in ("/console/models/", "/console/models/digits/"):
         page = bob.get(url).content.decode()
         assert 'title="unschedulable (memory): too big">unschedulable</small>' in page

@@ -25,8 +25,15 @@ PASSWORD = "a-long-test-password"
 WAIT_S = 60  # bound on waiting for a check's loop to end; a failure past it, never a timing assertion
 # A check that takes seconds of one core (every request its own batch on 200 placed replicas), not one
 # that finishes before the test can leave.
-SLOW = {"rate": "2500", "latency_ms": "0.01", "batch_window_ms": "0", "replicas": "100", "models": "2",
-        "device": "accelerator", "p99_ms": "300"}
+SLOW = {
+    "rate": "2500",
+    "latency_ms": "0.01",
+    "batch_window_ms": "0",
+    "replicas": "100",
+    "models": "2",
+    "device": "accelerator",
+    "p99_ms": "300",
+}
 CSRF = "k" * 32  # an unmasked CSRF secret: the cookie and the form field may carry the same one
 
 
@@ -44,15 +51,30 @@ def checks(outcome: str) -> float:
 # --- bounds -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("rate", "1e12"), ("rate", "0"), ("rate", "nan"), ("rate", "inf"),
-    ("latency_ms", "1e-9"), ("latency_ms", "1e9"),
-    ("batch_window_ms", "-1"), ("batch_window_ms", "1e9"),
-    ("replicas", "1000000"), ("models", "0"), ("models", "100000"),
-    ("p99_ms", "1e12"), ("p99_ms", "0"),
-])
-def test_an_input_outside_its_range_is_refused_naming_it_and_the_range(client, django_user_model, field,  # noqa: ANN001
-                                                                       value) -> None:
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rate", "1e12"),
+        ("rate", "0"),
+        ("rate", "nan"),
+        ("rate", "inf"),
+        ("latency_ms", "1e-9"),
+        ("latency_ms", "1e9"),
+        ("batch_window_ms", "-1"),
+        ("batch_window_ms", "1e9"),
+        ("replicas", "1000000"),
+        ("models", "0"),
+        ("models", "100000"),
+        ("p99_ms", "1e12"),
+        ("p99_ms", "0"),
+    ],
+)
+def test_an_input_outside_its_range_is_refused_naming_it_and_the_range(
+    client,
+    django_user_model,
+    field,  # noqa: ANN001
+    value,
+) -> None:
     client.force_login(user(django_user_model, "op", "engineer"))
     low, high = BOUNDS[field]
     resp = client.get(PAGE, {field: value, "device": "accelerator", "format": "json"})
@@ -187,8 +209,12 @@ def _wait(predicate, what: str) -> None:  # noqa: ANN001
         time.sleep(0.01)
 
 
-def test_a_client_that_leaves_stops_its_check(transactional_db, client, django_user_model,  # noqa: ANN001
-                                              settings) -> None:
+def test_a_client_that_leaves_stops_its_check(
+    transactional_db,
+    client,
+    django_user_model,  # noqa: ANN001
+    settings,
+) -> None:
     # config.asgi builds the whole application when imported: only this test needs it
     from config.asgi import application
 
@@ -199,12 +225,23 @@ def test_a_client_that_leaves_stops_its_check(transactional_db, client, django_u
     body = urllib.parse.urlencode({**SLOW, "csrfmiddlewaretoken": CSRF}).encode()
     cookie = f"{settings.SESSION_COOKIE_NAME}={session}; {settings.CSRF_COOKIE_NAME}={CSRF}"
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": PAGE, "raw_path": PAGE.encode(), "query_string": b"", "root_path": "",
-        "server": ("testserver", 80), "client": ("127.0.0.1", 50000),
-        "headers": [(b"host", b"testserver"), (b"content-type", b"application/x-www-form-urlencoded"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"cookie", cookie.encode())],
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": PAGE,
+        "raw_path": PAGE.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("testserver", 80),
+        "client": ("127.0.0.1", 50000),
+        "headers": [
+            (b"host", b"testserver"),
+            (b"content-type", b"application/x-www-form-urlencoded"),
+            (b"content-length", str(len(body)).encode()),
+            (b"cookie", cookie.encode()),
+        ],
     }
     before = {o: checks(o) for o in ("complete", "cancelled")}
 

@@ -30,8 +30,10 @@ def test_the_bottleneck_is_named():
 def test_the_page_answers_json_and_refuses_nonsense(client, django_user_model):  # noqa: ANN001
     user = django_user_model.objects.create_user(USERNAME, password=PASSWORD)
     client.force_login(user)
-    ok = client.get("/console/planner/", {"rate": "50000", "replicas": "2", "device": "accelerator",
-                                          "batching": "on", "format": "json"})
+    ok = client.get(
+        "/console/planner/",
+        {"rate": "50000", "replicas": "2", "device": "accelerator", "batching": "on", "format": "json"},
+    )
     assert ok.status_code == 200
     assert ok.json()["bottleneck"] == "serving capacity"
     assert ok.json()["p99_ms"] is None  # unbounded past capacity

@@ -62,20 +62,31 @@ def compose() -> dict:
 
 # Schemas ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", checks.manifest_files(), ids=lambda p: str(p.relative_to(checks.K8S)))
 def test_every_manifest_matches_the_kubernetes_schema(path: Path) -> None:
     for doc in checks.load(path):
         k8s_valid(doc)
 
 
-@pytest.mark.parametrize("breakage", [
-    ("misspelt field", lambda d: d["spec"].update(replica=2)),
-    ("port as a word", lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(
-        containerPort="eight thousand")),
-    ("no containers", lambda d: d["spec"]["template"]["spec"].pop("containers")),
-    ("probe without a port", lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
-     .update(httpGet={"path": "/v2/health/ready"})),
-], ids=lambda breakage: breakage[0])
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        ("misspelt field", lambda d: d["spec"].update(replica=2)),
+        (
+            "port as a word",
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="eight thousand"),
+        ),
+        ("no containers", lambda d: d["spec"]["template"]["spec"].pop("containers")),
+        (
+            "probe without a port",
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"].update(
+                httpGet={"path": "/v2/health/ready"}
+            ),
+        ),
+    ],
+    ids=lambda breakage: breakage[0],
+)
 def test_the_schema_check_refuses_a_broken_manifest(docs: list[dict], breakage: tuple) -> None:
     # Given the web Deployment, broken one way
     broken = copy.deepcopy(web_deployment(docs))
@@ -96,8 +107,9 @@ def test_the_base_kustomization_lists_every_manifest_but_the_secret_template() -
 @pytest.mark.parametrize("overlay", ["base", "overlays/production"])
 def test_kustomize_renders_valid_objects(overlay: str) -> None:
     # When kustomize renders the layer
-    rendered = subprocess.run(["kubectl", "kustomize", str(checks.K8S / overlay)], capture_output=True,
-                              text=True, timeout=60, check=True).stdout
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(checks.K8S / overlay)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     # Then every object is valid, in Ferry's namespace, and passes Ferry's own checks
     for doc in docs:
@@ -105,8 +117,14 @@ def test_kustomize_renders_valid_objects(overlay: str) -> None:
         assert doc["kind"] == "Namespace" or doc["metadata"].get("namespace") == "ferry", doc["metadata"]
     secrets = checks.load(checks.K8S / "base" / "secret.example.yaml")
     assert checks.check_manifests(docs + secrets, missing_commands=PENDING) == []
-    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "ConfigMap",
-                                         "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    assert {d["kind"] for d in docs} >= {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "ConfigMap",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    }
 
 
 def test_compose_matches_the_compose_specification(compose: dict) -> None:
@@ -122,6 +140,7 @@ def test_the_compose_check_refuses_a_misspelt_key(compose: dict) -> None:
 
 # Ferry's own checks ---------------------------------------------------------------------------------------
 
+
 def answers_200(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -131,7 +150,8 @@ def answers_200(url: str) -> bool:
 
 
 def test_manifests_start_real_entry_points_with_real_settings_and_probes(
-        docs: list[dict], transactional_db, request) -> None:  # noqa: ANN001
+    docs: list[dict], transactional_db, request
+) -> None:  # noqa: ANN001
     # Given a running server that is ready (probes are anonymous, so no key is sent). pytest-django treats
     # a `live_server` argument as its own fixture, so it is asked for by name.
     server = request.getfixturevalue("live_server")
@@ -147,13 +167,16 @@ def test_manifests_start_real_entry_points_with_real_settings_and_probes(
     # And a probe on a path the server does not answer is caught
     broken = copy.deepcopy(docs)
     web_deployment(broken)["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] = (
-        "/v2/health/alive")
+        "/v2/health/alive"
+    )
     assert checks.check_manifests(broken, missing_commands=PENDING, path_answers=path_answers) == [
-        "Deployment ferry-web/web: livenessProbe path /v2/health/alive does not answer 200 on a live server"]
+        "Deployment ferry-web/web: livenessProbe path /v2/health/alive does not answer 200 on a live server"
+    ]
 
 
 def test_web_as_the_manifest_runs_it_answers_its_liveness_probe(
-        docs: list[dict], transactional_db, settings, request) -> None:  # noqa: ANN001
+    docs: list[dict], transactional_db, settings, request
+) -> None:  # noqa: ANN001
     # Given a server configured as the web container is: no embedded node, Redis to reach the node processes
     # (none runs here: liveness is about the web process itself)
     web = container(docs, "ferry-web")
@@ -175,54 +198,110 @@ def container(docs: list[dict], name: str) -> dict:
     return next(d for d in docs if d["metadata"]["name"] == name)["spec"]["template"]["spec"]["containers"][0]
 
 
-@pytest.mark.parametrize("breakage, expected", [
-    (lambda d: container(d, "ferry-web").update(command=["python", "manage.py", "serv", "--port", "8000"]),
-     "manage.py has no command 'serv'"),
-    (lambda d: container(d, "ferry-web").update(
-        command=["python", "manage.py", "serve", "--host", "0.0.0.0", "--prot", "8000"]),
-     "manage.py serve refuses"),
-    (lambda d: container(d, "ferry-worker").update(command=["celery", "-A", "config", "worker", "--concurency", "2"]),
-     "celery refuses"),
-    (lambda d: container(d, "ferry-beat").update(command=["celery", "-A", "ferry", "beat"]),
-     "not Ferry's (-A config)"),
-    (lambda d: container(d, "ferry-web")["env"].append({"name": "FERRY_EMBEDED_NODE", "value": "false"}),
-     "FERRY_EMBEDED_NODE is not a setting"),
-    (lambda d: next(x for x in d if x["kind"] == "ConfigMap")["data"].update(FERRY_DATADIR="/x"),
-     "FERRY_DATADIR is not a setting"),
-    (lambda d: container(d, "ferry-web")["ports"][0].update(containerPort=8080),
-     "serves on 8000, which is not a declared containerPort"),
-    (lambda d: container(d, "ferry-node-a10g")["securityContext"].update(readOnlyRootFilesystem=False),
-     "the root filesystem must be read-only"),
-    (lambda d: container(d, "ferry-node-a10g")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
-     "must drop ALL capabilities"),
-    (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-node-a10g")["spec"]["template"]["spec"]
-     ["securityContext"].pop("runAsNonRoot"), "pods must set runAsNonRoot"),
-    (lambda d: container(d, "ferry-node-a10g")["env"].pop(), "set FERRY_TORCH_THREADS below its CPU limit (4)"),
-    (lambda d: container(d, "ferry-node-a10g")["resources"]["limits"].update(cpu="2000m"),
-     "set FERRY_TORCH_THREADS below its CPU limit (2)"),
-    (lambda d: container(d, "ferry-node-a10g")["resources"]["limits"].pop("nvidia.com/gpu"),
-     "a node hosts one GPU"),
-    (lambda d: container(d, "ferry-node-a10g")["envFrom"][1]["secretRef"].update(name="ferry-secrets"),
-     "must not hold SECRET_KEY"),
-    (lambda d: container(d, "ferry-node-a10g")["volumeMounts"][1].pop("readOnly"),
-     "must mount the artifact store (/var/lib/ferry/artifacts) read-only"),
-    (lambda d: container(d, "ferry-beat").pop("workingDir"), "writes /app"),  # the image's read-only WORKDIR
-    (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-beat")["spec"].update(replicas=2),
-     "beat must be exactly one"),
-    (lambda d: web_deployment(d)["spec"].update(replicas=3), "sets replicas, which every apply would reset"),
-    (lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-worker")["spec"]["template"]["spec"]
-     .update(automountServiceAccountToken=True), "pods need no Kubernetes API token"),
-    (lambda d: next(x for x in d if x["kind"] == "Role")["rules"][0].update(resources=["statefulsets"]),
-     "grants more than get/patch of statefulsets/scale"),
-    (lambda d: next(x for x in d if x["kind"] == "Role")["rules"][0].update(verbs=["get", "patch", "delete"]),
-     "grants more than get/patch of statefulsets/scale"),
-    (lambda d: container(d, "ferry-autoscaler")["command"].__setitem__(7, "celery"),
-     "must consume only the autoscale queue"),
-    (lambda d: next(x for x in d if x["kind"] == "Service" and x["metadata"]["name"] == "ferry-web")["spec"]
-     ["ports"][0].update(targetPort="htp"), "targetPort htp is no port its pods name"),
-    (lambda d: next(x for x in d if x["kind"] == "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(
-        {"app.kubernetes.io/component": "wbe"}), "its selector matches no workload's pods"),
-])
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        (
+            lambda d: container(d, "ferry-web").update(command=["python", "manage.py", "serv", "--port", "8000"]),
+            "manage.py has no command 'serv'",
+        ),
+        (
+            lambda d: container(d, "ferry-web").update(
+                command=["python", "manage.py", "serve", "--host", "0.0.0.0", "--prot", "8000"]
+            ),
+            "manage.py serve refuses",
+        ),
+        (
+            lambda d: container(d, "ferry-worker").update(
+                command=["celery", "-A", "config", "worker", "--concurency", "2"]
+            ),
+            "celery refuses",
+        ),
+        (
+            lambda d: container(d, "ferry-beat").update(command=["celery", "-A", "ferry", "beat"]),
+            "not Ferry's (-A config)",
+        ),
+        (
+            lambda d: container(d, "ferry-web")["env"].append({"name": "FERRY_EMBEDED_NODE", "value": "false"}),
+            "FERRY_EMBEDED_NODE is not a setting",
+        ),
+        (
+            lambda d: next(x for x in d if x["kind"] == "ConfigMap")["data"].update(FERRY_DATADIR="/x"),
+            "FERRY_DATADIR is not a setting",
+        ),
+        (
+            lambda d: container(d, "ferry-web")["ports"][0].update(containerPort=8080),
+            "serves on 8000, which is not a declared containerPort",
+        ),
+        (
+            lambda d: container(d, "ferry-node-a10g")["securityContext"].update(readOnlyRootFilesystem=False),
+            "the root filesystem must be read-only",
+        ),
+        (
+            lambda d: container(d, "ferry-node-a10g")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
+            "must drop ALL capabilities",
+        ),
+        (
+            lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-node-a10g")["spec"]["template"]["spec"][
+                "securityContext"
+            ].pop("runAsNonRoot"),
+            "pods must set runAsNonRoot",
+        ),
+        (lambda d: container(d, "ferry-node-a10g")["env"].pop(), "set FERRY_TORCH_THREADS below its CPU limit (4)"),
+        (
+            lambda d: container(d, "ferry-node-a10g")["resources"]["limits"].update(cpu="2000m"),
+            "set FERRY_TORCH_THREADS below its CPU limit (2)",
+        ),
+        (
+            lambda d: container(d, "ferry-node-a10g")["resources"]["limits"].pop("nvidia.com/gpu"),
+            "a node hosts one GPU",
+        ),
+        (
+            lambda d: container(d, "ferry-node-a10g")["envFrom"][1]["secretRef"].update(name="ferry-secrets"),
+            "must not hold SECRET_KEY",
+        ),
+        (
+            lambda d: container(d, "ferry-node-a10g")["volumeMounts"][1].pop("readOnly"),
+            "must mount the artifact store (/var/lib/ferry/artifacts) read-only",
+        ),
+        (lambda d: container(d, "ferry-beat").pop("workingDir"), "writes /app"),  # the image's read-only WORKDIR
+        (
+            lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-beat")["spec"].update(replicas=2),
+            "beat must be exactly one",
+        ),
+        (lambda d: web_deployment(d)["spec"].update(replicas=3), "sets replicas, which every apply would reset"),
+        (
+            lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-worker")["spec"]["template"]["spec"].update(
+                automountServiceAccountToken=True
+            ),
+            "pods need no Kubernetes API token",
+        ),
+        (
+            lambda d: next(x for x in d if x["kind"] == "Role")["rules"][0].update(resources=["statefulsets"]),
+            "grants more than get/patch of statefulsets/scale",
+        ),
+        (
+            lambda d: next(x for x in d if x["kind"] == "Role")["rules"][0].update(verbs=["get", "patch", "delete"]),
+            "grants more than get/patch of statefulsets/scale",
+        ),
+        (
+            lambda d: container(d, "ferry-autoscaler")["command"].__setitem__(7, "celery"),
+            "must consume only the autoscale queue",
+        ),
+        (
+            lambda d: next(x for x in d if x["kind"] == "Service" and x["metadata"]["name"] == "ferry-web")["spec"][
+                "ports"
+            ][0].update(targetPort="htp"),
+            "targetPort htp is no port its pods name",
+        ),
+        (
+            lambda d: next(x for x in d if x["kind"] == "PodDisruptionBudget")["spec"]["selector"][
+                "matchLabels"
+            ].update({"app.kubernetes.io/component": "wbe"}),
+            "its selector matches no workload's pods",
+        ),
+    ],
+)
 def test_ferrys_checks_catch_a_broken_manifest(docs: list[dict], breakage, expected: str) -> None:
     # Given the manifests, broken one way (probes are checked against a server in the test above)
     broken = copy.deepcopy(docs)
@@ -239,8 +318,9 @@ def test_the_pods_run_as_the_images_user_with_its_data_directory(docs: list[dict
 
 def test_the_image_check_catches_a_root_image_and_a_moved_data_directory(docs: list[dict]) -> None:
     # Given a Dockerfile whose last stage runs as root with its data elsewhere
-    stage = checks.dockerfile_final_stage(checks.DOCKERFILE.read_text() + "\nFROM x\nUSER root\n"
-                                          "ENV FERRY_DATA_DIR=/data \\\n    OTHER=1\n")
+    stage = checks.dockerfile_final_stage(
+        checks.DOCKERFILE.read_text() + "\nFROM x\nUSER root\nENV FERRY_DATA_DIR=/data \\\n    OTHER=1\n"
+    )
     assert stage == {"USER": "root", "ENV FERRY_DATA_DIR": "/data", "ENV OTHER": "1"}
     problems = checks.check_image_agrees(docs, stage)
     # Then both are reported
@@ -252,14 +332,20 @@ def test_compose_starts_real_entry_points_with_real_settings(compose: dict) -> N
     assert checks.check_compose(compose, missing_commands=PENDING) == []
 
 
-@pytest.mark.parametrize("breakage, expected", [
-    (lambda c: c["services"]["worker"].update(command=["celery", "-A", "config", "wroker"]), "celery refuses"),
-    (lambda c: c["services"]["web"].update(environment={"REDIS_URI": "redis://redis"}), "REDIS_URI is not a setting"),
-    (lambda c: c["services"]["node-b"]["command"].__setitem__(6, "a10g"), "two nodes with different accelerator"),
-    (lambda c: c["services"]["node-a"].pop("cpus"), "declares its CPU budget"),
-    (lambda c: c["services"]["node-a"]["environment"].update(SECRET_KEY="x"), "must not hold SECRET_KEY"),
-    (lambda c: c["services"].pop("beat"), "no beat service"),
-])
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        (lambda c: c["services"]["worker"].update(command=["celery", "-A", "config", "wroker"]), "celery refuses"),
+        (
+            lambda c: c["services"]["web"].update(environment={"REDIS_URI": "redis://redis"}),
+            "REDIS_URI is not a setting",
+        ),
+        (lambda c: c["services"]["node-b"]["command"].__setitem__(6, "a10g"), "two nodes with different accelerator"),
+        (lambda c: c["services"]["node-a"].pop("cpus"), "declares its CPU budget"),
+        (lambda c: c["services"]["node-a"]["environment"].update(SECRET_KEY="x"), "must not hold SECRET_KEY"),
+        (lambda c: c["services"].pop("beat"), "no beat service"),
+    ],
+)
 def test_the_compose_check_catches_a_broken_file(compose: dict, breakage, expected: str) -> None:
     broken = copy.deepcopy(compose)
     breakage(broken)

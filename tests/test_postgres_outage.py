@@ -64,8 +64,11 @@ class Postgres:
             shutil.chown(self.dir, "postgres", "postgres")
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
         self.start()
-        subprocess.run([str(PG_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "ferry"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(PG_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "ferry"],
+            check=True,
+            capture_output=True,
+        )
 
     @property
     def url(self) -> str:
@@ -75,8 +78,19 @@ class Postgres:
         subprocess.run([*self.prefix, str(PG_BIN / tool), *args], check=True, capture_output=True, cwd=self.dir)
 
     def start(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-w", "-t", "60", "-o",
-                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.dir / "log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        )
 
     def stop(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
@@ -99,15 +113,27 @@ def postgres() -> Iterator[Postgres]:
 
 
 def env_for(postgres: Postgres, home: Path) -> dict[str, str]:
-    return {**_env(REDIS_URL, home), "DATABASE_URL": postgres.url, "DATABASE_CONN_MAX_AGE": "60",
-            "FERRY_ARTIFACT_ROOT": str(home.parent / "store"), "FERRY_QUOTAS": "true", "FERRY_NODE_TOKEN": TOKEN}
+    return {
+        **_env(REDIS_URL, home),
+        "DATABASE_URL": postgres.url,
+        "DATABASE_CONN_MAX_AGE": "60",
+        "FERRY_ARTIFACT_ROOT": str(home.parent / "store"),
+        "FERRY_QUOTAS": "true",
+        "FERRY_NODE_TOKEN": TOKEN,
+    }
 
 
 def manage(postgres: Postgres, tmp_path: Path, *args: str, extra: dict[str, str] | None = None) -> str:
     home = tmp_path / "setup"
     home.mkdir(exist_ok=True)
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**env_for(postgres, home),
-                          **(extra or {})}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={**env_for(postgres, home), **(extra or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -117,8 +143,13 @@ def spawn(name: str, args: list[str], postgres: Postgres, tmp_path: Path, port: 
     home.mkdir(exist_ok=True)
     log_path = tmp_path / f"{name}.log"
     with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", *args], cwd=ROOT, env=env_for(postgres, home),
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=env_for(postgres, home),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(name, proc, log_path, port)
 
 
@@ -138,16 +169,22 @@ SESSION = {"Cookie": "sessionid=abcdefghijklmnopqrstuvwxyz012345"}  # any sessio
 
 
 def test_inference_survives_postgres_stopped_and_the_control_plane_recovers(
-    redis_db, postgres, model_files, tmp_path,  # noqa: ANN001, F811
+    redis_db,  # noqa: F811 (a fixture)
+    postgres,
+    model_files,
+    tmp_path,
 ) -> None:
     # given a deployment on its own PostgreSQL: migrated, a model registered, an API key and an engineer
     manage(postgres, tmp_path, "migrate", "--noinput")
     out = manage(postgres, tmp_path, "shell", "-c", SETUP, extra={"DIGITS": str(model_files.digits)})
     key = next(line.split()[1] for line in out.splitlines() if line.startswith("KEY "))
     port = free_port()
-    procs = [spawn("web", ["serve", "--host", "127.0.0.1", "--port", str(port)], postgres, tmp_path, port),
-             spawn("node-a", ["runnode", "--name", "node-a", "--accelerator", "a10g", "--memory", "4GiB"],
-                   postgres, tmp_path)]
+    procs = [
+        spawn("web", ["serve", "--host", "127.0.0.1", "--port", str(port)], postgres, tmp_path, port),
+        spawn(
+            "node-a", ["runnode", "--name", "node-a", "--accelerator", "a10g", "--memory", "4GiB"], postgres, tmp_path
+        ),
+    ]
     web, _node = procs
     try:
         wait_for("the node ready", lambda: ready_on(redis_db, "node-a", "digits:1"), procs)
@@ -169,9 +206,12 @@ def test_inference_survives_postgres_stopped_and_the_control_plane_recovers(
         assert set(statuses) == {200}, statuses
         # and the control plane answers a clear 503 JSON with Retry-After: DRF (HTTP Basic), a Django view
         # (the console, reading a session), and the upload door (credentials checked before the body)
-        for method, path, headers in (("GET", "/api/models/", BASIC), ("GET", "/api/models/", SESSION),
-                                      ("GET", "/console/models/", SESSION),
-                                      ("POST", "/api/models/digits/versions/", BASIC)):
+        for method, path, headers in (
+            ("GET", "/api/models/", BASIC),
+            ("GET", "/api/models/", SESSION),
+            ("GET", "/console/models/", SESSION),
+            ("POST", "/api/models/digits/versions/", BASIC),
+        ):
             status, head, body = control(web, method, path, headers)
             assert status == 503, (method, path, status, body[:300])
             assert head.get("content-type", "").startswith("application/json"), head

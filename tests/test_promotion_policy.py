@@ -29,9 +29,14 @@ from tests.test_rollouts import LIMITS
 def people(db):  # noqa: ANN001, ANN201
     acme, other = tenant("acme"), tenant("other")
     users = {}
-    for name, t, role in [("eng", acme, Role.ENGINEER), ("approver", acme, Role.APPROVER),
-                          ("approver2", acme, Role.APPROVER), ("admin", acme, Role.ADMIN),
-                          ("viewer", acme, Role.VIEWER), ("outsider", other, Role.ADMIN)]:
+    for name, t, role in [
+        ("eng", acme, Role.ENGINEER),
+        ("approver", acme, Role.APPROVER),
+        ("approver2", acme, Role.APPROVER),
+        ("admin", acme, Role.ADMIN),
+        ("viewer", acme, Role.VIEWER),
+        ("outsider", other, Role.ADMIN),
+    ]:
         users[name] = User.objects.create_user(name, f"{name}@example.org")
         Membership.objects.create(user=users[name], tenant=t, role=role)
     users["staff"] = User.objects.create_user("staff", "staff@example.org", is_staff=True)
@@ -63,8 +68,9 @@ def promote_api(user: User, version: int = 2, **body: object):  # noqa: ANN201
 
 def test_cancelling_an_approved_rollout_then_promoting_directly_changes_nothing(people, model) -> None:  # noqa: ANN001
     # given a rollout of version 2, approved by an approver, then cancelled by the engineer
-    rollout = transitions.start(model=model, candidate=2, actor=people["eng"], steps=[10, 100], shadow_seconds=0,
-                                thresholds=LIMITS)
+    rollout = transitions.start(
+        model=model, candidate=2, actor=people["eng"], steps=[10, 100], shadow_seconds=0, thresholds=LIMITS
+    )
     transitions.approve(rollout=rollout, actor=people["approver"])
     rollout = transitions.cancel(rollout=rollout, actor=people["eng"])
     assert rollout.state == RolloutState.CANCELLED
@@ -82,13 +88,15 @@ def test_cancelling_an_approved_rollout_then_promoting_directly_changes_nothing(
     assert stable() == 1 and not AuditEntry.objects.filter(action="model.promote").exists()
     # then an approver's acceptance does change it
     pending = PromotionRequest.objects.get(state=PromotionState.PENDING)
-    response = client_for(people["approver"]).post(f"/api/promotion-requests/{pending.pk}/approve/",
-                                                   {"note": "checked"}, format="json")
+    response = client_for(people["approver"]).post(
+        f"/api/promotion-requests/{pending.pk}/approve/", {"note": "checked"}, format="json"
+    )
     assert response.status_code == 200, response.content
     assert (response.json()["state"], response.json()["decided_by"]) == ("accepted", "approver")
     assert stable() == 2
-    actions = list(AuditEntry.objects.filter(action__startswith="promotion.").order_by("pk")
-                   .values_list("action", "actor_name"))
+    actions = list(
+        AuditEntry.objects.filter(action__startswith="promotion.").order_by("pk").values_list("action", "actor_name")
+    )
     assert actions == [("promotion.request", "eng"), ("promotion.accept", "approver")]
     assert AuditEntry.objects.get(action="model.promote").actor_name == "approver"
     # and it is decided once
@@ -137,12 +145,22 @@ def test_a_request_is_for_the_stable_version_it_was_filed_against(people, model,
     assert PromotionRequest.objects.get(pk=second.pk).state == PromotionState.PENDING
 
 
-def test_retiring_the_stable_version_does_not_make_the_next_one_stable_unapproved(people, model,  # noqa: ANN001
-                                                                                  model_files) -> None:
+def test_retiring_the_stable_version_does_not_make_the_next_one_stable_unapproved(
+    people,
+    model,  # noqa: ANN001
+    model_files,
+) -> None:
     # given version 3 registered, validating, while the engineer retires stable version 1 and ready 2
     with model_files.digits.open("rb") as f:
-        v3 = register_version(model_name="guarded", artifact_file=f, fmt="torchscript", inputs=DIGITS_IO["inputs"],
-                              outputs=DIGITS_IO["outputs"], validate="none", max_batch_size=2)
+        v3 = register_version(
+            model_name="guarded",
+            artifact_file=f,
+            fmt="torchscript",
+            inputs=DIGITS_IO["inputs"],
+            outputs=DIGITS_IO["outputs"],
+            validate="none",
+            max_batch_size=2,
+        )
     model.versions.get(version=2).retire()
     model.versions.get(version=1).retire()
     assert stable() is None
@@ -159,8 +177,11 @@ def test_retiring_the_stable_version_does_not_make_the_next_one_stable_unapprove
 
 def test_weights_arms_and_pins_to_an_unapproved_version_are_refused(people, model) -> None:  # noqa: ANN001
     pinned = tenant("pinned")
-    for rules in ({"rollout_weights": {1: 0.0, 2: 1.0}}, {"experiment_arms": {1: 0.5, 2: 0.5}},
-                  {"tenant_versions": {pinned.pk: 2}}):
+    for rules in (
+        {"rollout_weights": {1: 0.0, 2: 1.0}},
+        {"experiment_arms": {1: 0.5, 2: 0.5}},
+        {"tenant_versions": {pinned.pk: 2}},
+    ):
         with pytest.raises(RegistrationError) as caught:
             set_routing(model=model, actor=people["eng"], **rules)
         assert caught.value.status == 409 and "not approved" in caught.value.message
@@ -176,8 +197,9 @@ def test_weights_arms_and_pins_to_an_unapproved_version_are_refused(people, mode
 
 def test_a_running_rollout_allows_its_own_step_and_no_more(people, model) -> None:  # noqa: ANN001
     # given a rollout of version 2 in its first step, 10%
-    rollout = transitions.start(model=model, candidate=2, actor=people["eng"], steps=[10, 100], shadow_seconds=0,
-                                thresholds=LIMITS)
+    rollout = transitions.start(
+        model=model, candidate=2, actor=people["eng"], steps=[10, 100], shadow_seconds=0, thresholds=LIMITS
+    )
     model.refresh_from_db()
     assert model.rollout_weights == {"2": 0.1, "1": 0.9}
     # the same share by hand is allowed; more, by weights or by an experiment arm on top, is not
@@ -244,8 +266,12 @@ def test_the_api_scopes_requests_to_the_owning_tenant(people, model) -> None:  #
     assert outsider.get(f"/api/promotion-requests/{pending.pk}/").status_code == 404
     assert client_for(people["staff"]).get(f"/api/promotion-requests/{pending.pk}/").status_code == 200
     schema = client_for(people["viewer"]).get("/api/schema/", {"format": "json"}).json()
-    assert {"/api/promotion-requests/", "/api/promotion-requests/{id}/approve/",
-            "/api/promotion-requests/{id}/reject/", "/api/tenants/{slug}/promotion-policy/"} <= set(schema["paths"])
+    assert {
+        "/api/promotion-requests/",
+        "/api/promotion-requests/{id}/approve/",
+        "/api/promotion-requests/{id}/reject/",
+        "/api/tenants/{slug}/promotion-policy/",
+    } <= set(schema["paths"])
     assert "202" in schema["paths"]["/api/models/{model_name}/versions/{version}/promote/"]["post"]["responses"]
 
 
@@ -272,8 +298,11 @@ def test_only_staff_change_the_policy_audited_and_members_read_it(people, model)
     assert response.status_code == 200 and response.json() == {"promotion_policy": "engineers"}
     assert client_for(people["staff"]).put(url, {"promotion_policy": "anyone"}, format="json").status_code == 400
     entry = AuditEntry.objects.get(action="tenant.promotion_policy")
-    assert (entry.actor_name, entry.before, entry.after) == ("staff", {"promotion_policy": "approval"},
-                                                             {"promotion_policy": "engineers"})
+    assert (entry.actor_name, entry.before, entry.after) == (
+        "staff",
+        {"promotion_policy": "approval"},
+        {"promotion_policy": "engineers"},
+    )
     staff = Client()
     staff.force_login(people["staff"])
     assert "Set policy" in staff.get("/console/tenants/acme/").content.decode()
@@ -288,11 +317,21 @@ def test_staff_changing_the_policy_in_the_admin_is_audited(people) -> None:  # n
     client = Client()
     client.force_login(superuser)
     acme = tenant("acme")
-    form = {"name": acme.name, "slug": acme.slug, "promotion_policy": "engineers", "memberships-TOTAL_FORMS": "0",
-            "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000"}
+    form = {
+        "name": acme.name,
+        "slug": acme.slug,
+        "promotion_policy": "engineers",
+        "memberships-TOTAL_FORMS": "0",
+        "memberships-INITIAL_FORMS": "0",
+        "memberships-MIN_NUM_FORMS": "0",
+        "memberships-MAX_NUM_FORMS": "1000",
+    }
     response = client.post(f"/admin/tenants/tenant/{acme.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]
     assert tenant("acme").promotion_policy == PromotionPolicy.ENGINEERS
     entry = AuditEntry.objects.get(action="tenant.promotion_policy")
-    assert (entry.actor_name, entry.before, entry.after) == ("root", {"promotion_policy": "approval"},
-                                                             {"promotion_policy": "engineers"})
+    assert (entry.actor_name, entry.before, entry.after) == (
+        "root",
+        {"promotion_policy": "approval"},
+        {"promotion_policy": "engineers"},
+    )

@@ -343,9 +343,7 @@ def test_rows_mismatch():
 
 def test_max_rows():
     data = [0.0] * (64 * 9)
-    e = expect_400(
-        "batch of 9 rows exceeds max_batch_size 8", {"inputs": [x_input(shape=[9, 64], data=data)]}
-    )
+    e = expect_400("batch of 9 rows exceeds max_batch_size 8", {"inputs": [x_input(shape=[9, 64], data=data)]})
     assert e.message == "batch of 9 rows exceeds max_batch_size 8"
     assert parse({"inputs": [x_input(shape=[9, 64], data=data)]}, max_rows=9).rows == 9
 
@@ -355,8 +353,11 @@ def test_variable_dims_are_bounded_by_their_declared_maximum():
     spec = [TensorSpec("v", "INT32", (-1, 3), (4, 3))]
     item = {"name": "v", "datatype": "INT32", "shape": [1, 4, 3], "data": list(range(12))}
     assert parse({"inputs": [item]}, spec).inputs["v"].shape == (1, 4, 3)
-    expect_400("dimension 1 is 5, above the signature's maximum 4",
-               {"inputs": [{**item, "shape": [1, 5, 3], "data": list(range(15))}]}, spec)
+    expect_400(
+        "dimension 1 is 5, above the signature's maximum 4",
+        {"inputs": [{**item, "shape": [1, 5, 3], "data": list(range(15))}]},
+        spec,
+    )
     assert TensorSpec("w", "INT32", (-1,)).max_shape == (DEFAULT_MAX_DIM,)
     # and a maximum that contradicts a fixed dim, or is not positive, is refused when declared
     with pytest.raises(ValueError, match="fixed dimensions"):
@@ -662,8 +663,8 @@ def _mutate_tree(rng: random.Random, node, depth: int = 0):
             elif rng.random() < 0.4:
                 node[key] = _mutate_tree(rng, node[key], depth + 1)
         if rng.random() < 0.1:
-            node[rng.choice(["name", "shape", "data", "parameters", "datatype", "binary_data_size"])] = (
-                rng.choice(_JUNK)
+            node[rng.choice(["name", "shape", "data", "parameters", "datatype", "binary_data_size"])] = rng.choice(
+                _JUNK
             )
         return node
     if isinstance(node, list):

@@ -182,8 +182,15 @@ def _register(path, name: str, tenant_id: int | None):  # noqa: ANN001, ANN202
     from serving.actions import register_version
 
     with path.open("rb") as f:
-        return register_version(model_name=name, artifact_file=f, fmt="torchscript", inputs=DIGITS_IO["inputs"],
-                                outputs=DIGITS_IO["outputs"], validate="none", tenant_id=tenant_id)
+        return register_version(
+            model_name=name,
+            artifact_file=f,
+            fmt="torchscript",
+            inputs=DIGITS_IO["inputs"],
+            outputs=DIGITS_IO["outputs"],
+            validate="none",
+            tenant_id=tenant_id,
+        )
 
 
 def test_max_models_and_max_versions_at_registration(db, model_files) -> None:  # noqa: ANN001
@@ -231,10 +238,16 @@ def test_upload_over_max_versions_is_a_json_429_without_retry_after(model_files)
     client.force_login(bob)
     artifact = io.BytesIO(model_files.digits.read_bytes())
     artifact.name = "digits.pt"
-    resp = client.post("/api/models/mine/versions/", {
-        "format": "torchscript", "inputs": json.dumps(DIGITS_IO["inputs"]),
-        "outputs": json.dumps(DIGITS_IO["outputs"]), "artifact": artifact,
-    }, format="multipart")
+    resp = client.post(
+        "/api/models/mine/versions/",
+        {
+            "format": "torchscript",
+            "inputs": json.dumps(DIGITS_IO["inputs"]),
+            "outputs": json.dumps(DIGITS_IO["outputs"]),
+            "artifact": artifact,
+        },
+        format="multipart",
+    )
     assert resp.status_code == 429, resp.content
     assert "max_versions" in resp.json()["error"]
     assert "Retry-After" not in resp
@@ -283,6 +296,7 @@ def test_repository_load_over_accelerator_quota_is_429(transactional_db, model_f
 
 # -- the tenant's priority tier -------------------------------------------------------------------------
 
+
 class RecordingTransport:
     """Answers zeros and records the priority each request was queued at."""
 
@@ -312,8 +326,12 @@ def test_the_gateway_queues_at_the_tenant_tier_or_lower(db, model_files) -> None
     gateway = Gateway(hub, transport)
 
     def body(priority: int) -> bytes:
-        return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}],
-                             "parameters": {"priority": priority}})
+        return orjson.dumps(
+            {
+                "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}],
+                "parameters": {"priority": priority},
+            }
+        )
 
     # a tier-2 tenant: no priority asks for its tier; asking for 1 gets 2; asking for 3 gets 3
     for asked in (0, 1, 3):

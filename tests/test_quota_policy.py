@@ -28,8 +28,14 @@ JAN_31_LATE = calendar.timegm((2026, 1, 31, 23, 59, 0))
 
 
 def limits(**changes: object) -> TenantEntry:
-    base = {"slug": "t", "requests_per_second": 10, "burst": 5, "max_in_flight": 100, "monthly_requests": 1000,
-            "priority": 1}
+    base = {
+        "slug": "t",
+        "requests_per_second": 10,
+        "burst": 5,
+        "max_in_flight": 100,
+        "monthly_requests": 1000,
+        "priority": 1,
+    }
     return TenantEntry(**{**base, **changes})  # type: ignore[arg-type]
 
 
@@ -83,7 +89,11 @@ def test_in_flight_refuses_past_the_limit_and_a_release_frees_a_slot() -> None:
     assert quota.admit(1, wide).admitted and quota.admit(1, wide).admitted
     refused = quota.admit(1, wide)
     assert (refused.admitted, refused.reason, refused.limit, refused.retry_after) == (
-        False, IN_FLIGHT, 2, IN_FLIGHT_RETRY_S)
+        False,
+        IN_FLIGHT,
+        2,
+        IN_FLIGHT_RETRY_S,
+    )
     # a refusal took nothing: still two in flight
     assert quota.in_flight(1) == 2
     quota.release(1)
@@ -152,8 +162,11 @@ def test_scaled_divides_the_rate_burst_and_in_flight_among_gateways() -> None:
 
 def test_headers_follow_the_ratelimit_draft_and_refusals_carry_retry_after() -> None:
     admitted = Decision(True, "", 5, 3, 0.21, 0.0)
-    assert admitted.headers() == [(b"ratelimit-limit", b"5"), (b"ratelimit-remaining", b"3"),
-                                  (b"ratelimit-reset", b"1")]
+    assert admitted.headers() == [
+        (b"ratelimit-limit", b"5"),
+        (b"ratelimit-remaining", b"3"),
+        (b"ratelimit-reset", b"1"),
+    ]
     refused = Decision(False, RATE, 5, -1, 0.5, 0.05)
     assert refused.headers()[-1] == (b"retry-after", b"1")  # never 0: a client would retry at once
     assert (b"ratelimit-remaining", b"0") in refused.headers()
@@ -176,4 +189,3 @@ def test_seed_sets_the_bucket_to_what_the_shared_limiter_left() -> None:
     assert quota.admit(1, limits()).admitted and not quota.admit(1, limits()).admitted
     quota.seed(1, 2.0)  # and one it has
     assert quota.admit(1, limits()).remaining == 1
-

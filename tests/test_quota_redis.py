@@ -24,8 +24,14 @@ _ids = itertools.count(900_000_000 + os.getpid() % 1000 * 1000)
 
 
 def limits(**changes: object) -> TenantEntry:
-    base = {"slug": "t", "requests_per_second": 0.001, "burst": 5, "max_in_flight": 100,
-            "monthly_requests": 1_000_000, "priority": 1}
+    base = {
+        "slug": "t",
+        "requests_per_second": 0.001,
+        "burst": 5,
+        "max_in_flight": 100,
+        "monthly_requests": 1_000_000,
+        "priority": 1,
+    }
     return TenantEntry(**{**base, **changes})  # type: ignore[arg-type]
 
 
@@ -161,9 +167,18 @@ async def test_a_flushed_script_cache_is_reloaded(limiter, tenant_id) -> None:  
     assert (await limiter.admit(tenant_id, limits()))[0].admitted
 
 
-@pytest.mark.parametrize("when", [
-    (1970, 1, 1), (2000, 2, 29), (2024, 12, 31), (2025, 1, 1), (2026, 2, 28), (2028, 2, 29), (2100, 3, 1),
-])
+@pytest.mark.parametrize(
+    "when",
+    [
+        (1970, 1, 1),
+        (2000, 2, 29),
+        (2024, 12, 31),
+        (2025, 1, 1),
+        (2026, 2, 28),
+        (2028, 2, 29),
+        (2100, 3, 1),
+    ],
+)
 async def test_the_script_month_matches_python(when: tuple[int, int, int]) -> None:
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
@@ -272,8 +287,13 @@ async def test_a_debt_is_charged_to_the_bucket_and_the_month(limiter, tenant_id)
 
 async def test_what_the_fallback_admitted_is_charged_when_redis_answers_again(tenant_id) -> None:  # noqa: ANN001
     clock = FakeClock()
-    gate = QuotaGate(shared=RedisQuota.from_url(REDIS_URL, timeout_s=2.0, lease_s=60), gateways=1,
-                     timeout_s=2.0, retry_s=1.0, clock=clock)
+    gate = QuotaGate(
+        shared=RedisQuota.from_url(REDIS_URL, timeout_s=2.0, lease_s=60),
+        gateways=1,
+        timeout_s=2.0,
+        retry_s=1.0,
+        clock=clock,
+    )
     try:
         # given Redis said 4 of a bucket of 5 are left
         first = await gate.admit(tenant_id, limits(burst=5))

@@ -18,20 +18,45 @@ from tests.test_streams_processes import REDIS_URL, clear
 GIB = 1024**3
 
 
-def node(name: str, *, hot: set[str] = frozenset(), assigned: set[str] = frozenset(), accelerator: str = "a10g",
-         budget: int = 24 * GIB) -> NodeInfo:
-    return NodeInfo(name=name, instance=name, host="h", pid=1, device="cpu", accelerator=accelerator,
-                    accelerator_count=1, memory_total=budget, memory_budget=budget, memory_used=0, labels={},
-                    started_at=0.0, heartbeat_at=0.0, serial=1, ready=frozenset(hot), hot=frozenset(hot),
-                    assigned=frozenset(assigned))
+def node(
+    name: str,
+    *,
+    hot: set[str] = frozenset(),
+    assigned: set[str] = frozenset(),
+    accelerator: str = "a10g",
+    budget: int = 24 * GIB,
+) -> NodeInfo:
+    return NodeInfo(
+        name=name,
+        instance=name,
+        host="h",
+        pid=1,
+        device="cpu",
+        accelerator=accelerator,
+        accelerator_count=1,
+        memory_total=budget,
+        memory_budget=budget,
+        memory_used=0,
+        labels={},
+        started_at=0.0,
+        heartbeat_at=0.0,
+        serial=1,
+        ready=frozenset(hot),
+        hot=frozenset(hot),
+        assigned=frozenset(assigned),
+    )
 
 
 def spec(key: str, footprint: int = GIB, **kwargs: object) -> VersionSpec:
     return VersionSpec(key, footprint, **kwargs)  # type: ignore[arg-type]
 
 
-SPECS = {"m:1": spec("m:1"), "m:2": spec("m:2"), "big:1": spec("big:1", 30 * GIB),
-         "h100:1": spec("h100:1", accelerators=frozenset({"h100"}))}
+SPECS = {
+    "m:1": spec("m:1"),
+    "m:2": spec("m:2"),
+    "big:1": spec("big:1", 30 * GIB),
+    "h100:1": spec("h100:1", accelerators=frozenset({"h100"})),
+}
 
 
 def test_desired_two_loads_on_both_nodes() -> None:
@@ -175,10 +200,26 @@ def test_a_node_records_hot_then_warm_then_cold_for_what_is_on_its_disk() -> Non
 
     # given a node holding a:1 on the device, b:1 in host memory, and the artifacts of a, b and c on its disk,
     # and serving d:1 whose artifact it would have to fetch
-    node = NodeInfo(name="n", instance="i", host="h", pid=1, device="cpu", accelerator="a10g",
-                    accelerator_count=1, memory_total=1, memory_budget=1, memory_used=0, labels={}, started_at=0.0,
-                    heartbeat_at=0.0, serial=1, ready=frozenset({"a:1", "b:1", "c:1", "d:1"}),
-                    hot=frozenset({"a:1"}), warm=frozenset({"b:1"}), cached=frozenset({"a:1", "b:1", "c:1"}))
+    node = NodeInfo(
+        name="n",
+        instance="i",
+        host="h",
+        pid=1,
+        device="cpu",
+        accelerator="a10g",
+        accelerator_count=1,
+        memory_total=1,
+        memory_budget=1,
+        memory_used=0,
+        labels={},
+        started_at=0.0,
+        heartbeat_at=0.0,
+        serial=1,
+        ready=frozenset({"a:1", "b:1", "c:1", "d:1"}),
+        hot=frozenset({"a:1"}),
+        warm=frozenset({"b:1"}),
+        cached=frozenset({"a:1", "b:1", "c:1"}),
+    )
     # then each is recorded at its hottest tier, and d:1 (on no disk here) not at all
     assert tiers(node) == {"a:1": "hot", "b:1": "warm", "c:1": "cold"}
     # and the heartbeat carries the cold tier through Redis's hash

@@ -36,8 +36,15 @@ def register_unvalidated(path: Path, name: str, **kwargs: object) -> ModelVersio
     """Register with validation queued for after commit (which never comes inside a test transaction)."""
     io_ = kwargs.pop("io", DIGITS_IO)
     with path.open("rb") as f:
-        return register_version(model_name=name, artifact_file=f, fmt=kwargs.pop("fmt", "torchscript"),
-                                inputs=io_["inputs"], outputs=io_["outputs"], validate="async", **kwargs)
+        return register_version(
+            model_name=name,
+            artifact_file=f,
+            fmt=kwargs.pop("fmt", "torchscript"),
+            inputs=io_["inputs"],
+            outputs=io_["outputs"],
+            validate="async",
+            **kwargs,
+        )
 
 
 # --- good artifacts become READY -----------------------------------------------------------------------
@@ -66,8 +73,7 @@ def test_good_artifact_becomes_ready_with_profile_and_footprint(model_files, att
 
 
 def test_variable_length_model_becomes_ready(model_files) -> None:
-    version = register(model_files.tokens, "tokens", io=TOKENS_IO, max_batch_size=4,
-                       preferred_batch_sizes=[3])
+    version = register(model_files.tokens, "tokens", io=TOKENS_IO, max_batch_size=4, preferred_batch_sizes=[3])
     assert version.state == State.READY, version.failure_reason
     assert {"1", "2", "3", "4"} == set(version.latency_profile)
 
@@ -170,16 +176,28 @@ def test_sha256_is_checked_when_given(model_files, store_root: Path) -> None:
     good = hashlib.sha256(data).hexdigest()
     # when the declared sha256 is wrong
     with pytest.raises(RegistrationError) as caught:
-        register_version(model_name="sha", artifact_file=io.BytesIO(data), fmt="torchscript",
-                         sha256="0" * 64, validate="async", **DIGITS_IO)
+        register_version(
+            model_name="sha",
+            artifact_file=io.BytesIO(data),
+            fmt="torchscript",
+            sha256="0" * 64,
+            validate="async",
+            **DIGITS_IO,
+        )
     # then it is a bad request and nothing is stored
     assert caught.value.status == 400
     assert "sha256 mismatch" in caught.value.message
     assert store_files(store_root) == []
     assert not Model.objects.filter(name="sha").exists()
     # and the right one (in any case) is accepted
-    version = register_version(model_name="sha", artifact_file=io.BytesIO(data), fmt="torchscript",
-                               sha256=good.upper(), validate="async", **DIGITS_IO)
+    version = register_version(
+        model_name="sha",
+        artifact_file=io.BytesIO(data),
+        fmt="torchscript",
+        sha256=good.upper(),
+        validate="async",
+        **DIGITS_IO,
+    )
     assert version.artifact_id == good
 
 
@@ -199,8 +217,9 @@ def test_artifact_over_the_size_limit_is_refused(model_files, settings, store_ro
 
 def test_empty_artifact_is_refused(store_root: Path) -> None:
     with pytest.raises(RegistrationError) as caught:
-        register_version(model_name="empty", artifact_file=io.BytesIO(b""), fmt="torchscript",
-                         validate="async", **DIGITS_IO)
+        register_version(
+            model_name="empty", artifact_file=io.BytesIO(b""), fmt="torchscript", validate="async", **DIGITS_IO
+        )
     assert caught.value.status == 400
     assert store_files(store_root) == []
 
@@ -284,9 +303,7 @@ def test_validation_of_a_tampered_artifact_fails(model_files, store_root: Path) 
 # --- bad names, signatures and batching parameters ------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name", ["", "-lead", ".hidden", "has space", "a/b", "x" * 101, "caf\u00e9", "semi;colon"]
-)
+@pytest.mark.parametrize("name", ["", "-lead", ".hidden", "has space", "a/b", "x" * 101, "caf\u00e9", "semi;colon"])
 def test_bad_model_names_are_refused(model_files, name: str, store_root: Path) -> None:
     with pytest.raises(RegistrationError) as caught:
         register(model_files.digits, name)
@@ -314,8 +331,7 @@ def test_good_model_names_are_accepted(model_files, name: str) -> None:
         ({"max_batch_size": "many"}, "batching"),
     ],
 )
-def test_bad_batching_parameters_are_refused(model_files, batching: dict, message: str,
-                                             store_root: Path) -> None:
+def test_bad_batching_parameters_are_refused(model_files, batching: dict, message: str, store_root: Path) -> None:
     with pytest.raises(RegistrationError) as caught:
         register(model_files.digits, "batching", **batching)
     assert caught.value.status == 400
@@ -343,8 +359,10 @@ def test_field_validation_after_upload_rolls_back_the_model(model_files) -> None
         ([{"name": "input", "datatype": "FP32"}], "missing 'shape'"),
         ([{"name": "input", "datatype": "FP32", "shape": [-2]}], "shape must be a list"),
         (["input"], "tensor spec must be an object"),
-        ([{"name": "x", "datatype": "FP32", "shape": [1]}, {"name": "x", "datatype": "FP32", "shape": [1]}],
-         "duplicate tensor name 'x'"),
+        (
+            [{"name": "x", "datatype": "FP32", "shape": [1]}, {"name": "x", "datatype": "FP32", "shape": [1]}],
+            "duplicate tensor name 'x'",
+        ),
     ],
 )
 def test_bad_signatures_are_refused(model_files, inputs: object, message: str) -> None:

@@ -91,7 +91,10 @@ def start_gateway(name: str, tmp_path: Path) -> Gateway:
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     return Gateway(name, port, proc, log_path)
 
@@ -226,7 +229,8 @@ def test_expired_key_is_refused_by_every_gateway_within_2s(gateways: list[Gatewa
 
 
 def test_revocation_missed_while_a_gateway_reconnects_is_caught_up(
-    gateways: list[Gateway], redis_snapshots: redis.Redis,
+    gateways: list[Gateway],
+    redis_snapshots: redis.Redis,
 ) -> None:
     from tenants.actions import create_key, revoke_key
 

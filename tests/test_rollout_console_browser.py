@@ -49,6 +49,7 @@ def browser(awaiting):  # noqa: ANN001, ANN201
     with sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
+
             def new_page(username: str):  # noqa: ANN202
                 context = chromium.new_context(base_url=awaiting.url)
                 context.set_default_timeout(WAIT_MS)

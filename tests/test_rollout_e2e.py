@@ -138,8 +138,13 @@ def start(people: dict, **body: object) -> dict:
     return response.json()
 
 
-def test_a_second_digits_version_is_shadowed_canaried_approved_and_promoted(server, people, model_files,  # noqa: ANN001
-                                                                            digits_samples, settings) -> None:
+def test_a_second_digits_version_is_shadowed_canaried_approved_and_promoted(
+    server,
+    people,
+    model_files,  # noqa: ANN001
+    digits_samples,
+    settings,
+) -> None:
     settings.FERRY_SHADOW_FLUSH_SECONDS = 1
     # given digits v1 serving and v2 (the same network, as a torch.export program) loaded but taking no traffic
     candidate = add_version(server, model_files.digits_export, "torch_export")
@@ -147,8 +152,17 @@ def test_a_second_digits_version_is_shadowed_canaried_approved_and_promoted(serv
     with Load(server, rows) as load:
         # when an engineer starts a rollout of v2: a short shadow, then two canary steps with short bakes, p99
         # given room for a busy machine
-        doc = start(people, candidate=candidate, steps=[25, 100], shadow_seconds=2, bake_seconds=2,
-                    min_requests=30, min_compared=30, p99_slack_ms=100, step_timeout_seconds=300)
+        doc = start(
+            people,
+            candidate=candidate,
+            steps=[25, 100],
+            shadow_seconds=2,
+            bake_seconds=2,
+            min_requests=30,
+            min_compared=30,
+            p99_slack_ms=100,
+            step_timeout_seconds=300,
+        )
         # and an approver approves while it runs
         approver = client_for(people["approver"])
         response = approver.post(f"/api/rollouts/{doc['id']}/approve/", {"note": "go"}, format="json")
@@ -156,8 +170,11 @@ def test_a_second_digits_version_is_shadowed_canaried_approved_and_promoted(serv
         # then the periodic evaluation takes it through the shadow and both steps to promotion, with no human
         rollout = ended(doc["id"])
     assert rollout.state == RolloutState.PROMOTED, rollout.reason
-    assert [(v["phase"], v["percent"]) for v in rollout.verdicts] == [("shadow", 0.0), ("canary", 25.0),
-                                                                       ("canary", 100.0)]
+    assert [(v["phase"], v["percent"]) for v in rollout.verdicts] == [
+        ("shadow", 0.0),
+        ("canary", 25.0),
+        ("canary", 100.0),
+    ]
     assert all(v["outcome"] == "pass" and v["action"] == "advance" for v in rollout.verdicts)
     model = Model.objects.get(name="digits")
     assert (model.stable_version, model.rollout_weights, model.shadow_version) == (candidate, {}, None)
@@ -170,26 +187,48 @@ def test_a_second_digits_version_is_shadowed_canaried_approved_and_promoted(serv
     # unpinned traffic goes to the promoted version now
     assert infer(server, "digits", digits_request(rows[:1])).headers["x-ferry-model-version"] == str(candidate)
     # and the audit trail shows each step, who did what
-    trail = list(AuditEntry.objects.filter(target__startswith=f"rollout #{rollout.pk} ").order_by("at", "pk")
-                 .values_list("action", "actor_name"))
-    assert trail == [("rollout.start", "eng"), ("rollout.approve", "approver"), ("rollout.step", "system"),
-                     ("rollout.step", "system"), ("rollout.promote", "system")]
+    trail = list(
+        AuditEntry.objects.filter(target__startswith=f"rollout #{rollout.pk} ")
+        .order_by("at", "pk")
+        .values_list("action", "actor_name")
+    )
+    assert trail == [
+        ("rollout.start", "eng"),
+        ("rollout.approve", "approver"),
+        ("rollout.step", "system"),
+        ("rollout.step", "system"),
+        ("rollout.promote", "system"),
+    ]
     assert AuditEntry.objects.filter(action="model.promote", actor_name="system").count() == 1
     # the report reads the same over the API
     report = client_for(people["eng"]).get(f"/api/rollouts/{rollout.pk}/report/").json()
     assert report["rollout"]["state"] == "promoted" and len(report["rollout"]["verdicts"]) == 3
 
 
-def test_wrong_outputs_are_rolled_back_by_the_agreement_gate(server, people, model_files, digits_samples,  # noqa: ANN001
-                                                             tmp_path, settings) -> None:
+def test_wrong_outputs_are_rolled_back_by_the_agreement_gate(
+    server,
+    people,
+    model_files,
+    digits_samples,  # noqa: ANN001
+    tmp_path,
+    settings,
+) -> None:
     settings.FERRY_SHADOW_FLUSH_SECONDS = 1
     # given a candidate that reverses the classes
     candidate = add_version(server, wrapped(model_files, Wrong, tmp_path))
     rows, _ = digits_samples
     with Load(server, rows) as load:
         # when its rollout starts with a shadow phase: live requests are mirrored to it and compared
-        doc = start(people, candidate=candidate, steps=[10, 100], shadow_seconds=2, bake_seconds=2,
-                    min_compared=50, min_agreement=0.95, step_timeout_seconds=300)
+        doc = start(
+            people,
+            candidate=candidate,
+            steps=[10, 100],
+            shadow_seconds=2,
+            bake_seconds=2,
+            min_compared=50,
+            min_agreement=0.95,
+            step_timeout_seconds=300,
+        )
         rollout = ended(doc["id"])
     # then the agreement gate rolled it back before it answered anyone, and says why with the numbers
     assert rollout.state == RolloutState.ROLLED_BACK, rollout.reason
@@ -207,15 +246,29 @@ def test_wrong_outputs_are_rolled_back_by_the_agreement_gate(server, people, mod
     assert entry.actor_name == "system" and "agreement" in entry.after["reason"]
 
 
-def test_a_slower_version_is_rolled_back_by_the_p99_gate(server, people, model_files, digits_samples,  # noqa: ANN001
-                                                         tmp_path) -> None:
+def test_a_slower_version_is_rolled_back_by_the_p99_gate(
+    server,
+    people,
+    model_files,
+    digits_samples,  # noqa: ANN001
+    tmp_path,
+) -> None:
     # given a candidate that answers the same, a hundred-odd milliseconds later
     candidate = add_version(server, wrapped(model_files, Slow, tmp_path))
     rows, _ = digits_samples
     with Load(server, rows) as load:
         # when its canary starts at 50%
-        doc = start(people, candidate=candidate, steps=[50, 100], shadow_seconds=0, bake_seconds=600,
-                    min_requests=20, max_p99_ratio=1.25, p99_slack_ms=30, step_timeout_seconds=300)
+        doc = start(
+            people,
+            candidate=candidate,
+            steps=[50, 100],
+            shadow_seconds=0,
+            bake_seconds=600,
+            min_requests=20,
+            max_p99_ratio=1.25,
+            p99_slack_ms=30,
+            step_timeout_seconds=300,
+        )
         rollout = ended(doc["id"])
     # then the p99 gate rolled it back at the first step, with the numbers
     assert rollout.state == RolloutState.ROLLED_BACK, rollout.reason

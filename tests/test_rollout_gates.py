@@ -19,8 +19,14 @@ from rollout.gates import (
     p99_gate,
 )
 
-LIMITS = Thresholds(max_error_rate_increase=0.01, max_p99_ratio=1.25, p99_slack_ms=5, min_agreement=0.95,
-                    min_requests=100, min_compared=50)
+LIMITS = Thresholds(
+    max_error_rate_increase=0.01,
+    max_p99_ratio=1.25,
+    p99_slack_ms=5,
+    min_agreement=0.95,
+    min_requests=100,
+    min_compared=50,
+)
 BASE = Side(requests=1000, errors=10, p99_ms=20.0)
 
 
@@ -45,10 +51,13 @@ def test_p99_gate_allows_ratio_plus_slack() -> None:
     assert "30.5 ms" in failed.reason and "20.0 ms" in failed.reason
 
 
-@pytest.mark.parametrize("cand, base", [
-    (Side(99, 99, 900.0), BASE),  # a terrible candidate, but too few answers to judge
-    (Side(1000, 0, 10.0), Side(99, 0, 10.0)),  # too few baseline answers
-])
+@pytest.mark.parametrize(
+    "cand, base",
+    [
+        (Side(99, 99, 900.0), BASE),  # a terrible candidate, but too few answers to judge
+        (Side(1000, 0, 10.0), Side(99, 0, 10.0)),  # too few baseline answers
+    ],
+)
 def test_no_verdict_below_the_minimum_sample(cand: Side, base: Side) -> None:
     evidence = Evidence(baseline=base, candidate=cand)
     assert error_rate_gate(evidence, LIMITS).status == NO_DATA
@@ -85,13 +94,23 @@ def test_a_failing_gate_fails_even_while_another_lacks_data() -> None:
     assert verdict.outcome == FAIL and [r.gate for r in verdict.failed] == ["p99"]
     doc = verdict.to_dict()
     assert doc["outcome"] == FAIL and {g["gate"]: g["status"] for g in doc["gates"]} == {
-        "error_rate": PASS, "p99": FAIL, "agreement": NO_DATA}
+        "error_rate": PASS,
+        "p99": FAIL,
+        "agreement": NO_DATA,
+    }
 
 
-@pytest.mark.parametrize("bad", [
-    {"max_error_rate_increase": -0.1}, {"max_p99_ratio": 0.9}, {"p99_slack_ms": -1}, {"min_agreement": 1.5},
-    {"min_requests": 0}, {"min_compared": 0},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_error_rate_increase": -0.1},
+        {"max_p99_ratio": 0.9},
+        {"p99_slack_ms": -1},
+        {"min_agreement": 1.5},
+        {"min_requests": 0},
+        {"min_compared": 0},
+    ],
+)
 def test_thresholds_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError):
         Thresholds(**bad)

@@ -37,8 +37,16 @@ from usage.recorder import UsageRecorder
 LIMITS = Thresholds(min_requests=50, min_compared=20, min_agreement=None, max_p99_ratio=1.25, p99_slack_ms=5)
 
 
-def feed(model: str, version: int, answers: int, *, at: datetime, errors: int = 0, latency: float = 0.010,
-         tenant_id: int | None = None) -> None:
+def feed(
+    model: str,
+    version: int,
+    answers: int,
+    *,
+    at: datetime,
+    errors: int = 0,
+    latency: float = 0.010,
+    tenant_id: int | None = None,
+) -> None:
     """Meter `answers` answers of `model:version` (the first `errors` of them 503) in the minute of `at`."""
     recorder = UsageRecorder(clock=at.timestamp)
     tid = tenant_id if tenant_id is not None else tenant("acme").pk
@@ -52,8 +60,12 @@ def feed(model: str, version: int, answers: int, *, at: datetime, errors: int = 
 def people(db):  # noqa: ANN001, ANN201
     acme, other = tenant("acme"), tenant("other")
     users = {}
-    for name, t, role in [("eng", acme, Role.ENGINEER), ("approver", acme, Role.APPROVER),
-                          ("viewer", acme, Role.VIEWER), ("outsider", other, Role.ADMIN)]:
+    for name, t, role in [
+        ("eng", acme, Role.ENGINEER),
+        ("approver", acme, Role.APPROVER),
+        ("viewer", acme, Role.VIEWER),
+        ("outsider", other, Role.ADMIN),
+    ]:
         users[name] = User.objects.create_user(name, f"{name}@example.org")
         Membership.objects.create(user=users[name], tenant=t, role=role)
     return users
@@ -102,12 +114,15 @@ def test_start_with_shadowing_moves_no_traffic(people, canaried) -> None:  # noq
     assert weights(canaried) == {}
 
 
-@pytest.mark.parametrize("kwargs, status, fragment", [
-    ({"candidate": 1}, 409, "already the stable version"),
-    ({"candidate": 7}, 404, "no version 7"),
-    ({"candidate": 2, "steps": [5, 1, 100]}, 400, "increase"),
-    ({"candidate": 2, "steps": [5, 50]}, 400, "last step must be 100"),
-])
+@pytest.mark.parametrize(
+    "kwargs, status, fragment",
+    [
+        ({"candidate": 1}, 409, "already the stable version"),
+        ({"candidate": 7}, 404, "no version 7"),
+        ({"candidate": 2, "steps": [5, 1, 100]}, 400, "increase"),
+        ({"candidate": 2, "steps": [5, 50]}, 400, "last step must be 100"),
+    ],
+)
 def test_start_refusals(people, canaried, kwargs: dict, status: int, fragment: str) -> None:  # noqa: ANN001
     with pytest.raises(RolloutError) as caught:
         transitions.start(model=canaried, actor=people["eng"], **kwargs)
@@ -156,8 +171,13 @@ def test_steps_advance_after_bake_on_passing_gates_then_await_approval(people, c
     rollout = transitions.evaluate(rollout.pk, now=t3)
     assert rollout.state == RolloutState.AWAITING_APPROVAL
     assert rollout.verdicts[-1]["windows"]["baseline_since"] == rollout.started_at.isoformat()
-    assert actions(rollout) == ["rollout.start", "rollout.step", "rollout.step", "rollout.step",
-                                "rollout.await_approval"]
+    assert actions(rollout) == [
+        "rollout.start",
+        "rollout.step",
+        "rollout.step",
+        "rollout.step",
+        "rollout.await_approval",
+    ]
     # the starter cannot approve alone; an approver can, and that promotes
     with pytest.raises(RolloutError) as caught:
         transitions.approve(rollout=rollout, actor=people["eng"])
@@ -209,8 +229,12 @@ def test_a_phase_without_evidence_times_out_into_a_rollback(people, canaried) ->
 
 def test_shadowing_is_judged_by_agreement(people, canaried, monkeypatch) -> None:  # noqa: ANN001
     # without the shadow comparison installed there is no data: shadowing holds (then times out)
-    rollout = start(canaried, people["eng"], shadow_seconds=60,
-                    thresholds=Thresholds(min_agreement=0.95, min_compared=20, min_requests=50))
+    rollout = start(
+        canaried,
+        people["eng"],
+        shadow_seconds=60,
+        thresholds=Thresholds(min_agreement=0.95, min_compared=20, min_requests=50),
+    )
     t0 = rollout.phase_started_at
     seen = []
 
@@ -406,8 +430,11 @@ def test_api_report_shows_the_gates_now_and_rollback(people, canaried) -> None: 
     feed("canaried", 2, 60, at=rollout.phase_started_at)
     current = eng.get(f"/api/rollouts/{rollout.pk}/report/").json()["current"]
     assert current["outcome"] == "pass"
-    assert {g["gate"]: g["status"] for g in current["gates"]} == {"error_rate": "pass", "p99": "pass",
-                                                                  "agreement": "pass"}
+    assert {g["gate"]: g["status"] for g in current["gates"]} == {
+        "error_rate": "pass",
+        "p99": "pass",
+        "agreement": "pass",
+    }
     response = eng.post(f"/api/rollouts/{rollout.pk}/roll-back/", {"note": "not today"}, format="json")
     assert response.status_code == 200 and response.json()["state"] == "rolled_back"
     assert "not today" in response.json()["reason"] and weights(canaried) == {}
@@ -485,8 +512,10 @@ def test_console_panel_shows_buttons_only_to_those_allowed_and_checks_again(peop
     assert "Start rollout" not in page("viewer")
     eng = Client()
     eng.force_login(people["eng"])
-    response = eng.post("/console/models/canaried/rollouts/", {"candidate": "1", "steps": "50 100",
-                                                               "shadow_seconds": "0", "bake_seconds": "30"})
+    response = eng.post(
+        "/console/models/canaried/rollouts/",
+        {"candidate": "1", "steps": "50 100", "shadow_seconds": "0", "bake_seconds": "30"},
+    )
     assert response.status_code == 302
     latest = Rollout.objects.get(state=RolloutState.CANARY)
     assert (latest.baseline, latest.candidate, latest.steps, latest.bake_seconds) == (2, 1, [50, 100], 30)
@@ -500,16 +529,26 @@ def test_self_approval_is_set_by_staff_in_the_admin_and_audited(people) -> None:
     client = Client()
     client.force_login(staff)
     acme = tenant("acme")
-    form = {"name": acme.name, "slug": acme.slug, "allow_self_approval": "on",
-            "promotion_policy": acme.promotion_policy, "memberships-TOTAL_FORMS": "0",
-            "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000"}
+    form = {
+        "name": acme.name,
+        "slug": acme.slug,
+        "allow_self_approval": "on",
+        "promotion_policy": acme.promotion_policy,
+        "memberships-TOTAL_FORMS": "0",
+        "memberships-INITIAL_FORMS": "0",
+        "memberships-MIN_NUM_FORMS": "0",
+        "memberships-MAX_NUM_FORMS": "1000",
+    }
     response = client.post(f"/admin/tenants/tenant/{acme.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]
     acme.refresh_from_db()
     assert acme.allow_self_approval
     entry = AuditEntry.objects.get(action="tenant.self_approval")
-    assert (entry.actor_name, entry.before, entry.after) == ("staff", {"allow_self_approval": False},
-                                                             {"allow_self_approval": True})
+    assert (entry.actor_name, entry.before, entry.after) == (
+        "staff",
+        {"allow_self_approval": False},
+        {"allow_self_approval": True},
+    )
     assert client_for(people["viewer"]).get("/api/tenants/acme/").json()["allow_self_approval"] is True
 
 

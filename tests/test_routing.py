@@ -36,14 +36,30 @@ ZERO = digits_request(np.zeros((1, 64), np.float32))
 
 
 def entry(version: int, *, state: str = "ready", loaded: bool = True) -> VersionEntry:
-    return VersionEntry(model="m", version=version, state=state, loaded=loaded, artifact_sha256="0" * 64,
-                        format="torchscript", inputs=(), outputs=(), default_timeout_ms=1000, latency_profile={},
-                        batching=BatchingConfig(max_batch_size=1, max_queue_delay=0.0, max_queue_size=1))
+    return VersionEntry(
+        model="m",
+        version=version,
+        state=state,
+        loaded=loaded,
+        artifact_sha256="0" * 64,
+        format="torchscript",
+        inputs=(),
+        outputs=(),
+        default_timeout_ms=1000,
+        latency_profile={},
+        batching=BatchingConfig(max_batch_size=1, max_queue_delay=0.0, max_queue_size=1),
+    )
 
 
 def model(routes: RouteTable, versions: tuple[int, ...] = (1, 2, 3, 4), **states: dict) -> ModelEntry:
-    return ModelEntry(name="m", task="classification", description="", fallback=None,
-                      versions={v: entry(v, **states.get(f"v{v}", {})) for v in versions}, routes=routes)
+    return ModelEntry(
+        name="m",
+        task="classification",
+        description="",
+        fallback=None,
+        versions={v: entry(v, **states.get(f"v{v}", {})) for v in versions},
+        routes=routes,
+    )
 
 
 def split(m: ModelEntry, keys: int, **kwargs: object) -> Counter:
@@ -81,8 +97,13 @@ def test_a_key_sticks_to_its_version_across_requests_and_snapshots() -> None:
     first = model(RouteTable.from_dict(rules))
     chosen = {f"user-{i}": choose_version(first, routing_key=f"user-{i}").version for i in range(500)}
     # when the same keys come again, through a snapshot rebuilt from the same rules (a JSON round trip)
-    again = model(RouteTable.from_dict(snapshot_redis.orjson.loads(snapshot_redis.orjson.dumps(
-        first.routes.to_dict(), option=snapshot_redis.orjson.OPT_NON_STR_KEYS))))
+    again = model(
+        RouteTable.from_dict(
+            snapshot_redis.orjson.loads(
+                snapshot_redis.orjson.dumps(first.routes.to_dict(), option=snapshot_redis.orjson.OPT_NON_STR_KEYS)
+            )
+        )
+    )
     # then every key is routed where it was
     for key, version in chosen.items():
         assert choose_version(first, routing_key=key).version == version
@@ -111,8 +132,12 @@ def test_precedence_is_pinned_then_tenant_then_experiment_then_rollout() -> None
     # then the experiment, for any other tenant
     assert choose_version(m, tenant_id=8, routing_key="k").version == 3
     # then the rollout weights, without an experiment
-    assert choose_version(model(RouteTable(stable=1, weights={2: 1.0}, tenants={7: 4})),
-                          tenant_id=8, routing_key="k").version == 2
+    assert (
+        choose_version(
+            model(RouteTable(stable=1, weights={2: 1.0}, tenants={7: 4})), tenant_id=8, routing_key="k"
+        ).version
+        == 2
+    )
     # and the stable version without any rule
     assert choose_version(model(RouteTable(stable=1)), tenant_id=8, routing_key="k").version == 1
 
@@ -172,15 +197,18 @@ def test_no_ready_stable_version_is_503_and_never_a_newer_one() -> None:
     assert caught.value.status == 503 and "none is stable" in caught.value.message
 
 
-@pytest.mark.parametrize(("rules", "fragment"), [
-    ({"weights": {3: 0.9, 4: 0.2}}, "sum to 1"),
-    ({"weights": {3: 1.1, 4: -0.1}}, "from 0 to 1"),
-    ({"experiment": {3: 0.5}}, "sum to 1"),
-    ({"experiment": {0: 1.0}}, "not a version"),
-    ({"weights": {3: float("nan"), 4: 1.0}}, "from 0 to 1"),
-    ({"stable": 0}, "not a version"),
-    ({"tenants": {1: "two"}}, "tenant id"),
-])
+@pytest.mark.parametrize(
+    ("rules", "fragment"),
+    [
+        ({"weights": {3: 0.9, 4: 0.2}}, "sum to 1"),
+        ({"weights": {3: 1.1, 4: -0.1}}, "from 0 to 1"),
+        ({"experiment": {3: 0.5}}, "sum to 1"),
+        ({"experiment": {0: 1.0}}, "not a version"),
+        ({"weights": {3: float("nan"), 4: 1.0}}, "from 0 to 1"),
+        ({"stable": 0}, "not a version"),
+        ({"tenants": {1: "two"}}, "tenant id"),
+    ],
+)
 def test_invalid_rules_are_refused(rules: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         RouteTable(**rules)
@@ -198,8 +226,15 @@ def test_key_points_are_stable_and_per_model() -> None:
 
 def register_unvalidated(path, name: str) -> ModelVersion:  # noqa: ANN001
     with path.open("rb") as f:
-        return register_version(model_name=name, artifact_file=f, fmt="torchscript", inputs=DIGITS_IO["inputs"],
-                                outputs=DIGITS_IO["outputs"], validate="none", max_batch_size=2)
+        return register_version(
+            model_name=name,
+            artifact_file=f,
+            fmt="torchscript",
+            inputs=DIGITS_IO["inputs"],
+            outputs=DIGITS_IO["outputs"],
+            validate="none",
+            max_batch_size=2,
+        )
 
 
 @pytest.mark.django_db
@@ -257,13 +292,16 @@ def test_only_a_ready_version_can_be_promoted(model_files) -> None:
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize(("rules", "field"), [
-    ({"rollout_weights": {1: 0.5, 3: 0.5}}, "__all__"),  # version 3 does not exist
-    ({"rollout_weights": {1: 0.5, 2: 0.4}}, "rollout_weights"),
-    ({"experiment_arms": {"x": 1.0}}, "experiment_arms"),
-    ({"tenant_versions": {999999: 1}}, "tenant_versions"),
-    ({"tenant_versions": ["not", "a", "map"]}, "tenant_versions"),
-])
+@pytest.mark.parametrize(
+    ("rules", "field"),
+    [
+        ({"rollout_weights": {1: 0.5, 3: 0.5}}, "__all__"),  # version 3 does not exist
+        ({"rollout_weights": {1: 0.5, 2: 0.4}}, "rollout_weights"),
+        ({"experiment_arms": {"x": 1.0}}, "experiment_arms"),
+        ({"tenant_versions": {999999: 1}}, "tenant_versions"),
+        ({"tenant_versions": ["not", "a", "map"]}, "tenant_versions"),
+    ],
+)
 def test_set_routing_validates_and_changes_nothing_when_invalid(model_files, rules: dict, field: str) -> None:
     register(model_files.digits, "routed", max_batch_size=2)
     register(model_files.digits, "routed", max_batch_size=2)
@@ -281,18 +319,24 @@ def test_rules_reach_the_snapshot_and_survive_redis_encoding(model_files) -> Non
     register(model_files.digits, "routed", max_batch_size=2)
     register(model_files.digits, "routed", max_batch_size=2)
     t = tenant("pinned")
-    set_routing(model=Model.objects.get(name="routed"), rollout_weights={1: 0.75, 2: 0.25},
-                experiment_arms={1: 0.5, 2: 0.5}, tenant_versions={t.pk: 2}, actor=None)
+    set_routing(
+        model=Model.objects.get(name="routed"),
+        rollout_weights={1: 0.75, 2: 0.25},
+        experiment_arms={1: 0.5, 2: 0.5},
+        tenant_versions={t.pk: 2},
+        actor=None,
+    )
     snapshot = build_snapshot()
     routes = snapshot.models["routed"].routes
-    assert routes == RouteTable(stable=1, weights={1: 0.75, 2: 0.25}, experiment={1: 0.5, 2: 0.5},
-                                tenants={t.pk: 2})
+    assert routes == RouteTable(stable=1, weights={1: 0.75, 2: 0.25}, experiment={1: 0.5, 2: 0.5}, tenants={t.pk: 2})
     decoded = snapshot_redis.decode(snapshot_redis.encode(snapshot))
     assert decoded == snapshot
     # and the decoded table routes every key as the original does
     for i in range(300):
-        assert (choose_version(decoded.models["routed"], routing_key=str(i)).version
-                == choose_version(snapshot.models["routed"], routing_key=str(i)).version)
+        assert (
+            choose_version(decoded.models["routed"], routing_key=str(i)).version
+            == choose_version(snapshot.models["routed"], routing_key=str(i)).version
+        )
 
 
 @pytest.mark.django_db
@@ -301,8 +345,7 @@ def test_retiring_a_version_drops_it_from_the_rules(model_files) -> None:
     register(model_files.digits, "routed", max_batch_size=2)
     v2 = register(model_files.digits, "routed", max_batch_size=2)
     t = tenant("pinned")
-    set_routing(model=Model.objects.get(name="routed"), rollout_weights={1: 0.9, 2: 0.1},
-                tenant_versions={t.pk: 2})
+    set_routing(model=Model.objects.get(name="routed"), rollout_weights={1: 0.9, 2: 0.1}, tenant_versions={t.pk: 2})
     v2.retire()
     m = Model.objects.get(name="routed")
     assert (m.stable_version, m.rollout_weights, m.tenant_versions) == (1, {}, {})
@@ -334,8 +377,11 @@ def people(db):  # noqa: ANN001, ANN201
 
     acme, other = tenant("acme"), tenant("other")
     clients = {}
-    for name, t, role in [("eng", acme, Role.ENGINEER), ("viewer", acme, Role.VIEWER),
-                          ("outsider", other, Role.ENGINEER)]:
+    for name, t, role in [
+        ("eng", acme, Role.ENGINEER),
+        ("viewer", acme, Role.VIEWER),
+        ("outsider", other, Role.ENGINEER),
+    ]:
         user = User.objects.create_user(name, f"{name}@example.org")
         Membership.objects.create(user=user, tenant=t, role=role)
         clients[name] = client_for(user)
@@ -436,8 +482,7 @@ def test_rollout_weights_over_http(two_versions_server) -> None:  # noqa: ANN001
     server = two_versions_server
     set_routing(model=Model.objects.get(name="routed"), rollout_weights={1: 0.0, 2: 1.0})
     server.refresh()
-    assert {served_version(infer(server, "routed", ZERO, {"X-Ferry-Routing-Key": f"u{i}"}))
-            for i in range(10)} == {"2"}
+    assert {served_version(infer(server, "routed", ZERO, {"X-Ferry-Routing-Key": f"u{i}"})) for i in range(10)} == {"2"}
 
 
 def test_registering_a_version_under_load_causes_no_503_and_no_fallback(  # noqa: ANN001

@@ -47,9 +47,7 @@ def test_assemble_zero_pads_variable_dims_to_the_batch_maximum() -> None:
     # when assembled
     (tokens,) = assemble([r1, r2, r3], [TOKENS])
     # then every row is padded with zeros to length 4
-    np.testing.assert_array_equal(
-        tokens, [[5, 6, 0, 0], [1, 2, 3, 4], [9, 9, 0, 0], [7, 7, 7, 0]]
-    )
+    np.testing.assert_array_equal(tokens, [[5, 6, 0, 0], [1, 2, 3, 4], [9, 9, 0, 0], [7, 7, 7, 0]])
     assert tokens.dtype == np.int64
     # and the requests are untouched
     assert r1["tokens"].shape == (1, 2)
@@ -153,8 +151,12 @@ def test_run_assembles_predicts_and_splits_per_request(model_files, digits_sampl
 def test_padded_token_batch_scores_each_row_as_if_alone(model_files) -> None:
     # given the variable-length tokens model (padding id 0 is masked)
     rt = runtime(model_files.tokens, inputs=(TOKENS,), outputs=(SCORES2,))
-    rows = [np.array([[3, 9, 12]]), np.array([[1, 2, 3, 4, 5, 6, 7]]), np.array([[40]]),
-            np.array([[8, 8, 0, 0]])]  # the last is already padded by its client
+    rows = [
+        np.array([[3, 9, 12]]),
+        np.array([[1, 2, 3, 4, 5, 6, 7]]),
+        np.array([[40]]),
+        np.array([[8, 8, 0, 0]]),
+    ]  # the last is already padded by its client
     requests = [{"tokens": r.astype(np.int64)} for r in rows]
     # when run as one padded batch (longest row: 7)
     together = rt.run(requests)

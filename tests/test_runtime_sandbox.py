@@ -91,8 +91,9 @@ def test_the_isolated_runtime_answers_as_the_inline_one(model_files, isolated_di
 
 @pytest.mark.parametrize("case", ["digits_export", "tokens"])
 def test_the_isolated_runtime_answers_as_the_inline_one_for_export_and_variable_lengths(model_files, case) -> None:  # noqa: ANN001
-    fmt, inputs, outputs = (("torch_export", [X], [SCORES]) if case == "digits_export"
-                            else ("torchscript", [TOKENS], [SCORES2]))
+    fmt, inputs, outputs = (
+        ("torch_export", [X], [SCORES]) if case == "digits_export" else ("torchscript", [TOKENS], [SCORES2])
+    )
     path = getattr(model_files, case)
     rng = np.random.default_rng(3)
     if case == "tokens":  # variable lengths: bucketed and padded in the parent, as inline
@@ -162,7 +163,9 @@ def test_a_child_that_does_not_answer_in_time_is_killed_and_its_batch_fails(tmp_
 
 
 def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
-    model_files, isolated_digits, monkeypatch  # noqa: ANN001
+    model_files,
+    isolated_digits,
+    monkeypatch,  # noqa: ANN001
 ) -> None:
     data_dir = Path(settings.DATA_DIR)
     secret = data_dir / "secret_key"
@@ -171,9 +174,18 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
     store = Path(settings.FERRY_ARTIFACT_ROOT)
     store.mkdir(parents=True, exist_ok=True)
     (Path(settings.BASE_DIR) / "var").mkdir(exist_ok=True)  # embedded mode's default data dir; a fresh clone lacks it
-    paths = [str(data_dir), str(secret), str(database), str(store), str(model_files.tokens),
-             str(model_files.digits), str(Path(settings.BASE_DIR) / "manage.py"), str(Path(settings.BASE_DIR) / "var"),
-             "/etc/shadow", "/root"]
+    paths = [
+        str(data_dir),
+        str(secret),
+        str(database),
+        str(store),
+        str(model_files.tokens),
+        str(model_files.digits),
+        str(Path(settings.BASE_DIR) / "manage.py"),
+        str(Path(settings.BASE_DIR) / "var"),
+        "/etc/shadow",
+        "/root",
+    ]
     for path in paths:  # each is there for this process to open: the probe below can fail
         assert os.path.exists(path), path
     with socket.create_connection(("127.0.0.1", 5432), timeout=5):

@@ -40,16 +40,31 @@ WORKER = "serving.dataplane.runtime_worker"
 def embedded_env(home: Path) -> dict[str, str]:
     """`make run`'s environment: no DATABASE_URL or REDIS_URL (SQLite and the in-memory layer), everything
     under FERRY_DATA_DIR (its secret_key included), plus a node token for the child not to see."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY") and not k.startswith("FERRY_")}
-    return {**env, "FERRY_DATA_DIR": str(home), "FERRY_TORCH_THREADS": "1", "FERRY_NODE_TOKEN": NODE_TOKEN,
-            "FERRY_LOOP_LAG_TARGET_MS": "60000", "FERRY_MAX_LOOP_LAG_MS": "60000",
-            "FERRY_LATENCY_BUDGET_MS": SUITE_LATENCY_BUDGET_MS}  # the FERRY_ variables above are dropped
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY") and not k.startswith("FERRY_")
+    }
+    return {
+        **env,
+        "FERRY_DATA_DIR": str(home),
+        "FERRY_TORCH_THREADS": "1",
+        "FERRY_NODE_TOKEN": NODE_TOKEN,
+        "FERRY_LOOP_LAG_TARGET_MS": "60000",
+        "FERRY_MAX_LOOP_LAG_MS": "60000",
+        "FERRY_LATENCY_BUDGET_MS": SUITE_LATENCY_BUDGET_MS,
+    }  # the FERRY_ variables above are dropped
 
 
 def manage(home: Path, *args: str, extra: dict[str, str] | None = None) -> str:
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**embedded_env(home), **(extra or {})},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={**embedded_env(home), **(extra or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -93,8 +108,13 @@ def embedded(tmp_path: Path, model_files) -> Iterator[tuple[Proc, Path, str]]:  
     port = free_port()
     log_path = tmp_path / "web.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                                cwd=ROOT, env=embedded_env(home), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=embedded_env(home),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     web = Proc("web", proc, log_path, port)
     try:
         yield web, home, key
@@ -127,13 +147,18 @@ def test_embedded_modes_model_runs_in_a_child_that_sees_no_data_dir_and_no_secre
         assert "SECRET_KEY" not in environ and secret not in environ and NODE_TOKEN not in environ
         assert "DATABASE_URL" not in environ and "FERRY_DATA_DIR" not in environ
         # and it does not run as root
-        uid = next(line.split()[1] for line in Path(f"/proc/{child}/status").read_text().splitlines()
-                   if line.startswith("Uid:"))
+        uid = next(
+            line.split()[1]
+            for line in Path(f"/proc/{child}/status").read_text().splitlines()
+            if line.startswith("Uid:")
+        )
         assert os.geteuid() != 0 or uid != "0"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("serving.dataplane.operator_check") is None,
-                    reason="needs the operator check at registration (serving.dataplane.operator_check, H2's part)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("serving.dataplane.operator_check") is None,
+    reason="needs the operator check at registration (serving.dataplane.operator_check, H2's part)",
+)
 @pytest.mark.django_db
 def test_registering_the_model_that_reads_a_file_answers_422_naming_from_file(tmp_path: Path) -> None:
     """Passes once the operator allow-list (H2) checks registrations: the graph calls aten::from_file."""
@@ -146,9 +171,16 @@ def test_registering_the_model_that_reads_a_file_answers_422_naming_from_file(tm
     client.force_login(bob)
     upload = io.BytesIO(path.read_bytes())
     upload.name = "model.pt"
-    response = client.post("/api/models/reads/versions/", {
-        "format": "torchscript", "artifact": upload, "max_batch_size": 2,
-        "inputs": json.dumps(DIGITS_IO["inputs"]), "outputs": json.dumps(DIGITS_IO["outputs"]),
-    }, format="multipart")
+    response = client.post(
+        "/api/models/reads/versions/",
+        {
+            "format": "torchscript",
+            "artifact": upload,
+            "max_batch_size": 2,
+            "inputs": json.dumps(DIGITS_IO["inputs"]),
+            "outputs": json.dumps(DIGITS_IO["outputs"]),
+        },
+        format="multipart",
+    )
     assert response.status_code == 422, response.content
     assert "aten::from_file" in response.json()["error"]

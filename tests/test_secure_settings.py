@@ -14,8 +14,12 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 ROOT = Path(__file__).resolve().parent.parent
-SECURE_ENV = {"FERRY_SECURE_COOKIES": "true", "FERRY_HSTS_SECONDS": "31536000", "FERRY_HSTS_INCLUDE_SUBDOMAINS": "true",
-              "FERRY_PROXY_SSL_HEADER": "X-Forwarded-Proto"}
+SECURE_ENV = {
+    "FERRY_SECURE_COOKIES": "true",
+    "FERRY_HSTS_SECONDS": "31536000",
+    "FERRY_HSTS_INCLUDE_SUBDOMAINS": "true",
+    "FERRY_PROXY_SSL_HEADER": "X-Forwarded-Proto",
+}
 # check --deploy's warnings these settings answer: HSTS (W004), the session and CSRF cookies (W012, W016)
 ANSWERED = ("security.W004", "security.W012", "security.W016")
 
@@ -23,16 +27,24 @@ ANSWERED = ("security.W004", "security.W012", "security.W016")
 def django_in(tmp_path: Path, code: list[str], **env: str) -> subprocess.CompletedProcess:
     """`python <code>` in a fresh interpreter on this project's settings, with `env` over a clean FERRY_ slate."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FERRY_", "DJANGO_"))}
-    environment = {**base, "DJANGO_SETTINGS_MODULE": "config.settings", "FERRY_DATA_DIR": str(tmp_path),
-                   "SECRET_KEY": "x" * 60, **env}
-    return subprocess.run([sys.executable, *code], cwd=ROOT, env=environment, capture_output=True, text=True,
-                          timeout=120)
+    environment = {
+        **base,
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "FERRY_DATA_DIR": str(tmp_path),
+        "SECRET_KEY": "x" * 60,
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, *code], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_environment_sets_them_and_they_are_off_by_default(tmp_path: Path) -> None:
-    script = ("import django; django.setup(); from django.conf import settings as s; print("
-              "s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_SECONDS, s.SECURE_HSTS_INCLUDE_SUBDOMAINS,"
-              " s.SECURE_PROXY_SSL_HEADER)")
+    script = (
+        "import django; django.setup(); from django.conf import settings as s; print("
+        "s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_SECONDS, s.SECURE_HSTS_INCLUDE_SUBDOMAINS,"
+        " s.SECURE_PROXY_SSL_HEADER)"
+    )
     off = django_in(tmp_path, ["-c", script])
     on = django_in(tmp_path, ["-c", script], **SECURE_ENV)
     assert off.stdout.split("\n")[-2] == "False False 0 False None", off.stderr

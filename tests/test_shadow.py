@@ -29,15 +29,30 @@ DIGITS_OUT = (TensorSpec("scores", "FP32", (10,)),)
 
 
 def version(v: int, model: str = "m", *, timeout_ms: int = 1000) -> VersionEntry:
-    return VersionEntry(model=model, version=v, state="ready", loaded=True, artifact_sha256=f"{v:064d}",
-                        format="torchscript", inputs=DIGITS_IN, outputs=DIGITS_OUT, default_timeout_ms=timeout_ms,
-                        latency_profile={}, batching=BatchingConfig(max_batch_size=8, max_queue_delay=0.001,
-                                                                    max_queue_size=64))
+    return VersionEntry(
+        model=model,
+        version=v,
+        state="ready",
+        loaded=True,
+        artifact_sha256=f"{v:064d}",
+        format="torchscript",
+        inputs=DIGITS_IN,
+        outputs=DIGITS_OUT,
+        default_timeout_ms=timeout_ms,
+        latency_profile={},
+        batching=BatchingConfig(max_batch_size=8, max_queue_delay=0.001, max_queue_size=64),
+    )
 
 
 def model(shadow: int | None = 2, fraction: float = 1.0, task: str = "classification") -> ModelEntry:
-    return ModelEntry("m", task, "", None, {1: version(1), 2: version(2)},
-                      routes=RouteTable(stable=1, shadow=shadow, shadow_fraction=fraction if shadow else 0.0))
+    return ModelEntry(
+        "m",
+        task,
+        "",
+        None,
+        {1: version(1), 2: version(2)},
+        routes=RouteTable(stable=1, shadow=shadow, shadow_fraction=fraction if shadow else 0.0),
+    )
 
 
 def dropped(reason: str, v: int = 2) -> float:
@@ -47,12 +62,15 @@ def dropped(reason: str, v: int = 2) -> float:
 # -- the rule --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("rules", "fragment"), [
-    ({"shadow": 0}, "shadow: 0 is not a version"),
-    ({"shadow": 2, "shadow_fraction": 1.5}, "shadow_fraction: must be a number from 0 to 1"),
-    ({"shadow": 2, "shadow_fraction": float("nan")}, "shadow_fraction"),
-    ({"shadow_fraction": 0.5}, "needs a shadow version"),
-])
+@pytest.mark.parametrize(
+    ("rules", "fragment"),
+    [
+        ({"shadow": 0}, "shadow: 0 is not a version"),
+        ({"shadow": 2, "shadow_fraction": 1.5}, "shadow_fraction: must be a number from 0 to 1"),
+        ({"shadow": 2, "shadow_fraction": float("nan")}, "shadow_fraction"),
+        ({"shadow_fraction": 0.5}, "needs a shadow version"),
+    ],
+)
 def test_bad_shadow_rules_are_refused(rules: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         RouteTable(stable=1, **rules)
@@ -107,14 +125,31 @@ def test_outputs_of_other_shapes_cannot_be_compared() -> None:
         shadow_compare.compare("classification", np.zeros((2, 3)), np.zeros((2, 4)))
 
 
-def pair(primary: np.ndarray, shadow: np.ndarray | None, *, status: int = 200, at: float = 6000.0,
-         keep_sample: bool = True) -> Pair:
+def pair(
+    primary: np.ndarray, shadow: np.ndarray | None, *, status: int = 200, at: float = 6000.0, keep_sample: bool = True
+) -> Pair:
     rows = primary.shape[0]
-    item = Mirrored("classification", version(1), version(2), {"input": np.arange(rows * 64, dtype=np.float32)
-                                                               .reshape(rows, 64)}, rows, 100,
-                    {"scores": primary}, 0.002, 0.0, 1.0, at, keep_sample)
-    return Pair(item, None if shadow is None else {"scores": shadow}, status, 0.004, "" if shadow is not None
-                else "model failed on this input")
+    item = Mirrored(
+        "classification",
+        version(1),
+        version(2),
+        {"input": np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)},
+        rows,
+        100,
+        {"scores": primary},
+        0.002,
+        0.0,
+        1.0,
+        at,
+        keep_sample,
+    )
+    return Pair(
+        item,
+        None if shadow is None else {"scores": shadow},
+        status,
+        0.004,
+        "" if shadow is not None else "model failed on this input",
+    )
 
 
 def test_aggregate_sums_a_minute_and_keeps_a_bounded_sample_with_inputs() -> None:
@@ -224,8 +259,16 @@ async def test_stacked_mirrors_share_their_calls_device_seconds_by_rows() -> Non
     mirror = Mirror(transport=_Answering(0.008))  # type: ignore[arg-type]
     eye = np.eye(10, dtype=np.float32)
     for rows, primary_compute in ((1, 0.001), (3, 0.005)):
-        mirror.offer("classification", version(1), version(2), {"input": np.zeros((rows, 64), np.float32)},
-                     rows, 10, {"scores": eye[:rows]}, primary_compute)
+        mirror.offer(
+            "classification",
+            version(1),
+            version(2),
+            {"input": np.zeros((rows, 64), np.float32)},
+            rows,
+            10,
+            {"scores": eye[:rows]},
+            primary_compute,
+        )
     # when they are sent together
     await mirror.send(mirror.take_batch())
     # then each keeps its rows' share of the call, beside its primary's own device seconds
@@ -290,8 +333,9 @@ async def digits_node(model_files):  # noqa: ANN001, ANN201
 
 def digits_body(rows: int) -> bytes:
     data = np.random.default_rng(rows).uniform(0, 16, (rows, 64)).astype(np.float32)
-    return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [rows, 64],
-                                     "data": data.ravel().tolist()}]})
+    return orjson.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [rows, 64], "data": data.ravel().tolist()}]}
+    )
 
 
 def gateway_over(node: Node, mirror: Mirror, routes: ModelEntry) -> Gateway:
@@ -449,8 +493,10 @@ async def test_mirrors_run_in_the_parts_that_fit_before_callers_work_comes_due()
     shadow = node.host(entry("shadow"), Recording("shadow"), {1: 1.0, 2: 30.0}, start=False)
     try:
         # given two one-row mirrors past their window, and a caller's request due 5 s from now
-        mirrored = [asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 1000, SHADOW_PRIORITY))
-                    for _ in range(2)]
+        mirrored = [
+            asyncio.ensure_future(node.infer("shadow:1", rows(1), 1, clock.now + 1000, SHADOW_PRIORITY))
+            for _ in range(2)
+        ]
         await asyncio.sleep(0)
         clock.now += 15
         called = asyncio.ensure_future(node.infer("caller:1", rows(1), 1, clock.now + 100, 1))
@@ -470,8 +516,11 @@ async def test_mirrors_run_in_the_parts_that_fit_before_callers_work_comes_due()
 
 
 def test_a_stacked_mirror_call_computes_within_the_candidates_window() -> None:
-    profiled = replace(version(2), latency_profile={1: 0.0016, 2: 0.0029, 4: 0.0053, 8: 0.0103},
-                       batching=BatchingConfig(max_batch_size=8, max_queue_delay=0.005, max_queue_size=64))
+    profiled = replace(
+        version(2),
+        latency_profile={1: 0.0016, 2: 0.0029, 4: 0.0053, 8: 0.0103},
+        batching=BatchingConfig(max_batch_size=8, max_queue_delay=0.005, max_queue_size=64),
+    )
     assert stack_rows(profiled) == 2
     slow = replace(profiled, latency_profile={1: 0.02, 8: 0.05})
     assert stack_rows(slow) == 1  # even one row is over the window: one at a time

@@ -29,14 +29,21 @@ def report_page(shadow_server, digits_samples, django_user_model) -> Iterator:  
     # given the test tenant's engineer, approver and viewer
     owner = tenant()
     users = {}
-    for name, role in (("shadow-engineer", Role.ENGINEER), ("shadow-approver", Role.APPROVER),
-                       ("shadow-viewer", Role.VIEWER)):
+    for name, role in (
+        ("shadow-engineer", Role.ENGINEER),
+        ("shadow-approver", Role.APPROVER),
+        ("shadow-viewer", Role.VIEWER),
+    ):
         users[name] = django_user_model.objects.create_user(name, password=PASSWORD)
         Membership.objects.create(user=users[name], tenant=owner, role=role)
     # and the engineer's rollout of the permuted version, shadowing (its gates wait for more than this test
     # sends, so the evaluator leaves it be), with 40 live requests mirrored to it
-    transitions.start(model=Model.objects.get(name="shadowed"), candidate=3, actor=users["shadow-engineer"],
-                      thresholds=gates.Thresholds(min_compared=1_000_000))
+    transitions.start(
+        model=Model.objects.get(name="shadowed"),
+        candidate=3,
+        actor=users["shadow-engineer"],
+        thresholds=gates.Thresholds(min_compared=1_000_000),
+    )
     assert Model.objects.get(name="shadowed").shadow_version == 3
     shadow_server.refresh()
     mirror_and_flush(shadow_server, digits_samples[0][:40])

@@ -129,8 +129,11 @@ def test_a_stopped_shadow_mirrors_nothing(shadow_server, digits_samples) -> None
 def people(transactional_db, model_files) -> dict:  # noqa: ANN001
     acme, other = tenant("acme"), tenant("other")
     clients = {}
-    for name, t, role in [("eng", acme, Role.ENGINEER), ("viewer", acme, Role.VIEWER),
-                          ("outsider", other, Role.ENGINEER)]:
+    for name, t, role in [
+        ("eng", acme, Role.ENGINEER),
+        ("viewer", acme, Role.VIEWER),
+        ("outsider", other, Role.ENGINEER),
+    ]:
         user = User.objects.create_user(name, f"{name}@example.org")
         Membership.objects.create(user=user, tenant=t, role=role)
         clients[name] = client_for(user)
@@ -140,15 +143,19 @@ def people(transactional_db, model_files) -> dict:  # noqa: ANN001
 
 
 def test_engineer_sets_the_shadow_by_patch_and_it_is_audited(people) -> None:  # noqa: ANN001
-    response = people["eng"].patch("/api/models/acme-digits/", {"shadow_version": 2, "shadow_fraction": 0.1},
-                                   format="json")
+    response = people["eng"].patch(
+        "/api/models/acme-digits/", {"shadow_version": 2, "shadow_fraction": 0.1}, format="json"
+    )
     assert response.status_code == 200, response.content
     assert (response.json()["shadow_version"], response.json()["shadow_fraction"]) == (2, 0.1)
     entry = AuditEntry.objects.get(action="model.routing", actor__username="eng")
     assert entry.after["shadow_version"] == 2 and entry.before["shadow_version"] is None
     # a version that does not exist, a share out of range, a share without a version: 400 naming the field
-    for body, field in [({"shadow_version": 9}, "shadow_version"), ({"shadow_fraction": 2.0}, "shadow_fraction"),
-                        ({"shadow_version": None, "shadow_fraction": 0.5}, "shadow_fraction")]:
+    for body, field in [
+        ({"shadow_version": 9}, "shadow_version"),
+        ({"shadow_fraction": 2.0}, "shadow_fraction"),
+        ({"shadow_version": None, "shadow_fraction": 0.5}, "shadow_fraction"),
+    ]:
         response = people["eng"].patch("/api/models/acme-digits/", body, format="json")
         assert response.status_code == 400 and field in response.json()["fields"], (body, response.content)
     # a viewer may not; an outsider does not see the model
@@ -169,19 +176,44 @@ def test_route_model_command_sets_and_stops_the_shadow(people) -> None:  # noqa:
 
 
 def stored_minute(candidate: int, agreed: int, compared: int, minute: int) -> dict:
-    return {"model": "acme-digits", "baseline": 1, "candidate": candidate, "minute": minute,
-            "task": "classification", "mirrored": compared, "shadow_errors": 0, "incomparable": 0,
-            "compared": compared, "agreed": agreed, "abs_sum": 0.0, "abs_count": 0, "abs_max": 0.0,
-            "similarity_sum": 0.0, "similarity_min": None, "difference": {"0": agreed, "60": compared - agreed},
-            "confusion": {"3,3": agreed, "3,4": compared - agreed}, "primary_latency": {"40": compared},
-            "shadow_latency": {"50": compared}, "statuses": {}}
+    return {
+        "model": "acme-digits",
+        "baseline": 1,
+        "candidate": candidate,
+        "minute": minute,
+        "task": "classification",
+        "mirrored": compared,
+        "shadow_errors": 0,
+        "incomparable": 0,
+        "compared": compared,
+        "agreed": agreed,
+        "abs_sum": 0.0,
+        "abs_count": 0,
+        "abs_max": 0.0,
+        "similarity_sum": 0.0,
+        "similarity_min": None,
+        "difference": {"0": agreed, "60": compared - agreed},
+        "confusion": {"3,3": agreed, "3,4": compared - agreed},
+        "primary_latency": {"40": compared},
+        "shadow_latency": {"50": compared},
+        "statuses": {},
+    }
 
 
 def test_the_report_api_is_scoped_to_the_owners_engineers(people) -> None:  # noqa: ANN001
     now = int(time.time() // 60)
-    sample_row = {"model": "acme-digits", "baseline": 1, "candidate": 2, "at": time.time(), "summary": "class 3 vs 4",
-                  "difference": 0.9, "inputs": {"input": [1.0] * 64}, "output": "scores", "primary": [0.0] * 10,
-                  "shadow": [1.0] * 10}
+    sample_row = {
+        "model": "acme-digits",
+        "baseline": 1,
+        "candidate": 2,
+        "at": time.time(),
+        "summary": "class 3 vs 4",
+        "difference": 0.9,
+        "inputs": {"input": [1.0] * 64},
+        "output": "scores",
+        "primary": [0.0] * 10,
+        "shadow": [1.0] * 10,
+    }
     assert ingest("b1", [stored_minute(2, 9, 10, now - 2), stored_minute(2, 5, 10, now - 1)], [sample_row]) == 2
     assert ingest("b1", [stored_minute(2, 9, 10, now - 2)], []) == 0  # a retried batch adds nothing
     response = people["eng"].get("/api/models/acme-digits/shadow/?candidate=2")
@@ -219,13 +251,28 @@ def test_old_comparisons_are_pruned(people, settings) -> None:  # noqa: ANN001
     settings.FERRY_SHADOW_RETENTION_DAYS = 30
     now = int(time.time() // 60)
     old = now - 31 * 24 * 60
-    ingest("old", [stored_minute(2, 1, 1, old)], [{"model": "acme-digits", "baseline": 1, "candidate": 2,
-                                                    "at": old * 60.0, "summary": "old", "difference": None,
-                                                    "inputs": None, "output": "scores", "primary": [], "shadow": []}])
+    ingest(
+        "old",
+        [stored_minute(2, 1, 1, old)],
+        [
+            {
+                "model": "acme-digits",
+                "baseline": 1,
+                "candidate": 2,
+                "at": old * 60.0,
+                "summary": "old",
+                "difference": None,
+                "inputs": None,
+                "output": "scores",
+                "primary": [],
+                "shadow": [],
+            }
+        ],
+    )
     ingest("new", [stored_minute(2, 1, 1, now)], [])
     ShadowBatch.objects.filter(batch_id="old").update(recorded_at=datetime(2000, 1, 1, tzinfo=UTC))
     assert prune_shadow() == (1, 1, 1)
-    assert list(ShadowMinute.objects.values_list("minute", flat=True)) == [
-        datetime.fromtimestamp(now * 60, tz=UTC)]
+    assert list(ShadowMinute.objects.values_list("minute", flat=True)) == [datetime.fromtimestamp(now * 60, tz=UTC)]
     assert not ShadowDisagreement.objects.exists() and list(ShadowBatch.objects.values_list("batch_id", flat=True)) == [
-        "new"]
+        "new"
+    ]

@@ -67,8 +67,9 @@ def consumers_of(client: redis.Redis, key: str) -> set[str]:
     stream = request_stream(key)
     if not client.exists(stream):
         return set()
-    return {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-            for c in client.xinfo_consumers(stream, GROUP)}
+    return {
+        c["name"].decode() if isinstance(c["name"], bytes) else c["name"] for c in client.xinfo_consumers(stream, GROUP)
+    }
 
 
 @pytest.fixture
@@ -81,13 +82,15 @@ def shadowed(transactional_db, redis_db, model_files, tmp_path) -> Iterator[tupl
     assert model.stable_version == 1
     set_routing(model=model, shadow_version=2, shadow_fraction=1.0)
     key = mint_key()
-    procs = [start_web(tmp_path, REDIS_URL, FERRY_SHADOW_FLUSH_SECONDS="1"),
-             start_node("node-a", tmp_path, REDIS_URL)]
+    procs = [start_web(tmp_path, REDIS_URL, FERRY_SHADOW_FLUSH_SECONDS="1"), start_node("node-a", tmp_path, REDIS_URL)]
     try:
         with celery_worker(tmp_path, REDIS_URL, DATABASE_CONN_MAX_AGE="0"):
             web, node = procs
-            wait_for("the node ready with digits 1 and 2", lambda: ready_on(redis_db, "node-a", "digits:1")
-                     and ready_on(redis_db, "node-a", "digits:2"), procs)
+            wait_for(
+                "the node ready with digits 1 and 2",
+                lambda: ready_on(redis_db, "node-a", "digits:1") and ready_on(redis_db, "node-a", "digits:2"),
+                procs,
+            )
             wait_for("the web process ready", lambda: web_ready(web), procs)
             yield web, node, key
     finally:
@@ -101,12 +104,14 @@ def test_mirrors_reach_the_candidate_on_a_node_and_are_compared(shadowed, redis_
     # then every caller was answered by the stable version: the shadow neither failed nor served anyone
     assert Counter(results) == Counter({(200, "1"): len(results)}), Counter(results)
     # and the mirrors travelled through the candidate's stream to the node's consumer
-    assert any(name.startswith("node-a") for name in consumers_of(redis_db, "digits:2")), \
-        consumers_of(redis_db, "digits:2")
+    assert any(name.startswith("node-a") for name in consumers_of(redis_db, "digits:2")), consumers_of(
+        redis_db, "digits:2"
+    )
 
     def recorded() -> int:
-        return sum(ShadowMinute.objects.filter(model_name="digits", baseline=1, candidate=2)
-                   .values_list("compared", flat=True))
+        return sum(
+            ShadowMinute.objects.filter(model_name="digits", baseline=1, candidate=2).values_list("compared", flat=True)
+        )
 
     # and the comparisons reached PostgreSQL: flushed by the web process, stored by the worker
     wait_for("the comparisons recorded", lambda: recorded() >= 0.5 * len(results), [web, node], timeout=60)

@@ -55,16 +55,29 @@ def test_only_the_owners_traffic_or_an_opted_in_tenants_may_be_kept() -> None:
     assert not may_keep_sample(owned, None, snapshot_tenants)  # no tenant: nobody vouched for it
     assert not may_keep_sample(owned, 99, snapshot_tenants)  # a tenant the snapshot does not know
     # a platform model has no owning tenant: only opted-in tenants' traffic
-    assert not may_keep_sample(platform, OWNER, snapshot_tenants) and may_keep_sample(platform, SHARING,
-                                                                                       snapshot_tenants)
+    assert not may_keep_sample(platform, OWNER, snapshot_tenants) and may_keep_sample(
+        platform, SHARING, snapshot_tenants
+    )
 
 
 def mirrored_pair(first: int, rows: int, *, keep_sample: bool) -> Pair:
     """A pair whose rows all disagree (the shadow's classes rolled by one), its inputs numbered from `first`."""
     eye = np.eye(10, dtype=np.float32)
     inputs = {"input": np.arange(first * 64, (first + rows) * 64, dtype=np.float32).reshape(rows, 64)}
-    item = Mirrored("classification", version(1), version(2), inputs, rows, 100, {"scores": eye[:rows]}, 0.002,
-                    0.0, 1.0, 6000.0, keep_sample)
+    item = Mirrored(
+        "classification",
+        version(1),
+        version(2),
+        inputs,
+        rows,
+        100,
+        {"scores": eye[:rows]},
+        0.002,
+        0.0,
+        1.0,
+        6000.0,
+        keep_sample,
+    )
     return Pair(item, {"scores": np.roll(eye[:rows], 1, axis=1)}, 200, 0.004)
 
 
@@ -89,10 +102,15 @@ def test_foreign_pairs_count_in_the_aggregates_and_leave_no_sample() -> None:
 def people(transactional_db, model_files) -> dict[str, User]:  # noqa: ANN001
     acme, other = tenant("acme"), tenant("other")
     users = {}
-    for name, t, role in [("viewer", acme, Role.VIEWER), ("eng", acme, Role.ENGINEER),
-                          ("approver", acme, Role.APPROVER), ("admin", acme, Role.ADMIN),
-                          ("outsider", other, Role.VIEWER), ("outside-eng", other, Role.ENGINEER),
-                          ("other-admin", other, Role.ADMIN)]:
+    for name, t, role in [
+        ("viewer", acme, Role.VIEWER),
+        ("eng", acme, Role.ENGINEER),
+        ("approver", acme, Role.APPROVER),
+        ("admin", acme, Role.ADMIN),
+        ("outsider", other, Role.VIEWER),
+        ("outside-eng", other, Role.ENGINEER),
+        ("other-admin", other, Role.ADMIN),
+    ]:
         users[name] = User.objects.create_user(name, f"{name}@example.org")
         Membership.objects.create(user=users[name], tenant=t, role=role)
     users["staff"] = User.objects.create_user("staff", "staff@example.org", is_staff=True)
@@ -101,9 +119,18 @@ def people(transactional_db, model_files) -> dict[str, User]:  # noqa: ANN001
     register(model_files.digits, "acme-private", owner=acme, visibility="private", max_batch_size=4)
     register(model_files.digits, "platform-digits", owner=None, visibility="public", max_batch_size=4)
     now = int(time.time() // 60)
-    sample = {"model": "acme-digits", "baseline": 1, "candidate": 2, "at": time.time(), "summary": "class 3 vs 4",
-              "difference": 0.9, "inputs": {"input": [7.0] * 64}, "output": "scores", "primary": [0.0] * 10,
-              "shadow": [1.0] * 10}
+    sample = {
+        "model": "acme-digits",
+        "baseline": 1,
+        "candidate": 2,
+        "at": time.time(),
+        "summary": "class 3 vs 4",
+        "difference": 0.9,
+        "inputs": {"input": [7.0] * 64},
+        "output": "scores",
+        "primary": [0.0] * 10,
+        "shadow": [1.0] * 10,
+    }
     ingest("scope", [stored_minute(2, 9, 10, now - 1)], [sample])
     return users
 
@@ -137,8 +164,10 @@ def test_a_model_the_caller_does_not_see_is_a_404_and_a_platform_models_report_i
     missing = outsider.get("/api/models/no-such-model/shadow/?candidate=2")
     private = outsider.get("/api/models/acme-private/shadow/?candidate=2")
     assert private.status_code == missing.status_code == 404
-    assert private.json() == {**missing.json(), "error": missing.json()["error"].replace("no-such-model",
-                                                                                          "acme-private")}
+    assert private.json() == {
+        **missing.json(),
+        "error": missing.json()["error"].replace("no-such-model", "acme-private"),
+    }
     assert outsider.get("/console/models/acme-private/shadow/").status_code == 404
     # a platform model has no owning tenant: its report is platform staff's
     for who, status in (("eng", 403), ("admin", 403), ("staff", 200)):
@@ -192,7 +221,9 @@ def test_the_tenants_admin_sets_the_opt_in_in_the_console(people) -> None:  # no
     assert admin.post("/console/tenants/acme/", {"action": "shadow_samples"}).status_code == 302
     assert not Tenant.objects.get(slug="acme").share_shadow_samples
     assert [e.after for e in AuditEntry.objects.filter(action="tenant.shadow_samples").order_by("pk")] == [
-        {"share_shadow_samples": True}, {"share_shadow_samples": False}]
+        {"share_shadow_samples": True},
+        {"share_shadow_samples": False},
+    ]
 
 
 # -- end to end: the requesting tenant travels from the HTTP request to the stored rows -----------------------
@@ -226,9 +257,20 @@ def test_another_tenants_traffic_counts_but_is_kept_only_once_it_opts_in(shadow_
     shadow_server.refresh()
     # when the guest's requests and the owner's are mirrored in one flush
     guests, owners = images[:6], images[6:9]
-    send_and_flush(shadow_server, [(guests[0], guest_key), (owners[0], None), (guests[1], guest_key),
-                                   (guests[2], guest_key), (owners[1], None), (guests[3], guest_key),
-                                   (guests[4], guest_key), (owners[2], None), (guests[5], guest_key)])
+    send_and_flush(
+        shadow_server,
+        [
+            (guests[0], guest_key),
+            (owners[0], None),
+            (guests[1], guest_key),
+            (guests[2], guest_key),
+            (owners[1], None),
+            (guests[3], guest_key),
+            (guests[4], guest_key),
+            (owners[2], None),
+            (guests[5], guest_key),
+        ],
+    )
     # then all nine count in the aggregates, and only the owner's three are kept, with the owner's inputs
     totals = ShadowMinute.objects.filter(model_name="shadowed", candidate=3)
     assert sum(m.mirrored for m in totals) == sum(m.compared for m in totals) == 9

@@ -33,10 +33,14 @@ SMALL = {
     "fallback_share": 0.5,
     "traffic": {"shape": "ramp", "low": 500, "rate": 3000, "start": 10, "length": 10},
     "families": {
-        "big": {"share": 0.5, "accelerator": "gpu", "memory_gb": [4, 8], "base_ms": [5, 10],
-                "per_row_ms": [0.5, 1.0]},
-        "tiny": {"share": 0.5, "accelerator": "cpu", "memory_gb": [0.5, 1], "base_ms": [1, 3],
-                 "per_row_ms": [0.1, 0.3]},
+        "big": {"share": 0.5, "accelerator": "gpu", "memory_gb": [4, 8], "base_ms": [5, 10], "per_row_ms": [0.5, 1.0]},
+        "tiny": {
+            "share": 0.5,
+            "accelerator": "cpu",
+            "memory_gb": [0.5, 1],
+            "base_ms": [1, 3],
+            "per_row_ms": [0.1, 0.3],
+        },
     },
     "fleet": {
         "gpu": {"nodes": 6, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
@@ -72,8 +76,13 @@ def test_the_simulator_drives_the_production_policy_objects():
 
 def test_no_policy_is_copied_into_the_simulator():
     # Given every class and function the policy modules define
-    policy_modules = [serving.policies.batching, serving.policies.admission, serving.policies.autoscale,
-                      serving.policies.placement, rollout.routing]
+    policy_modules = [
+        serving.policies.batching,
+        serving.policies.admission,
+        serving.policies.autoscale,
+        serving.policies.placement,
+        rollout.routing,
+    ]
     policy_names = set()
     for module in policy_modules:
         tree = ast.parse(Path(module.__file__).read_text())
@@ -87,18 +96,26 @@ def test_no_policy_is_copied_into_the_simulator():
 
 def test_the_simulator_imports_no_django():
     code = "import sys, sim.report, sim.engine; print('django' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("policy", ["predictive", "reactive", "static"])
 def test_every_request_is_answered_once(policy):
     # Given one node of each type, far too few for the ramp's top: requests are shed and fall back
-    sc = small(fleet={
-        "gpu": {"nodes": 1, "memory_gb": 40, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
-        "cpu": {"nodes": 1, "memory_gb": 8, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
-    })
+    sc = small(
+        fleet={
+            "gpu": {"nodes": 1, "memory_gb": 40, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
+            "cpu": {"nodes": 1, "memory_gb": 8, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
+        }
+    )
     # When it runs
     r = simulate(sc, policy)
     o = r["outcomes"]
@@ -111,10 +128,12 @@ def test_every_request_is_answered_once(policy):
 
 
 def test_fallback_serves_what_the_primary_refuses():
-    sc = small(fleet={
-        "gpu": {"nodes": 2, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
-        "cpu": {"nodes": 6, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
-    })
+    sc = small(
+        fleet={
+            "gpu": {"nodes": 2, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
+            "cpu": {"nodes": 6, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
+        }
+    )
     r = simulate(sc, "static")
     assert r["outcomes"]["fallback"] > 0
 
@@ -163,8 +182,13 @@ def test_a_lone_request_waits_out_the_whole_batch_window():
     # almost every batch is one request that opened its window and found no company before it closed
     from sim.validate import simulated
 
-    version = {"latency_profile": {1: 0.004, 2: 0.004, 4: 0.004, 8: 0.004}, "max_batch_size": 8,
-               "max_queue_delay_ms": 10.0, "default_timeout_ms": 1000, "max_queue_size": 64}
+    version = {
+        "latency_profile": {1: 0.004, 2: 0.004, 4: 0.004, 8: 0.004},
+        "max_batch_size": 8,
+        "max_queue_delay_ms": 10.0,
+        "default_timeout_ms": 1000,
+        "max_queue_size": 64,
+    }
     # When it is simulated
     r = simulated(version, 20.0, 30.0)
     # Then the median request waits the window and then computes: about 14 ms (the jitter is 5%), not
@@ -211,8 +235,11 @@ def test_report_writes_the_page_and_plots(tmp_path):
     sc = small(duration=15)
     runs = [simulate(sc, p) for p in sc.policies]
     png = scenario_plot(sc.name, sc.title, runs, tmp_path / "sim-small.png")
-    page = render([{"name": sc.name, "title": sc.title, "file": "small.yaml", "scenario": sc, "runs": runs,
-                    "plot": png.name}], None, 1.0)
+    page = render(
+        [{"name": sc.name, "title": sc.title, "file": "small.yaml", "scenario": sc, "runs": runs, "plot": png.name}],
+        None,
+        1.0,
+    )
     assert png.stat().st_size > 10_000
     assert "![small](sim-small.png)" in page
     assert f"{runs[0]['requests']:,}" in page
@@ -222,16 +249,23 @@ def test_report_writes_the_page_and_plots(tmp_path):
 def test_a_season_foresees_the_second_days_rush_where_the_trend_alone_is_late():
     # Given two compressed days of 80 s, each with a rush from 500 to 10,000 requests/s in 5 s at 40 s into
     # it, 20 s cold starts, and the predictive policy's season set to the day (trend-only: the same without)
-    fleet = {"gpu": {"nodes": 20, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 20},
-             "cpu": {"nodes": 20, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 20}}
-    sc = small(duration=160, window=2, fleet=fleet,
-               traffic={"shape": "rush", "low": 500, "rate": 10000, "period": 80, "start": 40, "length": 5},
-               scaling={"cool_down": 5, "timeout": 0.5, "max_queue_size": 256, "season": 80, "season_buckets": 40})
+    fleet = {
+        "gpu": {"nodes": 20, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 20},
+        "cpu": {"nodes": 20, "memory_gb": 4, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 20},
+    }
+    sc = small(
+        duration=160,
+        window=2,
+        fleet=fleet,
+        traffic={"shape": "rush", "low": 500, "rate": 10000, "period": 80, "start": 40, "length": 5},
+        scaling={"cool_down": 5, "timeout": 0.5, "max_queue_size": 256, "season": 80, "season_buckets": 40},
+    )
     runs = {policy: simulate(sc, policy)["timeline"] for policy in ("predictive", "trend-only")}
 
     def failed(rows, day):  # requests shed or timed out on that day
-        return sum((r["shed_share"] + r["expired_share"]) * r["rate"] * 2
-                   for r in rows if day * 80 < r["t"] <= day * 80 + 80)
+        return sum(
+            (r["shed_share"] + r["expired_share"]) * r["rate"] * 2 for r in rows if day * 80 < r["t"] <= day * 80 + 80
+        )
 
     # Then on day 1, before any profile exists, the two are the same run, and nothing foresees the rush
     assert runs["predictive"][:40] == runs["trend-only"][:40]

@@ -122,8 +122,9 @@ async def test_follower_sees_each_publication(transactional_db, model_files, red
                 await asyncio.sleep(0.01)
         assert hub.current == published
         # and an older serial never replaces a newer one, even with other content
-        older = dataclasses.replace(snapshot_redis.decode(snapshot_redis.encode(published)),
-                                    serial=published.serial - 1, models={})
+        older = dataclasses.replace(
+            snapshot_redis.decode(snapshot_redis.encode(published)), serial=published.serial - 1, models={}
+        )
         hub.set(older)
         assert hub.current == published and hub.current.models
         # while a newer one does

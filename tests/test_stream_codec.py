@@ -38,8 +38,15 @@ def test_every_protocol_dtype_round_trips_with_its_shape(datatype: str) -> None:
     assert decoded.inputs["x"].dtype == dtype
     assert decoded.inputs["x"].shape == (2, 4, 3)
     np.testing.assert_array_equal(decoded.inputs["x"], tensor)
-    assert (decoded.id, decoded.reply_to, decoded.deadline, decoded.tenant, decoded.priority, decoded.rows,
-            decoded.outputs) == (7, b"ferry:reply:gw", 1_700_000_000.25, 3, 2, 2, ("scores",))
+    assert (
+        decoded.id,
+        decoded.reply_to,
+        decoded.deadline,
+        decoded.tenant,
+        decoded.priority,
+        decoded.rows,
+        decoded.outputs,
+    ) == (7, b"ferry:reply:gw", 1_700_000_000.25, 3, 2, 2, ("scores",))
 
 
 def test_tensors_travel_as_raw_bytes_not_lists() -> None:
@@ -62,14 +69,17 @@ def test_a_success_reply_keeps_only_the_outputs_asked_for_and_the_compute_share(
     assert set(decode_reply(encode_success(9, outputs, None)).outputs) == {"scores", "hidden"}
 
 
-@pytest.mark.parametrize("error", [
-    Shed("queue full", reason="queue_full", tier=2, retry_after=3.0),
-    Unavailable("not loaded", retry_after=1),
-    DeadlineExceeded("too late"),
-    ModelFailed("negative pixel"),
-    ServingError("rows", status=400),
-    ServingError("bug", status=500),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        Shed("queue full", reason="queue_full", tier=2, retry_after=3.0),
+        Unavailable("not loaded", retry_after=1),
+        DeadlineExceeded("too late"),
+        ModelFailed("negative pixel"),
+        ServingError("rows", status=400),
+        ServingError("bug", status=500),
+    ],
+)
 def test_an_error_reply_comes_back_as_the_same_type_status_and_retry_after(error: ServingError) -> None:
     decoded = decode_reply(encode_error(4, error)).error
     assert type(decoded) is type(error)
@@ -84,18 +94,21 @@ def _tampered(**changes: object) -> bytes:
     return msgpack.packb(doc)
 
 
-@pytest.mark.parametrize("raw", [
-    _tampered(inputs=[["input", "<f4", [2, 64], b"\0" * 10]]),  # bytes do not fill the shape
-    _tampered(inputs=[["input", "|O", [2, 64], b"\0" * 512]]),  # object dtype: never
-    _tampered(inputs=[["input", "<f4", [2, -64], b""]]),
-    _tampered(inputs=[["input", "<f4", "2x64", b""]]),
-    _tampered(inputs=[["a", "<f4", [1], b"\0" * 4], ["a", "<f4", [1], b"\0" * 4]]),
-    _tampered(inputs=[]),
-    _tampered(deadline="soon"),
-    _tampered(rows=0),
-    _tampered(priority=True),
-    _tampered(outputs="scores"),
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _tampered(inputs=[["input", "<f4", [2, 64], b"\0" * 10]]),  # bytes do not fill the shape
+        _tampered(inputs=[["input", "|O", [2, 64], b"\0" * 512]]),  # object dtype: never
+        _tampered(inputs=[["input", "<f4", [2, -64], b""]]),
+        _tampered(inputs=[["input", "<f4", "2x64", b""]]),
+        _tampered(inputs=[["a", "<f4", [1], b"\0" * 4], ["a", "<f4", [1], b"\0" * 4]]),
+        _tampered(inputs=[]),
+        _tampered(deadline="soon"),
+        _tampered(rows=0),
+        _tampered(priority=True),
+        _tampered(outputs="scores"),
+    ],
+)
 def test_a_malformed_request_that_says_where_to_answer_can_be_answered(raw: bytes) -> None:
     with pytest.raises(MalformedMessage) as caught:
         decode_request(raw)
@@ -110,17 +123,32 @@ def test_a_request_missing_a_field_is_malformed() -> None:
     assert caught.value.request_id == 7
 
 
-@pytest.mark.parametrize("raw", [b"", b"\xc1", b"not msgpack at all \xff", msgpack.packb([1, 2]),
-                                 msgpack.packb({"id": "7", "reply": b"r"}), msgpack.packb({"id": 7})])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",
+        b"not msgpack at all \xff",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"id": "7", "reply": b"r"}),
+        msgpack.packb({"id": 7}),
+    ],
+)
 def test_garbage_is_malformed_without_an_address(raw: bytes) -> None:
     with pytest.raises(MalformedMessage) as caught:
         decode_request(raw)
     assert caught.value.reply_to is None
 
 
-@pytest.mark.parametrize("raw", [b"\xc1", msgpack.packb({"id": 1, "status": 200, "message": "ok"}),
-                                 msgpack.packb({"id": 1, "outputs": [["s", "<f4", [3], b"\0"]]}),
-                                 msgpack.packb({"status": 503, "message": "x"})])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",
+        msgpack.packb({"id": 1, "status": 200, "message": "ok"}),
+        msgpack.packb({"id": 1, "outputs": [["s", "<f4", [3], b"\0"]]}),
+        msgpack.packb({"status": 503, "message": "x"}),
+    ],
+)
 def test_a_malformed_reply_is_malformed(raw: bytes) -> None:
     with pytest.raises(MalformedMessage):
         decode_reply(raw)

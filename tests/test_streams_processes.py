@@ -108,20 +108,28 @@ def start(name: str, args: list[str], tmp_path: Path, redis_url: str, port: int 
     data_dir.mkdir(exist_ok=True)
     log_path = tmp_path / f"{name}.log"
     with log_path.open("a") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", *args], cwd=ROOT,
-                                env={**_env(redis_url, data_dir), **extra_env}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env={**_env(redis_url, data_dir), **extra_env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(name, proc, log_path, port)
 
 
 def start_web(tmp_path: Path, redis_url: str, **extra_env: str) -> Proc:
     port = free_port()
-    return start("web", ["serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path, redis_url, port,
-                 **extra_env)
+    return start("web", ["serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path, redis_url, port, **extra_env)
 
 
 def start_node(name: str, tmp_path: Path, redis_url: str) -> Proc:
-    return start(name, ["runnode", "--name", name, "--accelerator", "a10g", "--memory", "24GiB",
-                        "--labels", f"zone={name}"], tmp_path, redis_url)
+    return start(
+        name,
+        ["runnode", "--name", name, "--accelerator", "a10g", "--memory", "24GiB", "--labels", f"zone={name}"],
+        tmp_path,
+        redis_url,
+    )
 
 
 def wait_for(what: str, check, procs: list[Proc], timeout: float = START_TIMEOUT_S) -> None:  # noqa: ANN001
@@ -146,8 +154,9 @@ def node_counts(client: redis.Redis, name: str) -> dict[str, int]:
 def replies_on(client: redis.Redis, reply_to: bytes) -> list:
     """Every reply on the reply stream `reply_to` so far (waits up to a second for one)."""
     answer = client.xread({reply_to: "0-0"}, block=1000, count=1000)
-    return [decode_reply(r) for _, entries in answer for _, f in entries if REPLIES in f
-            for r in unpack_replies(f[REPLIES])]
+    return [
+        decode_reply(r) for _, entries in answer for _, f in entries if REPLIES in f for r in unpack_replies(f[REPLIES])
+    ]
 
 
 def web_ready(web: Proc) -> bool:
@@ -162,13 +171,18 @@ def digits(web: Proc, key: str, timeout_us: int | None = None, http_timeout: flo
 
     import orjson
 
-    body = digits_request(np.zeros((1, 64), np.float32), **({"parameters": {"timeout": timeout_us}}
-                                                              if timeout_us else {}))
+    body = digits_request(
+        np.zeros((1, 64), np.float32), **({"parameters": {"timeout": timeout_us}} if timeout_us else {})
+    )
     started = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=http_timeout)
     try:
-        conn.request("POST", "/v2/models/digits/infer", body=orjson.dumps(body),
-                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        conn.request(
+            "POST",
+            "/v2/models/digits/infer",
+            body=orjson.dumps(body),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         resp = conn.getresponse()
         result = Resp(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
     finally:
@@ -176,8 +190,13 @@ def digits(web: Proc, key: str, timeout_us: int | None = None, http_timeout: flo
     return result, time.monotonic() - started
 
 
-def load(web: Proc, key: str, threads: int, stop: threading.Event, timeout_us: int | None = None,
-         ) -> list[tuple[int, float, float]]:
+def load(
+    web: Proc,
+    key: str,
+    threads: int,
+    stop: threading.Event,
+    timeout_us: int | None = None,
+) -> list[tuple[int, float, float]]:
     """Closed-loop load from `threads` clients until `stop`: (status, seconds, sent at) per request."""
     results: list[tuple[int, float, float]] = []
     lock = threading.Lock()
@@ -226,15 +245,22 @@ def redis_db() -> Iterator[redis.Redis]:
 def cluster(transactional_db, redis_db, model_files, tmp_path) -> Iterator[tuple[Proc, Proc, Proc, str]]:  # noqa: ANN001
     """The web process, node-a, node-b, and an API key (in the snapshot the web process publishes at start)."""
     # The version's default_timeout_ms caps every client deadline: the kill test's clients ask TIMEOUT_US.
-    register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2,
-             default_timeout_ms=TIMEOUT_US // 1000)
+    register(
+        model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2, default_timeout_ms=TIMEOUT_US // 1000
+    )
     key = mint_key()
-    procs = [start_web(tmp_path, REDIS_URL), start_node("node-a", tmp_path, REDIS_URL),
-             start_node("node-b", tmp_path, REDIS_URL)]
+    procs = [
+        start_web(tmp_path, REDIS_URL),
+        start_node("node-a", tmp_path, REDIS_URL),
+        start_node("node-b", tmp_path, REDIS_URL),
+    ]
     try:
         web, a, b = procs
-        wait_for("both nodes ready with digits:1", lambda: ready_on(redis_db, "node-a", "digits:1")
-                 and ready_on(redis_db, "node-b", "digits:1"), procs)
+        wait_for(
+            "both nodes ready with digits:1",
+            lambda: ready_on(redis_db, "node-a", "digits:1") and ready_on(redis_db, "node-b", "digits:1"),
+            procs,
+        )
         wait_for("the web process ready", lambda: web_ready(web), procs)
         yield web, a, b, key
     finally:
@@ -277,8 +303,7 @@ def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:
     reply_to = b"ferry:reply:test-claim"
     redis_db.xadd(reply_to, {b"hello": b"1"})
     stream = request_stream("digits:1")
-    request = StreamRequest(1, reply_to, time.time() + 20, None, 1, 1,
-                            {"input": np.zeros((1, 64), np.float32)}, None)
+    request = StreamRequest(1, reply_to, time.time() + 20, None, 1, 1, {"input": np.zeros((1, 64), np.float32)}, None)
     # (added and read by the ghost in one transaction: no live node can take it first)
     atomic = redis_db.pipeline(transaction=True)
     atomic.xadd(stream, {FIELD: encode_request(request)})
@@ -290,16 +315,34 @@ def test_two_nodes_share_the_load_and_survive_a_kill(cluster, redis_db) -> None:
     while not any(r.error is None and r.id == 1 for r in replies) and time.monotonic() < deadline:
         replies = replies_on(redis_db, reply_to)
     assert any(r.error is None and r.outputs["scores"].shape == (1, 10) for r in replies), replies
-    wait_for("a node to report the claim", lambda: sum(
-        node_counts(redis_db, n).get("claimed", 0) for n in ("node-a", "node-b")) >= 1, [web, node_a, node_b],
-        timeout=5)
-    wait_for("the ghost consumer to be dropped", lambda: all(
-        c["name"] != b"ghost:0" and c["name"] != "ghost:0" for c in redis_db.xinfo_consumers(stream, GROUP)),
-        [web, node_a, node_b], timeout=10)
+    wait_for(
+        "a node to report the claim",
+        lambda: sum(node_counts(redis_db, n).get("claimed", 0) for n in ("node-a", "node-b")) >= 1,
+        [web, node_a, node_b],
+        timeout=5,
+    )
+    wait_for(
+        "the ghost consumer to be dropped",
+        lambda: all(
+            c["name"] != b"ghost:0" and c["name"] != "ghost:0" for c in redis_db.xinfo_consumers(stream, GROUP)
+        ),
+        [web, node_a, node_b],
+        timeout=10,
+    )
 
     # -- when a malformed request arrives, the node answers it 500 and keeps serving
-    bad = msgpack.packb({"id": 2, "reply": reply_to, "deadline": time.time() + 20, "tenant": None, "priority": 1,
-                         "rows": 1, "outputs": None, "inputs": [["input", "<f4", [1, 64], b"short"]]})
+    bad = msgpack.packb(
+        {
+            "id": 2,
+            "reply": reply_to,
+            "deadline": time.time() + 20,
+            "tenant": None,
+            "priority": 1,
+            "rows": 1,
+            "outputs": None,
+            "inputs": [["input", "<f4", [1, 64], b"short"]],
+        }
+    )
     redis_db.xadd(stream, {FIELD: bad})
     deadline = time.monotonic() + 10
     errors = []
@@ -336,8 +379,23 @@ def redis_server(port: int, tmp_path: Path) -> subprocess.Popen:
     """A throwaway redis-server without persistence: a restart comes back empty, the harder case."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed"
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     client = redis.Redis(port=port)
     deadline = time.monotonic() + 10
     while True:
@@ -352,7 +410,9 @@ def redis_server(port: int, tmp_path: Path) -> subprocess.Popen:
 
 
 def test_redis_outage_answers_503_quickly_and_recovers_without_a_restart(
-    transactional_db, model_files, tmp_path,  # noqa: ANN001
+    transactional_db,
+    model_files,
+    tmp_path,  # noqa: ANN001
 ) -> None:
     register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
     key = mint_key()

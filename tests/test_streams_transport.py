@@ -90,8 +90,9 @@ def deadline(seconds: float = LONG) -> float:
 
 
 async def test_a_request_round_trips_with_its_outputs_and_compute_share(served: Served) -> None:
-    outputs = await served.transport.infer(entry("m", max_batch=4), rows(3), 3, deadline(), 1, tenant=7,
-                                           outputs=("scores",))
+    outputs = await served.transport.infer(
+        entry("m", max_batch=4), rows(3), 3, deadline(), 1, tenant=7, outputs=("scores",)
+    )
     assert outputs["scores"].shape == (3, 2) and outputs["scores"].dtype == np.float32
     assert outputs.compute_seconds >= 0.0
     assert served.runtime.calls == [3]
@@ -160,25 +161,36 @@ async def test_a_gateway_without_redis_refuses_at_once() -> None:
 async def test_a_second_node_under_a_live_node_s_name_refuses_to_start(served: Served) -> None:
     # given the node "unit" heartbeating
     beating = asyncio.get_running_loop().create_task(
-        served.process._every(fleet.HEARTBEAT_SECONDS, served.process.heartbeat_once, "heartbeat"))
-    twin = NodeProcess(Node(artifact_path=lambda sha: None, device="cpu"), REDIS_URL,  # type: ignore[arg-type]
-                       Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+        served.process._every(fleet.HEARTBEAT_SECONDS, served.process.heartbeat_once, "heartbeat")
+    )
+    twin = NodeProcess(
+        Node(artifact_path=lambda sha: None, device="cpu"),
+        REDIS_URL,  # type: ignore[arg-type]
+        Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30),
+    )
     try:
         # when another process starts under its name, it waits out a heartbeat's TTL, then refuses
         with pytest.raises(RuntimeError, match="a live node named 'unit' exists"):
             await twin.claim_name()
         # and the live node's heartbeat is its own still
-        assert fleet.NodeInfo.from_hash(served.client.hgetall(fleet.node_key("unit"))).instance == \
-            served.process.instance
+        assert (
+            fleet.NodeInfo.from_hash(served.client.hgetall(fleet.node_key("unit"))).instance == served.process.instance
+        )
     finally:
         beating.cancel()
         await twin.stop(drain_seconds=0)
 
 
-@pytest.mark.parametrize(("text", "size"), [
-    ("24GiB", 24 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("4096", 4096),
-    ("16 gib", 16 * 1024**3),
-])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("24GiB", 24 * 1024**3),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("16 gib", 16 * 1024**3),
+    ],
+)
 def test_runnode_reads_memory_sizes(text: str, size: int) -> None:
     assert parse_bytes(text) == size
 
@@ -205,8 +217,9 @@ async def test_a_cold_version_is_loaded_by_its_first_request_through_its_stream(
     node = Node(artifact_path=lambda sha: model_files.digits, device="cpu", memory_budget=30_000)
     process = NodeProcess(node, REDIS_URL, Facts("packer", "cpu", "cpu", 0, 30_000, 30_000))
     hot, cold = digits("hot"), digits("cold")
-    snapshot = RoutingSnapshot(serial=1, built_at=0.0, models={
-        e.model: ModelEntry(e.model, "t", "", None, {1: e}) for e in (hot, cold)})
+    snapshot = RoutingSnapshot(
+        serial=1, built_at=0.0, models={e.model: ModelEntry(e.model, "t", "", None, {1: e}) for e in (hot, cold)}
+    )
     transport = RedisStreamsTransport(REDIS_URL)
     try:
         await process.claim_name()
@@ -235,7 +248,8 @@ def rows_of_digits() -> dict[str, np.ndarray]:
 
 
 async def test_a_node_leaves_a_cold_version_to_a_live_node_holding_it_and_announces_its_loads_at_once(
-    model_files, monkeypatch,  # noqa: ANN001
+    model_files,
+    monkeypatch,  # noqa: ANN001
 ) -> None:
     from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot
     from tests.test_packing_node import digits
@@ -247,8 +261,9 @@ async def test_a_node_leaves_a_cold_version_to_a_live_node_holding_it_and_announ
     node = Node(artifact_path=lambda sha: model_files.digits, device="cpu", memory_budget=30_000)
     process = NodeProcess(node, REDIS_URL, Facts("packer", "cpu", "cpu", 0, 30_000, 30_000))
     hot, cold = digits("hot"), digits("cold")
-    snapshot = RoutingSnapshot(serial=1, built_at=0.0, models={
-        e.model: ModelEntry(e.model, "t", "", None, {1: e}) for e in (hot, cold)})
+    snapshot = RoutingSnapshot(
+        serial=1, built_at=0.0, models={e.model: ModelEntry(e.model, "t", "", None, {1: e}) for e in (hot, cold)}
+    )
     transport = RedisStreamsTransport(REDIS_URL)
 
     def announce(name: str, **held: frozenset[str]) -> None:

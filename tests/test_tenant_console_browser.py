@@ -156,5 +156,3 @@ def test_an_outsider_gets_404_for_another_tenants_model_page(open_as) -> None:  
     # and the models list does not mention it
     olga.goto("/console/models/")
     assert "secret" not in olga.content()
-
-

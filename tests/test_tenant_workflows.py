@@ -72,12 +72,15 @@ def test_a_key_is_shown_once_and_its_creation_and_revocation_are_audited(alice: 
     assert entry.before["revoked_at"] is None and entry.after["revoked_at"] is not None
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"name": "app", "scopes": []}, "scopes"),
-    ({"name": "app", "scopes": ["root"]}, "scopes"),
-    ({"name": "", "scopes": ["infer"]}, "name"),
-    ({"name": "app", "scopes": ["infer"], "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"name": "app", "scopes": []}, "scopes"),
+        ({"name": "app", "scopes": ["root"]}, "scopes"),
+        ({"name": "", "scopes": ["infer"]}, "name"),
+        ({"name": "app", "scopes": ["infer"], "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
+    ],
+)
 def test_bad_key_requests_are_400(alice: APIClient, body: dict, field: str) -> None:
     response = alice.post("/api/tenants/acme/keys/", body, format="json")
     assert response.status_code == 400 and field in response.json().get("fields", {}), response.content
@@ -87,22 +90,30 @@ def test_bad_key_requests_are_400(alice: APIClient, body: dict, field: str) -> N
 def test_roles_are_added_changed_and_removed_with_audit(alice: APIClient, acme: Tenant) -> None:
     User.objects.create_user("bob")
     # when alice adds bob as a viewer, makes him an engineer, then removes him
-    assert alice.post("/api/tenants/acme/members/", {"username": "bob", "role": "viewer"},
-                      format="json").status_code == 201
+    assert (
+        alice.post("/api/tenants/acme/members/", {"username": "bob", "role": "viewer"}, format="json").status_code
+        == 201
+    )
     changed = alice.patch("/api/tenants/acme/members/bob/", {"role": "engineer"}, format="json")
     assert changed.status_code == 200 and changed.json() == {"username": "bob", "role": "engineer"}
     assert alice.delete("/api/tenants/acme/members/bob/").status_code == 204
     # then each step is in the audit log with the role before and after
     steps = [(e.action, e.before, e.after) for e in AuditEntry.objects.order_by("pk")]
-    assert steps == [("role.add", None, {"role": "viewer"}),
-                     ("role.change", {"role": "viewer"}, {"role": "engineer"}),
-                     ("role.remove", {"role": "engineer"}, None)]
+    assert steps == [
+        ("role.add", None, {"role": "viewer"}),
+        ("role.change", {"role": "viewer"}, {"role": "engineer"}),
+        ("role.remove", {"role": "engineer"}, None),
+    ]
     assert all(e.target == "member bob" and e.actor_name == "alice" for e in AuditEntry.objects.all())
     # and unknown users and roles are 400s, an existing member 409
-    assert alice.post("/api/tenants/acme/members/", {"username": "ghost", "role": "viewer"},
-                      format="json").status_code == 400
-    assert alice.post("/api/tenants/acme/members/", {"username": "alice", "role": "viewer"},
-                      format="json").status_code == 409
+    assert (
+        alice.post("/api/tenants/acme/members/", {"username": "ghost", "role": "viewer"}, format="json").status_code
+        == 400
+    )
+    assert (
+        alice.post("/api/tenants/acme/members/", {"username": "alice", "role": "viewer"}, format="json").status_code
+        == 409
+    )
     assert alice.patch("/api/tenants/acme/members/alice/", {"role": "owner"}, format="json").status_code == 400
 
 
@@ -115,21 +126,26 @@ def test_a_tenant_keeps_an_admin(alice: APIClient) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_quota_request_approved_by_staff_becomes_the_quota(alice: APIClient, root: APIClient,
-                                                             acme: Tenant) -> None:
+def test_a_quota_request_approved_by_staff_becomes_the_quota(alice: APIClient, root: APIClient, acme: Tenant) -> None:
     before = Quota.objects.get(tenant=acme).limits()
     # when the tenant admin asks for more, with a justification
-    filed = alice.post("/api/tenants/acme/quota-requests/", {
-        "changes": {"requests_per_second": 5000, "priority": 2}, "justification": "launch week",
-    }, format="json")
+    filed = alice.post(
+        "/api/tenants/acme/quota-requests/",
+        {
+            "changes": {"requests_per_second": 5000, "priority": 2},
+            "justification": "launch week",
+        },
+        format="json",
+    )
     assert filed.status_code == 201, filed.content
     request_id = filed.json()["id"]
     assert filed.json()["state"] == "pending"
     # then the tenant admin cannot decide it
     assert alice.post(f"/api/tenants/acme/quota-requests/{request_id}/approve/", {}, format="json").status_code == 403
     # when staff approve it
-    approved = root.post(f"/api/tenants/acme/quota-requests/{request_id}/approve/", {"note": "ok for a week"},
-                         format="json")
+    approved = root.post(
+        f"/api/tenants/acme/quota-requests/{request_id}/approve/", {"note": "ok for a week"}, format="json"
+    )
     assert approved.status_code == 200, approved.content
     assert approved.json()["state"] == "approved" and approved.json()["decided_by"] == "root"
     # then the quota holds the new limits, and the tenant reads them
@@ -146,31 +162,45 @@ def test_a_quota_request_approved_by_staff_becomes_the_quota(alice: APIClient, r
 
 def test_a_rejected_request_leaves_the_quota(alice: APIClient, root: APIClient, acme: Tenant) -> None:
     before = Quota.objects.get(tenant=acme).limits()
-    filed = alice.post("/api/tenants/acme/quota-requests/", {"changes": {"max_models": 500},
-                                                            "justification": "many"}, format="json").json()
-    rejected = root.post(f"/api/tenants/acme/quota-requests/{filed['id']}/reject/", {"note": "too many"},
-                         format="json")
+    filed = alice.post(
+        "/api/tenants/acme/quota-requests/", {"changes": {"max_models": 500}, "justification": "many"}, format="json"
+    ).json()
+    rejected = root.post(f"/api/tenants/acme/quota-requests/{filed['id']}/reject/", {"note": "too many"}, format="json")
     assert rejected.status_code == 200 and rejected.json()["decision_note"] == "too many"
     assert Quota.objects.get(tenant=acme).limits() == before
     entry = only_entry(action="quota.reject")
     assert entry.before == {"state": "pending"} and entry.after == {"state": "rejected", "note": "too many"}
 
 
-@pytest.mark.parametrize("changes", [
-    {}, {"colour": 3}, {"priority": 4}, {"priority": 0}, {"max_models": 0}, {"burst": "10"}, {"burst": 1.5},
-    {"burst": True}, {"monthly_requests": 2**63},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"colour": 3},
+        {"priority": 4},
+        {"priority": 0},
+        {"max_models": 0},
+        {"burst": "10"},
+        {"burst": 1.5},
+        {"burst": True},
+        {"monthly_requests": 2**63},
+    ],
+)
 def test_bad_quota_requests_are_400(alice: APIClient, changes: dict) -> None:
-    response = alice.post("/api/tenants/acme/quota-requests/", {"changes": changes, "justification": "x"},
-                          format="json")
+    response = alice.post(
+        "/api/tenants/acme/quota-requests/", {"changes": changes, "justification": "x"}, format="json"
+    )
     assert response.status_code == 400, response.content
     assert not QuotaRequest.objects.exists()
 
 
 def test_a_quota_request_needs_a_justification(alice: APIClient) -> None:
     for justification in ("", "   "):
-        response = alice.post("/api/tenants/acme/quota-requests/", {"changes": {"burst": 9},
-                                                                   "justification": justification}, format="json")
+        response = alice.post(
+            "/api/tenants/acme/quota-requests/",
+            {"changes": {"burst": 9}, "justification": justification},
+            format="json",
+        )
         assert response.status_code == 400, response.content
 
 
@@ -231,9 +261,15 @@ def test_admin_revocation_is_audited(superuser_client, acme: Tenant) -> None:  #
     from tenants.actions import create_key
 
     key, _ = create_key(tenant=acme, name="app", scopes=["infer"])
-    response = superuser_client.post(f"/admin/tenants/apikey/{key.pk}/change/", {
-        "expires_at_0": "", "expires_at_1": "", "revoked_at_0": "2026-01-02", "revoked_at_1": "03:04:05",
-    })
+    response = superuser_client.post(
+        f"/admin/tenants/apikey/{key.pk}/change/",
+        {
+            "expires_at_0": "",
+            "expires_at_1": "",
+            "revoked_at_0": "2026-01-02",
+            "revoked_at_1": "03:04:05",
+        },
+    )
     assert response.status_code == 302, response.content[:2000]
     entry = only_entry(action="key.revoke")
     assert entry.actor_name == "root-admin" and entry.before["revoked_at"] is None
@@ -243,13 +279,22 @@ def test_admin_revocation_is_audited(superuser_client, acme: Tenant) -> None:  #
 def test_admin_role_change_is_audited(superuser_client, acme: Tenant) -> None:  # noqa: ANN001
     bob = User.objects.create_user("bob")
     membership = Membership.objects.create(user=bob, tenant=acme, role=Role.VIEWER)
-    response = superuser_client.post(f"/admin/tenants/tenant/{acme.pk}/change/", {
-        "name": "Acme", "slug": "acme", "promotion_policy": acme.promotion_policy,
-        "memberships-TOTAL_FORMS": "1", "memberships-INITIAL_FORMS": "1",
-        "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000",
-        "memberships-0-id": str(membership.pk), "memberships-0-tenant": str(acme.pk),
-        "memberships-0-user": str(bob.pk), "memberships-0-role": "engineer",
-    })
+    response = superuser_client.post(
+        f"/admin/tenants/tenant/{acme.pk}/change/",
+        {
+            "name": "Acme",
+            "slug": "acme",
+            "promotion_policy": acme.promotion_policy,
+            "memberships-TOTAL_FORMS": "1",
+            "memberships-INITIAL_FORMS": "1",
+            "memberships-MIN_NUM_FORMS": "0",
+            "memberships-MAX_NUM_FORMS": "1000",
+            "memberships-0-id": str(membership.pk),
+            "memberships-0-tenant": str(acme.pk),
+            "memberships-0-user": str(bob.pk),
+            "memberships-0-role": "engineer",
+        },
+    )
     assert response.status_code == 302, response.content[:2000]
     entry = only_entry(action="role.change")
     assert (entry.target, entry.before, entry.after) == ("member bob", {"role": "viewer"}, {"role": "engineer"})
@@ -258,12 +303,22 @@ def test_admin_role_change_is_audited(superuser_client, acme: Tenant) -> None:  
 def test_admin_visibility_change_is_audited(superuser_client, acme: Tenant) -> None:  # noqa: ANN001
     partner = Tenant.objects.create(slug="partner", name="Partner")
     model = Model.objects.create(name="m", tenant=acme)
-    response = superuser_client.post(f"/admin/serving/model/{model.pk}/change/", {
-        "name": "m", "tenant": str(acme.pk), "visibility": "shared", "shared_with": [str(partner.pk)],
-        "description": "", "task": "classification", "fallback": "",
-        "versions-TOTAL_FORMS": "0", "versions-INITIAL_FORMS": "0",
-        "versions-MIN_NUM_FORMS": "0", "versions-MAX_NUM_FORMS": "1000",
-    })
+    response = superuser_client.post(
+        f"/admin/serving/model/{model.pk}/change/",
+        {
+            "name": "m",
+            "tenant": str(acme.pk),
+            "visibility": "shared",
+            "shared_with": [str(partner.pk)],
+            "description": "",
+            "task": "classification",
+            "fallback": "",
+            "versions-TOTAL_FORMS": "0",
+            "versions-INITIAL_FORMS": "0",
+            "versions-MIN_NUM_FORMS": "0",
+            "versions-MAX_NUM_FORMS": "1000",
+        },
+    )
     assert response.status_code == 302, response.content[:2000]
     entry = only_entry(action="model.visibility")
     assert entry.before == {"visibility": "private", "shared_with": []}
@@ -290,8 +345,11 @@ def test_the_quota_page_shows_use_against_each_limit(alice: APIClient, acme: Ten
 
 
 def test_a_quota_decision_must_be_approve_or_reject(alice: APIClient, root: APIClient, acme: Tenant) -> None:
-    filed = alice.post(f"/api/tenants/{acme.slug}/quota-requests/",
-                       {"changes": {"burst": 5000}, "justification": "launch"}, format="json")
+    filed = alice.post(
+        f"/api/tenants/{acme.slug}/quota-requests/",
+        {"changes": {"burst": 5000}, "justification": "launch"},
+        format="json",
+    )
     assert filed.status_code == 201, filed.content
     pk = filed.json()["id"]
     response = root.post("/console/quota-requests/", {"id": str(pk), "note": "?"})

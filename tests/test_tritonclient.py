@@ -68,8 +68,9 @@ def test_batch_of_rows_and_json_outputs(client, auth, digits_samples) -> None:  
     x, _ = digits_samples
     inp = httpclient.InferInput("input", [5, 64], "FP32")
     inp.set_data_from_numpy(x[:5], binary_data=False)
-    result = client.infer("digits", [inp], outputs=[httpclient.InferRequestedOutput("scores", binary_data=False)],
-                          headers=auth)
+    result = client.infer(
+        "digits", [inp], outputs=[httpclient.InferRequestedOutput("scores", binary_data=False)], headers=auth
+    )
     assert result.as_numpy("scores").shape == (5, 10)
 
 

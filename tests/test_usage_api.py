@@ -27,8 +27,14 @@ def minute_of(at: datetime) -> int:
     return int(at.timestamp() // 60)
 
 
-def put_usage(tenant: Tenant, at: datetime, *answers: tuple[int, int, float, float], model: str = "digits",
-              version: int = 1, batch: str | None = None) -> None:
+def put_usage(
+    tenant: Tenant,
+    at: datetime,
+    *answers: tuple[int, int, float, float],
+    model: str = "digits",
+    version: int = 1,
+    batch: str | None = None,
+) -> None:
     rec = UsageRecorder(lambda: at.timestamp())
     for status, items, compute, latency in answers:
         rec.record(tenant.pk, model, version, status, items, compute, latency)
@@ -41,8 +47,10 @@ def world(db) -> dict:  # noqa: ANN001
     acme = Tenant.objects.create(name="Acme", slug="acme")
     globex = Tenant.objects.create(name="Globex", slug="globex")
     users = {
-        "alice": User.objects.create_user("alice"), "bob": User.objects.create_user("bob"),
-        "charlie": User.objects.create_user("charlie"), "staff": User.objects.create_user("staff", is_staff=True),
+        "alice": User.objects.create_user("alice"),
+        "bob": User.objects.create_user("bob"),
+        "charlie": User.objects.create_user("charlie"),
+        "staff": User.objects.create_user("staff", is_staff=True),
     }
     Membership.objects.create(user=users["alice"], tenant=acme, role=Role.ADMIN)
     Membership.objects.create(user=users["bob"], tenant=acme, role=Role.VIEWER)
@@ -107,10 +115,15 @@ def test_minute_rows_carry_counts_and_percentiles(world) -> None:  # noqa: ANN00
 
 def test_hour_granularity_sums_minutes_and_merges_sketches(world) -> None:  # noqa: ANN001
     now = world["now"]
-    response = client_for(world["users"]["alice"]).get(URL, {
-        "granularity": "hour", "version": "1",
-        "from": (now - timedelta(hours=3)).isoformat(), "to": (now + timedelta(hours=1)).isoformat(),
-    })
+    response = client_for(world["users"]["alice"]).get(
+        URL,
+        {
+            "granularity": "hour",
+            "version": "1",
+            "from": (now - timedelta(hours=3)).isoformat(),
+            "to": (now + timedelta(hours=1)).isoformat(),
+        },
+    )
     rows = response.json()["results"]
     # the two minutes may straddle an hour boundary: sum whatever hours they fell in
     assert sum(r["requests"] for r in rows) == 5
@@ -137,20 +150,23 @@ def test_csv_by_format_parameter_and_by_accept_header(world) -> None:  # noqa: A
     assert bad.status_code == 400 and bad["Content-Type"].startswith("application/json")
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"granularity": "week"}, "granularity"),
-    ({"from": "yesterday"}, "from"),
-    ({"to": "2025-13-40T00:00:00Z"}, "to"),
-    ({"to": ""}, "to"),
-    ({"version": ""}, "version"),
-    ({"from": "2025-01-02T00:00:00Z", "to": "2025-01-01T00:00:00Z"}, "from"),
-    ({"from": "2025-01-01T00:00:00Z", "to": "2025-01-03T00:00:00Z"}, "to"),  # 2 days of minutes
-    ({"granularity": "day", "from": "2025-01-01T00:00:00Z", "to": "2025-06-01T00:00:00Z"}, "to"),
-    ({"version": "0"}, "version"),
-    ({"model": "../etc"}, "model"),
-    ({"tenant": "not a slug"}, "tenant"),
-    ({"limit": "0"}, "limit"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"granularity": "week"}, "granularity"),
+        ({"from": "yesterday"}, "from"),
+        ({"to": "2025-13-40T00:00:00Z"}, "to"),
+        ({"to": ""}, "to"),
+        ({"version": ""}, "version"),
+        ({"from": "2025-01-02T00:00:00Z", "to": "2025-01-01T00:00:00Z"}, "from"),
+        ({"from": "2025-01-01T00:00:00Z", "to": "2025-01-03T00:00:00Z"}, "to"),  # 2 days of minutes
+        ({"granularity": "day", "from": "2025-01-01T00:00:00Z", "to": "2025-06-01T00:00:00Z"}, "to"),
+        ({"version": "0"}, "version"),
+        ({"model": "../etc"}, "model"),
+        ({"tenant": "not a slug"}, "tenant"),
+        ({"limit": "0"}, "limit"),
+    ],
+)
 def test_bad_parameters_are_400_naming_the_field(world, params, field) -> None:  # noqa: ANN001
     response = client_for(world["users"]["alice"]).get(URL, params)
     assert response.status_code == 400, response.content
@@ -160,8 +176,12 @@ def test_bad_parameters_are_400_naming_the_field(world, params, field) -> None: 
 def test_a_retried_batch_does_not_change_what_the_api_reports(world) -> None:  # noqa: ANN001
     alice = client_for(world["users"]["alice"])
     before = alice.get(URL).json()["results"]
-    put_usage(world["acme"], world["now"] - timedelta(minutes=5), (200, 100, 1.0, 1.0),
-              batch=f"acme-digits-1-{(world['now'] - timedelta(minutes=5)).isoformat()}")
+    put_usage(
+        world["acme"],
+        world["now"] - timedelta(minutes=5),
+        (200, 100, 1.0, 1.0),
+        batch=f"acme-digits-1-{(world['now'] - timedelta(minutes=5)).isoformat()}",
+    )
     assert alice.get(URL).json()["results"] == before
 
 
@@ -177,8 +197,12 @@ def infer_until(server, body: bytes, status: int, times: int) -> dict[int, int]:
             return metered
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         try:
-            conn.request("POST", "/v2/models/digits/infer", body=body,
-                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
+            conn.request(
+                "POST",
+                "/v2/models/digits/infer",
+                body=body,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"},
+            )
             response = conn.getresponse()
             text = response.read()
         finally:
@@ -209,8 +233,9 @@ def test_inference_usage_reaches_the_api_in_json_and_csv(digits_server, settings
     user = User.objects.create_user("viewer", password="viewer-password")
     Membership.objects.create(user=user, tenant=tenant(), role=Role.VIEWER)
     # when the key's tenant sends 5 requests of 3 rows and 2 malformed ones to digits
-    three_rows = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 64],
-                                           "data": [1.0] * 192}]})
+    three_rows = orjson.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 64], "data": [1.0] * 192}]}
+    )
     bad = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 63], "data": [1.0] * 63}]})
     sent = infer_until(digits_server, three_rows, 200, 5)
     for status, count in infer_until(digits_server, bad, 400, 2).items():
@@ -228,8 +253,9 @@ def test_inference_usage_reaches_the_api_in_json_and_csv(digits_server, settings
     assert sum(r["compute_seconds"] for r in rows) > 0
     assert all(r["version"] == 1 and r["p99_ms"] > 0 for r in rows)
     # and the same as CSV
-    status, ctype, body = get(digits_server, f"{URL}?tenant=test&model=digits", "viewer", "viewer-password",
-                              accept="text/csv")
+    status, ctype, body = get(
+        digits_server, f"{URL}?tenant=test&model=digits", "viewer", "viewer-password", accept="text/csv"
+    )
     assert status == 200 and ctype.startswith("text/csv")
     table = list(csv.DictReader(io.StringIO(body.decode())))
     assert sum(int(r["requests"]) for r in table) == sum(sent.values()) and sum(int(r["items"]) for r in table) == 15

@@ -28,8 +28,12 @@ def served(server, token: str, count: int) -> int:  # noqa: ANN001
             return metered
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         try:
-            conn.request("POST", "/v2/models/digits/infer", body=body,
-                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+            conn.request(
+                "POST",
+                "/v2/models/digits/infer",
+                body=body,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+            )
             response = conn.getresponse()
             text = response.read()
         finally:
@@ -80,7 +84,8 @@ def test_usage_page_draws_the_demo_tenants_chart(demo_page) -> None:  # noqa: AN
     expect(page).to_have_url(re.compile(r"/console/usage/$"))
     # then the page is the demo tenant's, and no other tenant is offered
     expect(page.locator("h2.usage-tenant")).to_have_text(
-        re.compile(rf"^Demo: {page.demo_requests} requests, \d+ errors$"))
+        re.compile(rf"^Demo: {page.demo_requests} requests, \d+ errors$")
+    )
     expect(page.locator('select[name="tenant"] option')).to_have_count(1)
     # and the inline SVG chart has a bar per minute of the hour, one of them with height, and a p99 line
     chart = page.locator("svg.usage-chart")

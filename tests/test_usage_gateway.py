@@ -41,18 +41,25 @@ class Transport:
 
 
 def body(n: int, width: int = 4) -> bytes:
-    return orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [n, width],
-                                     "data": [0.0] * (n * width)}]})
+    return orjson.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [n, width], "data": [0.0] * (n * width)}]}
+    )
 
 
 @pytest.fixture
 def metered() -> tuple[Gateway, UsageRecorder]:
     clock = Clock()
     hub = SnapshotHub()
-    hub.set(RoutingSnapshot(serial=1, built_at=0.0, models={
-        "big": ModelEntry("big", "", "", "small", {1: entry("big")}, routes=RouteTable(stable=1)),
-        "small": ModelEntry("small", "", "", None, {1: entry("small")}, routes=RouteTable(stable=1)),
-    }))
+    hub.set(
+        RoutingSnapshot(
+            serial=1,
+            built_at=0.0,
+            models={
+                "big": ModelEntry("big", "", "", "small", {1: entry("big")}, routes=RouteTable(stable=1)),
+                "small": ModelEntry("small", "", "", None, {1: entry("small")}, routes=RouteTable(stable=1)),
+            },
+        )
+    )
     recorder = UsageRecorder(clock)
     return Gateway(hub, Transport(clock), clock, usage=recorder), recorder
 
@@ -70,7 +77,7 @@ async def test_a_served_answer_meters_rows_device_seconds_and_latency(metered) -
     cell = cells(recorder)[("small", TENANT)]
     assert (cell["version"], cell["requests"], cell["items"], cell["errors_4xx"], cell["errors_5xx"]) == (1, 1, 3, 0, 0)
     assert cell["compute_seconds"] == pytest.approx(0.5)
-    (bucket, count), = cell["latency"].items()
+    ((bucket, count),) = cell["latency"].items()
     assert (int(bucket), count) == (bucket_of(0.25), 1)
 
 

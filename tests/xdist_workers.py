@@ -27,8 +27,14 @@ import pytest
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
 PROCESS_MODULES = {
-    "test_artifact_processes", "test_autoscale_processes", "test_fleet_processes", "test_lifecycle_processes",
-    "test_node_providers", "test_postgres_outage", "test_revocation_gateways", "test_shadow_processes",
+    "test_artifact_processes",
+    "test_autoscale_processes",
+    "test_fleet_processes",
+    "test_lifecycle_processes",
+    "test_node_providers",
+    "test_postgres_outage",
+    "test_revocation_gateways",
+    "test_shadow_processes",
     "test_streams_processes",
 }
 

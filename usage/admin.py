@@ -8,8 +8,17 @@ from usage.models import UsageMinute
 class UsageMinuteAdmin(admin.ModelAdmin):
     """Read only: usage is what the data plane metered; an edit here would silently change a bill."""
 
-    list_display = ["minute", "tenant", "model_name", "version", "requests", "errors_4xx", "errors_5xx", "items",
-                    "compute_seconds"]
+    list_display = [
+        "minute",
+        "tenant",
+        "model_name",
+        "version",
+        "requests",
+        "errors_4xx",
+        "errors_5xx",
+        "items",
+        "compute_seconds",
+    ]
     list_filter = ["tenant"]
     date_hierarchy = "minute"
     search_fields = ["model_name"]

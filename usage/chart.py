@@ -68,8 +68,10 @@ def usage_svg(points: list[Point], *, time_format: str = "%H:%M") -> str:
         if p.p99_ms is not None:
             line.append(f"{x + bar / 2:.1f},{base - plot_h * p.p99_ms / top_ms:.1f}")
         if i % labels_every == 0:
-            parts.append(f'<text x="{x + bar / 2:.1f}" y="{base + 16}" text-anchor="middle" font-size="11">'
-                         f"{p.start.strftime(time_format)}</text>")
+            parts.append(
+                f'<text x="{x + bar / 2:.1f}" y="{base + 16}" text-anchor="middle" font-size="11">'
+                f"{p.start.strftime(time_format)}</text>"
+            )
     if line:
         parts.append(f'<polyline class="p99" points="{" ".join(line)}" fill="none" stroke="#7a3fbf" stroke-width="2"/>')
     parts.append("</svg>")

@@ -18,7 +18,8 @@ from prometheus_client import Counter
 from usage.recorder import Drained, UsageRecorder
 
 UNMETERED = Counter(
-    "ferry_usage_unmetered", "Answers left out of usage: recorder full, or their batch dropped while unsendable",
+    "ferry_usage_unmetered",
+    "Answers left out of usage: recorder full, or their batch dropped while unsendable",
     ["reason"],
 )
 BATCHES = Counter("ferry_usage_batches", "Usage batches handed to Celery, by outcome", ["outcome"])

@@ -27,8 +27,12 @@ Key = tuple[int, str, int, datetime]
 
 
 def _key(row: dict) -> Key:
-    return (int(row["tenant"]), str(row["model"]), int(row["version"]),
-            datetime.fromtimestamp(int(row["minute"]) * 60, tz=UTC))
+    return (
+        int(row["tenant"]),
+        str(row["model"]),
+        int(row["version"]),
+        datetime.fromtimestamp(int(row["minute"]) * 60, tz=UTC),
+    )
 
 
 def ingest(batch_id: str, rows: list[dict]) -> int:
@@ -40,8 +44,9 @@ def ingest(batch_id: str, rows: list[dict]) -> int:
     totals: dict[Key, dict] = {}
     for row in rows:  # a batch may name a cell twice (several drains resent together): add them first
         key = _key(row)
-        total = totals.setdefault(key, {"requests": 0, "errors_4xx": 0, "errors_5xx": 0, "items": 0,
-                                        "compute_seconds": 0.0, "latency": {}})
+        total = totals.setdefault(
+            key, {"requests": 0, "errors_4xx": 0, "errors_5xx": 0, "items": 0, "compute_seconds": 0.0, "latency": {}}
+        )
         for field in ("requests", "errors_4xx", "errors_5xx", "items"):
             total[field] += int(row[field])
         total["compute_seconds"] += float(row["compute_seconds"])
@@ -56,8 +61,12 @@ def ingest(batch_id: str, rows: list[dict]) -> int:
         tenants = set(Tenant.objects.filter(pk__in={k[0] for k in totals}).values_list("pk", flat=True))
         gone = [k for k in totals if k[0] not in tenants]
         if gone:
-            log.warning("usage batch %s: dropping %d cells of deleted tenants %s", batch_id, len(gone),
-                        sorted({k[0] for k in gone}))
+            log.warning(
+                "usage batch %s: dropping %d cells of deleted tenants %s",
+                batch_id,
+                len(gone),
+                sorted({k[0] for k in gone}),
+            )
             for key in gone:
                 del totals[key]
         if not totals:
@@ -85,8 +94,12 @@ def _locked(totals: dict[Key, dict]) -> list[UsageMinute]:
     minutes = {k[3] for k in totals}
     candidates = (
         UsageMinute.objects.select_for_update()
-        .filter(tenant_id__in={k[0] for k in totals}, model_name__in={k[1] for k in totals},
-                minute__gte=min(minutes), minute__lte=max(minutes))
+        .filter(
+            tenant_id__in={k[0] for k in totals},
+            model_name__in={k[1] for k in totals},
+            minute__gte=min(minutes),
+            minute__lte=max(minutes),
+        )
         .order_by("tenant_id", "model_name", "version", "minute")
     )
     cells = [c for c in candidates if (c.tenant_id, c.model_name, c.version, c.minute) in totals]

@@ -44,9 +44,16 @@ class Drained:
         (20,000 cells take about 15 ms)."""
         return [
             {
-                "tenant": tenant, "model": model, "version": version, "minute": minute,
-                "requests": c.requests, "errors_4xx": c.errors_4xx, "errors_5xx": c.errors_5xx,
-                "items": c.items, "compute_seconds": c.compute_seconds, "latency": to_json(c.latency),
+                "tenant": tenant,
+                "model": model,
+                "version": version,
+                "minute": minute,
+                "requests": c.requests,
+                "errors_4xx": c.errors_4xx,
+                "errors_5xx": c.errors_5xx,
+                "items": c.items,
+                "compute_seconds": c.compute_seconds,
+                "latency": to_json(c.latency),
             }
             for (tenant, model, version, minute), c in self.cells.items()
         ]
@@ -65,7 +72,13 @@ class UsageRecorder:
         return len(self._cells)
 
     def record(
-        self, tenant_id: int, model: str, version: int, status: int, items: int, compute_seconds: float,
+        self,
+        tenant_id: int,
+        model: str,
+        version: int,
+        status: int,
+        items: int,
+        compute_seconds: float,
         latency_seconds: float,
     ) -> None:
         """Count one answer. `items` and `compute_seconds` are the rows served and the request's share of

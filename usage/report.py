@@ -41,10 +41,18 @@ class Period:
 
     def as_row(self) -> dict:
         return {
-            "tenant": self.tenant, "model": self.model, "version": self.version, "start": self.start,
-            "requests": self.requests, "errors_4xx": self.errors_4xx, "errors_5xx": self.errors_5xx,
-            "items": self.items, "compute_seconds": round(self.compute_seconds, 6),
-            "p50_ms": self.percentile_ms(0.50), "p95_ms": self.percentile_ms(0.95), "p99_ms": self.percentile_ms(0.99),
+            "tenant": self.tenant,
+            "model": self.model,
+            "version": self.version,
+            "start": self.start,
+            "requests": self.requests,
+            "errors_4xx": self.errors_4xx,
+            "errors_5xx": self.errors_5xx,
+            "items": self.items,
+            "compute_seconds": round(self.compute_seconds, 6),
+            "p50_ms": self.percentile_ms(0.50),
+            "p95_ms": self.percentile_ms(0.95),
+            "p99_ms": self.percentile_ms(0.99),
         }
 
 
@@ -56,17 +64,23 @@ def truncate(at: datetime, granularity: str) -> datetime:
     return at.replace(hour=0, minute=0, second=0, microsecond=0)
 
 
-def periods(
-    cells: QuerySet[UsageMinute], *, start: datetime, end: datetime, granularity: str
-) -> list[Period]:
+def periods(cells: QuerySet[UsageMinute], *, start: datetime, end: datetime, granularity: str) -> list[Period]:
     """Sum the minute cells in [start, end) into periods, ordered by start, tenant, model, version."""
     chosen = cells.filter(minute__gte=start, minute__lt=end)
     if chosen.count() > MAX_CELLS:
         raise TooMuchUsage(f"the range holds more than {MAX_CELLS} minute rows; narrow it or filter by model")
     found: dict[tuple, Period] = {}
     rows = chosen.values_list(
-        "tenant__slug", "model_name", "version", "minute", "requests", "errors_4xx", "errors_5xx", "items",
-        "compute_seconds", "latency",
+        "tenant__slug",
+        "model_name",
+        "version",
+        "minute",
+        "requests",
+        "errors_4xx",
+        "errors_5xx",
+        "items",
+        "compute_seconds",
+        "latency",
     )
     for slug, model, version, minute, requests, e4, e5, items, compute, latency in rows.iterator(chunk_size=5000):
         begins = truncate(minute, granularity)

@@ -31,10 +31,14 @@ def _points(found: list[Period], start, end, granularity: str) -> list[Point]:  
     while at < end:
         here = by_start.get(at, [])
         p99 = quantile(merged(p.latency for p in here), 0.99)
-        points.append(Point(
-            at, sum(p.requests for p in here), sum(p.errors_4xx + p.errors_5xx for p in here),
-            None if p99 is None else round(p99 * 1000, 1),
-        ))
+        points.append(
+            Point(
+                at,
+                sum(p.requests for p in here),
+                sum(p.errors_4xx + p.errors_5xx for p in here),
+                None if p99 is None else round(p99 * 1000, 1),
+            )
+        )
         at += step
     return points
 
@@ -62,10 +66,18 @@ def usage_page(request: HttpRequest) -> HttpResponse:
             chart=mark_safe(usage_svg(points, time_format="%H:%M")),  # noqa: S308 (numbers and times only)
             rows=[p.as_row() for p in reversed(found)][:MAX_TABLE_ROWS],
             totals={"requests": sum(p.requests for p in points), "errors": sum(p.errors for p in points)},
-            csv_url=reverse("api-usage") + "?" + urlencode({
-                "tenant": tenant.slug, "granularity": granularity, "format": "csv",
-                "from": start.isoformat(), "to": end.isoformat(),
-            }),
-            start=start, end=end,
+            csv_url=reverse("api-usage")
+            + "?"
+            + urlencode(
+                {
+                    "tenant": tenant.slug,
+                    "granularity": granularity,
+                    "format": "csv",
+                    "from": start.isoformat(),
+                    "to": end.isoformat(),
+                }
+            ),
+            start=start,
+            end=end,
         )
     return render(request, "console/usage.html", context)

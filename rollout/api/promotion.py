@@ -25,13 +25,21 @@ from serving.api.views import errors
 from tenants.models import Role, has_role
 from tenants.scoping import TenantScopedViewSet, member_tenant_ids, require
 
-ID = OpenApiParameter("id", {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}, OpenApiParameter.PATH,
-                      description="the promotion request's id")
-E403 = ("Not logged in, or lacking the approver role in the tenant that owns the model; or the caller filed the"
-        " request and the tenant does not allow self-approval.")
+ID = OpenApiParameter(
+    "id",
+    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    OpenApiParameter.PATH,
+    description="the promotion request's id",
+)
+E403 = (
+    "Not logged in, or lacking the approver role in the tenant that owns the model; or the caller filed the"
+    " request and the tenant does not allow self-approval."
+)
 E404 = "No such promotion request, or one of a tenant the caller is not in."
-E409 = ("The request was decided already, the model's stable version has changed since it was filed, or the"
-        " promotion is refused now (a rollout of the model is active, the version is no longer ready).")
+E409 = (
+    "The request was decided already, the model's stable version has changed since it was filed, or the"
+    " promotion is refused now (a rollout of the model is active, the version is no longer ready)."
+)
 
 
 class Refused(APIException):
@@ -41,19 +49,31 @@ class Refused(APIException):
 
 
 def _decision() -> dict:
-    return {"parameters": [ID], "request": NoteSerializer, "responses": {200: PromotionRequestSerializer, **errors(
-        400, 403, 404, 409, 413, 415, e403=E403, e404=E404, e409=E409, e400="The note is malformed.")}}
+    return {
+        "parameters": [ID],
+        "request": NoteSerializer,
+        "responses": {
+            200: PromotionRequestSerializer,
+            **errors(400, 403, 404, 409, 413, 415, e403=E403, e404=E404, e409=E409, e400="The note is malformed."),
+        },
+    }
 
 
 @extend_schema_view(
     list=extend_schema(
-        parameters=[OpenApiParameter("model", NAME_SCHEMA, OpenApiParameter.QUERY, description="only this model's"),
-                    OpenApiParameter("state", str, OpenApiParameter.QUERY, enum=PromotionState.values,
-                                     description="only requests in this state")],
+        parameters=[
+            OpenApiParameter("model", NAME_SCHEMA, OpenApiParameter.QUERY, description="only this model's"),
+            OpenApiParameter(
+                "state",
+                str,
+                OpenApiParameter.QUERY,
+                enum=PromotionState.values,
+                description="only requests in this state",
+            ),
+        ],
         responses={200: PromotionRequestSerializer(many=True), **errors(400, 403)},
     ),
-    retrieve=extend_schema(parameters=[ID], responses={200: PromotionRequestSerializer,
-                                                       **errors(403, 404, e404=E404)}),
+    retrieve=extend_schema(parameters=[ID], responses={200: PromotionRequestSerializer, **errors(403, 404, e404=E404)}),
 )
 class PromotionRequestViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """Promotion requests, newest first, of the models the caller's tenants own."""

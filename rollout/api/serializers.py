@@ -17,9 +17,15 @@ class ApprovalSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-@extend_schema_field({"type": "object", "nullable": True, "additionalProperties": True,
-                      "description": "a gate verdict: outcome (pass, fail, no_data), gates with their status,"
-                                     " reason and numbers, the windows read, and the action taken"})
+@extend_schema_field(
+    {
+        "type": "object",
+        "nullable": True,
+        "additionalProperties": True,
+        "description": "a gate verdict: outcome (pass, fail, no_data), gates with their status,"
+        " reason and numbers, the windows read, and the action taken",
+    }
+)
 class VerdictField(serializers.JSONField):
     pass
 
@@ -29,17 +35,41 @@ class RolloutSerializer(serializers.ModelSerializer):
     started_by = serializers.CharField(source="started_by.username", read_only=True, allow_null=True, default=None)
     percent = serializers.FloatField(read_only=True, help_text="the candidate's share of unpinned traffic now")
     approvals = ApprovalSerializer(many=True, read_only=True)
-    verdicts = serializers.ListField(child=VerdictField(), read_only=True,
-                                     help_text="the decisive verdicts, oldest first")
+    verdicts = serializers.ListField(
+        child=VerdictField(), read_only=True, help_text="the decisive verdicts, oldest first"
+    )
     last_verdict = VerdictField(read_only=True, help_text="the latest evaluation")
 
     class Meta:
         model = Rollout
-        fields = ["id", "model", "candidate", "baseline", "state", "step", "percent", "steps", "shadow_seconds",
-                  "bake_seconds", "step_timeout_seconds", "max_error_rate_increase", "max_p99_ratio",
-                  "p99_slack_ms", "min_agreement", "min_requests", "min_compared", "approved", "approvals",
-                  "started_by", "reason", "verdicts", "last_verdict", "started_at", "phase_started_at",
-                  "finished_at"]
+        fields = [
+            "id",
+            "model",
+            "candidate",
+            "baseline",
+            "state",
+            "step",
+            "percent",
+            "steps",
+            "shadow_seconds",
+            "bake_seconds",
+            "step_timeout_seconds",
+            "max_error_rate_increase",
+            "max_p99_ratio",
+            "p99_slack_ms",
+            "min_agreement",
+            "min_requests",
+            "min_compared",
+            "approved",
+            "approvals",
+            "started_by",
+            "reason",
+            "verdicts",
+            "last_verdict",
+            "started_at",
+            "phase_started_at",
+            "finished_at",
+        ]
         read_only_fields = fields
 
 
@@ -50,20 +80,33 @@ class RolloutCreateSerializer(serializers.Serializer):
     model = ModelNameField(help_text="the model's name")
     candidate = StrictIntegerField(min_value=1, max_value=MAX_VERSION, help_text="the version to roll out")
     steps = serializers.ListField(
-        child=StrictIntegerField(min_value=1, max_value=100), min_length=1, max_length=20, required=False,
+        child=StrictIntegerField(min_value=1, max_value=100),
+        min_length=1,
+        max_length=20,
+        required=False,
         help_text="canary shares in percent, increasing, ending at 100 (default [1, 5, 25, 50, 100])",
     )
-    shadow_seconds = StrictIntegerField(min_value=0, max_value=MAX_SECONDS, required=False,
-                                        help_text="how long to shadow first; 0 starts the canary at once")
-    bake_seconds = StrictIntegerField(min_value=0, max_value=MAX_SECONDS, required=False,
-                                      help_text="the least time each canary step runs")
-    step_timeout_seconds = StrictIntegerField(min_value=1, max_value=MAX_SECONDS, required=False,
-                                              help_text="a phase still without enough evidence this long rolls back")
+    shadow_seconds = StrictIntegerField(
+        min_value=0,
+        max_value=MAX_SECONDS,
+        required=False,
+        help_text="how long to shadow first; 0 starts the canary at once",
+    )
+    bake_seconds = StrictIntegerField(
+        min_value=0, max_value=MAX_SECONDS, required=False, help_text="the least time each canary step runs"
+    )
+    step_timeout_seconds = StrictIntegerField(
+        min_value=1,
+        max_value=MAX_SECONDS,
+        required=False,
+        help_text="a phase still without enough evidence this long rolls back",
+    )
     max_error_rate_increase = StrictFloatField(min_value=0, max_value=1, required=False)
     max_p99_ratio = StrictFloatField(min_value=1, max_value=1000, required=False)
     p99_slack_ms = StrictFloatField(min_value=0, max_value=60_000, required=False)
-    min_agreement = StrictFloatField(min_value=0, max_value=1, required=False, allow_null=True,
-                                     help_text="null: no shadow agreement gate")
+    min_agreement = StrictFloatField(
+        min_value=0, max_value=1, required=False, allow_null=True, help_text="null: no shadow agreement gate"
+    )
     min_requests = StrictIntegerField(min_value=1, max_value=10**9, required=False)
     min_compared = StrictIntegerField(min_value=1, max_value=10**9, required=False)
 
@@ -86,14 +129,26 @@ class ListFilterSerializer(serializers.Serializer):
 
 class PromotionRequestSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.name", read_only=True)
-    requested_by = serializers.CharField(source="requester_name", read_only=True,
-                                         help_text="who filed it (kept if the user is deleted)")
+    requested_by = serializers.CharField(
+        source="requester_name", read_only=True, help_text="who filed it (kept if the user is deleted)"
+    )
     decided_by = serializers.CharField(source="decider_name", read_only=True, help_text="empty while pending")
 
     class Meta:
         model = PromotionRequest
-        fields = ["id", "model", "version", "baseline", "state", "requested_by", "note", "requested_at",
-                  "decided_by", "decision_note", "decided_at"]
+        fields = [
+            "id",
+            "model",
+            "version",
+            "baseline",
+            "state",
+            "requested_by",
+            "note",
+            "requested_at",
+            "decided_by",
+            "decision_note",
+            "decided_at",
+        ]
         read_only_fields = fields
 
 

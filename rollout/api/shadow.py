@@ -18,13 +18,19 @@ MAX_MINUTES = 7 * 24 * 60
 
 
 class ShadowQuerySerializer(serializers.Serializer):
-    candidate = serializers.IntegerField(min_value=1, max_value=MAX_VERSION,
-                                         help_text="the shadow version to report on")
-    baseline = serializers.IntegerField(min_value=1, max_value=MAX_VERSION, required=False,
-                                        help_text="compare against this version only (default: every version"
-                                                  " whose requests were mirrored to the candidate)")
-    minutes = serializers.IntegerField(min_value=1, max_value=MAX_MINUTES, required=False, default=60,
-                                       help_text="the window, in minutes up to now")
+    candidate = serializers.IntegerField(
+        min_value=1, max_value=MAX_VERSION, help_text="the shadow version to report on"
+    )
+    baseline = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_VERSION,
+        required=False,
+        help_text="compare against this version only (default: every version"
+        " whose requests were mirrored to the candidate)",
+    )
+    minutes = serializers.IntegerField(
+        min_value=1, max_value=MAX_MINUTES, required=False, default=60, help_text="the window, in minutes up to now"
+    )
 
 
 class ShadowConfigSerializer(serializers.Serializer):
@@ -59,8 +65,11 @@ class BinSerializer(serializers.Serializer):
 
 
 class DifferencesSerializer(serializers.Serializer):
-    histogram = BinSerializer(many=True, help_text="per-row difference: largest absolute difference of the"
-                                                   " outputs (classification, regression) or 1 - cosine (embedding)")
+    histogram = BinSerializer(
+        many=True,
+        help_text="per-row difference: largest absolute difference of the"
+        " outputs (classification, regression) or 1 - cosine (embedding)",
+    )
     mean_abs = serializers.FloatField(allow_null=True, help_text="regression: mean absolute difference")
     max_abs = serializers.FloatField(allow_null=True, help_text="regression: largest absolute difference")
     mean_cosine = serializers.FloatField(allow_null=True, help_text="embedding: mean cosine similarity")
@@ -89,8 +98,10 @@ class LatenciesSerializer(serializers.Serializer):
 
 class ConfusionSerializer(serializers.Serializer):
     labels = serializers.ListField(child=serializers.IntegerField())
-    matrix = serializers.ListField(child=serializers.ListField(child=serializers.IntegerField()),
-                                   help_text="rows: the baseline's class; columns: the candidate's")
+    matrix = serializers.ListField(
+        child=serializers.ListField(child=serializers.IntegerField()),
+        help_text="rows: the baseline's class; columns: the candidate's",
+    )
 
 
 class DisagreementSerializer(serializers.Serializer):
@@ -126,8 +137,10 @@ class ShadowReportMixin:
         responses={
             200: ShadowReportSerializer,
             400: OpenApiResponse(ErrorSerializer, description="A query parameter is malformed; `fields` names it."),
-            403: OpenApiResponse(ErrorSerializer, description="Not logged in, or not an engineer (approver, admin) of"
-                                                               " the tenant that owns the model."),
+            403: OpenApiResponse(
+                ErrorSerializer,
+                description="Not logged in, or not an engineer (approver, admin) of the tenant that owns the model.",
+            ),
             404: OpenApiResponse(ErrorSerializer, description="No such model, or one the caller may not see."),
         },
     )
@@ -143,7 +156,11 @@ class ShadowReportMixin:
             raise PermissionDenied(refusal)
         query = ShadowQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        report = shadow_report.build(model, query.validated_data["candidate"],
-                                     baseline=query.validated_data.get("baseline"), until=timezone.now(),
-                                     minutes=query.validated_data["minutes"])
+        report = shadow_report.build(
+            model,
+            query.validated_data["candidate"],
+            baseline=query.validated_data.get("baseline"),
+            until=timezone.now(),
+            minutes=query.validated_data["minutes"],
+        )
         return Response(ShadowReportSerializer(report).data)

@@ -32,11 +32,14 @@ from serving.api.views import errors
 from tenants.models import Role, has_role
 from tenants.scoping import TenantScopedViewSet, require, visible_models
 
-ID = OpenApiParameter("id", {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}, OpenApiParameter.PATH,
-                      description="the rollout's id")
-E403 = ("Not logged in, or lacking the role in the tenant that owns the model: engineer to start, advance, roll"
-        " back or cancel; approver to approve, reject or promote. The person who started a rollout cannot"
-        " approve it unless the tenant allows self-approval.")
+ID = OpenApiParameter(
+    "id", {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}, OpenApiParameter.PATH, description="the rollout's id"
+)
+E403 = (
+    "Not logged in, or lacking the role in the tenant that owns the model: engineer to start, advance, roll"
+    " back or cancel; approver to approve, reject or promote. The person who started a rollout cannot"
+    " approve it unless the tenant allows self-approval."
+)
 E404 = "No such rollout, or one of a model the caller may not see."
 E409 = "The rollout's state does not allow this transition (it has ended, awaits approval, or is not approved)."
 
@@ -48,16 +51,37 @@ class Refused(APIException):
 
 
 def _move(body: type[NoteSerializer] | None = None) -> dict:
-    return {"parameters": [ID], "request": body, "responses": {200: RolloutSerializer, **errors(
-        403, 404, 409, *((400, 413, 415) if body else ()), e403=E403, e404=E404, e409=E409,
-        e400="The note is malformed.")}}
+    return {
+        "parameters": [ID],
+        "request": body,
+        "responses": {
+            200: RolloutSerializer,
+            **errors(
+                403,
+                404,
+                409,
+                *((400, 413, 415) if body else ()),
+                e403=E403,
+                e404=E404,
+                e409=E409,
+                e400="The note is malformed.",
+            ),
+        },
+    }
 
 
 @extend_schema_view(
     list=extend_schema(
-        parameters=[OpenApiParameter("model", NAME_SCHEMA, OpenApiParameter.QUERY, description="only this model's"),
-                    OpenApiParameter("state", str, OpenApiParameter.QUERY, enum=RolloutState.values,
-                                     description="only rollouts in this state")],
+        parameters=[
+            OpenApiParameter("model", NAME_SCHEMA, OpenApiParameter.QUERY, description="only this model's"),
+            OpenApiParameter(
+                "state",
+                str,
+                OpenApiParameter.QUERY,
+                enum=RolloutState.values,
+                description="only rollouts in this state",
+            ),
+        ],
         responses={200: RolloutSerializer(many=True), **errors(400, 403)},
     ),
     retrieve=extend_schema(parameters=[ID], responses={200: RolloutSerializer, **errors(403, 404, e404=E404)}),
@@ -65,8 +89,7 @@ def _move(body: type[NoteSerializer] | None = None) -> dict:
 class RolloutViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """Rollouts, newest first, of the models the caller may see."""
 
-    queryset = (Rollout.objects.select_related("model", "model__tenant", "started_by")
-                .prefetch_related("approvals"))
+    queryset = Rollout.objects.select_related("model", "model__tenant", "started_by").prefetch_related("approvals")
     serializer_class = RolloutSerializer
     lookup_value_regex = "[1-9][0-9]{0,18}"
 
@@ -103,12 +126,25 @@ class RolloutViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.Retrieve
         fresh = self.get_queryset().get(pk=rollout.pk)
         return Response(RolloutSerializer(fresh).data)
 
-    @extend_schema(request=RolloutCreateSerializer, responses={201: RolloutSerializer, **errors(
-        400, 403, 404, 409, 413, 415, e403=E403,
-        e400="Malformed, or the steps do not increase to 100.",
-        e404="No such model (or one the caller may not see), or no such version of it.",
-        e409="The model has no stable version or an active rollout already, or the candidate is not ready or"
-             " is the stable version.")})
+    @extend_schema(
+        request=RolloutCreateSerializer,
+        responses={
+            201: RolloutSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                e403=E403,
+                e400="Malformed, or the steps do not increase to 100.",
+                e404="No such model (or one the caller may not see), or no such version of it.",
+                e409="The model has no stable version or an active rollout already, or the candidate is not ready or"
+                " is the stable version.",
+            ),
+        },
+    )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Start a rollout: shadowing first (unless `shadow_seconds` is 0), then the canary steps, each judged
         by the gates, then an approval and promotion."""

@@ -30,33 +30,46 @@ RESOURCES = (
     ("fleet", "api-fleet"),
 )
 
-ApiIndex = inline_serializer("ApiIndex", {
-    "resources": inline_serializer("ApiResource", {
-        "name": serializers.CharField(),
-        "url": serializers.URLField(),
-    }, many=True),
-    "schema": serializers.URLField(help_text="the OpenAPI document"),
-    "docs": serializers.URLField(help_text="Swagger UI over the schema"),
-    "redoc": serializers.URLField(help_text="Redoc over the schema"),
-})
+ApiIndex = inline_serializer(
+    "ApiIndex",
+    {
+        "resources": inline_serializer(
+            "ApiResource",
+            {
+                "name": serializers.CharField(),
+                "url": serializers.URLField(),
+            },
+            many=True,
+        ),
+        "schema": serializers.URLField(help_text="the OpenAPI document"),
+        "docs": serializers.URLField(help_text="Swagger UI over the schema"),
+        "redoc": serializers.URLField(help_text="Redoc over the schema"),
+    },
+)
 
 
 class ApiIndexView(APIView):
     permission_classes = [AllowAny]
     authentication_classes = []  # nothing here depends on who asks
 
-    @extend_schema(operation_id="api_index", responses={200: ApiIndex}, auth=[],
-                   summary="The resources of this API, the schema and the documentation pages")
+    @extend_schema(
+        operation_id="api_index",
+        responses={200: ApiIndex},
+        auth=[],
+        summary="The resources of this API, the schema and the documentation pages",
+    )
     def get(self, request: Request) -> Response:
         def url(name: str) -> str:
             return reverse(name, request=request)
 
-        return Response({
-            "resources": [{"name": name, "url": url(url_name)} for name, url_name in RESOURCES],
-            "schema": url("schema"),
-            "docs": url("api-docs"),
-            "redoc": url("api-redoc"),
-        })
+        return Response(
+            {
+                "resources": [{"name": name, "url": url(url_name)} for name, url_name in RESOURCES],
+                "schema": url("schema"),
+                "docs": url("api-docs"),
+                "redoc": url("api-redoc"),
+            }
+        )
 
 
 class _ThisOriginOnly:
@@ -64,8 +77,10 @@ class _ThisOriginOnly:
 
     # Inline styles: both UIs set them from their scripts; data: images: Swagger UI's icons; blob: workers:
     # Redoc's search index.
-    content_security_policy = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
-                               "worker-src 'self' blob:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+    content_security_policy = (
+        "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+        "worker-src 'self' blob:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+    )
 
     def finalize_response(self, request: Request, response: Response, *args: object, **kwargs: object) -> Response:
         response = super().finalize_response(request, response, *args, **kwargs)

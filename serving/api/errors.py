@@ -16,8 +16,9 @@ from serving.dataplane.metrics import INTERNAL_ERRORS
 
 log = logging.getLogger(__name__)
 
-DB_UNAVAILABLE = Counter("ferry_database_unavailable", "Control-plane requests answered 503 because PostgreSQL"
-                         " could not be reached")
+DB_UNAVAILABLE = Counter(
+    "ferry_database_unavailable", "Control-plane requests answered 503 because PostgreSQL could not be reached"
+)
 RETRY_AFTER_S = 5
 UNREACHABLE = (OperationalError, InterfaceError)
 
@@ -26,8 +27,9 @@ def database_unavailable(request: HttpRequest | None, exc: BaseException) -> Jso
     where = f"{request.method} {request.path}" if request is not None else "?"
     log.warning("database unavailable answering %s: %s", where, str(exc).strip().splitlines()[0] if str(exc) else exc)
     DB_UNAVAILABLE.inc()
-    response = JsonResponse({"error": "the database is unavailable; retry shortly (inference keeps serving)"},
-                            status=503)
+    response = JsonResponse(
+        {"error": "the database is unavailable; retry shortly (inference keeps serving)"}, status=503
+    )
     response["Retry-After"] = str(RETRY_AFTER_S)
     return response
 

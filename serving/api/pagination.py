@@ -31,12 +31,16 @@ class BoundedLimitOffsetPagination(LimitOffsetPagination):
     def get_schema_operation_parameters(self, view: object) -> list[dict]:
         return [
             {
-                "name": self.limit_query_param, "required": False, "in": "query",
+                "name": self.limit_query_param,
+                "required": False,
+                "in": "query",
                 "description": f"Number of results per page, 1..{MAX_LIMIT} (default {DEFAULT_LIMIT}).",
                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": DEFAULT_LIMIT},
             },
             {
-                "name": self.offset_query_param, "required": False, "in": "query",
+                "name": self.offset_query_param,
+                "required": False,
+                "in": "query",
                 "description": f"Index of the first result, 0..{MAX_OFFSET} (default 0).",
                 "schema": {"type": "integer", "minimum": 0, "maximum": MAX_OFFSET, "default": 0},
             },

@@ -85,9 +85,14 @@ class ModelNameField(StrictCharField):
         return value
 
 
-@extend_schema_field({**NAME_SCHEMA, "nullable": True,
-                      "description": "name of an existing model, or null; null too when the fallback is a model"
-                                     " the caller may not see (then `fallback_hidden` is true)"})
+@extend_schema_field(
+    {
+        **NAME_SCHEMA,
+        "nullable": True,
+        "description": "name of an existing model, or null; null too when the fallback is a model"
+        " the caller may not see (then `fallback_hidden` is true)",
+    }
+)
 class FallbackField(serializers.SlugRelatedField):
     """Another model the caller may see, by name; anything that cannot be a name is refused before the
     database is asked, and a model the caller may not see does not exist."""
@@ -127,15 +132,25 @@ class TenantField(serializers.SlugRelatedField):
         return super().to_internal_value(data)
 
 
-@extend_schema_field({**TENANT_SLUG_SCHEMA, "nullable": True,
-                      "description": "the owning tenant's slug; null for a platform model (staff only)."
-                                     " Omitted on create: the caller's only tenant"})
+@extend_schema_field(
+    {
+        **TENANT_SLUG_SCHEMA,
+        "nullable": True,
+        "description": "the owning tenant's slug; null for a platform model (staff only)."
+        " Omitted on create: the caller's only tenant",
+    }
+)
 class OwnerField(TenantField):
     pass
 
 
-@extend_schema_field({"type": "array", "items": TENANT_SLUG_SCHEMA,
-                      "description": "tenants that see the model when its visibility is `shared`"})
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": TENANT_SLUG_SCHEMA,
+        "description": "tenants that see the model when its visibility is `shared`",
+    }
+)
 class SharedWithField(serializers.ManyRelatedField):
     """Tenants by slug; any tenant on the platform may be named."""
 
@@ -170,19 +185,47 @@ class ReplicaSerializer(serializers.ModelSerializer):
 class ModelVersionSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.name", read_only=True)
     artifact_sha256 = serializers.CharField(source="artifact_id", read_only=True)
-    replicas = ReplicaSerializer(many=True, read_only=True, help_text=(
-        "per node: hot (on the device), warm (in host memory) or cold (served there, not in memory), and whether"
-        " the placement reconciler put it there; the measured load time per accelerator type is in"
-        " placement_measurements"))
+    replicas = ReplicaSerializer(
+        many=True,
+        read_only=True,
+        help_text=(
+            "per node: hot (on the device), warm (in host memory) or cold (served there, not in memory), and whether"
+            " the placement reconciler put it there; the measured load time per accelerator type is in"
+            " placement_measurements"
+        ),
+    )
 
     class Meta:
         model = ModelVersion
         fields = [
-            "model", "version", "state", "failure_reason", "loaded", "format", "artifact_sha256",
-            "inputs", "outputs", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes",
-            "max_queue_size", "default_timeout_ms", "latency_profile", "memory_bytes", "load_seconds",
-            "metrics", "min_memory_bytes", "accelerators", "pinned", "min_replicas", "placement_measurements",
-            "desired_replicas", "unschedulable_reason", "replicas", "created_at", "updated_at",
+            "model",
+            "version",
+            "state",
+            "failure_reason",
+            "loaded",
+            "format",
+            "artifact_sha256",
+            "inputs",
+            "outputs",
+            "max_batch_size",
+            "max_queue_delay_ms",
+            "preferred_batch_sizes",
+            "max_queue_size",
+            "default_timeout_ms",
+            "latency_profile",
+            "memory_bytes",
+            "load_seconds",
+            "metrics",
+            "min_memory_bytes",
+            "accelerators",
+            "pinned",
+            "min_replicas",
+            "placement_measurements",
+            "desired_replicas",
+            "unschedulable_reason",
+            "replicas",
+            "created_at",
+            "updated_at",
         ]
         # Changed through the batching and placement PATCHes, uploads and the repository extension.
         read_only_fields = fields
@@ -202,34 +245,54 @@ class ModelSerializer(serializers.ModelSerializer):
     tenant = OwnerField(allow_null=True, required=False)
     visibility = serializers.ChoiceField(choices=Visibility.choices, required=False)
     shared_with = SharedWithField(
-        child_relation=_AnyTenantSlug(slug_field="slug", queryset=Tenant.objects.all()), required=False,
+        child_relation=_AnyTenantSlug(slug_field="slug", queryset=Tenant.objects.all()),
+        required=False,
     )
     description = TextField(required=False, allow_blank=True)
     fallback = FallbackField(slug_field="name", queryset=Model.objects.all(), allow_null=True, required=False)
     fallback_hidden = serializers.SerializerMethodField(
         help_text="true when the model has a fallback the caller may not see (another tenant's private model):"
-                  " `fallback` is null then",
+        " `fallback` is null then",
     )
     versions = ModelVersionSerializer(many=True, read_only=True)
     stable_version = serializers.IntegerField(
-        read_only=True, allow_null=True,
+        read_only=True,
+        allow_null=True,
         help_text="the version unpinned traffic goes to (null until a version is ready); changed by promote",
     )
     shadow_version = StrictIntegerField(
-        required=False, allow_null=True, min_value=1, max_value=2**31 - 1,
+        required=False,
+        allow_null=True,
+        min_value=1,
+        max_value=2**31 - 1,
         help_text="the version a share of live requests is mirrored to, its answers compared and never returned"
-                  " (null: none; setting it to null stops the mirroring)",
+        " (null: none; setting it to null stops the mirroring)",
     )
     shadow_fraction = StrictFloatField(
-        required=False, min_value=0.0, max_value=1.0,
+        required=False,
+        min_value=0.0,
+        max_value=1.0,
         help_text="the share of live requests mirrored to the shadow version (0 to 1)",
     )
 
     class Meta:
         model = Model
-        fields = ["name", "tenant", "visibility", "shared_with", "description", "task", "fallback", "fallback_hidden",
-                  "versions",
-                  "stable_version", "shadow_version", "shadow_fraction", "created_at", "updated_at"]
+        fields = [
+            "name",
+            "tenant",
+            "visibility",
+            "shared_with",
+            "description",
+            "task",
+            "fallback",
+            "fallback_hidden",
+            "versions",
+            "stable_version",
+            "shadow_version",
+            "shadow_fraction",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = ["created_at", "updated_at"]
 
     @extend_schema_field(OpenApiTypes.BOOL)
@@ -273,7 +336,8 @@ class BatchingUpdateSerializer(serializers.Serializer):
     max_batch_size = StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE, required=False)
     max_queue_delay_ms = StrictFloatField(min_value=0, max_value=MAX_QUEUE_DELAY_MS, required=False)
     preferred_batch_sizes = serializers.ListField(
-        child=StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE), required=False,
+        child=StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE),
+        required=False,
         help_text="each within 1..max_batch_size",
     )
     max_queue_size = StrictIntegerField(min_value=1, max_value=MAX_QUEUE_SIZE, required=False)
@@ -298,15 +362,22 @@ class StrictBooleanField(serializers.BooleanField):
 class PlacementUpdateSerializer(serializers.Serializer):
     """A version's placement constraints and what keeps it loaded; any subset."""
 
-    min_memory_bytes = StrictIntegerField(min_value=0, max_value=2**62, required=False,
-                                          help_text="a node's device memory must be at least this")
+    min_memory_bytes = StrictIntegerField(
+        min_value=0, max_value=2**62, required=False, help_text="a node's device memory must be at least this"
+    )
     accelerators = serializers.ListField(
-        child=serializers.RegexField(r"^[a-z0-9][a-z0-9._-]{0,63}$"), max_length=32, required=False,
+        child=serializers.RegexField(r"^[a-z0-9][a-z0-9._-]{0,63}$"),
+        max_length=32,
+        required=False,
         help_text="accelerator types allowed to host it (lower case, e.g. a10g); empty: any",
     )
     pinned = StrictBooleanField(required=False, help_text="never evicted to make room for another version")
-    min_replicas = StrictIntegerField(min_value=0, max_value=1000, required=False,
-                                      help_text="replicas kept; the stable version with a minimum is never evicted")
+    min_replicas = StrictIntegerField(
+        min_value=0,
+        max_value=1000,
+        required=False,
+        help_text="replicas kept; the stable version with a minimum is never evicted",
+    )
 
     def validate(self, attrs: dict) -> dict:
         unknown = sorted(set(self.initial_data) - set(self.fields))
@@ -337,8 +408,11 @@ TENSOR_SPEC_SCHEMA = {
     "properties": {
         "name": {"type": "string", "minLength": 1},
         "datatype": {"type": "string", "enum": sorted(DATATYPES)},
-        "shape": {"type": "array", "items": {"type": "integer", "minimum": -1},
-                  "description": "without the batch dimension; -1 marks a variable dimension"},
+        "shape": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": -1},
+            "description": "without the batch dimension; -1 marks a variable dimension",
+        },
     },
     "required": ["name", "datatype", "shape"],
 }
@@ -367,14 +441,25 @@ class JSONListField(serializers.Field):
         return value
 
 
-@extend_schema_field({"type": "array", "items": TENSOR_SPEC_SCHEMA, "minItems": 1,
-                      "description": 'JSON, e.g. [{"name": "input", "datatype": "FP32", "shape": [64]}]'})
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": TENSOR_SPEC_SCHEMA,
+        "minItems": 1,
+        "description": 'JSON, e.g. [{"name": "input", "datatype": "FP32", "shape": [64]}]',
+    }
+)
 class SignatureField(JSONListField):
     pass
 
 
-@extend_schema_field({"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE},
-                      "description": "JSON, e.g. [4, 8]; each within 1..max_batch_size"})
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE},
+        "description": "JSON, e.g. [4, 8]; each within 1..max_batch_size",
+    }
+)
 class BatchSizesField(JSONListField):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(child=StrictIntegerField(min_value=1, max_value=MAX_BATCH_SIZE), **kwargs)
@@ -399,8 +484,13 @@ class ArtifactField(serializers.FileField):
     """A file part of the multipart upload."""
 
 
-@extend_schema_field({**TENANT_SLUG_SCHEMA, "description": "for a new model, the tenant that owns it (default:"
-                                                           " the caller's only tenant); ignored otherwise"})
+@extend_schema_field(
+    {
+        **TENANT_SLUG_SCHEMA,
+        "description": "for a new model, the tenant that owns it (default:"
+        " the caller's only tenant); ignored otherwise",
+    }
+)
 class UploadTenantField(TenantField):
     pass
 

@@ -53,38 +53,41 @@ MAX_VERSION = 2**31 - 1  # PositiveIntegerField; a larger number in the URL is a
 _ERRORS = {
     400: "The request is malformed; `fields` names each bad field or query parameter with its messages.",
     403: "Not logged in, or lacking the role the change needs in the tenant that owns the model (engineer;"
-         " admin for visibility and sharing; platform staff for a platform model).",
+    " admin for visibility and sharing; platform staff for a platform model).",
     404: "No such model or version, or one the caller may not see.",
     409: "Conflicts with the registry's state.",
     413: "The request body is larger than the server accepts.",
     415: "The body is not of the content type the operation takes.",
     422: "The artifact is not a model the server can load.",
     429: "The owning tenant's quota is full (the message names it: max_models, max_versions). No"
-         " Retry-After: waiting does not help; retire or delete something, or request an increase.",
+    " Retry-After: waiting does not help; retire or delete something, or request an increase.",
 }
 
 
 def errors(*codes: int, **described: str) -> dict:
     """Documented error responses (the Error schema), each with its meaning for this operation."""
     return {
-        code: OpenApiResponse(ErrorSerializer, description=described.get(f"e{code}", _ERRORS[code]))
-        for code in codes
+        code: OpenApiResponse(ErrorSerializer, description=described.get(f"e{code}", _ERRORS[code])) for code in codes
     }
-
-
 
 
 def name_parameter(name: str) -> OpenApiParameter:
     return OpenApiParameter(
-        name, {"type": "string", "pattern": f"^{MODEL_NAME_PATTERN}$", "maxLength": 100}, OpenApiParameter.PATH,
-        description="the model's name", examples=[OpenApiExample("the demo classifier", value="digits")],
+        name,
+        {"type": "string", "pattern": f"^{MODEL_NAME_PATTERN}$", "maxLength": 100},
+        OpenApiParameter.PATH,
+        description="the model's name",
+        examples=[OpenApiExample("the demo classifier", value="digits")],
     )
 
 
 NAME = name_parameter("name")
 VERSION_PARAMETER = OpenApiParameter(
-    "version", {"type": "integer", "minimum": 1, "maximum": MAX_VERSION}, OpenApiParameter.PATH,
-    description="the version number", examples=[OpenApiExample("the first version", value=1)],
+    "version",
+    {"type": "integer", "minimum": 1, "maximum": MAX_VERSION},
+    OpenApiParameter.PATH,
+    description="the version number",
+    examples=[OpenApiExample("the first version", value=1)],
 )
 
 
@@ -118,16 +121,34 @@ class RegistryViewSet(TenantScopedViewSet):
 
 @extend_schema_view(
     list=extend_schema(responses={200: ModelSerializer(many=True), **errors(400, 403)}),
-    create=extend_schema(responses={201: ModelSerializer, **errors(
-        400, 403, 409, 413, 415, 429, e409="The name is taken: by one of the caller's tenants' models ('exists"
-                                            " already'), or not available (another tenant's or reserved).")}),
+    create=extend_schema(
+        responses={
+            201: ModelSerializer,
+            **errors(
+                400,
+                403,
+                409,
+                413,
+                415,
+                429,
+                e409="The name is taken: by one of the caller's tenants' models ('exists"
+                " already'), or not available (another tenant's or reserved).",
+            ),
+        }
+    ),
     retrieve=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(403, 404)}),
-    update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
-        400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
-    partial_update=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(
-        400, 403, 404, 409, 413, 415, e409="Another model has that name.")}),
-    destroy=extend_schema(parameters=[NAME], responses={204: None, **errors(
-        403, 404, 409, e409="The model has versions that are not retired.")}),
+    update=extend_schema(
+        parameters=[NAME],
+        responses={200: ModelSerializer, **errors(400, 403, 404, 409, 413, 415, e409="Another model has that name.")},
+    ),
+    partial_update=extend_schema(
+        parameters=[NAME],
+        responses={200: ModelSerializer, **errors(400, 403, 404, 409, 413, 415, e409="Another model has that name.")},
+    ),
+    destroy=extend_schema(
+        parameters=[NAME],
+        responses={204: None, **errors(403, 404, 409, e409="The model has versions that are not retired.")},
+    ),
 )
 class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
     queryset = Model.objects.select_related("fallback", "tenant").prefetch_related("versions__replicas", "shared_with")
@@ -209,8 +230,7 @@ def _changes_sharing(model: Model | None, sharing: dict) -> bool:
 @extend_schema(parameters=[name_parameter("model_name")])
 @extend_schema_view(
     list=extend_schema(responses={200: ModelVersionSerializer(many=True), **errors(400, 403, 404)}),
-    retrieve=extend_schema(parameters=[VERSION_PARAMETER],
-                           responses={200: ModelVersionSerializer, **errors(403, 404)}),
+    retrieve=extend_schema(parameters=[VERSION_PARAMETER], responses={200: ModelVersionSerializer, **errors(403, 404)}),
 )
 class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     serializer_class = ModelVersionSerializer
@@ -241,17 +261,30 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         return super().list(request, *args, **kwargs)
 
     @extend_schema(
-        request={"multipart/form-data": OpenApiRequest(
-            VersionUploadSerializer, encoding={part: {"contentType": "application/json"} for part in UPLOAD_JSON_PARTS},
-        )},
-        responses={201: ModelVersionSerializer, **errors(
-            400, 403, 404, 409, 413, 415, 422, 429,
-            e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload,"
-                 " a tenant the caller is not in), or the new model's tenant is ambiguous.",
-            e404="No endpoint: the model name in the path is not a valid name.",
-            e409="A model of that name belongs to another tenant (or is reserved): the name is not available.",
-            e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
-        )},
+        request={
+            "multipart/form-data": OpenApiRequest(
+                VersionUploadSerializer,
+                encoding={part: {"contentType": "application/json"} for part in UPLOAD_JSON_PARTS},
+            )
+        },
+        responses={
+            201: ModelVersionSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                422,
+                429,
+                e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload,"
+                " a tenant the caller is not in), or the new model's tenant is ambiguous.",
+                e404="No endpoint: the model name in the path is not a valid name.",
+                e409="A model of that name belongs to another tenant (or is reserved): the name is not available.",
+                e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
+            ),
+        },
     )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Upload an artifact as the model's next version (creating the model if new); validation follows."""
@@ -275,9 +308,16 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         tenant = self._upload_owner(data.pop("tenant", None))
         try:
             version = register_version(
-                model_name=self.kwargs["model_name"], artifact_file=artifact, fmt=data.pop("format"),
-                inputs=data.pop("inputs"), outputs=data.pop("outputs"), sha256=data.pop("sha256", None),
-                task=data.pop("task", None), description=data.pop("description", None), tenant=tenant, **data,
+                model_name=self.kwargs["model_name"],
+                artifact_file=artifact,
+                fmt=data.pop("format"),
+                inputs=data.pop("inputs"),
+                outputs=data.pop("outputs"),
+                sha256=data.pop("sha256", None),
+                task=data.pop("task", None),
+                description=data.pop("description", None),
+                tenant=tenant,
+                **data,
             )
         except RegistrationError as exc:
             raise RegistrationFailed(exc) from None
@@ -306,11 +346,18 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
     @extend_schema(
         parameters=[VERSION_PARAMETER],
         request=BatchingUpdateSerializer,
-        responses={200: ModelVersionSerializer, **errors(
-            400, 403, 404, 413, 415,
-            e400="A setting is malformed, unknown, or the settings together are not servable"
-                 " (e.g. a preferred batch size above max_batch_size).",
-        )},
+        responses={
+            200: ModelVersionSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                413,
+                415,
+                e400="A setting is malformed, unknown, or the settings together are not servable"
+                " (e.g. a preferred batch size above max_batch_size).",
+            ),
+        },
     )
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Change the version's batching settings; the data plane picks them up once committed."""
@@ -339,9 +386,17 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
     @extend_schema(
         parameters=[VERSION_PARAMETER],
         request=PlacementUpdateSerializer,
-        responses={200: ModelVersionSerializer, **errors(
-            400, 403, 404, 413, 415, e400="A setting is malformed or unknown.",
-        )},
+        responses={
+            200: ModelVersionSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                413,
+                415,
+                e400="A setting is malformed or unknown.",
+            ),
+        },
     )
     @action(detail=True, methods=["patch"])
     def placement(self, request: Request, *args: object, **kwargs: object) -> Response:
@@ -367,38 +422,74 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
                 ModelVersion.objects.filter(pk=version.pk).update(
                     updated_at=version.updated_at, unschedulable_reason="", **after
                 )
-                audit.record(request.user, "version.placement", f"model {version.model.name} version"
-                             f" {version.version}", tenant=version.model.tenant, before=before, after=after)
+                audit.record(
+                    request.user,
+                    "version.placement",
+                    f"model {version.model.name} version {version.version}",
+                    tenant=version.model.tenant,
+                    before=before,
+                    after=after,
+                )
                 transaction.on_commit(publish_snapshot)
         return Response(ModelVersionSerializer(version).data)
 
-    @extend_schema(parameters=[VERSION_PARAMETER], request=None,
-                   responses={200: ModelVersionSerializer, **errors(
-                       403, 404, 409, e409="The version is the model's stable version and another version is"
-                                           " ready: promote that one first.")})
+    @extend_schema(
+        parameters=[VERSION_PARAMETER],
+        request=None,
+        responses={
+            200: ModelVersionSerializer,
+            **errors(
+                403,
+                404,
+                409,
+                e409="The version is the model's stable version and another version is ready: promote that one first.",
+            ),
+        },
+    )
     @action(detail=True, methods=["post"])
     def retire(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Retire the version: it stops serving and is left out of the routing snapshot. The stable version
         retires only when no other version is ready to take its traffic by promotion."""
         version = self.get_object()
         model = version.model
-        if model.stable_version == version.version and model.versions.filter(state=State.READY).exclude(
-                pk=version.pk).exists():
-            raise Conflict(f"version {version.version} is the stable version of '{model.name}': promote another"
-                           " version before retiring it")
+        if (
+            model.stable_version == version.version
+            and model.versions.filter(state=State.READY).exclude(pk=version.pk).exists()
+        ):
+            raise Conflict(
+                f"version {version.version} is the stable version of '{model.name}': promote another"
+                " version before retiring it"
+            )
         version.retire()
         return Response(ModelVersionSerializer(version).data)
 
-    @extend_schema(parameters=[VERSION_PARAMETER], request=NoteSerializer,
-                   responses={200: ModelSerializer,
-                              202: OpenApiResponse(PromotionRequestSerializer, description=(
-                                  "The tenant requires approval: a promotion request is filed for an approver"
-                                  " (/api/promotion-requests/); the stable version has not changed.")),
-                              **errors(400, 403, 404, 409, 413, 415, e400="The note is malformed.",
-                                       e409="The version is not ready (registered, validating, failed or retired)"
-                                            " or stable already, a rollout of the model is active (it promotes"
-                                            " through its gates and approval), or a promotion request of the"
-                                            " model is pending.")})
+    @extend_schema(
+        parameters=[VERSION_PARAMETER],
+        request=NoteSerializer,
+        responses={
+            200: ModelSerializer,
+            202: OpenApiResponse(
+                PromotionRequestSerializer,
+                description=(
+                    "The tenant requires approval: a promotion request is filed for an approver"
+                    " (/api/promotion-requests/); the stable version has not changed."
+                ),
+            ),
+            **errors(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                e400="The note is malformed.",
+                e409="The version is not ready (registered, validating, failed or retired)"
+                " or stable already, a rollout of the model is active (it promotes"
+                " through its gates and approval), or a promotion request of the"
+                " model is pending.",
+            ),
+        },
+    )
     @action(detail=True, methods=["post"])
     def promote(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Make the version the model's stable version: unpinned traffic goes to it (ending any rollout
@@ -410,8 +501,12 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         form = NoteSerializer(data=request.data)
         form.is_valid(raise_exception=True)
         try:
-            done = promote_or_request(model=version.model, version=version.version, actor=request.user,
-                                      note=form.validated_data.get("note", ""))
+            done = promote_or_request(
+                model=version.model,
+                version=version.version,
+                actor=request.user,
+                note=form.validated_data.get("note", ""),
+            )
         except PromotionError as exc:
             raise RegistrationFailed(RegistrationError(exc.message, exc.status)) from None
         if isinstance(done, PromotionRequest):

@@ -58,37 +58,162 @@ SAMPLE_INPUTS = f"data/sample_inputs/{MODEL}.pt"
 # Graph targets besides torch.ops.*: what torch.export serialises for size arithmetic (_SYM_OPS in
 # torch/_export/serde/serialize.py) plus the builtins its verifier allows.
 SIZE_TARGETS = frozenset(
-    [f"_operator.{name}" for name in (
-        "add", "and_", "eq", "floordiv", "ge", "getitem", "gt", "le", "lshift", "lt", "mod", "mul", "ne", "neg",
-        "not_", "or_", "pos", "pow", "rshift", "sub", "truediv", "abs",
-    )]
+    [
+        f"_operator.{name}"
+        for name in (
+            "add",
+            "and_",
+            "eq",
+            "floordiv",
+            "ge",
+            "getitem",
+            "gt",
+            "le",
+            "lshift",
+            "lt",
+            "mod",
+            "mul",
+            "ne",
+            "neg",
+            "not_",
+            "or_",
+            "pos",
+            "pow",
+            "rshift",
+            "sub",
+            "truediv",
+            "abs",
+        )
+    ]
     + ["math.ceil", "math.floor", "math.trunc"]
-    + [f"torch.{name}" for name in (
-        "_sym_sqrt", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_sum",
-    )]
+    + [
+        f"torch.{name}"
+        for name in (
+            "_sym_sqrt",
+            "sym_float",
+            "sym_int",
+            "sym_ite",
+            "sym_max",
+            "sym_min",
+            "sym_not",
+            "sym_sqrt",
+            "sym_sum",
+        )
+    ]
 )
 
 # Functions a serialised shape expression (sympy.srepr) may call: sympy's own and torch's
 # (torch.utils._sympy.functions, the table in GraphModuleDeserializer.deserialize).
-EXPR_FUNCTIONS = frozenset((
-    "Symbol", "Dummy", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "Mod", "Max", "Min", "Abs",
-    "Equality", "Unequality", "LessThan", "StrictLessThan", "GreaterThan", "StrictGreaterThan",
-    "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "Xor", "Piecewise", "ExprCondPair",
-    "floor", "ceiling", "sqrt", "Tuple",
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
-    "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv",
-    "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal",
-    "ToFloat", "Identity",
-))
-EXPR_KEYWORDS = frozenset((
-    "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "infinite", "zero",
-    "nonzero", "even", "odd", "rational", "commutative", "precision",
-))
+EXPR_FUNCTIONS = frozenset(
+    (
+        "Symbol",
+        "Dummy",
+        "Integer",
+        "Rational",
+        "Float",
+        "Add",
+        "Mul",
+        "Pow",
+        "Mod",
+        "Max",
+        "Min",
+        "Abs",
+        "Equality",
+        "Unequality",
+        "LessThan",
+        "StrictLessThan",
+        "GreaterThan",
+        "StrictGreaterThan",
+        "Eq",
+        "Ne",
+        "Lt",
+        "Le",
+        "Gt",
+        "Ge",
+        "And",
+        "Or",
+        "Not",
+        "Xor",
+        "Piecewise",
+        "ExprCondPair",
+        "floor",
+        "ceiling",
+        "sqrt",
+        "Tuple",
+        "FloorDiv",
+        "ModularIndexing",
+        "Where",
+        "PythonMod",
+        "CleanDiv",
+        "CeilToInt",
+        "FloorToInt",
+        "CeilDiv",
+        "LShift",
+        "RShift",
+        "PowByNatural",
+        "FloatPow",
+        "FloatTrueDiv",
+        "IntTrueDiv",
+        "IsNonOverlappingAndDenseIndicator",
+        "TruncToFloat",
+        "TruncToInt",
+        "RoundToInt",
+        "RoundDecimal",
+        "ToFloat",
+        "Identity",
+    )
+)
+EXPR_KEYWORDS = frozenset(
+    (
+        "positive",
+        "negative",
+        "nonnegative",
+        "nonpositive",
+        "integer",
+        "real",
+        "finite",
+        "infinite",
+        "zero",
+        "nonzero",
+        "even",
+        "odd",
+        "rational",
+        "commutative",
+        "precision",
+    )
+)
 EXPR_NODES = (
-    ast.Expression, ast.Call, ast.Name, ast.Load, ast.Constant, ast.keyword, ast.BinOp, ast.UnaryOp,
-    ast.BoolOp, ast.Compare, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
-    ast.USub, ast.UAdd, ast.Not, ast.Invert, ast.BitAnd, ast.BitOr, ast.And, ast.Or,
-    ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+    ast.Expression,
+    ast.Call,
+    ast.Name,
+    ast.Load,
+    ast.Constant,
+    ast.keyword,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.Pow,
+    ast.USub,
+    ast.UAdd,
+    ast.Not,
+    ast.Invert,
+    ast.BitAnd,
+    ast.BitOr,
+    ast.And,
+    ast.Or,
+    ast.Eq,
+    ast.NotEq,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
 )
 
 # Keys whose string values torch keeps as data (debug metadata, string arguments, version text) or
@@ -96,10 +221,15 @@ EXPR_NODES = (
 FREE_TEXT_KEYS = frozenset(("metadata", "as_string", "as_strings", "torch_version", "guards_code"))
 
 # Globals of a plain tensor pickle (what torch.save writes for a tuple of tensors).
-TENSOR_PICKLE_GLOBALS = frozenset((
-    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("collections", "OrderedDict"), ("torch", "device"), ("torch", "Size"),
-))
+TENSOR_PICKLE_GLOBALS = frozenset(
+    (
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("collections", "OrderedDict"),
+        ("torch", "device"),
+        ("torch", "Size"),
+    )
+)
 STORAGE_CLASS = re.compile(r"[A-Za-z0-9]*Storage")
 REFUSED_PICKLE_OPS = frozenset(("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"))
 
@@ -130,7 +260,7 @@ def check_archive(
             root = _check_zip_names(names)
             if root + "archive_format" not in names:
                 return "zip"
-            sizes = {info.filename[len(root):]: info.file_size for info in infos}
+            sizes = {info.filename[len(root) :]: info.file_size for info in infos}
 
             def read(name: str) -> bytes:
                 if sizes.get(name, 0) > MAX_JSON_BYTES:
@@ -139,8 +269,7 @@ def check_archive(
 
             if read("archive_format") != b"pt2":
                 return "zip"
-            check_pt2_records(list(sizes), read, check_operators=check_operators,
-                              allowed_namespaces=allowed_namespaces)
+            check_pt2_records(list(sizes), read, check_operators=check_operators, allowed_namespaces=allowed_namespaces)
             return "torch_export"
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, KeyError) as exc:
         raise ArchiveRefused(f"unreadable archive: {type(exc).__name__}: {exc}") from None
@@ -165,7 +294,10 @@ def _check_zip_names(names: list[str]) -> str:
 
 
 def check_pt2_records(
-    names: list[str], read: Callable[[str], bytes], *, check_operators: bool = True,
+    names: list[str],
+    read: Callable[[str], bytes],
+    *,
+    check_operators: bool = True,
     allowed_namespaces: Iterable[str] | None = None,
 ) -> None:
     """The .pt2 checks, on member names relative to the archive folder and a reader of them: the
@@ -179,8 +311,9 @@ def check_pt2_records(
         raise ArchiveRefused(f"expected one program {PROGRAM}, found {programs or 'none'}")
     for legacy in (f"data/weights/{MODEL}.pt", f"data/constants/{MODEL}.pt"):
         if legacy in present:
-            raise ArchiveRefused(f"{legacy} is a legacy pickled payload (read with torch.load); "
-                                 "re-save with torch.export.save")
+            raise ArchiveRefused(
+                f"{legacy} is a legacy pickled payload (read with torch.load); re-save with torch.export.save"
+            )
     for required in (WEIGHTS_CONFIG, CONSTANTS_CONFIG):
         if required not in present:
             raise ArchiveRefused(f"{required} is missing")
@@ -226,11 +359,14 @@ def _payload_members(raw: bytes, config_name: str, kind: str) -> set[str]:
         if not isinstance(path_name, str) or not PAYLOAD_NAME.fullmatch(path_name):
             raise ArchiveRefused(f"{kind} {fqn!r}: bad path_name {path_name!r}")
         if kind == "constant" and not path_name.startswith("tensor_"):
-            raise ArchiveRefused(f"constant {fqn!r} ({path_name}) is not a tensor: custom and opaque objects are "
-                                 "unpickled on load")
+            raise ArchiveRefused(
+                f"constant {fqn!r} ({path_name}) is not a tensor: custom and opaque objects are unpickled on load"
+            )
         if meta.get("use_pickle") is not False:
-            raise ArchiveRefused(f"{kind} {fqn!r} is stored pickled (use_pickle), which torch.export.load reads "
-                                 "with torch.load(weights_only=False)")
+            raise ArchiveRefused(
+                f"{kind} {fqn!r} is stored pickled (use_pickle), which torch.export.load reads "
+                "with torch.load(weights_only=False)"
+            )
         if not isinstance(meta.get("tensor_meta"), dict):
             raise ArchiveRefused(f"{kind} {fqn!r} has no tensor_meta")
         members.add(folder + path_name)
@@ -280,8 +416,10 @@ def _check_target(target: object) -> None:
         and all(p.isidentifier() and not p.startswith("__") for p in parts)
     ):
         return
-    raise ArchiveRefused(f"graph calls {target!r}, which is not an operator (accepted: torch.ops.*, and the "
-                         "size arithmetic torch.export emits)")
+    raise ArchiveRefused(
+        f"graph calls {target!r}, which is not an operator (accepted: torch.ops.*, and the "
+        "size arithmetic torch.export emits)"
+    )
 
 
 def _check_expr(expr: object) -> None:
@@ -294,8 +432,10 @@ def _check_expr(expr: object) -> None:
     allowed_strings: set[int] = set()  # ids of the string constants seen as a symbol's name or a number's text
     for node in ast.walk(tree):
         if not isinstance(node, EXPR_NODES):
-            raise ArchiveRefused(f"symbolic expression {expr[:80]!r}: {type(node).__name__} is not accepted "
-                                 "(sympy evaluates these strings with eval)")
+            raise ArchiveRefused(
+                f"symbolic expression {expr[:80]!r}: {type(node).__name__} is not accepted "
+                "(sympy evaluates these strings with eval)"
+            )
         if isinstance(node, ast.Name) and (node.id.startswith("_") or hasattr(builtins, node.id)):
             raise ArchiveRefused(f"symbolic expression {expr[:80]!r} names {node.id!r}")
         if isinstance(node, ast.Call):
@@ -305,9 +445,13 @@ def _check_expr(expr: object) -> None:
                 if kw.arg not in EXPR_KEYWORDS or not isinstance(kw.value, ast.Constant):
                     raise ArchiveRefused(f"symbolic expression {expr[:80]!r}: keyword {kw.arg!r}")
             first = node.args[0] if node.args else None
-            if isinstance(first, ast.Constant) and isinstance(first.value, str) and (
-                (node.func.id in ("Symbol", "Dummy") and SYMBOL_NAME.fullmatch(first.value))
-                or (node.func.id in ("Float", "Integer") and NUMBER_TEXT.fullmatch(first.value))
+            if (
+                isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and (
+                    (node.func.id in ("Symbol", "Dummy") and SYMBOL_NAME.fullmatch(first.value))
+                    or (node.func.id in ("Float", "Integer") and NUMBER_TEXT.fullmatch(first.value))
+                )
             ):
                 allowed_strings.add(id(first))
     for node in ast.walk(tree):

@@ -38,14 +38,18 @@ log = logging.getLogger(__name__)
 CHUNK = 1024 * 1024
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
-REFUSED = Counter("ferry_artifact_refused", "Artifact bytes refused because they did not hash to their sha256",
-                  ["where"])
+REFUSED = Counter(
+    "ferry_artifact_refused", "Artifact bytes refused because they did not hash to their sha256", ["where"]
+)
 FETCHES = Counter("ferry_artifact_fetches", "Artifact fetches into the node's cache, by outcome", ["outcome"])
 HITS = Counter("ferry_artifact_cache_hits", "Loads served from the node's artifact cache")
 CACHE_BYTES = Gauge("ferry_artifact_cache_bytes", "Bytes in the node's artifact cache")
 EVICTED = Counter("ferry_artifact_cache_evictions", "Artifacts deleted from the cache to make room (LRU)")
-FETCH_SECONDS = Histogram("ferry_artifact_fetch_seconds", "Time to fetch an artifact into the cache",
-                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+FETCH_SECONDS = Histogram(
+    "ferry_artifact_fetch_seconds",
+    "Time to fetch an artifact into the cache",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
 
 Source = Callable[[str, float], Iterator[bytes]]  # (sha256, timeout per read) -> chunks
 
@@ -59,8 +63,16 @@ class ArtifactUnavailable(Unavailable):
 
 
 class ArtifactCache:
-    def __init__(self, directory: Path | str, max_bytes: int, source: Source, *, max_artifact_bytes: int,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        max_bytes: int,
+        source: Source,
+        *,
+        max_artifact_bytes: int,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_bytes < 1 or max_artifact_bytes < 1 or timeout_s <= 0:
             raise ValueError("the cache and artifact bounds and the fetch timeout must be positive")
         self.directory = Path(directory)
@@ -90,8 +102,10 @@ class ArtifactCache:
                     HITS.inc()
                     return cached
                 REFUSED.labels("cache").inc()
-                log.error("cached artifact %s does not hash to its name (tampered or damaged); deleted, fetching"
-                          " it again", sha256)
+                log.error(
+                    "cached artifact %s does not hash to its name (tampered or damaged); deleted, fetching it again",
+                    sha256,
+                )
                 cached.unlink(missing_ok=True)
             return self._fetch(sha256)
 
@@ -135,8 +149,10 @@ class ArtifactCache:
                 for chunk in self._source(sha256, self.timeout_s):
                     size += len(chunk)
                     if size > limit:
-                        raise ArtifactUnavailable(f"artifact {sha256} is larger than {limit} bytes (the artifact"
-                                                  " limit or the node's cache); refused")
+                        raise ArtifactUnavailable(
+                            f"artifact {sha256} is larger than {limit} bytes (the artifact"
+                            " limit or the node's cache); refused"
+                        )
                     if self._clock() > deadline:
                         raise ArtifactUnavailable(f"fetching artifact {sha256} took over {self.timeout_s:g}s")
                     digest.update(chunk)
@@ -167,15 +183,17 @@ def http_source(base_url: str, token: str, max_bytes: int) -> Source:
     base = base_url.rstrip("/")
 
     def fetch(sha256: str, timeout_s: float) -> Iterator[bytes]:
-        request = urllib.request.Request(f"{base}/internal/artifacts/{sha256}",
-                                         headers={"Authorization": f"Bearer {token}"})
+        request = urllib.request.Request(
+            f"{base}/internal/artifacts/{sha256}", headers={"Authorization": f"Bearer {token}"}
+        )
         try:
             response = urllib.request.urlopen(request, timeout=timeout_s)  # noqa: S310 (the configured URL)
         except urllib.error.HTTPError as exc:
             detail = exc.read(2048).decode(errors="replace")
             exc.close()
-            raise ArtifactUnavailable(f"the control plane answered {exc.code} for artifact {sha256}: {detail}",
-                                      missing=exc.code == 404) from None
+            raise ArtifactUnavailable(
+                f"the control plane answered {exc.code} for artifact {sha256}: {detail}", missing=exc.code == 404
+            ) from None
         return _stream(response, sha256, max_bytes)
 
     return fetch

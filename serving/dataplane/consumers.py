@@ -64,8 +64,10 @@ class OverQuota(ServingError):
             MONTHLY: "the tenant's monthly request budget is spent",
             CONTROL: "repository loads and unloads over the tenant's quota",
         }
-        super().__init__(f"{messages[decision.reason]} ({decision.reason} limit {decision.limit});"
-                         f" retry after {math.ceil(decision.retry_after)} s")
+        super().__init__(
+            f"{messages[decision.reason]} ({decision.reason} limit {decision.limit});"
+            f" retry after {math.ceil(decision.retry_after)} s"
+        )
         self.headers = tuple(decision.headers())
 
 
@@ -150,15 +152,28 @@ class InferenceConsumer(AsyncHttpConsumer):
         scope = self.scope
         # The headers as a dict, built in C (reversed: the first of a repeated header counts).
         client = scope.get("client")
-        request = InferenceRequest(scope["method"], scope["path"], dict(reversed(scope["headers"])), self._waited,
-                                   scope.get("ferry.gone"), client[0] if client else None)
+        request = InferenceRequest(
+            scope["method"],
+            scope["path"],
+            dict(reversed(scope["headers"])),
+            self._waited,
+            scope.get("ferry.gone"),
+            client[0] if client else None,
+        )
         answer = await request.answer(body)
         if answer is None:
             return  # its client went away: nothing to send
         status, headers, head, payload = answer
         # Standard ASGI messages; "ferry.head" lets the front door's LeanCycle skip uvicorn's per-header work.
-        await self.send({"type": "http.response.start", "status": status, "headers": headers,
-                         "ferry.head": head, "ferry.length": len(payload)})
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": headers,
+                "ferry.head": head,
+                "ferry.length": len(payload),
+            }
+        )
         await self.send({"type": "http.response.body", "body": payload})
 
 
@@ -169,8 +184,15 @@ class InferenceRequest:
 
     __slots__ = ("method", "path", "headers", "waited", "gone", "client")
 
-    def __init__(self, method: str, path: str, headers: dict[bytes, bytes], waited: float,
-                 gone: Callable[[], bool] | None, client: str | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        headers: dict[bytes, bytes],
+        waited: float,
+        gone: Callable[[], bool] | None,
+        client: str | None = None,
+    ) -> None:
         self.method = method
         self.path = path
         self.headers = headers  # lower-case names; the first of a repeated header
@@ -282,9 +304,16 @@ class InferenceRequest:
             self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
         try:
             raw_length = self.headers.get(b"inference-header-content-length")
-            reply = await gateway.infer(name, version, body, _header_length(raw_length), viewer,
-                                        gone=self.gone, tier=limits.priority if limits else 1,
-                                        routing_key=self._routing_key(caller))
+            reply = await gateway.infer(
+                name,
+                version,
+                body,
+                _header_length(raw_length),
+                viewer,
+                gone=self.gone,
+                tier=limits.priority if limits else 1,
+                routing_key=self._routing_key(caller),
+            )
         finally:
             if ticket is not None:
                 plane.quota.release(ticket)  # type: ignore[union-attr]
@@ -335,8 +364,12 @@ class InferenceRequest:
             rate = await self._charge(plane, caller.tenant_id)
             options = _json_options(body, {"ready": bool})
             rows = [
-                {"name": v.model, "version": str(v.version), "state": repository_state(plane, v),
-                 "reason": v.failure_reason or load_failure(plane, v)}
+                {
+                    "name": v.model,
+                    "version": str(v.version),
+                    "state": repository_state(plane, v),
+                    "reason": v.failure_reason or load_failure(plane, v),
+                }
                 for m in plane.gateway.snapshot.models.values()
                 if m.visible_to(caller.tenant_id)
                 for v in m.versions.values()
@@ -380,8 +413,9 @@ class InferenceRequest:
         plane.quota.release(ticket)  # type: ignore[union-attr]  # answered without waiting: in flight no longer
         return ticket.decision.headers()
 
-    async def _control_ticket(self, plane: dataplane.DataPlane, tenant_id: int, *, loads: bool = False,
-                              holds: bool = True) -> Ticket | None:
+    async def _control_ticket(
+        self, plane: dataplane.DataPlane, tenant_id: int, *, loads: bool = False, holds: bool = True
+    ) -> Ticket | None:
         """The tenant's quota for a control call (None: quotas off), with a token of its load/unload bucket
         first when `loads`; OverQuota (429) when either refuses, and a refusal takes nothing. A call that
         does not `hold` (answered at once) is not limited by `max_in_flight`: that limit is for work that
@@ -407,7 +441,12 @@ class InferenceRequest:
             raise OverQuota(refused.decision) from None
 
     def _over_quota(
-        self, plane: dataplane.DataPlane, limits: TenantEntry, name: str, version: str | None, viewer: int,
+        self,
+        plane: dataplane.DataPlane,
+        limits: TenantEntry,
+        name: str,
+        version: str | None,
+        viewer: int,
         decision: Decision,
     ) -> None:
         """Answer 429 for a request its tenant's quota refused: counted, and metered as the tenant's."""
@@ -419,9 +458,7 @@ class InferenceRequest:
             usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self.waited)
         raise OverQuota(decision)
 
-    def _shed_if_saturated(
-        self, plane: dataplane.DataPlane, name: str, version: str | None, viewer: int
-    ) -> None:
+    def _shed_if_saturated(self, plane: dataplane.DataPlane, name: str, version: str | None, viewer: int) -> None:
         """Refuse at once when this process is behind on reading requests: past that point a request
         waits in socket buffers and the event loop's backlog, where no queue bound or deadline sees it.
         Two measures: how late the loop runs its timers (the wait of bytes not yet read), and how long
@@ -533,9 +570,9 @@ def _metadata(name: str, versions: dict[int, VersionEntry], entry: VersionEntry,
 def _config(entry: VersionEntry, budget_ms: int) -> dict:
     """Triton's model configuration; its default timeout is the deadline a request without one gets
     (`budget_ms`, `RoutingSnapshot.budget_ms`), not the version's stored `default_timeout_ms` alone."""
+
     def tensors(specs):  # noqa: ANN001, ANN202
-        return [{"name": s.name, "data_type": f"TYPE_{s.datatype}",
-                 "dims": list(s.shape)} for s in specs]
+        return [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": list(s.shape)} for s in specs]
 
     batching = entry.batching
     return {

@@ -104,8 +104,15 @@ class CounterFamily(_Family):
 
 
 class HistogramFamily(_Family):
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
-                 buckets: Sequence[float], register: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float],
+        register: bool = True,
+    ) -> None:
         bounds = tuple(float(b) for b in buckets if not math.isinf(b))
         if list(bounds) != sorted(set(bounds)):
             raise ValueError("buckets must be increasing")

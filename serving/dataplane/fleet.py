@@ -78,15 +78,30 @@ class NodeInfo:
 
     def to_doc(self) -> dict[str, object]:
         return {
-            "name": self.name, "instance": self.instance, "host": self.host, "pid": self.pid,
-            "device": self.device, "accelerator": self.accelerator, "accelerator_count": self.accelerator_count,
-            "memory_total": self.memory_total, "memory_budget": self.memory_budget, "memory_used": self.memory_used,
-            "labels": self.labels, "started_at": self.started_at, "heartbeat_at": self.heartbeat_at,
-            "serial": self.serial, "ready": sorted(self.ready), "hot": sorted(self.hot),
-            "loading": sorted(self.loading), "failures": self.failures,
-            "counts": self.counts, "assigned": sorted(self.assigned), "warm": sorted(self.warm),
+            "name": self.name,
+            "instance": self.instance,
+            "host": self.host,
+            "pid": self.pid,
+            "device": self.device,
+            "accelerator": self.accelerator,
+            "accelerator_count": self.accelerator_count,
+            "memory_total": self.memory_total,
+            "memory_budget": self.memory_budget,
+            "memory_used": self.memory_used,
+            "labels": self.labels,
+            "started_at": self.started_at,
+            "heartbeat_at": self.heartbeat_at,
+            "serial": self.serial,
+            "ready": sorted(self.ready),
+            "hot": sorted(self.hot),
+            "loading": sorted(self.loading),
+            "failures": self.failures,
+            "counts": self.counts,
+            "assigned": sorted(self.assigned),
+            "warm": sorted(self.warm),
             "cached": sorted(self.cached),
-            "busy": self.busy, "resident": self.resident,
+            "busy": self.busy,
+            "resident": self.resident,
         }
 
     @classmethod
@@ -112,8 +127,10 @@ _FIELDS = frozenset(f.name for f in fields(NodeInfo))
 def resident_of(hosted: Mapping[str, object], warm: Mapping[str, object] | None = None) -> dict[str, dict]:
     """A node's versions as the heartbeat's `resident`: each loaded one (`Node.hosted`) hot, each kept in host
     memory after eviction (`Node.warm`) warm, with its footprint."""
-    resident = {key: {"tier": "hot", "bytes": h.runtime.memory_bytes}  # type: ignore[attr-defined]
-                for key, h in hosted.items()}
+    resident = {
+        key: {"tier": "hot", "bytes": h.runtime.memory_bytes}  # type: ignore[attr-defined]
+        for key, h in hosted.items()
+    }
     for key, w in (warm or {}).items():
         resident.setdefault(key, {"tier": "warm", "bytes": w.runtime.memory_bytes})  # type: ignore[attr-defined]
     return resident
@@ -224,10 +241,12 @@ class FleetView:
         self.nodes = nodes
         self._ready = frozenset().union(*(n.ready for n in nodes))
         self._hot = frozenset().union(*(n.hot for n in nodes))
-        self.packing = FleetPacking(cold=self._ready - self._hot,
-                                    loading=frozenset().union(*(n.loading for n in nodes)) - self._hot)
-        self.failures = {key: LoadFailure(reason) for n in nodes for key, reason in n.failures.items()
-                         if key not in self._ready}
+        self.packing = FleetPacking(
+            cold=self._ready - self._hot, loading=frozenset().union(*(n.loading for n in nodes)) - self._hot
+        )
+        self.failures = {
+            key: LoadFailure(reason) for n in nodes for key, reason in n.failures.items() if key not in self._ready
+        }
         # Every live node has reconciled this serial: what a repository load waits for.
         self.reconciled_serial = min((n.serial for n in nodes), default=0)
 

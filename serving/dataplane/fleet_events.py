@@ -31,8 +31,12 @@ BUFFERED = 1_000
 FLUSH_SECONDS = 0.2
 WINDOW_SECONDS = 3600
 KINDS = {  # kind -> how the page groups it
-    "load": "load", "evict": "eviction", "load_failed": "failure", "unschedulable": "failure",
-    "no_room": "failure", "lost": "failure",
+    "load": "load",
+    "evict": "eviction",
+    "load_failed": "failure",
+    "unschedulable": "failure",
+    "no_room": "failure",
+    "lost": "failure",
 }
 
 
@@ -50,8 +54,14 @@ class FleetEvent:
 
     def to_doc(self) -> dict[str, object]:
         # Not dataclasses.asdict: its deep copies were a quarter of reading the page's 200 events.
-        return {"node": self.node, "at": self.at, "kind": self.kind, "key": self.key, "detail": self.detail,
-                "group": self.group}
+        return {
+            "node": self.node,
+            "at": self.at,
+            "kind": self.kind,
+            "key": self.key,
+            "detail": self.detail,
+            "group": self.group,
+        }
 
     @classmethod
     def of(cls, node: str, event: Event) -> FleetEvent:
@@ -143,6 +153,14 @@ class EventPublisher:
 
 def lost_events(lost: list[NodeInfo], now: float) -> list[FleetEvent]:
     """A lost node (`fleet.read_lost`) as an event, at the moment its heartbeat expired."""
-    return [FleetEvent(n.name, n.heartbeat_at + TTL_SECONDS, "lost", "", f"no heartbeat since"
-                       f" {time.strftime('%H:%M:%S', time.gmtime(n.heartbeat_at))} UTC")
-            for n in lost if n.heartbeat_at + TTL_SECONDS <= now]
+    return [
+        FleetEvent(
+            n.name,
+            n.heartbeat_at + TTL_SECONDS,
+            "lost",
+            "",
+            f"no heartbeat since {time.strftime('%H:%M:%S', time.gmtime(n.heartbeat_at))} UTC",
+        )
+        for n in lost
+        if n.heartbeat_at + TTL_SECONDS <= now
+    ]

@@ -82,8 +82,10 @@ class ShedGate:
 
     def set_reason(self, reason: str) -> None:
         body = orjson.dumps({"error": f"server saturated: {reason}"})
-        head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-                b"content-length: " + str(len(body)).encode() + b"\r\n")
+        head = (
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n"
+        )
         self.keep_alive_answer = head + b"\r\n" + body
         self.closing_answer = head + b"connection: close\r\n\r\n" + body
 
@@ -97,8 +99,11 @@ DISCONNECT = {"type": "http.disconnect"}
 
 
 def json_head(status: int, body: bytes, retry_after: int | None = None) -> dict:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
     return {"type": "http.response.start", "status": status, "headers": headers}
@@ -131,8 +136,13 @@ class FrontDoorProtocol(HttpToolsProtocol):
     (so keep-alive traffic re-arms about once per deadline period, not once per request).
     """
 
-    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         # uvicorn infers "access log on" from the access logger having handlers, which a test's log capture or
         # an embedding application may give it; access_log=False (uvicorn_config's) means off.
@@ -232,7 +242,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         body = orjson.dumps({"error": f"malformed HTTP request: {msg}"})
         self.transport.write(
             b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+            + str(len(body)).encode()
+            + b"\r\nconnection: close\r\n\r\n"
+            + body
         )
         self.transport.close()
 
@@ -267,16 +279,32 @@ class FrontDoorProtocol(HttpToolsProtocol):
         url = self.url
         parser = self.parser
         shedding = GATE.drop > 0.0 and GATE.shedding  # a draw: taken once per request
-        if (self.infer is not None and not shedding and url.startswith(b"/v2/models/") and url.endswith(b"/infer")
-                and parser.get_method() == b"POST" and b"?" not in url and b"%" not in url
-                and not self.access_log):
+        if (
+            self.infer is not None
+            and not shedding
+            and url.startswith(b"/v2/models/")
+            and url.endswith(b"/infer")
+            and parser.get_method() == b"POST"
+            and b"?" not in url
+            and b"%" not in url
+            and not self.access_log
+        ):
             raw = self.raw_headers
             headers = dict(zip(map(bytes.lower, raw[-2::-2]), raw[::-2], strict=True))  # the first of a repeat wins
             limit = self.max_concurrency
-            if (b"expect" not in headers and b"upgrade" not in headers and b"transfer-encoding" not in headers
-                    and (limit is None or (len(self.connections) < limit and len(self.tasks) < limit))):
-                lane = Lane(self.scope, url.decode("ascii"), headers, self.first_byte,
-                            parser.get_http_version() != "1.0" and parser.should_keep_alive())
+            if (
+                b"expect" not in headers
+                and b"upgrade" not in headers
+                and b"transfer-encoding" not in headers
+                and (limit is None or (len(self.connections) < limit and len(self.tasks) < limit))
+            ):
+                lane = Lane(
+                    self.scope,
+                    url.decode("ascii"),
+                    headers,
+                    self.first_byte,
+                    parser.get_http_version() != "1.0" and parser.should_keep_alive(),
+                )
                 existing = self.cycle
                 self.cycle = lane  # type: ignore[assignment]
                 if existing is None or existing.response_complete:
@@ -286,8 +314,11 @@ class FrontDoorProtocol(HttpToolsProtocol):
                     self.pipeline.appendleft((lane, None))  # type: ignore[arg-type]
                 return
         self._begin_asgi()
-        if shedding and (self.cycle is None or self.cycle.response_complete) and _is_infer(self.url) and (
-            self.parser.get_method() == b"POST"
+        if (
+            shedding
+            and (self.cycle is None or self.cycle.response_complete)
+            and _is_infer(self.url)
+            and (self.parser.get_method() == b"POST")
         ):
             GATE.count(self.url)
             if self.expect_100_continue:  # its client waits for a 100 before sending the body: answer now
@@ -314,22 +345,24 @@ class FrontDoorProtocol(HttpToolsProtocol):
         raw = self.raw_headers
         self.headers = headers = list(zip(map(bytes.lower, raw[::2]), raw[1::2], strict=True))
         self.expect_100_continue = any(n == b"expect" and v.lower() == b"100-continue" for n, v in headers)
-        self.scope.update({  # type: ignore[typeddict-item]
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1",
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,
-            "root_path": self.root_path,
-            "headers": headers,
-            "state": self.app_state.copy(),
-            "ferry.first_byte": self.first_byte,
-            # Whether the client has gone: checked when the request's turn comes, so a queued request whose
-            # client left is dropped unrun, with no task per request watching the connection.
-            "ferry.gone": self.transport.is_closing,
-            "ferry.extend_read_deadline": self._extend,
-        })
+        self.scope.update(
+            {  # type: ignore[typeddict-item]
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,
+                "root_path": self.root_path,
+                "headers": headers,
+                "state": self.app_state.copy(),
+                "ferry.first_byte": self.first_byte,
+                # Whether the client has gone: checked when the request's turn comes, so a queued request whose
+                # client left is dropped unrun, with no task per request watching the connection.
+                "ferry.gone": self.transport.is_closing,
+                "ferry.extend_read_deadline": self._extend,
+            }
+        )
 
     def on_body(self, body: bytes) -> None:
         if self.shed:
@@ -403,8 +436,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         if refusal is None:
             body = lane.body
             try:
-                request = self.infer("POST", lane.path, lane.headers, time.monotonic() - lane.first_byte,
-                                     self._is_closing)
+                request = self.infer(
+                    "POST", lane.path, lane.headers, time.monotonic() - lane.first_byte, self._is_closing
+                )
                 answer = await request.answer(body[0] if len(body) == 1 else b"".join(body), True)
             finally:
                 lane.release()
@@ -417,8 +451,11 @@ class FrontDoorProtocol(HttpToolsProtocol):
         else:
             status, message, retry_after = refusal
             payload = orjson.dumps({"error": message})
-            head = (b"content-type: application/json\r\n" if retry_after is None else
-                    b"content-type: application/json\r\nretry-after: %d\r\n" % retry_after)
+            head = (
+                b"content-type: application/json\r\n"
+                if retry_after is None
+                else b"content-type: application/json\r\nretry-after: %d\r\n" % retry_after
+            )
             head += b"content-length: %d\r\n" % len(payload)
             lane.keep_alive = False  # the rest of its body was not read
         if lane.disconnected or transport.is_closing():
@@ -427,10 +464,17 @@ class FrontDoorProtocol(HttpToolsProtocol):
         if self.flow.write_paused:
             await self.flow.drain()
         keep_alive = lane.keep_alive
-        transport.write(b"".join((
-            STATUS_LINE[status], _default_head(self.server_state.default_headers), head,
-            b"\r\n" if keep_alive else b"connection: close\r\n\r\n", payload,
-        )))
+        transport.write(
+            b"".join(
+                (
+                    STATUS_LINE[status],
+                    _default_head(self.server_state.default_headers),
+                    head,
+                    b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
+                    payload,
+                )
+            )
+        )
         lane.response_complete = True
         if not keep_alive:
             transport.close()
@@ -485,9 +529,13 @@ class FrontDoorProtocol(HttpToolsProtocol):
             else:  # still in the head; answer unless an earlier response is being written
                 answer = cycle is None or cycle.response_complete
             if answer:
-                transport.write(self._timeout_response(
-                    f"request body not received within {LIMITS.body_timeout:g} s of its last bytes" if stalled
-                    else f"request not received within {self.read_deadline_s:g} s"))
+                transport.write(
+                    self._timeout_response(
+                        f"request body not received within {LIMITS.body_timeout:g} s of its last bytes"
+                        if stalled
+                        else f"request not received within {self.read_deadline_s:g} s"
+                    )
+                )
         transport.close()
 
     def _timeout_response(self, message: str) -> bytes:
@@ -495,16 +543,21 @@ class FrontDoorProtocol(HttpToolsProtocol):
         parts = [STATUS_LINE[408]]
         for name, value in self.server_state.default_headers:
             parts += [name, b": ", value, b"\r\n"]
-        parts += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
-                  b"\r\nconnection: close\r\n\r\n", body]
+        parts += [
+            b"content-type: application/json\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\nconnection: close\r\n\r\n",
+            body,
+        ]
         return b"".join(parts)
 
 
 class InferRequest(Protocol):
     """`consumers.InferenceRequest`: (method, path, headers, waited, gone), then `answer(body)`."""
 
-    def answer(self, body: bytes, infer: bool) -> Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes, bytes] | None]:
-        ...
+    def answer(
+        self, body: bytes, infer: bool
+    ) -> Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes, bytes] | None]: ...
 
 
 Infer = Callable[[str, str, dict[bytes, bytes], float, Callable[[], bool]], InferRequest]
@@ -544,8 +597,9 @@ class Lane:
     response_complete = False
     disconnected = False
 
-    def __init__(self, scope: Scope, path: str, headers: dict[bytes, bytes], first_byte: float,
-                 keep_alive: bool) -> None:
+    def __init__(
+        self, scope: Scope, path: str, headers: dict[bytes, bytes], first_byte: float, keep_alive: bool
+    ) -> None:
         self.scope = scope  # the request's identity for the read deadline
         self.path = path
         self.headers = headers
@@ -577,10 +631,16 @@ class LeanCycle(RequestResponseCycle):
         self.waiting_for_100_continue = False
         self.expected_content_length = message["ferry.length"]
         self.chunked_encoding = False
-        self.transport.write(b"".join((
-            STATUS_LINE[message["status"]], _default_head(self.default_headers), head,
-            b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n",
-        )))
+        self.transport.write(
+            b"".join(
+                (
+                    STATUS_LINE[message["status"]],
+                    _default_head(self.default_headers),
+                    head,
+                    b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n",
+                )
+            )
+        )
 
 
 _default_rendered: tuple[object, bytes] = (None, b"")
@@ -614,8 +674,12 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
     """The server's configuration, always with the front-door protocol; `overrides` are uvicorn.Config
     keywords (the tests use loop="asyncio" and a quieter log)."""
     options: dict[str, Any] = {
-        "loop": "uvloop", "lifespan": "on", "access_log": False, "proxy_headers": False,
-        "limit_concurrency": settings.FERRY_MAX_CONCURRENCY, "log_level": "info",
+        "loop": "uvloop",
+        "lifespan": "on",
+        "access_log": False,
+        "proxy_headers": False,
+        "limit_concurrency": settings.FERRY_MAX_CONCURRENCY,
+        "log_level": "info",
         "timeout_graceful_shutdown": 10,
     }
     options.update(overrides)
@@ -668,8 +732,15 @@ def discharge(nbytes: int) -> None:
     _inflight -= nbytes
 
 
-async def metered(app: App, scope: Scope, receive: Receive, send: Send, limit: int | None = None,
-                  limit_error: str = "", charge_cap: int | None = None) -> None:
+async def metered(
+    app: App,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    limit: int | None = None,
+    limit_error: str = "",
+    charge_cap: int | None = None,
+) -> None:
     """Run `app` with its body counted against FERRY_MAX_INFLIGHT_BODY_BYTES until it finishes.
 
     Each request is charged the bytes it received, or at most `charge_cap` (what its app keeps in

@@ -41,8 +41,14 @@ class Reply:
 
 class Gateway:
     def __init__(
-        self, hub: SnapshotHub, transport: Transport, clock=time.monotonic, *, fallback: bool = True,  # noqa: ANN001
-        usage: UsageRecorder | None = None, ready: Callable[[str], bool] | None = None,
+        self,
+        hub: SnapshotHub,
+        transport: Transport,
+        clock=time.monotonic,
+        *,
+        fallback: bool = True,  # noqa: ANN001
+        usage: UsageRecorder | None = None,
+        ready: Callable[[str], bool] | None = None,
         mirror: Mirror | None = None,
     ) -> None:
         self.hub = hub
@@ -93,8 +99,15 @@ class Gateway:
             raise ServingError(message, status=exc.status, retry_after=1 if exc.status == 503 else None) from None
 
     async def infer(
-        self, name: str, version: str | None, body: bytes, header_length: int | None, viewer: int | None,
-        gone: Callable[[], bool] | None = None, tier: int = 1, routing_key: str = "",
+        self,
+        name: str,
+        version: str | None,
+        body: bytes,
+        header_length: int | None,
+        viewer: int | None,
+        gone: Callable[[], bool] | None = None,
+        tier: int = 1,
+        routing_key: str = "",
     ) -> Reply:
         """Route, run and answer one inference request. `tier` is the caller's tenant's priority tier: a
         request may ask for a lower priority (a higher level), never a higher one. `routing_key` keeps a
@@ -104,9 +117,7 @@ class Gateway:
         asked = vm = metrics.for_version(entry.model, entry.version)
         counted = entry
         try:
-            request = parse_infer_request(
-                body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size
-            )
+            request = parse_infer_request(body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size)
             if request.outputs is not None:
                 known = {o.name for o in entry.outputs}
                 unknown = [o.name for o in request.outputs if o.name not in known]
@@ -119,8 +130,15 @@ class Gateway:
             wanted = tuple(o.name for o in request.outputs) if request.outputs is not None else None
             try:
                 outputs = await self.transport.infer(
-                    entry, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone,
-                    tenant=viewer, outputs=wanted,
+                    entry,
+                    request.inputs,
+                    request.rows,
+                    deadline,
+                    priority,
+                    nbytes=len(body),
+                    gone=gone,
+                    tenant=viewer,
+                    outputs=wanted,
                 )
                 if self.mirror is not None:
                     self._mirror(entry, request.inputs, request.rows, len(body), outputs, viewer)
@@ -130,8 +148,15 @@ class Gateway:
                     raise
                 try:
                     outputs = await self.transport.infer(
-                        served, request.inputs, request.rows, deadline, priority, nbytes=len(body), gone=gone,
-                        tenant=viewer, outputs=wanted,
+                        served,
+                        request.inputs,
+                        request.rows,
+                        deadline,
+                        priority,
+                        nbytes=len(body),
+                        gone=gone,
+                        tenant=viewer,
+                        outputs=wanted,
                     )
                 except Unavailable:
                     raise refused from None  # the caller asked for the primary: its refusal is the answer
@@ -161,13 +186,20 @@ class Gateway:
             if isinstance(exc, Shed):
                 asked.shed(exc.reason, exc.tier)
             raise
-        self._answered(vm, counted, viewer, 200, self._clock() - arrived, request.rows,
-                       getattr(outputs, "compute_seconds", 0.0))
+        self._answered(
+            vm, counted, viewer, 200, self._clock() - arrived, request.rows, getattr(outputs, "compute_seconds", 0.0)
+        )
         asked.saturation.mark("fallback" if fell_back else "served")
         return Reply(200, payload, headers)
 
     def _mirror(
-        self, entry: VersionEntry, inputs: dict, rows: int, nbytes: int, outputs: dict, viewer: int | None,
+        self,
+        entry: VersionEntry,
+        inputs: dict,
+        rows: int,
+        nbytes: int,
+        outputs: dict,
+        viewer: int | None,
     ) -> None:
         """Queue this request of tenant `viewer` for the model's shadow when it is its turn, marked whether
         it may be kept as a sample (`may_keep_sample`); never awaited, never raises."""
@@ -178,24 +210,43 @@ class Gateway:
         try:
             candidate = self.mirror.candidate(model, entry)  # type: ignore[union-attr]
             if candidate is not None:
-                self.mirror.offer(model.task, entry, candidate, inputs, rows, nbytes,  # type: ignore[union-attr]
-                                  outputs, getattr(outputs, "compute_seconds", 0.0),
-                                  keep_sample=may_keep_sample(model, viewer, snapshot.tenants),
-                                  budget_ms=snapshot.budget_ms(candidate))
+                self.mirror.offer(
+                    model.task,
+                    entry,
+                    candidate,
+                    inputs,
+                    rows,
+                    nbytes,  # type: ignore[union-attr]
+                    outputs,
+                    getattr(outputs, "compute_seconds", 0.0),
+                    keep_sample=may_keep_sample(model, viewer, snapshot.tenants),
+                    budget_ms=snapshot.budget_ms(candidate),
+                )
         except Exception:  # a bug in the shadow's path must not cost the caller its answer
             log.exception("mirroring a request of %s failed", entry.key)
             metrics.INTERNAL_ERRORS.labels("shadow").inc()
 
     def _answered(
-        self, vm: metrics.VersionMetrics, entry: VersionEntry, viewer: int | None, status: int, latency: float,
-        rows: int = 0, compute_seconds: float = 0.0,
+        self,
+        vm: metrics.VersionMetrics,
+        entry: VersionEntry,
+        viewer: int | None,
+        status: int,
+        latency: float,
+        rows: int = 0,
+        compute_seconds: float = 0.0,
     ) -> None:
         vm.answered(status, latency)
         if self.usage is not None and viewer is not None:
             self.usage.record(viewer, entry.model, entry.version, status, rows, compute_seconds, latency)
 
     def _fallback(
-        self, entry: VersionEntry, name: str, rows: int, viewer: int | None, routing_key: str = "",
+        self,
+        entry: VersionEntry,
+        name: str,
+        rows: int,
+        viewer: int | None,
+        routing_key: str = "",
     ) -> VersionEntry | None:
         """The model's smaller fallback, when the caller may see it, it takes the same inputs, gives the
         same outputs and takes a batch this large."""

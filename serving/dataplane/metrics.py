@@ -17,50 +17,70 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Written per request or per batch: the cheap families (serving.dataplane.fastmetrics).
 REQUESTS = CounterFamily("ferry_requests", "Inference requests answered", ["model", "version", "status"])
-QUEUE_WAIT = HistogramFamily("ferry_queue_wait_seconds", "Time from arrival to batch start", ["model", "version"],
-                             buckets=LATENCY_BUCKETS)
-COMPUTE = HistogramFamily("ferry_compute_seconds", "Model compute time per batch", ["model", "version"],
-                          buckets=LATENCY_BUCKETS)
-TOTAL = HistogramFamily("ferry_request_seconds", "Time from arrival to answer", ["model", "version"],
-                        buckets=LATENCY_BUCKETS)
+QUEUE_WAIT = HistogramFamily(
+    "ferry_queue_wait_seconds", "Time from arrival to batch start", ["model", "version"], buckets=LATENCY_BUCKETS
+)
+COMPUTE = HistogramFamily(
+    "ferry_compute_seconds", "Model compute time per batch", ["model", "version"], buckets=LATENCY_BUCKETS
+)
+TOTAL = HistogramFamily(
+    "ferry_request_seconds", "Time from arrival to answer", ["model", "version"], buckets=LATENCY_BUCKETS
+)
 BATCH_SIZE = HistogramFamily("ferry_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("ferry_queue_depth", "Requests waiting", ["model", "version"])
 DEVICE_BUSY = Counter("ferry_device_busy_seconds", "Seconds the device spent computing", ["device"])
-FALLBACKS = Counter("ferry_fallbacks", "Requests a saturated version passed to its fallback model",
-                    ["model", "version", "fallback"])
-INTERNAL_ERRORS = Counter("ferry_internal_errors", "Unexpected exceptions answered 500 (bugs to fix)",
-                          ["component"])
-SHED = Counter("ferry_shed", "Requests refused to protect the latency of admitted ones (503)",
-               ["model", "version", "reason", "tier"])
-POISON = Counter("ferry_poison_requests", "Requests the model failed on, found by bisecting their batch (422)",
-                 ["model", "version"])
-ABANDONED = Counter("ferry_abandoned", "Queued requests dropped unrun because their caller went away",
-                    ["model", "version"])
+FALLBACKS = Counter(
+    "ferry_fallbacks", "Requests a saturated version passed to its fallback model", ["model", "version", "fallback"]
+)
+INTERNAL_ERRORS = Counter("ferry_internal_errors", "Unexpected exceptions answered 500 (bugs to fix)", ["component"])
+SHED = Counter(
+    "ferry_shed",
+    "Requests refused to protect the latency of admitted ones (503)",
+    ["model", "version", "reason", "tier"],
+)
+POISON = Counter(
+    "ferry_poison_requests", "Requests the model failed on, found by bisecting their batch (422)", ["model", "version"]
+)
+ABANDONED = Counter(
+    "ferry_abandoned", "Queued requests dropped unrun because their caller went away", ["model", "version"]
+)
 LOOP_LAG = Gauge("ferry_event_loop_lag_seconds", "How late this process's event loop runs its timers (smoothed)")
-QUOTA_REFUSALS = Counter("ferry_quota_refusals", "Requests refused by their tenant's quota (429)",
-                         ["tenant", "reason"])
-QUOTA_FALLBACKS = Counter("ferry_quota_fallback", "Quota decisions made in this process because Redis did not"
-                          " answer in time (the tenant's limits divided by FERRY_QUOTA_GATEWAYS)")
+QUOTA_REFUSALS = Counter("ferry_quota_refusals", "Requests refused by their tenant's quota (429)", ["tenant", "reason"])
+QUOTA_FALLBACKS = Counter(
+    "ferry_quota_fallback",
+    "Quota decisions made in this process because Redis did not"
+    " answer in time (the tenant's limits divided by FERRY_QUOTA_GATEWAYS)",
+)
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 # Packing (serving.dataplane.packing): versions evicted to make room, loads a request asked for, cold starts.
-EVICTIONS = Counter("ferry_evictions", "Versions unloaded from this node to make room for another (LRU)",
-                    ["model", "version", "reason"])
-COLD_LOADS = Counter("ferry_cold_loads", "Requests that found their version cold, by what happened to them",
-                     ["model", "version", "outcome"])
+EVICTIONS = Counter(
+    "ferry_evictions", "Versions unloaded from this node to make room for another (LRU)", ["model", "version", "reason"]
+)
+COLD_LOADS = Counter(
+    "ferry_cold_loads",
+    "Requests that found their version cold, by what happened to them",
+    ["model", "version", "outcome"],
+)
 COLD_START = Histogram(
-    "ferry_cold_start_seconds", "Load time of a version on this node, evictions and warm-up included", ["model"],
+    "ferry_cold_start_seconds",
+    "Load time of a version on this node, evictions and warm-up included",
+    ["model"],
     buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120),
 )
 COLD_WAIT = Histogram(
-    "ferry_cold_wait_seconds", "How long a request for a cold version waited for its load (served ones)", ["model"],
+    "ferry_cold_wait_seconds",
+    "How long a request for a cold version waited for its load (served ones)",
+    ["model"],
     buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60),
 )
-UNSCHEDULABLE = Counter("ferry_unschedulable", "Versions found unable to fit this node, by constraint",
-                        ["model", "version", "constraint"])
+UNSCHEDULABLE = Counter(
+    "ferry_unschedulable", "Versions found unable to fit this node, by constraint", ["model", "version", "constraint"]
+)
 # The sandboxed runtime processes (serving.dataplane.runtime_process): one that died or stopped answering fails its
 # batch (or load) and is replaced by a fresh one on next use.
-RUNTIME_PROCESS_FAILURES = Counter("ferry_runtime_process_failures",
-                                   "Sandboxed runtime processes that died or timed out, by reason", ["reason"])
+RUNTIME_PROCESS_FAILURES = Counter(
+    "ferry_runtime_process_failures", "Sandboxed runtime processes that died or timed out, by reason", ["reason"]
+)
 RUNTIME_PROCESS_STARTS = Counter("ferry_runtime_process_starts", "Sandboxed runtime processes started")
 
 

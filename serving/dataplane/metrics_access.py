@@ -69,8 +69,9 @@ class Access:
             return REDACTED
         if self.token:
             raise MetricsRefused("/metrics needs the metrics token (Authorization: Bearer <FERRY_METRICS_TOKEN>)")
-        raise MetricsRefused("/metrics answers only addresses in FERRY_METRICS_ALLOW while no FERRY_METRICS_TOKEN"
-                             " is set")
+        raise MetricsRefused(
+            "/metrics answers only addresses in FERRY_METRICS_ALLOW while no FERRY_METRICS_TOKEN is set"
+        )
 
 
 def allowed(client: str, networks: Iterable[Network]) -> bool:

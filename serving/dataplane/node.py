@@ -183,10 +183,14 @@ class Node:
         """New batching settings apply to queued work too; what can no longer fit a batch is answered."""
         misfits = hosted.batcher.reconfigure(entry.batching)
         for pending in misfits:
-            _fail(pending, Unavailable(
-                f"{entry.key}: max_batch_size changed to {entry.batching.max_batch_size} while this request of"
-                f" {pending.rows} rows waited; send it again in smaller requests", retry_after=1,
-            ))
+            _fail(
+                pending,
+                Unavailable(
+                    f"{entry.key}: max_batch_size changed to {entry.batching.max_batch_size} while this request of"
+                    f" {pending.rows} rows waited; send it again in smaller requests",
+                    retry_after=1,
+                ),
+            )
 
     @staticmethod
     def _dropped(hosted: Hosted, items: list[Pending]) -> None:
@@ -254,8 +258,9 @@ class Node:
             if warm is None:
                 self.packing.measure(entry, runtime.memory_bytes, cold_start)
                 metrics.COLD_START.labels(entry.model).observe(cold_start)
-                self.packing.send(LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes,
-                                             cold_start))
+                self.packing.send(
+                    LoadReport(entry.model, entry.version, self.accelerator, runtime.memory_bytes, cold_start)
+                )
         log.info("loaded %s on %s in %.3fs (%d bytes)", entry.key, self.device, cold_start, runtime.memory_bytes)
         return hosted
 
@@ -280,8 +285,9 @@ class Node:
                 metrics.EVICTIONS.labels(victim.entry.model, str(victim.entry.version), "lru").inc()
                 self.packing.record("evict", victim.entry.key, reason)
                 self.packing.cold[victim.entry.key] = victim.entry
-                log.info("evicting %s (idle since %.1f s): %s", victim.entry.key,
-                         self._clock() - victim.last_used, reason)
+                log.info(
+                    "evicting %s (idle since %.1f s): %s", victim.entry.key, self._clock() - victim.last_used, reason
+                )
                 await self._release(victim, f"model version {victim.entry.key} was evicted", keep_warm=True)
             return True
         if verdict.permanent:
@@ -305,8 +311,11 @@ class Node:
         self.packing.record("unschedulable", entry.key, reason)
         log.error("%s", reason)
         if entry.placement.unschedulable != reason:
-            self.packing.send(LoadReport(entry.model, entry.version, self.accelerator,
-                                         self.packing.footprint(entry), unschedulable=reason))
+            self.packing.send(
+                LoadReport(
+                    entry.model, entry.version, self.accelerator, self.packing.footprint(entry), unschedulable=reason
+                )
+            )
 
     def unready_reason(self, key: str) -> str:
         failure = self.failures.get(key)
@@ -316,8 +325,9 @@ class Node:
         """Whether routing may send a request here: loaded, or cold and loadable (the request loads it)."""
         return key in self.hosted or key in self.packing.cold
 
-    def host(self, entry: VersionEntry, runtime: ModelRuntime, profile: dict[int, float], *,
-             start: bool = True) -> Hosted:
+    def host(
+        self, entry: VersionEntry, runtime: ModelRuntime, profile: dict[int, float], *, start: bool = True
+    ) -> Hosted:
         """Serve a loaded runtime: its queue, its batcher, its metrics. (Tests host stand-in runtimes
         here and leave the batcher stopped to decide admission on a fake clock.)"""
         vm = metrics.for_version(entry.model, entry.version)
@@ -325,7 +335,10 @@ class Node:
         queue = BatchQueue(entry.batching, latency.estimate, max_bytes=self.max_queue_bytes, abandoned=_abandoned)
         hosted = Hosted(entry, runtime, None, latency, vm)  # type: ignore[arg-type]
         hosted.batcher = Batcher(
-            queue, lambda batch: self._run_batch(hosted, batch), self._expired, clock=self._clock,
+            queue,
+            lambda batch: self._run_batch(hosted, batch),
+            self._expired,
+            clock=self._clock,
             on_dropped=lambda items: self._dropped(hosted, items),
         )
         if start:
@@ -417,14 +430,21 @@ class Node:
         return len(hosted.batcher.queue) if hosted else 0
 
     async def infer(
-        self, key: str, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        nbytes: int = 0, gone: Callable[[], bool] | None = None,
+        self,
+        key: str,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        deadline: float,
+        priority: int,
+        nbytes: int = 0,
+        gone: Callable[[], bool] | None = None,
     ) -> dict[str, np.ndarray]:
         hosted = self.hosted.get(key)
         if hosted is None:
             if priority >= SHADOW_PRIORITY:  # a mirror never pays for a load, nor evicts what callers use
-                raise Shed(f"model version {key} is not loaded; mirrors do not load it", reason="not_loaded",
-                           tier=priority)
+                raise Shed(
+                    f"model version {key} is not loaded; mirrors do not load it", reason="not_loaded", tier=priority
+                )
             hosted = await self._wake(key, rows, deadline)
         if rows > hosted.entry.batching.max_batch_size:
             raise ServingError(
@@ -437,7 +457,10 @@ class Node:
             raise DeadlineExceeded("request deadline passed before it was queued")
         if self.admission:
             verdict = admission.decide(
-                now=now, deadline=deadline, priority=priority, completion=self._completion(hosted, rows, priority, now),
+                now=now,
+                deadline=deadline,
+                priority=priority,
+                completion=self._completion(hosted, rows, priority, now),
                 higher_share=hosted.share.higher_than(priority, now),
             )
             if not verdict.admit:
@@ -446,7 +469,9 @@ class Node:
                 raise Shed(
                     f"{key}: estimated completion {completion * 1000:.0f} ms (device backlog included) exceeds {why}"
                     f" budget ({admission.HEADROOM:.0%} of the {max(0.0, deadline - now) * 1000:.0f} ms left)",
-                    reason=verdict.reason, tier=priority, retry_after=self.retry_after(now),
+                    reason=verdict.reason,
+                    tier=priority,
+                    retry_after=self.retry_after(now),
                 )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
@@ -457,10 +482,15 @@ class Node:
         top = hosted.entry.batching.max_batch_size
         hosted.share.add(priority, hosted.profile.estimate(top) * rows / top, now)
         for victim in evicted:
-            _fail(victim, Shed(
-                f"{key}: evicted from the queue by higher-priority work", reason="evicted", tier=victim.priority,
-                retry_after=self.retry_after(now),
-            ))
+            _fail(
+                victim,
+                Shed(
+                    f"{key}: evicted from the queue by higher-priority work",
+                    reason="evicted",
+                    tier=victim.priority,
+                    retry_after=self.retry_after(now),
+                ),
+            )
         timer = loop.call_at(loop.time() + (deadline - now), _expire_future, future)
         hosted.in_flight += 1
         try:
@@ -491,7 +521,8 @@ class Node:
             drain = self.packing.remaining(now) + self.packing.cold_start(entry)
             raise Unavailable(
                 f"model version {key} is cold and this node is already loading {len(self.packing.loading)}"
-                f" versions (its limit); try again in about {drain:.1f} s", retry_after=admission.retry_after(drain),
+                f" versions (its limit); try again in about {drain:.1f} s",
+                retry_after=admission.retry_after(drain),
             )
         if ticket is None:
             task = asyncio.get_running_loop().create_task(self._load_on_demand(entry))
@@ -503,7 +534,8 @@ class Node:
             vm.labels(entry.model, str(entry.version), "refused").inc()
             raise Unavailable(
                 f"model version {key} is cold and loading, about {remaining:.1f} s left: more than this request's"
-                f" deadline allows", retry_after=admission.retry_after(remaining),
+                f" deadline allows",
+                retry_after=admission.retry_after(remaining),
             )
         ticket.waiters += 1
         try:

@@ -49,14 +49,18 @@ class NodeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         process, node = self.process, self.process.node
         counts = dict(process.counts)
-        entries = CounterMetricFamily("ferry_node_stream_entries", "Stream entries this node handled, by outcome",
-                                      labels=["outcome"])
+        entries = CounterMetricFamily(
+            "ferry_node_stream_entries", "Stream entries this node handled, by outcome", labels=["outcome"]
+        )
         for outcome, n in sorted(counts.items()):
             entries.add_metric([outcome], n)
         yield entries
 
-        held = GaugeMetricFamily("ferry_node_held_requests", "Requests taken off a stream and held (queued or"
-                                 " running)", labels=["model", "version"])
+        held = GaugeMetricFamily(
+            "ferry_node_held_requests",
+            "Requests taken off a stream and held (queued or running)",
+            labels=["model", "version"],
+        )
         for key, n in sorted(process.held().items()):
             held.add_metric(_labels(key), n)
         yield held
@@ -67,19 +71,27 @@ class NodeCollector(Collector):
         versions.add_metric(["hot"], len(hosted))
         versions.add_metric(["cold"], len([k for k in cold if k not in hosted]))
         yield versions
-        hot = GaugeMetricFamily("ferry_node_version_hot", "1 per version loaded on this node",
-                                labels=["model", "version"])
+        hot = GaugeMetricFamily(
+            "ferry_node_version_hot", "1 per version loaded on this node", labels=["model", "version"]
+        )
         for key in sorted(hosted):
             hot.add_metric(_labels(key), 1)
         yield hot
 
-        yield GaugeMetricFamily("ferry_node_memory_used_bytes", "Measured footprint of the loaded versions",
-                                value=sum(h.runtime.memory_bytes for h in hosted.values()))
-        yield GaugeMetricFamily("ferry_node_memory_budget_bytes", "The node's memory budget",
-                                value=process.facts.memory_budget)
+        yield GaugeMetricFamily(
+            "ferry_node_memory_used_bytes",
+            "Measured footprint of the loaded versions",
+            value=sum(h.runtime.memory_bytes for h in hosted.values()),
+        )
+        yield GaugeMetricFamily(
+            "ferry_node_memory_budget_bytes", "The node's memory budget", value=process.facts.memory_budget
+        )
 
-        loads = GaugeMetricFamily("ferry_node_version_load_seconds", "Measured load time (cold start) of each"
-                                  " version on this node", labels=["model", "version"])
+        loads = GaugeMetricFamily(
+            "ferry_node_version_load_seconds",
+            "Measured load time (cold start) of each version on this node",
+            labels=["model", "version"],
+        )
         for key, (_footprint, seconds) in sorted(dict(node.packing.measured).items()):
             loads.add_metric(_labels(key), seconds)
         yield loads
@@ -93,8 +105,13 @@ def _labels(key: str) -> list[str]:
 def serve(process: NodeProcess, port: int, addr: str = "0.0.0.0") -> WSGIServer:  # noqa: S104 (a scrape target)
     """Register the node's collector and serve /metrics on `port`; returns the server (shutdown())."""
     REGISTRY.register(NodeCollector(process))
-    server = make_server(addr, port, MetricsApp(lambda: process.hub.current),
-                         server_class=_server_class(addr), handler_class=_QuietHandler)
+    server = make_server(
+        addr,
+        port,
+        MetricsApp(lambda: process.hub.current),
+        server_class=_server_class(addr),
+        handler_class=_QuietHandler,
+    )
     threading.Thread(target=server.serve_forever, name="node-metrics", daemon=True).start()
     log.info("node metrics on http://%s:%d/metrics", addr, server.server_port)
     return server
@@ -117,8 +134,9 @@ class MetricsApp:
                 raise ServingError("/metrics answers GET only", status=405)
             access = metrics_access.configured()
             authorization = environ.get("HTTP_AUTHORIZATION")
-            level = access.admit(authorization.encode("latin-1") if authorization is not None else None,
-                                 environ.get("REMOTE_ADDR"))
+            level = access.admit(
+                authorization.encode("latin-1") if authorization is not None else None, environ.get("REMOTE_ADDR")
+            )
             body = metrics_access.exposition(level, self.snapshot(), access.label_key)
         except ServingError as exc:
             body = orjson.dumps({"error": exc.message})

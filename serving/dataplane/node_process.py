@@ -65,8 +65,18 @@ CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the
 REPLY_MAXLEN = 10_000
 HOLDING_POLL_SECONDS = 0.02  # how soon a load or an eviction goes out in a heartbeat
 HEARTBEAT_RETRY_SECONDS = 0.1  # after a failed heartbeat
-UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-         "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -108,8 +118,9 @@ class Facts:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def facts_for(name: str, device: str, accelerator: str | None, memory: int | None, labels: dict[str, str],
-              default_memory: int) -> Facts:
+def facts_for(
+    name: str, device: str, accelerator: str | None, memory: int | None, labels: dict[str, str], default_memory: int
+) -> Facts:
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -123,9 +134,15 @@ def facts_for(name: str, device: str, accelerator: str | None, memory: int | Non
 
 class NodeProcess:
     def __init__(
-        self, node: Node, url: str, facts: Facts, *, hub: SnapshotHub | None = None,
+        self,
+        node: Node,
+        url: str,
+        facts: Facts,
+        *,
+        hub: SnapshotHub | None = None,
         hosted: Callable[[RoutingSnapshot], Collection[str]] = hosted,
-        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         on_disk: Callable[[str], bool] | None = None,
     ) -> None:
         self.node = node
@@ -158,8 +175,11 @@ class NodeProcess:
         self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0, "hot": 0, "cold": 0}
         self._held_elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
-        self._reader = redis_pipe.client(url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
-                                         name=f"ferry-node-reader-{facts.name}")
+        self._reader = redis_pipe.client(
+            url,
+            socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
+            name=f"ferry-node-reader-{facts.name}",
+        )
         self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
         self.events = EventPublisher(url, facts.name)  # its loads, evictions and failures, for the fleet page
         node.packing.listeners.append(self.events.add)
@@ -169,18 +189,29 @@ class NodeProcess:
     def info(self) -> fleet.NodeInfo:
         node = self.node
         return fleet.NodeInfo(
-            name=self.facts.name, instance=self.instance, host=socket.gethostname(), pid=os.getpid(),
-            device=str(node.device), accelerator=self.facts.accelerator,
-            accelerator_count=self.facts.accelerator_count, memory_total=self.facts.memory_total,
+            name=self.facts.name,
+            instance=self.instance,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=str(node.device),
+            accelerator=self.facts.accelerator,
+            accelerator_count=self.facts.accelerator_count,
+            memory_total=self.facts.memory_total,
             memory_budget=self.facts.memory_budget,
             memory_used=sum(h.runtime.memory_bytes for h in node.hosted.values()),
-            labels=self.facts.labels, started_at=self.started_at, heartbeat_at=self._wall(),
-            serial=self.reconciled_serial, ready=frozenset(k for k in self.servable() if k in self._grouped),
-            hot=frozenset(node.hosted), loading=frozenset(node.packing.loading),
+            labels=self.facts.labels,
+            started_at=self.started_at,
+            heartbeat_at=self._wall(),
+            serial=self.reconciled_serial,
+            ready=frozenset(k for k in self.servable() if k in self._grouped),
+            hot=frozenset(node.hosted),
+            loading=frozenset(node.packing.loading),
             failures={k: f.reason for k, f in node.failures.items()},
             counts={**self.counts, "loads": node.packing.loads, "evictions": node.packing.evictions},
-            assigned=frozenset(node.packing.assigned), warm=frozenset(node.warm),
-            busy=round(node.busy.fraction(), 4), resident=fleet.resident_of(node.hosted, node.warm),
+            assigned=frozenset(node.packing.assigned),
+            warm=frozenset(node.warm),
+            busy=round(node.busy.fraction(), 4),
+            resident=fleet.resident_of(node.hosted, node.warm),
             cached=self.cached(),
         )
 
@@ -246,15 +277,24 @@ class NodeProcess:
             if other.instance == self.instance:
                 break
             if self._clock() > deadline:
-                raise RuntimeError(f"a live node named {self.facts.name!r} exists (pid {other.pid} on {other.host});"
-                                   " pick another --name")
+                raise RuntimeError(
+                    f"a live node named {self.facts.name!r} exists (pid {other.pid} on {other.host});"
+                    " pick another --name"
+                )
             await asyncio.sleep(0.25)
         await self.heartbeat_once()
 
     async def leave(self) -> None:
         """Remove this node's heartbeat, if it is this process's (not a namesake's that refused this one)."""
-        await self._client.eval(_LEAVE, 3, fleet.node_key(self.facts.name), fleet.NODES_KEY, fleet.SEEN_KEY,
-                                fleet.NodeInfo.encode_field(self.instance), self.facts.name)
+        await self._client.eval(
+            _LEAVE,
+            3,
+            fleet.node_key(self.facts.name),
+            fleet.NODES_KEY,
+            fleet.SEEN_KEY,
+            fleet.NodeInfo.encode_field(self.instance),
+            self.facts.name,
+        )
 
     # -- what it hosts ---------------------------------------------------------------------
 
@@ -334,8 +374,10 @@ class NodeProcess:
             raise
         if hosted is None:
             self.node.packing.assigned.discard(key)
-            result: dict[str, object] = {"state": "failed", "reason": self.node.unready_reason(key)
-                                         or self.node.packing.no_room.get(key, "not loaded")}
+            result: dict[str, object] = {
+                "state": "failed",
+                "reason": self.node.unready_reason(key) or self.node.packing.no_room.get(key, "not loaded"),
+            }
         else:
             await self.ensure_groups([key])
             result = {"state": "hot", "seconds": round(self._clock() - started, 4)}
@@ -431,8 +473,9 @@ class NodeProcess:
             metrics.INTERNAL_ERRORS.labels("stream_request").inc()
             log.error("malformed request on %s: %s", key, exc)
             if exc.request_id is not None and exc.reply_to is not None:
-                self._reply(exc.reply_to, encode_error(
-                    exc.request_id, ServingError(f"malformed request on the stream: {exc}")))
+                self._reply(
+                    exc.reply_to, encode_error(exc.request_id, ServingError(f"malformed request on the stream: {exc}"))
+                )
             return
         left = request.deadline - self._wall()
         if left <= 0:
@@ -441,8 +484,9 @@ class NodeProcess:
             return
         self.counts["hot" if key in self.node.hosted else "cold"] += 1
         try:
-            outputs = await self.node.infer(key, request.inputs, request.rows, self._clock() + left,
-                                            request.priority, nbytes=len(raw or b""))
+            outputs = await self.node.infer(
+                key, request.inputs, request.rows, self._clock() + left, request.priority, nbytes=len(raw or b"")
+            )
             payload = encode_success(request.id, outputs, request.outputs)
             self.counts["served"] += 1
         except DeadlineExceeded:
@@ -473,8 +517,18 @@ class NodeProcess:
         acks, self._acks = self._acks, {}
         for reply_to, payloads in outbox.items():
             # NOMKSTREAM: a gateway that died took its reply stream with it (TTL); no stream is left behind.
-            self._pipe.send("XADD", reply_to, "NOMKSTREAM", "MAXLEN", "~", REPLY_MAXLEN, "*", REPLIES,
-                            pack_replies(payloads), wait=False)
+            self._pipe.send(
+                "XADD",
+                reply_to,
+                "NOMKSTREAM",
+                "MAXLEN",
+                "~",
+                REPLY_MAXLEN,
+                "*",
+                REPLIES,
+                pack_replies(payloads),
+                wait=False,
+            )
         for stream, ids in acks.items():
             self._pipe.send("XACK", stream, GROUP, *ids, wait=False)
             self._pipe.send("XDEL", stream, *ids, wait=False)
@@ -492,8 +546,9 @@ class NodeProcess:
         claimed = 0
         for key in [k for k in self.servable() if k in self._grouped]:
             stream = request_stream(key)
-            pending = await self._client.xpending_range(stream, GROUP, min="-", max="+", count=1000,
-                                                        idle=CLAIM_MIN_IDLE_MS)
+            pending = await self._client.xpending_range(
+                stream, GROUP, min="-", max="+", count=1000, idle=CLAIM_MIN_IDLE_MS
+            )
             orphans = [p["message_id"] for p in pending if p["consumer"].decode() not in live]
             if orphans:
                 entries = await self._client.xclaim(stream, GROUP, self.consumer, CLAIM_MIN_IDLE_MS, orphans)
@@ -554,20 +609,27 @@ class NodeProcess:
         await self.claim_name()
         loop = asyncio.get_running_loop()
         self._loops.append(loop.create_task(self._heartbeat_forever()))
-        self._loops.append(loop.create_task(self._every(fleet.REFRESH_SECONDS, self.watch_fleet_once,
-                                                        "reading the fleet")))
+        self._loops.append(
+            loop.create_task(self._every(fleet.REFRESH_SECONDS, self.watch_fleet_once, "reading the fleet"))
+        )
         self.hub.subscribe(self.on_snapshot)
         self._loops.append(loop.create_task(snapshot_redis.follow(self.url, self.hub)))
         deadline = self._clock() + first_snapshot_timeout
         while self.reconciled_serial == 0 and self._clock() < deadline:
             await asyncio.sleep(0.05)
         if self.reconciled_serial == 0:
-            log.warning("no routing snapshot in Redis after %.0fs; serving once one is published",
-                        first_snapshot_timeout)
+            log.warning(
+                "no routing snapshot in Redis after %.0fs; serving once one is published", first_snapshot_timeout
+            )
         self.serve()
         await self.heartbeat_once()
-        log.info("node %s (%s, %s) serving %s", self.facts.name, self.facts.accelerator, self.node.device,
-                 sorted(self.servable()) or "nothing yet")
+        log.info(
+            "node %s (%s, %s) serving %s",
+            self.facts.name,
+            self.facts.accelerator,
+            self.node.device,
+            sorted(self.servable()) or "nothing yet",
+        )
 
     async def stop(self, drain_seconds: float = 10.0) -> None:
         """Leave the fleet (gateways stop routing here at their next read), finish what it holds, close."""
@@ -609,4 +671,4 @@ return 0
 
 def _key_of(stream: bytes | str) -> str:
     text = stream.decode() if isinstance(stream, bytes) else stream
-    return text[text.index("{") + 1: text.rindex("}")]
+    return text[text.index("{") + 1 : text.rindex("}")]

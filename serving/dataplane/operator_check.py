@@ -55,11 +55,24 @@ NAMESPACES_ENV = "FERRY_ALLOWED_OPERATOR_NAMESPACES"
 # subgraphs of the same program (checked too) or whose operator argument is checked (auto_functionalized,
 # with_effects). Not call_torchbind, print, triton kernels, executorch delegates, run_const_graph...
 HIGHER_ORDER = "higher_order"
-ALLOWED_HIGHER_ORDER = frozenset((
-    "cond", "while_loop", "map_impl", "scan", "associative_scan", "invoke_subgraph", "out_dtype",
-    "auto_functionalized", "auto_functionalized_v2", "with_effects", "wrap_with_set_grad_enabled",
-    "wrap_with_autocast", "hints_wrapper", "flex_attention",
-))
+ALLOWED_HIGHER_ORDER = frozenset(
+    (
+        "cond",
+        "while_loop",
+        "map_impl",
+        "scan",
+        "associative_scan",
+        "invoke_subgraph",
+        "out_dtype",
+        "auto_functionalized",
+        "auto_functionalized_v2",
+        "with_effects",
+        "wrap_with_set_grad_enabled",
+        "wrap_with_autocast",
+        "hints_wrapper",
+        "flex_attention",
+    )
+)
 
 # Refused inside the allowed namespaces, with why. Some are not registered in torch 2.13 (set_num_threads,
 # set_num_interop_threads): refused should a later torch register them.
@@ -111,7 +124,7 @@ def parse_namespaces(value: str | Iterable[str]) -> frozenset[str]:
 
 def namespace_of(operator: str) -> str:
     if operator.startswith(TORCHBIND_NAME):
-        return operator[len(TORCHBIND_NAME):].split(".", 1)[0]
+        return operator[len(TORCHBIND_NAME) :].split(".", 1)[0]
     return operator.split("::", 1)[0]
 
 
@@ -142,9 +155,7 @@ def check(operators: Iterable[str], extra_namespaces: Iterable[str] | None = Non
 # --- TorchScript ----------------------------------------------------------------------------------
 
 
-def load_torchscript(
-    source: Path | BinaryIO, map_location: torch.device
-) -> tuple[torch.jit.ScriptModule, set[str]]:
+def load_torchscript(source: Path | BinaryIO, map_location: torch.device) -> tuple[torch.jit.ScriptModule, set[str]]:
     """`torch.jit.load`, keeping the compilation unit it compiles the archive's code into, and the operator
     names of all that code: the CU holds every function of the archive, among them TorchScript class
     methods that no module method reaches (a class's `__setstate__` runs while loading). These are the
@@ -197,7 +208,7 @@ def _collect(block: torch.Block, found: set[str]) -> None:
             qualified = getattr(value.type(), "qualified_name", lambda: "")()
             if qualified.startswith(CUSTOM_CLASS_PREFIX):  # a TorchBind (C++) class: what it calls is its own
                 method = node.s("name") if node.hasAttribute("name") else "__new__"
-                found.add(f"{TORCHBIND_NAME}{qualified[len(CUSTOM_CLASS_PREFIX):]}.{method}")
+                found.add(f"{TORCHBIND_NAME}{qualified[len(CUSTOM_CLASS_PREFIX) :]}.{method}")
         for inner in node.blocks():
             _collect(inner, found)
         for attribute in node.attributeNames():

@@ -80,8 +80,12 @@ def constraints(entry: VersionEntry) -> tuple:
 
 class Packing:
     def __init__(
-        self, accelerator: str, warmup_sizes: Callable[[VersionEntry], list[int]], *,
-        report: Callable[[LoadReport], Awaitable[object]] | None = None, events: int = 500,
+        self,
+        accelerator: str,
+        warmup_sizes: Callable[[VersionEntry], list[int]],
+        *,
+        report: Callable[[LoadReport], Awaitable[object]] | None = None,
+        events: int = 500,
     ) -> None:
         self.accelerator = accelerator
         self._warmup_sizes = warmup_sizes  # the batch sizes a load profiles (node.warmup_sizes)
@@ -110,8 +114,9 @@ class Packing:
             del self.cold[key]
         for key in self.cold:
             self.cold[key] = desired[key]  # its newest settings
-        for key in [k for k, (judged, _) in self.unschedulable.items()
-                    if k not in desired or judged != constraints(desired[k])]:
+        for key in [
+            k for k, (judged, _) in self.unschedulable.items() if k not in desired or judged != constraints(desired[k])
+        ]:
             del self.unschedulable[key]
 
     # -- estimates -----------------------------------------------------------------------------
@@ -148,8 +153,12 @@ class Packing:
     def spec(self, entry: VersionEntry, footprint: int | None = None) -> VersionSpec:
         p = entry.placement
         return VersionSpec(
-            entry.key, self.footprint(entry) if footprint is None else footprint, min_memory=p.min_memory,
-            accelerators=p.accelerators, pinned=p.pinned or entry.key in self.assigned, stable=entry.key in self.stable,
+            entry.key,
+            self.footprint(entry) if footprint is None else footprint,
+            min_memory=p.min_memory,
+            accelerators=p.accelerators,
+            pinned=p.pinned or entry.key in self.assigned,
+            stable=entry.key in self.stable,
             min_replicas=p.min_replicas,
         )
 

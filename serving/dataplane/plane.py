@@ -181,8 +181,7 @@ class DataPlane:
             await sync_to_async(self.send_shadow)(pairs)
         except Exception:
             for pair in pairs:
-                SHADOW_DROPPED.labels(pair.item.candidate.model, str(pair.item.candidate.version),
-                                      "uncompared").inc()
+                SHADOW_DROPPED.labels(pair.item.candidate.model, str(pair.item.candidate.version), "uncompared").inc()
             raise
         return len(pairs)
 
@@ -208,8 +207,6 @@ _current: DataPlane | None = None
 
 def current() -> DataPlane | None:
     return _current
-
-
 
 
 def install(plane: DataPlane | None) -> DataPlane | None:

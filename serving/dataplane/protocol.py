@@ -168,8 +168,14 @@ _INTS = {int}
 
 def _check_shape(name: str, shape: Any, spec: TensorSpec) -> tuple[int, ...]:
     fixed = spec.fixed_dims
-    if (fixed is not None and type(shape) is list and shape[1:] == fixed and len(shape) == len(fixed) + 1
-            and set(map(type, shape)) == _INTS and shape[0] >= 1):
+    if (
+        fixed is not None
+        and type(shape) is list
+        and shape[1:] == fixed
+        and len(shape) == len(fixed) + 1
+        and set(map(type, shape)) == _INTS
+        and shape[0] >= 1
+    ):
         return tuple(shape)  # the common case, in C: every dimension an int, all but the batch's as declared
     if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
         raise ProtocolError(f"input {name!r}: 'shape' must be a list of non-negative integers")
@@ -182,9 +188,7 @@ def _check_shape(name: str, shape: Any, spec: TensorSpec) -> tuple[int, ...]:
         if (want == -1 and got < 1) or (want != -1 and got != want):
             raise ProtocolError(f"input {name!r}: expected shape {expected}, got {shape}")
         if got > most:
-            raise ProtocolError(
-                f"input {name!r}: dimension {axis} is {got}, above the signature's maximum {most}"
-            )
+            raise ProtocolError(f"input {name!r}: dimension {axis} is {got}, above the signature's maximum {most}")
     return tuple(shape)
 
 
@@ -252,9 +256,7 @@ def parse_infer_request(
         data_start = size
     else:
         if header_length < 0 or header_length > size:
-            raise ProtocolError(
-                f"Inference-Header-Content-Length {header_length} is outside the body of {size} bytes"
-            )
+            raise ProtocolError(f"Inference-Header-Content-Length {header_length} is outside the body of {size} bytes")
         header = memoryview(body)[:header_length]
         data_start = header_length
     try:
@@ -305,12 +307,8 @@ def parse_infer_request(
             if rows > max_rows:
                 raise ProtocolError(f"batch of {rows} rows exceeds max_batch_size {max_rows}")
         elif shape[0] != rows:
-            raise ProtocolError(
-                f"input {name!r}: batch dimension {shape[0]} differs from {rows} of other inputs"
-            )
-        nbytes = _optional_dict(item.get("parameters"), f"input {name!r}: 'parameters'").get(
-            "binary_data_size"
-        )
+            raise ProtocolError(f"input {name!r}: batch dimension {shape[0]} differs from {rows} of other inputs")
+        nbytes = _optional_dict(item.get("parameters"), f"input {name!r}: 'parameters'").get("binary_data_size")
         data = item.get("data")
         if nbytes is not None:
             if data is not None:
@@ -321,8 +319,7 @@ def parse_infer_request(
             expected = prod(shape) * dtype.itemsize
             if nbytes != expected:
                 raise ProtocolError(
-                    f"input {name!r}: binary_data_size {nbytes} does not match"
-                    f" shape {list(shape)} ({expected} bytes)"
+                    f"input {name!r}: binary_data_size {nbytes} does not match shape {list(shape)} ({expected} bytes)"
                 )
             binary.append((name, dtype, shape, offset))
             offset += nbytes

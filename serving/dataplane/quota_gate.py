@@ -54,8 +54,14 @@ class QuotaExceeded(Exception):
 
 class QuotaGate:
     def __init__(
-        self, *, shared: RedisQuota | None, gateways: int = 1, timeout_s: float = 0.05, retry_s: float = 1.0,
-        clock: Callable[[], float] = time.time, control: ControlBuckets | None = None,
+        self,
+        *,
+        shared: RedisQuota | None,
+        gateways: int = 1,
+        timeout_s: float = 0.05,
+        retry_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        control: ControlBuckets | None = None,
     ) -> None:
         self.shared = shared
         self.local = InProcessQuota(clock=clock)
@@ -85,9 +91,11 @@ class QuotaGate:
                 if debt:  # perhaps charged, perhaps not: keep it (charging twice errs on the strict side)
                     self._debt[tenant_id] = self._debt.get(tenant_id, 0) + debt
                 self._redis_down_until = self._clock() + self.retry_s
-                log.warning("quota check through Redis failed (%s); deciding in-process for %.0f s",
-                            str(exc) or f"{type(exc).__name__} after {self.timeout_s * 1000:.0f} ms",
-                            self.retry_s)
+                log.warning(
+                    "quota check through Redis failed (%s); deciding in-process for %.0f s",
+                    str(exc) or f"{type(exc).__name__} after {self.timeout_s * 1000:.0f} ms",
+                    self.retry_s,
+                )
             else:
                 self.local.seed(tenant_id, max(0, decision.remaining) / self.gateways)
                 if decision.reason == MONTHLY:
@@ -156,7 +164,8 @@ def from_settings() -> QuotaGate | None:
     timeout_s = settings.FERRY_QUOTA_REDIS_TIMEOUT_MS / 1000
     shared = None
     if settings.FERRY_QUOTA_REDIS_URL:
-        shared = RedisQuota.from_url(settings.FERRY_QUOTA_REDIS_URL, timeout_s=timeout_s,
-                                     lease_s=settings.FERRY_QUOTA_LEASE_S)
+        shared = RedisQuota.from_url(
+            settings.FERRY_QUOTA_REDIS_URL, timeout_s=timeout_s, lease_s=settings.FERRY_QUOTA_LEASE_S
+        )
     control = ControlBuckets(rate=settings.FERRY_CONTROL_LOADS_PER_MINUTE / 60, burst=settings.FERRY_CONTROL_LOAD_BURST)
     return QuotaGate(shared=shared, gateways=settings.FERRY_QUOTA_GATEWAYS, timeout_s=timeout_s, control=control)

@@ -48,7 +48,9 @@ end
 # down to at most one burst's worth below empty, and to the month).
 # Returns {reason ('' when admitted), tokens left, in flight, used this month, Redis time}; numbers
 # that may be fractional travel as strings (a Lua number would be truncated to an integer reply).
-ADMIT = MONTH_LUA + """
+ADMIT = (
+    MONTH_LUA
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -84,6 +86,7 @@ redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'at', strin
 redis.call('EXPIRE', KEYS[1], 40 * 86400)
 return {reason, string.format('%.6f', tokens), in_flight, used, string.format('%.6f', now)}
 """
+)
 
 
 def keys_of(tenant_id: int) -> tuple[str, str]:
@@ -133,8 +136,15 @@ class RedisQuota:
         lease = f"{self._origin}{next(self._ids)}"
         reply = await self._script(
             keys=keys_of(tenant_id),
-            args=[repr(float(limits.requests_per_second)), limits.burst, limits.max_in_flight,
-                  limits.monthly_requests, lease, repr(float(self.lease_s)), debt],
+            args=[
+                repr(float(limits.requests_per_second)),
+                limits.burst,
+                limits.max_in_flight,
+                limits.monthly_requests,
+                lease,
+                repr(float(self.lease_s)),
+                debt,
+            ],
         )
         return decision_from(limits, reply), lease
 

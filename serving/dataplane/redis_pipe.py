@@ -23,8 +23,13 @@ COMMAND_TIMEOUT_S = 2.0
 def client(url: str, *, socket_timeout: float = COMMAND_TIMEOUT_S, name: str | None = None) -> aioredis.Redis:
     """A client that fails fast: no retries (redis-py retries with backoff by default, which turns a Redis
     outage into requests hanging seconds per command), short timeouts. The loops above retry themselves."""
-    return aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=socket_timeout,
-                                   retry=Retry(NoBackoff(), 0), client_name=name)
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 0),
+        client_name=name,
+    )
 
 
 class Pipe:

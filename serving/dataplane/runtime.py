@@ -277,8 +277,11 @@ class ModelRuntime:
         lengths = [variable_lengths(r, self.inputs) for r in requests]
         results: list[dict[str, np.ndarray] | None] = [None] * len(requests)
         for group in length_buckets(lengths, rows):
-            part = split(self.predict(assemble([requests[i] for i in group], self.inputs)),
-                         [rows[i] for i in group], self.output_names)
+            part = split(
+                self.predict(assemble([requests[i] for i in group], self.inputs)),
+                [rows[i] for i in group],
+                self.output_names,
+            )
             part = trim_variable_outputs(part, [lengths[i] for i in group], self.outputs)
             for i, result in zip(group, part, strict=True):
                 results[i] = result
@@ -289,8 +292,10 @@ class ModelRuntime:
         rng = np.random.default_rng(seed)
         batch = []
         for spec in self.inputs:
-            shape = (rows, *(min(8, m) if d == -1 else d for d, m in zip(spec.shape, spec.max_shape or spec.shape,
-                                                                             strict=True)))
+            shape = (
+                rows,
+                *(min(8, m) if d == -1 else d for d, m in zip(spec.shape, spec.max_shape or spec.shape, strict=True)),
+            )
             dtype = DATATYPES[spec.datatype]
             if np.issubdtype(dtype, np.floating):
                 batch.append(rng.random(shape, dtype=np.float32).astype(dtype))

@@ -37,21 +37,31 @@ class ChannelError(Exception):
     """A message that breaks the framing's rules."""
 
 
-def send(sock: socket.socket, header: dict, arrays: Sequence[np.ndarray] = (), *, deadline: float | None = None,
-         names: Sequence[str] | None = None) -> None:
+def send(
+    sock: socket.socket,
+    header: dict,
+    arrays: Sequence[np.ndarray] = (),
+    *,
+    deadline: float | None = None,
+    names: Sequence[str] | None = None,
+) -> None:
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    header = {**header, "arrays": [
-        {"dtype": a.dtype.str, "shape": list(a.shape), **({"name": names[i]} if names else {})}
-        for i, a in enumerate(arrays)
-    ]}
+    header = {
+        **header,
+        "arrays": [
+            {"dtype": a.dtype.str, "shape": list(a.shape), **({"name": names[i]} if names else {})}
+            for i, a in enumerate(arrays)
+        ],
+    }
     packed = msgpack.packb(header, use_bin_type=True)
     buffers = [memoryview(_LENGTH.pack(len(packed)) + packed)]
     buffers += [memoryview(a).cast("B") for a in arrays if a.nbytes]
     _sendall(sock, buffers, deadline)
 
 
-def recv(sock: socket.socket, *, deadline: float | None = None,
-         max_bytes: int = 1 << 40) -> tuple[dict, list[np.ndarray]]:
+def recv(
+    sock: socket.socket, *, deadline: float | None = None, max_bytes: int = 1 << 40
+) -> tuple[dict, list[np.ndarray]]:
     """One message: its header and its arrays (names, where sent, in header["arrays"][i]["name"])."""
     length = bytearray(_LENGTH.size)
     _recv_into(sock, memoryview(length), deadline)

@@ -49,8 +49,12 @@ def hidden_paths() -> list[str]:
     """What the child's mount namespace covers: the data directory (secret_key, the SQLite database), the
     artifact store and cache, the scratch directories; never one that holds what the child must read."""
     needed = [PROJECT_ROOT / "serving", Path(sys.prefix), Path(sys.base_prefix)]
-    paths = [Path(settings.DATA_DIR), Path(settings.FERRY_ARTIFACT_ROOT), Path(settings.FERRY_ARTIFACT_CACHE_DIR),
-             *map(Path, SCRATCH_DIRS)]
+    paths = [
+        Path(settings.DATA_DIR),
+        Path(settings.FERRY_ARTIFACT_ROOT),
+        Path(settings.FERRY_ARTIFACT_CACHE_DIR),
+        *map(Path, SCRATCH_DIRS),
+    ]
     kept = []
     for path in paths:
         path = path.resolve()
@@ -72,8 +76,13 @@ class Zygote:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "serving.dataplane.runtime_worker", "--zygote", "--fd", str(child.fileno())],
-                env=sandbox.clean_environment(PROJECT_ROOT), cwd="/", pass_fds=(child.fileno(),), close_fds=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env=sandbox.clean_environment(PROJECT_ROOT),
+                cwd="/",
+                pass_fds=(child.fileno(),),
+                close_fds=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
                 start_new_session=True,  # the node decides when it ends, not a terminal's Ctrl-C
             )
         finally:
@@ -82,8 +91,12 @@ class Zygote:
         self.owner = os.getpid()  # a forked copy of this process must start its own
         self.lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _stop_zygote, self.process, parent)
-        threading.Thread(target=_forward_stderr, args=(self.process, self.process.pid), daemon=True,
-                         name="ferry-runtime-zygote-stderr").start()
+        threading.Thread(
+            target=_forward_stderr,
+            args=(self.process, self.process.pid),
+            daemon=True,
+            name="ferry-runtime-zygote-stderr",
+        ).start()
 
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.process.poll() is None
@@ -148,8 +161,17 @@ class RuntimeProcess:
         self.lock = threading.Lock()  # one exchange at a time on the channel
         self._finalizer = weakref.finalize(self, _reap, self.pidfd, self.sock)
         try:
-            ready = self.call({"op": "init", "hidden": hidden_paths(), "project_root": str(PROJECT_ROOT),
-                               "device": str(device), "threads": threads, "format": fmt}, timeout_s=start_timeout_s)[0]
+            ready = self.call(
+                {
+                    "op": "init",
+                    "hidden": hidden_paths(),
+                    "project_root": str(PROJECT_ROOT),
+                    "device": str(device),
+                    "threads": threads,
+                    "format": fmt,
+                },
+                timeout_s=start_timeout_s,
+            )[0]
         except RuntimeFailure:
             self.close()
             raise
@@ -159,8 +181,9 @@ class RuntimeProcess:
     def alive(self) -> bool:
         return not _exited(self.pidfd, 0)
 
-    def call(self, header: dict, arrays: Sequence[np.ndarray] = (), *, timeout_s: float,
-             max_bytes: int = MAX_OUTPUT_BYTES) -> tuple[dict, list[np.ndarray]]:
+    def call(
+        self, header: dict, arrays: Sequence[np.ndarray] = (), *, timeout_s: float, max_bytes: int = MAX_OUTPUT_BYTES
+    ) -> tuple[dict, list[np.ndarray]]:
         """One request and its answer within `timeout_s`; RuntimeFailure when the child refuses, dies, breaks the
         framing or does not answer in time (then it is killed)."""
         deadline = time.monotonic() + timeout_s
@@ -236,8 +259,16 @@ class IsolatedRuntime(ModelRuntime):
     """A ModelRuntime (same interface for the node and validation) whose module lives in a sandboxed child."""
 
     def __init__(
-        self, path: Path, fmt: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], device: torch.device,
-        *, threads: int | None = None, timeout_s: float | None = None, start_timeout_s: float | None = None,
+        self,
+        path: Path,
+        fmt: str,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        device: torch.device,
+        *,
+        threads: int | None = None,
+        timeout_s: float | None = None,
+        start_timeout_s: float | None = None,
         check_operators: bool = True,
     ) -> None:
         super().__init__(path, fmt, inputs, outputs, device)
@@ -246,8 +277,9 @@ class IsolatedRuntime(ModelRuntime):
         # The child's intra-op threads: what this process was configured with (configure_torch_threads).
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.timeout_s = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_TIMEOUT_S
-        self.start_timeout_s = (start_timeout_s if start_timeout_s is not None
-                                else settings.FERRY_RUNTIME_START_TIMEOUT_S)
+        self.start_timeout_s = (
+            start_timeout_s if start_timeout_s is not None else settings.FERRY_RUNTIME_START_TIMEOUT_S
+        )
         self.process: RuntimeProcess | None = None
         self._released = True
         self._on_host = False
@@ -271,9 +303,15 @@ class IsolatedRuntime(ModelRuntime):
         process = RuntimeProcess(self.device, self.threads, self.start_timeout_s, self.fmt)
         try:
             reply, _ = process.call(
-                {"op": "load", "format": self.fmt, "inputs": [s.to_dict() for s in self.inputs],
-                 "outputs": [s.to_dict() for s in self.outputs], "check_operators": self.check_operators},
-                [np.frombuffer(data, dtype=np.uint8)], timeout_s=self.start_timeout_s,
+                {
+                    "op": "load",
+                    "format": self.fmt,
+                    "inputs": [s.to_dict() for s in self.inputs],
+                    "outputs": [s.to_dict() for s in self.outputs],
+                    "check_operators": self.check_operators,
+                },
+                [np.frombuffer(data, dtype=np.uint8)],
+                timeout_s=self.start_timeout_s,
             )
         except BaseException:
             process.close()
@@ -322,8 +360,9 @@ class IsolatedRuntime(ModelRuntime):
 
     def probe(self, paths: Sequence[str] = (), connect: Sequence[tuple[str, int]] = ()) -> dict:
         """From inside the child: which paths open and which TCP addresses connect (for tests)."""
-        return self._live().call({"op": "probe", "paths": list(paths), "connect": [list(c) for c in connect]},
-                                 timeout_s=self.timeout_s)[0]
+        return self._live().call(
+            {"op": "probe", "paths": list(paths), "connect": [list(c) for c in connect]}, timeout_s=self.timeout_s
+        )[0]
 
     def release(self) -> None:
         self._released = True
@@ -344,8 +383,9 @@ def inspect_operators(data: bytes, fmt: str, *, timeout_s: float | None = None) 
     timeout = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_START_TIMEOUT_S
     process = RuntimeProcess(torch.device("cpu"), 1, timeout, fmt)
     try:
-        reply, _ = process.call({"op": "operators", "format": fmt}, [np.frombuffer(data, dtype=np.uint8)],
-                                timeout_s=timeout)
+        reply, _ = process.call(
+            {"op": "operators", "format": fmt}, [np.frombuffer(data, dtype=np.uint8)], timeout_s=timeout
+        )
     finally:
         process.close()
     return [str(name) for name in reply.get("operators", [])]
@@ -363,8 +403,10 @@ def make_runtime(
 
 def warn_if_inline() -> None:
     if settings.FERRY_RUNTIME_ISOLATION == "inline":
-        log.warning("FERRY_RUNTIME_ISOLATION=inline: tenant model code runs in this process, with its files and"
-                    " credentials (UNSAFE; for contrast benchmarks only)")
+        log.warning(
+            "FERRY_RUNTIME_ISOLATION=inline: tenant model code runs in this process, with its files and"
+            " credentials (UNSAFE; for contrast benchmarks only)"
+        )
 
 
 __all__ = ["IsolatedRuntime", "RuntimeProcess", "inspect_operators", "make_runtime", "hidden_paths"]

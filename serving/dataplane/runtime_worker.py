@@ -119,8 +119,14 @@ def probe(paths: list[str], connect: list[list]) -> dict:
         proc_environ = True
     except PermissionError:
         proc_environ = False
-    return {"opened": opened, "refused": refused, "connected": connected, "connect_failed": failed,
-            "environ": [f"{k}={v}" for k, v in os.environ.items()], "proc_environ_readable": proc_environ}
+    return {
+        "opened": opened,
+        "refused": refused,
+        "connected": connected,
+        "connect_failed": failed,
+        "environ": [f"{k}={v}" for k, v in os.environ.items()],
+        "proc_environ_readable": proc_environ,
+    }
 
 
 class Worker:
@@ -182,8 +188,9 @@ def runtime(fd: int) -> int:
     device = torch.device(header["device"])
     try:
         warm_up(str(header.get("format", "torchscript")))
-        record = sandbox.confine(hidden=header["hidden"], project_root=Path(header["project_root"]),
-                                 device=str(device), channel_fd=fd)
+        record = sandbox.confine(
+            hidden=header["hidden"], project_root=Path(header["project_root"]), device=str(device), channel_fd=fd
+        )
     except Exception as exc:  # refuse to serve rather than run model code half-confined
         runtime_channel.send(sock, {"ok": False, "error": f"confinement failed: {type(exc).__name__}: {exc}"})
         return 1

@@ -97,8 +97,13 @@ def clean_environment(project_root: Path) -> dict[str, str]:
     """The runtime process's whole environment: PATH, the import path to this project, locale and device
     selection, single-threaded pools; never SECRET_KEY, DATABASE_URL, REDIS_URL, FERRY_NODE_TOKEN or any
     other FERRY_* setting."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(project_root), "HOME": "/nonexistent",
-           "PYTHONDONTWRITEBYTECODE": "1", **_SINGLE_THREADED}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PYTHONPATH": str(project_root),
+        "HOME": "/nonexistent",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        **_SINGLE_THREADED,
+    }
     env.update({k: os.environ[k] for k in _KEPT_ENV if k in os.environ})
     return env
 
@@ -108,9 +113,21 @@ def readable_paths(project_root: Path, device: str = "cpu") -> list[str]:
     the interpreter's prefixes and site-packages, the system's libraries, and this project's `serving`
     package only. On CUDA also /sys (the driver reads the PCI topology) and the driver's /etc files; that
     path is not exercised by the tests here (no GPU on the CI machine)."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr", "/lib", "/lib64",
-             "/etc/ld.so.cache", "/etc/localtime", "/proc", "/sys/devices/system/cpu", "/dev/urandom",
-             str(project_root / "serving")}
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        "/usr",
+        "/lib",
+        "/lib64",
+        "/etc/ld.so.cache",
+        "/etc/localtime",
+        "/proc",
+        "/sys/devices/system/cpu",
+        "/dev/urandom",
+        str(project_root / "serving"),
+    }
     paths.update(p for p in sys.path if p and "site-packages" in p)
     if device.startswith("cuda"):
         paths.update(("/sys", "/etc/nvidia", "/etc/OpenCL"))
@@ -173,8 +190,16 @@ def namespaces(hidden: Sequence[str], record: Confinement) -> None:
     for path in hidden:
         if not os.path.isdir(path):
             continue
-        _check(_libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                           b"size=4k,nr_inodes=1,mode=0555"), f"mount tmpfs over {path}")
+        _check(
+            _libc.mount(
+                b"tmpfs",
+                os.fsencode(path),
+                b"tmpfs",
+                MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                b"size=4k,nr_inodes=1,mode=0555",
+            ),
+            f"mount tmpfs over {path}",
+        )
         covered.append(path)
     record.applied.append("mount-namespace")
     record.applied.append(f"hidden:{len(covered)}")
@@ -207,8 +232,11 @@ def landlock_filesystem(read: Sequence[str], devices: Sequence[str], record: Con
 class _RulesetAttr(ctypes.Structure):
     """struct landlock_ruleset_attr (linux/landlock.h) with the network (ABI 4) and scope (ABI 6) fields."""
 
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 def landlock_network_and_scope(record: Confinement) -> None:
@@ -230,8 +258,9 @@ def landlock_network_and_scope(record: Confinement) -> None:
         record.skipped["landlock-scope"] = f"Landlock ABI {abi} < 6"
     syscall = _libc.syscall
     syscall.restype = ctypes.c_long
-    fd = syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size),
-                 ctypes.c_uint32(0))
+    fd = syscall(
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)
+    )
     if fd < 0:
         raise ConfinementError(f"landlock_create_ruleset (net): {os.strerror(ctypes.get_errno())}")
     try:

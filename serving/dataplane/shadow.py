@@ -42,8 +42,11 @@ from serving.policies.batching import SHADOW_PRIORITY
 
 log = logging.getLogger(__name__)
 
-MIRRORED = Counter("ferry_shadow_mirrored", "Mirrored requests the shadow version answered, by outcome",
-                   ["model", "version", "outcome"])
+MIRRORED = Counter(
+    "ferry_shadow_mirrored",
+    "Mirrored requests the shadow version answered, by outcome",
+    ["model", "version", "outcome"],
+)
 DROPPED = Counter(
     "ferry_shadow_dropped",
     "Mirrored requests dropped: queue_full (no room in the mirror queue), shed (refused by admission),"
@@ -130,9 +133,17 @@ class Mirror:
     """The mirror queue, its workers and the pairs they leave. Belongs to one event loop."""
 
     def __init__(
-        self, transport: Transport, *, max_items: int = 256, max_bytes: int = 16 * 2**20, workers: int = 2,
-        max_pairs: int = 4096, max_pair_bytes: int = 32 * 2**20, ready: Callable[[str], bool] | None = None,
-        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+        self,
+        transport: Transport,
+        *,
+        max_items: int = 256,
+        max_bytes: int = 16 * 2**20,
+        workers: int = 2,
+        max_pairs: int = 4096,
+        max_pair_bytes: int = 32 * 2**20,
+        ready: Callable[[str], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         if min(max_items, max_bytes, workers, max_pairs, max_pair_bytes) < 1:
             raise ValueError("mirror bounds and workers must be at least 1")
@@ -176,9 +187,18 @@ class Mirror:
         return shadow
 
     def offer(
-        self, task: str, baseline: VersionEntry, candidate: VersionEntry, inputs: dict[str, np.ndarray],
-        rows: int, nbytes: int, primary: dict[str, np.ndarray], primary_compute: float, *,
-        keep_sample: bool = False, budget_ms: int | None = None,
+        self,
+        task: str,
+        baseline: VersionEntry,
+        candidate: VersionEntry,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        nbytes: int,
+        primary: dict[str, np.ndarray],
+        primary_compute: float,
+        *,
+        keep_sample: bool = False,
+        budget_ms: int | None = None,
     ) -> bool:
         """Queue a mirror, or drop it (counted) when the queue has no room. Never blocks, never raises
         for the caller's request: True when queued. `keep_sample`: `may_keep_sample` for its caller.
@@ -188,11 +208,22 @@ class Mirror:
             DROPPED.labels(candidate.model, str(candidate.version), "queue_full").inc()
             return False
         now = self._clock()
-        self.queue.append(Mirrored(
-            task, baseline, candidate, inputs, rows, nbytes, primary, primary_compute, now,
-            now + (version_budget_ms(candidate) if budget_ms is None else budget_ms) / 1000.0, self._wall(),
-            keep_sample,
-        ))
+        self.queue.append(
+            Mirrored(
+                task,
+                baseline,
+                candidate,
+                inputs,
+                rows,
+                nbytes,
+                primary,
+                primary_compute,
+                now,
+                now + (version_budget_ms(candidate) if budget_ms is None else budget_ms) / 1000.0,
+                self._wall(),
+                keep_sample,
+            )
+        )
         self.queued_bytes += nbytes
         if self._wake is not None:
             self._wake.set()
@@ -251,8 +282,11 @@ class Mirror:
         limit = stack_rows(first.candidate)
         while self.queue:
             following = self.queue[0]
-            if following.candidate != first.candidate or rows + following.rows > limit \
-                    or not _stackable(first.inputs, following.inputs):
+            if (
+                following.candidate != first.candidate
+                or rows + following.rows > limit
+                or not _stackable(first.inputs, following.inputs)
+            ):
                 break
             item = self.take()
             if item is not None:
@@ -265,14 +299,22 @@ class Mirror:
         shed is counted as a drop; any other failure is the shadow's answer, kept with each pair."""
         candidate = items[0].candidate
         rows = sum(i.rows for i in items)
-        inputs = items[0].inputs if len(items) == 1 else {
-            name: np.concatenate([i.inputs[name] for i in items]) for name in items[0].inputs
-        }
+        inputs = (
+            items[0].inputs
+            if len(items) == 1
+            else {name: np.concatenate([i.inputs[name] for i in items]) for name in items[0].inputs}
+        )
         shadow: dict[str, np.ndarray] | None = None
         error = ""
         try:
-            shadow = await self.transport.infer(candidate, inputs, rows, min(i.deadline for i in items),
-                                                SHADOW_PRIORITY, nbytes=sum(i.nbytes for i in items))
+            shadow = await self.transport.infer(
+                candidate,
+                inputs,
+                rows,
+                min(i.deadline for i in items),
+                SHADOW_PRIORITY,
+                nbytes=sum(i.nbytes for i in items),
+            )
             status = 200
         except Shed:
             DROPPED.labels(candidate.model, str(candidate.version), "shed").inc(len(items))
@@ -293,7 +335,7 @@ class Mirror:
         MIRRORED.labels(candidate.model, str(candidate.version), "ok" if status == 200 else "error").inc(len(items))
         start = 0
         for item in items:
-            mine = None if shadow is None else {k: v[start:start + item.rows] for k, v in shadow.items()}
+            mine = None if shadow is None else {k: v[start : start + item.rows] for k, v in shadow.items()}
             start += item.rows
             self.keep(Pair(item, mine, status, per_row * item.rows, error))
 

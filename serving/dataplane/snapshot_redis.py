@@ -66,8 +66,13 @@ def _placement(p: dict | None) -> PlacementEntry:
     """A version's placement facts; a snapshot from a publisher that predates them has none."""
     if not p:
         return NO_PLACEMENT
-    return PlacementEntry(**{**p, "measured": tuple(tuple(m) for m in p.get("measured", ())),
-                             "accelerators": frozenset(p.get("accelerators", ()))})
+    return PlacementEntry(
+        **{
+            **p,
+            "measured": tuple(tuple(m) for m in p.get("measured", ())),
+            "accelerators": frozenset(p.get("accelerators", ())),
+        }
+    )
 
 
 def decode(raw: bytes) -> RoutingSnapshot:
@@ -83,20 +88,32 @@ def decode(raw: bytes) -> RoutingSnapshot:
             v["latency_profile"] = {int(k): float(s) for k, s in v["latency_profile"].items()}
             v["placement"] = _placement(v.get("placement"))
             versions[int(number)] = VersionEntry(**v)
-        models[name] = ModelEntry(name=m["name"], task=m["task"], description=m["description"],
-                                  fallback=m["fallback"], versions=versions, tenant_id=m.get("tenant_id"),
-                                  visibility=m.get("visibility", "public"),
-                                  shared_with=frozenset(m.get("shared_with", ())),
-                                  routes=RouteTable.from_dict(m.get("routes") or {}))
+        models[name] = ModelEntry(
+            name=m["name"],
+            task=m["task"],
+            description=m["description"],
+            fallback=m["fallback"],
+            versions=versions,
+            tenant_id=m.get("tenant_id"),
+            visibility=m.get("visibility", "public"),
+            shared_with=frozenset(m.get("shared_with", ())),
+            routes=RouteTable.from_dict(m.get("routes") or {}),
+        )
     keys = {
-        prefix: KeyEntry(digest=k["digest"], tenant_id=k["tenant_id"], scopes=tuple(k["scopes"]),
-                         expires_at=k["expires_at"])
+        prefix: KeyEntry(
+            digest=k["digest"], tenant_id=k["tenant_id"], scopes=tuple(k["scopes"]), expires_at=k["expires_at"]
+        )
         for prefix, k in doc.get("keys", {}).items()
     }
     tenants = {int(tid): TenantEntry(**t) for tid, t in doc.get("tenants", {}).items()}
-    return RoutingSnapshot(serial=doc["serial"], built_at=doc["built_at"], models=models, keys=keys,
-                           tenants=tenants,
-                           latency_budget_ms=doc.get("latency_budget_ms", DEFAULT_LATENCY_BUDGET_MS))
+    return RoutingSnapshot(
+        serial=doc["serial"],
+        built_at=doc["built_at"],
+        models=models,
+        keys=keys,
+        tenants=tenants,
+        latency_budget_ms=doc.get("latency_budget_ms", DEFAULT_LATENCY_BUDGET_MS),
+    )
 
 
 # A serial sequence starts at Redis' clock in milliseconds, not at 1: when Redis loses its data (a
@@ -136,8 +153,7 @@ class RedisSnapshotStore:
     def publish(self, snapshot: RoutingSnapshot) -> bool:
         """Store the snapshot and announce it, unless one with a higher serial is stored already
         (then False: that one was read from the registry later)."""
-        stored = self._store_if_newer(keys=[VALUE_KEY, STORED_KEY],
-                                      args=[snapshot.serial, encode(snapshot), CHANNEL])
+        stored = self._store_if_newer(keys=[VALUE_KEY, STORED_KEY], args=[snapshot.serial, encode(snapshot), CHANNEL])
         return bool(stored)
 
     def load(self) -> RoutingSnapshot | None:
@@ -170,8 +186,9 @@ async def follow(url: str, hub: SnapshotHub, *, ready: asyncio.Event | None = No
     """Keep `hub` on the latest published snapshot until cancelled; reconnects after Redis errors."""
     backoff = 0.5
     while True:
-        client = aioredis.Redis.from_url(url, client_name=f"{CLIENT_NAME_PREFIX}{os.getpid()}",
-                                         socket_timeout=SOCKET_TIMEOUT_SECONDS)
+        client = aioredis.Redis.from_url(
+            url, client_name=f"{CLIENT_NAME_PREFIX}{os.getpid()}", socket_timeout=SOCKET_TIMEOUT_SECONDS
+        )
         try:
             async with client.pubsub() as pubsub:
                 await pubsub.subscribe(CHANNEL)

@@ -86,12 +86,17 @@ def _unpack_tensors(raw: object) -> dict[str, np.ndarray]:
         dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise MalformedMessage(f"tensor {name!r}: unsupported dtype {dtype_name!r}")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
             raise MalformedMessage(f"tensor {name!r}: bad shape {shape!r}")
         if not isinstance(data, bytes) or len(data) != math.prod(shape) * dtype.itemsize:
-            raise MalformedMessage(f"tensor {name!r}: {len(data) if isinstance(data, bytes) else 'no'} bytes"
-                                   f" for shape {shape} of {dtype_name}")
+            raise MalformedMessage(
+                f"tensor {name!r}: {len(data) if isinstance(data, bytes) else 'no'} bytes"
+                f" for shape {shape} of {dtype_name}"
+            )
         # Read-only over the message's bytes: the runtime copies what it must (runtime._owned).
         tensors[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
     return tensors
@@ -101,12 +106,18 @@ def _unpack_tensors(raw: object) -> dict[str, np.ndarray]:
 
 
 def encode_request(request: StreamRequest) -> bytes:
-    return msgpack.packb({
-        "id": request.id, "reply": request.reply_to, "deadline": request.deadline, "tenant": request.tenant,
-        "priority": request.priority, "rows": request.rows,
-        "outputs": list(request.outputs) if request.outputs is not None else None,
-        "inputs": _pack_tensors(request.inputs),
-    })
+    return msgpack.packb(
+        {
+            "id": request.id,
+            "reply": request.reply_to,
+            "deadline": request.deadline,
+            "tenant": request.tenant,
+            "priority": request.priority,
+            "rows": request.rows,
+            "outputs": list(request.outputs) if request.outputs is not None else None,
+            "inputs": _pack_tensors(request.inputs),
+        }
+    )
 
 
 def _unpack_map(raw: bytes) -> dict:
@@ -147,8 +158,16 @@ def decode_request(raw: bytes) -> StreamRequest:
         raise MalformedMessage(f"missing field {exc.args[0]!r}", request_id, reply_to) from None
     except MalformedMessage as exc:
         raise MalformedMessage(str(exc), request_id, reply_to) from None
-    return StreamRequest(request_id, reply_to, float(deadline), tenant, priority, rows, inputs,
-                         tuple(outputs) if outputs is not None else None)
+    return StreamRequest(
+        request_id,
+        reply_to,
+        float(deadline),
+        tenant,
+        priority,
+        rows,
+        inputs,
+        tuple(outputs) if outputs is not None else None,
+    )
 
 
 # -- replies ---------------------------------------------------------------------------------
@@ -159,13 +178,22 @@ def encode_success(request_id: int, outputs: dict[str, np.ndarray], wanted: tupl
         outputs_sent = {name: a for name, a in outputs.items() if name in wanted}
     else:
         outputs_sent = outputs
-    return msgpack.packb({"id": request_id, "outputs": _pack_tensors(outputs_sent),
-                          "compute": float(getattr(outputs, "compute_seconds", 0.0))})
+    return msgpack.packb(
+        {
+            "id": request_id,
+            "outputs": _pack_tensors(outputs_sent),
+            "compute": float(getattr(outputs, "compute_seconds", 0.0)),
+        }
+    )
 
 
 def encode_error(request_id: int, error: ServingError) -> bytes:
-    doc: dict[str, object] = {"id": request_id, "status": error.status, "message": error.message,
-                              "retry_after": error.retry_after}
+    doc: dict[str, object] = {
+        "id": request_id,
+        "status": error.status,
+        "message": error.message,
+        "retry_after": error.retry_after,
+    }
     if isinstance(error, Shed):
         doc["shed"] = [error.reason, error.tier]
     return msgpack.packb(doc)
@@ -176,8 +204,7 @@ def _error(status: int, message: str, retry_after: float | None, shed: object) -
     treat a remote refusal as they treat a local one."""
     if status == 503 and isinstance(shed, list) and len(shed) == 2:
         return Shed(message, reason=str(shed[0]), tier=int(shed[1]), retry_after=retry_after or 1.0)
-    kinds: dict[int, type[ServingError]] = {503: Unavailable, 504: DeadlineExceeded, 422: ModelFailed,
-                                            404: NotFound}
+    kinds: dict[int, type[ServingError]] = {503: Unavailable, 504: DeadlineExceeded, 422: ModelFailed, 404: NotFound}
     kind = kinds.get(status)
     if kind is not None:
         return kind(message, retry_after=retry_after)
@@ -195,8 +222,9 @@ def decode_reply(raw: bytes) -> StreamReply:
         except MalformedMessage as exc:
             raise MalformedMessage(str(exc), request_id) from None
         compute = doc.get("compute", 0.0)
-        return StreamReply(request_id, outputs=Outputs(tensors, float(compute) if _int(compute)
-                                                       or isinstance(compute, float) else 0.0))
+        return StreamReply(
+            request_id, outputs=Outputs(tensors, float(compute) if _int(compute) or isinstance(compute, float) else 0.0)
+        )
     status, message, retry_after = doc.get("status"), doc.get("message"), doc.get("retry_after")
     if not _int(status) or not 400 <= status <= 599 or not isinstance(message, str):
         raise MalformedMessage("an error reply needs a status and a message", request_id)

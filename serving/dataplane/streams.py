@@ -67,8 +67,12 @@ class _Outstanding:
 
 class RedisStreamsTransport:
     def __init__(
-        self, url: str, *, max_bytes: int = 64 * 1024**2,
-        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+        self,
+        url: str,
+        *,
+        max_bytes: int = 64 * 1024**2,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.url = url
         self.max_bytes = max_bytes  # per version, what this process holds waiting
@@ -89,8 +93,10 @@ class RedisStreamsTransport:
         self._pipe = redis_pipe.Pipe(redis_pipe.client(self.url, name=f"ferry-gateway-{os.getpid()}"))
         self._pipe.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_replies(), name="ferry-replies"),
-                       loop.create_task(self._renew_forever(), name="ferry-reply-ttl")]
+        self._tasks = [
+            loop.create_task(self._read_replies(), name="ferry-replies"),
+            loop.create_task(self._renew_forever(), name="ferry-reply-ttl"),
+        ]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -106,8 +112,16 @@ class RedisStreamsTransport:
     # -- requests --------------------------------------------------------------------------
 
     async def infer(
-        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0, gone: Callable[[], bool] | None = None, tenant: int | None = None,
+        self,
+        entry: VersionEntry,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        deadline: float,
+        priority: int,
+        *,
+        nbytes: int = 0,
+        gone: Callable[[], bool] | None = None,
+        tenant: int | None = None,
         outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         now = self._clock()
@@ -122,20 +136,34 @@ class RedisStreamsTransport:
         if held is None:
             held = self._outstanding[key] = _Outstanding()
         if held.items >= entry.batching.max_queue_size or held.nbytes + nbytes > self.max_bytes:
-            raise Shed(f"{key}: this gateway holds {held.items} requests ({held.nbytes} bytes) for it already",
-                       reason="queue_full", tier=priority, retry_after=1)
+            raise Shed(
+                f"{key}: this gateway holds {held.items} requests ({held.nbytes} bytes) for it already",
+                reason="queue_full",
+                tier=priority,
+                retry_after=1,
+            )
         request_id = next(self._ids)
-        message = encode_request(StreamRequest(
-            request_id, self.reply_to, self._wall() + (deadline - now), tenant, priority, rows, inputs, outputs,
-        ))
+        message = encode_request(
+            StreamRequest(
+                request_id,
+                self.reply_to,
+                self._wall() + (deadline - now),
+                tenant,
+                priority,
+                rows,
+                inputs,
+                outputs,
+            )
+        )
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = _Waiting(future, key, nbytes)
         held.items += 1
         held.nbytes += nbytes
         try:
             try:
-                await self._pipe.send("XADD", request_stream(key), "MAXLEN", "~", REQUEST_STREAM_MAXLEN, "*",
-                                      FIELD, message)
+                await self._pipe.send(
+                    "XADD", request_stream(key), "MAXLEN", "~", REQUEST_STREAM_MAXLEN, "*", FIELD, message
+                )
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 # The reader governs `connected`: it notices the same outage on its own connection, and
                 # it alone can say Redis is back.
@@ -193,8 +221,11 @@ class RedisStreamsTransport:
 
     async def _read_replies(self) -> None:
         # A blocking read on its own connection, with a socket timeout past the block.
-        client = redis_pipe.client(self.url, socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
-                                   name=f"ferry-replies-{os.getpid()}")
+        client = redis_pipe.client(
+            self.url,
+            socket_timeout=READ_BLOCK_MS / 1000 + redis_pipe.COMMAND_TIMEOUT_S,
+            name=f"ferry-replies-{os.getpid()}",
+        )
         last = b"0-0"
         backoff = 0.05
         try:
@@ -242,7 +273,7 @@ class RedisStreamsTransport:
         its TTL. The marker entry is what creates it: nodes never create a reply stream."""
         pipe = client.pipeline(transaction=False)
         pipe.expire(self.reply_to, REPLY_TTL_S)
-        renewed, = await pipe.execute()
+        (renewed,) = await pipe.execute()
         if not renewed:
             pipe = client.pipeline(transaction=False)
             pipe.xadd(self.reply_to, {b"hello": b"1"}, maxlen=1000, approximate=True)

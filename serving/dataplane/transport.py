@@ -27,8 +27,16 @@ class Outputs(dict[str, np.ndarray]):
 
 class Transport(Protocol):
     async def infer(
-        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0, gone: Callable[[], bool] | None = None, tenant: int | None = None,
+        self,
+        entry: VersionEntry,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        deadline: float,
+        priority: int,
+        *,
+        nbytes: int = 0,
+        gone: Callable[[], bool] | None = None,
+        tenant: int | None = None,
         outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         """Answer one request or raise a `ServingError`; `deadline` is on the monotonic clock; `nbytes`
@@ -43,8 +51,16 @@ class InProcessTransport:
         self.node = node
 
     async def infer(
-        self, entry: VersionEntry, inputs: dict[str, np.ndarray], rows: int, deadline: float, priority: int,
-        *, nbytes: int = 0, gone: Callable[[], bool] | None = None, tenant: int | None = None,
+        self,
+        entry: VersionEntry,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        deadline: float,
+        priority: int,
+        *,
+        nbytes: int = 0,
+        gone: Callable[[], bool] | None = None,
+        tenant: int | None = None,
         outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         return await self.node.infer(entry.key, inputs, rows, deadline, priority, nbytes, gone)

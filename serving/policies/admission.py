@@ -91,9 +91,7 @@ def work_seconds(rows: int, max_batch: int, estimate: Estimate) -> float:
     return full * estimate(max_batch) + (estimate(rest) if rest else 0.0)
 
 
-def completion_seconds(
-    *, own: VersionLoad, rows: int, others: Iterable[VersionLoad], in_flight: float
-) -> float:
+def completion_seconds(*, own: VersionLoad, rows: int, others: Iterable[VersionLoad], in_flight: float) -> float:
     """Estimated time until a request of `rows` rows, queued behind `own.rows`, is answered."""
     total = own.rows + rows
     rounds = math.ceil(total / own.max_batch)
@@ -114,9 +112,7 @@ def retry_after(drain: float) -> float:
     return float(max(1, math.ceil(drain)))
 
 
-def decide(
-    *, now: float, deadline: float, priority: int, completion: float, higher_share: float = 0.0
-) -> Verdict:
+def decide(*, now: float, deadline: float, priority: int, completion: float, higher_share: float = 0.0) -> Verdict:
     """Admit when the corrected completion fits the budget's headroom; a lower tier must fit a tighter share."""
     if higher_share >= MAX_HIGHER_SHARE:
         return Verdict(False, completion, "tier")

@@ -244,8 +244,7 @@ class Autoscaler:
         if not 0 < short_window <= long_window:
             raise ValueError("need 0 < short_window <= long_window")
         if level_tau <= 0 or trend_tau <= 0 or trend_window <= 0 or trend_z < 0 or surge < 0:
-            raise ValueError("level_tau, trend_tau and trend_window must be positive, trend_z and surge not"
-                             " negative")
+            raise ValueError("level_tau, trend_tau and trend_window must be positive, trend_z and surge not negative")
         if served_tau <= 0 or served_ttl <= 0:
             raise ValueError("served_tau and served_ttl must be positive")
         if season < 0:
@@ -263,8 +262,7 @@ class Autoscaler:
         self.served_tau = served_tau
         self.served_ttl = served_ttl
         # The seasonal settings, as an empty profile each version's track starts from (None: off).
-        self._season = (SeasonalProfile(season, season_buckets, season_gamma, season_min_periods)
-                        if season > 0 else None)
+        self._season = SeasonalProfile(season, season_buckets, season_gamma, season_min_periods) if season > 0 else None
         self._tracks: dict[str, _Track] = {}
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
@@ -275,11 +273,18 @@ class Autoscaler:
         return {
             "tracks": {
                 version: {
-                    "last_at": t.last_at, "last_total": t.last_total, "last_arrival": t.last_arrival,
-                    "samples": [list(s) for s in t.samples], "recommended": [list(r) for r in t.recommended],
-                    "level": t.level, "trend": t.trend, "last_dt": t.last_dt,
-                    "last_backlog": t.last_backlog, "last_replicas": t.last_replicas,
-                    "served": t.served, "served_at": t.served_at,
+                    "last_at": t.last_at,
+                    "last_total": t.last_total,
+                    "last_arrival": t.last_arrival,
+                    "samples": [list(s) for s in t.samples],
+                    "recommended": [list(r) for r in t.recommended],
+                    "level": t.level,
+                    "trend": t.trend,
+                    "last_dt": t.last_dt,
+                    "last_backlog": t.last_backlog,
+                    "last_replicas": t.last_replicas,
+                    "served": t.served,
+                    "served_at": t.served_at,
                     "season": t.season.export() if t.season is not None else None,
                 }
                 for version, t in self._tracks.items()
@@ -297,12 +302,18 @@ class Autoscaler:
         tracks: dict[str, _Track] = {}
         for version, t in tracks_state.items():
             tracks[version] = _Track(
-                float(t["last_at"]), int(t["last_total"]), float(t["last_arrival"]),
+                float(t["last_at"]),
+                int(t["last_total"]),
+                float(t["last_arrival"]),
                 deque((float(a), float(b), int(c)) for a, b, c in t["samples"]),
                 deque((float(a), int(r)) for a, r in t["recommended"]),
-                None if t["level"] is None else float(t["level"]), float(t["trend"]), float(t["last_dt"]),
-                int(t.get("last_backlog", 0)), int(t.get("last_replicas", 0)),
-                None if t.get("served") is None else float(t["served"]), float(t.get("served_at", 0.0)),
+                None if t["level"] is None else float(t["level"]),
+                float(t["trend"]),
+                float(t["last_dt"]),
+                int(t.get("last_backlog", 0)),
+                int(t.get("last_replicas", 0)),
+                None if t.get("served") is None else float(t["served"]),
+                float(t.get("served_at", 0.0)),
                 self._season_from(t.get("season")),
             )
         self._tracks = tracks

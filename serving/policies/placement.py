@@ -122,23 +122,38 @@ def check_constraints(spec: VersionSpec, node: NodeState) -> Fit | None:
     """The permanent refusal for this node, or None when an empty node of its kind could hold it."""
     if spec.accelerators and node.accelerator not in spec.accelerators:
         allowed = ", ".join(sorted(spec.accelerators))
-        return Fit(False, constraint=ACCELERATOR,
-                   reason=f"{spec.key} runs only on {allowed}; node {node.name} is {node.accelerator}")
+        return Fit(
+            False,
+            constraint=ACCELERATOR,
+            reason=f"{spec.key} runs only on {allowed}; node {node.name} is {node.accelerator}",
+        )
     if node.device_memory < spec.min_memory:
         short = spec.min_memory - node.device_memory
-        return Fit(False, constraint=MIN_MEMORY, short_bytes=short,
-                   reason=f"{spec.key} needs a device of at least {_mib(spec.min_memory)}; node {node.name} has"
-                          f" {_mib(node.device_memory)} ({_mib(short)} short)")
+        return Fit(
+            False,
+            constraint=MIN_MEMORY,
+            short_bytes=short,
+            reason=f"{spec.key} needs a device of at least {_mib(spec.min_memory)}; node {node.name} has"
+            f" {_mib(node.device_memory)} ({_mib(short)} short)",
+        )
     if spec.footprint > node.memory_budget:
         short = spec.footprint - node.memory_budget
-        return Fit(False, constraint=MEMORY, short_bytes=short,
-                   reason=f"{spec.key} needs {_mib(spec.footprint)}, over node {node.name}'s whole budget of"
-                          f" {_mib(node.memory_budget)} ({_mib(short)} short)")
+        return Fit(
+            False,
+            constraint=MEMORY,
+            short_bytes=short,
+            reason=f"{spec.key} needs {_mib(spec.footprint)}, over node {node.name}'s whole budget of"
+            f" {_mib(node.memory_budget)} ({_mib(short)} short)",
+        )
     return None
 
 
 def fit(
-    spec: VersionSpec, node: NodeState, *, now: float = 0.0, min_idle: float = 0.0,
+    spec: VersionSpec,
+    node: NodeState,
+    *,
+    now: float = 0.0,
+    min_idle: float = 0.0,
     keep: Iterable[str] = (),
 ) -> Fit:
     """Whether `spec` fits `node` now, and which idle versions to evict (LRU) if it fits only after that.
@@ -156,8 +171,7 @@ def fit(
         return Fit(True)
     keep = set(keep)
     candidates = sorted(
-        (r for key, r in node.hot.items()
-         if r.evictable and key not in keep and now - r.last_used >= min_idle),
+        (r for key, r in node.hot.items() if r.evictable and key not in keep and now - r.last_used >= min_idle),
         key=lambda r: (r.last_used, r.spec.key),
     )
     evict: list[str] = []
@@ -168,9 +182,13 @@ def fit(
             return Fit(True, tuple(evict))
     short = spec.footprint - free
     held = sorted(key for key, r in node.hot.items() if key not in evict)
-    return Fit(False, constraint=HELD, short_bytes=short,
-               reason=f"{spec.key} needs {_mib(spec.footprint)}; node {node.name} is {_mib(short)} short after"
-                      f" evicting every idle version (held by {', '.join(held) or 'nothing'})")
+    return Fit(
+        False,
+        constraint=HELD,
+        short_bytes=short,
+        reason=f"{spec.key} needs {_mib(spec.footprint)}; node {node.name} is {_mib(short)} short after"
+        f" evicting every idle version (held by {', '.join(held) or 'nothing'})",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,13 +224,23 @@ class _Bin:
     evictions: list[str] = field(default_factory=list)
 
     def view(self) -> NodeState:
-        return NodeState(self.state.name, self.state.accelerator, self.state.memory_budget, self.hot,
-                         self.state.warm, self.state.memory_total)
+        return NodeState(
+            self.state.name,
+            self.state.accelerator,
+            self.state.memory_budget,
+            self.hot,
+            self.state.warm,
+            self.state.memory_total,
+        )
 
 
 def place(
-    desired: Mapping[str, int], specs: Mapping[str, VersionSpec], nodes: Sequence[NodeState], *,
-    now: float = 0.0, min_idle: float = 0.0,
+    desired: Mapping[str, int],
+    specs: Mapping[str, VersionSpec],
+    nodes: Sequence[NodeState],
+    *,
+    now: float = 0.0,
+    min_idle: float = 0.0,
 ) -> Placement:
     """Nodes for the desired replicas of each version (key -> count); see the module's docstring."""
     bins = {n.name: _Bin(n, dict(n.hot)) for n in nodes}
@@ -231,7 +259,7 @@ def place(
             b.keep.add(key)
             # What the plan wants serves now: a later placement may not evict it.
             b.hot[key] = Resident(specs[key], b.hot[key].last_used, b.hot[key].in_flight)
-        for b in holders[len(kept):]:
+        for b in holders[len(kept) :]:
             # Not `evictable`: a kept version (stable, with a minimum) is kept from eviction by others, but the
             # desired count already covers its minimum, so its replicas above that count may go.
             if b.hot[key].in_flight == 0:
@@ -291,15 +319,22 @@ def _best(spec: VersionSpec, bins: list[_Bin], now: float, min_idle: float) -> t
 def _refusal(spec: VersionSpec, nodes: Sequence[NodeState], last: Fit | None, placed: int, want: int) -> Unschedulable:
     if last is None:  # every eligible node already holds a replica
         eligible = sum(1 for n in nodes if check_constraints(spec, n) is None)
-        return Unschedulable(spec.key, REPLICAS,
-                             f"{spec.key} wants {want} replicas, one per node; {eligible} eligible nodes",
-                             placed=placed, wanted=want)
+        return Unschedulable(
+            spec.key,
+            REPLICAS,
+            f"{spec.key} wants {want} replicas, one per node; {eligible} eligible nodes",
+            placed=placed,
+            wanted=want,
+        )
     return Unschedulable(spec.key, last.constraint, last.reason, last.short_bytes, placed, want)
 
 
 def nodes_wanted(
-    desired: Mapping[str, int], specs: Mapping[str, VersionSpec], node_types: Mapping[str, int],
-    *, device_memory: Mapping[str, int] | None = None,
+    desired: Mapping[str, int],
+    specs: Mapping[str, VersionSpec],
+    node_types: Mapping[str, int],
+    *,
+    device_memory: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Nodes wanted per accelerator type to hold the desired replicas, and the versions no type can hold.
 
@@ -314,9 +349,13 @@ def nodes_wanted(
         if count <= 0:
             continue
         kind = next(
-            (t for t, budget in node_types.items()
-             if (not spec.accelerators or t in spec.accelerators) and spec.footprint <= budget
-             and (device_memory or {}).get(t, budget) >= spec.min_memory),
+            (
+                t
+                for t, budget in node_types.items()
+                if (not spec.accelerators or t in spec.accelerators)
+                and spec.footprint <= budget
+                and (device_memory or {}).get(t, budget) >= spec.min_memory
+            ),
             None,
         )
         if kind is None:

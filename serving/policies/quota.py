@@ -75,15 +75,19 @@ def seconds_to_next_month(epoch: float) -> float:
     return calendar.timegm((year, month, 1, 0, 0, 0)) - epoch
 
 
-def decide(
-    limits: TenantEntry, *, tokens: float, in_flight: int, used: int, now: float
-) -> Decision:
+def decide(limits: TenantEntry, *, tokens: float, in_flight: int, used: int, now: float) -> Decision:
     """The decision for one request, given the refilled bucket, the tenant's requests in flight and its
     requests so far this month. Admitting takes one token, one in-flight slot and one monthly request."""
     rate, burst = limits.requests_per_second, limits.burst
     if used >= limits.monthly_requests:
-        return Decision(False, MONTHLY, limits.monthly_requests, limits.monthly_requests - used,
-                        seconds_to_next_month(now), seconds_to_next_month(now))
+        return Decision(
+            False,
+            MONTHLY,
+            limits.monthly_requests,
+            limits.monthly_requests - used,
+            seconds_to_next_month(now),
+            seconds_to_next_month(now),
+        )
     if in_flight >= limits.max_in_flight:
         return Decision(False, IN_FLIGHT, limits.max_in_flight, 0, IN_FLIGHT_RETRY_S, IN_FLIGHT_RETRY_S)
     if rate <= 0 or burst < 1:
@@ -129,10 +133,12 @@ class ControlBuckets:
         bucket.refill(now, self.rate, self.burst)
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
-            return Decision(True, "", self.burst, math.floor(bucket.tokens), (self.burst - bucket.tokens) / self.rate,
-                            0.0)
-        return Decision(False, CONTROL, self.burst, 0, (self.burst - bucket.tokens) / self.rate,
-                        (1.0 - bucket.tokens) / self.rate)
+            return Decision(
+                True, "", self.burst, math.floor(bucket.tokens), (self.burst - bucket.tokens) / self.rate, 0.0
+            )
+        return Decision(
+            False, CONTROL, self.burst, 0, (self.burst - bucket.tokens) / self.rate, (1.0 - bucket.tokens) / self.rate
+        )
 
     def refund(self, tenant_id: int) -> None:
         """Give back the token of a call refused after it was taken (by the request quota)."""
@@ -178,8 +184,13 @@ class InProcessQuota:
         if state.month != month:
             state.month, state.used = month, 0
         tokens, rate, burst = state.bucket.tokens, limits.requests_per_second, limits.burst
-        if (tokens >= 1.0 and state.in_flight < limits.max_in_flight and state.used < limits.monthly_requests
-                and rate > 0 and burst >= 1):
+        if (
+            tokens >= 1.0
+            and state.in_flight < limits.max_in_flight
+            and state.used < limits.monthly_requests
+            and rate > 0
+            and burst >= 1
+        ):
             # What `decide` answers when every limit has room, without its call: the common case.
             left = tokens - 1.0
             state.bucket.tokens = left

@@ -86,8 +86,15 @@ class SeasonalProfile:
         return ahead / now
 
     def export(self) -> dict[str, Any]:
-        return {"period": self.period, "buckets": self.buckets, "rates": list(self.rates), "seen": list(self.seen),
-                "current": self.current, "count": self.count, "seconds": self.seconds}
+        return {
+            "period": self.period,
+            "buckets": self.buckets,
+            "rates": list(self.rates),
+            "seen": list(self.seen),
+            "current": self.current,
+            "count": self.count,
+            "seconds": self.seconds,
+        }
 
     def fresh(self) -> SeasonalProfile:
         """An empty profile with these settings."""
@@ -98,7 +105,14 @@ class SeasonalProfile:
         bucket count."""
         if float(state["period"]) != self.period or int(state["buckets"]) != self.buckets:
             return self.fresh()
-        return SeasonalProfile(self.period, self.buckets, self.gamma, self.min_periods,
-                               [float(r) for r in state["rates"]], [int(s) for s in state["seen"]],
-                               None if state["current"] is None else int(state["current"]), int(state["count"]),
-                               float(state["seconds"]))
+        return SeasonalProfile(
+            self.period,
+            self.buckets,
+            self.gamma,
+            self.min_periods,
+            [float(r) for r in state["rates"]],
+            [int(s) for s in state["seen"]],
+            None if state["current"] is None else int(state["current"]),
+            int(state["count"]),
+            float(state["seconds"]),
+        )

@@ -20,7 +20,7 @@ class PromotionPolicySerializer(serializers.Serializer):
     promotion_policy = serializers.ChoiceField(
         choices=PromotionPolicy.choices,
         help_text="approval: every change of a model's stable version needs an approver (a rollout's approval or"
-                  " an accepted promotion request); engineers: engineers promote directly",
+        " an accepted promotion request); engineers: engineers promote directly",
     )
 
 
@@ -31,9 +31,22 @@ class Refused(APIException):
 
 
 class PromotionPolicyMixin:
-    @extend_schema(request=PromotionPolicySerializer, responses={200: PromotionPolicySerializer, **errors(
-        400, 403, 404, 413, 415, e403="Not logged in, or not platform staff (a tenant's admin included).",
-        e404="No such tenant, or one the caller is not in.", e400="Not a promotion policy.")})
+    @extend_schema(
+        request=PromotionPolicySerializer,
+        responses={
+            200: PromotionPolicySerializer,
+            **errors(
+                400,
+                403,
+                404,
+                413,
+                415,
+                e403="Not logged in, or not platform staff (a tenant's admin included).",
+                e404="No such tenant, or one the caller is not in.",
+                e400="Not a promotion policy.",
+            ),
+        },
+    )
     @action(detail=True, methods=["put"], url_path="promotion-policy")
     def promotion_policy(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Set the tenant's promotion policy (platform staff only). Audited as `tenant.promotion_policy`."""
@@ -43,8 +56,9 @@ class PromotionPolicyMixin:
         form = PromotionPolicySerializer(data=request.data)
         form.is_valid(raise_exception=True)
         try:
-            tenant = set_promotion_policy(tenant=tenant, policy=form.validated_data["promotion_policy"],
-                                          actor=request.user)
+            tenant = set_promotion_policy(
+                tenant=tenant, policy=form.validated_data["promotion_policy"], actor=request.user
+            )
         except PolicyError as exc:
             raise Refused(exc) from None
         return Response({"promotion_policy": tenant.promotion_policy})

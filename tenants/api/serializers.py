@@ -17,8 +17,14 @@ from tenants.models import ApiKey, AuditEntry, Membership, Quota, QuotaRequest, 
 USERNAME_PATTERN = r"[A-Za-z0-9_.@+-]{1,150}"
 
 
-@extend_schema_field({"type": "string", "enum": [*Role.values, None], "nullable": True,
-                      "description": "the caller's role in the tenant; null for platform staff outside it"})
+@extend_schema_field(
+    {
+        "type": "string",
+        "enum": [*Role.values, None],
+        "nullable": True,
+        "description": "the caller's role in the tenant; null for platform staff outside it",
+    }
+)
 class CallerRoleField(serializers.Field):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(source="*", read_only=True, **kwargs)
@@ -32,8 +38,15 @@ class TenantSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Tenant
-        fields = ["slug", "name", "role", "allow_self_approval", "promotion_policy", "share_shadow_samples",
-                  "created_at"]
+        fields = [
+            "slug",
+            "name",
+            "role",
+            "allow_self_approval",
+            "promotion_policy",
+            "share_shadow_samples",
+            "created_at",
+        ]
         read_only_fields = fields
 
 
@@ -41,8 +54,10 @@ class TenantUpdateSerializer(serializers.Serializer):
     """The tenant's settings its admin changes (PATCH /api/tenants/{slug}/); any subset."""
 
     share_shadow_samples = StrictBooleanField(
-        required=False, help_text="whether other tenants' shadow reports may keep samples (inputs and outputs) of"
-                                  " this tenant's requests; off, they count in those reports' aggregates only")
+        required=False,
+        help_text="whether other tenants' shadow reports may keep samples (inputs and outputs) of"
+        " this tenant's requests; off, they count in those reports' aggregates only",
+    )
 
     def validate(self, attrs: dict) -> dict:
         unknown = sorted(set(self.initial_data) - set(self.fields))
@@ -80,8 +95,17 @@ class ApiKeySerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ApiKey
-        fields = ["name", "prefix", "scopes", "created_by", "created_at", "expires_at", "revoked_at",
-                  "last_used_at", "active"]
+        fields = [
+            "name",
+            "prefix",
+            "scopes",
+            "created_by",
+            "created_at",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "active",
+        ]
         read_only_fields = fields
 
 
@@ -95,8 +119,9 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
 
 class ApiKeyCreateSerializer(serializers.Serializer):
     name = TextField(max_length=100, trim_whitespace=False)
-    scopes = serializers.ListField(child=serializers.ChoiceField(choices=keys.SCOPES), min_length=1,
-                                   max_length=len(keys.SCOPES))
+    scopes = serializers.ListField(
+        child=serializers.ChoiceField(choices=keys.SCOPES), min_length=1, max_length=len(keys.SCOPES)
+    )
     expires_at = serializers.DateTimeField(required=False, allow_null=True, help_text="in the future; null: never")
 
     def validate_expires_at(self, value: datetime | None) -> datetime | None:
@@ -154,8 +179,17 @@ class QuotaRequestSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = QuotaRequest
-        fields = ["id", "changes", "justification", "state", "requested_by", "requested_at", "decided_by",
-                  "decided_at", "decision_note"]
+        fields = [
+            "id",
+            "changes",
+            "justification",
+            "state",
+            "requested_by",
+            "requested_at",
+            "decided_by",
+            "decided_at",
+            "decision_note",
+        ]
         read_only_fields = fields
 
 

@@ -21,8 +21,13 @@ nested.register("quota-requests", QuotaRequestViewSet, basename="tenant-quota-re
 
 urlpatterns = [
     re_path("", include(router.urls)),
-    re_path(rf"^tenants/(?P<slug>{TENANT_SLUG_PATTERN})/", include([
-        path("quota/", QuotaViewSet.as_view({"get": "retrieve"}), name="tenant-quota"),
-        *nested.urls,
-    ])),
+    re_path(
+        rf"^tenants/(?P<slug>{TENANT_SLUG_PATTERN})/",
+        include(
+            [
+                path("quota/", QuotaViewSet.as_view({"get": "retrieve"}), name="tenant-quota"),
+                *nested.urls,
+            ]
+        ),
+    ),
 ]

@@ -40,19 +40,29 @@ from tenants.models import ApiKey, AuditEntry, Membership, Quota, QuotaRequest, 
 from tenants.scoping import TenantNestedViewSet, TenantScopedViewSet, visible_tenants
 
 SLUG = OpenApiParameter(
-    "slug", {"type": "string", "pattern": f"^{TENANT_SLUG_PATTERN}$", "maxLength": 50}, OpenApiParameter.PATH,
-    description="the tenant's slug", examples=[OpenApiExample("the demo tenant", value="demo")],
+    "slug",
+    {"type": "string", "pattern": f"^{TENANT_SLUG_PATTERN}$", "maxLength": 50},
+    OpenApiParameter.PATH,
+    description="the tenant's slug",
+    examples=[OpenApiExample("the demo tenant", value="demo")],
 )
 PREFIX = OpenApiParameter(
-    "prefix", {"type": "string", "pattern": "^[A-Za-z0-9]{10}$"}, OpenApiParameter.PATH,
+    "prefix",
+    {"type": "string", "pattern": "^[A-Za-z0-9]{10}$"},
+    OpenApiParameter.PATH,
     description="the key's prefix: the 10 characters after fy_",
 )
 USERNAME = OpenApiParameter(
-    "username", {"type": "string", "pattern": f"^{USERNAME_PATTERN}$", "maxLength": 150}, OpenApiParameter.PATH,
-    description="the member's username", examples=[OpenApiExample("the demo admin", value="admin")],
+    "username",
+    {"type": "string", "pattern": f"^{USERNAME_PATTERN}$", "maxLength": 150},
+    OpenApiParameter.PATH,
+    description="the member's username",
+    examples=[OpenApiExample("the demo admin", value="admin")],
 )
 REQUEST_ID = OpenApiParameter(
-    "id", {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}, OpenApiParameter.PATH,
+    "id",
+    {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+    OpenApiParameter.PATH,
     description="the quota request's id",
 )
 E404 = "No such tenant (or one the caller is not in), or no such object in it."
@@ -85,8 +95,11 @@ class TenantViewSet(PromotionPolicyMixin, TenantScopedViewSet, mixins.ListModelM
     def scope(self, queryset: QuerySet) -> QuerySet:
         return queryset & visible_tenants(self.request.user)
 
-    @extend_schema(parameters=[SLUG], request=TenantUpdateSerializer, responses={200: TenantSerializer, **errors(
-        400, 403, 404, 413, 415, e404=E404)})
+    @extend_schema(
+        parameters=[SLUG],
+        request=TenantUpdateSerializer,
+        responses={200: TenantSerializer, **errors(400, 403, 404, 413, 415, e404=E404)},
+    )
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Change the tenant's settings (admin): whether other tenants' shadow reports may keep samples of its
         requests. Audited."""
@@ -96,8 +109,9 @@ class TenantViewSet(PromotionPolicyMixin, TenantScopedViewSet, mixins.ListModelM
         form = TenantUpdateSerializer(data=request.data)
         form.is_valid(raise_exception=True)
         if "share_shadow_samples" in form.validated_data:
-            tenant = set_shadow_sharing(tenant=tenant, share=form.validated_data["share_shadow_samples"],
-                                        actor=request.user)
+            tenant = set_shadow_sharing(
+                tenant=tenant, share=form.validated_data["share_shadow_samples"], actor=request.user
+            )
         return Response(TenantSerializer(tenant, context=self.get_serializer_context()).data)
 
 
@@ -116,9 +130,23 @@ class MemberViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.RetrieveM
     lookup_value_regex = USERNAME_PATTERN
     roles = {"list": Role.VIEWER, "retrieve": Role.VIEWER}
 
-    @extend_schema(request=MemberCreateSerializer, responses={201: MemberSerializer, **errors(
-        400, 403, 404, 409, 413, 415, e400="Malformed, or no such user.", e404=E404,
-        e409="The user is a member already.")})
+    @extend_schema(
+        request=MemberCreateSerializer,
+        responses={
+            201: MemberSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                e400="Malformed, or no such user.",
+                e404=E404,
+                e409="The user is a member already.",
+            ),
+        },
+    )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Add a user to the tenant with a role (admin)."""
         form = MemberCreateSerializer(data=request.data)
@@ -129,14 +157,19 @@ class MemberViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.RetrieveM
         if Membership.objects.filter(tenant=self.tenant, user=user).exists():
             raise Refused(f"{user.get_username()} is a member already; change their role instead", 409)
         try:
-            membership = set_role(tenant=self.tenant, user=user, role=form.validated_data["role"],
-                                  actor=request.user)
+            membership = set_role(tenant=self.tenant, user=user, role=form.validated_data["role"], actor=request.user)
         except GovernanceError as exc:
             raise refused(exc) from None
         return Response(MemberSerializer(membership).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(parameters=[USERNAME], request=RoleSerializer, responses={200: MemberSerializer, **errors(
-        400, 403, 404, 409, 413, 415, e404=E404, e409="The tenant would be left without an admin.")})
+    @extend_schema(
+        parameters=[USERNAME],
+        request=RoleSerializer,
+        responses={
+            200: MemberSerializer,
+            **errors(400, 403, 404, 409, 413, 415, e404=E404, e409="The tenant would be left without an admin."),
+        },
+    )
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Change a member's role (admin)."""
         membership = self.get_object()
@@ -145,14 +178,17 @@ class MemberViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.RetrieveM
         if "role" not in form.validated_data:
             return Response(MemberSerializer(membership).data)
         try:
-            membership = set_role(tenant=self.tenant, user=membership.user, role=form.validated_data["role"],
-                                  actor=request.user)
+            membership = set_role(
+                tenant=self.tenant, user=membership.user, role=form.validated_data["role"], actor=request.user
+            )
         except GovernanceError as exc:
             raise refused(exc) from None
         return Response(MemberSerializer(membership).data)
 
-    @extend_schema(parameters=[USERNAME], responses={204: None, **errors(
-        403, 404, 409, e404=E404, e409="The tenant would be left without an admin.")})
+    @extend_schema(
+        parameters=[USERNAME],
+        responses={204: None, **errors(403, 404, 409, e404=E404, e409="The tenant would be left without an admin.")},
+    )
     def destroy(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Remove a member (admin)."""
         try:
@@ -175,9 +211,21 @@ class ApiKeyViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.RetrieveM
     lookup_field = "prefix"
     lookup_value_regex = "[A-Za-z0-9]{10}"
 
-    @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer, **errors(
-        400, 403, 404, 413, 415, e400="Malformed: a name, one or more scopes, an expiry in the future.",
-        e404=E404)})
+    @extend_schema(
+        request=ApiKeyCreateSerializer,
+        responses={
+            201: ApiKeyCreatedSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                413,
+                415,
+                e400="Malformed: a name, one or more scopes, an expiry in the future.",
+                e404=E404,
+            ),
+        },
+    )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Create a key; the response carries its token, shown this once."""
         form = ApiKeyCreateSerializer(data=request.data)
@@ -190,8 +238,7 @@ class ApiKeyViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.RetrieveM
         data["token"] = token
         return Response(data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(parameters=[PREFIX], request=None,
-                   responses={200: ApiKeySerializer, **errors(403, 404, e404=E404)})
+    @extend_schema(parameters=[PREFIX], request=None, responses={200: ApiKeySerializer, **errors(403, 404, e404=E404)})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Revoke the key (idempotent): serving refuses it within seconds."""
@@ -216,8 +263,9 @@ class QuotaViewSet(TenantNestedViewSet):
 @extend_schema(parameters=[SLUG])
 @extend_schema_view(
     list=extend_schema(responses={200: QuotaRequestSerializer(many=True), **errors(400, 403, 404, e404=E404)}),
-    retrieve=extend_schema(parameters=[REQUEST_ID],
-                           responses={200: QuotaRequestSerializer, **errors(403, 404, e404=E404)}),
+    retrieve=extend_schema(
+        parameters=[REQUEST_ID], responses={200: QuotaRequestSerializer, **errors(403, 404, e404=E404)}
+    ),
 )
 class QuotaRequestViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """Requests to change the tenant's quota: admins file them, platform staff decide them."""
@@ -232,15 +280,21 @@ class QuotaRequestViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.Ret
             raise NotFound("no such quota request")
         return super().get_object()
 
-    @extend_schema(request=QuotaRequestCreateSerializer, responses={201: QuotaRequestSerializer, **errors(
-        400, 403, 404, 413, 415, e404=E404)})
+    @extend_schema(
+        request=QuotaRequestCreateSerializer,
+        responses={201: QuotaRequestSerializer, **errors(400, 403, 404, 413, 415, e404=E404)},
+    )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Ask platform staff for new limits, with a justification (admin)."""
         form = QuotaRequestCreateSerializer(data=request.data)
         form.is_valid(raise_exception=True)
         try:
-            filed = request_quota(tenant=self.tenant, changes=dict(form.validated_data["changes"]),
-                                  justification=form.validated_data["justification"], actor=request.user)
+            filed = request_quota(
+                tenant=self.tenant,
+                changes=dict(form.validated_data["changes"]),
+                justification=form.validated_data["justification"],
+                actor=request.user,
+            )
         except GovernanceError as exc:
             raise refused(exc) from None
         return Response(QuotaRequestSerializer(filed).data, status=status.HTTP_201_CREATED)
@@ -249,33 +303,68 @@ class QuotaRequestViewSet(TenantNestedViewSet, mixins.ListModelMixin, mixins.Ret
         form = DecisionSerializer(data=request.data)
         form.is_valid(raise_exception=True)
         try:
-            decided = decide(request=self.get_object(), approve=approve, note=form.validated_data.get("note", ""),
-                             actor=request.user)
+            decided = decide(
+                request=self.get_object(), approve=approve, note=form.validated_data.get("note", ""), actor=request.user
+            )
         except GovernanceError as exc:
             raise refused(exc) from None
         return Response(QuotaRequestSerializer(decided).data)
 
-    @extend_schema(parameters=[REQUEST_ID], request=DecisionSerializer, responses={
-        200: QuotaRequestSerializer, **errors(400, 403, 404, 409, 413, 415, e403="Not platform staff.", e404=E404,
-                                              e409="The request was decided already.")})
+    @extend_schema(
+        parameters=[REQUEST_ID],
+        request=DecisionSerializer,
+        responses={
+            200: QuotaRequestSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                e403="Not platform staff.",
+                e404=E404,
+                e409="The request was decided already.",
+            ),
+        },
+    )
     @action(detail=True, methods=["post"])
     def approve(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Approve: the changes become the tenant's quota, in force within seconds (platform staff)."""
         return self._decide(request, approve=True)
 
-    @extend_schema(parameters=[REQUEST_ID], request=DecisionSerializer, responses={
-        200: QuotaRequestSerializer, **errors(400, 403, 404, 409, 413, 415, e403="Not platform staff.", e404=E404,
-                                              e409="The request was decided already.")})
+    @extend_schema(
+        parameters=[REQUEST_ID],
+        request=DecisionSerializer,
+        responses={
+            200: QuotaRequestSerializer,
+            **errors(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                e403="Not platform staff.",
+                e404=E404,
+                e409="The request was decided already.",
+            ),
+        },
+    )
     @action(detail=True, methods=["post"])
     def reject(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Reject, with a note for the tenant (platform staff)."""
         return self._decide(request, approve=False)
 
 
-@extend_schema_view(list=extend_schema(responses={
-    200: AuditEntrySerializer(many=True),
-    **errors(400, 403, e403="Not logged in, or neither platform staff nor an admin of some tenant."),
-}))
+@extend_schema_view(
+    list=extend_schema(
+        responses={
+            200: AuditEntrySerializer(many=True),
+            **errors(400, 403, e403="Not logged in, or neither platform staff nor an admin of some tenant."),
+        }
+    )
+)
 class AuditViewSet(TenantScopedViewSet, mixins.ListModelMixin):
     """The audit log, newest first: platform staff read all of it, tenant admins their tenants' entries."""
 
@@ -297,4 +386,3 @@ def admin_tenant_ids(user: object) -> list[int]:
     if not getattr(user, "is_authenticated", False):
         return []
     return [m.tenant_id for m in user.memberships.all() if m.role == Role.ADMIN]  # type: ignore[attr-defined]
-

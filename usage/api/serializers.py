@@ -8,7 +8,8 @@ MAX_VERSION = 2**31 - 1
 
 class _Query(serializers.Serializer):
     tenant = serializers.SlugField(
-        required=False, max_length=50,
+        required=False,
+        max_length=50,
         help_text="a tenant's slug; default: every tenant the caller belongs to (staff: every tenant)",
     )
     model = serializers.RegexField(
@@ -16,7 +17,8 @@ class _Query(serializers.Serializer):
     )
     version = serializers.IntegerField(required=False, min_value=1, max_value=MAX_VERSION)
     granularity = serializers.ChoiceField(
-        choices=list(GRANULARITY), default="minute",
+        choices=list(GRANULARITY),
+        default="minute",
         help_text="period of each row; the range may span at most 1 day of minutes, 14 days of hours, 92 days of days",
     )
 
@@ -28,13 +30,20 @@ class _Query(serializers.Serializer):
 
 
 # `from` is a Python keyword: the fields are declared on a class built by name.
-UsageQuerySerializer = type("UsageQuerySerializer", (_Query,), {
-    "from": serializers.DateTimeField(
-        required=False, help_text="ISO 8601 start of the range, inclusive (default: the range's length before `to`)",
-    ),
-    "to": serializers.DateTimeField(required=False, help_text="ISO 8601 end of the range, exclusive (default: now)"),
-    "__doc__": "Query parameters of GET /api/usage/.",
-})
+UsageQuerySerializer = type(
+    "UsageQuerySerializer",
+    (_Query,),
+    {
+        "from": serializers.DateTimeField(
+            required=False,
+            help_text="ISO 8601 start of the range, inclusive (default: the range's length before `to`)",
+        ),
+        "to": serializers.DateTimeField(
+            required=False, help_text="ISO 8601 end of the range, exclusive (default: now)"
+        ),
+        "__doc__": "Query parameters of GET /api/usage/.",
+    },
+)
 
 
 class UsageRowSerializer(serializers.Serializer):
@@ -52,4 +61,3 @@ class UsageRowSerializer(serializers.Serializer):
     p50_ms = serializers.FloatField(allow_null=True, help_text="median latency, from arrival to answer")
     p95_ms = serializers.FloatField(allow_null=True)
     p99_ms = serializers.FloatField(allow_null=True)
-

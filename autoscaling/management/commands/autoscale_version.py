@@ -6,13 +6,22 @@ from autoscaling.models import ScalingPolicy
 from serving.models import ModelVersion
 from tenants import audit
 
-FIELDS = ("enabled", "max_replicas", "target_utilisation", "warm_pool", "cool_down_seconds", "idle_to_zero_seconds",
-          "accelerator")
+FIELDS = (
+    "enabled",
+    "max_replicas",
+    "target_utilisation",
+    "warm_pool",
+    "cool_down_seconds",
+    "idle_to_zero_seconds",
+    "accelerator",
+)
 
 
 class Command(BaseCommand):
-    help = ("Let the autoscaler size a version (or stop it: --off). Its min_replicas stays the floor; with"
-            " min_replicas 0 and --idle-to-zero it is unloaded after that long without a request. Audited.")
+    help = (
+        "Let the autoscaler size a version (or stop it: --off). Its min_replicas stays the floor; with"
+        " min_replicas 0 and --idle-to-zero it is unloaded after that long without a request. Audited."
+    )
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("model")
@@ -22,13 +31,20 @@ class Command(BaseCommand):
         parser.add_argument("--target-utilisation", type=float)
         parser.add_argument("--warm-pool", type=int)
         parser.add_argument("--cool-down", type=float, dest="cool_down_seconds", help="seconds")
-        parser.add_argument("--idle-to-zero", type=float, dest="idle_to_zero_seconds",
-                            help="seconds without a request before the last replica goes (min_replicas 0); -1: never")
+        parser.add_argument(
+            "--idle-to-zero",
+            type=float,
+            dest="idle_to_zero_seconds",
+            help="seconds without a request before the last replica goes (min_replicas 0); -1: never",
+        )
         parser.add_argument("--accelerator", help="the node pool it scales on")
 
     def handle(self, *args: object, **o: object) -> None:
-        version = (ModelVersion.objects.select_related("model__tenant")
-                   .filter(model__name=o["model"], version=o["version"]).first())
+        version = (
+            ModelVersion.objects.select_related("model__tenant")
+            .filter(model__name=o["model"], version=o["version"])
+            .first()
+        )
         if version is None:
             raise CommandError(f"no version {o['version']} of model {o['model']!r}")
         with transaction.atomic():
@@ -50,6 +66,12 @@ class Command(BaseCommand):
                 # The autoscaler's ask goes with it: the reconciler keeps min_replicas again.
                 ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=None)
             after = {f: getattr(policy, f) for f in FIELDS}
-            audit.record(None, "version.scaling", f"model {version.model.name} version {version.version}",
-                         tenant=version.model.tenant, before=before, after=after)
+            audit.record(
+                None,
+                "version.scaling",
+                f"model {version.model.name} version {version.version}",
+                tenant=version.model.tenant,
+                before=before,
+                after=after,
+            )
         self.stdout.write(f"{version.model.name}:{version.version} scaling: {after}")

@@ -19,8 +19,7 @@ def key_still_valid(token: str) -> bool:
     if parts is None:
         return False
     key = ApiKey.objects.filter(prefix=parts[0]).first()
-    return (key is not None and key.active
-            and keys.matches(keys.pepper_from(settings.SECRET_KEY), parts[1], key.digest))
+    return key is not None and key.active and keys.matches(keys.pepper_from(settings.SECRET_KEY), parts[1], key.digest)
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -34,15 +33,16 @@ def write_secret(path: Path, text: str) -> None:
 
 
 class Command(BaseCommand):
-    help = ("Create the embedded-mode operator account (FERRY_ADMIN_USER / FERRY_ADMIN_PASSWORD), the demo "
-            "tenant that owns the demo models, and a demo API key in $FERRY_DATA_DIR/demo-api-key, if missing.")
+    help = (
+        "Create the embedded-mode operator account (FERRY_ADMIN_USER / FERRY_ADMIN_PASSWORD), the demo "
+        "tenant that owns the demo models, and a demo API key in $FERRY_DATA_DIR/demo-api-key, if missing."
+    )
 
     def handle(self, *args: object, **options: object) -> None:
         username = os.environ.get("FERRY_ADMIN_USER", "admin")
         password = os.environ.get("FERRY_ADMIN_PASSWORD", "ferry-admin")
         User = get_user_model()
-        user, created = User.objects.get_or_create(username=username, defaults={"is_staff": True,
-                                                                                 "is_superuser": True})
+        user, created = User.objects.get_or_create(username=username, defaults={"is_staff": True, "is_superuser": True})
         if created:
             user.set_password(password)
             user.save()
@@ -74,7 +74,7 @@ class Command(BaseCommand):
             f"demo API key (scopes {', '.join(key.scopes)}), shown once and kept in {path} (mode 600):\n"
             f"  {token}\n"
             "try it:\n"
-            f"  curl -s -H \"Authorization: Bearer $(cat {path})\" http://127.0.0.1:8000/v2/models/digits\n"
+            f'  curl -s -H "Authorization: Bearer $(cat {path})" http://127.0.0.1:8000/v2/models/digits\n'
             "  # tritonclient:\n"
-            f"  client.infer(\"digits\", [x], headers={{\"Authorization\": \"Bearer {token}\"}})"
+            f'  client.infer("digits", [x], headers={{"Authorization": "Bearer {token}"}})'
         )

@@ -48,11 +48,21 @@ class Command(BaseCommand):
         try:
             with open(str(o["artifact"]), "rb") as f:
                 version = register_version(
-                    model_name=o["name"], artifact_file=f, fmt=o["format"], inputs=o["input"],
-                    outputs=o["output"], sha256=o["sha256"], task=o["task"], description=o["description"],
-                    metrics=o["metrics"], validate="sync", max_batch_size=o["max_batch_size"],
-                    max_queue_delay_ms=o["max_queue_delay_ms"], preferred_batch_sizes=o["preferred_batch_sizes"],
-                    max_queue_size=o["max_queue_size"], default_timeout_ms=o["default_timeout_ms"],
+                    model_name=o["name"],
+                    artifact_file=f,
+                    fmt=o["format"],
+                    inputs=o["input"],
+                    outputs=o["output"],
+                    sha256=o["sha256"],
+                    task=o["task"],
+                    description=o["description"],
+                    metrics=o["metrics"],
+                    validate="sync",
+                    max_batch_size=o["max_batch_size"],
+                    max_queue_delay_ms=o["max_queue_delay_ms"],
+                    preferred_batch_sizes=o["preferred_batch_sizes"],
+                    max_queue_size=o["max_queue_size"],
+                    default_timeout_ms=o["default_timeout_ms"],
                 )
         except OSError as exc:
             raise CommandError(f"cannot read {o['artifact']}: {exc}") from None

@@ -19,22 +19,32 @@ def shares(text: str, what: str) -> dict[int, float]:
 
 
 class Command(BaseCommand):
-    help = ("Route a model's traffic: promote a version to stable, set rollout weights or experiment arms"
-            " (VERSION=SHARE,... summing to 1; '' clears), mirror a share of requests to a shadow version,"
-            " pin a tenant to a version (SLUG=VERSION; SLUG= unpins)."
-            " Validated, written to the audit log, in force within seconds. Where the model's tenant requires"
-            " approval, promoting and sending an unapproved version traffic are refused: roll it out, or"
-            " have a promotion request accepted.")
+    help = (
+        "Route a model's traffic: promote a version to stable, set rollout weights or experiment arms"
+        " (VERSION=SHARE,... summing to 1; '' clears), mirror a share of requests to a shadow version,"
+        " pin a tenant to a version (SLUG=VERSION; SLUG= unpins)."
+        " Validated, written to the audit log, in force within seconds. Where the model's tenant requires"
+        " approval, promoting and sending an unapproved version traffic are refused: roll it out, or"
+        " have a promotion request accepted."
+    )
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("model", help="the model's name")
         parser.add_argument("--promote", type=int, metavar="VERSION", help="make VERSION the stable version")
         parser.add_argument("--weights", metavar="V=SHARE,...", help="rollout weights, e.g. 3=0.95,4=0.05")
         parser.add_argument("--experiment", metavar="V=SHARE,...", help="A/B arms, e.g. 3=0.5,5=0.5")
-        parser.add_argument("--shadow", metavar="VERSION=FRACTION",
-                            help="mirror this share of live requests to VERSION for comparison, e.g. 4=0.1; '' stops")
-        parser.add_argument("--tenant", action="append", default=[], metavar="SLUG=VERSION",
-                            help="serve tenant SLUG this version (SLUG= removes its pin); repeatable")
+        parser.add_argument(
+            "--shadow",
+            metavar="VERSION=FRACTION",
+            help="mirror this share of live requests to VERSION for comparison, e.g. 4=0.1; '' stops",
+        )
+        parser.add_argument(
+            "--tenant",
+            action="append",
+            default=[],
+            metavar="SLUG=VERSION",
+            help="serve tenant SLUG this version (SLUG= removes its pin); repeatable",
+        )
 
     def handle(self, *args: object, **o: object) -> None:
         model = Model.objects.filter(name=o["model"]).first()
@@ -74,6 +84,8 @@ class Command(BaseCommand):
         except ValidationError as exc:
             raise CommandError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
         table = model.route_table()
-        self.stdout.write(f"{model.name}: stable {table.stable}, weights {dict(table.weights)}, experiment"
-                          f" {dict(table.experiment)}, tenants {dict(table.tenants)}, shadow {table.shadow}"
-                          f" ({table.shadow_fraction:g})")
+        self.stdout.write(
+            f"{model.name}: stable {table.stable}, weights {dict(table.weights)}, experiment"
+            f" {dict(table.experiment)}, tenants {dict(table.tenants)}, shadow {table.shadow}"
+            f" ({table.shadow_fraction:g})"
+        )

@@ -17,8 +17,10 @@ from serving.node_tasks import NodeWorker
 
 
 class Command(BaseCommand):
-    help = ("Run a worker node: host model versions and serve their Redis streams (distributed mode, REDIS_URL). "
-            "Without CUDA it runs on the CPU with the accelerator, memory and labels it is given.")
+    help = (
+        "Run a worker node: host model versions and serve their Redis streams (distributed mode, REDIS_URL). "
+        "Without CUDA it runs on the CPU with the accelerator, memory and labels it is given."
+    )
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("--name", default=socket.gethostname(), help="unique in the fleet (default: host name)")
@@ -26,8 +28,12 @@ class Command(BaseCommand):
         parser.add_argument("--memory", default=None, help="memory budget, e.g. 24GiB (CUDA: at most the device's)")
         parser.add_argument("--labels", action="append", default=[], help="k=v[,k=v] (repeatable)")
         parser.add_argument("--device", default=settings.FERRY_DEVICE, help="cpu, cuda, cuda:1 (default: cuda if any)")
-        parser.add_argument("--metrics-port", type=int, default=settings.FERRY_NODE_METRICS_PORT,
-                            help="serve Prometheus /metrics on this port (default FERRY_NODE_METRICS_PORT; 0: off)")
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=settings.FERRY_NODE_METRICS_PORT,
+            help="serve Prometheus /metrics on this port (default FERRY_NODE_METRICS_PORT; 0: off)",
+        )
 
     def handle(self, *args: object, **options: object) -> None:
         if not settings.REDIS_URL:
@@ -41,8 +47,9 @@ class Command(BaseCommand):
         configure_torch_threads(settings.FERRY_TORCH_THREADS)
         runtime_process.warn_if_inline()
         device = str(pick_device(options["device"]))
-        facts = facts_for(options["name"], device, options["accelerator"], memory, labels,
-                          settings.FERRY_NODE_MEMORY_BYTES)
+        facts = facts_for(
+            options["name"], device, options["accelerator"], memory, labels, settings.FERRY_NODE_MEMORY_BYTES
+        )
         try:
             # uvloop, as the web process runs (frontdoor.uvicorn_config): the stream hop is mostly event-loop work.
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -51,10 +58,17 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
 
     async def _run(self, facts, metrics_port: int) -> None:  # noqa: ANN001
-        node = Node(artifact_path=artifacts.for_node(), device=facts.device, memory_budget=facts.memory_budget,
-                    max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES, admission=settings.FERRY_ADMISSION,
-                    accelerator=facts.accelerator, max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
-                    warm_budget=settings.FERRY_NODE_WARM_BYTES, report=_report)
+        node = Node(
+            artifact_path=artifacts.for_node(),
+            device=facts.device,
+            memory_budget=facts.memory_budget,
+            max_queue_bytes=settings.FERRY_MAX_QUEUE_BYTES,
+            admission=settings.FERRY_ADMISSION,
+            accelerator=facts.accelerator,
+            max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
+            warm_budget=settings.FERRY_NODE_WARM_BYTES,
+            report=_report,
+        )
         process = NodeProcess(node, settings.REDIS_URL, facts, on_disk=artifacts.on_node_disk())
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -66,8 +80,11 @@ class Command(BaseCommand):
         # Load and unload for the placement reconciler: this node's own Celery queue, on a thread of its own.
         worker = NodeWorker(process, loop)
         worker.start()
-        self.stdout.write(f"node {facts.name}: {facts.accelerator} on {node.device}, budget {facts.memory_budget}"
-                          f" bytes, labels {facts.labels}", ending="\n")
+        self.stdout.write(
+            f"node {facts.name}: {facts.accelerator} on {node.device}, budget {facts.memory_budget}"
+            f" bytes, labels {facts.labels}",
+            ending="\n",
+        )
         self.stdout.flush()
         await stopping.wait()
         await asyncio.to_thread(worker.stop)

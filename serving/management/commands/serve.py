@@ -13,9 +13,11 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument(
-            "--workers", type=int, default=1,
+            "--workers",
+            type=int,
+            default=1,
             help="web processes sharing the port (uvicorn's supervisor restarts any that dies); each has its"
-                 " own gateway. More than one needs distributed mode with FERRY_EMBEDDED_NODE=false.",
+            " own gateway. More than one needs distributed mode with FERRY_EMBEDDED_NODE=false.",
         )
 
     def handle(self, *args: object, **options: object) -> None:
@@ -28,10 +30,14 @@ class Command(BaseCommand):
             # Quotas, snapshots and the node would each be per process: a tenant would get N times its limits.
             raise CommandError("several web processes need REDIS_URL (shared quotas and routing snapshots)")
         if workers > 1 and settings.FERRY_EMBEDDED_NODE:
-            raise CommandError("several web processes would each load every model: run nodes with `manage.py"
-                               " runnode` and set FERRY_EMBEDDED_NODE=false")
-        self.stdout.write(f"Ferry on http://{options['host']}:{options['port']} ({mode} mode, database {database},"
-                          f" {workers} web process{'es' if workers > 1 else ''})")
+            raise CommandError(
+                "several web processes would each load every model: run nodes with `manage.py"
+                " runnode` and set FERRY_EMBEDDED_NODE=false"
+            )
+        self.stdout.write(
+            f"Ferry on http://{options['host']}:{options['port']} ({mode} mode, database {database},"
+            f" {workers} web process{'es' if workers > 1 else ''})"
+        )
         config = uvicorn_config("config.asgi:application", options["host"], options["port"], workers=workers)
         if workers > 1:
             try:

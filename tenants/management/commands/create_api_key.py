@@ -14,8 +14,13 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("tenant", help="the tenant's slug")
         parser.add_argument("name", help="what the key is for, e.g. checkout-service")
-        parser.add_argument("--scope", action="append", choices=SCOPES, required=True,
-                            help="infer (inference, metadata, index) or manage (repository load/unload); repeatable")
+        parser.add_argument(
+            "--scope",
+            action="append",
+            choices=SCOPES,
+            required=True,
+            help="infer (inference, metadata, index) or manage (repository load/unload); repeatable",
+        )
         parser.add_argument("--expires-in-days", type=int, help="expire after this many days (default: never)")
 
     def handle(self, *args: object, **o: object) -> None:
@@ -27,11 +32,12 @@ class Command(BaseCommand):
             raise CommandError("--expires-in-days must be a positive number of days")
         expires_at = timezone.now() + timedelta(days=days) if days is not None else None
         try:
-            key, token = create_key(tenant=tenant, name=str(o["name"]), scopes=list(o["scope"]),
-                                    expires_at=expires_at)
+            key, token = create_key(tenant=tenant, name=str(o["name"]), scopes=list(o["scope"]), expires_at=expires_at)
         except KeyRequestError as exc:
             raise CommandError(str(exc)) from None
         expiry = f"expires {key.expires_at:%Y-%m-%d %H:%M} UTC" if key.expires_at else "never expires"
-        self.stderr.write(f"key {key.prefix} for tenant {tenant.slug} (scopes {', '.join(key.scopes)}; {expiry}); "
-                          "the token below is shown only now:")
+        self.stderr.write(
+            f"key {key.prefix} for tenant {tenant.slug} (scopes {', '.join(key.scopes)}; {expiry}); "
+            "the token below is shown only now:"
+        )
         self.stdout.write(token)

@@ -5,8 +5,10 @@ from tenants.models import Quota, Tenant
 
 
 class Command(BaseCommand):
-    help = ("Set a tenant's quota limits, e.g. `set_quota demo requests_per_second=5000 burst=10000`; "
-            "validated like a quota request, written to the audit log, in force within seconds.")
+    help = (
+        "Set a tenant's quota limits, e.g. `set_quota demo requests_per_second=5000 burst=10000`; "
+        "validated like a quota request, written to the audit log, in force within seconds."
+    )
 
     def add_arguments(self, parser) -> None:  # noqa: ANN001
         parser.add_argument("tenant", help="the tenant's slug")
