@@ -43,6 +43,7 @@ urlpatterns = [
     path("console/audit/", tenant_console.audit_page, name="console-audit"),
     path("console/usage/", usage_console.usage_page, name="console-usage"),
     path("console/planner/", planner_views.planner_page, name="console-planner"),
+    path("console/planner/fleet/", planner_views.planner_fleet, name="console-planner-fleet"),
     path("console/fleet/", fleet_views.fleet_page, name="console-fleet"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

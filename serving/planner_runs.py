@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from sim.budget import Budget, Stopped
-from sim.planner import WhatIf, simulate
+from sim.planner import Check, WhatIf, simulate
 
 # outcome: complete, deadline, cancelled, error
 CHECKS = Counter("ferry_planner_simulations", "Planner simulation checks run, by how they ended", ["outcome"])
@@ -60,17 +60,18 @@ class Slots:
 SLOTS = Slots()
 
 
-async def check(what: WhatIf, *, user_id: int, deadline_s: float, limit: int) -> tuple[dict[str, Any], bytes]:
-    """The simulation's summary and plot; Busy without a slot, `Stopped` past the deadline (or cancelled),
-    and OutOfRange for a what-if too large to simulate. Cancelling the awaiting task stops the run."""
+async def check(what: WhatIf, *, user_id: int, deadline_s: float, limit: int, plot: bool = True) -> Check:
+    """The simulation check (`sim.planner.simulate`: its runs, their points, the plot when `plot`); Busy without a
+    slot, `Stopped` past the deadline (or cancelled) during its first run, and OutOfRange for a what-if too large
+    to simulate. Cancelling the awaiting task stops the run."""
     SLOTS.take(user_id, limit, deadline_s)
     cancelled = threading.Event()
     budget = Budget(deadline_s, cancelled=cancelled)
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[tuple[dict[str, Any], bytes]] = loop.create_future()
+    done: asyncio.Future[Check] = loop.create_future()
     try:
         threading.Thread(
-            target=_run, args=(what, budget, user_id, loop, done), name="planner-check", daemon=True
+            target=_run, args=(what, budget, user_id, loop, done, plot), name="planner-check", daemon=True
         ).start()
     except BaseException:
         SLOTS.give(user_id)
@@ -82,11 +83,13 @@ async def check(what: WhatIf, *, user_id: int, deadline_s: float, limit: int) ->
         raise
 
 
-def _run(what: WhatIf, budget: Budget, user_id: int, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+def _run(
+    what: WhatIf, budget: Budget, user_id: int, loop: asyncio.AbstractEventLoop, done: asyncio.Future, plot: bool
+) -> None:
     outcome = "error"
     try:
-        result: Any = simulate(what, budget)
-        outcome = "complete"
+        result: Any = simulate(what, budget, plot=plot)
+        outcome = "complete" if result.stopped is None else result.stopped
     except Stopped as exc:
         result, outcome = exc, exc.reason
     except Exception as exc:  # noqa: BLE001 - handed to the request, which answers or logs it
