@@ -6,6 +6,7 @@ Most tests use a profile where every row costs 10 ms whatever the batch, so one 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 
@@ -40,9 +41,16 @@ def config(**changes: object) -> ScalingConfig:
 class Driver:
     """One version fed to an autoscaler once a second: `rate(t)` arrivals in the second ending at t."""
 
-    def __init__(self, cfg: ScalingConfig, *, short_window: float = 10.0, long_window: float = 60.0) -> None:
+    def __init__(
+        self, cfg: ScalingConfig, *, short_window: float = 10.0, long_window: float = 60.0, rise_quantile: float = 0.99
+    ) -> None:
         self.cfg = cfg
-        self.scaler = Autoscaler({"gpu": 80 * GB, "cpu": 16 * GB}, short_window=short_window, long_window=long_window)
+        self.scaler = Autoscaler(
+            {"gpu": 80 * GB, "cpu": 16 * GB},
+            short_window=short_window,
+            long_window=long_window,
+            rise_quantile=rise_quantile,
+        )
         self.total = 0
         self.replicas = cfg.min_replicas
         self.now = 0.0
@@ -107,11 +115,12 @@ def test_steady_load_gives_stable_replicas() -> None:
 
 def test_a_ramp_scales_out_ahead_of_demand_by_the_lead_time() -> None:
     # given 100 requests a second, then from t = 60 a ramp of 10 more each second, a 30 s cold start
-    # and a 5 s scheduling delay (lead time 35 s); the count of each second is the rate at its middle
+    # and a 5 s scheduling delay (lead time 35 s); the count of each second is the rate at its middle; the
+    # forecast alone (no learned headroom, which the ramp's own rises would raise above it)
     def rate(t: float) -> float:
         return 100 if t <= 60 else 100 + 10 * (t - 0.5 - 60)
 
-    driver = Driver(config(max_replicas=100))
+    driver = Driver(config(max_replicas=100), rise_quantile=0.0)
     decisions = dict(driver.run(300, rate))
 
     # then, once the trend has caught up with the ramp, the forecast is the rate 35 s ahead
@@ -367,6 +376,52 @@ def test_a_ramp_every_version_shares_is_seen_in_the_pool_before_any_one_version_
     assert alone[124] < 0.7 * pooled[124]
 
 
+def test_learned_headroom_holds_what_past_rises_reached_in_one_lead_time() -> None:
+    # given replicas of 100 requests a second sized at a 0.5 target, a 35 s lead, no cool-down, and a rate of
+    # 100 a second that steps to 300 for a minute at t = 200 (a rise of 2x its rate within one lead time)
+    def rate(t: float) -> float:
+        return 300.0 if 200 < t <= 260 else 100.0
+
+    def run(**kw: float) -> dict[float, object]:
+        driver = Driver(config(cool_down=0.0, max_replicas=50), **kw)
+        return dict(driver.run(700, rate))
+
+    learnt, plain = run(), run(rise_quantile=0.0)
+    # then before the step nothing has risen: both hold the target's 2 replicas, no headroom asked
+    assert learnt[190].replicas == plain[190].replicas == 2  # type: ignore[attr-defined]
+    assert learnt[190].reason != "headroom"  # type: ignore[attr-defined]
+    # and once it has been seen, at 100 a second again, the learnt one holds at full utilisation what the
+    # rise reached: 100 x (1 + 2) / 100 = 3 replicas, where the target alone asks for 2
+    assert plain[400].replicas == 2  # type: ignore[attr-defined]
+    assert learnt[400].replicas == 3  # type: ignore[attr-defined]
+    assert learnt[400].reason == "headroom"  # type: ignore[attr-defined]
+
+
+def test_learned_rises_leave_the_history_and_survive_the_exported_state() -> None:
+    # given the same step and a history of 100 s
+    def rate(t: float) -> float:
+        return 300.0 if 200 < t <= 260 else 100.0
+
+    cfg = config(cool_down=0.0, max_replicas=50)
+    driver = Driver(cfg)
+    driver.scaler = Autoscaler({"gpu": 80 * GB}, rise_history=100.0)
+    driver.scaler.tick(0.0, [driver.observe()])
+    decisions = dict(driver.run(330, rate))
+    # (the rise over one lead time passed 1x until about t = 235: the rate 35 s before was still 100)
+    assert (decisions[330].replicas, decisions[330].reason) == (3, "headroom")
+    # when its state is handed to another autoscaler, that one holds the same headroom
+    fresh = Autoscaler({"gpu": 80 * GB}, rise_history=100.0)
+    fresh.restore_state(json.loads(json.dumps(driver.scaler.export_state())))
+    driver.scaler = fresh
+    assert (dict(driver.run(1, rate))[331].replicas, fresh.export_state()["pool_rises"]["buckets"] != []) == (3, True)
+    # and 100 s after the last rise, the headroom is gone
+    later = dict(driver.run(200, rate))
+    assert later[531].replicas == 2
+    assert later[531].reason != "headroom"
+    with pytest.raises(ValueError, match="rise_quantile"):
+        Autoscaler({"gpu": GB}, rise_quantile=1.0)
+
+
 def test_surge_headroom_holds_what_a_ramp_reaches_in_one_lead_time_at_full_utilisation() -> None:
     # given replicas of 100 requests a second sized at a 0.5 target, a 35 s lead, and a declared surge of
     # 10 requests a second per second: 350 more within one lead time
@@ -531,14 +586,15 @@ def test_what_was_seen_served_survives_the_exported_state() -> None:
 
 def test_a_step_seen_at_this_time_of_day_before_is_ordered_one_lead_time_ahead() -> None:
     # given "days" of 200 s (20 buckets of 10 s) where the rate steps from 100 to 400 a second halfway
-    # through each, a 35 s lead, no cool-down, and two autoscalers: one with the season, one without
+    # through each, a 35 s lead, no cool-down, and two autoscalers: one with the season, one without (neither
+    # with learned headroom, which would hold what the first day's step reached all day)
     def rate(t: float) -> float:
         return 100.0 if t % 200 < 100 else 400.0
 
     cfg = config(cool_down=0.0, max_replicas=50)
     runs = {}
     for season in (200.0, 0.0):
-        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=20)
+        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=20, rise_quantile=0.0)
         total, decisions = 0, {}
         for t in range(0, 400):
             total += int(rate(t))

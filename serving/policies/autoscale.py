@@ -35,14 +35,21 @@ Per version, each tick:
   forecast (the larger one counts, as with the pooled trend): a rise that came at this time of day
   before is ordered one lead time ahead, before any trend can see it. A fall is left to the
   cool-down, as always;
-- surge headroom (`surge`, requests a second per second, 0 by default): no forecast sees a ramp
-  before it starts, and what is ordered when it starts is ready a lead time later, so the fleet
-  must already hold what the ramp can reach within one lead time. Declaring the steepest growth
-  the pool must absorb unannounced, each version also keeps capacity, at full utilisation rather
-  than the target, for its demand plus its share (its short-window rate over the pool's) of
-  `surge x lead`. Sized at full utilisation, the headroom overlaps the target's slack instead of
-  adding to it: at a rate r with a 0.7 target it costs nothing until `surge x lead` passes
-  `0.43 r`, so it weighs on a fleet at low traffic, where a ramp hurts most, and little at peak;
+- learned headroom (`rise_quantile`, 0.99 by default; 0: off): no forecast from the rate sees a rise before it
+  starts, and what is ordered then is ready a lead time later, so the fleet must already hold what the rate can
+  reach within one lead time. Each tick records, per version and for the pool (all versions' summed rate),
+  the rise of the short window's rate over the last lead time (`rate now / rate one lead ago - 1`, 0 for a
+  fall), keeping the largest of each `rise_bucket` seconds (60) over the last `rise_history` seconds (an hour).
+  The `rise_quantile` of those is the headroom `h` (with 60 buckets, 0.99 is the largest; the larger of the
+  version's own and the pool's; none before `rise_min_samples` rises were seen): each version
+  also keeps capacity, at full utilisation rather than the target, for its short-window rate times `1 + h`.
+  Nothing is declared: at a flat rate `h` is the rate's own noise, within the target's slack, and costs
+  nothing; after a rush has been seen, the fleet holds what the worst rises of the history reached, at the
+  cost of that headroom until they leave the history. A first-seen rise is learnt only once it has happened:
+  admission and the fallback answer it meanwhile;
+- surge headroom (`surge`, requests a second per second, 0 by default) is the declared form of the same: the
+  growth the pool must absorb unannounced, each version holding at full utilisation its demand plus its share
+  (its short-window rate over the pool's) of `surge x lead`;
 - capacity of one replica (`replica_capacity`): full batches of `b` rows taking `t(b)` serve
   `b / t(b)` requests a second; a request arriving as a batch starts waits for it and then runs
   in the next, `2 t(b)`, which must fit `HEADROOM` of the p99 budget (admission's share of it),
@@ -147,7 +154,8 @@ class Capacity:
 class Decision:
     version: str
     replicas: int
-    reason: str  # forecast | season | short_window | surge | min | max | cool_down | idle | no_data | no_profile
+    # forecast | season | short_window | headroom | surge | min | max | cool_down | idle | no_data | no_profile
+    reason: str
     demand: float  # requests a second the replicas were sized for
     forecast: float  # the trend's rate at now + lead time
     short_rate: float
@@ -201,6 +209,58 @@ class _Pooled:
 _FLAT = _Pooled(0.0, 0.0, 0.0)
 
 
+_MAX_RISE = 10.0  # a rise from almost nothing is capped: a quiet version's 0.2 -> 3 a second is no 14x headroom
+
+
+class _Rises:
+    """A rate's rises over one lead time: the largest of each `bucket` seconds, over the last `history` seconds
+    (so the state a tick hands on stays small: an hour of minute buckets is 60 numbers a version)."""
+
+    __slots__ = ("rates", "buckets", "seen")
+
+    def __init__(self) -> None:
+        self.rates: deque[tuple[float, float]] = deque()  # (at, rate), back to one lead time ago
+        self.buckets: deque[list[float]] = deque()  # [bucket start, largest rise in it]
+        self.seen = 0  # rises recorded (capped): a quantile needs some history
+
+    def add(self, now: float, rate: float, lead: float, history: float, bucket: float) -> None:
+        rates = self.rates
+        if rates and now <= rates[-1][0]:
+            return
+        rates.append((now, rate))
+        while len(rates) > 2 and rates[1][0] <= now - lead + _EPS:
+            rates.popleft()
+        then, before = rates[0]
+        if now - then >= lead - _EPS and before > 0:
+            rise = min(max(rate / before - 1.0, 0.0), _MAX_RISE)
+            start = math.floor(now / bucket) * bucket
+            if self.buckets and self.buckets[-1][0] == start:
+                self.buckets[-1][1] = max(self.buckets[-1][1], rise)
+            else:
+                self.buckets.append([start, rise])
+            self.seen = min(self.seen + 1, 1 << 20)
+        while self.buckets and self.buckets[0][0] + bucket < now - history - _EPS:
+            self.buckets.popleft()
+
+    def quantile(self, q: float, min_samples: int) -> float:
+        if q <= 0 or self.seen < max(min_samples, 1) or not self.buckets:
+            return 0.0
+        ordered = sorted(b[1] for b in self.buckets)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def export(self) -> dict:
+        return {"rates": [list(r) for r in self.rates], "buckets": [list(b) for b in self.buckets], "seen": self.seen}
+
+    @classmethod
+    def restored(cls, stored: Mapping | None) -> _Rises:
+        rises = cls()
+        if stored:
+            rises.rates.extend((float(a), float(r)) for a, r in stored.get("rates", ()))
+            rises.buckets.extend([float(a), float(r)] for a, r in stored.get("buckets", ()))
+            rises.seen = int(stored.get("seen", 0))
+        return rises
+
+
 @dataclass
 class _Track:
     """One version's history between ticks."""
@@ -218,6 +278,7 @@ class _Track:
     served: float | None = None  # requests a second one replica was seen to serve saturated (smoothed)
     served_at: float = 0.0  # the end of the last saturated interval
     season: SeasonalProfile | None = None  # its rate by time of day (None: seasonality off)
+    rises: _Rises = field(default_factory=_Rises)  # its short-window rate's rises over one lead time
 
 
 class Autoscaler:
@@ -240,6 +301,10 @@ class Autoscaler:
         season_buckets: int = 48,
         season_gamma: float = 0.5,
         season_min_periods: int = 1,
+        rise_quantile: float = 0.99,
+        rise_history: float = 3600.0,
+        rise_min_samples: int = 20,
+        rise_bucket: float = 60.0,
     ) -> None:
         if not 0 < short_window <= long_window:
             raise ValueError("need 0 < short_window <= long_window")
@@ -249,6 +314,10 @@ class Autoscaler:
             raise ValueError("served_tau and served_ttl must be positive")
         if season < 0:
             raise ValueError("season must not be negative (0: off)")
+        if not 0.0 <= rise_quantile < 1.0 or rise_history <= 0 or rise_min_samples < 1 or rise_bucket <= 0:
+            raise ValueError(
+                "need 0 <= rise_quantile < 1 (0: off), rise_history and rise_bucket > 0, rise_min_samples >= 1"
+            )
         if any(memory <= 0 for memory in node_memory.values()):
             raise ValueError("node memory must be positive")
         self.node_memory = dict(node_memory)  # bytes of one node, per accelerator type
@@ -261,6 +330,11 @@ class Autoscaler:
         self.surge = surge  # requests a second per second the pool may grow by unannounced
         self.served_tau = served_tau
         self.served_ttl = served_ttl
+        self.rise_quantile = rise_quantile
+        self.rise_history = rise_history
+        self.rise_min_samples = rise_min_samples
+        self.rise_bucket = rise_bucket
+        self._pool_rises = _Rises()  # the pooled short-window rate's rises over the longest lead seen
         # The seasonal settings, as an empty profile each version's track starts from (None: off).
         self._season = SeasonalProfile(season, season_buckets, season_gamma, season_min_periods) if season > 0 else None
         self._tracks: dict[str, _Track] = {}
@@ -286,11 +360,13 @@ class Autoscaler:
                     "served": t.served,
                     "served_at": t.served_at,
                     "season": t.season.export() if t.season is not None else None,
+                    "rises": t.rises.export(),
                 }
                 for version, t in self._tracks.items()
             },
             "pool": [list(p) for p in self._pool],
             "pool_at": self._pool_at,
+            "pool_rises": self._pool_rises.export(),
         }
 
     def restore_state(self, state: Mapping[str, Mapping]) -> None:
@@ -315,11 +391,13 @@ class Autoscaler:
                 None if t.get("served") is None else float(t["served"]),
                 float(t.get("served_at", 0.0)),
                 self._season_from(t.get("season")),
+                _Rises.restored(t.get("rises")),
             )
         self._tracks = tracks
         self._pool = deque((float(a), float(b), int(c)) for a, b, c in state.get("pool", ()))  # type: ignore[union-attr]
         pool_at = state.get("pool_at")
         self._pool_at = None if pool_at is None else float(pool_at)  # type: ignore[arg-type]
+        self._pool_rises = _Rises.restored(state.get("pool_rises"))  # type: ignore[arg-type]
 
     def _season_from(self, stored: Mapping | None) -> SeasonalProfile | None:
         if self._season is None:
@@ -343,16 +421,23 @@ class Autoscaler:
             if track is not None:
                 arrivals += self._record(track, now, obs)
         pooled = self._pooled(now, arrivals)
+        # The pool's headroom is learnt from the ticks before this one; its sample of this tick is added after.
+        pool_headroom = self._pool_rises.quantile(self.rise_quantile, self.rise_min_samples)
         decisions: dict[str, Decision] = {}
         configs: dict[str, ScalingConfig] = {}
         for obs in observed:
             configs[obs.version] = obs.config
-            decisions[obs.version] = self._decide(now, obs, pooled)
+            decisions[obs.version] = self._decide(now, obs, pooled, pool_headroom)
+        if self.rise_quantile > 0 and decisions:
+            lead = max(c.lead_time for c in configs.values())
+            self._pool_rises.add(
+                now, sum(d.short_rate for d in decisions.values()), lead, self.rise_history, self.rise_bucket
+            )
         for gone in set(self._tracks) - set(configs):  # a version no longer observed starts afresh
             del self._tracks[gone]
         return Plan(decisions, self._node_demand(decisions, configs))
 
-    def _decide(self, now: float, obs: Observation, pooled: _Pooled) -> Decision:
+    def _decide(self, now: float, obs: Observation, pooled: _Pooled, pool_headroom: float = 0.0) -> Decision:
         cfg = obs.config
         track = self._tracks.get(obs.version)
         if track is None:
@@ -361,6 +446,11 @@ class Autoscaler:
             return Decision(obs.version, held, "no_data", 0.0, 0.0, 0.0, 0.0, None)
         short = self._rate(track, now, self.short_window)
         long = self._rate(track, now, self.long_window)
+        headroom = 0.0
+        if self.rise_quantile > 0:
+            track.rises.add(now, short, cfg.lead_time, self.rise_history, self.rise_bucket)
+            own = track.rises.quantile(self.rise_quantile, self.rise_min_samples)
+            headroom = max(own, pool_headroom)
         forecast = max(self._forecast(track, cfg.lead_time), 0.0)
         growth = pooled.growth(now, cfg.lead_time)
         if growth > 1.0:  # the pool's significant rise, carried to this version's own rate: also a forecast
@@ -393,6 +483,10 @@ class Autoscaler:
             else:
                 want = 0
             reason = ("season" if seasonal else "forecast") if forecast >= short else "short_window"
+            if headroom > 0 and short > 0:  # at full utilisation: it overlaps the target's slack
+                reach = math.ceil(short * (1.0 + headroom) / capacity.rate - _SLACK)
+                if reach > want:
+                    want, reason = reach, "headroom"
             if self.surge > 0 and pooled.mean > 0 and short > 0:
                 reach = demand + self.surge * cfg.lead_time * short / pooled.mean
                 surge = math.ceil(reach / capacity.rate - _SLACK)
