@@ -211,3 +211,15 @@ def test_the_lab_walks_the_five_cards_drags_a_slider_and_checks_by_simulation(pa
     _answered(page)
     expect(page.locator(".lab-plot")).to_have_attribute("data-simulated", "0")
     assert page.evaluate("window.__notReloaded") is True
+
+    # when the operator fills the inputs from the fleet: this server's own node, a CPU, and no traffic yet
+    page.get_by_role("button", name="From my fleet").click()
+    expect(page.locator("#lab-status")).to_contain_text("Filled from the fleet")
+    _answered(page)
+    # then the nodes give the replicas and the device, and the page says where each input came from
+    expect(page.locator("#lab-sources")).to_contain_text("live node")
+    expect(page.locator("#lab-sources")).to_contain_text("kept as they were")
+    nodes = int(page.locator("#lab-status").inner_text().split("fleet: ")[1].split(" ")[0])
+    assert nodes >= 1
+    expect(page.locator("#in-replicas")).to_have_value(str(nodes))
+    assert page.evaluate("window.__notReloaded") is True

@@ -6,7 +6,8 @@
   const form = document.getElementById("planner");
   if (!form) { return; }
   const results = document.getElementById("results");
-  const status = document.getElementById("lab-status");
+  const status = document.getElementById("lab-status");  // what an action did (fleet, check, a refusal)
+  const summary = document.getElementById("lab-summary");  // the answer to the inputs now, announced
   const sources = document.getElementById("lab-sources");
   const checkButton = document.getElementById("check");
   const fleetButton = document.getElementById("from-fleet");
@@ -93,8 +94,8 @@
       const resp = await fetch("?" + query(), {headers: {"Accept": "application/json"}, credentials: "same-origin"});
       const doc = await resp.json();
       if (!resp.ok) { refuse(doc); } else if (show(seq, doc)) {
-        status.dataset.state = "";
-        status.textContent = "Bottleneck: " + doc.bottleneck + "; p99 " +
+        if (status.dataset.state === "error") { status.dataset.state = ""; status.textContent = ""; }
+        summary.textContent = "Bottleneck: " + doc.bottleneck + "; p99 " +
           (doc.p99_ms === null ? "unbounded" : doc.p99_ms.toFixed(0) + " ms");
       }
     } catch (err) {
@@ -106,6 +107,10 @@
   }
 
   function changed() {
+    if (status.dataset.kind === "check") {  // the check was of the inputs before this change
+      status.textContent = "";
+      status.dataset.kind = "";
+    }
     document.querySelectorAll(".card[aria-pressed=true]").forEach(function (c) {
       if (!c.dataset.applying) { c.setAttribute("aria-pressed", "false"); }
     });
@@ -185,6 +190,7 @@
       const doc = await resp.json();
       if (!resp.ok) { refuse(doc); return; }
       if (show(seq, doc)) {
+        status.dataset.kind = "check";
         status.textContent = "Simulated " + doc.points.length + " rates (" + doc.simulation.requests +
           " requests at this one): p99 " + (doc.simulation.latency_ms.p99 === null ? "n/a" :
           doc.simulation.latency_ms.p99.toFixed(0) + " ms") + " against " +
