@@ -2,7 +2,7 @@
 
 Each version carries the same objects the node and the gateway hold for it: a
 `serving.policies.batching.BatchQueue` with a `BatchingConfig`, a `LatencyProfile`, a
-`serving.policies.autoscale.ScalingConfig`, and a `serving.dataplane.snapshot.VersionEntry` inside its
+`serving.policies.autoscale.ScalingConfig`, and a `serving.dataplane.gateway.snapshot.VersionEntry` inside its
 model's `ModelEntry`, whose `RouteTable` (stable, canary weights) `rollout.routing.choose_version` reads.
 """
 
@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from rollout.routing import RouteTable
-from serving.dataplane.snapshot import ModelEntry, VersionEntry
+from serving.dataplane.gateway.snapshot import ModelEntry, VersionEntry
 from serving.policies.autoscale import Capacity, ScalingConfig, replica_capacity
 from serving.policies.batching import BatchingConfig, BatchQueue, LatencyProfile
+from serving.policies.utilisation import best_row_seconds
 from sim.scenario import Family, NodeType, Scaling, Scenario
 
 GB = 2**30
@@ -56,6 +57,7 @@ class SimVersion:
         self.estimate = _estimator(self.times, self.profile)
         self.window = self.batching.max_queue_delay
         self.full_batch = self.estimate(self.max_batch)
+        self.best_row = best_row_seconds(self.estimate, self.max_batch)  # a row's worth at the best batch
 
     def busy_share(self, rate: float) -> float:
         """Device seconds a second that `rate` requests take on a shared device. Batches are what
@@ -172,7 +174,9 @@ def _version(
         {1 << k for k in range(family.max_batch_size.bit_length()) if 1 << k <= family.max_batch_size}
         | {family.max_batch_size}
     )
-    measured = {b: ms / 1000 / node.speed for b, ms in family.profile_ms}
+    # A cited or measured profile is one model's: the catalogue's versions are that times a factor from `scale`.
+    factor = rng.uniform(*family.scale) if family.profile_ms else 1.0
+    measured = {b: factor * ms / 1000 / node.speed for b, ms in family.profile_ms}
     profile = LatencyProfile(measured or {b: base + per_row * b for b in sizes})
     batching = BatchingConfig(
         max_batch_size=family.max_batch_size,

@@ -442,15 +442,18 @@ class Simulation:
         dev.busy_seconds += dur
         w = self.metrics.at(end)
         record, counts = w.pieces.extend, w.counts
+        served = 0
         for p in batch:
             lo, hi, fb, first = p.payload
             if end <= p.deadline:
                 counts["fallback" if fb else "served"] += p.rows
+                served += p.rows
                 # Its latencies, as `Metrics.flush` reads them: a piece holding its cohort's earliest row has
                 # that row at lo exactly (it opened the batch window), the others spread over [lo, hi].
                 record((end - lo, hi - lo, first, p.rows))
             else:  # the deadline timer answers 504 first
                 self.metrics.expired(p.deadline, lo, hi, p.rows)
+        dev.work_seconds += served * v.best_row
         # The device's next turn: when the first batch of its versions would leave (`_due`), or at `end` if
         # that comes first. A turn at `end` would mostly find nothing due and ask again later; skipped, the
         # device goes on then. What the plan could not see (a tick's new arrival times, a fallback's rows, a
@@ -621,10 +624,12 @@ class Simulation:
         powered = self.fleet.powered()
         busy = sum(d.busy_seconds for ds in self.fleet.devices.values() for d in ds)
         on = sum(d.on_seconds + (now - d.on_since if d.on else 0.0) for ds in self.fleet.devices.values() for d in ds)
+        work = sum(d.work_seconds for ds in self.fleet.devices.values() for d in ds)
         last = getattr(self, "_last_gauge", None)
         if last is not None and on > last[1]:
             g(now, "utilisation", (busy - last[0]) / (on - last[1]))
-        self._last_gauge = (busy, on)
+            g(now, "work_utilisation", (work - last[2]) / (on - last[1]))
+        self._last_gauge = (busy, on, work)
         g(now, "devices", len(powered))
         g(now, "replicas_ready", sum(v.ready_count for v in self.versions))
         g(now, "replicas", sum(len(v.replicas) for v in self.versions))
@@ -638,7 +643,8 @@ class Simulation:
         for kind, ds in self.fleet.devices.items():
             on = sum(d.on_seconds + (now - d.on_since if d.on else 0.0) for d in ds)
             busy = sum(d.busy_seconds for d in ds)
-            per_kind[kind] = {"on_seconds": on, "busy_seconds": busy}
+            work = sum(d.work_seconds for d in ds)
+            per_kind[kind] = {"on_seconds": on, "busy_seconds": busy, "work_seconds": work}
         self.snap = {"at": now, "kinds": per_kind}  # type: ignore[dict-item]
 
     def _finish(self) -> None:

@@ -47,6 +47,7 @@ class Device:
     on_since: float = 0.0
     on_seconds: float = 0.0
     busy_seconds: float = 0.0
+    work_seconds: float = 0.0  # rows served x their version's best-batch seconds (serving.policies.utilisation)
 
     @property
     def memory_budget(self) -> int:

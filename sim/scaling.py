@@ -1,8 +1,9 @@
 """The scaling policies a scenario compares, each answering desired replicas per version per tick.
 
 - predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
-  now + cold start + scheduling delay, warm pool, cool-down, the scenario's declared surge and seasonality);
-- forecast-only: the same without the surge, where a scenario asks to see what forecasting alone does;
+  now + cold start + scheduling delay, warm pool, cool-down, the headroom it learns from the rises it has
+  seen, and the scenario's seasonality where it declares one);
+- forecast-only: the same without headroom, where a scenario asks to see what forecasting alone does;
 - trend-only: the same without the seasonality, where a scenario declares one (`scaling.season`);
 - reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency
   over the last `window` seconds / a replica's target concurrency), where a replica's target is what
@@ -28,15 +29,17 @@ class Predictive:
     name = "predictive"
 
     def __init__(
-        self, scenario: Scenario, versions: list[SimVersion], *, surge: bool = True, season: bool = True
+        self, scenario: Scenario, versions: list[SimVersion], *, headroom: bool = True, season: bool = True
     ) -> None:
         memory = {node.name: int(node.memory_gb * 2**30) for node in scenario.fleet}
         scaling = scenario.scaling
         self.autoscaler = Autoscaler(
             memory,
-            surge=scaling.surge if surge else 0.0,
+            surge=scaling.surge if headroom else 0.0,
             season=scaling.season if season else 0.0,
             season_buckets=scaling.season_buckets,
+            rise_quantile=scaling.rise_quantile if headroom else 0.0,
+            rise_history=scaling.rise_history,
         )
         self.versions = versions
         self.nodes_wanted: dict[str, int] = {}
@@ -56,12 +59,12 @@ class Predictive:
 
 
 class ForecastOnly(Predictive):
-    """The same `Autoscaler` without the scenario's declared surge: what forecasting alone achieves."""
+    """The same `Autoscaler` without headroom (neither learnt nor declared): what forecasting alone achieves."""
 
     name = "forecast-only"
 
     def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
-        super().__init__(scenario, versions, surge=False)
+        super().__init__(scenario, versions, headroom=False)
 
 
 class TrendOnly(Predictive):

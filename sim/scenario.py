@@ -8,11 +8,14 @@ memory, speed, cost and cold starts) and the scaling policies to compare.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from sim import profiles
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 POLICIES = ("predictive", "forecast-only", "trend-only", "reactive", "static")
@@ -82,6 +85,15 @@ class Family:
     max_batch_size: int = 32
     max_queue_delay_ms: float = 5.0
     profile_ms: tuple[tuple[int, float], ...] = ()  # measured (batch, ms) points: used as they are, at speed 1
+    # Each version's profile is `profile_ms` times a factor drawn from this range (the catalogue's models differ).
+    scale: tuple[float, float] = (1.0, 1.0)
+    # Where `profile_ms` comes from: (key, text) pairs; `kind` is published (with link, model, table, derived),
+    # measured (with command, when) or assumption. `tests/test_sim.py` refuses a shipped scenario without one.
+    source: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cited(self) -> dict[str, str]:
+        return dict(self.source)
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,7 @@ class NodeType:
     cost_per_hour: float
     cold_start: float  # seconds to load a replica: cold_start + cold_start_per_gb x footprint
     cold_start_per_gb: float = 0.0
+    source: str = ""  # where its memory, cost and cold start come from, or that they are assumptions
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,8 @@ class Scaling:
     target_utilisation: float = 0.7
     warm_pool: int = 0
     surge: float = 0.0  # predictive: requests/s per second the whole fleet absorbs unannounced (Autoscaler)
+    rise_quantile: float = 0.99  # predictive: the quantile of past rises over one lead time kept as headroom
+    rise_history: float = 3600.0  # predictive: seconds of rises it learns from
     season: float = 0.0  # predictive: the period of the rate's seasonality in seconds (0: none; Autoscaler)
     season_buckets: int = 48
     scheduling_delay: float = 5.0
@@ -155,21 +170,31 @@ def _pair(value: Any) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def from_dict(doc: dict[str, Any]) -> Scenario:
-    families = tuple(
-        Family(
-            name=name,
-            share=float(spec["share"]),
-            accelerator=spec["accelerator"],
-            memory_gb=_pair(spec["memory_gb"]),
-            base_ms=_pair(spec["base_ms"]),
-            per_row_ms=_pair(spec["per_row_ms"]),
-            max_batch_size=int(spec.get("max_batch_size", 32)),
-            max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
-            profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in (spec.get("profile_ms") or {}).items())),
-        )
-        for name, spec in doc["families"].items()
+def _family(name: str, spec: dict[str, Any]) -> Family:
+    profile = spec.get("profile_ms") or {}
+    source = {str(k): str(v) for k, v in (spec.get("source") or {}).items()}
+    measured = spec.get("measured")
+    if measured:  # a profile file `bench/gpu_check.sh` wrote (sim.profiles): its points and where they come from
+        if profile:
+            raise ValueError(f"family {name}: give profile_ms or measured, not both")
+        profile, source = profiles.read(measured["file"], measured["model"])
+    return Family(
+        name=name,
+        share=float(spec["share"]),
+        accelerator=spec["accelerator"],
+        memory_gb=_pair(spec["memory_gb"]),
+        base_ms=_pair(spec.get("base_ms", 0.0)),
+        per_row_ms=_pair(spec.get("per_row_ms", 0.0)),
+        max_batch_size=int(spec.get("max_batch_size", 32)),
+        max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
+        profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in profile.items())),
+        scale=_pair(spec.get("scale", 1.0)),
+        source=tuple(sorted(source.items())),
     )
+
+
+def from_dict(doc: dict[str, Any]) -> Scenario:
+    families = tuple(_family(name, spec) for name, spec in doc["families"].items())
     for family in families:
         if family.profile_ms and family.max_batch_size not in dict(family.profile_ms):
             raise ValueError(f"family {family.name}'s measured profile lacks its max_batch_size")
@@ -190,6 +215,53 @@ def from_dict(doc: dict[str, Any]) -> Scenario:
         policies=tuple(doc.get("policies", DEFAULT_POLICIES)),
         **known,
     )
+
+
+PUBLISHED = ("link", "what", "model", "table", "derived")
+MEASURED = ("command", "when", "model", "table")
+
+
+def unsourced(scenario: Scenario) -> list[str]:
+    """Why each family's latency profile is not sourced (empty: every one is): a profile must be points, and
+    cite a published measurement (its link, what and which model, the table's numbers, each point among them,
+    and how the profile was derived) or the Ferry command that measured it."""
+    problems = []
+    for f in scenario.families:
+        cited = f.cited
+        kind = cited.get("kind")
+        if not f.profile_ms:
+            problems.append(f"{f.name}: no profile_ms (base_ms and per_row_ms are no measurement)")
+        elif kind not in ("published", "measured"):
+            problems.append(f"{f.name}: source kind {kind!r}, not published or measured")
+        else:
+            missing = [k for k in (PUBLISHED if kind == "published" else MEASURED) if not cited.get(k)]
+            if missing:
+                problems.append(f"{f.name}: its source lacks {', '.join(missing)}")
+            elif kind == "published":
+                table = {
+                    (int(b), float(ms)) for b, ms in re.findall(r"(?<![\d.])(\d+): (\d+(?:\.\d+)?)", cited["table"])
+                }
+                absent = [f"{b}: {ms:g}" for b, ms in f.profile_ms if (b, ms) not in table]
+                if absent or not cited["link"].startswith("https://"):
+                    problems.append(f"{f.name}: points {', '.join(absent) or '-'} not in its cited table, or no link")
+    return problems
+
+
+def with_gain(scenario: Scenario, gain: float) -> Scenario:
+    """The scenario with every family's profile reshaped so that a batch of 32 serves `gain` times the
+    requests a second a batch of one does: t(b) = t(1) x (1 + (b - 1) x (32 / gain - 1) / 31), t(1) the
+    family's own, at the family's own batch sizes (a sensitivity check of the batching gain)."""
+    if not 1.0 <= gain <= 32.0:
+        raise ValueError("a batch of 32 gains between 1x and 32x")
+    slope = (32.0 / gain - 1.0) / 31.0
+    families = []
+    for f in scenario.families:
+        if not f.profile_ms:
+            raise ValueError(f"family {f.name} has no profile to reshape")
+        t1 = dict(f.profile_ms).get(1, f.profile_ms[0][1] / f.profile_ms[0][0])
+        shaped = tuple((b, t1 * (1.0 + (b - 1) * slope)) for b, _ in f.profile_ms)
+        families.append(replace(f, profile_ms=shaped))
+    return replace(scenario, families=tuple(families))
 
 
 def load(path: str | Path) -> Scenario:

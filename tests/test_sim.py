@@ -282,3 +282,69 @@ def test_a_piece_becomes_its_first_row_at_its_age_and_the_rest_at_its_quartiles(
     lat, weight = _samples(np.array([[0.010, 0.004, 1.0, 3.0], [0.020, 0.008, 0.0, 2.0]]))
     samples = sorted(zip(lat.round(6).tolist(), weight.tolist(), strict=True))
     assert samples == [(0.007, 1.0), (0.009, 1.0), (0.01, 1.0), (0.014, 1.0), (0.018, 1.0)]
+
+
+def test_every_shipped_scenario_cites_its_profiles():
+    # Given the shipped scenarios, each family's profile cites a measurement whose table holds its points
+    for path in scenarios.shipped():
+        assert scenarios.unsourced(scenarios.load(path)) == [], path.name
+    # And a family fed base_ms and per_row_ms, or a profile with no source, or one not in its table, is refused
+    assert scenarios.unsourced(small()) and len(scenarios.unsourced(small())) == 2
+    doc = json.loads(json.dumps(SMALL))
+    doc["families"]["big"].update(
+        profile_ms={1: 2.0, 8: 5.0},
+        max_batch_size=8,
+        source={"kind": "published", "link": "https://example.org/t", "what": "w", "model": "m", "derived": "d"},
+    )
+    doc["families"]["big"]["source"]["table"] = "1: 2 ms, 8: 5.5 ms"
+    problems = scenarios.unsourced(scenarios.from_dict(doc))
+    assert problems[0] == "big: points 8: 5 not in its cited table, or no link"
+
+
+def test_a_measured_profile_file_is_read_with_its_command(tmp_path):
+    from sim import profiles
+
+    # Given a profile file as bench/profile_models.py writes it
+    doc = {
+        "command": "bench/gpu_check.sh",
+        "when": "2026-12-01 12:00 UTC",
+        "commit": "abc1234",
+        "device": "NVIDIA H200",
+        "accelerator": "h200",
+        "models": {"resnet50": {"max_batch_size": 8, "profile_ms": {"1": 1.5, "8": 4.0}, "what": "resnet50 fp16"}},
+    }
+    path = tmp_path / "profiles.json"
+    profiles.write(path, doc)
+    # When a scenario's family names it
+    spec = json.loads(json.dumps(SMALL))
+    spec["families"]["big"] = {
+        "share": 0.5,
+        "accelerator": "gpu",
+        "memory_gb": 1,
+        "max_batch_size": 8,
+        "measured": {"file": str(path), "model": "resnet50"},
+    }
+    family = scenarios.from_dict(spec).families[0]
+    # Then its profile is the file's, and its source the command that measured it
+    assert family.profile_ms == ((1, 1.5), (8, 4.0))
+    assert family.cited["kind"] == "measured" and family.cited["command"] == "bench/gpu_check.sh"
+    assert "abc1234" in family.cited["when"]
+    with pytest.raises(ValueError, match="no model"):
+        profiles.read(path, "bert")
+    del doc["models"]["resnet50"]["profile_ms"]["8"]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        profiles.write(path, doc)
+
+
+def test_the_gain_reshaping_sets_what_a_batch_of_32_serves():
+    sc = scenarios.load("steady-50k")
+    cited = {f.name: dict(f.profile_ms) for f in sc.families}
+    for gain in (3.0, 6.0, 10.0):
+        shaped = {f.name: dict(f.profile_ms) for f in scenarios.with_gain(sc, gain).families}
+        # a batch of 32 serves `gain` times what a batch of one does, and a batch of one is as cited
+        assert 32 * shaped["small"][1] / shaped["small"][32] == pytest.approx(gain)
+        assert {name: t[1] for name, t in shaped.items()} == {name: t[1] for name, t in cited.items()}
+        # a family whose largest batch is 16 gets the same line, read at 16
+        assert shaped["large"][16] == pytest.approx(cited["large"][1] * (1 + 15 * (32 / gain - 1) / 31))
+    with pytest.raises(ValueError):
+        scenarios.with_gain(sc, 0.5)
