@@ -171,6 +171,7 @@ def test_the_lab_walks_the_five_cards_drags_a_slider_and_checks_by_simulation(pa
     _card(page, "canary")
     assert {"registry", "split", "shadow"} <= _nodes(page)
     assert _meter(page, "multi-model-packing")[1] > packing_gpu
+    page.locator(".lab-shape").screenshot(path=str(SHOTS / "lab-diagram-canary.png"))
 
     # then multi-model packing at high throughput: packing is the bottleneck
     _card(page, "packing")
@@ -179,8 +180,13 @@ def test_the_lab_walks_the_five_cards_drags_a_slider_and_checks_by_simulation(pa
     expect(page.locator('[data-node="replicas"]')).to_contain_text("16 models packed")
     page.screenshot(path=str(SHOTS / "lab-packing.png"), full_page=True)
 
-    # when the operator drags the request-rate slider to the left
+    # (on a smaller laptop screen the cards, the inputs and the first meters fit the first screenful)
+    page.set_viewport_size({"width": 1366, "height": 768})
     _card(page, "gpu")
+    page.screenshot(path=str(SHOTS / "lab-laptop.png"))
+    page.set_viewport_size({"width": 1440, "height": 900})
+
+    # when the operator drags the request-rate slider to the left
     slider = page.locator("#slider-rate")
     box = slider.bounding_box()
     before = page.locator(".lab-plot").get_attribute("data-rate")

@@ -56,6 +56,23 @@
     box.addEventListener("change", changed);
   });
 
+  // Autoscaled, the replicas are the autoscaler's pick (the results say how many): the input stands aside.
+  const autoscale = form.elements.namedItem("autoscale");
+  function replicasFollowAutoscale() {
+    const off = Boolean(autoscale && autoscale.checked);
+    ["in-replicas", "slider-replicas"].forEach(function (id) {
+      const el = document.getElementById(id);
+      if (el) { el.disabled = off; }
+    });
+    const hint = document.getElementById("range-replicas");
+    if (hint) {
+      hint.dataset.range = hint.dataset.range || hint.textContent;
+      hint.textContent = off ? "autoscaled: the results show the autoscaler's pick" : hint.dataset.range;
+    }
+  }
+  if (autoscale) { autoscale.addEventListener("change", replicasFollowAutoscale); }
+  replicasFollowAutoscale();
+
   // --- the analytic answer: one request in flight, the newest inputs asked next; older answers never win ---
   let started = 0, shown = 0, inFlight = false, again = false;
 
@@ -130,6 +147,7 @@
       }
     });
     sliders.forEach(syncSlider);
+    replicasFollowAutoscale();
   }
 
   document.querySelectorAll(".card").forEach(function (card) {
