@@ -8,7 +8,7 @@
 - Backlog: requests no node has taken. Nodes acknowledge and delete what they answered, so a stream
   holds what waits plus what nodes hold: backlog = XLEN - the group's pending entries. A node reads
   only while it holds fewer than two batches, so a backlog means every replica is full.
-- Replicas: live nodes (heartbeats, `serving.dataplane.fleet`) that hold the version hot.
+- Replicas: live nodes (heartbeats, `serving.dataplane.transport.fleet`) that hold the version hot.
 - Settings: the version's latency profile, batch size and latency budget (FERRY_LATENCY_BUDGET_MS, or its
   `default_timeout_ms` where lower: the deadline the gateways give its requests), its measured
   footprint and cold start on the pool's accelerator type (`placement_measurements`, else what
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
-from serving.dataplane import fleet
-from serving.dataplane.packing import DEFAULT_COLD_START
-from serving.dataplane.stream_codec import GROUP, request_stream
+from serving.dataplane.node.packing import DEFAULT_COLD_START
+from serving.dataplane.transport import fleet
+from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.policies.autoscale import Observation, ScalingConfig
 from serving.policies.batching import LatencyProfile
 

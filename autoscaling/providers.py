@@ -66,7 +66,7 @@ class Pool:
 
 def pools_from(raw: Mapping[str, Mapping]) -> dict[str, Pool]:
     """Pools from the settings' JSON: {"a10g": {"memory": "24GiB", "min_nodes": 0, "max_nodes": 4, ...}}."""
-    from serving.dataplane.node_process import parse_bytes
+    from serving.dataplane.node.node_process import parse_bytes
 
     pools = {}
     for accelerator, spec in raw.items():

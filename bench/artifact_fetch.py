@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from serving.dataplane.artifact_cache import ArtifactCache, http_source
+    from serving.dataplane.node.artifact_cache import ArtifactCache, http_source
 
     work = Path(tempfile.mkdtemp(prefix="ferry-artifact-fetch-"))
     try:

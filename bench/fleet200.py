@@ -190,7 +190,7 @@ class Procs:
 
 
 async def read_nodes(client) -> dict[str, dict]:  # noqa: ANN001
-    from serving.dataplane import fleet
+    from serving.dataplane.transport import fleet
 
     return {
         n.name: {

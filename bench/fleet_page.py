@@ -24,9 +24,9 @@ def main() -> None:
     django.setup()
     import redis
 
-    from serving.dataplane import fleet, fleet_events, redis_pipe
-    from serving.dataplane.fleet import NodeInfo
-    from serving.dataplane.fleet_events import FleetEvent
+    from serving.dataplane.transport import fleet, fleet_events, redis_pipe
+    from serving.dataplane.transport.fleet import NodeInfo
+    from serving.dataplane.transport.fleet_events import FleetEvent
     from serving.fleet_state import read_state, scoped
     from serving.fleet_views import parts
 

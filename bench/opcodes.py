@@ -66,7 +66,7 @@ def _server_config(port: int) -> Any:
     import uvicorn
 
     try:
-        from serving.dataplane.frontdoor import uvicorn_config
+        from serving.dataplane.http.frontdoor import uvicorn_config
     except ImportError:
         try:
             from serving.frontdoor import uvicorn_config  # before the dataplane package

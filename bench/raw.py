@@ -40,14 +40,14 @@ class RawRow:
 
 def configure_threads() -> int:
     """Apply FERRY_TORCH_THREADS with the server's own rule (unset or 0: cores - 1)."""
-    from serving.dataplane.runtime import configure_torch_threads
+    from serving.dataplane.node.runtime import configure_torch_threads
 
     return configure_torch_threads(int(os.environ.get("FERRY_TORCH_THREADS", "").strip() or 0))
 
 
 def device() -> torch.device:
     """The server's rule: FERRY_DEVICE, or cuda when present, else cpu."""
-    from serving.dataplane.runtime import pick_device
+    from serving.dataplane.node.runtime import pick_device
 
     return pick_device(os.environ.get("FERRY_DEVICE", "").strip())
 
@@ -56,7 +56,9 @@ def load_model(model: nn.Module | str | Path, dev: torch.device | None = None) -
     dev = dev or device()
     if isinstance(model, nn.Module):
         return model.to(dev).eval()
-    from serving.dataplane.runtime import load_module  # the server's own loader, so raw and served run the same module
+    from serving.dataplane.node.runtime import (
+        load_module,  # the server's own loader, so raw and served run the same module
+    )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

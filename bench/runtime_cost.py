@@ -1,4 +1,4 @@
-"""What the sandboxed runtime process costs (serving.dataplane.runtime_process): the same open-loop load on
+"""What the sandboxed runtime process costs (serving.dataplane.node.runtime_process): the same open-loop load on
 the same models with FERRY_RUNTIME_ISOLATION=process (the default) and =inline (unsafe: the contrast only).
 
     .venv/bin/python -m bench.runtime_cost [--duration 8] [--digits-rates 300,600,1200] [--wide-rates 40,80,160]

@@ -89,7 +89,8 @@ async def ramp_checks() -> list[bool]:
     from bench.overload import per_second
     from bench.ramp import PRIMARY, Requests, Step, run_ramp, shed_reason
 
-    # the server's messages (serving.dataplane.node, serving.dataplane.consumers) and the reason each is counted as
+    # the server's messages (serving.dataplane.node.node, serving.dataplane.http.consumers) and the reason each is
+    # counted as
     messages = {
         "digits:1: estimated completion 412 ms (device backlog included) exceeds the request's deadline of 250 ms":
             "deadline",

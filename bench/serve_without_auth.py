@@ -19,8 +19,8 @@ def main() -> None:
     django.setup()
     from django.core.management import call_command
 
-    from serving.dataplane import consumers
-    from serving.dataplane.auth import Caller
+    from serving.dataplane.gateway.auth import Caller
+    from serving.dataplane.http import consumers
     from tenants.models import Tenant
 
     demo = Tenant.objects.get(slug="demo")

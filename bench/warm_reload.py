@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from bench.models import build_wide_mlp, save_torchscript
-from serving.dataplane.node import Node
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import PlacementEntry, VersionEntry
+from serving.dataplane.gateway.snapshot import PlacementEntry, VersionEntry
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node.node import Node
 from serving.policies.batching import BatchingConfig
 
 

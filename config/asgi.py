@@ -1,6 +1,6 @@
 """ASGI entry point: /v2 and /metrics go to the lean inference consumer, the rest to Django.
 
-Every request passes the front door (serving.dataplane.frontdoor) first: its body is counted against the
+Every request passes the front door (serving.dataplane.http.frontdoor) first: its body is counted against the
 process's budget of body bytes held, and a body for Django is bounded before Django reads it.
 """
 
@@ -16,7 +16,7 @@ from django.urls import path  # noqa: E402
 
 django_app = get_asgi_application()
 
-from serving.dataplane.consumers import InferenceConsumer, InferenceRequest  # noqa: E402
+from serving.dataplane.http.consumers import InferenceConsumer, InferenceRequest  # noqa: E402
 from serving.django_door import bounded  # noqa: E402
 from serving.fleet_consumer import FleetConsumer  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
@@ -47,5 +47,5 @@ websocket_app = AllowedHostsOriginValidator(
 
 application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app, "lifespan": Lifespan()})
 # The front door's protocol answers inference POSTs with this handler directly, without ASGI
-# (serving.dataplane.frontdoor.Lane); the consumer above runs the same handler for every other /v2 request.
+# (serving.dataplane.http.frontdoor.Lane); the consumer above runs the same handler for every other /v2 request.
 application.ferry_infer = InferenceRequest

@@ -272,7 +272,7 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 
-# Front door (serving.dataplane.frontdoor): bounds every request meets before Django or the inference consumer.
+# Front door (serving.dataplane.http.frontdoor): bounds every request meets before Django or the inference consumer.
 # Whole-request read deadline: head and body, from the request's first byte (a silent new connection
 # gets as long); 408 JSON, then the connection is closed.
 FERRY_REQUEST_READ_TIMEOUT_S = env_int("FERRY_REQUEST_READ_TIMEOUT_S", 10, minimum=1)
@@ -291,7 +291,7 @@ FERRY_USAGE_MAX_KEYS = env_int("FERRY_USAGE_MAX_KEYS", 20_000, minimum=1)
 FERRY_USAGE_RETENTION_DAYS = env_int("FERRY_USAGE_RETENTION_DAYS", 400, minimum=1)
 FERRY_USAGE_BATCH_DAYS = env_int("FERRY_USAGE_BATCH_DAYS", 7, minimum=1)
 
-# Shadow traffic (serving.dataplane.shadow): the mirror queue's bounds (items and request bytes), the tasks
+# Shadow traffic (serving.dataplane.gateway.shadow): the mirror queue's bounds (items and request bytes), the tasks
 # that send mirrors to the shadow version, the pairs kept between flushes (items and bytes), how often they
 # go to Celery for comparison (rollout.tasks.record_shadow), and the disagreements kept per model, baseline
 # and candidate.
@@ -308,9 +308,9 @@ FERRY_SHADOW_RETENTION_DAYS = env_int("FERRY_SHADOW_RETENTION_DAYS", 30, minimum
 FERRY_ROLLOUT_SHADOW_PERCENT = env_int("FERRY_ROLLOUT_SHADOW_PERCENT", 100, minimum=1)
 FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100
 
-# --- Runtime isolation: the sandboxed process that runs tenant artifacts (serving.dataplane.sandbox) ---
+# --- Runtime isolation: the sandboxed process that runs tenant artifacts (serving.dataplane.node.sandbox) ---
 # "process" (default, every mode): each loaded version's model runs in its own confined child process
-# (serving.dataplane.runtime_process), without this process's files, credentials or network. "inline" runs
+# (serving.dataplane.node.runtime_process), without this process's files, credentials or network. "inline" runs
 # it in this process: UNSAFE (a model can read the secret key and the database); only for the benchmark's
 # contrast (bench.runtime_cost), and a warning is logged at start.
 FERRY_RUNTIME_ISOLATION = env_str("FERRY_RUNTIME_ISOLATION", "process")
@@ -321,7 +321,7 @@ FERRY_RUNTIME_TIMEOUT_S = env_int("FERRY_RUNTIME_TIMEOUT_S", 30, minimum=1)
 # Starting a runtime process (imports, confinement) and loading an artifact into it, each.
 FERRY_RUNTIME_START_TIMEOUT_S = env_int("FERRY_RUNTIME_START_TIMEOUT_S", 120, minimum=1)
 
-# --- Operator check: which operators a registered graph may call (serving.dataplane.operator_check) ---
+# --- Operator check: which operators a registered graph may call (serving.dataplane.node.operator_check) ---
 # Operator namespaces besides aten, prim and quantized that registered models may call (comma list), for a
 # library of custom operators the platform loads into its nodes. Registration checks this setting; processes
 # that load models without Django settings read the same environment variable (operator_check).
@@ -329,7 +329,7 @@ FERRY_ALLOWED_OPERATOR_NAMESPACES = env_list("FERRY_ALLOWED_OPERATOR_NAMESPACES"
 
 # --- /metrics access, cookies and TLS, login throttling ---
 
-# /metrics, the web process's and a node's (`runnode --metrics-port`), per serving.dataplane.metrics_access:
+# /metrics, the web process's and a node's (`runnode --metrics-port`), per serving.dataplane.metrics.metrics_access:
 # the bearer token FERRY_METRICS_TOKEN (or a file, FERRY_METRICS_TOKEN_FILE: a mounted Secret) reads every
 # label; a caller without it whose TCP peer address is in FERRY_METRICS_ALLOW (CIDRs; "none": nobody) reads
 # the same families with private models' names and versions and tenants' slugs replaced by opaque names;

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serving.dataplane.snapshot import ModelEntry, VersionEntry
+    from serving.dataplane.gateway.snapshot import ModelEntry, VersionEntry
 
 WEIGHT_TOLERANCE = 1e-6  # how far from 1 a weight sum may be (decimal shares such as 0.1 do not add up exactly)
 _SCALE = float(2**64)
@@ -70,7 +70,7 @@ class RouteTable:
     experiment: Mapping[int, float] = field(default_factory=dict)  # A/B arms: version -> share
     tenants: Mapping[int, int] = field(default_factory=dict)  # tenant id -> version
     # A shadow: this share of the requests served by another version is mirrored to `shadow` (the
-    # gateway's serving.dataplane.shadow), its answers compared, never returned.
+    # gateway's serving.dataplane.gateway.shadow), its answers compared, never returned.
     shadow: int | None = None
     shadow_fraction: float = 0.0
     _rollout: tuple[tuple[int, ...], tuple[float, ...]] = field(init=False, repr=False, compare=False)

@@ -25,7 +25,7 @@ import numpy as np
 from usage.sketch import _INV_LOG_GROWTH, FLOOR_SECONDS, TOP_INDEX, Sketch, to_json
 
 if TYPE_CHECKING:
-    from serving.dataplane.shadow import Pair
+    from serving.dataplane.gateway.shadow import Pair
 
 AGREE_COSINE = 0.99
 REGRESSION_ATOL = 1e-3

@@ -14,7 +14,7 @@ from rollout.models import ShadowDisagreement, ShadowMinute
 from usage.sketch import FLOOR_SECONDS, GROWTH, merge, quantile
 
 DISAGREEMENTS_SHOWN = 50
-# Like with like (serving.dataplane.shadow.Pair): end to end, a mirror waits at the lowest tier behind callers.
+# Like with like (serving.dataplane.gateway.shadow.Pair): end to end, a mirror waits at the lowest tier behind callers.
 LATENCY_MEASURE = (
     "device seconds per request, both versions measured by the node alike: each request's share, by"
     " rows, of its batch's compute, over the mirrored requests both answered. Not end to end; a"

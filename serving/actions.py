@@ -9,8 +9,8 @@ from django.db import transaction
 
 from rollout import approval
 from serving import artifacts
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import RoutingSnapshot
+from serving.dataplane.gateway.snapshot import RoutingSnapshot
+from serving.dataplane.http.protocol import TensorSpec
 from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, State
 from serving.policies.batching import BatchingConfig
 from serving.publish import publish_snapshot

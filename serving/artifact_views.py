@@ -2,7 +2,7 @@
 (another machine's disk), authenticated by the node token (FERRY_NODE_TOKEN).
 
 Content-addressed: no database query, so nodes can still fetch while PostgreSQL is down, and the node
-checks the bytes against the name it asked for (serving.dataplane.artifact_cache). Streamed in chunks
+checks the bytes against the name it asked for (serving.dataplane.node.artifact_cache). Streamed in chunks
 from the storage, never read whole into memory.
 """
 
@@ -20,7 +20,7 @@ from django.views.decorators.http import require_GET
 
 from serving import artifacts
 from serving.artifacts import CHUNK
-from serving.dataplane.artifact_cache import SHA256, ArtifactUnavailable
+from serving.dataplane.node.artifact_cache import SHA256, ArtifactUnavailable
 
 
 @require_GET

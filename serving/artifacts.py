@@ -4,7 +4,7 @@ Through Django's storage API (`STORAGES["artifacts"]`): the filesystem under FER
 default, an S3-compatible bucket (django-storages) when FERRY_ARTIFACT_STORAGE=s3. Nodes reach the
 bytes either from that storage directly (same disk, or the bucket) or from the control plane's
 `/internal/artifacts/<sha256>` (serving.artifact_views), and keep their own cache keyed by sha256
-(serving.dataplane.artifact_cache), checking the hash before every load.
+(serving.dataplane.node.artifact_cache), checking the hash before every load.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from django.core.files import File
 from django.core.files.storage import FileSystemStorage, Storage, storages
 from django.utils.functional import cached_property
 
-from serving.dataplane import archive_check, operator_check, runtime_process
-from serving.dataplane.artifact_cache import ArtifactCache, ArtifactUnavailable, http_source
-from serving.dataplane.runtime import RuntimeFailure
+from serving.dataplane.node import archive_check, operator_check, runtime_process
+from serving.dataplane.node.artifact_cache import ArtifactCache, ArtifactUnavailable, http_source
+from serving.dataplane.node.runtime import RuntimeFailure
 from serving.models import Artifact
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
 
 def _check_torchscript_operators(tmp: Path, namespaces: list[str]) -> None:
     """Refuse a TorchScript archive whose compiled code calls an operator the policy does not allow
-    (serving.dataplane.operator_check). Its operators are known only by compiling it, which runs its
+    (serving.dataplane.node.operator_check). Its operators are known only by compiling it, which runs its
     `__setstate__` code, so it is loaded in a fresh sandboxed process, never here. One that does not load
     there (corrupt, a mislabelled format, or the child failed) passes: its validation loads it again, with
     the same operator check, and fails it with the reason."""

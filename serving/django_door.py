@@ -20,8 +20,8 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
 from django.db import InterfaceError, OperationalError
 
-from serving.dataplane import frontdoor
-from serving.dataplane.frontdoor import App, Receive, Scope, Send, metered, send_json
+from serving.dataplane.http import frontdoor
+from serving.dataplane.http.frontdoor import App, Receive, Scope, Send, metered, send_json
 
 log = logging.getLogger(__name__)
 

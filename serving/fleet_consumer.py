@@ -23,7 +23,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from serving.dataplane import fleet_events, redis_pipe
+from serving.dataplane.transport import fleet_events, redis_pipe
 from serving.fleet_state import read_state, scoped
 from serving.fleet_views import may_view, parts, visible_names
 

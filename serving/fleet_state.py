@@ -1,7 +1,8 @@
 """What the fleet page and `/api/fleet/` show: the nodes (live, lost, and this process's embedded node) and the
 events of the last hour, as one JSON-able document, and that document narrowed to what a person may see.
 
-Read from Redis (`serving.dataplane.fleet` heartbeats and last heartbeats, `serving.dataplane.fleet_events`) when
+Read from Redis (`serving.dataplane.transport.fleet` heartbeats and last heartbeats,
+`serving.dataplane.transport.fleet_events`) when
 REDIS_URL is set; an embedded node of this process is read from memory, and without Redis its own event record
 is the only one. An embedded node appears on its own process's page only: it takes no stream's requests, so it
 never announces itself in the fleet that gateways route by.
@@ -17,12 +18,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from serving.dataplane import fleet, fleet_events
 from serving.dataplane import plane as planes
-from serving.dataplane.consumers import load_failure, repository_state
-from serving.dataplane.fleet import NodeInfo
-from serving.dataplane.fleet_events import FleetEvent
-from serving.dataplane.node import Node
+from serving.dataplane.http.consumers import load_failure, repository_state
+from serving.dataplane.node.node import Node
+from serving.dataplane.transport import fleet, fleet_events
+from serving.dataplane.transport.fleet import NodeInfo
+from serving.dataplane.transport.fleet_events import FleetEvent
 
 EVENTS_SHOWN = 200
 HIDDEN = "another tenant's version"
@@ -143,7 +144,7 @@ async def read_now() -> dict[str, Any]:
     """`read_state` with a client of its own (a page load, an API call)."""
     if not settings.REDIS_URL:
         return await read_state(None)
-    from serving.dataplane import redis_pipe
+    from serving.dataplane.transport import redis_pipe
 
     client = redis_pipe.client(settings.REDIS_URL, name="ferry-fleet-page")
     try:

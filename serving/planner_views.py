@@ -193,6 +193,14 @@ SLIDERS = {
     "models": (1, 64, "log"),
     "p99_ms": (5, 5_000, "log"),
 }
+NOTES = {  # what each input stands for in the model, shown beside it
+    "rate": "all models together; steady Poisson arrivals",
+    "latency_ms": "a batch of one; larger batches by the teaching row cost (below)",
+    "batch_window_ms": "how long a batch waits to fill (max_queue_delay_ms)",
+    "replicas": "devices, each hosting every model",
+    "models": "sharing the traffic evenly",
+    "p99_ms": "a replica is sized for 80% of it (admission's headroom)",
+}
 TOGGLES = (  # (name, label, what it does)
     ("batching", "Dynamic batching", f"batches of up to {WhatIf().max_batch} within the window"),
     ("device", "GPU acceleration", "an accelerator per replica instead of a CPU"),
@@ -335,6 +343,7 @@ def _context(what: WhatIf, error: str) -> dict:
                 "label": label,
                 "value": getattr(what, name),
                 "range": _range(name),
+                "note": NOTES[name],
                 "min": BOUNDS[name][0],
                 "max": BOUNDS[name][1],
                 "step": "1" if FIELDS[name][0] is int else "any",

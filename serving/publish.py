@@ -1,7 +1,7 @@
 """The control plane's side of the routing snapshot: build it from the registry and publish it.
 
 The snapshot's types, and the hub each process holds its current one in, live in
-`serving.dataplane.snapshot`: the data plane reads them and never this module.
+`serving.dataplane.gateway.snapshot`: the data plane reads them and never this module.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any
 from django.conf import settings
 
 from rollout.routing import NO_ROUTES, RouteTable
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import (
+from serving.dataplane.gateway.snapshot import (
     KeyEntry,
     ModelEntry,
     PlacementEntry,
@@ -24,6 +23,7 @@ from serving.dataplane.snapshot import (
     VersionEntry,
     hub,
 )
+from serving.dataplane.http.protocol import TensorSpec
 from serving.policies.batching import BatchingConfig
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def publish_snapshot() -> RoutingSnapshot:
         snapshot = build_snapshot()
         hub.set(snapshot)
         return snapshot
-    from serving.dataplane.snapshot_redis import RedisSnapshotStore
+    from serving.dataplane.gateway.snapshot_redis import RedisSnapshotStore
 
     store = RedisSnapshotStore(settings.REDIS_URL)
     try:

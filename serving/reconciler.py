@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from serving.dataplane import fleet
+from serving.dataplane.transport import fleet
 from serving.policies.placement import NodeState, Resident, VersionSpec, place
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from django.db import transaction
 
-from serving.dataplane import fleet
+from serving.dataplane.transport import fleet
 from serving.models import ModelVersion, Replica, Tier
 
 

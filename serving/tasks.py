@@ -40,7 +40,7 @@ def reconcile_placements() -> dict:
 def record_placement(report: dict) -> None:
     """A node's measurements after a load (footprint and cold start on its accelerator type), or why a version
     can never fit it: sent by `manage.py runnode`, which cannot reach the registry itself."""
-    from serving.dataplane.packing import LoadReport
+    from serving.dataplane.node.packing import LoadReport
     from serving.wiring import write_placement
 
     write_placement(LoadReport(**report))

@@ -1,6 +1,6 @@
 """Validation of a registered version: load it, run example batches, check the signature, profile it.
 
-The model runs where the node runs it: in a sandboxed runtime process (serving.dataplane.runtime_process),
+The model runs where the node runs it: in a sandboxed runtime process (serving.dataplane.node.runtime_process),
 never in the web process, unless FERRY_RUNTIME_ISOLATION=inline."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from django.db.models import Q
 from rollout import approval
 from serving import artifacts, quota_counts
 from serving.actions import NOT_LOADED
-from serving.dataplane.node import warmup_sizes
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
-from serving.dataplane.runtime_process import make_runtime
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node.node import warmup_sizes
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, pick_device
+from serving.dataplane.node.runtime_process import make_runtime
 from serving.models import Model, ModelVersion, State
 from serving.publish import version_entry
 

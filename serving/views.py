@@ -8,8 +8,8 @@ from django.views.decorators.http import require_http_methods
 
 from rollout.views import panel
 from serving.actions import set_visibility
-from serving.dataplane import metrics
 from serving.dataplane import plane as dataplane
+from serving.dataplane.metrics import metrics
 from serving.fallbacks import hidden_fallbacks
 from serving.models import Model, Visibility
 from tenants.models import Role, Tenant

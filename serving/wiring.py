@@ -18,21 +18,21 @@ from django.conf import settings
 
 from serving import artifacts
 from serving.dataplane import plane as planes
-from serving.dataplane import runtime_process
 from serving.dataplane.errors import ServingError
-from serving.dataplane.fleet import FleetView
-from serving.dataplane.fleet_events import EventPublisher
-from serving.dataplane.frontdoor import GATE
-from serving.dataplane.gateway import Gateway
-from serving.dataplane.node import Node
-from serving.dataplane.packing import LoadReport
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.quota_gate import from_settings as quota_gate_from_settings
+from serving.dataplane.gateway.shadow import Mirror, Pair
+from serving.dataplane.gateway.snapshot import RoutingSnapshot, hub
+from serving.dataplane.http.frontdoor import GATE
+from serving.dataplane.node import runtime_process
+from serving.dataplane.node.node import Node
+from serving.dataplane.node.packing import LoadReport
+from serving.dataplane.node.runtime import configure_torch_threads
 from serving.dataplane.plane import DataPlane
-from serving.dataplane.quota_gate import from_settings as quota_gate_from_settings
-from serving.dataplane.runtime import configure_torch_threads
-from serving.dataplane.shadow import Mirror, Pair
-from serving.dataplane.snapshot import RoutingSnapshot, hub
-from serving.dataplane.streams import RedisStreamsTransport
-from serving.dataplane.transport import InProcessTransport
+from serving.dataplane.transport.fleet import FleetView
+from serving.dataplane.transport.fleet_events import EventPublisher
+from serving.dataplane.transport.streams import RedisStreamsTransport
+from serving.dataplane.transport.transport import InProcessTransport
 from serving.fleet_state import embedded_name
 from serving.publish import publish_snapshot
 from serving.reconciler import REASON_PREFIX as PLACEMENT_REASON
@@ -281,7 +281,7 @@ async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
 
 async def _follow_redis(plane: DataPlane) -> None:
     """Distributed mode: snapshots arrive through Redis; publish one from the registry if none exists yet."""
-    from serving.dataplane.snapshot_redis import follow
+    from serving.dataplane.gateway.snapshot_redis import follow
 
     fed = asyncio.Event()
     plane.refresher = plane.loop.create_task(follow(settings.REDIS_URL, hub, ready=fed))

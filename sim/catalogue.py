@@ -19,6 +19,7 @@ from rollout.routing import RouteTable
 from serving.dataplane.gateway.snapshot import ModelEntry, VersionEntry
 from serving.policies.autoscale import Capacity, ScalingConfig, replica_capacity
 from serving.policies.batching import BatchingConfig, BatchQueue, LatencyProfile
+from serving.policies.placement import replica_load
 from serving.policies.utilisation import best_row_seconds
 from sim.scenario import Family, NodeType, Scaling, Scenario
 
@@ -60,13 +61,9 @@ class SimVersion:
         self.best_row = best_row_seconds(self.estimate, self.max_batch)  # a row's worth at the best batch
 
     def busy_share(self, rate: float) -> float:
-        """Device seconds a second that `rate` requests take on a shared device. Batches are what
-        gathers over one batch window and a batch of one (at most the capacity batch): a quiet version
-        packed beside others runs small batches, each paying the profile's fixed cost."""
-        if rate <= 0:
-            return 0.0
-        rows = min(max(1, round(rate * (self.batching.max_queue_delay + self.estimate(1)))), self.capacity.batch)
-        return rate * self.estimate(rows) / rows
+        """Device seconds a second that `rate` requests take on a shared device (`placement.replica_load`,
+        batches at most the capacity batch)."""
+        return replica_load(rate, self.estimate, self.capacity.batch, self.batching.max_queue_delay)
 
 
 @dataclass(eq=False)

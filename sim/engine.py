@@ -457,7 +457,7 @@ class Simulation:
         # The device's next turn: when the first batch of its versions would leave (`_due`), or at `end` if
         # that comes first. A turn at `end` would mostly find nothing due and ask again later; skipped, the
         # device goes on then. What the plan could not see (a tick's new arrival times, a fallback's rows, a
-        # replica moving) calls `_recheck`, which puts the turn back at `end`. A version with other replicas
+        # replica coming or going) calls `_recheck`, which puts the turn back at `end`. A version with other replicas
         # counts only if this device is its waker (after the hand-off: the replica that frees first).
         wake = INF
         for r in dev.hosted:
@@ -548,14 +548,6 @@ class Simulation:
             v.model.routes_dirty = True
         d = r.device
         d.refresh()
-        old = r.replaces
-        if old is not None:
-            r.replaces = None
-            if not old.removed:
-                self.fleet.drop(old, now)
-                old.version.waker = None
-                if old.device.busy_until > now:
-                    self._recheck(old.device, now)
         self._recheck(d, now)
 
     # --- control: scaling ticks -----------------------------------------------------------------
@@ -608,7 +600,6 @@ class Simulation:
             for _ in range(extra):
                 if self.fleet.add(v, now) is None:
                     break
-        self.fleet.moves += self.fleet.rebalance(now)
         for at, replica in self.fleet.events:
             self._push(at, READY, replica)
         self.fleet.events.clear()

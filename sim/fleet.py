@@ -1,12 +1,12 @@
 """The simulated fleet: nodes (one accelerator each) hosting replicas, and the reconciler that moves
 replica counts toward what the scaling policy wants.
 
-Where a new replica goes is `serving.policies.placement.place`'s answer (best fit by memory among the
-version's allowed accelerator types), over the nodes that still have compute to spare for it: a
-device's replicas may plan on at most `max_device_load` of its throughput, each replica counting
-its version's demand share over its capacity. Memory-only packing would stack two hot replicas on
-one device. When no powered node can take a replica, one more node of the type is started, within
-the type's budget; past the budget the replica is unschedulable (counted).
+Where a new replica goes is `serving.policies.placement.place`'s answer over the powered nodes of its
+type, as the placement reconciler asks it: best fit by memory, and no node whose replicas would plan on
+more than `max_device_load` of its compute (each replica's `load` is `placement.replica_load` of its share
+of the demand it was sized for, the reconciler's too). When no powered node can take a replica, one more
+node of the type is started, within the type's budget; past the budget the replica is unschedulable
+(counted). Nothing moves a replica once placed: production does not either.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ class Replica:
     ready_at: float
     ready: bool = False
     removed: bool = False
-    draining: bool = False  # a replacement is loading elsewhere; it leaves when that one is ready
-    replaces: Replica | None = None  # the draining replica this one moves away from an overloaded device
 
 
 @dataclass(eq=False)
@@ -58,38 +56,28 @@ class Device:
         turn can take. Called whenever a replica here becomes ready or leaves."""
         self.ready_turn = sum(r.version.full_batch for r in self.hosted if r.ready)
 
-    def planned_load(self, observed: bool = False) -> float:
-        """Device seconds a second its staying replicas take: at the demand they were sized for, or at
-        the rate arriving now (`observed`), which is what tells an overloaded device from a forecast."""
-        total = 0.0
-        for r in self.hosted:
-            if not r.draining:
-                v = r.version
-                total += v.busy_share((v.observed if observed else v.demand) / max(staying(v), 1))
-        return total
-
     def state(self) -> NodeState:
-        hot = {r.version.key: Resident(spec_of(r.version), 0.0) for r in self.hosted}
+        """The node as placement sees it: each replica here at its share of its version's demand."""
+        hot = {r.version.key: Resident(spec_of(r.version, max(staying(r.version), 1)), 0.0) for r in self.hosted}
         return NodeState(self.name, self.kind.name, self.memory_budget, hot)
 
 
 def staying(v: SimVersion) -> int:
-    """Replicas of `v` that are not on their way out."""
-    return sum(1 for r in v.replicas if not r.draining)
+    """Replicas of `v`, loading or ready."""
+    return len(v.replicas)
 
 
-_SPECS: dict[int, VersionSpec] = {}
-
-
-def spec_of(v: SimVersion) -> VersionSpec:
-    spec = _SPECS.get(id(v))
-    if spec is None or spec.key != v.key:
-        # Every simulated version is a stable one with a minimum replica: placement never evicts it,
-        # the reconciler alone scales it in.
-        spec = _SPECS[id(v)] = VersionSpec(
-            v.key, v.memory_bytes, accelerators=frozenset({v.node.name}), stable=True, min_replicas=1
-        )
-    return spec
+def spec_of(v: SimVersion, replicas: int) -> VersionSpec:
+    """`v` as placement sees it with `replicas` sharing its demand. Every simulated version is a stable one with
+    a minimum replica: placement never evicts it, the reconciler alone scales it in."""
+    return VersionSpec(
+        v.key,
+        v.memory_bytes,
+        accelerators=frozenset({v.node.name}),
+        stable=True,
+        min_replicas=1,
+        load=v.busy_share(v.demand / replicas),
+    )
 
 
 class Fleet:
@@ -101,18 +89,15 @@ class Fleet:
         }
         self.unschedulable = 0  # replicas wanted that found no node, summed over ticks
         self.cold_starts = 0
-        self.moves = 0
         self.events: list[tuple[float, Replica]] = []  # replicas started; the engine schedules their readiness
 
     def powered(self) -> list[Device]:
         return [d for ds in self.devices.values() for d in ds if d.on]
 
-    def add(self, v: SimVersion, now: float, *, warm: bool = False, replaces: Replica | None = None) -> Replica | None:
-        """Start one more replica of `v` (or a replacement for `replaces`); None when no node can take it."""
-        u = v.busy_share(v.demand / (staying(v) + (0 if replaces else 1)))
+    def add(self, v: SimVersion, now: float, *, warm: bool = False) -> Replica | None:
+        """Start one more replica of `v`; None when no node can take it."""
         pool = self.devices[v.node.name]
-        spare = [d for d in pool if d.on and d.planned_load() + u <= self.max_load]
-        device = self._place(v, spare, now)
+        device = self._place(v, [d for d in pool if d.on], now)
         if device is None:
             idle = next((d for d in pool if not d.on), None)
             if idle is None:
@@ -123,9 +108,7 @@ class Fleet:
             if device is None:  # footprint over a whole node: the scenario is wrong
                 raise ValueError(f"{v.key} does not fit an empty {v.node.name} node")
         ready_at = now if warm else now + self.lead + v.scaling.cold_start
-        replica = Replica(v, device, ready_at, ready=warm, replaces=replaces)
-        if replaces is not None:
-            replaces.draining = True
+        replica = Replica(v, device, ready_at, ready=warm)
         device.hosted.append(replica)
         v.replicas.append(replica)
         if warm:
@@ -137,10 +120,13 @@ class Fleet:
         return replica
 
     def _place(self, v: SimVersion, candidates: list[Device], now: float) -> Device | None:
+        """The node `place` picks for one more replica of `v`, among the candidates not holding one already (what
+        `place` itself would keep rather than load: one replica of a version per node)."""
         nodes = [d.state() for d in candidates if all(r.version is not v for r in d.hosted)]
         if not nodes:
             return None
-        plan = place({v.key: 1}, {v.key: spec_of(v)}, nodes, now=now)
+        spec = spec_of(v, staying(v) + 1)
+        plan = place({v.key: 1}, {v.key: spec}, nodes, now=now, max_load=self.max_load)
         names = plan.loads and [name for name, keys in plan.loads.items() if v.key in keys]
         if not names:
             return None
@@ -149,9 +135,8 @@ class Fleet:
 
     def remove(self, v: SimVersion, now: float) -> Replica | None:
         """Scale `v` in by one: a loading replica first (its cold start is wasted, not served), else the
-        ready one whose device hosts the fewest replicas, so devices empty and power off. A replica in
-        a move (draining, or the replacement loading for it) is left to finish the move."""
-        candidates = [r for r in v.replicas if not r.draining and r.replaces is None]
+        ready one whose device hosts the fewest replicas, so devices empty and power off."""
+        candidates = list(v.replicas)
         if not candidates:
             return None
         loading = [r for r in candidates if not r.ready]
@@ -170,28 +155,6 @@ class Fleet:
             device.refresh()
         if not device.hosted and device.busy_until <= now:
             self._power(device, False, now)
-
-    def rebalance(self, now: float) -> int:
-        """Move one replica off each device whose replicas now need more than all of it (their versions'
-        demand grew where they were packed): make before break, the old one leaves when the new is ready."""
-        moved = 0
-        for device in self.powered():
-            if device.planned_load(observed=True) <= 1.0:
-                continue
-            movable = [
-                r
-                for r in device.hosted
-                if r.ready
-                and not r.draining
-                and r.replaces is None
-                and not any(o.replaces is not None for o in r.version.replicas)
-            ]
-            if len(movable) < 2:  # alone on its device, a replica is the scaling policy's to multiply
-                continue
-            busiest = max(movable, key=lambda r: r.version.busy_share(r.version.observed / max(staying(r.version), 1)))
-            if self.add(busiest.version, now, replaces=busiest) is not None:
-                moved += 1
-        return moved
 
     def release_if_empty(self, device: Device, now: float) -> None:
         if device.on and not device.hosted and device.busy_until <= now:

@@ -256,7 +256,8 @@ def meters(w: WhatIf, a: Answer) -> list[Meter]:
             a.efficiency,
             "warn" if a.efficiency < LOW_EFFICIENCY else "ok",
             f"{a.efficiency:.0%} of full batches",
-            f"batches of {a.running_batch} of {w.max_batch}; rate per replica",
+            f"batches of {a.running_batch} of {w.max_batch} at this rate per replica; under {LOW_EFFICIENCY:.0%}"
+            " counts as nearly empty (teaching assumption)",
         )
     return [
         Meter(
@@ -264,14 +265,14 @@ def meters(w: WhatIf, a: Answer) -> list[Meter]:
             a.utilisation,
             "over" if a.utilisation >= 1 else state(a.utilisation, TARGET_UTILISATION, 1.0),
             f"{a.utilisation:.0%} of {a.capacity:,.0f} req/s",
-            "rate against replicas x what one serves within the target",
+            "rate against replicas x what one serves within 80% of the target (admission's headroom)",
         ),
         Meter(
             "p99 latency budget",
             p99_share,
             state(p99_share, HEADROOM, 1.0),
             f"{p99_text} of {target:,.0f} ms",
-            "compute + batch window + waiting for a turn + queueing",
+            "compute (teaching row cost) + batch window + waiting for a turn + M/D/1 queueing",
         ),
         efficiency,
         Meter(
@@ -279,14 +280,16 @@ def meters(w: WhatIf, a: Answer) -> list[Meter]:
             a.replicas_needed / a.replicas,
             state(a.replicas_needed / a.replicas, 1.0, 1 / TARGET_UTILISATION),
             f"{a.replicas_needed:,} needed at {TARGET_UTILISATION:.0%}, {a.replicas:,} running",
-            "autoscaled: the autoscaler's pick" if w.autoscale else "replicas you set",
+            f"needed at {TARGET_UTILISATION:.0%} (a scaling policy's default) against "
+            + ("the autoscaler's pick" if w.autoscale else "the replicas you set"),
         ),
         Meter(
             "Multi-model packing",
             a.versions / HOT_VERSIONS,
             "over" if a.versions > HOT_VERSIONS else "warn" if a.versions > 1 and a.turn_ms > target / 4 else "ok",
             f"{a.versions} version{'s' if a.versions > 1 else ''} per device, {a.turn_ms:,.1f} ms for a turn",
-            f"models{' x 2 (canary)' if w.canary else ''} against {HOT_VERSIONS} kept hot",
+            f"models{' x 2 (canary)' if w.canary else ''} against {HOT_VERSIONS} a device keeps hot"
+            " (teaching assumption)",
         ),
     ]
 

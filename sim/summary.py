@@ -65,7 +65,6 @@ def summarise(sim: Simulation, wall: float, cpu: float) -> dict[str, Any]:
         "accelerator_hours_by_type": hours,
         "cost": sum(hours[k] * costs[k] for k in hours),
         "cold_starts": sim.fleet.cold_starts,
-        "moves": sim.fleet.moves,
         "unschedulable": sim.fleet.unschedulable,
         "peak_devices": max((row.get("devices", 0) for row in timeline), default=0),
         "events": sim.events,

@@ -26,8 +26,8 @@ def _table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| policy | requests | served | fallback | shed | timed out | p50 | p99 (answered) | p99 (all) |"
         " 10 s windows with p99 (all) > 300 ms | work utilisation | busy | accelerator-hours | cost ($) |"
-        " cold starts | moves | unschedulable | CPU s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " cold starts | unschedulable | CPU s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         hours = ", ".join(f"{k} {v:.2f}" for k, v in r["accelerator_hours_by_type"].items())
@@ -37,7 +37,7 @@ def _table(runs: list[dict[str, Any]]) -> list[str]:
             f" {_ms(r['latency_ms']['p99'])} | {_ms(r['p99_all_ms'])} |"
             f" {r['windows_p99_all_over_300ms']} of {r['windows']} | {_pct(r.get('work_utilisation', 0.0))} |"
             f" {_pct(r['utilisation'])} |"
-            f" {r['accelerator_hours']:.2f} ({hours}) | {r['cost']:.2f} | {r['cold_starts']} | {r['moves']} |"
+            f" {r['accelerator_hours']:.2f} ({hours}) | {r['cost']:.2f} | {r['cold_starts']} |"
             f" {r['unschedulable']} | {r['cpu_s']:.0f} | {r['wall_s']:.0f} |"
         )
     return lines
@@ -289,8 +289,9 @@ def render(
         "served over the rows the devices could have served at each version's best batch size in their powered",
         "time (`serving.policies.utilisation`); busy is device busy time over powered time, shown beside it;",
         "accelerator-hours are powered time, over the scenario's duration. Cold starts",
-        "count every replica loaded after the start, including the replacements of moves (a replica moved off a",
-        "device its versions outgrew, make before break); unschedulable counts, per tick, replicas wanted that",
+        "count every replica loaded after the start; placement is the reconciler's own (`placement.place` with each",
+        "replica's planned compute share, no device planned past 85% of it), and nothing moves a replica once",
+        "placed, as in production; unschedulable counts, per tick, replicas wanted that",
         "no node within the fleet's budget could take. CPU s is the run's own process time on one core; wall s",
         "includes whatever else shared the machine.",
         "",

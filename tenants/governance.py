@@ -196,7 +196,7 @@ def set_quota(*, tenant: Tenant, changes: object, actor: object) -> Quota:
 def set_shadow_sharing(*, tenant: Tenant, share: bool, actor: object) -> Tenant:
     """Let other tenants' shadow reports keep samples (inputs and outputs) of this tenant's requests, or stop
     it; its admin decides. In force once the routing snapshot republishes on commit (serving.signals): the
-    gateway decides per mirrored request (serving.dataplane.shadow.may_keep_sample). Samples kept before
+    gateway decides per mirrored request (serving.dataplane.gateway.shadow.may_keep_sample). Samples kept before
     stay until pruned."""
     with transaction.atomic():
         tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)

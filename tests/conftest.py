@@ -184,7 +184,7 @@ class LiveServer:
         import uvicorn
 
         from config.asgi import application
-        from serving.dataplane.frontdoor import uvicorn_config
+        from serving.dataplane.http.frontdoor import uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

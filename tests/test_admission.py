@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed
-from serving.dataplane.node import Node
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import VersionEntry
+from serving.dataplane.gateway.snapshot import VersionEntry
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node.node import Node
 from serving.policies import admission
 from serving.policies.batching import BatchingConfig
 

@@ -479,7 +479,7 @@ def test_model_changes_take_json_only(bob, registry) -> None:
 
 def test_an_unexpected_exception_is_a_logged_and_counted_json_500(charlie, registry, monkeypatch, caplog) -> None:
     from serving.api.views import ModelViewSet
-    from serving.dataplane.metrics import INTERNAL_ERRORS
+    from serving.dataplane.metrics.metrics import INTERNAL_ERRORS
 
     # given a view with a bug
     def broken(*args: object, **kwargs: object) -> None:
@@ -542,7 +542,7 @@ def test_bad_batching_patch_is_a_json_400_and_changes_nothing(
 def test_engineer_patches_batching_and_the_data_plane_gets_it(
     bob, registry, django_capture_on_commit_callbacks
 ) -> None:
-    from serving.dataplane.snapshot import hub
+    from serving.dataplane.gateway.snapshot import hub
 
     # when an engineer changes digits v1's batching
     change = {

@@ -1,4 +1,4 @@
-"""The node's artifact cache (serving.dataplane.artifact_cache) and the control plane's artifact endpoint
+"""The node's artifact cache (serving.dataplane.node.artifact_cache) and the control plane's artifact endpoint
 (/internal/artifacts/<sha256>), in process; tests/test_artifact_processes.py runs them between processes."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from django.test import AsyncClient
 
 from serving import artifacts
-from serving.dataplane import artifact_cache
-from serving.dataplane.artifact_cache import ArtifactCache, ArtifactUnavailable
+from serving.dataplane.node import artifact_cache
+from serving.dataplane.node.artifact_cache import ArtifactCache, ArtifactUnavailable
 
 
 def sha(data: bytes) -> str:
@@ -161,9 +161,9 @@ async def test_the_endpoint_streams_an_artifact_to_a_node_token_only(settings, m
 
 
 async def test_a_failed_fetch_is_tried_again_at_the_next_snapshot_a_refused_load_is_not(model_files) -> None:  # noqa: ANN001
-    from serving.dataplane.node import Node
-    from serving.dataplane.protocol import TensorSpec
-    from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, VersionEntry
+    from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, VersionEntry
+    from serving.dataplane.http.protocol import TensorSpec
+    from serving.dataplane.node.node import Node
     from serving.policies.batching import BatchingConfig
 
     def version(name: str) -> VersionEntry:

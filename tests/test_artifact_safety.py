@@ -23,7 +23,7 @@ from rest_framework.test import APIClient
 from torch import nn
 
 from serving.actions import RegistrationError, register_version
-from serving.dataplane.runtime import RuntimeFailure, load_module
+from serving.dataplane.node.runtime import RuntimeFailure, load_module
 from serving.demo import save_artifact
 from serving.models import Model, ModelVersion, State
 from tenants.models import Membership, Role, Tenant

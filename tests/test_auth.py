@@ -252,8 +252,8 @@ def test_snapshot_carries_keys_but_not_revoked_ones(db) -> None:  # noqa: ANN001
 
 
 def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() -> None:
-    from serving.dataplane import auth
-    from serving.dataplane.snapshot import KeyEntry, RoutingSnapshot
+    from serving.dataplane.gateway import auth
+    from serving.dataplane.gateway.snapshot import KeyEntry, RoutingSnapshot
     from tenants import keys
 
     pepper = b"p" * 32
@@ -281,8 +281,8 @@ def test_verified_keys_are_remembered_per_snapshot_and_expiry_still_applies() ->
 
 
 def test_the_memo_of_verified_keys_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.dataplane import auth
-    from serving.dataplane.snapshot import KeyEntry, RoutingSnapshot
+    from serving.dataplane.gateway import auth
+    from serving.dataplane.gateway.snapshot import KeyEntry, RoutingSnapshot
     from tenants import keys
 
     pepper = b"p" * 32

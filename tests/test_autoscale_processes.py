@@ -30,8 +30,8 @@ from django.test import override_settings
 from autoscaling import observe
 from autoscaling.models import ScalingPolicy
 from bench.gil_contention import Chain as Slow  # about 20 ms of CPU a call at batch one on this machine
-from serving.dataplane import fleet
-from serving.dataplane.snapshot import hub
+from serving.dataplane.gateway.snapshot import hub
+from serving.dataplane.transport import fleet
 from serving.demo import save_artifact
 from serving.models import ModelVersion
 from serving.policies.autoscale import replica_capacity

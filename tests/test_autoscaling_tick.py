@@ -16,8 +16,8 @@ from autoscaling import observe
 from autoscaling.models import ScalingPolicy
 from autoscaling.providers import Pool
 from autoscaling.tick import LOCK_KEY, STATE_KEY, run_tick
-from serving.dataplane import fleet
-from serving.dataplane.stream_codec import GROUP, request_stream
+from serving.dataplane.transport import fleet
+from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.models import ModelVersion
 from tenants.models import AuditEntry
 from tests.conftest import register

@@ -1,4 +1,4 @@
-"""Tests for serving.dataplane.batcher: the asyncio driver around a BatchQueue, with a fake clock.
+"""Tests for serving.dataplane.node.batcher: the asyncio driver around a BatchQueue, with a fake clock.
 
 `process_one_batch()` is driven directly; the background loop is exercised with a zero window so
 no test depends on how fast anything runs. Waits on events carry a generous timeout only so that
@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from serving.dataplane.batcher import Batcher
+from serving.dataplane.node.batcher import Batcher
 from serving.policies.batching import BatchingConfig, BatchQueue, Pending, QueueFull
 
 INF = float("inf")

@@ -18,11 +18,11 @@ from asgiref.sync import async_to_sync
 from asgiref.testing import ApplicationCommunicator
 from django.test import Client
 
-from serving.dataplane import fleet, fleet_events, redis_pipe
-from serving.dataplane.busy import BusyMeter
-from serving.dataplane.fleet import NodeInfo
-from serving.dataplane.fleet_events import EventPublisher, FleetEvent
-from serving.dataplane.packing import Event
+from serving.dataplane.metrics.busy import BusyMeter
+from serving.dataplane.node.packing import Event
+from serving.dataplane.transport import fleet, fleet_events, redis_pipe
+from serving.dataplane.transport.fleet import NodeInfo
+from serving.dataplane.transport.fleet_events import EventPublisher, FleetEvent
 from serving.fleet_chart import packing_svg
 from serving.fleet_state import scoped
 from tests.conftest import tenant
@@ -465,7 +465,7 @@ def test_the_socket_pushes_the_fleet_and_new_events_to_a_viewer(people, fleet_in
 
 
 async def test_a_node_meters_its_device_time_and_announces_what_it_holds(model_files) -> None:  # noqa: ANN001
-    from serving.dataplane.node import Node
+    from serving.dataplane.node.node import Node
     from serving.fleet_state import embedded_info
     from tests.test_packing_node import digits, x
 

@@ -25,7 +25,7 @@ import redis
 import torch
 from django.db import connection
 
-from serving.dataplane import fleet
+from serving.dataplane.transport import fleet
 from serving.demo import save_artifact
 from tests.conftest import mint_key, register
 from tests.test_inference_http import call

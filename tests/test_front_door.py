@@ -1,4 +1,4 @@
-"""The front door (serving.dataplane.frontdoor) over real sockets against a live server: body bounds before
+"""The front door (serving.dataplane.http.frontdoor) over real sockets against a live server: body bounds before
 Django reads a byte, the whole-request read deadline, the in-flight body budget, and the JSON answer
 at the connection limit.
 
@@ -561,7 +561,7 @@ def test_bytes_that_are_not_http_get_a_json_400(transactional_db, request) -> No
 
 
 def test_the_shed_gate_steers_its_refusals_by_the_loop_lag() -> None:
-    from serving.dataplane.frontdoor import ShedGate
+    from serving.dataplane.http.frontdoor import ShedGate
 
     gate = ShedGate()
     # given a loop on time / then nothing is refused
@@ -594,7 +594,7 @@ def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connectio
     import http.client
     import json
 
-    from serving.dataplane.frontdoor import GATE
+    from serving.dataplane.http.frontdoor import GATE
     from tests.test_inference_http import digits_request, grew, metrics
 
     x, _ = digits_samples
@@ -745,7 +745,7 @@ def test_head_request_gets_the_head_without_a_body(digits_server) -> None:  # no
 
 
 def test_render_head_refuses_values_that_would_split_the_head() -> None:
-    from serving.dataplane.frontdoor import render_head
+    from serving.dataplane.http.frontdoor import render_head
 
     assert render_head([(b"a", b"1"), (b"b", b"two")]) == b"a: 1\r\nb: two\r\n"
     for value in (b"x\r\nset-cookie: y", b"x\ny", b"x\0y"):

@@ -121,7 +121,7 @@ def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_sample
     assert grew(before, after, "ferry_requests_total", model="digits", version="1", status="503") >= 1
     assert grew(before, after, "ferry_shed_total", model="digits", version="1", reason="frontend", tier="0") >= 1
     # and once the loop keeps up again, the front door stops refusing and inference is served
-    from serving.dataplane.frontdoor import GATE
+    from serving.dataplane.http.frontdoor import GATE
 
     wait_until(
         lambda: plane.loop_lag * 1000 < settings.FERRY_MAX_LOOP_LAG_MS and GATE.drop == 0,

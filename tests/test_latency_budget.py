@@ -21,13 +21,13 @@ import pytest
 
 from autoscaling.observe import target_for
 from rollout.routing import RouteTable
-from serving.dataplane import snapshot_redis
-from serving.dataplane.consumers import _config
 from serving.dataplane.errors import Shed
-from serving.dataplane.gateway import Gateway
-from serving.dataplane.shadow import Mirror
-from serving.dataplane.snapshot import DEFAULT_LATENCY_BUDGET_MS, ModelEntry, RoutingSnapshot, SnapshotHub
-from serving.dataplane.transport import InProcessTransport
+from serving.dataplane.gateway import snapshot_redis
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.shadow import Mirror
+from serving.dataplane.gateway.snapshot import DEFAULT_LATENCY_BUDGET_MS, ModelEntry, RoutingSnapshot, SnapshotHub
+from serving.dataplane.http.consumers import _config
+from serving.dataplane.transport.transport import InProcessTransport
 from serving.publish import build_snapshot
 from tests.test_admission import Clock, StandIn, entry, node  # noqa: F401 (node: the fixture)
 

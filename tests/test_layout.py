@@ -84,7 +84,11 @@ def forbidden(start: str, banned: tuple[str, ...]) -> list[str]:
 
 def modules_under(package: str) -> list[str]:
     folder = ROOT.joinpath(*package.split("."))
-    return sorted(f"{package}.{p.stem}" if p.name != "__init__.py" else package for p in folder.glob("*.py"))
+    found = []
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found.append(".".join(parts[:-1] if path.name == "__init__.py" else parts))
+    return sorted(found)
 
 
 @pytest.mark.parametrize("module", modules_under("serving.dataplane"))

@@ -19,8 +19,8 @@ from celery import Celery
 from django.conf import settings as django_settings
 from django.test import override_settings
 
-from serving.dataplane import fleet
-from serving.dataplane.snapshot import hub
+from serving.dataplane.gateway.snapshot import hub
+from serving.dataplane.transport import fleet
 from serving.models import ModelVersion, Replica
 from serving.publish import publish_snapshot
 from tests.conftest import celery_worker, register

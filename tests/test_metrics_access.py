@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from config.env import ImproperSetting, env_cidrs
-from serving.dataplane.metrics_access import Access, MetricsRefused, Redactor, allowed, parse_networks
-from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot
+from serving.dataplane.metrics.metrics_access import Access, MetricsRefused, Redactor, allowed, parse_networks
 from tests.conftest import LiveServer, free_port, mint_key, register, tenant
 from tests.test_artifact_processes import web_live
 from tests.test_inference_http import digits_request, infer

@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from serving.dataplane.node import Node
-from serving.dataplane.runtime import RuntimeFailure
-from serving.dataplane.snapshot import VersionEntry
+from serving.dataplane.gateway.snapshot import VersionEntry
+from serving.dataplane.node.node import Node
+from serving.dataplane.node.runtime import RuntimeFailure
 from serving.policies.batching import BatchingConfig
 from tests.test_admission import Clock, StandIn, entry, rows
 
@@ -59,8 +59,8 @@ async def test_a_version_bigger_than_the_budget_is_unschedulable_and_others_keep
     node = Node(artifact_path=lambda sha: model_files.digits, device="cpu")
 
     def digits(name: str, footprint: int = 0) -> VersionEntry:
-        from serving.dataplane.protocol import TensorSpec
-        from serving.dataplane.snapshot import PlacementEntry
+        from serving.dataplane.gateway.snapshot import PlacementEntry
+        from serving.dataplane.http.protocol import TensorSpec
 
         return VersionEntry(
             model=name,

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from autoscaling.providers import KubernetesProvider, LocalProvider, Pool, ProviderError, nodes_wanted, pools_from
-from serving.dataplane import fleet
+from serving.dataplane.transport import fleet
 from serving.policies.autoscale import Decision, NodeDemand, Plan
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -223,7 +223,7 @@ def test_local_provider_starts_and_stops_named_runnode_processes_within_its_boun
     db,
     settings,  # noqa: ANN001
 ) -> None:
-    from serving.dataplane.snapshot import hub
+    from serving.dataplane.gateway.snapshot import hub
     from serving.publish import publish_snapshot
 
     client = redis.Redis.from_url(REDIS_URL)

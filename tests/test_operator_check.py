@@ -1,4 +1,4 @@
-"""The operator allow-list (serving.dataplane.operator_check): torch's standard networks pass, and a model
+"""The operator allow-list (serving.dataplane.node.operator_check): torch's standard networks pass, and a model
 that calls an operator reaching outside its tensors is refused at registration (422) and at load.
 
 Each hostile TorchScript module is first loaded with the check switched off and run, to show that its
@@ -18,8 +18,8 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 from torch import nn
 
-from serving.dataplane import archive_check, operator_check
-from serving.dataplane.runtime import RuntimeFailure, load_module
+from serving.dataplane.node import archive_check, operator_check
+from serving.dataplane.node.runtime import RuntimeFailure, load_module
 from serving.demo import Digits, TokenSentiment, WideDigits, save_artifact
 from serving.models import Artifact, Model, ModelVersion
 from tenants.models import Membership, Role, Tenant

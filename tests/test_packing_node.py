@@ -1,4 +1,4 @@
-"""The node's side of packing (serving.dataplane.packing and the node's loads), on the real digits model and
+"""The node's side of packing (serving.dataplane.node.packing and the node's loads), on the real digits model and
 without a server: estimates, the load queue, what eviction spares, and the placement facts in Redis snapshots."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import orjson
 import pytest
 
 from serving.dataplane.errors import Unavailable
-from serving.dataplane.node import Node, warmup_sizes
-from serving.dataplane.packing import DEFAULT_COLD_START, Packing, Ticket
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import ModelEntry, PlacementEntry, RoutingSnapshot, VersionEntry
-from serving.dataplane.snapshot_redis import decode, encode
+from serving.dataplane.gateway.snapshot import ModelEntry, PlacementEntry, RoutingSnapshot, VersionEntry
+from serving.dataplane.gateway.snapshot_redis import decode, encode
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node.node import Node, warmup_sizes
+from serving.dataplane.node.packing import DEFAULT_COLD_START, Packing, Ticket
 from serving.policies.batching import BatchingConfig
 
 

@@ -185,7 +185,7 @@ def test_web_as_the_manifest_runs_it_answers_its_liveness_probe(
     settings.REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
     # The server follows snapshots from Redis, whose serials outrank this process's own: put the process's
     # snapshot back after the server stops (finalizers run last-registered first), for the tests after this.
-    from serving.dataplane.snapshot import hub
+    from serving.dataplane.gateway.snapshot import hub
 
     held = hub.current
     request.addfinalizer(lambda: setattr(hub, "current", held))

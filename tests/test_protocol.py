@@ -1,4 +1,4 @@
-"""Tests for serving.dataplane.protocol: the Open Inference Protocol codec (pure Python, no Django)."""
+"""Tests for serving.dataplane.http.protocol: the Open Inference Protocol codec (pure Python, no Django)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.http._utils import _get_inference_request
 
-from serving.dataplane.protocol import (
+from serving.dataplane.http.protocol import (
     DATATYPES,
     DEFAULT_MAX_DIM,
     InferRequest,

@@ -13,7 +13,7 @@ import pytest
 import redis
 from django.utils import timezone
 
-from serving.dataplane.quota_redis import keys_of
+from serving.dataplane.gateway.quota_redis import keys_of
 from tests.conftest import DIGITS_IO, LiveServer, free_port, register, tenant
 from tests.test_inference_http import assert_error, call, digits_request, grew, infer, metrics, sample
 
@@ -315,8 +315,8 @@ def test_the_gateway_queues_at_the_tenant_tier_or_lower(db, model_files) -> None
 
     import orjson
 
-    from serving.dataplane.gateway import Gateway
-    from serving.dataplane.snapshot import SnapshotHub
+    from serving.dataplane.gateway.gateway import Gateway
+    from serving.dataplane.gateway.snapshot import SnapshotHub
     from serving.publish import build_snapshot
 
     register(model_files.digits, "digits")

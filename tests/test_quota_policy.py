@@ -6,9 +6,9 @@ import calendar
 
 import pytest
 
-from serving.dataplane.gateway import _priority
-from serving.dataplane.protocol import ProtocolError
-from serving.dataplane.snapshot import TenantEntry
+from serving.dataplane.gateway.gateway import _priority
+from serving.dataplane.gateway.snapshot import TenantEntry
+from serving.dataplane.http.protocol import ProtocolError
 from serving.policies.quota import (
     DISABLED_RETRY_S,
     IN_FLIGHT,

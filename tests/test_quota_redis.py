@@ -12,10 +12,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from serving.dataplane import metrics
-from serving.dataplane.quota_gate import QuotaExceeded, QuotaGate
-from serving.dataplane.quota_redis import MONTH_LUA, RedisQuota, keys_of
-from serving.dataplane.snapshot import TenantEntry
+from serving.dataplane.gateway.quota_gate import QuotaExceeded, QuotaGate
+from serving.dataplane.gateway.quota_redis import MONTH_LUA, RedisQuota, keys_of
+from serving.dataplane.gateway.snapshot import TenantEntry
+from serving.dataplane.metrics import metrics
 from serving.policies.quota import IN_FLIGHT, MONTHLY, RATE, month_of, seconds_to_next_month
 from tests.conftest import free_port
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from serving.dataplane.fleet import NodeInfo
+from serving.dataplane.transport.fleet import NodeInfo
 from serving.models import ModelVersion
 from serving.policies.placement import VersionSpec
 from serving.reconciler import LOCK_KEY, REASON_PREFIX, Pending, holdings, plan, reconcile

@@ -25,8 +25,8 @@ from django.conf import settings as django_settings
 from django.db import connection
 from django.utils import timezone
 
-from serving.dataplane import snapshot_redis
-from serving.dataplane.snapshot import hub as process_hub
+from serving.dataplane.gateway import snapshot_redis
+from serving.dataplane.gateway.snapshot import hub as process_hub
 from serving.publish import build_snapshot
 from tests.conftest import free_port, register, tenant
 from tests.test_inference_http import Resp, assert_error, call, digits_request, infer

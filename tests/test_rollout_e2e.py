@@ -7,7 +7,7 @@ stands in for Celery beat), with short bake times.
 - a version with wrong outputs is rolled back by the shadow agreement gate, without a human;
 - a slower version is rolled back by the p99 gate, without a human.
 
-The shadow phase mirrors the live traffic to the candidate and compares the answers (`serving.dataplane.shadow`,
+The shadow phase mirrors the live traffic to the candidate and compares the answers (`serving.dataplane.gateway.shadow`,
 `rollout.shadow_report`), flushed every second here.
 """
 

@@ -19,8 +19,8 @@ from django.core.exceptions import ValidationError
 
 from rollout.routing import NO_ROUTES, RouteError, RouteTable, choose_version, key_points
 from serving.actions import RegistrationError, promote, register_version, set_routing
-from serving.dataplane import snapshot_redis
-from serving.dataplane.snapshot import ModelEntry, VersionEntry
+from serving.dataplane.gateway import snapshot_redis
+from serving.dataplane.gateway.snapshot import ModelEntry, VersionEntry
 from serving.models import Model, ModelVersion, State
 from serving.policies.batching import BatchingConfig
 from serving.publish import build_snapshot
@@ -151,7 +151,7 @@ def test_a_new_version_takes_no_unpinned_traffic() -> None:
 
 
 def test_unversioned_metadata_describes_the_stable_version() -> None:
-    from serving.dataplane.consumers import _default
+    from serving.dataplane.http.consumers import _default
 
     # given a model whose stable version is 1 of 4 / then unversioned metadata is version 1's
     assert _default(model(RouteTable(stable=1))).version == 1

@@ -1,4 +1,4 @@
-"""Tests for serving.dataplane.runtime: assemble/split, loading TorchScript and torch.export artifacts,
+"""Tests for serving.dataplane.node.runtime: assemble/split, loading TorchScript and torch.export artifacts,
 output checks."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, assemble, load_module, pick_device, split
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, assemble, load_module, pick_device, split
 
 X = TensorSpec("input", "FP32", (64,))
 SCORES = TensorSpec("scores", "FP32", (10,))
@@ -284,7 +284,7 @@ def test_variable_outputs_come_back_at_each_requests_own_length(tmp_path) -> Non
 
 
 def test_length_buckets_split_only_when_padding_would_dominate() -> None:
-    from serving.dataplane.runtime import length_buckets
+    from serving.dataplane.node.runtime import length_buckets
 
     # given similar lengths / then one group
     assert length_buckets([(5,), (6,), (7,)], [1, 1, 1]) == [[0, 1, 2]]

@@ -1,4 +1,4 @@
-"""The sandboxed runtime process (serving.dataplane.runtime_process, runtime_worker, sandbox), with real child
+"""The sandboxed runtime process (serving.dataplane.node.runtime_process, runtime_worker, sandbox), with real child
 processes: the same answers as the inline runtime, a dead or hung child fails its batch and is replaced, and
 from inside the child the platform's files, environment and network cannot be reached, even by a model
 whose graph reads a file (`aten::from_file`)."""
@@ -20,10 +20,10 @@ import torch
 from django.conf import settings
 from torch import nn
 
-from serving.dataplane import metrics
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, load_module
-from serving.dataplane.runtime_process import IsolatedRuntime, inspect_operators
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.metrics import metrics
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, load_module
+from serving.dataplane.node.runtime_process import IsolatedRuntime, inspect_operators
 from serving.demo import save_artifact
 
 CPU = torch.device("cpu")
@@ -31,7 +31,7 @@ X = TensorSpec("input", "FP32", (64,))
 SCORES = TensorSpec("scores", "FP32", (10,))
 TOKENS = TensorSpec("tokens", "INT64", (-1,))
 SCORES2 = TensorSpec("scores", "FP32", (2,))
-# load_module's keyword for leaving the operator check out (serving.dataplane.operator_check), once it has one:
+# load_module's keyword for leaving the operator check out (serving.dataplane.node.operator_check), once it has one:
 # the tests of the sandbox alone run a model that check would refuse.
 HAS_OPERATOR_CHECK = "check_operators" in inspect.signature(load_module).parameters
 UNCHECKED = {"check_operators": False} if HAS_OPERATOR_CHECK else {}

@@ -34,7 +34,7 @@ register(Path(os.environ["DIGITS"]), "digits", max_batch_size=8, max_queue_delay
 print("KEY", mint_key())
 """
 NODE_TOKEN = "embedded-node-token-that-must-not-reach-the-model"
-WORKER = "serving.dataplane.runtime_worker"
+WORKER = "serving.dataplane.node.runtime_worker"
 
 
 def embedded_env(home: Path) -> dict[str, str]:
@@ -156,8 +156,8 @@ def test_embedded_modes_model_runs_in_a_child_that_sees_no_data_dir_and_no_secre
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("serving.dataplane.operator_check") is None,
-    reason="needs the operator check at registration (serving.dataplane.operator_check, H2's part)",
+    importlib.util.find_spec("serving.dataplane.node.operator_check") is None,
+    reason="needs the operator check at registration (serving.dataplane.node.operator_check, H2's part)",
 )
 @pytest.mark.django_db
 def test_registering_the_model_that_reads_a_file_answers_422_naming_from_file(tmp_path: Path) -> None:

@@ -14,12 +14,12 @@ import pytest
 
 from rollout import shadow_compare
 from rollout.routing import RouteTable
-from serving.dataplane.gateway import Gateway, _priority
-from serving.dataplane.node import Node
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.shadow import DROPPED, Mirror, Mirrored, Pair, stack_rows
-from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.dataplane.transport import InProcessTransport, Outputs
+from serving.dataplane.gateway.gateway import Gateway, _priority
+from serving.dataplane.gateway.shadow import DROPPED, Mirror, Mirrored, Pair, stack_rows
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node.node import Node
+from serving.dataplane.transport.transport import InProcessTransport, Outputs
 from serving.policies import admission
 from serving.policies.batching import SHADOW_PRIORITY, BatchingConfig, BatchQueue, Pending, tier_share
 from usage.sketch import bucket_of

@@ -16,7 +16,7 @@ import redis
 
 from rollout.models import ShadowMinute
 from serving.actions import set_routing
-from serving.dataplane.stream_codec import GROUP, request_stream
+from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.models import Model
 from tests.conftest import celery_worker, mint_key, register
 from tests.test_streams_processes import (

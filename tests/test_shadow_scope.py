@@ -21,8 +21,8 @@ from rollout.models import ShadowDisagreement, ShadowMinute
 from rollout.routing import RouteTable
 from rollout.shadow_ingest import ingest
 from serving.actions import set_routing
-from serving.dataplane.shadow import Mirrored, Pair, may_keep_sample
-from serving.dataplane.snapshot import ModelEntry, TenantEntry
+from serving.dataplane.gateway.shadow import Mirrored, Pair, may_keep_sample
+from serving.dataplane.gateway.snapshot import ModelEntry, TenantEntry
 from serving.models import Model
 from serving.publish import build_snapshot
 from tenants.governance import set_shadow_sharing

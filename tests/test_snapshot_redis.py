@@ -7,9 +7,9 @@ import os
 import pytest
 import redis
 
-from serving.dataplane import snapshot_redis
-from serving.dataplane.snapshot import SnapshotHub
-from serving.dataplane.snapshot import hub as process_hub
+from serving.dataplane.gateway import snapshot_redis
+from serving.dataplane.gateway.snapshot import SnapshotHub
+from serving.dataplane.gateway.snapshot import hub as process_hub
 from serving.publish import build_snapshot, publish_snapshot
 from tests.conftest import register
 

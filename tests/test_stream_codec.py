@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
-from serving.dataplane.protocol import DATATYPES
-from serving.dataplane.stream_codec import (
+from serving.dataplane.http.protocol import DATATYPES
+from serving.dataplane.transport.stream_codec import (
     MalformedMessage,
     StreamRequest,
     decode_reply,
@@ -19,7 +19,7 @@ from serving.dataplane.stream_codec import (
     encode_success,
     request_stream,
 )
-from serving.dataplane.transport import Outputs
+from serving.dataplane.transport.transport import Outputs
 
 
 def request(**inputs: np.ndarray) -> StreamRequest:

@@ -27,8 +27,8 @@ import redis
 from django.conf import settings as django_settings
 from django.db import connection
 
-from serving.dataplane import fleet
-from serving.dataplane.stream_codec import (
+from serving.dataplane.transport import fleet
+from serving.dataplane.transport.stream_codec import (
     FIELD,
     GROUP,
     REPLIES,

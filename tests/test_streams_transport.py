@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import redis
 
-from serving.dataplane import fleet
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, Shed, Unavailable
-from serving.dataplane.node import Node
-from serving.dataplane.node_process import Facts, NodeProcess, parse_bytes, parse_labels
-from serving.dataplane.runtime import RuntimeFailure
-from serving.dataplane.snapshot import VersionEntry
-from serving.dataplane.stream_codec import FIELD, StreamRequest, encode_request, request_stream
-from serving.dataplane.streams import RedisStreamsTransport
+from serving.dataplane.gateway.snapshot import VersionEntry
+from serving.dataplane.node.node import Node
+from serving.dataplane.node.node_process import Facts, NodeProcess, parse_bytes, parse_labels
+from serving.dataplane.node.runtime import RuntimeFailure
+from serving.dataplane.transport import fleet
+from serving.dataplane.transport.stream_codec import FIELD, StreamRequest, encode_request, request_stream
+from serving.dataplane.transport.streams import RedisStreamsTransport
 from tests.conftest import free_port
 from tests.test_admission import StandIn, rows
 from tests.test_admission import entry as admission_entry
@@ -208,7 +208,7 @@ def test_runnode_reads_labels() -> None:
 
 
 async def test_a_cold_version_is_loaded_by_its_first_request_through_its_stream(model_files) -> None:  # noqa: ANN001
-    from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot
+    from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot
     from tests.test_packing_node import digits
 
     # given a node process whose budget holds one digits model, serving two versions: one hot, one cold
@@ -251,7 +251,7 @@ async def test_a_node_leaves_a_cold_version_to_a_live_node_holding_it_and_announ
     model_files,
     monkeypatch,  # noqa: ANN001
 ) -> None:
-    from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot
+    from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot
     from tests.test_packing_node import digits
 
     monkeypatch.setattr(fleet, "HEARTBEAT_SECONDS", 60.0)  # only a change of what it holds sends one now

@@ -208,7 +208,7 @@ def infer_until(server, body: bytes, status: int, times: int) -> dict[int, int]:
         finally:
             conn.close()
         if response.status == 503 and b"of inference" in text:
-            continue  # the front door's gate (serving.dataplane.frontdoor): before any tenant is known
+            continue  # the front door's gate (serving.dataplane.http.frontdoor): before any tenant is known
         assert response.status in (status, 503), text
         metered[response.status] = metered.get(response.status, 0) + 1
     raise AssertionError(f"no {times} answers of {status} in 500 tries: {metered}")

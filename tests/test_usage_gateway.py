@@ -9,9 +9,9 @@ import pytest
 
 from rollout.routing import RouteTable
 from serving.dataplane.errors import ServingError, Shed
-from serving.dataplane.gateway import Gateway
-from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
-from serving.dataplane.transport import Outputs
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
+from serving.dataplane.transport.transport import Outputs
 from tests.test_admission import entry
 from usage.recorder import UsageRecorder
 from usage.sketch import bucket_of

@@ -12,7 +12,7 @@ from prometheus_client import Counter
 from rest_framework.response import Response
 from rest_framework.views import exception_handler, set_rollback
 
-from serving.dataplane.metrics import INTERNAL_ERRORS
+from serving.dataplane.metrics.metrics import INTERNAL_ERRORS
 
 log = logging.getLogger(__name__)
 

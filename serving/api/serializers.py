@@ -13,7 +13,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from serving.dataplane.protocol import DATATYPES
+from serving.dataplane.http.protocol import DATATYPES
 from serving.fallbacks import hidden_fallbacks
 from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Replica, Task, Visibility
 from tenants.models import Tenant

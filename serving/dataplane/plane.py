@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from serving.dataplane import metrics
 from serving.dataplane.errors import ServingError
-from serving.dataplane.fleet import FleetView
-from serving.dataplane.frontdoor import GATE
-from serving.dataplane.gateway import Gateway
-from serving.dataplane.node import Node
-from serving.dataplane.quota_gate import QuotaGate
-from serving.dataplane.shadow import DROPPED as SHADOW_DROPPED
-from serving.dataplane.shadow import Mirror, Pair
-from serving.dataplane.snapshot import RoutingSnapshot
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.quota_gate import QuotaGate
+from serving.dataplane.gateway.shadow import DROPPED as SHADOW_DROPPED
+from serving.dataplane.gateway.shadow import Mirror, Pair
+from serving.dataplane.gateway.snapshot import RoutingSnapshot
+from serving.dataplane.http.frontdoor import GATE
+from serving.dataplane.metrics import metrics
+from serving.dataplane.node.node import Node
+from serving.dataplane.transport.fleet import FleetView
 from usage.flusher import UsageFlusher
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A ferry leaves when it is full or when its timetable says so. `BatchQueue.poll(now)` decides, for
 one model version, which waiting requests leave now, which have missed their deadline, and when
-to ask again. The node's async driver (`serving.dataplane.batcher`) and the fleet simulator both call it.
+to ask again. The node's async driver (`serving.dataplane.node.batcher`) and the fleet simulator both call it.
 
 Rules, with Triton's parameter names:
 - a batch leaves at once when it holds `max_batch_size` rows (or the largest of the

@@ -2,7 +2,7 @@
 
 Plain Python with an injected clock (epoch seconds): the in-process limiter of embedded mode, the
 fallback of distributed mode while Redis is down, and the reference the Redis script
-(`serving.dataplane.quota_redis`) mirrors. A decision is made in one step, in this order: the monthly budget,
+(`serving.dataplane.gateway.quota_redis`) mirrors. A decision is made in one step, in this order: the monthly budget,
 then in-flight, then the bucket; a refused request takes nothing (no token, no in-flight slot, no
 monthly count), so refusals cannot drain a budget.
 """
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from serving.dataplane.snapshot import TenantEntry
+from serving.dataplane.gateway.snapshot import TenantEntry
 
 RATE, IN_FLIGHT, MONTHLY = "rate", "in_flight", "monthly"
 CONTROL = "control"  # the tenant's repository loads and unloads (`ControlBuckets`)

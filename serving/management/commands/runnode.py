@@ -8,11 +8,12 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from serving import artifacts
-from serving.dataplane import node_metrics, runtime_process
-from serving.dataplane.node import Node
-from serving.dataplane.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
-from serving.dataplane.packing import LoadReport
-from serving.dataplane.runtime import configure_torch_threads, pick_device
+from serving.dataplane.metrics import node_metrics
+from serving.dataplane.node import runtime_process
+from serving.dataplane.node.node import Node
+from serving.dataplane.node.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
+from serving.dataplane.node.packing import LoadReport
+from serving.dataplane.node.runtime import configure_torch_threads, pick_device
 from serving.node_tasks import NodeWorker
 
 

@@ -3,7 +3,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from uvicorn.supervisors import Multiprocess
 
-from serving.dataplane.frontdoor import uvicorn_config
+from serving.dataplane.http.frontdoor import uvicorn_config
 
 
 class Command(BaseCommand):

@@ -1,9 +1,9 @@
-"""The sandboxed runtime process: `python -m serving.dataplane.runtime_worker --fd N`, started by
-serving.dataplane.runtime_process with a clean environment and one socket (the channel, serving.dataplane.
+"""The sandboxed runtime process: `python -m serving.dataplane.node.runtime_worker --fd N`, started by
+serving.dataplane.node.runtime_process with a clean environment and one socket (the channel, serving.dataplane.
 runtime_channel).
 
 It imports torch and what loading an artifact needs, loads a tiny built-in model to warm the lazy pieces,
-confines itself (serving.dataplane.sandbox) and only then reports ready; the artifact comes later, as bytes
+confines itself (serving.dataplane.node.sandbox) and only then reports ready; the artifact comes later, as bytes
 over the channel. It hosts one artifact at most: a process per version, so no model reads another's weights
 in memory. Ops: load, predict, to_host, to_device, memory, operators, probe (tests look from inside), exit.
 """
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.dataplane import archive_check, operator_check, runtime_channel, sandbox
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, configure_torch_threads, load_module
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.node import archive_check, operator_check, runtime_channel, sandbox
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, configure_torch_threads, load_module
 
 # Bounds on what one message may carry into this process (the parent is trusted, but a bug should not OOM).
 MAX_MESSAGE_BYTES = 4 * 1024**3

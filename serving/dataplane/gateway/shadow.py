@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import Counter
 
-from serving.dataplane import metrics
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed
-from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry, version_budget_ms
-from serving.dataplane.transport import Transport
+from serving.dataplane.gateway.snapshot import ModelEntry, TenantEntry, VersionEntry, version_budget_ms
+from serving.dataplane.metrics import metrics
+from serving.dataplane.transport.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ validation; an unexpected exception is a bug: a 500, logged and counted, never r
 
 /v2 (server metadata) and /v2/health/{live,ready} are anonymous (probes); /metrics needs the metrics token
 or an allowed address, and then hides private names from a caller without the token
-(`serving.dataplane.metrics_access`); every other endpoint needs an API key (`serving.dataplane.auth`): 401
+(`serving.dataplane.metrics.metrics_access`); every other endpoint needs an API key
+(`serving.dataplane.gateway.auth`): 401
 without a usable one, 403 without the scope (load/unload need `manage`, the rest `infer`) or for load/unload
 of a model another tenant owns, and 404 for a model the key's tenant may not see.
 """
@@ -29,14 +30,15 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from serving.dataplane import frontdoor, metrics, metrics_access
 from serving.dataplane import plane as dataplane
-from serving.dataplane.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.errors import NotFound, ServingError, Unavailable
-from serving.dataplane.gateway import CLIENT_CLOSED, parse_version
-from serving.dataplane.protocol import error_body
-from serving.dataplane.quota_gate import QuotaExceeded, Ticket
-from serving.dataplane.snapshot import ModelEntry, TenantEntry, VersionEntry
+from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
+from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
+from serving.dataplane.gateway.quota_gate import QuotaExceeded, Ticket
+from serving.dataplane.gateway.snapshot import ModelEntry, TenantEntry, VersionEntry
+from serving.dataplane.http import frontdoor
+from serving.dataplane.http.protocol import error_body
+from serving.dataplane.metrics import metrics, metrics_access
 from serving.policies.quota import CONTROL, IN_FLIGHT, MONTHLY, RATE, Decision
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,7 @@ import redis
 import redis.asyncio as aioredis
 
 from rollout.routing import RouteTable
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.snapshot import (
+from serving.dataplane.gateway.snapshot import (
     DEFAULT_LATENCY_BUDGET_MS,
     NO_PLACEMENT,
     KeyEntry,
@@ -35,6 +34,7 @@ from serving.dataplane.snapshot import (
     TenantEntry,
     VersionEntry,
 )
+from serving.dataplane.http.protocol import TensorSpec
 from serving.policies.batching import BatchingConfig
 
 log = logging.getLogger(__name__)

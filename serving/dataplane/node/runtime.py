@@ -19,8 +19,8 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from serving.dataplane import operator_check
-from serving.dataplane.protocol import DATATYPES, TensorSpec
+from serving.dataplane.http.protocol import DATATYPES, TensorSpec
+from serving.dataplane.node import operator_check
 
 
 class RuntimeFailure(Exception):
@@ -43,14 +43,14 @@ def pick_device(preferred: str = "") -> torch.device:
 def load_module(
     source: Path | BinaryIO, fmt: str, device: torch.device, *, check_operators: bool = True
 ) -> torch.nn.Module:
-    """Load an artifact after the same archive check as registration (serving.dataplane.archive_check),
-    and refuse one that calls an operator the policy does not allow (serving.dataplane.operator_check:
+    """Load an artifact after the same archive check as registration (serving.dataplane.node.archive_check),
+    and refuse one that calls an operator the policy does not allow (serving.dataplane.node.operator_check:
     for TorchScript, once its code is compiled, before anything but its `__setstate__` has run).
     `check_operators=False` leaves the operator check out, for tests of the sandbox alone.
 
     `source` is a path or an open binary file: the sandboxed runtime process is handed the artifact's
     verified bytes, never a path into the store."""
-    from serving.dataplane.archive_check import ArchiveRefused
+    from serving.dataplane.node.archive_check import ArchiveRefused
 
     try:
         if fmt == "torchscript":
@@ -82,7 +82,7 @@ def load_module(
 
 
 def _check_archive(source: Path | BinaryIO, fmt: str, check_operators: bool = True) -> None:
-    from serving.dataplane.archive_check import ArchiveRefused, check_archive
+    from serving.dataplane.node.archive_check import ArchiveRefused, check_archive
 
     kind = check_archive(source, check_operators=check_operators)
     if fmt == "torch_export" and kind != "torch_export":
@@ -100,7 +100,7 @@ def _load_exported_program(f: BinaryIO, check_operators: bool = True) -> torch.e
     from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
     from torch.export.pt2_archive._package import PT2ArchiveReader, _load_constants, _load_state_dict
 
-    from serving.dataplane.archive_check import MODEL, PROGRAM, check_pt2_records
+    from serving.dataplane.node.archive_check import MODEL, PROGRAM, check_pt2_records
 
     reader = PT2ArchiveReader(f)
     check_pt2_records(reader.get_file_names(), reader.read_bytes, check_operators=check_operators)
@@ -238,7 +238,7 @@ class ModelRuntime:
             self.memory_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.load_seconds = time.perf_counter() - started
 
-    # The lifecycle the node drives (serving.dataplane.node); the sandboxed runtime (runtime_process) keeps a
+    # The lifecycle the node drives (serving.dataplane.node.node); the sandboxed runtime (runtime_process) keeps a
     # process instead of a module.
     @property
     def loaded(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serving.dataplane.errors import ServingError
-from serving.dataplane.snapshot import KeyEntry, RoutingSnapshot
+from serving.dataplane.gateway.snapshot import KeyEntry, RoutingSnapshot
 from tenants import keys
 
 CHALLENGE = (b"www-authenticate", b'Bearer realm="ferry"')

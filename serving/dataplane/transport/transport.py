@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from serving.dataplane.snapshot import VersionEntry
+from serving.dataplane.gateway.snapshot import VersionEntry
 
 if TYPE_CHECKING:
-    from serving.dataplane.node import Node
+    from serving.dataplane.node.node import Node
 
 
 class Outputs(dict[str, np.ndarray]):

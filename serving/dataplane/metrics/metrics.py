@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from serving.dataplane.fastmetrics import CounterChild, CounterFamily, HistogramFamily
+from serving.dataplane.metrics.fastmetrics import CounterChild, CounterFamily, HistogramFamily
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-# Written per request or per batch: the cheap families (serving.dataplane.fastmetrics).
+# Written per request or per batch: the cheap families (serving.dataplane.metrics.fastmetrics).
 REQUESTS = CounterFamily("ferry_requests", "Inference requests answered", ["model", "version", "status"])
 QUEUE_WAIT = HistogramFamily(
     "ferry_queue_wait_seconds", "Time from arrival to batch start", ["model", "version"], buckets=LATENCY_BUCKETS
@@ -52,7 +52,7 @@ QUOTA_FALLBACKS = Counter(
     " answer in time (the tenant's limits divided by FERRY_QUOTA_GATEWAYS)",
 )
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
-# Packing (serving.dataplane.packing): versions evicted to make room, loads a request asked for, cold starts.
+# Packing (serving.dataplane.node.packing): versions evicted to make room, loads a request asked for, cold starts.
 EVICTIONS = Counter(
     "ferry_evictions", "Versions unloaded from this node to make room for another (LRU)", ["model", "version", "reason"]
 )
@@ -76,7 +76,7 @@ COLD_WAIT = Histogram(
 UNSCHEDULABLE = Counter(
     "ferry_unschedulable", "Versions found unable to fit this node, by constraint", ["model", "version", "constraint"]
 )
-# The sandboxed runtime processes (serving.dataplane.runtime_process): one that died or stopped answering fails its
+# The sandboxed runtime processes (serving.dataplane.node.runtime_process): one that died or stopped answering fails its
 # batch (or load) and is replaced by a fresh one on next use.
 RUNTIME_PROCESS_FAILURES = Counter(
     "ferry_runtime_process_failures", "Sandboxed runtime processes that died or timed out, by reason", ["reason"]

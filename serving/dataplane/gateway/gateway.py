@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.routing import RouteError, choose_version
-from serving.dataplane import metrics
 from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
-from serving.dataplane.protocol import ProtocolError, encode_infer_response, parse_infer_request
-from serving.dataplane.shadow import Mirror, may_keep_sample
-from serving.dataplane.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.dataplane.transport import Transport
+from serving.dataplane.gateway.shadow import Mirror, may_keep_sample
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.dataplane.http.protocol import ProtocolError, encode_infer_response, parse_infer_request
+from serving.dataplane.metrics import metrics
+from serving.dataplane.transport.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
 from usage.recorder import UsageRecorder
 
@@ -60,7 +60,7 @@ class Gateway:
         # Whether a version (by key) is loaded and ready on a node: routing chooses no other. None trusts the
         # snapshot's state (tests with stand-in transports).
         self.ready = ready
-        self.mirror = mirror  # shadow traffic (serving.dataplane.shadow); None mirrors nothing
+        self.mirror = mirror  # shadow traffic (serving.dataplane.gateway.shadow); None mirrors nothing
         # Why a version the node will not serve is not ready (its load failed, it can never fit), if known.
         self.unready_reason: Callable[[str], str] | None = None
 

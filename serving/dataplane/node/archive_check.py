@@ -15,14 +15,14 @@ accepted only in the plain form that `torch.export.save` writes for a program ov
   use only sympy's and torch's shape functions, whose graph calls only `torch.ops` operators and the
   arithmetic builtins export emits for sizes, and whose names and tree specs contain only
   `[A-Za-z0-9_.]` (FX pastes them into the Python source it generates and `exec`s), and whose
-  operators the operator policy allows (serving.dataplane.operator_check: no `aten::from_file`, no
+  operators the operator policy allows (serving.dataplane.node.operator_check: no `aten::from_file`, no
   custom namespace the platform did not allow...);
 - sample inputs (read by stock `torch.export.load` with a `weights_only=False` fallback; Ferry's
   loader never reads them) that reference only the globals of a plain tensor pickle.
 
 Other zip archives (TorchScript) pass: `torch.jit.load` reads their pickles with TorchScript's own
 unpickler, which builds only tensors, containers and TorchScript types. Their operators are known only
-once their code is compiled, by loading (serving.dataplane.operator_check.load_torchscript).
+once their code is compiled, by loading (serving.dataplane.node.operator_check.load_torchscript).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from serving.dataplane import operator_check
+from serving.dataplane.node import operator_check
 
 MODEL = "model"  # the program name torch.export.save writes and torch.export.load returns
 MAX_JSON_BYTES = 256 * 1024 * 1024

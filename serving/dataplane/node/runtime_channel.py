@@ -1,4 +1,4 @@
-"""The framing between a node and its sandboxed runtime process (serving.dataplane.runtime_process and
+"""The framing between a node and its sandboxed runtime process (serving.dataplane.node.runtime_process and
 runtime_worker), over a Unix socketpair: no JSON, no pickle.
 
 A message is a 4-byte big-endian header length, a msgpack header (a map; its "arrays" key lists each array's

@@ -1,5 +1,5 @@
 """The node's side of the sandboxed runtime process: `IsolatedRuntime`, a ModelRuntime whose model runs in a
-child process confined by serving.dataplane.sandbox (serving.dataplane.runtime_worker is the child).
+child process confined by serving.dataplane.node.sandbox (serving.dataplane.node.runtime_worker is the child).
 
 Tenant artifacts are code: a TorchScript graph can call operators that read files (`aten::from_file`), so it
 must not run in a process holding the platform's files and credentials. The parent keeps everything else of
@@ -31,13 +31,14 @@ import numpy as np
 import torch
 from django.conf import settings
 
-from serving.dataplane import metrics, runtime_channel, sandbox
-from serving.dataplane.protocol import TensorSpec
-from serving.dataplane.runtime import ModelRuntime, RuntimeFailure
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.metrics import metrics
+from serving.dataplane.node import runtime_channel, sandbox
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 # Directories nothing in the runtime needs, covered in its mount namespace besides the configured ones: scratch
 # space, and /run, whose Unix sockets (PostgreSQL's, Redis's) Landlock (ABI <= 7) does not stop a connect to.
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run")
@@ -75,7 +76,14 @@ class Zygote:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "serving.dataplane.runtime_worker", "--zygote", "--fd", str(child.fileno())],
+                [
+                    sys.executable,
+                    "-m",
+                    "serving.dataplane.node.runtime_worker",
+                    "--zygote",
+                    "--fd",
+                    str(child.fileno()),
+                ],
                 env=sandbox.clean_environment(PROJECT_ROOT),
                 cwd="/",
                 pass_fds=(child.fileno(),),
@@ -272,7 +280,7 @@ class IsolatedRuntime(ModelRuntime):
         check_operators: bool = True,
     ) -> None:
         super().__init__(path, fmt, inputs, outputs, device)
-        # False only in tests of the sandbox alone: the operator check (serving.dataplane.operator_check) is off.
+        # False only in tests of the sandbox alone: the operator check (serving.dataplane.node.operator_check) is off.
         self.check_operators = check_operators
         # The child's intra-op threads: what this process was configured with (configure_torch_threads).
         self.threads = threads if threads is not None else torch.get_num_threads()

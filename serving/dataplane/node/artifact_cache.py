@@ -8,7 +8,7 @@ or the artifact storage) and checked before every load.
   against what arrives), and in time (one deadline for the whole fetch, and per read).
 - The cache is bounded in bytes: least recently used files are deleted to make room (a file's mtime is
   its last use). A model once loaded does not need its file, so deleting it costs a fetch next time only.
-- Nothing here unpickles: the runtime's archive check (serving.dataplane.archive_check) reads the file
+- Nothing here unpickles: the runtime's archive check (serving.dataplane.node.archive_check) reads the file
   as data before torch loads it.
 
 This is data plane: no ORM. Loads run on the node's one load thread, so fetches run one at a time; the

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.routing import NO_ROUTES, RouteTable
-from serving.dataplane.protocol import TensorSpec
+from serving.dataplane.http.protocol import TensorSpec
 from serving.policies.batching import BatchingConfig
 
 # The platform's latency SLO (FERRY_LATENCY_BUDGET_MS), what a snapshot from a publisher that predates it gets.
@@ -105,7 +105,8 @@ class KeyEntry:
 @dataclass(frozen=True, slots=True)
 class TenantEntry:
     """A tenant's request-path quota (`tenants.models.Quota`), enforced by `serving.policies.quota`, and
-    whether other tenants' shadows may keep samples of its requests (`serving.dataplane.shadow.may_keep_sample`)."""
+    whether other tenants' shadows may keep samples of its requests
+    (`serving.dataplane.gateway.shadow.may_keep_sample`)."""
 
     slug: str
     requests_per_second: float  # a float only where `serving.policies.quota.scaled` divided it

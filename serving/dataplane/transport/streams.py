@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from serving.dataplane import metrics, redis_pipe
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unavailable
-from serving.dataplane.snapshot import VersionEntry
-from serving.dataplane.stream_codec import (
+from serving.dataplane.gateway.snapshot import VersionEntry
+from serving.dataplane.metrics import metrics
+from serving.dataplane.transport import redis_pipe
+from serving.dataplane.transport.stream_codec import (
     FIELD,
     REPLIES,
     MalformedMessage,

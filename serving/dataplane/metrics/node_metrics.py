@@ -32,12 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serving.dataplane import metrics_access
 from serving.dataplane.errors import ServingError
+from serving.dataplane.metrics import metrics_access
 
 if TYPE_CHECKING:
-    from serving.dataplane.node_process import NodeProcess
-    from serving.dataplane.snapshot import RoutingSnapshot
+    from serving.dataplane.gateway.snapshot import RoutingSnapshot
+    from serving.dataplane.node.node_process import NodeProcess
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import redis
 
-from serving.dataplane import metrics
-from serving.dataplane.quota_redis import RedisQuota
-from serving.dataplane.snapshot import TenantEntry
+from serving.dataplane.gateway.quota_redis import RedisQuota
+from serving.dataplane.gateway.snapshot import TenantEntry
+from serving.dataplane.metrics import metrics
 from serving.policies.quota import (
     MONTHLY,
     ControlBuckets,

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
+from serving.dataplane.gateway.snapshot import RoutingSnapshot, VersionEntry
 from serving.policies.placement import VersionSpec
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import msgpack
 import numpy as np
 
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, NotFound, ServingError, Shed, Unavailable
-from serving.dataplane.protocol import DATATYPES
-from serving.dataplane.transport import Outputs
+from serving.dataplane.http.protocol import DATATYPES
+from serving.dataplane.transport.transport import Outputs
 
 FIELD = b"m"  # a request stream entry holds one field: the msgpack request
 # A reply stream entry holds one field: the replies a node had ready for that gateway at once (the requests

@@ -22,7 +22,7 @@ import socket
 
 import redis.asyncio as aioredis
 
-from serving.dataplane.snapshot import TenantEntry
+from serving.dataplane.gateway.snapshot import TenantEntry
 from serving.policies.quota import DISABLED_RETRY_S, IN_FLIGHT_RETRY_S, Decision, seconds_to_next_month
 
 PREFIX = "ferry:quota"

@@ -1,6 +1,6 @@
 """The fleet's recent events (loads, evictions, failures) in one capped Redis stream, for the fleet page.
 
-A node's packing records each event (`serving.dataplane.packing.Packing.record`); `EventPublisher` takes them
+A node's packing records each event (`serving.dataplane.node.packing.Packing.record`); `EventPublisher` takes them
 from there and XADDs them to `ferry:fleet:events` off the request path: buffered (bounded; the oldest go first
 when Redis is unreachable for long, counted), sent in one pipeline per turn. The stream is trimmed to about
 MAXLEN entries; readers take the last hour (stream ids are Redis' clock in milliseconds).
@@ -18,9 +18,9 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 
-from serving.dataplane import redis_pipe
-from serving.dataplane.fleet import TTL_SECONDS, NodeInfo
-from serving.dataplane.packing import Event
+from serving.dataplane.node.packing import Event
+from serving.dataplane.transport import redis_pipe
+from serving.dataplane.transport.fleet import TTL_SECONDS, NodeInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Kernel confinement of the runtime process that runs tenant model code (serving.dataplane.runtime_worker).
+"""Kernel confinement of the runtime process that runs tenant model code (serving.dataplane.node.runtime_worker).
 
 A TorchScript or torch.export graph can call operators that touch the filesystem (`aten::from_file`,
 `aten::save`...), so the process that runs one must not be able to reach anything of the platform's: the
@@ -331,5 +331,5 @@ def confine(*, hidden: Sequence[str], project_root: Path, device: str, channel_f
     landlock_network_and_scope(record)
     drop_privileges(record)
     limit_resources(record, dropped_root=root)
-    record.skipped["seccomp"] = "not used (no well-kept binding; see serving.dataplane.sandbox)"
+    record.skipped["seccomp"] = "not used (no well-kept binding; see serving.dataplane.node.sandbox)"
     return record

@@ -2,8 +2,8 @@
 
 Its loops, each a single step the loop repeats (a test drives one step directly):
 - `heartbeat_once`: its facts, the versions it has ready and the snapshot serial it reconciled, in
-  `ferry:node:<name>` with a TTL (`serving.dataplane.fleet`);
-- the snapshot follower (`serving.dataplane.snapshot_redis.follow`), then `Node.reconcile` on what
+  `ferry:node:<name>` with a TTL (`serving.dataplane.transport.fleet`);
+- the snapshot follower (`serving.dataplane.gateway.snapshot_redis.follow`), then `Node.reconcile` on what
   `hosted(snapshot)` picks;
 - `consume_once`: one XREADGROUP over the streams of its ready versions, COUNT up to the batch size,
   a short BLOCK, each entry handed to `Node.infer` (its batcher, admission and runtime), answered on
@@ -39,12 +39,14 @@ from dataclasses import dataclass, field
 
 import redis
 
-from serving.dataplane import fleet, metrics, redis_pipe, snapshot_redis
 from serving.dataplane.errors import DeadlineExceeded, ServingError
-from serving.dataplane.fleet_events import EventPublisher
-from serving.dataplane.node import Node
-from serving.dataplane.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.dataplane.stream_codec import (
+from serving.dataplane.gateway import snapshot_redis
+from serving.dataplane.gateway.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
+from serving.dataplane.metrics import metrics
+from serving.dataplane.node.node import Node
+from serving.dataplane.transport import fleet, redis_pipe
+from serving.dataplane.transport.fleet_events import EventPublisher
+from serving.dataplane.transport.stream_codec import (
     FIELD,
     GROUP,
     REPLIES,

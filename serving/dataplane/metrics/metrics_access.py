@@ -30,7 +30,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from serving.dataplane.errors import ServingError
-from serving.dataplane.snapshot import RoutingSnapshot
+from serving.dataplane.gateway.snapshot import RoutingSnapshot
 
 FULL = "full"
 REDACTED = "redacted"

@@ -1,6 +1,6 @@
 """The fleet of node processes as Redis holds it: each node's facts in a hash that its heartbeat renews.
 
-A node (`serving.dataplane.node_process`) writes `ferry:node:<name>` every HEARTBEAT_SECONDS with
+A node (`serving.dataplane.node.node_process`) writes `ferry:node:<name>` every HEARTBEAT_SECONDS with
 a TTL of TTL_SECONDS and adds its name to `ferry:nodes`. A hash that expired is a lost node: its
 versions are no longer counted ready, and its pending requests are claimed by the live ones.
 
@@ -20,8 +20,8 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 
-from serving.dataplane import redis_pipe
-from serving.dataplane.snapshot import RoutingSnapshot
+from serving.dataplane.gateway.snapshot import RoutingSnapshot
+from serving.dataplane.transport import redis_pipe
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class NodeInfo:
     warm: frozenset[str] = frozenset()  # evicted, kept in host memory: a reload skips the disk and warm-up
     cached: frozenset[str] = frozenset()  # its artifact on this node's local disk: a load reads no network
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
-    busy: float = 0.0  # the device's busy share of the last seconds (serving.dataplane.busy)
+    busy: float = 0.0  # the device's busy share of the last seconds (serving.dataplane.metrics.busy)
     # What it holds, per version key: {"tier": "hot" | "warm", "bytes": n}. Hot counts against the device budget;
     # warm (in host memory) does not.
     resident: dict[str, dict] = field(default_factory=dict)

@@ -6,7 +6,7 @@ a separate thread so a cold load never stalls the versions already serving.
 
 Versions are packed into the node's memory budget (`serving.policies.placement`): a reconcile loads
 what fits, a version that does not stays cold, and a request for a cold version loads it, evicting idle
-versions least recently used first (`serving.dataplane.packing` keeps what that needs).
+versions least recently used first (`serving.dataplane.node.packing` keeps what that needs).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.dataplane import metrics
-from serving.dataplane.batcher import Batcher
-from serving.dataplane.busy import BusyMeter
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
-from serving.dataplane.packing import LoadReport, Packing, Ticket, constraints
-from serving.dataplane.runtime import ModelRuntime, RuntimeFailure, pick_device
-from serving.dataplane.runtime_process import make_runtime
-from serving.dataplane.snapshot import RoutingSnapshot, VersionEntry
-from serving.dataplane.transport import Outputs
+from serving.dataplane.gateway.snapshot import RoutingSnapshot, VersionEntry
+from serving.dataplane.metrics import metrics
+from serving.dataplane.metrics.busy import BusyMeter
+from serving.dataplane.node.batcher import Batcher
+from serving.dataplane.node.packing import LoadReport, Packing, Ticket, constraints
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, pick_device
+from serving.dataplane.node.runtime_process import make_runtime
+from serving.dataplane.transport.transport import Outputs
 from serving.policies import admission
 from serving.policies.admission import DeviceShare
 from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfile, Pending, QueueFull
@@ -110,7 +110,7 @@ class Node:
     ) -> None:
         self.device = pick_device(device)
         # How a version's runtime is made: sandboxed in a process of its own unless FERRY_RUNTIME_ISOLATION says
-        # inline (serving.dataplane.runtime_process.make_runtime); called (path, format, inputs, outputs, device).
+        # inline (serving.dataplane.node.runtime_process.make_runtime); called (path, format, inputs, outputs, device).
         self._runtime_factory = runtime_factory
         self.memory_budget = memory_budget
         self.max_queue_bytes = max_queue_bytes
