@@ -12,6 +12,7 @@ from serving.dataplane import plane as dataplane
 from serving.dataplane.metrics import metrics
 from serving.fallbacks import hidden_fallbacks
 from serving.models import Model, Visibility
+from serving.version_charts import version_hour
 from tenants.models import Role, Tenant
 from tenants.scoping import can_write, shadow_report_refusal, visible_models
 
@@ -108,11 +109,14 @@ def _fallback(user: object, model: Model) -> dict:
 
 
 def _model_context(model: Model, may_share: bool, user: object) -> dict:
-    versions = [{"v": v, "profile": _profile(v)} for v in model.versions.all()]
+    versions = [
+        {"v": v, "profile": _profile(v), "hour": version_hour(model.name, v.version)} for v in model.versions.all()
+    ]
     shared = sorted(model.shared_with.values_list("slug", flat=True)) if may_share else []
     return {
         "model": model,
         "versions": versions,
+        "hours": [item for item in versions if item["hour"] is not None],
         "may_share": may_share,
         "shared_with": " ".join(shared),
         "visibilities": Visibility.values,

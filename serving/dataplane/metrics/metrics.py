@@ -11,6 +11,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from serving.dataplane.metrics.fastmetrics import CounterChild, CounterFamily, HistogramFamily
+from serving.dataplane.metrics.history import HourHistory, Minute
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -96,8 +97,9 @@ class LiveStats:
 class LiveWindow:
     """Recent requests and batches of one version, for the console (Prometheus holds the history)."""
 
-    def __init__(self, window: float = 30.0, capacity: int = 20000) -> None:
+    def __init__(self, window: float = 30.0, capacity: int = 20000, hour: HourHistory | None = None) -> None:
         self.window = window
+        self.hour = hour  # the last hour, minute by minute, fed from here too (the console's model page)
         self._latencies: deque[tuple[float, float, bool]] = deque(maxlen=capacity)  # (t, seconds, ok)
         self._batches: deque[tuple[float, int]] = deque(maxlen=capacity)
         self._lock = threading.Lock()
@@ -105,10 +107,14 @@ class LiveWindow:
     def request(self, seconds: float, ok: bool, now: float | None = None) -> None:
         with self._lock:
             self._latencies.append((now if now is not None else time.monotonic(), seconds, ok))
+        if self.hour is not None:
+            self.hour.answered(seconds, ok)
 
     def batch(self, rows: int, now: float | None = None) -> None:
         with self._lock:
             self._batches.append((now if now is not None else time.monotonic(), rows))
+        if self.hour is not None:
+            self.hour.batch(rows)
 
     def stats(self, now: float | None = None) -> LiveStats:
         now = now if now is not None else time.monotonic()
@@ -132,9 +138,10 @@ class SaturationWindow:
 
     KINDS = ("served", "fallback", "shed")
 
-    def __init__(self, window: int = 30) -> None:
+    def __init__(self, window: int = 30, hour: HourHistory | None = None) -> None:
         self.window = window
         self._buckets: deque[tuple[int, dict[str, int]]] = deque(maxlen=window)
+        self.hour = hour
         self._lock = threading.Lock()
 
     def mark(self, kind: str, now: float | None = None) -> None:
@@ -145,6 +152,8 @@ class SaturationWindow:
         if not buckets or buckets[-1][0] != second:
             buckets.append((second, dict.fromkeys(self.KINDS, 0)))
         buckets[-1][1][kind] += 1
+        if self.hour is not None:
+            self.hour.mark(kind)
 
     def shares(self, now: float | None = None) -> dict[str, float]:
         """Each kind's share of the answers in the window (empty when there were none)."""
@@ -176,8 +185,9 @@ class VersionMetrics:
         self._shed: dict[tuple[str, int], Counter] = {}
         # Answers by kind over the live window: admitted (200), fallback, shed; for the console's
         # saturation indicator.
-        self.saturation = SaturationWindow()
-        self.live = LiveWindow()
+        self.hour = HourHistory()
+        self.saturation = SaturationWindow(hour=self.hour)
+        self.live = LiveWindow(hour=self.hour)
 
     def answered(self, status: int, seconds: float) -> None:
         counter = self._status.get(status)
@@ -219,3 +229,8 @@ def saturation_shares(model: str, version: int) -> dict[str, float]:
 def live_stats(model: str, version: int) -> LiveStats | None:
     found = _versions.get((model, version))
     return found.live.stats() if found else None
+
+
+def hour_history(model: str, version: int) -> list[Minute]:
+    found = _versions.get((model, version))
+    return found.hour.last_hour() if found else []
