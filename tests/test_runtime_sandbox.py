@@ -195,7 +195,7 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
         with socket.socket(socket.AF_UNIX) as unix:
             unix.connect(PG_SOCKET)
         targets.append((PG_SOCKET, 0))
-    reachable = str(Path(settings.BASE_DIR) / "serving" / "dataplane" / "runtime.py")
+    reachable = str(Path(settings.BASE_DIR) / "serving" / "dataplane" / "node" / "runtime.py")
     answer = isolated_digits.probe([*paths, reachable], targets)
     # then nothing of the platform's opens, while the serving package does (the probe works)
     assert answer["opened"] == [reachable], answer
