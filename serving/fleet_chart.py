@@ -62,3 +62,34 @@ def packing_svg(node: dict[str, Any]) -> str:
             x += w
     parts.append("</svg>")
     return "".join(parts)
+
+
+SPARK_W, SPARK_H, SPAN_S = 160, 28, 600.0  # the utilisation chart: the last ten minutes
+
+
+def utilisation_svg(node: dict[str, Any]) -> str:
+    """A node's busy share and work utilisation over the last ten minutes, two lines on one 0-100% scale, from
+    the heartbeat's samples (`node["utilisation"]`: [epoch seconds, busy, work], oldest first). Busy time reads
+    high on a batching device at any load; the work line is the rows served at their best batch's cost."""
+    samples = node.get("utilisation") or []
+    name = escape(node["name"])
+    parts = [
+        f'<svg class="utilisation" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {SPARK_W} {SPARK_H}"'
+        f' width="{SPARK_W}" height="{SPARK_H}" role="img" data-node="{name}" data-samples="{len(samples)}"'
+        f' aria-label="busy and work utilisation of {name}, last ten minutes">',
+        f'<rect x="0" y="0" width="{SPARK_W}" height="{SPARK_H}" fill="#f6f7f9" stroke="#dde"/>',
+    ]
+    if samples:
+        end = float(node["heartbeat_at"])
+        for index, series, colour in ((1, "busy", "#9aa3b5"), (2, "work", "#2b7a4b")):
+            points = " ".join(
+                f"{max(0.0, SPARK_W * (1 - (end - float(s[0])) / SPAN_S)):.1f},"
+                f"{SPARK_H - SPARK_H * min(1.0, max(0.0, float(s[index]))):.1f}"
+                for s in samples
+            )
+            parts.append(
+                f'<polyline class="{series}" points="{points}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                f"<title>{series}: last {round(float(samples[-1][index]) * 100)}%</title></polyline>"
+            )
+    parts.append("</svg>")
+    return "".join(parts)

@@ -54,6 +54,8 @@ def embedded_info(node: Node, now: float) -> NodeInfo:
         hot=frozenset(hosted),
         failures={k: f.reason for k, f in dict(node.failures).items()},
         busy=round(node.busy.fraction(), 4),
+        work=round(node.work.fraction(), 4),
+        utilisation=[list(sample) for sample in node.work.history()],
         resident=fleet.resident_of(hosted),
     )
 
@@ -75,6 +77,9 @@ def node_doc(info: NodeInfo, state: str, now: float) -> dict[str, Any]:
         "memory_budget": info.memory_budget,
         "memory_used": max(info.memory_used, used),
         "busy": info.busy,
+        "work": info.work,
+        # ages become epoch seconds at the heartbeat, so the page can draw them on one time axis
+        "utilisation": [[round(info.heartbeat_at - s[0], 1), s[1], s[2]] for s in info.utilisation],
         "resident": [
             {"key": key, "tier": str(r.get("tier", "hot")), "bytes": int(r.get("bytes", 0))}
             for key, r in sorted(info.resident.items())

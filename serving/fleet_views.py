@@ -1,5 +1,6 @@
-"""The console's fleet page (`/console/fleet/`) and its JSON twin (`/api/fleet/`): nodes, their packing and
-busy share, and the events of the last hour. The page is kept live by `serving.fleet_consumer` over a WebSocket.
+"""The console's fleet page (`/console/fleet/`) and its JSON twin (`/api/fleet/`): nodes, their packing, their
+busy share beside their work utilisation (now and over the last ten minutes), and the events of the last hour.
+The page is kept live by `serving.fleet_consumer` over a WebSocket.
 
 Viewers and up (a role in some tenant, or platform staff) see the whole fleet's nodes; versions of models they
 may not see show as unnamed segments, and their events and failures are left out (`serving.fleet_state.scoped`).
@@ -25,7 +26,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving.api.serializers import ErrorSerializer
-from serving.fleet_chart import packing_svg, size
+from serving.fleet_chart import packing_svg, size, utilisation_svg
 from serving.fleet_state import read_now, scoped
 from tenants.models import Role, has_role
 from tenants.scoping import visible_models
@@ -61,6 +62,8 @@ def parts(state: dict[str, Any]) -> dict[str, str]:
             "used_text": size(n["memory_used"]),
             "budget_text": size(n["memory_budget"]),
             "busy_pct": round(n["busy"] * 100),
+            "work_pct": round(n.get("work", 0.0) * 100),
+            "chart": mark_safe(utilisation_svg(n)),  # noqa: S308 (utilisation_svg escapes the node's name)
             "seen": _ago(n["heartbeat_age"]),
             "heartbeat_text": time.strftime("%H:%M:%S", time.gmtime(n["heartbeat_at"])),
         }
@@ -109,6 +112,15 @@ class FleetNodeSerializer(serializers.Serializer):
     memory_budget = serializers.IntegerField(min_value=0)
     memory_used = serializers.IntegerField(min_value=0, help_text="bytes of hot versions")
     busy = serializers.FloatField(min_value=0, max_value=1, help_text="device busy share of the last 10 s")
+    work = serializers.FloatField(
+        min_value=0,
+        max_value=1,
+        help_text="work utilisation of the last 10 s: rows served at their version's best-batch seconds over the 10 s",
+    )
+    utilisation = serializers.ListField(
+        child=serializers.ListField(child=serializers.FloatField(), min_length=3, max_length=3),
+        help_text="[epoch seconds, busy, work] per 10 s over the last ten minutes, oldest first",
+    )
     resident = ResidentSerializer(many=True)
     failures = serializers.DictField(child=serializers.CharField(), help_text="version key -> why it failed here")
 

@@ -9,7 +9,10 @@ the node's own state, read from it at scrape time:
 - ferry_node_versions{state}: versions hot (loaded) and cold (servable, loaded on demand);
   ferry_node_version_hot{model,version}: 1 per loaded version;
 - ferry_node_memory_used_bytes, ferry_node_memory_budget_bytes;
-- ferry_node_version_load_seconds{model,version}: the measured load time of each version loaded here.
+- ferry_node_version_load_seconds{model,version}: the measured load time of each version loaded here;
+- ferry_node_busy_ratio and ferry_node_work_utilisation_ratio: the device's busy share of the last 10 s and its
+  work utilisation (rows served at their version's best-batch cost over the same time); per version
+  ferry_node_rows_served_total and ferry_node_work_seconds_total (serving.dataplane.metrics.busy.WorkMeter).
 
 Served by the standard library's WSGI server, a thread per scrape, off the event loop: a scrape never waits
 on it, and reads only copies of the node's dicts. Access is the web process's (`metrics_access`): the
@@ -37,6 +40,7 @@ from serving.dataplane.metrics import metrics_access
 
 if TYPE_CHECKING:
     from serving.dataplane.gateway.snapshot import RoutingSnapshot
+    from serving.dataplane.node.node import Node
     from serving.dataplane.node.node_process import NodeProcess
 
 log = logging.getLogger(__name__)
@@ -95,6 +99,34 @@ class NodeCollector(Collector):
         for key, (_footprint, seconds) in sorted(dict(node.packing.measured).items()):
             loads.add_metric(_labels(key), seconds)
         yield loads
+        yield from utilisation_families(node)
+
+
+def utilisation_families(node: Node) -> Iterator[Metric]:
+    """Busy time and work utilisation of the node's device (the last 10 s), and per version the rows served and
+    what they are worth at the version's best batch size, so a query can divide any window's increase by it."""
+    yield GaugeMetricFamily(
+        "ferry_node_busy_ratio", "Share of the last 10 s the device spent computing", value=node.busy.fraction()
+    )
+    yield GaugeMetricFamily(
+        "ferry_node_work_utilisation_ratio",
+        "Rows served in the last 10 s at their version's best-batch seconds (its profile), over the 10 s",
+        value=node.work.fraction(),
+    )
+    rows = CounterMetricFamily(
+        "ferry_node_rows_served", "Rows this node's device served, per version", labels=["model", "version"]
+    )
+    work = CounterMetricFamily(
+        "ferry_node_work_seconds",
+        "Device seconds the rows served would take at the version's best batch size (serving.policies.utilisation)",
+        labels=["model", "version"],
+    )
+    served, worth = dict(node.work.rows), dict(node.work.work_seconds)
+    for key in sorted(served):
+        rows.add_metric(_labels(key), served[key])
+        work.add_metric(_labels(key), worth.get(key, 0.0))
+    yield rows
+    yield work
 
 
 def _labels(key: str) -> list[str]:

@@ -213,6 +213,8 @@ class NodeProcess:
             assigned=frozenset(node.packing.assigned),
             warm=frozenset(node.warm),
             busy=round(node.busy.fraction(), 4),
+            work=round(node.work.fraction(), 4),
+            utilisation=[list(sample) for sample in node.work.history()],
             resident=fleet.resident_of(node.hosted, node.warm),
             cached=self.cached(),
         )

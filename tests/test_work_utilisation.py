@@ -1,0 +1,214 @@
+"""Work utilisation on real nodes (issue 20, item 2): beside busy time, the rows served at their version's
+best-batch cost over the time, from the version's profile and the rows actually served; on /metrics and on the
+fleet page. Batch-one traffic on a model whose best batch is large keeps the device busy and does little work:
+these tests say so, and would not if the meter counted busy time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from bench.gil_contention import Chain
+from serving.dataplane.gateway.snapshot import PlacementEntry, VersionEntry
+from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.metrics.busy import SAMPLE_SECONDS, BusyMeter, WorkMeter
+from serving.dataplane.metrics.node_metrics import utilisation_families
+from serving.dataplane.node.node import Node
+from serving.dataplane.transport.fleet import NodeInfo
+from serving.demo import save_artifact
+from serving.fleet_chart import utilisation_svg
+from serving.fleet_state import node_doc
+from serving.policies.utilisation import best_row_seconds
+
+# A profile whose batch of 32 takes twice a batch of one: 16 times the rows per second at its best.
+PROFILE = {1: 0.010, 8: 0.012, 32: 0.020}
+
+
+def estimate(rows: int) -> float:
+    return PROFILE.get(rows, 0.010 + (rows - 1) * (0.010 / 31))
+
+
+def test_batch_one_back_to_back_reads_busy_but_a_sixteenth_of_the_work() -> None:
+    now = [100.0]
+    busy = BusyMeter(window=10, clock=lambda: now[0])
+    work = WorkMeter(busy, window=10, clock=lambda: now[0])
+    # given batches of one row, back to back for 10 s (each 10 ms, as the profile says)
+    at = 100.0
+    for _ in range(1000):
+        busy.add(at, 0.010)
+        work.batch("m:1", 1, at, 0.010, estimate, 32)
+        at += 0.010
+    now[0] = 110.0
+    # then the device reads fully busy, and its work is what 1000 rows cost at batch 32: 1000 x 20/32 ms in 10 s
+    assert busy.fraction() == pytest.approx(1.0)
+    assert work.fraction() == pytest.approx(1000 * 0.020 / 32 / 10)
+    assert work.rows == {"m:1": 1000}
+    assert work.work_seconds["m:1"] == pytest.approx(0.625)
+
+
+def test_full_batches_read_as_much_work_as_busy_time_and_the_history_keeps_both() -> None:
+    now = [0.0]
+    busy = BusyMeter(window=10, clock=lambda: now[0])
+    work = WorkMeter(busy, window=10, clock=lambda: now[0])
+    # given ten seconds of batch-one traffic, then ten of full batches (each 20 ms)
+    at = 0.0
+    while at < 10.0 - 1e-9:
+        busy.add(at, 0.010)
+        work.batch("m:1", 1, at, 0.010, estimate, 32)
+        at += 0.010
+    now[0] = 10.0
+    first = work.history()
+    while at < 20.0 - 1e-9:
+        busy.add(at, 0.020)
+        work.batch("m:1", 32, at, 0.020, estimate, 32)
+        at += 0.020
+    now[0] = 20.0
+    assert work.fraction() == pytest.approx(busy.fraction()) == pytest.approx(1.0)
+    # then the history holds one sample per window: busy both times, the work a sixteenth, then all of it
+    samples = work.history()
+    assert first == [(0.0, pytest.approx(1.0), pytest.approx(0.0625))]
+    assert [(age, b, w) for age, b, w in samples] == [
+        (float(SAMPLE_SECONDS), pytest.approx(1.0), pytest.approx(0.0625)),
+        (0.0, pytest.approx(1.0), pytest.approx(1.0)),
+    ]
+    # and asking again within the sample interval adds nothing
+    now[0] = 25.0
+    assert len(work.history()) == 2
+
+
+def test_a_version_served_several_ways_counts_each_batchs_rows_at_the_best_batch() -> None:
+    work = WorkMeter(window=10, clock=lambda: 0.0)
+    work.batch("a:1", 3, 0.0, 0.011, estimate, 32)
+    work.batch("b:1", 2, 0.5, 0.003, lambda b: 0.001 * b, 4)  # linear: every batch size as good as another
+    assert work.rows == {"a:1": 3, "b:1": 2}
+    assert work.work_seconds == {"a:1": pytest.approx(3 * 0.020 / 32), "b:1": pytest.approx(0.002)}
+
+
+# -- a real node ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chain_artifact(tmp_path: Path) -> Path:
+    """A model of many small matrix-vector steps: batch 32 serves several times the rows per second of batch one
+    on a CPU (measured 3.3 ms at one row, 15 ms at 32 on this machine, one thread)."""
+    path = tmp_path / "chain.pt"
+    save_artifact(Chain(256, 100).eval(), "torchscript", torch.zeros(1, 64), path)
+    return path
+
+
+def chain_entry(sha: str = "c" * 64) -> VersionEntry:
+    from serving.policies.batching import BatchingConfig
+
+    return VersionEntry(
+        model="chain",
+        version=1,
+        state="ready",
+        loaded=True,
+        artifact_sha256=sha,
+        format="torchscript",
+        inputs=(TensorSpec("input", "FP32", (64,)),),
+        outputs=(TensorSpec("output", "FP32", (10,)),),
+        batching=BatchingConfig(32, 0.0, 100),
+        default_timeout_ms=5000,
+        latency_profile={1: 0.004, 32: 0.016},
+        placement=PlacementEntry(),
+    )
+
+
+class Families(Collector):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        yield from utilisation_families(self.node)
+
+
+async def test_a_node_serving_batch_one_on_a_batching_model_reads_busy_above_its_work(chain_artifact: Path) -> None:
+    node = Node(artifact_path=lambda sha: chain_artifact, device="cpu")
+    try:
+        hosted = await node.load(chain_entry())
+        assert hosted is not None
+        loop = asyncio.get_running_loop()
+        # when it serves requests of one row, one at a time: every batch is a batch of one
+        for _ in range(60):
+            await node.infer("chain:1", {"input": np.zeros((1, 64), np.float32)}, 1, loop.time() + 30, 1)
+        best = best_row_seconds(hosted.profile.estimate, 32)
+        # then it counted the rows served, each worth the version's best-batch seconds by its measured profile
+        assert node.work.rows == {"chain:1": 60}
+        assert node.work.work_seconds["chain:1"] == pytest.approx(60 * best)
+        # and by that profile batch one costs several times a row's share of a full batch, so the work it did
+        # reads below its busy time (a meter of busy time would read the two alike)
+        assert hosted.profile.estimate(1) > 2 * best
+        assert 0.0 < node.work.fraction() < node.busy.fraction()
+        # and /metrics says both, with the rows and their work per version
+        registry = CollectorRegistry()
+        registry.register(Families(node))
+        text = generate_latest(registry).decode()
+        assert 'ferry_node_rows_served_total{model="chain",version="1"} 60.0' in text
+        assert "ferry_node_busy_ratio " in text and "ferry_node_work_utilisation_ratio " in text
+        value = float(text.split('ferry_node_work_seconds_total{model="chain",version="1"} ')[1].split()[0])
+        assert value == pytest.approx(60 * best)
+    finally:
+        await node.close()
+
+
+# -- the fleet page ------------------------------------------------------------------------------------------
+
+
+def heartbeat(**utilisation: object) -> NodeInfo:
+    return NodeInfo(
+        name="node-a",
+        instance="node-a-1",
+        host="box",
+        pid=42,
+        device="cpu",
+        accelerator="a10g",
+        accelerator_count=1,
+        memory_total=1 << 30,
+        memory_budget=1 << 30,
+        memory_used=0,
+        labels={},
+        started_at=0.0,
+        heartbeat_at=1000.0,
+        serial=1,
+        **utilisation,  # type: ignore[arg-type]
+    )
+
+
+def test_a_heartbeat_carries_work_utilisation_and_its_history_to_the_page() -> None:
+    from serving.fleet_views import parts
+
+    info = heartbeat(busy=0.97, work=0.06, utilisation=[[20.0, 0.95, 0.05], [10.0, 0.97, 0.06], [0.0, 0.97, 0.06]])
+    # the heartbeat's round trip through Redis's hash keeps both
+    assert NodeInfo.from_hash({k.encode(): v for k, v in info.to_hash().items()}) == info
+    doc = node_doc(info, "live", now=1001.0)
+    # ages become times on the heartbeat's clock
+    assert (doc["busy"], doc["work"]) == (0.97, 0.06)
+    assert doc["utilisation"] == [[980.0, 0.95, 0.05], [990.0, 0.97, 0.06], [1000.0, 0.97, 0.06]]
+    svg = utilisation_svg(doc)
+    assert 'data-samples="3"' in svg and svg.count("<polyline") == 2
+    # the work line sits near the bottom (6%), the busy line near the top (97%), at the right edge for "now"
+    work_line = svg.split('class="work" points="')[1].split('"')[0]
+    busy_line = svg.split('class="busy" points="')[1].split('"')[0]
+    assert work_line.split()[-1] == "160.0,26.3" and busy_line.split()[-1] == "160.0,0.8"
+    html = parts({"nodes": [doc | {"embedded": False}], "events": [], "versions": []})["nodes"]
+    assert '<td class="busy" data-busy="0.97">97%</td>' in html
+    assert '<td class="work" data-work="0.06">6%</td>' in html
+    assert 'class="utilisation"' in html
+
+
+def test_an_older_heartbeat_without_work_reads_as_none_done() -> None:
+    info = heartbeat(busy=0.5)
+    raw = {k.encode(): v for k, v in info.to_hash().items() if k not in ("work", "utilisation")}
+    older = NodeInfo.from_hash(raw)
+    assert (older.work, older.utilisation) == (0.0, [])
+    assert 'data-samples="0"' in utilisation_svg(node_doc(older, "live", now=time.time()))
