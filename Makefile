@@ -19,7 +19,9 @@ run: setup
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py build_demo_models
 	$(PY) manage.py ensure_demo_user
-	$(PY) manage.py serve --host $(HOST) --port $(PORT)
+	$(PY) manage.py demo_story
+	@# The demo's traffic runs beside the server and stops with it (--with-parent: `exec` makes the server its parent).
+	$(PY) manage.py demo_traffic --host $(HOST) --port $(PORT) --with-parent & exec $(PY) manage.py serve --host $(HOST) --port $(PORT)
 
 test:
 	@scripts/setup.sh test

@@ -408,3 +408,20 @@ FERRY_LATENCY_BUDGET_MS = env_int("FERRY_LATENCY_BUDGET_MS", 300, minimum=1)
 # CDN: the pages load nothing from outside this server.
 INSTALLED_APPS += ["drf_spectacular_sidecar"]
 SPECTACULAR_SETTINGS.update(SWAGGER_UI_DIST="SIDECAR", SWAGGER_UI_FAVICON_HREF="SIDECAR", REDOC_DIST="SIDECAR")
+
+# --- The demo's story (`make run`: serving/demo_story.py, manage.py demo_story and demo_traffic) ---
+# FERRY_DEMO_TRAFFIC=0 leaves the demo as the models alone: no rollout is started and no traffic is sent.
+# Otherwise `make run` sends FERRY_DEMO_TRAFFIC_RPS requests a second (at most 200) to `digits` with the demo
+# tenant's key, at most FERRY_DEMO_TRAFFIC_IN_FLIGHT at once, while the server runs.
+FERRY_DEMO_TRAFFIC = env_bool("FERRY_DEMO_TRAFFIC", True)
+FERRY_DEMO_TRAFFIC_RPS = min(env_int("FERRY_DEMO_TRAFFIC_RPS", 20, minimum=1), 200)
+FERRY_DEMO_TRAFFIC_IN_FLIGHT = min(env_int("FERRY_DEMO_TRAFFIC_IN_FLIGHT", 8, minimum=1), 32)
+
+# --- WebSocket inference (issue 23; serving/dataplane/http/websocket.py, docs/websocket.md) ---
+# Per connection: at most FERRY_WS_MAX_IN_FLIGHT messages and FERRY_WS_MAX_IN_FLIGHT_BYTES bytes of requests
+# in flight (a message is in flight until its answer is written); at the bound the server stops reading the
+# socket, so a fast sender is slowed by TCP, not buffered. A connection with nothing in flight that sends
+# nothing for FERRY_WS_IDLE_S is closed (4408). Each message is bounded by FERRY_MAX_INFER_BODY_BYTES.
+FERRY_WS_MAX_IN_FLIGHT = env_int("FERRY_WS_MAX_IN_FLIGHT", 64, minimum=1)
+FERRY_WS_MAX_IN_FLIGHT_BYTES = env_int("FERRY_WS_MAX_IN_FLIGHT_BYTES", 16 * 1024 * 1024, minimum=1024)
+FERRY_WS_IDLE_S = env_int("FERRY_WS_IDLE_S", 60, minimum=1)

@@ -94,9 +94,15 @@ def digits_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _train(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float, say: Callable[[str], None]
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    lr: float,
+    say: Callable[[str], None],
+    seed: int = SEED,
 ) -> None:
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
     model.train()
@@ -123,13 +129,17 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def build_digits(
-    hidden: int, layers: int, epochs: int
+    hidden: int, layers: int, epochs: int, seed: int = SEED
 ) -> Callable[[Callable[[str], None], float], tuple[nn.Module, float]]:
+    """The MLP trained from `seed` (its initial weights and the order of its batches; the held-out split
+    stays SEED's, so accuracies compare)."""
+
     def build(say: Callable[[str], None], epoch_scale: float = 1.0) -> tuple[nn.Module, float]:
-        torch.manual_seed(SEED)
+        torch.manual_seed(seed)
         x_train, x_test, y_train, y_test = digits_data()
         model = Digits(hidden, layers)
-        _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), _scaled(epochs, epoch_scale), 1e-3, say)
+        x, y = torch.from_numpy(x_train), torch.from_numpy(y_train)
+        _train(model, x, y, _scaled(epochs, epoch_scale), 1e-3, say, seed)
         return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
 
     return build
@@ -270,6 +280,44 @@ def save_artifact(model: nn.Module, fmt: str, example: torch.Tensor, path: Path)
     torch.export.save(program, str(path))
 
 
+def train_and_register(
+    demo: DemoModel,
+    build: Callable[[Callable[[str], None], float], tuple[nn.Module, float]],
+    say: Callable[[str], None],
+    epoch_scale: float = 1.0,
+    metrics: dict | None = None,
+) -> object:
+    """Train with `build`, save the artifact in the demo's format and register it as the next version of
+    `demo.name`, validated before this returns; the registered ModelVersion."""
+    from serving.actions import register_version
+
+    started = time.perf_counter()
+    say(f"{demo.name}: training")
+    module, accuracy = build(say, epoch_scale)
+    say(f"{demo.name}: held-out accuracy {accuracy:.4f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / ("model.pt2" if demo.fmt == "torch_export" else "model.pt")
+        save_artifact(module, demo.fmt, demo.example, path)
+        with path.open("rb") as f:
+            version = register_version(
+                model_name=demo.name,
+                artifact_file=f,
+                fmt=demo.fmt,
+                inputs=demo.inputs,
+                outputs=demo.outputs,
+                description=demo.description,
+                task="classification",
+                metrics={"accuracy": round(accuracy, 4), **(metrics or {})},
+                validate="sync",
+                **demo.batching,
+            )
+    say(
+        f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
+        f"({time.perf_counter() - started:.1f}s)"
+    )
+    return version
+
+
 def build_all(
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     only_missing: bool = True,
@@ -277,7 +325,6 @@ def build_all(
 ) -> list[str]:
     """Train, save and register each demo model; skip those already ready unless told otherwise.
     `epoch_scale` < 1 trains briefly: the same models and code path, at lower accuracy (tests)."""
-    from serving.actions import register_version
     from serving.models import Model, ModelVersion, State
 
     built = []
@@ -285,30 +332,7 @@ def build_all(
         if only_missing and ModelVersion.objects.filter(model__name=demo.name, state=State.READY).exists():
             say(f"{demo.name}: already built, skipping")
             continue
-        started = time.perf_counter()
-        say(f"{demo.name}: training")
-        module, accuracy = demo.build(say, epoch_scale)
-        say(f"{demo.name}: held-out accuracy {accuracy:.4f}")
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / ("model.pt2" if demo.fmt == "torch_export" else "model.pt")
-            save_artifact(module, demo.fmt, demo.example, path)
-            with path.open("rb") as f:
-                version = register_version(
-                    model_name=demo.name,
-                    artifact_file=f,
-                    fmt=demo.fmt,
-                    inputs=demo.inputs,
-                    outputs=demo.outputs,
-                    description=demo.description,
-                    task="classification",
-                    metrics={"accuracy": round(accuracy, 4)},
-                    validate="sync",
-                    **demo.batching,
-                )
-        say(
-            f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
-            f"({time.perf_counter() - started:.1f}s)"
-        )
+        train_and_register(demo, demo.build, say, epoch_scale)
         built.append(demo.name)
     for name, fallback in FALLBACKS.items():
         model = Model.objects.filter(name=name).first()

@@ -1,0 +1,32 @@
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from serving import demo_story
+
+
+class Command(BaseCommand):
+    help = (
+        "Set up the demo's story (serving/demo_story.py): a second digits version rolled out with a shadow up to"
+        " its approval step, and tenant acme with a pending quota request. FERRY_DEMO_TRAFFIC=0: no rollout."
+    )
+
+    def add_arguments(self, parser) -> None:  # noqa: ANN001
+        parser.add_argument(
+            "--epoch-scale",
+            type=float,
+            default=1.0,
+            help="train the second version for this share of its epochs (tests: the same path, briefly)",
+        )
+
+    def handle(self, *args: object, **options: object) -> None:
+        def say(line: str) -> None:
+            self.stdout.write(line)
+            self.stdout.flush()
+
+        demo_story.second_tenant(say)
+        if not settings.FERRY_DEMO_TRAFFIC:
+            say("FERRY_DEMO_TRAFFIC=0: no demo rollout and no demo traffic")
+            return
+        version = demo_story.candidate(say, float(options["epoch_scale"]))  # type: ignore[arg-type]
+        if version is not None:
+            demo_story.rollout(version, say)
