@@ -106,6 +106,8 @@ def build(scenario: Scenario) -> list[SimModel]:
     popularity /= popularity.sum()
     shares = np.array([f.share for f in scenario.families])
     family_of = rng.choice(len(scenario.families), size=n_models, p=shares / shares.sum())
+    if scenario.assignment:  # drawn all the same, so what follows draws as it would
+        family_of = np.array([scenario.assignment[i % len(scenario.assignment)] for i in range(n_models)])
     with_canary = set(rng.choice(n_models, size=n_canary, replace=False).tolist()) if n_canary else set()
     nodes = {node.name: node for node in scenario.fleet}
     scaling = scenario.scaling

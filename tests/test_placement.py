@@ -17,6 +17,7 @@ from serving.policies.placement import (
     fit,
     nodes_wanted,
     place,
+    replica_load,
 )
 
 GB = 1 << 30
@@ -327,3 +328,42 @@ def test_nodes_wanted_honours_minimum_device_memory():
         {"m:1": 1}, specs, {"l4": 20 * GB, "a100": 20 * GB}, device_memory={"l4": 24 * GB, "a100": 80 * GB}
     )
     assert wanted == {"l4": 0, "a100": 1} and impossible == {}
+
+
+# --- compute -----------------------------------------------------------------------------------
+
+
+def test_a_node_whose_residents_plan_on_its_compute_refuses_a_hot_replica_memory_would_allow() -> None:
+    # given two nodes with memory for both versions, one already holding a replica planned at 60% of the device
+    busy = VersionSpec("busy:1", 6 * GB, load=0.6)
+    hot = VersionSpec("hot:1", GB, load=0.5)
+    nodes = [
+        NodeState("a", "gpu", 8 * GB, {"busy:1": Resident(busy, 0.0)}),
+        NodeState("b", "gpu", 8 * GB, {"other:1": Resident(VersionSpec("other:1", GB, load=0.1), 0.0)}),
+    ]
+    assert place({"hot:1": 1}, {"hot:1": VersionSpec("hot:1", GB)}, nodes).assignments["hot:1"] == ("a",)
+    # when a replica planned at 50% is placed, where best fit by memory alone picks a (the tighter fit)
+    plan = place({"hot:1": 1}, {"hot:1": hot}, nodes, max_load=0.85)
+    # then it goes to b, whose residents plan on 10%
+    assert plan.assignments["hot:1"] == ("b",)
+    # and where no node has compute to spare, it is refused transiently, saying why
+    verdict = fit(hot, nodes[0], max_load=0.85)
+    assert (verdict.fits, verdict.constraint, verdict.permanent) == (False, "compute", False)
+    assert "60%" in verdict.reason
+    # while an empty node takes any load, and a load of 0 (not known) packs by memory alone as before
+    assert fit(VersionSpec("huge:1", GB, load=2.0), NodeState("c", "gpu", 8 * GB), max_load=0.85).fits
+    assert fit(VersionSpec("plain:1", GB), nodes[0], max_load=0.85).fits
+
+
+def test_a_replicas_load_pays_the_fixed_cost_of_the_small_batches_it_runs() -> None:
+    # given a profile of 5 ms + 1 ms a row
+    def estimate(rows: int) -> float:
+        return 0.005 + 0.001 * rows
+
+    # a quiet replica runs batches of one: 10 a second take 10 x 6 ms of the device
+    assert replica_load(10.0, estimate, 32, window=0.005) == pytest.approx(0.06)
+    # a busy one gathers 1000 x (5 ms + 6 ms) = 11 rows a batch, each batch 16 ms
+    assert replica_load(1000.0, estimate, 32, window=0.005) == pytest.approx(1000 * 0.016 / 11)
+    # no batch window known: the smallest batches, the safe side
+    assert replica_load(1000.0, estimate, 32) >= replica_load(1000.0, estimate, 32, window=0.005)
+    assert replica_load(0.0, estimate, 32) == 0.0

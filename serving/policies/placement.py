@@ -9,6 +9,11 @@ simulator call the same functions.
   (its accelerator type not allowed, the node's memory under its minimum, a footprint over the budget)
   gets a permanent refusal naming the constraint; one blocked only by what must stay gets a transient
   refusal with the bytes it is short, so a caller can tell "never here" from "not now".
+- Compute: a version's spec may carry `load`, the share of a device's compute one replica is planned to take
+  (`replica_load`: its share of the version's rate at what its batches cost at that rate; 0 when unknown). A
+  node whose residents' loads plus the new one's would pass `max_load` (1.0 by default: all of it) refuses it,
+  transiently (`COMPUTE`), so two hot replicas are not stacked on one device that memory alone would allow.
+  The placement reconciler and the fleet simulator both place through this check.
 - `place(desired, specs, nodes, now=...)`: nodes for each version's desired replicas. Replicas already
   hot stay where they are; new ones go by best fit by memory among allowed accelerator types, preferring
   a node where the artifact is warm (in host memory, so the load skips the disk), then one that needs no
@@ -28,13 +33,14 @@ only shortens a load); cold is the node's disk cache, not modelled here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 ACCELERATOR = "accelerator"  # the node's accelerator type is not among the allowed
 MIN_MEMORY = "min_memory"  # the node's memory is under the version's minimum
 MEMORY = "memory"  # the footprint is over the node's whole budget
 HELD = "held"  # it would fit, but what must stay (pinned, minimum replicas, in flight) holds the memory
+COMPUTE = "compute"  # it would fit in memory, but the node's residents already plan on its compute
 REPLICAS = "replicas"  # fewer eligible nodes than replicas wanted
 PERMANENT = frozenset({ACCELERATOR, MIN_MEMORY, MEMORY})
 
@@ -50,10 +56,11 @@ class VersionSpec:
     pinned: bool = False
     stable: bool = False
     min_replicas: int = 0
+    load: float = 0.0  # device seconds a second one replica is planned to take (`replica_load`); 0: not known
 
     def __post_init__(self) -> None:
-        if self.footprint < 0 or self.min_memory < 0 or self.min_replicas < 0:
-            raise ValueError("footprint, min_memory and min_replicas must not be negative")
+        if self.footprint < 0 or self.min_memory < 0 or self.min_replicas < 0 or self.load < 0:
+            raise ValueError("footprint, min_memory, min_replicas and load must not be negative")
 
     @property
     def kept(self) -> bool:
@@ -90,6 +97,11 @@ class NodeState:
     @property
     def free(self) -> int:
         return self.memory_budget - self.used
+
+    @property
+    def load(self) -> float:
+        """Device seconds a second its residents are planned to take."""
+        return sum(r.spec.load for r in self.hot.values())
 
     @property
     def device_memory(self) -> int:
@@ -148,6 +160,17 @@ def check_constraints(spec: VersionSpec, node: NodeState) -> Fit | None:
     return None
 
 
+def replica_load(rate: float, estimate: Callable[[int], float], max_batch_size: int, window: float = 0.0) -> float:
+    """Device seconds a second one replica serving `rate` requests a second takes: its batches hold what gathers
+    over one batch window and a batch of one (at most `max_batch_size`), each paying the profile's cost, so a
+    quiet version packed beside others pays its fixed cost per small batch. A window of 0 (not known) plans on
+    the smallest batches, the safe side."""
+    if rate <= 0:
+        return 0.0
+    rows = min(max(1, round(rate * (window + estimate(1)))), max_batch_size)
+    return rate * estimate(rows) / rows
+
+
 def fit(
     spec: VersionSpec,
     node: NodeState,
@@ -155,17 +178,27 @@ def fit(
     now: float = 0.0,
     min_idle: float = 0.0,
     keep: Iterable[str] = (),
+    max_load: float = 1.0,
 ) -> Fit:
     """Whether `spec` fits `node` now, and which idle versions to evict (LRU) if it fits only after that.
 
     A resident used less than `min_idle` seconds before `now` is not evicted (it is about to be used
-    again; evicting it would thrash), nor is any key in `keep` (what a caller has just placed there).
+    again; evicting it would thrash), nor is any key in `keep` (what a caller has just placed there). A node
+    whose residents' planned loads and this one's pass `max_load` refuses it (`COMPUTE`, transient).
     """
     refused = check_constraints(spec, node)
     if refused is not None:
         return refused
     if spec.key in node.hot:
         return Fit(True)
+    # An empty node takes any load: a replica alone on its device is the scaling policy's to multiply.
+    if spec.load > 0 and node.hot and node.load + spec.load > max_load + 1e-9:
+        return Fit(
+            False,
+            constraint=COMPUTE,
+            reason=f"{spec.key} plans on {spec.load:.0%} of a device; node {node.name}'s residents already plan on"
+            f" {node.load:.0%} of its {max_load:.0%}",
+        )
     free = node.free
     if spec.footprint <= free:
         return Fit(True)
@@ -241,6 +274,7 @@ def place(
     *,
     now: float = 0.0,
     min_idle: float = 0.0,
+    max_load: float = 1.0,
 ) -> Placement:
     """Nodes for the desired replicas of each version (key -> count); see the module's docstring."""
     bins = {n.name: _Bin(n, dict(n.hot)) for n in nodes}
@@ -272,7 +306,8 @@ def place(
         want = max(0, desired[key])
         last: Fit | None = None
         while len(assignments[key]) < want:
-            choice = _best(spec, [b for b in bins.values() if b.state.name not in assignments[key]], now, min_idle)
+            candidates = [b for b in bins.values() if b.state.name not in assignments[key]]
+            choice = _best(spec, candidates, now, min_idle, max_load)
             if isinstance(choice, Fit) or choice is None:
                 last = choice
                 break
@@ -295,13 +330,15 @@ def place(
     )
 
 
-def _best(spec: VersionSpec, bins: list[_Bin], now: float, min_idle: float) -> tuple[_Bin, Fit] | Fit | None:
+def _best(
+    spec: VersionSpec, bins: list[_Bin], now: float, min_idle: float, max_load: float = 1.0
+) -> tuple[_Bin, Fit] | Fit | None:
     """The best bin for one more replica; else the most telling refusal (a transient one over a permanent
     one, then the smallest shortfall); None when no node is left to try."""
     best: tuple[tuple[int, int, int, str], _Bin, Fit] | None = None
     refusal: Fit | None = None
     for b in bins:
-        verdict = fit(spec, b.view(), now=now, min_idle=min_idle, keep=b.keep)
+        verdict = fit(spec, b.view(), now=now, min_idle=min_idle, keep=b.keep, max_load=max_load)
         if not verdict.fits:
             if refusal is None or (refusal.permanent, refusal.short_bytes) > (verdict.permanent, verdict.short_bytes):
                 refusal = verdict
