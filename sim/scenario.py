@@ -145,6 +145,8 @@ class Scenario:
     scaling: Scaling = field(default_factory=Scaling)
     policies: tuple[str, ...] = DEFAULT_POLICIES
     jitter: float = 0.05  # lognormal sigma of a batch's compute time around its profile
+    # The family of each model, most popular first (empty: drawn by share): a validation names its real versions.
+    assignment: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.duration <= 0 or self.versions < 1:
