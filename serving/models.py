@@ -224,6 +224,12 @@ class ModelVersion(models.Model):
     failure_reason = models.TextField(blank=True)
     # Desired serving state, set by the repository extension's load/unload.
     loaded = models.BooleanField(default=True)
+    # The gateway answers a repeat of an identical request from its cache (serving.dataplane.gateway.cache).
+    response_cache = models.BooleanField(
+        default=False,
+        help_text="answer repeated identical requests from the gateway's response cache (Triton's"
+        " response_cache); only for a deterministic model",
+    )
     latency_profile = models.JSONField(default=dict, blank=True, help_text="{batch size: ms}")
     memory_bytes = models.BigIntegerField(null=True, blank=True)
     load_seconds = models.FloatField(null=True, blank=True)

@@ -53,6 +53,7 @@ def version_entry(v: Any, model_name: str) -> VersionEntry:
         latency_profile={int(k): float(s) for k, s in (v.latency_profile or {}).items()},
         failure_reason=v.failure_reason,
         placement=placement_entry(v),
+        response_cache=v.response_cache,
     )
 
 
@@ -151,6 +152,7 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
             monthly_requests=q.monthly_requests,
             priority=q.priority,
             share_shadow_samples=t.share_shadow_samples,
+            share_response_cache=t.share_response_cache,
         )
     serial = next(_serial) if serial is None else serial
     return RoutingSnapshot(

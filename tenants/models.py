@@ -42,6 +42,12 @@ class Tenant(models.Model):
         default=False,
         help_text="whether other tenants' shadow reports may keep samples of this tenant's traffic",
     )
+    # Whether this tenant's requests to public models may be answered from, and fill, the response cache's
+    # entries shared by the tenants that opted in (serving.dataplane.gateway.cache). Off: its own entries only.
+    share_response_cache = models.BooleanField(
+        default=False,
+        help_text="whether cached answers of public models may be shared with other tenants that opted in",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

@@ -212,6 +212,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "preferred_batch_sizes",
             "max_queue_size",
             "default_timeout_ms",
+            "response_cache",
             "latency_profile",
             "memory_bytes",
             "load_seconds",
@@ -330,6 +331,15 @@ class ModelSerializer(serializers.ModelSerializer):
         return data
 
 
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean only: no "true" strings or 0/1."""
+
+    def to_internal_value(self, data: object) -> bool:
+        if type(data) is not bool:
+            self.fail("invalid")
+        return data
+
+
 class BatchingUpdateSerializer(serializers.Serializer):
     """The batching settings of one version; any subset. Validated again as a whole by ModelVersion.clean()."""
 
@@ -342,21 +352,16 @@ class BatchingUpdateSerializer(serializers.Serializer):
     )
     max_queue_size = StrictIntegerField(min_value=1, max_value=MAX_QUEUE_SIZE, required=False)
     default_timeout_ms = StrictIntegerField(min_value=1, max_value=MAX_DEFAULT_TIMEOUT_MS, required=False)
+    # Triton keeps the response cache in the same model config as dynamic batching.
+    response_cache = StrictBooleanField(
+        required=False, help_text="answer repeats of identical requests from the gateway's cache (deterministic models)"
+    )
 
     def validate(self, attrs: dict) -> dict:
         unknown = sorted(set(self.initial_data) - set(self.fields))
         if unknown:
             raise serializers.ValidationError({name: ["not a batching setting"] for name in unknown})
         return attrs
-
-
-class StrictBooleanField(serializers.BooleanField):
-    """A JSON boolean only: no "true" strings or 0/1."""
-
-    def to_internal_value(self, data: object) -> bool:
-        if type(data) is not bool:
-            self.fail("invalid")
-        return data
 
 
 class PlacementUpdateSerializer(serializers.Serializer):

@@ -360,7 +360,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         },
     )
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
-        """Change the version's batching settings; the data plane picks them up once committed."""
+        """Change the version's batching settings and response cache; the data plane picks them up once committed."""
         found = self.get_object()  # 404 and 403 before the body's validation says anything
         form = BatchingUpdateSerializer(data=request.data)
         form.is_valid(raise_exception=True)

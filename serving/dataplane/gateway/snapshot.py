@@ -58,6 +58,7 @@ class VersionEntry:
     latency_profile: dict[int, float]  # batch size -> seconds
     failure_reason: str = ""
     placement: PlacementEntry = NO_PLACEMENT
+    response_cache: bool = False  # `ModelVersion.response_cache`: repeats answered by the gateway's cache
 
     @property
     def key(self) -> str:
@@ -115,6 +116,7 @@ class TenantEntry:
     monthly_requests: int
     priority: int  # admission tier, 1 runs first: a floor on the priority its requests may ask for
     share_shadow_samples: bool = False  # `Tenant.share_shadow_samples`
+    share_response_cache: bool = False  # `Tenant.share_response_cache` (serving.dataplane.gateway.cache)
 
 
 @dataclass(frozen=True, slots=True)
