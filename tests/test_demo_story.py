@@ -85,8 +85,9 @@ def test_the_second_tenant_asks_for_a_quota_once(admin_user) -> None:  # noqa: A
     assert QuotaRequest.objects.count() == 1
 
 
-def test_demo_traffic_off_starts_no_rollout(digits, settings) -> None:  # noqa: ANN001
+def test_demo_traffic_off_starts_no_rollout_and_sends_nothing(digits, settings) -> None:  # noqa: ANN001
     settings.FERRY_DEMO_TRAFFIC = False
+    call_command("demo_traffic", port=1)  # returns at once: nothing to wait for, no server asked
     call_command("demo_story")
     assert not Rollout.objects.exists() and digits.versions.count() == 1
     assert QuotaRequest.objects.filter(state=QuotaRequest.State.PENDING).count() == 1
