@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from rollout.routing import RouteError, choose_version
 from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
+from serving.dataplane.gateway.request import Inference, Served
 from serving.dataplane.gateway.shadow import Mirror, may_keep_sample
 from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, VersionEntry
-from serving.dataplane.http.protocol import ProtocolError, encode_infer_response, parse_infer_request
+from serving.dataplane.http.protocol import InferRequest, ProtocolError, encode_infer_response, parse_infer_request
 from serving.dataplane.metrics import metrics
 from serving.dataplane.transport.transport import Transport
 from serving.policies.batching import SHADOW_PRIORITY
@@ -109,25 +110,70 @@ class Gateway:
         tier: int = 1,
         routing_key: str = "",
     ) -> Reply:
-        """Route, run and answer one inference request. `tier` is the caller's tenant's priority tier: a
-        request may ask for a lower priority (a higher level), never a higher one. `routing_key` keeps a
-        caller on one side of an experiment or a canary (X-Ferry-Routing-Key, else its API key's prefix)."""
+        """One REST (KServe V2 / Triton HTTP) inference request: its body decoded for the routed version's
+        signature, served by `serve`, and its outputs encoded as JSON or binary tensors. `tier` is the
+        caller's tenant's priority tier: a request may ask for a lower priority (a higher level), never a
+        higher one. `routing_key` keeps a caller on one side of an experiment or a canary
+        (X-Ferry-Routing-Key, else its API key's prefix)."""
+        parsed: list[InferRequest] = []
+
+        def decode(request: Inference, entry: VersionEntry) -> None:
+            rest = parse_infer_request(body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size)
+            parsed.append(rest)
+            request.inputs, request.rows = rest.inputs, rest.rows
+            request.parameters, request.id = rest.parameters, rest.id
+            if rest.outputs is not None:
+                request.outputs = tuple(o.name for o in rest.outputs)
+
+        request = Inference(
+            name, version, viewer, tier=tier, routing_key=routing_key, gone=gone, nbytes=len(body), decode=decode
+        )
+        served = await self.serve(request)
+        rest = parsed[0]
+        entry = served.entry
+        try:
+            payload, headers = encode_infer_response(
+                model_name=entry.model,
+                model_version=str(entry.version),
+                request_id=rest.id,
+                outputs=served.outputs,
+                output_specs=entry.outputs,
+                requested=rest.outputs,
+                binary_output=rest.binary_output,
+                parameters={"fallback_from": served.asked.key} if served.fell_back else None,
+            )
+        except ProtocolError as exc:
+            raise ServingError(exc.message, status=exc.status) from None
+        headers.append((b"x-ferry-model-version", str(entry.version).encode()))
+        if served.fell_back:
+            headers.append((b"x-ferry-fallback-from", served.asked.key.encode()))
+        return Reply(200, payload, headers)
+
+    async def serve(self, request: Inference) -> Served:
+        """Route, decode (`request.decode`), run and count one inference request, whatever its protocol:
+        the deadline is the version's platform budget, or the client's shorter one (Triton's "timeout"
+        parameter, `request.timeout`); the priority is the one asked for within the tenant's tier; a
+        refusal (Unavailable) falls back to the model's fallback when there is one; the shadow gets its
+        copy; metrics and usage count the answer, refusals included. Raises ServingError (a ProtocolError
+        from decoding becomes one, with its status) for every answer but a success."""
         arrived = self._clock()
-        entry = self.route(name, version, viewer, routing_key)
+        name, viewer = request.name, request.viewer
+        entry = self.route(name, request.version, viewer, request.routing_key)
         asked = vm = metrics.for_version(entry.model, entry.version)
         counted = entry
         try:
-            request = parse_infer_request(body, header_length, entry.inputs, max_rows=entry.batching.max_batch_size)
-            if request.outputs is not None:
+            if request.decode is not None:
+                request.decode(request, entry)
+            # The output names asked for: a remote node answers with only those (stream_codec).
+            wanted = request.outputs
+            if wanted is not None:
                 known = {o.name for o in entry.outputs}
-                unknown = [o.name for o in request.outputs if o.name not in known]
+                unknown = [o for o in wanted if o not in known]
                 if unknown:
                     raise ProtocolError(f"model '{name}' has no output {unknown[0]!r}")
-            deadline = arrived + self._timeout(self.snapshot.budget_ms(entry), request.parameters)
-            priority = _priority(request.parameters, tier)
+            deadline = arrived + self._timeout(self.snapshot.budget_ms(entry), request.parameters, request.timeout)
+            priority = _priority(request.parameters, request.tier)
             served = entry
-            # The output names asked for: a remote node answers with only those (stream_codec).
-            wanted = tuple(o.name for o in request.outputs) if request.outputs is not None else None
             try:
                 outputs = await self.transport.infer(
                     entry,
@@ -135,15 +181,19 @@ class Gateway:
                     request.rows,
                     deadline,
                     priority,
-                    nbytes=len(body),
-                    gone=gone,
+                    nbytes=request.nbytes,
+                    gone=request.gone,
                     tenant=viewer,
                     outputs=wanted,
                 )
                 if self.mirror is not None:
-                    self._mirror(entry, request.inputs, request.rows, len(body), outputs, viewer)
+                    self._mirror(entry, request.inputs, request.rows, request.nbytes, outputs, viewer)
             except Unavailable as refused:
-                served = self._fallback(entry, name, request.rows, viewer, routing_key) if self.use_fallback else None
+                served = (
+                    self._fallback(entry, name, request.rows, viewer, request.routing_key)
+                    if self.use_fallback
+                    else None
+                )
                 if served is None:
                     raise
                 try:
@@ -153,8 +203,8 @@ class Gateway:
                         request.rows,
                         deadline,
                         priority,
-                        nbytes=len(body),
-                        gone=gone,
+                        nbytes=request.nbytes,
+                        gone=request.gone,
                         tenant=viewer,
                         outputs=wanted,
                     )
@@ -164,20 +214,9 @@ class Gateway:
                 metrics.FALLBACKS.labels(entry.model, str(entry.version), served.model).inc()
                 vm = metrics.for_version(served.model, served.version)
                 counted = served
-            fell_back = served is not entry
-            payload, headers = encode_infer_response(
-                model_name=served.model,
-                model_version=str(served.version),
-                request_id=request.id,
-                outputs=outputs,
-                output_specs=served.outputs,
-                requested=request.outputs,
-                binary_output=request.binary_output,
-                parameters={"fallback_from": entry.key} if fell_back else None,
-            )
-            headers.append((b"x-ferry-model-version", str(served.version).encode()))
-            if fell_back:
-                headers.append((b"x-ferry-fallback-from", entry.key.encode()))
+            for spec in served.outputs:
+                if (wanted is None or spec.name in wanted) and spec.name not in outputs:
+                    raise ProtocolError(f"model did not produce output {spec.name!r}", 503)
         except ProtocolError as exc:
             self._answered(vm, counted, viewer, exc.status, self._clock() - arrived)
             raise ServingError(exc.message, status=exc.status) from None
@@ -189,8 +228,9 @@ class Gateway:
         self._answered(
             vm, counted, viewer, 200, self._clock() - arrived, request.rows, getattr(outputs, "compute_seconds", 0.0)
         )
+        fell_back = served is not entry
         asked.saturation.mark("fallback" if fell_back else "served")
-        return Reply(200, payload, headers)
+        return Served(entry, served, outputs)
 
     def _mirror(
         self,
@@ -265,15 +305,18 @@ class Gateway:
         return candidate
 
     @staticmethod
-    def _timeout(budget_ms: int, parameters: dict) -> float:
+    def _timeout(budget_ms: int, parameters: dict, limit: float | None = None) -> float:
         """The request's time in seconds: its version's latency budget (`RoutingSnapshot.budget_ms`), or the
-        client's shorter deadline. A longer one is cut to the budget, so admission, which admits what can
-        finish by the deadline, keeps what it admits within the budget whatever the client asked."""
+        client's shorter deadline (Triton's "timeout" parameter, and the transport's own `limit`, gRPC's
+        deadline). A longer one is cut to the budget, so admission, which admits what can finish by the
+        deadline, keeps what it admits within the budget whatever the client asked."""
         # Triton's request parameter "timeout" is in microseconds.
         raw = parameters.get("timeout")
         if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool) or raw <= 0):
             raise ProtocolError("parameter 'timeout' must be a positive integer of microseconds")
         budget = budget_ms / 1000.0
+        if limit is not None:
+            budget = min(budget, limit)
         return budget if raw is None else min(raw / 1e6, budget)
 
 
