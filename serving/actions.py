@@ -8,21 +8,14 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from rollout import approval
-from serving import artifacts
+from serving import artifacts, quota_counts
 from serving.dataplane.gateway.snapshot import RoutingSnapshot
 from serving.dataplane.http.protocol import TensorSpec
+from serving.errors import NOT_LOADED, RegistrationError
 from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, State
 from serving.policies.batching import BatchingConfig
 from serving.publish import publish_snapshot
-
-NOT_LOADED = "not loaded: "  # failure_reason of a ready version left unloaded by its tenant's quota
-
-
-class RegistrationError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
+from serving.validation import validate as run_validation
 
 
 def check_signature(specs: list[dict], what: str) -> list[dict]:
@@ -53,21 +46,20 @@ def register_version(
     task: str | None = None,
     description: str | None = None,
     metrics: dict | None = None,
-    validate: str = "async",
+    validate: str,
     tenant: object | None = None,
     tenant_id: int | None = None,
     **batching: object,
 ) -> ModelVersion:
     """Store the artifact, create the next version of the model (creating the model if new, owned by
-    `tenant`, a Tenant, or `tenant_id`; neither: a platform model) and validate it: "async" queues the
-    Celery task after commit, "sync" validates before returning, "none" leaves it registered for the
-    caller to queue. The owner's quota of models and versions is checked (RegistrationError 429 when full)."""
-    from serving import quota_counts
-
+    `tenant`, a Tenant, or `tenant_id`; neither: a platform model) and validate it: "sync" validates
+    before returning, "none" leaves it registered for the caller to queue. To queue the validation task
+    after commit, call `serving.tasks.register_and_validate` instead: the registry's actions never import
+    tasks. The owner's quota of models and versions is checked (RegistrationError 429 when full)."""
     if tenant is not None:
         tenant_id = tenant.pk  # type: ignore[attr-defined]
-    if validate not in ("async", "sync", "none"):
-        raise ValueError(f"validate must be async, sync or none, not {validate!r}")
+    if validate not in ("sync", "none"):
+        raise ValueError(f"validate must be sync or none, not {validate!r} (queued: tasks.register_and_validate)")
     try:
         MODEL_NAME(model_name)
     except ValidationError as exc:
@@ -107,13 +99,7 @@ def register_version(
         except ValidationError as exc:
             raise RegistrationError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
         version.save()
-        if validate == "async":
-            from serving.tasks import validate_version
-
-            transaction.on_commit(lambda: validate_version.delay(version.pk))
     if validate == "sync":
-        from serving.validation import validate as run_validation
-
         run_validation(version)
     return version
 
@@ -169,8 +155,6 @@ def set_visibility(
 def set_loaded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
     """The repository extension's load/unload: the desired state of every live version of a model.
     Loading a tenant's private model must fit its accelerator memory quota (RegistrationError 429)."""
-    from serving import quota_counts
-
     with transaction.atomic():
         if loaded:
             model = Model.objects.filter(name=model_name).first()

@@ -19,7 +19,10 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import redis
 from celery import shared_task
+
+from serving import reconciler
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,6 @@ def _on_node(work: Callable[[Any], Coroutine[Any, Any, dict]], deadline: float) 
 def load_version(key: str, pending: str = "") -> dict:
     """Load `key` on this node and keep it there until released. `pending` is the reconciler's record of this
     task, removed once the node's heartbeat tells the outcome."""
-    from serving import reconciler
-
     try:
         result = _on_node(lambda process: process.assign(key), LOAD_DEADLINE_S)
         log.info("placement: load %s -> %s", key, result)
@@ -64,8 +65,6 @@ def load_version(key: str, pending: str = "") -> dict:
 @shared_task(name="serving.node.unload", acks_late=False, ignore_result=True)
 def unload_version(key: str, unload: bool = True, pending: str = "") -> dict:
     """Release `key` from this node's placement; with `unload`, unload it now (scaled in)."""
-    from serving import reconciler
-
     try:
         result = _on_node(lambda process: process.release(key, unload=unload), UNLOAD_DEADLINE_S)
         log.info("placement: %s %s -> %s", "unload" if unload else "release", key, result)
@@ -73,6 +72,26 @@ def unload_version(key: str, unload: bool = True, pending: str = "") -> dict:
     finally:
         if pending:
             reconciler.clear_pending(pending)
+
+
+def send_plan(client: redis.Redis, result: reconciler.Plan, now: float) -> None:
+    """Send a reconciler step's loads, unloads and releases to their nodes' queues, each recorded as pending
+    in Redis first (`reconciler.PENDING_KEY`): its outcome may come back before the send returns."""
+    lapse = now + EXPIRES_S + LOAD_DEADLINE_S
+    sends = [(reconciler.Pending("load", n, k), load_version, {}) for n, k in result.loads]
+    sends += [(reconciler.Pending("unload", n, k), unload_version, {"unload": True}) for n, k in result.unloads]
+    sends += [(reconciler.Pending("unload", n, k), unload_version, {"unload": False}) for n, k in result.releases]
+    for pending, task, kwargs in sends:
+        client.hset(reconciler.PENDING_KEY, pending.field, lapse)
+        task.apply_async(
+            args=[pending.key],
+            kwargs={**kwargs, "pending": pending.field},
+            queue=queue_for(pending.node),
+            expires=EXPIRES_S,
+        )
+        log.info(
+            "placement: %s %s on %s", pending.op if kwargs.get("unload", True) else "release", pending.key, pending.node
+        )
 
 
 class NodeWorker:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from django.db.models import Sum
 from django.utils import timezone
 
-from serving.actions import RegistrationError
+from serving.errors import RegistrationError
 from serving.models import Model, ModelVersion, State, Visibility
 from tenants.models import Quota
 

@@ -10,9 +10,10 @@ nodes it is not assigned to stop serving it (`NodeProcess.hosted_keys`). What th
 marked unschedulable on the version, with the reason.
 
 `reconcile()` is one step, run by the Celery task `serving.tasks.reconcile_placements` on a beat schedule
-and whenever a version's desired state changes (`request_reconcile`). It is idempotent: a task sent and not
-yet done is recorded in Redis (`PENDING_KEY`) until the node's heartbeat shows its outcome, so the next
-step does not send it again; and two steps at once do not both act (a lock in Redis, `LOCK_KEY`).
+and whenever a version's desired state changes (`serving.tasks.request_reconcile`); the task hands it the
+sender of node tasks (`serving.node_tasks.send_plan`), so this module imports no task. It is idempotent: a
+task sent and not yet done is recorded in Redis (`PENDING_KEY`) until the node's heartbeat shows its
+outcome, so the next step does not send it again; and two steps at once do not both act (a lock in Redis, `LOCK_KEY`).
 
 `plan()` is the pure part (no Django, no Redis), unit-tested on its own.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -183,8 +184,11 @@ class Outcome:
     nodes: int = 0
 
 
-def reconcile(*, url: str | None = None, now: float | None = None) -> Outcome:
-    """One reconciler step (see the module's docstring). `url` is the Redis of the fleet (default REDIS_URL)."""
+def reconcile(
+    *, send: Callable[[redis.Redis, Plan, float], None], url: str | None = None, now: float | None = None
+) -> Outcome:
+    """One reconciler step (see the module's docstring). `send` records and sends the plan's node tasks
+    (`serving.node_tasks.send_plan`); `url` is the Redis of the fleet (default REDIS_URL)."""
     from django.conf import settings
 
     from serving.models import ModelVersion
@@ -205,7 +209,7 @@ def reconcile(*, url: str | None = None, now: float | None = None) -> Outcome:
             specs = {v.key: spec_of(v) for v in versions}
             wants = {v.key: desired_replicas(v) for v in versions}
             result = plan(wants, specs, nodes, pending, now=now)
-            _send(client, result, now)
+            send(client, result, now)
             _mark_unschedulable(versions, wants, result)
             from serving import replicas
 
@@ -215,26 +219,6 @@ def reconcile(*, url: str | None = None, now: float | None = None) -> Outcome:
             client.eval(_UNLOCK, 1, LOCK_KEY, token)
     finally:
         client.close()
-
-
-def _send(client: redis.Redis, result: Plan, now: float) -> None:
-    from serving import node_tasks
-
-    lapse = now + node_tasks.EXPIRES_S + node_tasks.LOAD_DEADLINE_S
-    sends = [(Pending("load", n, k), node_tasks.load_version, {}) for n, k in result.loads]
-    sends += [(Pending("unload", n, k), node_tasks.unload_version, {"unload": True}) for n, k in result.unloads]
-    sends += [(Pending("unload", n, k), node_tasks.unload_version, {"unload": False}) for n, k in result.releases]
-    for pending, task, kwargs in sends:
-        client.hset(PENDING_KEY, pending.field, lapse)  # before the send: its outcome may come back first
-        task.apply_async(
-            args=[pending.key],
-            kwargs={**kwargs, "pending": pending.field},
-            queue=node_tasks.queue_for(pending.node),
-            expires=node_tasks.EXPIRES_S,
-        )
-        log.info(
-            "placement: %s %s on %s", pending.op if kwargs.get("unload", True) else "release", pending.key, pending.node
-        )
 
 
 def _mark_unschedulable(versions: list, wants: Mapping[str, int], result: Plan) -> None:
@@ -247,16 +231,6 @@ def _mark_unschedulable(versions: list, wants: Mapping[str, int], result: Plan) 
         if (why and version.unschedulable_reason != reason) or (not why and ours):
             version.unschedulable_reason = reason
             version.save(update_fields=["unschedulable_reason", "updated_at"])  # republishes the snapshot
-
-
-def request_reconcile() -> None:
-    """Ask for a step soon (a version's desired state changed): queued on the broker, never run inline."""
-    from django.conf import settings
-
-    if settings.REDIS_URL and not settings.CELERY_TASK_ALWAYS_EAGER:
-        from serving.tasks import reconcile_placements
-
-        reconcile_placements.delay()
 
 
 # KEYS: the lock; ARGV: this step's token.

@@ -51,6 +51,6 @@ def placement_changed(instance: ModelVersion, created: bool, **_: object) -> Non
     now = tuple(getattr(instance, f, None) for f in _PLACED_BY)
     if created or now != getattr(instance, "_placed_by", None):
         instance._placed_by = now  # type: ignore[attr-defined]
-        from serving.reconciler import request_reconcile
+        from serving.tasks import request_reconcile  # noqa: PLC0415 (tasks import the models this module watches)
 
         transaction.on_commit(request_reconcile)

@@ -13,11 +13,11 @@ from django.db.models import Q
 
 from rollout import approval
 from serving import artifacts, quota_counts
-from serving.actions import NOT_LOADED
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.node.node import warmup_sizes
 from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, pick_device
 from serving.dataplane.node.runtime_process import make_runtime
+from serving.errors import NOT_LOADED
 from serving.models import Model, ModelVersion, State
 from serving.publish import version_entry
 

@@ -10,6 +10,7 @@ import redis
 
 from serving.dataplane.transport.fleet import NodeInfo
 from serving.models import ModelVersion
+from serving.node_tasks import send_plan
 from serving.policies.placement import VersionSpec
 from serving.reconciler import LOCK_KEY, REASON_PREFIX, Pending, holdings, plan, reconcile
 from tests.conftest import register
@@ -168,12 +169,12 @@ def test_a_step_skips_while_another_runs_and_marks_what_no_node_can_hold(db, fle
     version.save()
     # given another step holds the lock, when a step starts, then it does nothing
     fleet_redis.set(LOCK_KEY, "another", ex=30)
-    assert reconcile(url=REDIS_URL).skipped == "another reconciler step is running"
+    assert reconcile(send=send_plan, url=REDIS_URL).skipped == "another reconciler step is running"
     version.refresh_from_db()
     assert version.unschedulable_reason == ""
     # when the lock is free and the fleet is empty, then the version is marked unschedulable with the reason
     fleet_redis.delete(LOCK_KEY)
-    outcome = reconcile(url=REDIS_URL)
+    outcome = reconcile(send=send_plan, url=REDIS_URL)
     assert outcome.nodes == 0 and outcome.plan is not None and outcome.plan.loads == []
     version.refresh_from_db()
     assert version.unschedulable_reason.startswith(REASON_PREFIX) and "0 eligible nodes" in version.unschedulable_reason
@@ -181,7 +182,7 @@ def test_a_step_skips_while_another_runs_and_marks_what_no_node_can_hold(db, fle
     # and once nothing is desired, the reconciler's own verdict is cleared
     version.desired_replicas = 0
     version.save()
-    reconcile(url=REDIS_URL)
+    reconcile(send=send_plan, url=REDIS_URL)
     version.refresh_from_db()
     assert version.unschedulable_reason == ""
 

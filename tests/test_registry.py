@@ -15,6 +15,7 @@ from serving import artifacts
 from serving.actions import RegistrationError, register_version
 from serving.models import Artifact, Model, ModelVersion, State
 from serving.publish import build_snapshot
+from serving.tasks import register_and_validate
 from tests.conftest import DIGITS_IO, TOKENS_IO, register
 
 pytestmark = pytest.mark.django_db
@@ -36,13 +37,12 @@ def register_unvalidated(path: Path, name: str, **kwargs: object) -> ModelVersio
     """Register with validation queued for after commit (which never comes inside a test transaction)."""
     io_ = kwargs.pop("io", DIGITS_IO)
     with path.open("rb") as f:
-        return register_version(
+        return register_and_validate(
             model_name=name,
             artifact_file=f,
             fmt=kwargs.pop("fmt", "torchscript"),
             inputs=io_["inputs"],
             outputs=io_["outputs"],
-            validate="async",
             **kwargs,
         )
 
@@ -181,7 +181,7 @@ def test_sha256_is_checked_when_given(model_files, store_root: Path) -> None:
             artifact_file=io.BytesIO(data),
             fmt="torchscript",
             sha256="0" * 64,
-            validate="async",
+            validate="none",
             **DIGITS_IO,
         )
     # then it is a bad request and nothing is stored
@@ -195,7 +195,7 @@ def test_sha256_is_checked_when_given(model_files, store_root: Path) -> None:
         artifact_file=io.BytesIO(data),
         fmt="torchscript",
         sha256=good.upper(),
-        validate="async",
+        validate="none",
         **DIGITS_IO,
     )
     assert version.artifact_id == good
@@ -218,7 +218,7 @@ def test_artifact_over_the_size_limit_is_refused(model_files, settings, store_ro
 def test_empty_artifact_is_refused(store_root: Path) -> None:
     with pytest.raises(RegistrationError) as caught:
         register_version(
-            model_name="empty", artifact_file=io.BytesIO(b""), fmt="torchscript", validate="async", **DIGITS_IO
+            model_name="empty", artifact_file=io.BytesIO(b""), fmt="torchscript", validate="none", **DIGITS_IO
         )
     assert caught.value.status == 400
     assert store_files(store_root) == []

@@ -23,7 +23,7 @@ from rollout.api.shadow import ShadowReportMixin
 from rollout.models import PromotionRequest
 from rollout.promotion import PromotionError, promote_or_request
 from serving import model_names, quota_counts
-from serving.actions import RegistrationError, register_version, set_routing, set_visibility
+from serving.actions import set_routing, set_visibility
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
     BatchingUpdateSerializer,
@@ -33,6 +33,7 @@ from serving.api.serializers import (
     PlacementUpdateSerializer,
     VersionUploadSerializer,
 )
+from serving.errors import RegistrationError
 from serving.models import (
     BATCHING_FIELDS,
     MODEL_NAME_PATTERN,
@@ -43,6 +44,7 @@ from serving.models import (
     Visibility,
 )
 from serving.publish import publish_snapshot
+from serving.tasks import register_and_validate
 from tenants.models import Role, has_role
 from tenants.scoping import TenantScopedViewSet, visible_models
 
@@ -307,7 +309,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         artifact = data.pop("artifact")
         tenant = self._upload_owner(data.pop("tenant", None))
         try:
-            version = register_version(
+            version = register_and_validate(
                 model_name=self.kwargs["model_name"],
                 artifact_file=artifact,
                 fmt=data.pop("format"),
