@@ -3,14 +3,17 @@ rate that meets the latency budget, and the generator's own ceiling against a tr
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import math
+import sys
 from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import Any
 
 from bench.echo import EchoServer, sample_body
-from bench.loadgen import LoadResult, _Generator, _n_ok, _request_bytes, log, run
+from bench.loadgen import Generator, LoadResult, answered_ok, arun, log, request_bytes, run
 
 
 async def probe_capacity(
@@ -29,8 +32,8 @@ async def probe_capacity(
     and runs for `duration` and at least 2 x `concurrency` answers, so a slow model is not judged on a
     handful of completions; `max_duration` bounds both.
     """
-    host, port, request = _request_bytes(url, body, headers)
-    gen = _Generator(host, port, request, timeout, concurrency)
+    host, port, request = request_bytes(url, body, headers)
+    gen = Generator(host, port, request, timeout, concurrency)
     await gen.open(concurrency)
     t0 = perf_counter()
     hard_stop = t0 + max_duration
@@ -45,13 +48,13 @@ async def probe_capacity(
             if now >= hard_stop:
                 break
             if not warmed and (gen.done_total >= concurrency or now - t0 >= max_duration / 3):
-                warmed, start_ok, t_start = True, _n_ok(gen), now
-            if warmed and now - t_start >= duration and _n_ok(gen) - start_ok >= 2 * concurrency:
+                warmed, start_ok, t_start = True, answered_ok(gen), now
+            if warmed and now - t_start >= duration and answered_ok(gen) - start_ok >= 2 * concurrency:
                 break
             gen.expire(now)
             while gen.idle:
                 gen.fire(now, True)
-        ok, t_end = _n_ok(gen), perf_counter()
+        ok, t_end = answered_ok(gen), perf_counter()
     finally:
         gen.close()
     return (ok - start_ok) / max(t_end - t_start, 1e-9)
@@ -176,3 +179,27 @@ async def measure_ceiling(
     if progress:
         log(f"[ceiling] the generator sustains {best.achieved_rate if best else 0:.0f} req/s on this machine")
     return best, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.capacity`: this load generator's own ceiling, against the built-in echo server."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    best, steps = arun(measure_ceiling(duration=min(a.duration, 5.0), progress=not a.quiet))
+    print(
+        json.dumps(
+            {
+                "ceiling_rps": best.achieved_rate if best else None,
+                "best": best.to_dict() if best else None,
+                "steps": [s.to_dict() for s in steps],
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

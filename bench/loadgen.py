@@ -6,7 +6,7 @@ quietly lower send rate (no coordinated omission). The generator reports its own
 can tell when it, not the server, was the bottleneck.
 
     python -m bench.loadgen URL --body-file F --rate R --duration D
-    python -m bench.loadgen --ceiling
+    python -m bench.capacity                                    (this generator's own ceiling)
     python -m bench.loadgen --echo-server PORT [--delay-ms MS]   (see bench.echo)
 """
 
@@ -90,7 +90,7 @@ class LoadResult:
         return asdict(self)
 
 
-def _request_bytes(url: str, body: bytes, headers: dict[str, str]) -> tuple[str, int, bytes]:
+def request_bytes(url: str, body: bytes, headers: dict[str, str]) -> tuple[str, int, bytes]:
     parts = urlsplit(url)
     if parts.scheme != "http":
         raise ValueError(f"only http:// URLs are supported, got {url!r}")
@@ -112,7 +112,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("gen", "transport", "reader", "sched", "record")
 
-    def __init__(self, gen: _Generator) -> None:
+    def __init__(self, gen: Generator) -> None:
         self.gen = gen
         self.transport: asyncio.Transport | None = None
         self.reader = ResponseReader()
@@ -150,7 +150,7 @@ class _Conn(asyncio.Protocol):
         self.gen.lost(self)
 
 
-class _Generator:
+class Generator:
     def __init__(self, host: str, port: int, request: bytes, timeout: float, cap: int) -> None:
         self.host, self.port, self.request = host, port, request
         self.timeout, self.cap = timeout, cap
@@ -293,8 +293,8 @@ async def run(
     `abort_after_errors`: stop early once this many measured requests have failed (the step can no
     longer pass), which keeps overload steps of a sweep short.
     """
-    host, port, request = _request_bytes(url, body, headers)
-    gen = _Generator(host, port, request, timeout, max_connections)
+    host, port, request = request_bytes(url, body, headers)
+    gen = Generator(host, port, request, timeout, max_connections)
     if connections is None:
         # Enough for ~5 ms of requests: the send loop fires in bursts after any stall, and opening
         # connections mid-burst costs both processes CPU exactly when it is scarcest.
@@ -391,16 +391,16 @@ async def run(
     return result
 
 
-def _n_ok(gen: _Generator) -> int:
+def answered_ok(gen: Generator) -> int:
     return sum(v for k, v in gen.status_counts.items() if 200 <= k < 300)
 
 
-def _n_errors(gen: _Generator) -> int:
+def _n_errors(gen: Generator) -> int:
     bad = sum(v for k, v in gen.status_counts.items() if not 200 <= k < 300)
     return bad + sum(gen.client_errors.values())
 
 
-def _p99_so_far(gen: _Generator) -> float:
+def _p99_so_far(gen: Generator) -> float:
     n = len(gen.lat)
     if not n:
         return float("nan")
@@ -412,7 +412,7 @@ def _p99_so_far(gen: _Generator) -> float:
     return value
 
 
-def _progress(gen: _Generator, elapsed: float, rate: float, sent: int, n_warm: int) -> None:
+def _progress(gen: Generator, elapsed: float, rate: float, sent: int, n_warm: int) -> None:
     phase = "warmup" if sent <= n_warm else "measure"
     log(
         f"[loadgen] t={elapsed:4.1f}s {phase} rate={rate:.1f}/s sent={sent} done={gen.done_total} "
@@ -443,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--ceiling", action="store_true", help="measure this generator's own ceiling")
     p.add_argument("--echo-server", type=int, metavar="PORT", help="run the built-in echo server (0: any port)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="echo server: answer after this delay")
     a = p.parse_args(argv)
@@ -453,23 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
         return 0
-    if a.ceiling:
-        from bench.capacity import measure_ceiling
-
-        best, steps = arun(measure_ceiling(duration=min(a.duration, 5.0), progress=not a.quiet))
-        print(
-            json.dumps(
-                {
-                    "ceiling_rps": best.achieved_rate if best else None,
-                    "best": best.to_dict() if best else None,
-                    "steps": [s.to_dict() for s in steps],
-                },
-                indent=2,
-            )
-        )
-        return 0
     if not a.url:
-        p.error("URL is required (or --ceiling / --echo-server)")
+        p.error("URL is required (or --echo-server; the generator's own ceiling: python -m bench.capacity)")
     body = a.body_file.read_bytes() if a.body_file else b""
     headers = {"Content-Type": "application/json"} if body else {}
     key_file = a.key_file or _default_key_file()

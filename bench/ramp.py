@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from bench.http_reader import ResponseReader
-from bench.loadgen import _request_bytes, log
+from bench.loadgen import log, request_bytes
 
 # Outcome codes, one per request.
 PENDING, PRIMARY, FALLBACK, SHED, TIMEOUT_504, OTHER_STATUS, CLIENT = -1, 0, 1, 2, 3, 4, 5
@@ -72,8 +72,8 @@ class Requests:
     def __init__(self, url: str, bodies: list[bytes], labels: np.ndarray, tiers: np.ndarray,
                  headers: dict[str, str], ids: list[str | None] | None = None,
                  weights: np.ndarray | None = None) -> None:  # fmt: skip
-        self.wire = [_request_bytes(url, b, headers)[2] for b in bodies]
-        self.host, self.port, _ = _request_bytes(url, bodies[0], headers)
+        self.wire = [request_bytes(url, b, headers)[2] for b in bodies]
+        self.host, self.port, _ = request_bytes(url, bodies[0], headers)
         self.labels = labels  # per body
         self.tiers = tiers  # per body
         self.ids = ids or [None] * len(bodies)

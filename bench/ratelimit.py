@@ -33,7 +33,7 @@ import orjson
 
 from bench import report
 from bench.loadgen import LoadResult, arun, run
-from bench.server import HEADERS, ROOT, Server, counters, free_port, manage, say, scrape
+from bench.server import HEADERS, ROOT, OtherCpu, Server, counters, free_port, manage, say, scrape
 
 START, END = "<!-- ratelimit:start -->", "<!-- ratelimit:end -->"
 MODEL = "digits"
@@ -136,8 +136,6 @@ def run_all(
 def run_mode(
     env: dict[str, str], data_dir: Path, label: str, rate_limit: int, b_rate: float, duration: float
 ) -> dict[str, Any]:
-    from bench.run import OtherCpu  # not at the top: bench.run imports this module
-
     tokens = {slug: (data_dir / f"{slug}.key").read_text().strip() for slug in ("tenant-a", "tenant-b")}
     HEADERS["Authorization"] = f"Bearer {tokens['tenant-b']}"  # the readiness probes' key
     with Server(env, free_port(), data_dir / f"server-ratelimit-{label.split()[0]}.log") as server:

@@ -48,49 +48,25 @@ from bench.report import (
     verdict,
     write_report,
 )
-from bench.server import HEADERS, ROOT, Server, batch_totals, free_port, http_post, manage, say, unbind_quota, use_key
+from bench.server import (
+    HEADERS,
+    ROOT,
+    OtherCpu,
+    Server,
+    batch_totals,
+    free_port,
+    http_post,
+    manage,
+    say,
+    unbind_quota,
+    use_key,
+)
 
 PHASES = ("ceiling", "batching", "digits", "overload", "ratelimit")
 _T0 = time.monotonic()
 
 
 # -------------------------------------------------------------------------------------------- machine
-
-
-class OtherCpu:
-    """Cores' worth of CPU used by *other* processes while the block runs: /proc/stat less this process
-    (and its waited children) and less `pids` (e.g. the server). On a shared 2-core box a busy neighbour
-    silently halves a measurement, so the report states this figure."""
-
-    def __init__(self, pids: tuple[int, ...] = ()) -> None:
-        self.pids = pids
-        self.cores: float | None = None
-
-    def __enter__(self) -> OtherCpu:
-        self._start = self._sample()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        end = self._sample()
-        if self._start and end:
-            (busy0, own0, t0), (busy1, own1, t1) = self._start, end
-            self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
-
-    def _sample(self) -> tuple[float, float, float] | None:
-        tick = os.sysconf("SC_CLK_TCK")
-        try:
-            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-            own = 0
-            for pid in self.pids:
-                # utime stime cutime cstime; the command name may hold spaces, so split after ")".
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                own += sum(int(v) for v in stat[11:15])
-        except (OSError, ValueError, IndexError):
-            return None
-        busy = sum(fields[:3]) + sum(fields[5:7])  # user nice system irq softirq (not steal)
-        t = os.times()
-        mine = t.user + t.system + t.children_user + t.children_system
-        return busy / tick, mine + own / tick, time.monotonic()
 
 
 def machine_facts(threads: int) -> dict[str, str]:
