@@ -22,13 +22,41 @@ import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from serving.dataplane.gateway.snapshot import ModelEntry, VersionEntry
+from typing import Any, Generic, Protocol, TypeVar
 
 WEIGHT_TOLERANCE = 1e-6  # how far from 1 a weight sum may be (decimal shares such as 0.1 do not add up exactly)
 _SCALE = float(2**64)
+
+
+class RoutedVersion(Protocol):
+    """A version as routing reads it (the snapshot's `VersionEntry` is one). Declared here so that this policy
+    imports nothing of the snapshot's, which imports this module's `RouteTable`."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def failure_reason(self) -> str: ...
+    @property
+    def servable(self) -> bool: ...
+
+
+V = TypeVar("V", bound=RoutedVersion)
+V_co = TypeVar("V_co", bound=RoutedVersion, covariant=True)
+
+
+class RoutedModel(Protocol, Generic[V_co]):
+    """A model as routing reads it (the snapshot's `ModelEntry` is one): its versions and its route table."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def versions(self) -> Mapping[int, V_co]: ...
+    @property
+    def routes(self) -> RouteTable: ...
 
 
 class RouteError(Exception):
@@ -147,13 +175,13 @@ def _pick(table: tuple[tuple[int, ...], tuple[float, ...]], point: float) -> int
 
 
 def choose_version(
-    model: ModelEntry,
+    model: RoutedModel[V],
     pinned: int | None = None,
     *,
     tenant_id: int | None = None,
     routing_key: str = "",
     ready: Callable[[str], bool] | None = None,
-) -> VersionEntry:
+) -> V:
     """The version that serves this request (the module's docstring has the order). `ready(key)` says
     whether a version is loaded and ready on a node; None trusts the registry's own state."""
     if pinned is not None:
@@ -186,7 +214,7 @@ def choose_version(
     raise RouteError(_no_route(model, routes.stable), 503)
 
 
-def _usable(model: ModelEntry, number: int | None, ready: Callable[[str], bool] | None) -> VersionEntry | None:
+def _usable(model: RoutedModel[V], number: int | None, ready: Callable[[str], bool] | None) -> V | None:
     """Version `number` of `model` if it can serve now (servable, and ready on a node), else None."""
     entry = model.versions.get(number) if number is not None else None
     if entry is None or not entry.servable or (ready is not None and not ready(entry.key)):
@@ -194,7 +222,7 @@ def _usable(model: ModelEntry, number: int | None, ready: Callable[[str], bool] 
     return entry
 
 
-def _no_route(model: ModelEntry, stable: int | None) -> str:
+def _no_route(model: RoutedModel[Any], stable: int | None) -> str:
     if stable is None:
         return f"model '{model.name}' has no ready version yet (none is stable)"
     entry = model.versions.get(stable)
@@ -204,7 +232,7 @@ def _no_route(model: ModelEntry, stable: int | None) -> str:
     return f"model '{model.name}' has no ready version: its stable version {stable} is {why}"
 
 
-def _why(entry: VersionEntry) -> str:
+def _why(entry: RoutedVersion) -> str:
     if entry.state == "ready" and not entry.loaded:
         return "unloaded"
     if entry.state == "failed":
