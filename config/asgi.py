@@ -1,4 +1,5 @@
-"""ASGI entry point: /v2 and /metrics go to the lean inference consumer, the rest to Django.
+"""ASGI entry point: /v2 and /metrics go to the lean inference consumer, /ws/v2 to the inference socket, the
+rest to Django.
 
 Every request passes the front door (serving.dataplane.http.frontdoor) first: its body is counted against the
 process's budget of body bytes held, and a body for Django is bounded before Django reads it.
@@ -17,6 +18,7 @@ from django.urls import path  # noqa: E402
 django_app = get_asgi_application()
 
 from serving.dataplane.http.consumers import InferenceConsumer, InferenceRequest  # noqa: E402
+from serving.dataplane.http.websocket import InferenceSocket  # noqa: E402
 from serving.django_door import bounded  # noqa: E402
 from serving.fleet_consumer import FleetConsumer  # noqa: E402
 from serving.lifespan import Lifespan  # noqa: E402
@@ -35,7 +37,7 @@ async def http_app(scope, receive, send):  # noqa: ANN001, ANN201
 
 # The console's live pages: session-authenticated, and only from a page of an allowed host (a page elsewhere
 # could otherwise open a socket with the user's cookie).
-websocket_app = AllowedHostsOriginValidator(
+console_websocket_app = AllowedHostsOriginValidator(
     AuthMiddlewareStack(
         URLRouter(
             [
@@ -44,6 +46,17 @@ websocket_app = AllowedHostsOriginValidator(
         )
     )
 )
+
+# Inference over a WebSocket (/ws/v2/models/{name}[/versions/{v}]/infer): an API key in every connection, no
+# session or cookie, so no Origin check (docs/websocket.md); a path of its own, never through the console's stack.
+websocket_infer_app = InferenceSocket.as_asgi()
+
+
+async def websocket_app(scope, receive, send):  # noqa: ANN001, ANN201
+    if scope["path"].startswith("/ws/v2/"):
+        return await websocket_infer_app(scope, receive, send)
+    return await console_websocket_app(scope, receive, send)
+
 
 application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app, "lifespan": Lifespan()})
 # The front door's protocol answers inference POSTs with this handler directly, without ASGI

@@ -681,6 +681,13 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
         "limit_concurrency": settings.FERRY_MAX_CONCURRENCY,
         "log_level": "info",
         "timeout_graceful_shutdown": 10,
+        # WebSockets (serving.dataplane.http.websocket): the implementation that stops reading a connection while
+        # its app has a message unread (the inference socket's backpressure rests on it), messages bounded
+        # as inference bodies are (a binary one carries a 4-byte header length more), and no compression
+        # (CPU on the event loop for tensors that hardly compress, and no inflating a small frame into a big one).
+        "ws": "websockets-sansio",
+        "ws_max_size": settings.FERRY_MAX_INFER_BODY_BYTES + 4,
+        "ws_per_message_deflate": False,
     }
     options.update(overrides)
     options["http"] = FrontDoorProtocol

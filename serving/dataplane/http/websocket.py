@@ -1,0 +1,412 @@
+"""Open Inference Protocol over a WebSocket: /ws/v2/models/{name}[/versions/{v}]/infer (docs/websocket.md).
+
+One connection carries many requests to one model. Each message is one OIP inference request with an `id`:
+a text frame holds its JSON; a binary frame holds the binary tensor extension's body behind a 4-byte
+big-endian length of its JSON header (the HTTP header Inference-Header-Content-Length, carried in the
+frame). Answers come back by `id`, in the order they finish. Each message goes through the very handler a
+REST POST takes (`InferenceRequest.answer`): key, shedding, quota, routing, admission, deadline, metrics and
+usage are REST's, not a copy of them.
+
+The key comes in the `Sec-WebSocket-Protocol` header (`ferry.v2, ferry.key.<key>`; the server answers
+`ferry.v2`, never the key) or in the first message (`{"authorization": "Bearer <key>"}`), never in the URL:
+a query string is refused. There is no Origin check: the key is never ambient (no cookie or session reaches
+this consumer), so a page elsewhere can use it only if it already holds the key.
+
+Bounds per connection (config/settings.py, "WebSocket inference"): messages and bytes in flight, with the
+socket left unread while at either (the ASGI server then stops reading it: a fast sender is slowed by TCP,
+not buffered); each message's size (FERRY_MAX_INFER_BODY_BYTES, also the process's budget of body bytes
+held, shared with HTTP); the idle time. A refusal of the connection closes it with 4000 + the HTTP status
+after a JSON error frame; a refusal of one message answers that message and keeps the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import orjson
+from channels.consumer import AsyncConsumer
+from django.conf import settings
+from prometheus_client import Counter, Gauge
+
+from serving.dataplane import plane as dataplane
+from serving.dataplane.errors import ServingError
+from serving.dataplane.gateway.auth import authenticate
+from serving.dataplane.http import frontdoor
+from serving.dataplane.http.consumers import InferenceRequest
+
+log = logging.getLogger(__name__)
+
+PATH = re.compile(r"/ws(/v2/models/[^/]+(?:/versions/[^/]+)?/infer)/?")
+SUBPROTOCOL = "ferry.v2"  # what the server accepts, and the only subprotocol it ever answers with
+KEY_SUBPROTOCOL = "ferry.key."  # + the key: how a client that can set no other header sends it
+LENGTH = struct.Struct(">I")  # a binary frame's JSON header length, before the header
+CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's reason fits in 125 bytes with its code
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass(slots=True)
+class Stats:
+    """This process's WebSocket inference, for its gauges and the tests (one event loop touches it)."""
+
+    connections: int = 0
+    in_flight: int = 0  # messages taken and not yet answered, all connections
+    held_bytes: int = 0  # their request bytes
+    peak_in_flight: int = 0  # the most of one connection at once (tests reset it)
+    peak_held_bytes: int = 0
+    read_stalls: int = 0  # times a connection stopped reading at its bound
+
+
+STATS = Stats()
+Gauge("ferry_ws_connections", "Open WebSocket inference connections").set_function(lambda: STATS.connections)
+Gauge("ferry_ws_inflight_messages", "WebSocket inference messages taken and not yet answered").set_function(
+    lambda: STATS.in_flight
+)
+Gauge("ferry_ws_inflight_bytes", "Request bytes of WebSocket inference messages in flight").set_function(
+    lambda: STATS.held_bytes
+)
+Gauge(
+    "ferry_ws_read_stalls", "Times a WebSocket inference connection stopped reading at its in-flight bound"
+).set_function(lambda: STATS.read_stalls)
+MESSAGES = Counter("ferry_ws_messages", "WebSocket inference messages taken, by frame", ["frame"])
+CLOSES = Counter("ferry_ws_closes", "WebSocket inference connections closed by the server, by close code", ["code"])
+
+
+class BadMessage(ServingError):
+    """A message that is no request this endpoint can take (400, or `status`); `id` when it had one."""
+
+    def __init__(self, message: str, rid: object = None, status: int = 400) -> None:
+        super().__init__(message, status=status)
+        self.rid = rid
+
+
+@dataclass(slots=True, frozen=True)
+class Bounds:
+    max_in_flight: int
+    max_in_flight_bytes: int
+    max_message: int
+    idle_s: float
+    auth_s: float  # for the first message, when the key is to come in it
+
+    @classmethod
+    def from_settings(cls) -> Bounds:
+        return cls(
+            settings.FERRY_WS_MAX_IN_FLIGHT,
+            settings.FERRY_WS_MAX_IN_FLIGHT_BYTES,
+            settings.FERRY_MAX_INFER_BODY_BYTES,
+            float(settings.FERRY_WS_IDLE_S),
+            float(settings.FERRY_BODY_TIMEOUT_S),
+        )
+
+
+def parse_message(message: bytes, binary: bool) -> tuple[str, bytes, int | None]:
+    """(id, the request's body as REST takes it, its JSON header length or None) of one message: a text
+    frame's bytes (`binary` False) or a binary frame's."""
+    if not binary:
+        body = message
+        header: bytes | memoryview = body
+        length = None
+    else:
+        if len(message) < LENGTH.size:
+            raise BadMessage(f"a binary message starts with its JSON header's length ({LENGTH.size} bytes)")
+        (length,) = LENGTH.unpack_from(message)
+        body = message[LENGTH.size :]
+        if length > len(body):
+            raise BadMessage(f"JSON header length {length} is outside the message's {len(body)} bytes")
+        header = memoryview(body)[:length]
+    try:
+        request = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
+        raise BadMessage(f"malformed JSON request: {exc}") from None
+    rid = request.get("id") if isinstance(request, dict) else None
+    if not isinstance(rid, str) or not rid:
+        raise BadMessage("each message is an inference request with an 'id' (a non-empty string)", rid)
+    return rid, body, length
+
+
+def error_frame(rid: object, status: int, message: str, retry_after: float | None = None) -> str:
+    """An error answer: OIP's {"error": ...} with the request's id and the HTTP-equivalent status."""
+    answer: dict = {"id": rid if isinstance(rid, str) else None, "status": status, "error": message}
+    if retry_after is not None:
+        answer["retry_after"] = retry_after
+    return orjson.dumps(answer).decode()
+
+
+class InferenceSocket(AsyncConsumer):
+    """The WebSocket inference consumer. Like `consumers.InferenceConsumer`, it runs its own receive loop
+    instead of Channels' dispatch: no channel on the channel layer (nothing is ever sent to a connection
+    from elsewhere), and a loop that can stop reading while the connection is at its bound."""
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
+        self.scope = scope
+        self.channel_layer = None
+        self.base_send = send
+        self.bounds = Bounds.from_settings()
+        self.closed = False  # the connection is gone, or closing: queued requests of it are dropped (499)
+        self.tasks: set[asyncio.Task] = set()
+        self.ids: set[str] = set()
+        self.held = 0  # request bytes in flight on this connection
+        self.room = asyncio.Event()  # set when a request of this connection finishes
+        self.last = time.monotonic()  # the last message taken
+        self.timer: asyncio.TimerHandle | None = None
+        self.closing: asyncio.Task | None = None
+        client = scope.get("client")
+        self.client = client[0] if client else None
+        if (await receive())["type"] != "websocket.connect":
+            return
+        headers = dict(reversed(scope.get("headers", [])))
+        self.routing_key = headers.get(b"x-ferry-routing-key")
+        refused = self._handshake()
+        if refused is not None:
+            await self._deny(*refused)
+            return
+        await send({"type": "websocket.accept", "subprotocol": SUBPROTOCOL if self.offered else None})
+        STATS.connections += 1
+        try:
+            self._arm(self.bounds.auth_s if self.authorization is None else self.bounds.idle_s)
+            if self.authorization is None and not await self._first_message(receive):
+                return
+            await self._serve(receive)
+        finally:
+            self.closed = True
+            if self.timer is not None:
+                self.timer.cancel()
+            # Requests still running finish within their deadline (queued ones are dropped as their client's
+            # gone): their bytes are discharged and their usage recorded as for a REST client that left.
+            if self.tasks:
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+            STATS.connections -= 1
+
+    # -- the handshake ------------------------------------------------------------------------------
+
+    def _handshake(self) -> tuple[int, str] | None:
+        """Set up the connection from its request; (status, message) when it is refused."""
+        scope = self.scope
+        match = PATH.fullmatch(scope["path"])
+        if match is None:
+            return 404, "no such endpoint; WebSocket inference is /ws/v2/models/{name}[/versions/{v}]/infer"
+        self.infer_path = match.group(1)
+        self.model = self.infer_path.split("/")[3]
+        if scope.get("query_string"):
+            return 400, (
+                "this endpoint takes no query string: send the API key in the first message or the"
+                " Sec-WebSocket-Protocol header, never in the URL"
+            )
+        offered = scope.get("subprotocols") or []
+        keys = [p[len(KEY_SUBPROTOCOL) :] for p in offered if p.startswith(KEY_SUBPROTOCOL)]
+        self.offered = SUBPROTOCOL in offered
+        if keys and not self.offered:
+            return 400, f"a key in Sec-WebSocket-Protocol comes with the subprotocol '{SUBPROTOCOL}'"
+        if len(keys) > 1:
+            return 400, "one key per connection"
+        self.authorization = b"Bearer " + keys[0].encode("latin-1") if keys else None
+        if self.authorization is None:
+            return None
+        try:
+            self._authorize()
+        except ServingError as exc:
+            return exc.status, exc.message
+        return None
+
+    def _authorize(self) -> None:
+        """The connection's key may infer, and its tenant may see the model: the checks every message
+        repeats (a key revoked later is refused at its next message), here to refuse a connection early.
+        A model the tenant may not see is refused as an unknown one."""
+        plane = dataplane.current()
+        if plane is None:
+            raise ServingError("the data plane is starting", status=503, retry_after=1)
+        gateway = plane.gateway
+        caller = authenticate(self.authorization, gateway.snapshot, plane.pepper, time.time())
+        caller.require("infer")
+        gateway.model(self.model, caller.tenant_id)
+
+    async def _deny(self, status: int, message: str) -> None:
+        """Refuse the handshake: an HTTP answer with the JSON error where the server can send one (the ASGI
+        "websocket.http.response" extension), else the plain 403 every ASGI server answers a close with."""
+        CLOSES.labels(str(4000 + status)).inc()
+        if "websocket.http.response" not in self.scope.get("extensions", {}):
+            await self.base_send({"type": "websocket.close", "code": 4000 + status})
+            return
+        body = orjson.dumps({"error": message})
+        headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+        if status == 503:
+            headers.append((b"retry-after", b"1"))
+        await self.base_send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await self.base_send({"type": "websocket.http.response.body", "body": body})
+
+    async def _first_message(self, receive: Callable[[], Awaitable[dict]]) -> bool:
+        """Take the key from the first message; False (the connection closed) when it is not one."""
+        message = await receive()
+        if message["type"] != "websocket.receive":
+            return False
+        text = message.get("text")
+        try:
+            first = orjson.loads(text) if text is not None and len(text) <= 4096 else None
+        except orjson.JSONDecodeError:
+            first = None
+        value = first.get("authorization") if isinstance(first, dict) and len(first) == 1 else None
+        if not isinstance(value, str):
+            await self._close(
+                400, 'without a key in Sec-WebSocket-Protocol, the first message is {"authorization": "Bearer …"}'
+            )
+            return False
+        self.authorization = value.encode("latin-1", "replace")
+        try:
+            self._authorize()
+        except ServingError as exc:
+            await self._close(exc.status, exc.message)
+            return False
+        self.last = time.monotonic()
+        return True
+
+    # -- the requests -------------------------------------------------------------------------------
+
+    async def _serve(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        while True:
+            message = await receive()
+            kind = message["type"]
+            if kind == "websocket.disconnect":
+                return
+            if kind != "websocket.receive" or self.closed:
+                continue
+            self.last = time.monotonic()
+            text = message.get("text")
+            if text is not None:
+                MESSAGES.labels("text").inc()
+                await self._take(text.encode(), False)
+            else:
+                MESSAGES.labels("binary").inc()
+                await self._take(message.get("bytes") or b"", True)
+
+    async def _take(self, message: bytes, binary: bool) -> None:
+        """Start one request, after waiting for room on this connection: until there is, this coroutine
+        holds the receive loop, so the socket is not read (the server's read buffer is one message)."""
+        bounds = self.bounds
+        size = len(message)
+        if size > bounds.max_message:
+            await self._send_text(error_frame(None, 413, f"message exceeds {bounds.max_message} bytes"))
+            return
+        try:
+            rid, body, length = parse_message(message, binary)
+            if rid in self.ids:
+                raise BadMessage(f"id {rid!r} is already in flight on this connection", rid, 409)
+        except BadMessage as exc:
+            await self._send_text(error_frame(exc.rid, exc.status, exc.message))
+            return
+        if self.tasks and (len(self.tasks) >= bounds.max_in_flight or self.held + size > bounds.max_in_flight_bytes):
+            STATS.read_stalls += 1
+            while self.tasks and (
+                len(self.tasks) >= bounds.max_in_flight or self.held + size > bounds.max_in_flight_bytes
+            ):
+                self.room.clear()
+                await self.room.wait()
+            if self.closed:
+                return
+        if not frontdoor.charge(size):  # the process's budget of body bytes held, shared with HTTP
+            await self._send_text(error_frame(rid, 503, "server holds its budget of bytes of requests", 1))
+            return
+        self.ids.add(rid)
+        self.held += size
+        STATS.in_flight += 1
+        STATS.held_bytes += size
+        STATS.peak_in_flight = max(STATS.peak_in_flight, len(self.tasks) + 1)
+        STATS.peak_held_bytes = max(STATS.peak_held_bytes, self.held)
+        task = asyncio.get_running_loop().create_task(self._run(rid, body, length, size, time.monotonic()))
+        self.tasks.add(task)
+
+    async def _run(self, rid: str, body: bytes, length: int | None, size: int, taken: float) -> None:
+        """Answer one request through REST's handler; it is in flight until its answer is written."""
+        try:
+            headers = {b"authorization": self.authorization}
+            if length is not None:
+                headers[b"inference-header-content-length"] = str(length).encode()
+            if self.routing_key is not None:
+                headers[b"x-ferry-routing-key"] = self.routing_key
+            request = InferenceRequest(
+                "POST", self.infer_path, headers, time.monotonic() - taken, self._gone, self.client
+            )
+            answer = await request.answer(body, infer=True)
+            if answer is None or self.closed:
+                return  # the connection went away while it ran
+            status, answer_headers, _, payload = answer
+            if status == 200:
+                split = _header_length(answer_headers)
+                if split is None:
+                    await self._send_text(payload.decode())
+                else:
+                    await self._send_bytes(LENGTH.pack(split) + payload)
+                return
+            message = orjson.loads(payload).get("error", "")
+            retry = next((float(v) for k, v in answer_headers if k == b"retry-after"), None)
+            await self._send_text(error_frame(rid, status, message, retry))
+            if status in (401, 403):  # the key was revoked, expired or lost its scope since the connection began
+                await self._close(status, message)
+        except OSError:  # uvicorn's ClientDisconnected: the client went while its answer was on its way
+            self.closed = True
+        except Exception:  # a bug here, not in the request (its handler answers those): logged, answered 500
+            log.exception("answering WebSocket message %r on %s", rid, self.infer_path)
+            with contextlib.suppress(OSError):
+                await self._send_text(error_frame(rid, 500, "internal error; the server logged it"))
+        finally:
+            self.tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self.ids.discard(rid)
+            self.held -= size
+            STATS.in_flight -= 1
+            STATS.held_bytes -= size
+            frontdoor.discharge(size)
+            self.last = time.monotonic()
+            self.room.set()
+
+    def _gone(self) -> bool:
+        return self.closed
+
+    # -- sending and closing ------------------------------------------------------------------------
+
+    async def _send_text(self, text: str) -> None:
+        await self.base_send({"type": "websocket.send", "text": text})
+
+    async def _send_bytes(self, data: bytes) -> None:
+        await self.base_send({"type": "websocket.send", "bytes": data})
+
+    async def _close(self, status: int, message: str) -> None:
+        """Close the connection with 4000 + `status`, after a JSON error frame that says why."""
+        if self.closed:
+            return
+        self.closed = True
+        CLOSES.labels(str(4000 + status)).inc()
+        try:
+            await self._send_text(error_frame(None, status, message))
+            reason = message.encode()[:CLOSE_REASON_BYTES].decode("utf-8", "ignore")
+            await self.base_send({"type": "websocket.close", "code": 4000 + status, "reason": reason})
+        except OSError:  # noqa: S110  # the client went first: nothing left to tell it
+            pass
+
+    def _arm(self, delay: float) -> None:
+        self.timer = asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """The idle timer: close a connection that has had nothing in flight and sent nothing for its idle
+        time (or, before its key, for FERRY_BODY_TIMEOUT_S). One timer per connection, re-armed here, not per
+        message."""
+        if self.closed:
+            return
+        limit = self.bounds.idle_s if self.authorization is not None else self.bounds.auth_s
+        left = self.last + limit - time.monotonic()
+        if self.tasks or left > 0:
+            self._arm(max(left, 0.05) if not self.tasks else limit)
+            return
+        what = "sent nothing" if self.authorization is not None else "sent no key"
+        self.closing = asyncio.get_running_loop().create_task(self._close(408, f"idle: {what} for {limit:g} s"))
+
+
+def _header_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"inference-header-content-length":
+            return int(value)
+    return None

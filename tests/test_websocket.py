@@ -1,0 +1,377 @@
+"""Inference over a WebSocket (/ws/v2/models/{name}/infer) against a live Ferry: answers by id, with and
+without the binary layout, out of order; a fast sender slowed; the connection's limits; refusals.
+
+The client is the `websockets` library's. Waits poll state with a deadline that only stops a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+import numpy as np
+import orjson
+import pytest
+from prometheus_client import REGISTRY
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from serving.dataplane.http import websocket
+from tests.conftest import mint_key, register, tenant
+from tests.test_inference_http import HELD, digits_request, infer, scores
+
+DEADLINE_S = 60.0  # a test that waits longer than this has hung
+LENGTH = struct.Struct(">I")
+
+
+@pytest.fixture(autouse=True)
+def _no_shedding(settings) -> None:  # noqa: ANN001
+    # This machine is shared: a late event loop would shed requests (tested in test_hardening_http.py).
+    settings.FERRY_LOOP_LAG_TARGET_MS = settings.FERRY_MAX_LOOP_LAG_MS = 60_000
+    settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
+
+
+def url(server, model: str = "digits", query: str = "") -> str:  # noqa: ANN001
+    return f"ws://127.0.0.1:{server.port}/ws/v2/models/{model}/infer{query}"
+
+
+def keyed(server, key: str | None = None, model: str = "digits", **options: object) -> connect:  # noqa: ANN001
+    """A connection with the key in Sec-WebSocket-Protocol (the server's own key by default)."""
+    return connect(
+        url(server, model),
+        subprotocols=["ferry.v2", f"ferry.key.{key or server.key}"],
+        compression=None,
+        open_timeout=DEADLINE_S,
+        **options,
+    )
+
+
+def json_message(rid: str, rows: np.ndarray, **extra: object) -> str:
+    return orjson.dumps({"id": rid, **digits_request(rows), **extra}).decode()
+
+
+def binary_message(rid: str, rows: np.ndarray, binary_output: bool) -> bytes:
+    header = orjson.dumps(
+        {
+            "id": rid,
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": list(rows.shape),
+                    "parameters": {"binary_data_size": rows.nbytes},
+                }
+            ],
+            "parameters": {"binary_data_output": binary_output},
+        }
+    )
+    return LENGTH.pack(len(header)) + header + rows.astype(np.float32).tobytes()
+
+
+def answer_scores(frame: str | bytes) -> tuple[str, np.ndarray]:
+    """(id, scores) of a successful answer, text (JSON) or binary (length, JSON header, tensor bytes)."""
+    if isinstance(frame, str):
+        answer = json.loads(frame)
+        assert "error" not in answer, answer
+        out = {o["name"]: o for o in answer["outputs"]}["scores"]
+        return answer["id"], np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+    (length,) = LENGTH.unpack_from(frame)
+    header = json.loads(frame[4 : 4 + length])
+    (out,) = header["outputs"]
+    data = frame[4 + length : 4 + length + out["parameters"]["binary_data_size"]]
+    return header["id"], np.frombuffer(data, dtype=np.float32).reshape(out["shape"])
+
+
+async def recv_json(ws: ClientConnection) -> dict:
+    frame = await asyncio.wait_for(ws.recv(), DEADLINE_S)
+    assert isinstance(frame, str), frame
+    return json.loads(frame)
+
+
+async def closed_with(ws: ClientConnection) -> tuple[int, list[dict]]:
+    """Read until the server closes: (its close code, the frames it sent before)."""
+    frames = []
+    try:
+        while True:
+            frames.append(await recv_json(ws))
+    except ConnectionClosed as closed:
+        assert closed.rcvd is not None, "closed without a close frame"
+        return closed.rcvd.code, frames
+
+
+async def eventually(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def requests_counted(model: str, status: str) -> float:
+    return REGISTRY.get_sample_value("ferry_requests_total", {"model": model, "version": "1", "status": status}) or 0.0
+
+
+# -- answers -------------------------------------------------------------------------------------
+
+
+def test_answers_by_id_with_and_without_the_binary_layout(digits_server, digits_samples, model_files) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    n = 60
+    # given what REST answers for the same rows
+    expected = np.concatenate(
+        [scores(infer(digits_server, "digits", digits_request(x[4 * i : 4 * i + 4]))) for i in range(n)]
+    )
+    before = requests_counted("digits", "200")
+
+    async def run() -> dict[str, np.ndarray]:
+        async with keyed(digits_server) as ws:
+            assert ws.subprotocol == "ferry.v2"  # never the key
+            # when JSON, binary-in/JSON-out and binary-in/binary-out messages go out without waiting
+            for i in range(n):
+                rows = x[4 * i : 4 * i + 4]
+                kind = i % 3
+                if kind == 0:
+                    await ws.send(json_message(f"r{i}", rows))
+                else:
+                    await ws.send(binary_message(f"r{i}", rows, binary_output=kind == 2))
+            answers = {}
+            for _ in range(n):
+                frame = await asyncio.wait_for(ws.recv(), DEADLINE_S)
+                # then a binary answer comes exactly for the messages that asked for binary output
+                rid, got = answer_scores(frame)
+                assert isinstance(frame, bytes) == (int(rid[1:]) % 3 == 2), rid
+                answers[rid] = got
+            return answers
+
+    answers = asyncio.run(run())
+    # then every id is answered once, with REST's scores for its rows
+    assert sorted(answers) == sorted(f"r{i}" for i in range(n))
+    got = np.concatenate([answers[f"r{i}"] for i in range(n)])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # and as accurate as the model is
+    accuracy = float((got.argmax(axis=1) == y[: 4 * n]).mean())
+    assert accuracy >= model_files.digits_accuracy - 0.05, accuracy
+    # and they were counted as REST's are: the same path
+    assert requests_counted("digits", "200") - before == n
+
+
+def test_first_message_key_and_answers_out_of_order(transactional_db, model_files, digits_samples, request) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    # given a model whose batching window is 2 s long and whose batch is not full with one request
+    register(model_files.digits, "held", **HELD)
+    server = request.getfixturevalue("live_server")
+    plane = server.plane()
+
+    async def run() -> list[dict]:
+        async with connect(url(server, "held"), compression=None) as ws:
+            # when the key comes in the first message
+            await ws.send(orjson.dumps({"authorization": f"Bearer {server.key}"}).decode())
+            # and a request waits in the window while a second, malformed one follows it
+            await ws.send(json_message("slow", x[:1]))
+            await eventually(lambda: plane.node.queue_depth("held:1") == 1, "the first request in the queue")
+            await ws.send(orjson.dumps({"id": "bad", "inputs": [{"name": "input", "datatype": "FP32"}]}).decode())
+            await ws.send(orjson.dumps({"inputs": []}).decode())  # no id
+            await ws.send(json_message("slow", x[1:2]))  # an id already in flight
+            return [await recv_json(ws) for _ in range(4)]
+
+    *refused, third = asyncio.run(run())
+    # then the later ones are answered first, each by its id, with its status and OIP's error shape
+    by_status = {(f["id"], f["status"]): f["error"] for f in refused}
+    assert set(by_status) == {("bad", 400), (None, 400), ("slow", 409)}, refused
+    assert "'id'" in by_status[(None, 400)] and "already in flight" in by_status[("slow", 409)]
+    assert third["id"] == "slow" and int(np.argmax(third["outputs"][0]["data"])) == y[0], third
+
+
+# -- bounds --------------------------------------------------------------------------------------
+
+
+def test_a_sender_faster_than_its_reader_is_slowed(
+    transactional_db, model_files, digits_samples, request, settings
+) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    rows = np.resize(x, (256, 64)).astype(np.float32)
+    # given a wide model, and connections bounded at 4 messages and 300 KiB in flight
+    register(model_files.digits, "wide", max_batch_size=256, max_queue_delay_ms=1)
+    server = request.getfixturevalue("live_server")
+    settings.FERRY_WS_MAX_IN_FLIGHT = 4
+    settings.FERRY_WS_MAX_IN_FLIGHT_BYTES = 300 * 1024
+    n = 300  # of 64 KiB each: more than the socket buffers on both sides hold
+    expected = scores(infer(server, "wide", digits_request(rows)))
+    websocket.STATS.peak_in_flight = websocket.STATS.peak_held_bytes = 0
+    taken_before = REGISTRY.get_sample_value("ferry_ws_messages_total", {"frame": "binary"}) or 0.0
+
+    async def run() -> tuple[float, int, dict]:
+        # a client with small socket buffers that sends without reading
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+        async with keyed(server, model="wide", sock=sock, max_size=2**24) as ws:
+            sent = 0
+
+            async def sender() -> None:
+                nonlocal sent
+                for i in range(n):
+                    await ws.send(binary_message(f"m{i}", rows, binary_output=True))
+                    sent += 1
+
+            sending = asyncio.create_task(sender())
+            # when it has sent what it can: its own writes back up (the server stopped reading it)
+            await eventually(
+                lambda: sending.done() or ws.transport.get_write_buffer_size() > 0, "the client's writes backing up"
+            )
+            assert not sending.done(), "every message went out while the client read nothing"
+            taken = (REGISTRY.get_sample_value("ferry_ws_messages_total", {"frame": "binary"}) or 0.0) - taken_before
+            blocked_at = sent
+            # and then it reads: every message is answered, by its id
+            answers = {}
+            for _ in range(n):
+                rid, got = answer_scores(await asyncio.wait_for(ws.recv(), DEADLINE_S))
+                answers[rid] = got
+            await sending
+            return taken, blocked_at, answers
+
+    taken, blocked_at, answers = asyncio.run(run())
+    # then the server took only part of what was sent before the sender was held
+    assert taken < n and blocked_at < n, (taken, blocked_at)
+    # and held no more than its bounds: 4 messages, and 300 KiB plus the one message it waits with
+    assert websocket.STATS.peak_in_flight <= 4, websocket.STATS
+    assert websocket.STATS.peak_held_bytes <= 300 * 1024, websocket.STATS
+    assert websocket.STATS.read_stalls > 0
+    assert sorted(answers) == sorted(f"m{i}" for i in range(n))
+    for got in answers.values():
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_in_flight_bound_holds_one_at_a_time(transactional_db, model_files, digits_samples, request, settings) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    # given one message in flight per connection, and a model that holds a request 2 s in its window
+    register(model_files.digits, "held", **HELD)
+    server = request.getfixturevalue("live_server")
+    settings.FERRY_WS_MAX_IN_FLIGHT = 1
+    plane = server.plane()
+    depths = []
+
+    async def run() -> list[str]:
+        async with keyed(server, model="held") as ws:
+            # when three requests go at once
+            for i in range(3):
+                await ws.send(json_message(f"q{i}", x[i : i + 1]))
+            order = []
+            for _ in range(3):
+                depths.append(plane.node.queue_depth("held:1"))
+                rid, got = answer_scores(await asyncio.wait_for(ws.recv(), DEADLINE_S))
+                assert int(got.argmax()) == y[int(rid[1:])]
+                order.append(rid)
+            return order
+
+    # then they are taken one at a time (the queue, which holds one, never refuses one) and answered in order
+    assert asyncio.run(run()) == ["q0", "q1", "q2"]
+    assert max(depths) <= 1
+
+
+def test_message_size_and_idle(digits_server, digits_samples, settings) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+
+    async def too_big_for_the_server() -> int:
+        # a message over FERRY_MAX_INFER_BODY_BYTES as the server started: the socket refuses it unread
+        async with keyed(digits_server) as ws:
+            try:
+                await ws.send(b"\0" * (8 * 1024 * 1024 + 5))
+            except ConnectionClosed as closed:  # the refusal can come while the message is still going out
+                assert closed.rcvd is not None
+                return closed.rcvd.code
+            code, _ = await closed_with(ws)
+            return code
+
+    assert asyncio.run(too_big_for_the_server()) == 1009
+
+    async def per_message() -> list[dict]:
+        async with keyed(digits_server) as ws:
+            await ws.send("x" * 70_000)  # over the bound this connection was opened with
+            await ws.send(json_message("d", x[:1]))
+            return [await recv_json(ws) for _ in range(2)]
+
+    settings.FERRY_MAX_INFER_BODY_BYTES = 64 * 1024
+    big, after = asyncio.run(per_message())
+    # then a message over the bound the connection has is refused alone (413), and the next one is answered
+    assert big["status"] == 413 and big["id"] is None, big
+    assert after["id"] == "d" and "outputs" in after, after
+
+    async def idle() -> tuple[int, list[dict]]:
+        async with keyed(digits_server) as ws:
+            return await closed_with(ws)
+
+    settings.FERRY_WS_IDLE_S = 1
+    code, frames = asyncio.run(idle())
+    # and a connection that sends nothing is closed 4408, saying why
+    assert code == 4408 and frames[0]["status"] == 408 and "idle" in frames[0]["error"], (code, frames)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def handshake_refusal(coro_factory: Callable[[], connect]) -> tuple[int, dict]:
+    async def run() -> tuple[int, dict]:
+        with pytest.raises(InvalidStatus) as refused:
+            async with coro_factory():
+                pass
+        response = refused.value.response
+        return response.status_code, json.loads(response.body)
+
+    return asyncio.run(run())
+
+
+def test_bad_keys_foreign_models_and_keys_in_the_url_are_refused(digits_server, model_files) -> None:  # noqa: ANN001
+    # given a private model of another tenant, and keys of this one
+    other = tenant("other")
+    register(model_files.digits, "theirs", owner=other, visibility="private")
+    digits_server.refresh()
+
+    # a bad key in the header: 401 at the handshake
+    status, body = handshake_refusal(lambda: keyed(digits_server, key="fy_nope_nope"))
+    assert status == 401 and "error" in body
+    # a key without the infer scope: 403
+    manager = mint_key(scopes=("manage",))
+    status, body = handshake_refusal(lambda: keyed(digits_server, key=manager))
+    assert status == 403 and "infer" in body["error"]
+    # a key in the query string: refused, whatever it is
+    status, body = handshake_refusal(
+        lambda: connect(url(digits_server, query=f"?key={digits_server.key}"), compression=None)
+    )
+    assert status == 400 and "never in the URL" in body["error"]
+    # a foreign tenant's private model: refused as an unknown one, revealing nothing
+    status, theirs = handshake_refusal(lambda: keyed(digits_server, model="theirs"))
+    status_unknown, unknown = handshake_refusal(lambda: keyed(digits_server, model="nothing-here"))
+    assert status == status_unknown == 404
+    assert theirs["error"].replace("theirs", "X") == unknown["error"].replace("nothing-here", "X")
+
+    async def first_message(key: str, model: str = "digits") -> tuple[int, list[dict]]:
+        async with connect(url(digits_server, model), compression=None) as ws:
+            await ws.send(orjson.dumps({"authorization": f"Bearer {key}"}).decode())
+            return await closed_with(ws)
+
+    # the same in the first message: an error frame, then a close with 4000 + the status
+    code, frames = asyncio.run(first_message("fy_nope_nope"))
+    assert code == 4401 and frames[-1]["status"] == 401
+    code, frames = asyncio.run(first_message(digits_server.key, "theirs"))
+    assert code == 4404 and frames[-1]["status"] == 404 and "theirs" in frames[-1]["error"]
+
+    async def not_a_key() -> tuple[int, list[dict]]:
+        async with connect(url(digits_server), compression=None) as ws:
+            await ws.send(json_message("r", np.zeros((1, 64), np.float32)))
+            return await closed_with(ws)
+
+    code, frames = asyncio.run(not_a_key())
+    assert code == 4400 and "authorization" in frames[-1]["error"]
+
+    # and no Origin check: an API client with a key is served from any page (docs/websocket.md)
+    async def from_elsewhere() -> str:
+        async with keyed(digits_server, origin="https://elsewhere.example") as ws:
+            await ws.send(json_message("o", np.zeros((1, 64), np.float32)))
+            return answer_scores(await asyncio.wait_for(ws.recv(), DEADLINE_S))[0]
+
+    assert asyncio.run(from_elsewhere()) == "o"
