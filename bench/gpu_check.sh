@@ -13,10 +13,13 @@
 #      index; else a local CUDA torch wheel installed into ./.venv; else it stops and says what is missing.
 #   2. the tests marked gpu (`pytest -m gpu` over the files that carry the marker);
 #   3. `bench.run --only batching --quick` with FERRY_DEVICE=cuda: the wide MLP raw, then served batched
-#      and unbatched, and the two acceptance ratios.
+#      and unbatched, and the two acceptance ratios;
+#   4. `bench.profile_models`: latency per batch size of the wide MLP, ResNet-50 and a BERT-base-shaped
+#      encoder on the device (FP16), as profiles.json in the format the simulator reads (sim.profiles).
 # Writes eight files into OUTDIR (the device tool brings back at most eight): gpu_check.log (all the
-# output, the tests' and the benchmark's included), env.txt, pytest-gpu.xml, bench.json, benchmarks/served.md,
-# bench-latency.png, bench-batching.png and SUMMARY.md.
+# output, the tests' and the benchmark's included), pytest-gpu.xml, bench.json, benchmarks/served.md,
+# bench-latency.png, bench-batching.png, profiles.json and SUMMARY.md (with the environment: python, torch,
+# the device).
 # Needs no PostgreSQL or Redis: the gpu-marked tests use no database, and the benchmark's server runs
 # in embedded mode (SQLite in a temporary data dir).
 set -uo pipefail
@@ -176,8 +179,8 @@ PY=$(cat "$SCRATCH/python.txt" 2>/dev/null)
   nproc | sed 's/^/nproc: /'
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   [ -n "$PY" ] && "$PY" -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")'
-} > "$OUTDIR/env.txt" 2>&1
-cat "$OUTDIR/env.txt"
+} > "$SCRATCH/env.txt" 2>&1
+cat "$SCRATCH/env.txt"
 
 if [ -n "$PY" ]; then
   # ------------------------------------------------------------------------------------------- 2. tests
@@ -198,6 +201,12 @@ if [ -n "$PY" ]; then
   BENCH=(--only batching --quick --docs "$OUTDIR" --json "$OUTDIR/bench.json")
   [ "$DRY" = 1 ] && BENCH+=(--step 1)
   step "batching benchmark on $DEVICE" 300 "$PY" -m bench.run "${BENCH[@]}"
+  # ---------------------------------------------------------------------------------------- 4. profiles
+  # The latency per batch size of the demo model and a standard vision and text model, in the format the
+  # simulator reads (sim.profiles): commit it as sim/profiles/<device>.json for a scenario's `measured:`.
+  PROFILE=("$OUTDIR/profiles.json")
+  [ "$DRY" = 1 ] && PROFILE+=(--quick)
+  step "latency profiles on $DEVICE" 120 "$PY" -m bench.profile_models "${PROFILE[@]}"
 fi
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -208,6 +217,8 @@ fi
   echo
   echo "| step | result |"; echo "|---|---|"
   for s in "${ORDER[@]}"; do echo "| $s | ${RESULT[$s]:-not run} |"; done
+  echo
+  echo '```'; cat "$SCRATCH/env.txt"; echo '```'
   echo
   if [ -n "$PY" ] && [ -f "$OUTDIR/bench.json" ]; then
     "$PY" - "$OUTDIR/bench.json" <<'EOF'

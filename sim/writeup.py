@@ -59,8 +59,13 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             f" {_pct(steady['utilisation'])}, which a batching device reads near 100% at any load).",
             f"- Ten simulated minutes of it ({steady['duration_s']:.0f} s) took {steady['cpu_s']:.0f} s of CPU on"
             f" one core and {steady['wall_s']:.0f} s of wall time in this run (under 180 s: CPU"
-            f" {_holds(steady['cpu_s'] < 180)}, wall {_holds(steady['wall_s'] < 180)}; the run goes first and"
-            " alone, and its wall time counts whatever else the machine ran meanwhile).",
+            f" {_holds(steady['cpu_s'] < 180)}, wall {_holds(steady['wall_s'] < 180)}; "
+            + (
+                "the run goes first and alone"
+                if steady.get("alone", True)
+                else "the run went first, beside the others on the machine's two cores"
+            )
+            + ", and its wall time counts whatever else the machine ran meanwhile).",
         ]
     for name, label in (
         ("ramp-30s-cold", "Ramp 10k -> 50k requests/s in a minute, 30 s cold starts"),

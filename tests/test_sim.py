@@ -219,7 +219,7 @@ def test_shipped_scenarios_load_and_bad_ones_are_refused():
     assert {"steady-50k", "diurnal-day", "ramp-30s-cold", "spike-3x", "daily-rush"} <= names
     for path in scenarios.shipped():
         sc = scenarios.load(path)
-        assert {"predictive", "reactive", "static"} <= set(sc.policies) <= set(scenarios.POLICIES)
+        assert {"predictive", "reactive"} <= set(sc.policies) <= set(scenarios.POLICIES)
     with pytest.raises(ValueError):
         small(traffic={"shape": "sawtooth"})
     with pytest.raises(ValueError):  # a rush that cannot fall back within its period
