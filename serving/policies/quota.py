@@ -13,9 +13,8 @@ import calendar
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-
-from serving.dataplane.gateway.snapshot import TenantEntry
+from dataclasses import dataclass, field
+from typing import Protocol
 
 RATE, IN_FLIGHT, MONTHLY = "rate", "in_flight", "monthly"
 CONTROL = "control"  # the tenant's repository loads and unloads (`ControlBuckets`)
@@ -75,7 +74,31 @@ def seconds_to_next_month(epoch: float) -> float:
     return calendar.timegm((year, month, 1, 0, 0, 0)) - epoch
 
 
-def decide(limits: TenantEntry, *, tokens: float, in_flight: int, used: int, now: float) -> Decision:
+class Limits(Protocol):
+    """A tenant's request-path quota as this policy reads it: the routing snapshot's `TenantEntry` is one, and
+    so is `ScaledLimits`. Declared here so that the policy imports nothing of the data plane's."""
+
+    @property
+    def requests_per_second(self) -> float: ...
+    @property
+    def burst(self) -> int: ...
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def monthly_requests(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledLimits:
+    """A gateway's part of a tenant's limits (`scaled`)."""
+
+    requests_per_second: float
+    burst: int
+    max_in_flight: int
+    monthly_requests: int
+
+
+def decide(limits: Limits, *, tokens: float, in_flight: int, used: int, now: float) -> Decision:
     """The decision for one request, given the refilled bucket, the tenant's requests in flight and its
     requests so far this month. Admitting takes one token, one in-flight slot and one monthly request."""
     rate, burst = limits.requests_per_second, limits.burst
@@ -99,16 +122,16 @@ def decide(limits: TenantEntry, *, tokens: float, in_flight: int, used: int, now
     return Decision(True, "", burst, math.floor(left), (burst - left) / rate, 0.0)
 
 
-def scaled(limits: TenantEntry, share: int) -> TenantEntry:
+def scaled(limits: Limits, share: int) -> Limits:
     """`limits` divided among `share` gateways (the fallback while Redis is down): each gateway allows
     its part, at least one request, so together they stay near the tenant's limit."""
     if share <= 1:
         return limits
-    return replace(
-        limits,
+    return ScaledLimits(
         requests_per_second=limits.requests_per_second / share,
         burst=max(1, limits.burst // share) if limits.burst else 0,
         max_in_flight=max(1, math.ceil(limits.max_in_flight / share)) if limits.max_in_flight else 0,
+        monthly_requests=limits.monthly_requests,
     )
 
 
@@ -169,7 +192,7 @@ class InProcessQuota:
     _month_since: float = math.inf
     _month_until: float = -math.inf
 
-    def admit(self, tenant_id: int, limits: TenantEntry) -> Decision:
+    def admit(self, tenant_id: int, limits: Limits) -> Decision:
         now = self.clock()
         state = self._tenants.get(tenant_id)
         if state is None:

@@ -29,6 +29,7 @@ from serving.policies.quota import (
     ControlBuckets,
     Decision,
     InProcessQuota,
+    Limits,
     month_of,
     scaled,
     seconds_to_next_month,
@@ -113,7 +114,7 @@ class QuotaGate:
         no coroutine on it. QuotaExceeded on a refusal."""
         return self._admit_here(tenant_id, limits, fallback=False)
 
-    def _admit_here(self, tenant_id: int, limits: TenantEntry, *, fallback: bool) -> Ticket:
+    def _admit_here(self, tenant_id: int, limits: Limits, *, fallback: bool) -> Ticket:
         if fallback:
             metrics.QUOTA_FALLBACKS.inc()
             now = self._clock()
