@@ -364,3 +364,50 @@ class Replica(models.Model):
 
     def __str__(self) -> str:
         return f"{self.version_id}@{self.node}: {self.tier}"
+
+
+class Pipeline(models.Model):
+    """A named DAG of model steps served at /v2/models/{name}/infer like a model (serving.policies.pipeline).
+    Its name shares the models' namespace; each change of its graph is a new `PipelineVersion`, and the
+    latest one serves unpinned requests."""
+
+    name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME])
+    tenant = models.ForeignKey(
+        "tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="pipelines"
+    )
+    visibility = models.CharField(max_length=10, choices=Visibility.choices, default=Visibility.PRIVATE)
+    description = models.TextField(blank=True)
+    fallback = models.ForeignKey(
+        Model,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="fallback_for_pipelines",
+        help_text="A model with the pipeline's signature that answers when a step is refused.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PipelineVersion(models.Model):
+    """One graph of a pipeline, immutable once registered, with the signature its check derived."""
+
+    pipeline = models.ForeignKey(Pipeline, on_delete=models.CASCADE, related_name="versions")
+    version = models.PositiveIntegerField()
+    spec = models.JSONField(help_text="the graph: serving.policies.pipeline's spec")
+    inputs = models.JSONField(help_text="[{name, datatype, shape}] derived from the steps")
+    outputs = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["pipeline__name", "version"]
+        constraints = [models.UniqueConstraint(fields=["pipeline", "version"], name="unique_pipeline_version")]
+
+    def __str__(self) -> str:
+        return f"{self.pipeline.name}:{self.version}"

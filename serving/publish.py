@@ -106,6 +106,7 @@ def route_table(model: Any) -> RouteTable:
 
 def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
     from serving.models import Model, State
+    from serving.pipelines import snapshot_entries  # it imports serving.models, as the line above does
     from tenants.models import ApiKey, Quota, Tenant
 
     models: dict[str, ModelEntry] = {}
@@ -162,6 +163,7 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
         keys=keys,
         tenants=tenants,
         latency_budget_ms=settings.FERRY_LATENCY_BUDGET_MS,
+        pipelines=snapshot_entries(models),
     )
 
 

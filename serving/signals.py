@@ -5,7 +5,7 @@ from django.db.models.signals import m2m_changed, post_delete, post_init, post_s
 from django.dispatch import receiver
 from django.utils import timezone
 
-from serving.models import Model, ModelVersion
+from serving.models import Model, ModelVersion, Pipeline, PipelineVersion
 from tenants.models import ApiKey, Quota, Tenant
 
 
@@ -18,6 +18,9 @@ from tenants.models import ApiKey, Quota, Tenant
 @receiver(post_delete, sender=Tenant)
 @receiver(post_save, sender=Tenant)  # its share_shadow_samples travels in the snapshot
 @receiver(post_save, sender=Quota)
+@receiver(post_save, sender=PipelineVersion)
+@receiver(post_save, sender=Pipeline)
+@receiver(post_delete, sender=Pipeline)
 def registry_changed(**_: object) -> None:
     from serving.publish import publish_snapshot
 

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 def _registry_fingerprint() -> tuple:
     from django.db.models import Count, Max
 
-    from serving.models import Model, ModelVersion
+    from serving.models import Model, ModelVersion, Pipeline
     from tenants.models import ApiKey, Quota, Tenant
 
     versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
@@ -59,7 +59,11 @@ def _registry_fingerprint() -> tuple:
     # A tenant's shadow-sample opt-in changed in another process: Tenant has no updated_at, so the ids of
     # those opted in (a few) stand for it.
     sharing = tuple(Tenant.objects.filter(share_shadow_samples=True).order_by("pk").values_list("pk", flat=True))
+    # A pipeline registered in another process: each version is a new row, and the pipeline's updated_at moves.
+    pipelines = Pipeline.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     return (
+        pipelines["n"],
+        pipelines["t"],
         versions["n"],
         versions["t"],
         models["n"],

@@ -94,6 +94,38 @@ class ModelEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineVersionEntry:
+    """One graph of a pipeline (`serving.models.PipelineVersion`): its spec as registered
+    (`serving.policies.pipeline`), the signature its check derived, and why it cannot run now, if it cannot
+    (its check failed against the models as published)."""
+
+    version: int
+    spec: dict
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    broken: str = ""
+    max_rows: int = 1  # the smallest max_batch_size of its steps' models, as last checked
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineEntry:
+    """A pipeline, served at /v2/models/{name}/infer like a model (`serving.dataplane.gateway.pipeline`)."""
+
+    name: str
+    description: str
+    versions: dict[int, PipelineVersionEntry]
+    latest: int  # the version unpinned requests run
+    tenant_id: int | None = None
+    visibility: str = "private"
+    fallback: str | None = None  # a model with the pipeline's signature, for a call a step refused
+
+    def visible_to(self, tenant_id: int | None) -> bool:
+        if tenant_id is None or self.tenant_id is None or self.visibility == "public":
+            return True
+        return self.tenant_id == tenant_id
+
+
+@dataclass(frozen=True, slots=True)
 class KeyEntry:
     """An API key as the data plane checks it: the HMAC of its secret, whose it is, what it may do."""
 
@@ -129,6 +161,7 @@ class RoutingSnapshot:
     # The platform's latency budget (FERRY_LATENCY_BUDGET_MS), carried here rather than read from each
     # gateway's settings so every gateway of a deployment applies the one the control plane published.
     latency_budget_ms: int = DEFAULT_LATENCY_BUDGET_MS
+    pipelines: dict[str, PipelineEntry] = field(default_factory=dict)  # by name; no model has the same
 
     def budget_ms(self, entry: VersionEntry) -> int:
         return version_budget_ms(entry, self.latency_budget_ms)

@@ -28,6 +28,8 @@ from serving.dataplane.gateway.snapshot import (
     NO_PLACEMENT,
     KeyEntry,
     ModelEntry,
+    PipelineEntry,
+    PipelineVersionEntry,
     PlacementEntry,
     RoutingSnapshot,
     SnapshotHub,
@@ -113,7 +115,22 @@ def decode(raw: bytes) -> RoutingSnapshot:
         keys=keys,
         tenants=tenants,
         latency_budget_ms=doc.get("latency_budget_ms", DEFAULT_LATENCY_BUDGET_MS),
+        pipelines={name: _pipeline(p) for name, p in doc.get("pipelines", {}).items()},
     )
+
+
+def _pipeline(p: dict) -> PipelineEntry:
+    versions = {
+        int(number): PipelineVersionEntry(
+            **{
+                **v,
+                "inputs": tuple(TensorSpec.from_dict(s) for s in v["inputs"]),
+                "outputs": tuple(TensorSpec.from_dict(s) for s in v["outputs"]),
+            }
+        )
+        for number, v in p["versions"].items()
+    }
+    return PipelineEntry(**{**p, "versions": versions})
 
 
 # A serial sequence starts at Redis' clock in milliseconds, not at 1: when Redis loses its data (a

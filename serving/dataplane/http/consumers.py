@@ -34,6 +34,7 @@ from serving.dataplane import plane as dataplane
 from serving.dataplane.errors import NotFound, ServingError, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
+from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
 from serving.dataplane.gateway.quota_gate import QuotaExceeded, Ticket
 from serving.dataplane.gateway.snapshot import ModelEntry, TenantEntry, VersionEntry
 from serving.dataplane.http import frontdoor
@@ -306,7 +307,8 @@ class InferenceRequest:
             self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
         try:
             raw_length = self.headers.get(b"inference-header-content-length")
-            reply = await gateway.infer(
+            runner = pipeline_runner(gateway)  # a pipeline is served at a model's path, charged once above
+            reply = await (runner.infer if runner.find(name, viewer) is not None else gateway.infer)(
                 name,
                 version,
                 body,

@@ -1,0 +1,208 @@
+"""The registry's side of pipelines: register one (checked against the models its tenant may see, audited),
+and build the routing snapshot's entries for them.
+
+The graph and its check are `serving.policies.pipeline`'s; the executor is the data plane's
+(`serving.dataplane.gateway.pipeline`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+
+from serving.dataplane.gateway.snapshot import ModelEntry, PipelineEntry, PipelineVersionEntry
+from serving.dataplane.http.protocol import TensorSpec
+from serving.models import MODEL_NAME, Model, ModelVersion, Pipeline, PipelineVersion, State, Visibility
+from serving.policies.pipeline import Checked, ModelSignature, PipelineError, Signature, check, to_tensor
+
+
+class PipelineRegistrationError(Exception):
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def _signature(specs: list[dict]) -> Signature:
+    return dict(to_tensor(d) for d in specs)
+
+
+def _visible_models(tenant_id: int | None):  # noqa: ANN202
+    """The models a pipeline of `tenant_id` may use: platform and public models, its own, those shared with it."""
+    q = Q(tenant__isnull=True) | Q(visibility=Visibility.PUBLIC)
+    if tenant_id is not None:
+        q |= Q(tenant_id=tenant_id) | Q(visibility=Visibility.SHARED, shared_with__pk=tenant_id)
+    return Model.objects.filter(q).distinct()
+
+
+def registry_signatures(tenant_id: int | None) -> Callable[[str, int | None], ModelSignature | None]:
+    """A step's signature as the registry holds it: the pinned version, else the stable one; None for a model
+    the tenant may not see (the check words that as it words an unknown one)."""
+
+    def signatures(name: str, version: int | None) -> ModelSignature | None:
+        model = _visible_models(tenant_id).filter(name=name).first()
+        if model is None:
+            return None
+        number = version if version is not None else model.stable_version
+        row = None
+        if number is not None:
+            row = ModelVersion.objects.filter(model=model, version=number, state=State.READY).first()
+        if row is None:
+            what = f"version {version} of its model is not ready" if version else "its model has no ready version"
+            raise PipelineError(what, step=name)
+        return ModelSignature(_signature(row.inputs), _signature(row.outputs), row.max_batch_size)
+
+    return signatures
+
+
+def uses(model: ModelEntry, tenant_id: int | None) -> bool:
+    """Whether a pipeline of `tenant_id` may use `model` (a platform pipeline: platform and public models)."""
+    if tenant_id is None:
+        return model.tenant_id is None or model.visibility == Visibility.PUBLIC
+    return model.visible_to(tenant_id)
+
+
+def snapshot_signatures(
+    models: dict[str, ModelEntry], tenant_id: int | None
+) -> Callable[[str, int | None], ModelSignature | None]:
+    """The same, from the snapshot's entries: the check `build_snapshot` repeats, so a pipeline whose model
+    has since changed its signature or gone private is marked broken instead of failing per request."""
+
+    def signatures(name: str, version: int | None) -> ModelSignature | None:
+        model = models.get(name)
+        if model is None or not uses(model, tenant_id):
+            return None
+        number = version if version is not None else model.routes.stable
+        entry = model.versions.get(number) if number is not None else None
+        if entry is None or entry.state != "ready":
+            raise PipelineError("its model has no ready version" if version is None else "version not ready", name)
+        return ModelSignature(
+            {s.name: to_tensor(s.to_dict())[1] for s in entry.inputs},
+            {s.name: to_tensor(s.to_dict())[1] for s in entry.outputs},
+            entry.batching.max_batch_size,
+        )
+
+    return signatures
+
+
+def _fallback_fits(checked: Checked, fallback: Model) -> bool:
+    row = None
+    if fallback.stable_version is not None:
+        row = ModelVersion.objects.filter(model=fallback, version=fallback.stable_version, state=State.READY).first()
+    if row is None:
+        return False
+    return _signature(row.inputs) == checked.inputs and _signature(row.outputs) == checked.outputs
+
+
+def register_pipeline(
+    *,
+    name: str,
+    spec: object,
+    tenant: object | None,
+    visibility: str = Visibility.PRIVATE,
+    description: str = "",
+    fallback: str | None = None,
+    actor: object = None,
+) -> PipelineVersion:
+    """Check `spec` against the models `tenant` may see and store it as the next version of pipeline `name`
+    (created if new), with its audit entry. `PipelineRegistrationError`: 422 for a graph that does not
+    connect (naming the step and tensor), 409 for a name a model or another tenant's pipeline holds."""
+    from tenants import audit
+
+    try:
+        MODEL_NAME(name)
+    except Exception:
+        raise PipelineRegistrationError(
+            "a pipeline's name is a model name: letters, digits, '_', '.', '-'", 400
+        ) from None
+    tenant_id = getattr(tenant, "pk", None)
+    try:
+        checked = check(spec, registry_signatures(tenant_id))
+    except PipelineError as exc:
+        raise PipelineRegistrationError(exc.message) from None
+    fallback_model = None
+    if fallback:
+        fallback_model = _visible_models(tenant_id).filter(name=fallback).first()
+        if fallback_model is None:
+            raise PipelineRegistrationError("fallback: no model of that name is visible to this pipeline's tenant")
+        if not _fallback_fits(checked, fallback_model):
+            raise PipelineRegistrationError("fallback: its ready version does not take and give the pipeline's tensors")
+    if Model.objects.filter(name=name).exists():
+        raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409)
+    inputs = [t.to_dict(n) for n, t in checked.inputs.items()]
+    outputs = [t.to_dict(n) for n, t in checked.outputs.items()]
+    for d in inputs + outputs:
+        TensorSpec.from_dict(d)  # the data plane parses requests with these: they must be specs it takes
+    try:
+        with transaction.atomic():
+            pipeline = Pipeline.objects.select_for_update().filter(name=name).first()
+            if pipeline is not None and pipeline.tenant_id != tenant_id:
+                raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409)
+            if pipeline is None:
+                pipeline = Pipeline.objects.create(
+                    name=name, tenant=tenant, visibility=visibility, description=description, fallback=fallback_model
+                )
+            else:
+                pipeline.visibility, pipeline.fallback = visibility, fallback_model
+                pipeline.description = description or pipeline.description
+                pipeline.save(update_fields=["visibility", "fallback", "description", "updated_at"])
+            last = pipeline.versions.order_by("-version").values_list("version", flat=True).first() or 0
+            row = PipelineVersion.objects.create(
+                pipeline=pipeline, version=last + 1, spec=spec, inputs=inputs, outputs=outputs
+            )
+            audit.record(
+                actor,
+                "pipeline.register",
+                f"pipeline {name}",
+                tenant=tenant,  # type: ignore[arg-type]
+                after={"version": row.version, "spec": spec, "visibility": visibility, "fallback": fallback},
+            )
+    except IntegrityError:
+        raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409) from None
+    return row
+
+
+def delete_pipeline(*, pipeline: Pipeline, actor: object = None) -> None:
+    from tenants import audit
+
+    with transaction.atomic():
+        audit.record(actor, "pipeline.delete", f"pipeline {pipeline.name}", tenant=pipeline.tenant)
+        pipeline.delete()
+
+
+def snapshot_entries(models: dict[str, ModelEntry]) -> dict[str, PipelineEntry]:
+    """The routing snapshot's pipelines, each version re-checked against the models as published."""
+    entries = {}
+    for pipeline in Pipeline.objects.select_related("fallback").prefetch_related("versions"):
+        if pipeline.name in models:  # a model took the name first (a raw save): the model wins
+            continue
+        versions = {}
+        for row in pipeline.versions.all():
+            max_rows = 1
+            try:
+                max_rows = check(row.spec, snapshot_signatures(models, pipeline.tenant_id)).max_rows
+                broken = ""
+            except PipelineError as exc:
+                broken = exc.message
+            versions[row.version] = PipelineVersionEntry(
+                version=row.version,
+                spec=row.spec,
+                inputs=tuple(TensorSpec.from_dict(d) for d in row.inputs),
+                outputs=tuple(TensorSpec.from_dict(d) for d in row.outputs),
+                broken=broken,
+                max_rows=max_rows,
+            )
+        if not versions:
+            continue
+        entries[pipeline.name] = PipelineEntry(
+            name=pipeline.name,
+            description=pipeline.description,
+            versions=versions,
+            latest=max(versions),
+            tenant_id=pipeline.tenant_id,
+            visibility=pipeline.visibility,
+            fallback=pipeline.fallback.name if pipeline.fallback else None,
+        )
+    return entries
