@@ -425,3 +425,30 @@ FERRY_DEMO_TRAFFIC_IN_FLIGHT = min(env_int("FERRY_DEMO_TRAFFIC_IN_FLIGHT", 8, mi
 FERRY_WS_MAX_IN_FLIGHT = env_int("FERRY_WS_MAX_IN_FLIGHT", 64, minimum=1)
 FERRY_WS_MAX_IN_FLIGHT_BYTES = env_int("FERRY_WS_MAX_IN_FLIGHT_BYTES", 16 * 1024 * 1024, minimum=1024)
 FERRY_WS_IDLE_S = env_int("FERRY_WS_IDLE_S", 60, minimum=1)
+
+# --- Response cache (issue 21; serving/dataplane/gateway/cache.py) ---
+# A version that opts in (`response_cache: true`) is answered from the gateway's cache on a repeat of an
+# identical request: FERRY_RESPONSE_CACHE_BYTES bound the local tier (an LRU; 0 turns the cache off for every
+# version). FERRY_RESPONSE_CACHE_REDIS_URL adds a tier shared by the gateways (empty: none), each entry kept
+# FERRY_RESPONSE_CACHE_REDIS_TTL_S seconds; a Redis look-up that takes over FERRY_RESPONSE_CACHE_REDIS_TIMEOUT_MS
+# is a miss.
+FERRY_RESPONSE_CACHE_BYTES = env_int("FERRY_RESPONSE_CACHE_BYTES", 64 * 1024 * 1024, minimum=0)
+FERRY_RESPONSE_CACHE_REDIS_URL = env_str("FERRY_RESPONSE_CACHE_REDIS_URL")
+FERRY_RESPONSE_CACHE_REDIS_TTL_S = env_int("FERRY_RESPONSE_CACHE_REDIS_TTL_S", 300, minimum=1)
+FERRY_RESPONSE_CACHE_REDIS_TIMEOUT_MS = env_int("FERRY_RESPONSE_CACHE_REDIS_TIMEOUT_MS", 50, minimum=1)
+
+# --- Traces (issue 21; serving/dataplane/tracing.py) ---
+# Read from the standard OpenTelemetry variables, not from FERRY_* ones: off unless OTEL_EXPORTER_OTLP_ENDPOINT
+# (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set, or OTEL_TRACES_EXPORTER names an exporter (otlp, console);
+# OTEL_SDK_DISABLED=true turns it off. Sampling: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (for 1%:
+# parentbased_traceidratio and 0.01). OTEL_SERVICE_NAME names the process (default ferry).
+
+# --- The Open Inference Protocol over gRPC (issue 21; serving/dataplane/grpc/, docs/grpc.md) ---
+# Each web process serves inference.GRPCInferenceService on FERRY_GRPC_HOST:FERRY_GRPC_PORT beside HTTP (8001,
+# as Triton; 0 turns it off). At most FERRY_GRPC_MAX_CONCURRENT_RPCS calls at once per process (past it:
+# RESOURCE_EXHAUSTED), at most FERRY_GRPC_STREAM_IN_FLIGHT requests in flight per ModelStreamInfer stream; a
+# message is bounded by FERRY_MAX_INFER_BODY_BYTES.
+FERRY_GRPC_HOST = env_str("FERRY_GRPC_HOST", "127.0.0.1")
+FERRY_GRPC_PORT = env_int("FERRY_GRPC_PORT", 8001, minimum=0)
+FERRY_GRPC_MAX_CONCURRENT_RPCS = env_int("FERRY_GRPC_MAX_CONCURRENT_RPCS", 1024, minimum=1)
+FERRY_GRPC_STREAM_IN_FLIGHT = env_int("FERRY_GRPC_STREAM_IN_FLIGHT", 64, minimum=1)

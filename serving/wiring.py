@@ -18,7 +18,9 @@ from django.conf import settings
 
 from serving import artifacts
 from serving.dataplane import plane as planes
+from serving.dataplane import tracing
 from serving.dataplane.errors import ServingError
+from serving.dataplane.gateway.cache import CachingTransport, RedisTier, ResponseCache
 from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.gateway.shadow import Mirror, Pair
@@ -59,6 +61,7 @@ def _registry_fingerprint() -> tuple:
     # A tenant's shadow-sample opt-in changed in another process: Tenant has no updated_at, so the ids of
     # those opted in (a few) stand for it.
     sharing = tuple(Tenant.objects.filter(share_shadow_samples=True).order_by("pk").values_list("pk", flat=True))
+    caching = tuple(Tenant.objects.filter(share_response_cache=True).order_by("pk").values_list("pk", flat=True))
     # A pipeline registered in another process: each version is a new row, and the pipeline's updated_at moves.
     pipelines = Pipeline.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     return (
@@ -73,6 +76,7 @@ def _registry_fingerprint() -> tuple:
         quotas["n"],
         quotas["t"],
         sharing,
+        caching,
     )
 
 
@@ -197,6 +201,7 @@ async def start() -> DataPlane:
         return planes.current()
     configure_torch_threads(settings.FERRY_TORCH_THREADS)
     runtime_process.warn_if_inline()
+    tracing.configure(service="ferry-web")  # off unless the OTEL_* variables ask for traces
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     if settings.REDIS_URL and not settings.FERRY_EMBEDDED_NODE:
         node, transport = await _remote_nodes()
@@ -230,7 +235,12 @@ async def start() -> DataPlane:
         ready=node.is_ready,
     )
     gateway = Gateway(
-        hub, transport, fallback=settings.FERRY_ADMISSION, usage=recorder, ready=node.routable, mirror=mirror
+        hub,
+        _with_cache(transport),
+        fallback=settings.FERRY_ADMISSION,
+        usage=recorder,
+        ready=node.routable,
+        mirror=mirror,
     )
     gateway.unready_reason = node.unready_reason
     plane = DataPlane(
@@ -271,6 +281,20 @@ async def start() -> DataPlane:
     gc.collect()
     gc.freeze()
     return plane
+
+
+def _with_cache(transport: InProcessTransport | RedisStreamsTransport) -> object:
+    """The gateway's transport, behind the response cache unless FERRY_RESPONSE_CACHE_BYTES is 0."""
+    if not settings.FERRY_RESPONSE_CACHE_BYTES:
+        return transport
+    tier = None
+    if settings.FERRY_RESPONSE_CACHE_REDIS_URL:
+        tier = RedisTier(
+            settings.FERRY_RESPONSE_CACHE_REDIS_URL,
+            ttl_s=settings.FERRY_RESPONSE_CACHE_REDIS_TTL_S,
+            timeout_s=settings.FERRY_RESPONSE_CACHE_REDIS_TIMEOUT_MS / 1000,
+        )
+    return CachingTransport(transport, ResponseCache(settings.FERRY_RESPONSE_CACHE_BYTES, redis_tier=tier), hub)
 
 
 async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
@@ -337,8 +361,13 @@ async def stop() -> None:
     await plane.node.close()
     while _events:
         await _events.pop().close()
-    if isinstance(plane.gateway.transport, RedisStreamsTransport):
-        await plane.gateway.transport.close()
+    transport = plane.gateway.transport
+    if isinstance(transport, CachingTransport):
+        await transport.cache.close()
+        transport = transport.inner
+    if isinstance(transport, RedisStreamsTransport):
+        await transport.close()
+    await asyncio.to_thread(tracing.shutdown)  # what is still queued is exported
     from django.db import connections
 
     # The refresh loop's queries ran on asgiref's worker thread: close its connections there.

@@ -28,16 +28,17 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import redis
 from prometheus_client import Counter, Gauge
 
-from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, TenantEntry, VersionEntry
+from serving.dataplane import tracing
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, TenantEntry, VersionEntry
 from serving.dataplane.transport import redis_pipe
 from serving.dataplane.transport.stream_codec import MalformedMessage, decode_reply, encode_success
-from serving.dataplane.transport.transport import Outputs
+from serving.dataplane.transport.transport import Outputs, Transport
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +287,52 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     kept = np.array(array, copy=True)
     kept.flags.writeable = False
     return kept
+
+
+class CachingTransport:
+    """The gateway's transport with the cache in front: a request to a version that opted in is looked up first
+    (a hit returns at once: no admission, no queue, no device, no stream), and a miss's answer is kept. Every
+    other request goes straight through. The shadow mirror keeps the plain transport: a shadow computes."""
+
+    def __init__(self, inner: Transport, cache: ResponseCache, hub: SnapshotHub) -> None:
+        self.inner = inner
+        self.cache = cache
+        self.hub = hub
+        if hub.current is not None:
+            cache.on_snapshot(hub.current)
+        hub.subscribe(cache.on_snapshot)
+
+    def __getattr__(self, name: str) -> object:  # the wrapped transport's own API (start, close, outstanding...)
+        return getattr(self.inner, name)
+
+    async def infer(
+        self,
+        entry: VersionEntry,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        deadline: float,
+        priority: int,
+        *,
+        nbytes: int = 0,
+        gone: Callable[[], bool] | None = None,
+        tenant: int | None = None,
+        outputs: tuple[str, ...] | None = None,
+    ) -> dict[str, np.ndarray]:
+        snapshot = self.hub.current
+        model = snapshot.models.get(entry.model) if entry.response_cache and snapshot is not None else None
+        if model is None:
+            return await self.inner.infer(
+                entry, inputs, rows, deadline, priority, nbytes=nbytes, gone=gone, tenant=tenant, outputs=outputs
+            )
+        key = self.cache.key_for(entry, model, inputs, outputs, tenant, snapshot.tenants)  # type: ignore[union-attr]
+        with tracing.child("ferry.cache") as span:
+            found = await self.cache.lookup(entry, key)
+            if span is not None:
+                span.set_attribute("ferry.cache.hit", found is not None)
+        if found is not None:
+            return found
+        answer = await self.inner.infer(
+            entry, inputs, rows, deadline, priority, nbytes=nbytes, gone=gone, tenant=tenant, outputs=outputs
+        )
+        self.cache.put(entry, key, answer)
+        return answer

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.routing import RouteError, choose_version
+from serving.dataplane import tracing
 from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
 from serving.dataplane.gateway.request import Inference, Served
 from serving.dataplane.gateway.shadow import Mirror, may_keep_sample
@@ -132,16 +133,17 @@ class Gateway:
         rest = parsed[0]
         entry = served.entry
         try:
-            payload, headers = encode_infer_response(
-                model_name=entry.model,
-                model_version=str(entry.version),
-                request_id=rest.id,
-                outputs=served.outputs,
-                output_specs=entry.outputs,
-                requested=rest.outputs,
-                binary_output=rest.binary_output,
-                parameters={"fallback_from": served.asked.key} if served.fell_back else None,
-            )
+            with tracing.child("ferry.reply"):
+                payload, headers = encode_infer_response(
+                    model_name=entry.model,
+                    model_version=str(entry.version),
+                    request_id=rest.id,
+                    outputs=served.outputs,
+                    output_specs=entry.outputs,
+                    requested=rest.outputs,
+                    binary_output=rest.binary_output,
+                    parameters={"fallback_from": served.asked.key} if served.fell_back else None,
+                )
         except ProtocolError as exc:
             raise ServingError(exc.message, status=exc.status) from None
         headers.append((b"x-ferry-model-version", str(entry.version).encode()))
@@ -158,7 +160,8 @@ class Gateway:
         from decoding becomes one, with its status) for every answer but a success."""
         arrived = self._clock()
         name, viewer = request.name, request.viewer
-        entry = self.route(name, request.version, viewer, request.routing_key)
+        with tracing.child("ferry.route"):
+            entry = self.route(name, request.version, viewer, request.routing_key)
         asked = vm = metrics.for_version(entry.model, entry.version)
         counted = entry
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, ServingError, Shed, Unavailable
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, VersionEntry
 from serving.dataplane.metrics import metrics
@@ -48,6 +49,7 @@ class Job:
     inputs: dict[str, np.ndarray]
     future: asyncio.Future[dict[str, np.ndarray]]
     gone: Callable[[], bool] | None = None  # the client left: drop unrun
+    trace: tracing.Span | None = None  # its `ferry.queue` span while it waits (traced requests only)
 
 
 @dataclass
@@ -457,13 +459,16 @@ class Node:
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
         if self.admission:
-            verdict = admission.decide(
-                now=now,
-                deadline=deadline,
-                priority=priority,
-                completion=self._completion(hosted, rows, priority, now),
-                higher_share=hosted.share.higher_than(priority, now),
-            )
+            with tracing.child("ferry.admission") as span:
+                verdict = admission.decide(
+                    now=now,
+                    deadline=deadline,
+                    priority=priority,
+                    completion=self._completion(hosted, rows, priority, now),
+                    higher_share=hosted.share.higher_than(priority, now),
+                )
+                if span is not None and not verdict.admit:
+                    span.set_attribute("ferry.shed", verdict.reason)
             if not verdict.admit:
                 completion = verdict.completion
                 why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share of"
@@ -476,9 +481,12 @@ class Node:
                 )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
+        job = Job(inputs, future, gone, tracing.start_child("ferry.queue") if tracing.ENABLED else None)
         try:
-            evicted = hosted.batcher.submit(Pending(Job(inputs, future, gone), rows, now, deadline, priority, nbytes))
+            evicted = hosted.batcher.submit(Pending(job, rows, now, deadline, priority, nbytes))
         except QueueFull as exc:
+            if job.trace is not None:
+                tracing.end(job.trace, "queue_full")
             raise Shed(f"{key}: {exc}", reason="queue_full", tier=priority, retry_after=self.retry_after(now)) from None
         top = hosted.entry.batching.max_batch_size
         hosted.share.add(priority, hosted.profile.estimate(top) * rows / top, now)
@@ -501,6 +509,9 @@ class Node:
             timer.cancel()
             if not future.done():  # the caller went away: the queue drops it before it runs
                 future.cancel()
+            if job.trace is not None:  # answered without running: expired, evicted, dropped
+                tracing.end(job.trace, "not_run")
+                job.trace = None
 
     async def _wake(self, key: str, rows: int, deadline: float) -> Hosted:
         """A request for a version not loaded here: if it is cold (loadable), start its load, or join the one
@@ -626,6 +637,7 @@ class Node:
         for p in live:
             hosted.metrics.queue_wait.observe(started - p.arrival)
         rows = sum(p.rows for p in live)
+        queued = _left_queue(live) if tracing.ENABLED else None
         try:
             results, seconds, began = await self._on_device(hosted, [p.payload.inputs for p in live], rows)
         except RuntimeFailure as exc:
@@ -636,6 +648,8 @@ class Node:
             for p in live:
                 _fail(p, Unavailable(f"inference failed on the device: {type(exc).__name__}", retry_after=1))
             return
+        if queued:
+            tracing.batch(queued[1], rows, queued[0], began - started, seconds)
         # Admission predicts when answers are back on the event loop, so the profile learns the batch's
         # time from the device thread picking it up to the loop resuming here: compute plus the hand-back,
         # which grows when the loop is busy. The compute metric keeps the device's own time.
@@ -745,6 +759,22 @@ class Node:
                     _fail(p, Unavailable(f"inference failed on the device: {type(other).__name__}", retry_after=1))
             else:
                 _answer(half, results, seconds, rows)
+
+
+def _left_queue(live: list[Pending]) -> tuple[int, list[tracing.Span]] | None:
+    """End the queue spans of the traced requests of a batch that starts now: (now in ns, their spans)."""
+    spans = []
+    for p in live:
+        span = p.payload.trace
+        if span is not None:
+            spans.append(span)
+            p.payload.trace = None
+    if not spans:
+        return None
+    at = tracing.now_ns()
+    for span in spans:
+        span.end(end_time=at)
+    return at, spans
 
 
 def _answer(live: list[Pending], results: list[dict[str, np.ndarray]], seconds: float, rows: int) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.gateway import snapshot_redis
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
@@ -487,22 +488,29 @@ class NodeProcess:
             self.counts["expired"] += 1
             return
         self.counts["hot" if key in self.node.hosted else "cold"] += 1
-        try:
-            outputs = await self.node.infer(
-                key, request.inputs, request.rows, self._clock() + left, request.priority, nbytes=len(raw or b"")
-            )
-            payload = encode_success(request.id, outputs, request.outputs)
-            self.counts["served"] += 1
-        except DeadlineExceeded:
-            self.counts["expired"] += 1
-            return  # the gateway's own timer answers it
-        except ServingError as exc:
-            payload = encode_error(request.id, exc)
-        except Exception:
-            self.counts["errors"] += 1
-            metrics.INTERNAL_ERRORS.labels("node_stream").inc()
-            log.exception("inference on %s failed unexpectedly", key)
-            payload = encode_error(request.id, ServingError("internal error on the node; it logged it"))
+        # The gateway's trace goes on here: this node's part of the request is one span under its span.
+        span = None
+        if request.trace is not None and tracing.ENABLED:
+            parent = tracing.from_carrier(request.trace)
+            span = tracing.start_request("ferry.node", parent, kind=tracing.CONSUMER, **{"ferry.version": key})
+        with tracing.active(span):
+            try:
+                outputs = await self.node.infer(
+                    key, request.inputs, request.rows, self._clock() + left, request.priority, nbytes=len(raw or b"")
+                )
+                with tracing.child("ferry.reply"):
+                    payload = encode_success(request.id, outputs, request.outputs)
+                self.counts["served"] += 1
+            except DeadlineExceeded:
+                self.counts["expired"] += 1
+                return  # the gateway's own timer answers it
+            except ServingError as exc:
+                payload = encode_error(request.id, exc)
+            except Exception:
+                self.counts["errors"] += 1
+                metrics.INTERNAL_ERRORS.labels("node_stream").inc()
+                log.exception("inference on %s failed unexpectedly", key)
+                payload = encode_error(request.id, ServingError("internal error on the node; it logged it"))
         self._reply(request.reply_to, payload)
 
     def _reply(self, reply_to: bytes, payload: bytes) -> None:

@@ -57,6 +57,8 @@ class StreamRequest:
     rows: int
     inputs: dict[str, np.ndarray]
     outputs: tuple[str, ...] | None  # the outputs the caller asked for; None: all
+    # The W3C trace context of the gateway's span (`serving.dataplane.tracing.carrier`); None: not traced.
+    trace: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ def encode_request(request: StreamRequest) -> bytes:
             "rows": request.rows,
             "outputs": list(request.outputs) if request.outputs is not None else None,
             "inputs": _pack_tensors(request.inputs),
+            **({"trace": request.trace} if request.trace else {}),
         }
     )
 
@@ -154,6 +157,13 @@ def decode_request(raw: bytes) -> StreamRequest:
         inputs = _unpack_tensors(doc["inputs"])
         if not inputs:
             raise MalformedMessage("no inputs")
+        trace = doc.get("trace")
+        if trace is not None and (
+            not isinstance(trace, dict)
+            or len(trace) > 2
+            or not all(isinstance(k, str) and isinstance(v, str) and len(v) <= 512 for k, v in trace.items())
+        ):
+            raise MalformedMessage("bad trace context")
     except KeyError as exc:
         raise MalformedMessage(f"missing field {exc.args[0]!r}", request_id, reply_to) from None
     except MalformedMessage as exc:
@@ -167,6 +177,7 @@ def decode_request(raw: bytes) -> StreamRequest:
         rows,
         inputs,
         tuple(outputs) if outputs is not None else None,
+        trace,
     )
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
+from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unavailable
 from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.metrics import metrics
@@ -154,6 +155,7 @@ class RedisStreamsTransport:
                 rows,
                 inputs,
                 outputs,
+                tracing.carrier() if tracing.ENABLED else None,
             )
         )
         future = asyncio.get_running_loop().create_future()

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from serving import artifacts
+from serving.dataplane import tracing
 from serving.dataplane.metrics import node_metrics
 from serving.dataplane.node import runtime_process
 from serving.dataplane.node.node import Node
@@ -47,6 +48,7 @@ class Command(BaseCommand):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         configure_torch_threads(settings.FERRY_TORCH_THREADS)
         runtime_process.warn_if_inline()
+        tracing.configure(service="ferry-node")  # off unless the OTEL_* variables ask for traces
         device = str(pick_device(options["device"]))
         facts = facts_for(
             options["name"], device, options["accelerator"], memory, labels, settings.FERRY_NODE_MEMORY_BYTES
@@ -90,6 +92,7 @@ class Command(BaseCommand):
         await stopping.wait()
         await asyncio.to_thread(worker.stop)
         await process.stop()
+        await asyncio.to_thread(tracing.shutdown)  # export what is still queued
 
 
 async def _report(report: LoadReport) -> None:

@@ -1,0 +1,287 @@
+"""OpenTelemetry traces of the inference path: gateway, queue, batch, device, reply.
+
+Off unless the standard variables ask for it (`wanted`): OTEL_EXPORTER_OTLP_ENDPOINT or
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT set, or OTEL_TRACES_EXPORTER set to an exporter (not "none");
+OTEL_SDK_DISABLED=true turns it off whatever else is set. Off, the hot path pays one module attribute
+read per hook (`ENABLED`) and nothing else: no tracer, no context look-up, no span objects.
+
+On, the same variables say the rest: head sampling (OTEL_TRACES_SAMPLER, default parentbased_always_on;
+`parentbased_traceidratio` with OTEL_TRACES_SAMPLER_ARG=0.01 keeps 1%: `sampler`), and, read by the SDK, the
+OTLP/HTTP exporter's endpoint, headers and timeout, the batch processor's bounded queue (OTEL_BSP_MAX_QUEUE_SIZE: spans
+past it are dropped, never held). A request's children are made only while its span records, so an unsampled
+request costs one sampler decision.
+
+The spans of one request: `ferry.infer` (SERVER; the child of an incoming W3C `traceparent`) with children
+`ferry.auth`, `ferry.quota`, `ferry.route`, `ferry.admission`, `ferry.queue` (its time in the version's queue),
+`ferry.batch` (the batch it ran in: `ferry.batch.rows` and `ferry.batch.requests`, a link to every traced request
+in it; the child of the first of them, so that request's trace holds the batch), under it `ferry.device` (the
+device's compute), and `ferry.reply`. In distributed mode the node's part sits under `ferry.node` (CONSUMER),
+whose parent travels in the stream entry (`carrier`, `from_carrier`), so one trace crosses the processes.
+
+The provider is this module's own (not the API's global one), so tests can configure it more than once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
+
+ENABLED = False  # read by every hook on the hot path; True only between `configure` and `shutdown`
+_tracer: trace.Tracer | None = None
+_provider: TracerProvider | None = None
+# W3C Trace Context only: the one format the issue and every OIP client speak.
+_propagator = TraceContextTextMapPropagator()
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+SERVER = SpanKind.SERVER
+CONSUMER = SpanKind.CONSUMER
+
+
+def wanted(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the standard OTEL_* variables ask for traces."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def _exporters(env: Mapping[str, str]) -> list[SpanExporter]:
+    names = [n.strip().lower() for n in (env.get("OTEL_TRACES_EXPORTER") or "otlp").split(",") if n.strip()]
+    found: list[SpanExporter] = []
+    for name in names:
+        if name == "otlp":
+            protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            if protocol and protocol != "http/protobuf":
+                log.warning("OTLP protocol %r is not installed; exporting traces over http/protobuf", protocol)
+            # Imported here: the exporter pulls in requests and protobuf, which a process with tracing off skips.
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            found.append(OTLPSpanExporter())  # endpoint, headers, timeout from the OTEL_EXPORTER_OTLP_* variables
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            found.append(ConsoleSpanExporter())
+        elif name != "none":
+            raise ValueError(f"OTEL_TRACES_EXPORTER names an exporter Ferry does not ship: {name!r}")
+    return found
+
+
+def sampler(env: Mapping[str, str] = os.environ) -> Sampler:
+    """The head sampler OTEL_TRACES_SAMPLER names (the specification's names; default parentbased_always_on),
+    with OTEL_TRACES_SAMPLER_ARG the ratio of the traceidratio ones (default 1.0). A bad value fails at start."""
+    name = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
+    raw = (env.get("OTEL_TRACES_SAMPLER_ARG") or "").strip()
+    ratio = 1.0
+    if name.endswith("traceidratio") and raw:
+        try:
+            ratio = float(raw)
+        except ValueError:
+            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a ratio in [0, 1], not {raw!r}") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a ratio in [0, 1], not {raw!r}")
+    roots: dict[str, Sampler] = {
+        "always_on": ALWAYS_ON,
+        "always_off": ALWAYS_OFF,
+        "traceidratio": TraceIdRatioBased(ratio),
+    }
+    if name in roots:
+        return roots[name]
+    if name.startswith("parentbased_") and name[len("parentbased_") :] in roots:
+        return ParentBased(roots[name[len("parentbased_") :]])
+    raise ValueError(f"OTEL_TRACES_SAMPLER names a sampler Ferry does not know: {name!r}")
+
+
+def configure(
+    env: Mapping[str, str] = os.environ,
+    *,
+    exporter: SpanExporter | None = None,
+    service: str = "ferry",
+) -> bool:
+    """Turn tracing on when `env` asks for it, or with `exporter` (tests: every span handed over as it ends).
+    Returns whether it is on. A second call replaces the first's provider (flushed and shut down)."""
+    shutdown()
+    if exporter is None and not wanted(env):
+        return False
+    global ENABLED, _tracer, _provider
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service})
+    provider = TracerProvider(resource=resource, sampler=sampler(env))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        for each in _exporters(env):
+            provider.add_span_processor(BatchSpanProcessor(each))
+    _provider = provider
+    _tracer = provider.get_tracer("ferry.serving")
+    ENABLED = True
+    return True
+
+
+def shutdown() -> None:
+    """Flush what is queued and turn tracing off."""
+    global ENABLED, _tracer, _provider
+    provider, _provider = _provider, None
+    ENABLED, _tracer = False, None
+    if provider is not None:
+        provider.shutdown()
+
+
+def force_flush(timeout_ms: int = 5000) -> bool:
+    return _provider.force_flush(timeout_ms) if _provider is not None else True
+
+
+# -- context in and out ----------------------------------------------------------------------
+
+
+def from_headers(headers: Mapping[bytes, bytes]) -> Context | None:
+    """The W3C trace context of an HTTP request (lower-case header names, as the front door keeps them);
+    None when it carries none, or a malformed one (a bad `traceparent` starts a new trace, never an error)."""
+    raw = headers.get(b"traceparent")
+    if raw is None:
+        return None
+    carrier = {"traceparent": raw.decode("latin-1")}
+    state = headers.get(b"tracestate")
+    if state is not None:
+        carrier["tracestate"] = state.decode("latin-1")
+    return from_carrier(carrier)
+
+
+def from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """The W3C trace context of a gRPC call's invocation metadata (`context.invocation_metadata()`)."""
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        name = key.lower()
+        if name in TRACE_HEADERS and name not in carrier:
+            carrier[name] = value.decode("latin-1") if isinstance(value, bytes) else value
+    return from_carrier(carrier) if "traceparent" in carrier else None
+
+
+def from_carrier(carrier: Mapping[str, str] | None) -> Context | None:
+    """A context from a carrier of W3C headers (the stream entry's `trace`); None when it holds no valid one."""
+    if not carrier:
+        return None
+    context = _propagator.extract(carrier)
+    return context if trace.get_current_span(context).get_span_context().is_valid else None
+
+
+def carrier() -> dict[str, str] | None:
+    """The current span's W3C headers, to travel with a request to another process; None while nothing
+    records (tracing off, or the request not sampled: the node then traces nothing of it either)."""
+    if not ENABLED or not trace.get_current_span().is_recording():
+        return None
+    out: dict[str, str] = {}
+    _propagator.inject(out)
+    return out or None
+
+
+# -- spans -------------------------------------------------------------------------------------
+
+
+class _Noop(contextlib.AbstractContextManager):
+    """What `child` gives while nothing records: enters as None, so a hook can test for a span."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NOOP = _Noop()
+
+
+def start_request(name: str, parent: Context | None = None, *, kind: SpanKind = SERVER, **attributes: object) -> Span:
+    """The span of one request, the child of `parent` (an incoming context) or a new trace's root. The
+    sampler decides here; a request it drops gets a non-recording span and no children. Call only when on."""
+    return _tracer.start_span(name, context=parent, kind=kind, attributes=attributes or None)  # type: ignore[union-attr]
+
+
+def active(span: Span | None) -> contextlib.AbstractContextManager:
+    """Make `span` current for the block and end it after; None (tracing off) is the shared no-op. A
+    `ServingError` leaving the block sets the status attribute, and ERROR for a 5xx."""
+    return NOOP if span is None else _active(span)
+
+
+@contextlib.contextmanager
+def _active(span: Span) -> Iterator[Span]:
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+        try:
+            yield span
+        except Exception as exc:
+            status = getattr(exc, "status", 500)
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+
+
+def child(name: str, **attributes: object) -> contextlib.AbstractContextManager:
+    """A child of the current span for the block; nothing (a shared no-op) while nothing records."""
+    if not ENABLED:
+        return NOOP
+    parent = trace.get_current_span()
+    if not parent.is_recording():
+        return NOOP
+    return _tracer.start_as_current_span(  # type: ignore[union-attr]
+        name, attributes=attributes or None, record_exception=False, set_status_on_exception=False
+    )
+
+
+def start_child(name: str, **attributes: object) -> Span | None:
+    """A child of the current span that the caller ends (`end`); None while nothing records."""
+    if not ENABLED:
+        return None
+    if not trace.get_current_span().is_recording():
+        return None
+    return _tracer.start_span(name, attributes=attributes or None)  # type: ignore[union-attr]
+
+
+def end(span: Span, error: str | None = None) -> None:
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def batch(queued: list[Span], rows: int, started_ns: int, device_offset_s: float, device_s: float) -> None:
+    """Record a batch that ran: `queued` are the queue spans of its traced requests (ended already, at
+    `started_ns`), `rows` its size; the device computed for `device_s` seconds from `device_offset_s` after
+    the batch began. The batch span links to each request's span and is the child of the first's."""
+    parents = [s.parent for s in queued if getattr(s, "parent", None) is not None]
+    if not parents or _tracer is None:
+        return
+    context = trace.set_span_in_context(NonRecordingSpan(parents[0]))
+    span = _tracer.start_span(
+        "ferry.batch",
+        context=context,
+        links=[Link(p) for p in parents],
+        attributes={"ferry.batch.rows": rows, "ferry.batch.requests": len(queued)},
+        start_time=started_ns,
+    )
+    device_start = started_ns + int(device_offset_s * 1e9)
+    device = _tracer.start_span(
+        "ferry.device", context=trace.set_span_in_context(span), start_time=device_start, attributes={"rows": rows}
+    )
+    device.end(end_time=device_start + int(device_s * 1e9))
+    span.end()
