@@ -2,12 +2,14 @@ from django.urls import include, re_path
 from rest_framework.routers import SimpleRouter
 
 from serving.api.errors import not_found
+from serving.api.pipelines import PipelineViewSet
 from serving.api.views import ModelVersionViewSet, ModelViewSet
 from serving.fleet_views import FleetView
 from serving.models import MODEL_NAME_PATTERN
 
 router = SimpleRouter()
 router.register("models", ModelViewSet, basename="model")
+router.register("pipelines", PipelineViewSet, basename="pipeline")
 versions = SimpleRouter()
 versions.register("versions", ModelVersionViewSet, basename="model-version")
 

@@ -1,0 +1,197 @@
+"""The pipelines' REST API: /api/pipelines/ (serving.pipelines registers; serving.policies.pipeline checks).
+
+Reading shows the pipelines the caller may see (its tenants', public and platform ones). Registering one, or
+a new version of one (POST again with the same name, or PUT), needs the engineer role in the owning tenant,
+and the admin role to make it public. A graph whose steps do not connect is a 422 naming the step and the
+tensor; a step whose model the tenant may not see reads exactly as one that does not exist.
+"""
+
+from __future__ import annotations
+
+from django.db.models import Q, QuerySet
+from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_field, extend_schema_view
+from rest_framework import mixins, serializers, status
+from rest_framework.exceptions import APIException, PermissionDenied
+from rest_framework.permissions import SAFE_METHODS
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from serving.api.serializers import ModelNameField, OwnerField, TextField
+from serving.api.views import errors, name_parameter, owner_by_default
+from serving.models import MODEL_NAME_PATTERN, Pipeline, Visibility
+from serving.pipelines import PipelineRegistrationError, delete_pipeline, register_pipeline
+from tenants.models import Role, has_role
+from tenants.scoping import TenantScopedViewSet, member_tenant_ids
+
+SWITCH_EXAMPLE = {
+    "name": "digits-cascade",
+    "visibility": "private",
+    "fallback": "digits-small",
+    "spec": {
+        "sequence": [
+            {"model": "digits-small", "name": "small"},
+            {
+                "switch": {"tensor": "scores", "reduce": "max_softmax", "op": "<", "value": 0.9},
+                "then": {"model": "digits", "name": "big"},
+            },
+        ]
+    },
+}
+
+
+class PipelineRefused(APIException):
+    def __init__(self, error: PipelineRegistrationError) -> None:
+        super().__init__(error.message)
+        self.status_code = error.status
+
+
+class TensorSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    datatype = serializers.CharField()
+    shape = serializers.ListField(child=serializers.IntegerField())
+
+
+class PipelineVersionSerializer(serializers.Serializer):
+    version = serializers.IntegerField()
+    spec = serializers.JSONField(help_text="the graph (serving.policies.pipeline)")
+    inputs = TensorSerializer(many=True, help_text="the request's tensors, derived from what the steps read")
+    outputs = TensorSerializer(many=True, help_text="the root node's response")
+    created_at = serializers.DateTimeField()
+
+
+class PipelineSerializer(serializers.Serializer):
+    """A pipeline and its versions; writing one registers its next version."""
+
+    name = ModelNameField(help_text="served at /v2/models/{name}/infer; no model may have it")
+    tenant = OwnerField(allow_null=True, required=False)
+    visibility = serializers.ChoiceField(choices=Visibility.choices, default=Visibility.PRIVATE)
+    description = TextField(required=False, allow_blank=True, default="")
+    fallback = ModelNameField(
+        required=False, allow_null=True, default=None, help_text="a model with the pipeline's signature"
+    )
+    spec = serializers.JSONField(write_only=True, help_text="the graph of the new version")
+    latest = serializers.SerializerMethodField(help_text="the version unpinned requests run")
+    versions = serializers.SerializerMethodField()
+
+    def get_latest(self, instance: Pipeline) -> int | None:
+        return max((v.version for v in instance.versions.all()), default=None)
+
+    @extend_schema_field(PipelineVersionSerializer(many=True))
+    def get_versions(self, instance: Pipeline) -> list[dict]:
+        rows = sorted(instance.versions.all(), key=lambda v: v.version)
+        return PipelineVersionSerializer(rows, many=True).data
+
+    def to_representation(self, instance: Pipeline) -> dict:
+        return {
+            "name": instance.name,
+            "tenant": instance.tenant.slug if instance.tenant else None,
+            "visibility": instance.visibility,
+            "description": instance.description,
+            "fallback": instance.fallback.name if instance.fallback else None,
+            "latest": self.get_latest(instance),
+            "versions": self.get_versions(instance),
+        }
+
+
+def visible_pipelines(user: object, queryset: QuerySet | None = None) -> QuerySet:
+    """The pipelines `user` may see: platform and public ones and its tenants' own (staff: all)."""
+    queryset = Pipeline.objects.all() if queryset is None else queryset
+    if not getattr(user, "is_authenticated", False):
+        return queryset.none()
+    if getattr(user, "is_staff", False):
+        return queryset
+    mine = member_tenant_ids(user)
+    return queryset.filter(Q(tenant__isnull=True) | Q(visibility=Visibility.PUBLIC) | Q(tenant_id__in=mine))
+
+
+_WRITE_ERRORS = errors(
+    400,
+    403,
+    409,
+    e409="The name is a model's, or another tenant's pipeline's.",
+)
+
+
+@extend_schema_view(
+    list=extend_schema(responses={200: PipelineSerializer(many=True), **errors(400, 403)}),
+    create=extend_schema(
+        request=PipelineSerializer,
+        examples=[OpenApiExample("a cheap model, then the big one where it is unsure", value=SWITCH_EXAMPLE)],
+        responses={
+            201: PipelineSerializer,
+            **_WRITE_ERRORS,
+            422: errors(422, e422="The graph does not run: the message names the step and the tensor.")[422],
+        },
+    ),
+    retrieve=extend_schema(
+        parameters=[name_parameter("name")], responses={200: PipelineSerializer, **errors(403, 404)}
+    ),
+    update=extend_schema(
+        parameters=[name_parameter("name")],
+        responses={
+            200: PipelineSerializer,
+            **_WRITE_ERRORS,
+            **errors(404),
+            422: errors(422, e422="The graph does not run: the message names the step and the tensor.")[422],
+        },
+    ),
+    destroy=extend_schema(parameters=[name_parameter("name")], responses={204: None, **errors(403, 404)}),
+)
+class PipelineViewSet(
+    TenantScopedViewSet,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+):
+    queryset = Pipeline.objects.select_related("tenant", "fallback").prefetch_related("versions")
+    serializer_class = PipelineSerializer
+    lookup_field = "name"
+    lookup_value_regex = MODEL_NAME_PATTERN
+
+    def scope(self, queryset: QuerySet) -> QuerySet:
+        return visible_pipelines(self.request.user, queryset)
+
+    def initial(self, request: Request, *args: object, **kwargs: object) -> None:
+        super().initial(request, *args, **kwargs)
+        if request.method not in SAFE_METHODS and not has_role(request.user, Role.ENGINEER):
+            raise PermissionDenied("changing the registry needs the engineer role")
+
+    def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        tenant = data["tenant"] if "tenant" in data else owner_by_default(request.user)
+        row = self._register(data, tenant)
+        return Response(PipelineSerializer(self._fresh(row.pipeline_id)).data, status=status.HTTP_201_CREATED)
+
+    def update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        pipeline = self.get_object()
+        serializer = self.get_serializer(data={**request.data, "name": pipeline.name})
+        serializer.is_valid(raise_exception=True)
+        row = self._register(serializer.validated_data, pipeline.tenant)
+        return Response(PipelineSerializer(self._fresh(row.pipeline_id)).data)
+
+    def perform_destroy(self, instance: Pipeline) -> None:
+        self.require(Role.ENGINEER, instance.tenant_id, "deleting a pipeline")
+        delete_pipeline(pipeline=instance, actor=self.request.user)
+
+    def _register(self, data: dict, tenant: object):  # noqa: ANN202
+        self.require(Role.ENGINEER, tenant, "registering a pipeline")  # type: ignore[arg-type]
+        if data["visibility"] != Visibility.PRIVATE:
+            self.require(Role.ADMIN, tenant, "making a pipeline visible to other tenants")  # type: ignore[arg-type]
+        try:
+            return register_pipeline(
+                name=data["name"],
+                spec=data["spec"],
+                tenant=tenant,
+                visibility=data["visibility"],
+                description=data.get("description", ""),
+                fallback=data.get("fallback"),
+                actor=self.request.user,
+            )
+        except PipelineRegistrationError as exc:
+            raise PipelineRefused(exc) from None
+
+    @staticmethod
+    def _fresh(pk: int) -> Pipeline:
+        return Pipeline.objects.select_related("tenant", "fallback").prefetch_related("versions").get(pk=pk)
