@@ -1,0 +1,250 @@
+"""The distributed validation (issue 20, item 5): what the real fleet did, what the simulator says it does, judged.
+
+A run has three parts, each its own record:
+1. a *calibration run*: each version alone on a node, driven at batch one and at full batches, its compute
+   per batch read from the node's own counters (`ferry_compute_seconds` over `ferry_batch_size`), its
+   footprint and load time from the node; and the front end's cost per request (client latency at a low rate
+   less the node's own request time). Nothing of the compared run is in it.
+2. the *compared run*: two `runnode` processes, the web process, a Celery worker and beat; `plan.versions`
+   versions of different sizes under Zipf traffic (`arrivals`), a step up that the autoscaler answers with a
+   second replica; every answer's latency, the replicas each second and the nodes' load and eviction counts.
+3. the *simulation*: `sim.engine` with the production autoscaler (policy `predictive`), fed the calibration's
+   profiles and the same traffic (the same rates, the same Zipf shares, the same step), `scenario_for`.
+
+`judge` compares them: p50 and p99 within 20% (or within 5 ms where both are under 25 ms), throughput within
+20%, replicas over time (the most and the mean per window) and cold starts. Plain Python: the process harness
+is `tests/test_sim_validate_fleet.py`, and `docs/validation.md` records a run with its command.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from sim.engine import Simulation
+from sim.metrics import EDGES
+from sim.scenario import Scenario, from_dict
+
+WITHIN = 0.20
+SMALL_MS = 25.0  # under this, latencies agree within ABSOLUTE_MS instead
+ABSOLUTE_MS = 5.0
+
+
+@dataclass(frozen=True)
+class VersionPlan:
+    """One version of the run: a `bench.gil_contention.Chain(width, layers)` (many small matrix products, so it
+    batches well on a CPU), its largest batch and its share of the traffic (Zipf by rank)."""
+
+    name: str
+    width: int
+    layers: int
+    max_batch_size: int
+    share: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    versions: tuple[VersionPlan, ...]
+    rate: float  # requests a second before the step
+    step_rate: float  # and from `step_at` to the end
+    step_at: float
+    duration: float
+    window: float = 5.0  # seconds per compared window (replicas over time)
+    seed: int = 1
+    timeout: float = 2.0  # each request's deadline, seconds
+
+    def rate_at(self, t: float) -> float:
+        return self.step_rate if t >= self.step_at else self.rate
+
+
+def zipf_plan(
+    n: int = 10,
+    *,
+    zipf: float = 1.0,
+    rate: float = 20.0,
+    step_rate: float = 60.0,
+    step_at: float = 20.0,
+    duration: float = 50.0,
+    seed: int = 1,
+) -> Plan:
+    """`n` versions of sizes from small to large (the most popular the smallest, as a catalogue's cheap models
+    draw most traffic), shares by Zipf rank."""
+    weights = [(rank + 1) ** -zipf for rank in range(n)]
+    total = sum(weights)
+    versions = tuple(
+        VersionPlan(
+            name=f"val{i:02d}",
+            width=64 + 32 * (i % 7),
+            layers=20 + 10 * (i % 4),
+            max_batch_size=(8, 16, 32)[i % 3],
+            share=w / total,
+        )
+        for i, w in enumerate(weights)
+    )
+    return Plan(versions, rate, step_rate, step_at, duration, seed=seed)
+
+
+def arrivals(plan: Plan) -> list[tuple[float, int]]:
+    """The compared run's timetable: (seconds from the start, version index), Poisson at the plan's rate, each
+    request's version drawn by share. Deterministic in the plan's seed."""
+    rng = random.Random(plan.seed)
+    shares = [v.share for v in plan.versions]
+    out: list[tuple[float, int]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(plan.rate_at(t))
+        if t >= plan.duration:
+            return out
+        out.append((t, rng.choices(range(len(shares)), weights=shares)[0]))
+
+
+def scenario_for(plan: Plan, calibration: Mapping[str, Any], *, nodes: int, memory_bytes: int) -> Scenario:
+    """The simulated twin of the compared run: one family per version with the calibration's profile (seconds
+    per batch at its measured sizes), its footprint and its load time; `nodes` nodes of `memory_bytes` each;
+    the plan's step as a spike that lasts to the end; the production autoscaler."""
+    families: dict[str, Any] = {}
+    cal = calibration["versions"]
+    for v in plan.versions:
+        c = cal[v.name]
+        profile = {int(b): float(ms) for b, ms in c["profile_ms"].items()}
+        families[v.name] = {
+            "share": 1.0 / len(plan.versions),
+            "accelerator": "cpu",
+            "memory_gb": c["memory_bytes"] / 2**30,
+            "max_batch_size": v.max_batch_size,
+            "max_queue_delay_ms": c.get("max_queue_delay_ms", 5.0),
+            "profile_ms": profile,
+            "source": {"kind": "measured", "command": "tests/test_sim_validate_fleet.py (calibration run)"},
+        }
+    loads = [float(cal[v.name]["load_seconds"]) for v in plan.versions]
+    doc = {
+        "name": "validate-fleet",
+        "duration": plan.duration,
+        "seed": plan.seed,
+        "versions": len(plan.versions),
+        "canary_share": 0.0,
+        "fallback_share": 0.0,
+        "zipf": 1.0,
+        "window": plan.window,
+        "jitter": float(calibration.get("jitter", 0.05)),
+        "traffic": {
+            "shape": "spike",
+            "low": plan.rate,
+            "factor": plan.step_rate / plan.rate,
+            "start": plan.step_at,
+            "length": plan.duration - plan.step_at + plan.timeout + 1.0,
+        },
+        "families": families,
+        "fleet": {
+            "cpu": {
+                "nodes": nodes,
+                "memory_gb": memory_bytes / 2**30,
+                "speed": 1.0,
+                "cost_per_hour": 0.0,
+                "cold_start": float(np.median(loads)),
+                "source": "the calibration run's measured loads (median)",
+            }
+        },
+        "scaling": {
+            "tick": 1.0,
+            "scheduling_delay": float(calibration.get("scheduling_delay", 1.0)),
+            "timeout": plan.timeout,
+            "latency_budget": float(calibration.get("latency_budget", 0.3)),
+            "target_utilisation": float(calibration.get("target_utilisation", 0.7)),
+            "max_queue_size": int(calibration.get("max_queue_size", 128)),
+        },
+        "policies": ["predictive"],
+    }
+    scenario = from_dict(doc)
+    # The catalogue ranks models by Zipf popularity; the plan's versions are in rank order, so model i is version i.
+    return scenario.scaled(assignment=tuple(range(len(plan.versions))))
+
+
+def with_overhead(hist: np.ndarray, overhead_ms: Sequence[float], seed: int, draws: int = 50_000) -> np.ndarray:
+    """Latencies in ms: the simulator's (a histogram over `sim.metrics.EDGES`, seconds) plus, independently, the
+    overhead the calibration measured per request outside the node (gateway, streams, reply, client), drawn
+    from its samples. The simulator models the node's queue and compute, not that path."""
+    rng = np.random.default_rng(seed)
+    centres = np.sqrt(EDGES[:-1] * EDGES[1:]) * 1000
+    node = rng.choice(centres, size=draws, p=hist / hist.sum())
+    extra = rng.choice(np.asarray(overhead_ms, dtype=float), size=draws) if len(overhead_ms) else 0.0
+    return node + extra
+
+
+def simulated(plan: Plan, calibration: Mapping[str, Any], *, nodes: int, memory_bytes: int) -> dict[str, Any]:
+    """The simulator's side, in the shape `judge` reads (the calibration's overhead outside the node added to
+    each simulated latency, `with_overhead`)."""
+    run = Simulation(scenario_for(plan, calibration, nodes=nodes, memory_bytes=memory_bytes), "predictive")
+    result = run.run()
+    latencies = with_overhead(run.metrics.hists.sum(axis=0), calibration.get("overhead_ms", ()), plan.seed)
+    answered = result["outcomes"]["served"] + result["outcomes"]["fallback"]
+    return {
+        "requests": result["requests"],
+        "answered": answered,
+        "throughput": answered / plan.duration,
+        "refused": result["outcomes"]["shed"] + result["outcomes"]["expired"],
+        "p50_ms": float(np.percentile(latencies, 50)),
+        "p99_ms": float(np.percentile(latencies, 99)),
+        "node_p50_ms": result["latency_ms"]["p50"],
+        "node_p99_ms": result["latency_ms"]["p99"],
+        "replicas": [[row["t"], row.get("replicas_ready", 0.0)] for row in result["timeline"]],
+        "cold_starts": result["cold_starts"],
+    }
+
+
+def summarise_answers(answers: Sequence[tuple[float, int, float]], plan: Plan) -> dict[str, Any]:
+    """The compared run's client side: `answers` are (sent at, status, latency seconds)."""
+    ok = [latency * 1000 for _, status, latency in answers if status == 200]
+    return {
+        "requests": len(answers),
+        "answered": len(ok),
+        "throughput": len(ok) / plan.duration,
+        "refused": len(answers) - len(ok),
+        "p50_ms": float(np.percentile(ok, 50)) if ok else math.nan,
+        "p99_ms": float(np.percentile(ok, 99)) if ok else math.nan,
+    }
+
+
+def replicas_by_window(samples: Sequence[tuple[float, int]], plan: Plan) -> list[list[float]]:
+    """Replicas ready (sampled: seconds from the start, count) as the simulator reports them: a mean per window,
+    stamped with the window's end."""
+    rows = []
+    for i in range(math.ceil(plan.duration / plan.window)):
+        lo, hi = i * plan.window, (i + 1) * plan.window
+        inside = [n for t, n in samples if lo <= t < hi]
+        rows.append([hi, float(np.mean(inside)) if inside else math.nan])
+    return rows
+
+
+def latency_agrees(simulated_ms: float, measured_ms: float) -> bool:
+    if not (math.isfinite(simulated_ms) and math.isfinite(measured_ms)):
+        return False
+    if simulated_ms < SMALL_MS and measured_ms < SMALL_MS:
+        return abs(simulated_ms - measured_ms) <= ABSOLUTE_MS
+    return abs(simulated_ms - measured_ms) <= WITHIN * measured_ms
+
+
+def judge(measured: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, bool]:
+    """Each check, True where the simulator agrees with the real run."""
+    real_replicas = [n for _, n in measured["replicas"] if math.isfinite(n)]
+    sim_replicas = [n for _, n in sim["replicas"][: len(measured["replicas"])]]
+    pairs = [(a, b) for (_, a), (_, b) in zip(measured["replicas"], sim["replicas"], strict=False) if math.isfinite(a)]
+    gap = float(np.mean([abs(a - b) for a, b in pairs])) if pairs else math.inf
+    return {
+        "p50": latency_agrees(sim["p50_ms"], measured["p50_ms"]),
+        "p99": latency_agrees(sim["p99_ms"], measured["p99_ms"]),
+        "throughput": abs(sim["throughput"] - measured["throughput"]) <= WITHIN * measured["throughput"],
+        # the step's replica: the most ready at once agrees, and per window they differ by half a replica at most
+        "replicas_peak": bool(real_replicas and sim_replicas) and round(max(real_replicas)) == round(max(sim_replicas)),
+        "replicas_over_time": gap <= 0.5,
+        "cold_starts": abs(sim["cold_starts"] - measured["cold_starts"]) <= max(1, WITHIN * measured["cold_starts"]),
+    }
+
+
+def plan_doc(plan: Plan) -> dict[str, Any]:
+    return asdict(plan)

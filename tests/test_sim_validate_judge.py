@@ -1,0 +1,107 @@
+"""The distributed validation's plain parts (`sim.validation_fleet`): the plan, its timetable, the simulated twin
+and the judge, without processes. The judge must be able to say no: a simulator that ran the versions at half
+their measured speed, or missed the step's replica, fails it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sim import validation_fleet as vf
+from sim.metrics import EDGES
+
+
+def calibration(plan: vf.Plan, slowdown: float = 1.0) -> dict:
+    """Profiles of the kind the calibration run measures (a few ms a batch, batches gaining 3x to 4x)."""
+    versions = {}
+    for i, v in enumerate(plan.versions):
+        t1 = (1.5 + 0.3 * i) * slowdown
+        versions[v.name] = {
+            "profile_ms": {1: t1, v.max_batch_size: t1 * v.max_batch_size / 3.5},
+            "memory_bytes": 4 * v.width**2,
+            "load_seconds": 0.5,
+        }
+    return {"versions": versions, "overhead_ms": [8.0, 9.0, 10.0, 12.0, 30.0], "target_utilisation": 0.7}
+
+
+def test_the_plan_is_ten_versions_of_different_sizes_with_zipf_shares() -> None:
+    plan = vf.zipf_plan(10)
+    shares = [v.share for v in plan.versions]
+    assert len(plan.versions) == 10 and sum(shares) == pytest.approx(1.0)
+    assert shares == sorted(shares, reverse=True) and shares[0] / shares[1] == pytest.approx(2.0)
+    assert len({(v.width, v.layers) for v in plan.versions}) == 10
+    assert {v.max_batch_size for v in plan.versions} == {8, 16, 32}
+
+
+def test_the_timetable_is_the_plans_rates_and_shares_and_the_same_every_time() -> None:
+    plan = vf.zipf_plan(10, rate=20.0, step_rate=60.0, step_at=100.0, duration=200.0)
+    times = vf.arrivals(plan)
+    assert times == vf.arrivals(plan)  # deterministic in the seed
+    before = [t for t, _ in times if t < 100.0]
+    after = [t for t, _ in times if t >= 100.0]
+    assert len(before) == pytest.approx(2000, rel=0.1) and len(after) == pytest.approx(6000, rel=0.1)
+    top = sum(1 for _, i in times if i == 0) / len(times)
+    assert top == pytest.approx(plan.versions[0].share, rel=0.1)
+
+
+def test_the_twin_scenario_names_each_version_with_its_calibrated_profile() -> None:
+    plan = vf.zipf_plan(10)
+    sc = vf.scenario_for(plan, calibration(plan), nodes=2, memory_bytes=256 << 20)
+    assert sc.assignment == tuple(range(10)) and sc.policies == ("predictive",)
+    assert sc.traffic.at(plan.step_at - 0.1) == plan.rate and sc.traffic.at(plan.step_at) == plan.step_rate
+    assert sc.traffic.at(plan.duration) == plan.step_rate  # the step lasts to the end
+    first = sc.families[0]
+    assert first.name == "val00" and dict(first.profile_ms)[1] == pytest.approx(1.5)
+    assert {f.cited["kind"] for f in sc.families} == {"measured"}
+
+
+def test_overhead_outside_the_node_is_added_per_request_not_as_one_constant() -> None:
+    hist = np.zeros(len(EDGES) - 1)
+    hist[np.searchsorted(EDGES, 0.004) - 1] = 100  # every simulated request about 4 ms
+    out = vf.with_overhead(hist, [1.0] * 98 + [100.0] * 2, seed=1)
+    assert np.percentile(out, 50) == pytest.approx(5.0, rel=0.05)
+    assert np.percentile(out, 99) == pytest.approx(104.0, rel=0.05)
+
+
+def measured_from(sim: dict, **changes: object) -> dict:
+    return {k: sim[k] for k in ("throughput", "p50_ms", "p99_ms", "replicas", "cold_starts")} | changes
+
+
+def test_the_judge_agrees_with_itself_and_says_no_to_a_slower_simulator() -> None:
+    plan = vf.zipf_plan(10, duration=30.0, step_at=12.0)
+    sim = vf.simulated(plan, calibration(plan), nodes=2, memory_bytes=256 << 20)
+    assert all(vf.judge(measured_from(sim), sim).values())
+    # given a "real" run whose versions computed at a third of the speed the simulator was told
+    slow = vf.simulated(plan, calibration(plan, slowdown=3.0), nodes=2, memory_bytes=256 << 20)
+    verdict = vf.judge(measured_from(slow), sim)
+    # then the latencies no longer agree
+    assert not verdict["p50"] or not verdict["p99"], (slow["p50_ms"], sim["p50_ms"], slow["p99_ms"], sim["p99_ms"])
+
+
+def test_latencies_agree_within_a_fifth_or_5_ms_when_both_are_small() -> None:
+    assert vf.latency_agrees(20.0, 24.0) and not vf.latency_agrees(10.0, 16.0)
+    assert vf.latency_agrees(110.0, 100.0) and not vf.latency_agrees(130.0, 100.0)
+    assert not vf.latency_agrees(math.nan, 10.0)
+
+
+def test_replicas_and_cold_starts_must_match_over_time() -> None:
+    sim = {
+        "throughput": 30.0,
+        "p50_ms": 10.0,
+        "p99_ms": 40.0,
+        "replicas": [[5.0, 10.0], [10.0, 10.0], [15.0, 11.0], [20.0, 11.0]],
+        "cold_starts": 1,
+    }
+    same = measured_from(sim)
+    assert all(vf.judge(same, sim).values())
+    # a real run that never added the step's replica, nor loaded it
+    never = measured_from(sim, replicas=[[5.0, 10.0], [10.0, 10.0], [15.0, 10.0], [20.0, 10.0]], cold_starts=0)
+    verdict = vf.judge(never, sim)
+    assert not verdict["replicas_peak"] and verdict["cold_starts"]  # one cold start apart is within the bound
+    late = measured_from(sim, replicas=[[5.0, 10.0], [10.0, 10.0], [15.0, 10.0], [20.0, 10.0]], cold_starts=3)
+    assert not vf.judge(late, sim)["cold_starts"]
+    # windows sampled before the nodes answered (nan) are left out
+    gaps = measured_from(sim, replicas=[[5.0, math.nan], [10.0, 10.0], [15.0, 11.0], [20.0, 11.0]])
+    assert vf.judge(gaps, sim)["replicas_over_time"]
