@@ -28,7 +28,8 @@ from autoscaling.models import ScalingPolicy
 from autoscaling.providers import NodeProvider, Pool, ProviderError, nodes_wanted, pools_from
 from serving.models import ModelVersion, State
 from serving.policies.autoscale import Autoscaler, Decision, Plan
-from serving.reconciler import read_fleet
+from serving.policies.placement import replica_load
+from serving.reconciler import LOAD_KEY, read_fleet
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def _tick(
     ttl = max(STATE_TTL_SECONDS, int(2 * settings.FERRY_AUTOSCALE_SEASON_S))
     client.set(STATE_KEY, json.dumps(scaler.export_state()), ex=ttl)
     report.plan = plan
+    _write_loads(client, targets, plan, max(60, 10 * settings.FERRY_AUTOSCALE_SECONDS))  # stale once ticks stop
 
     for target in targets:
         decision = plan.decisions[target.key]
@@ -143,6 +145,24 @@ def _tick(
             report.provider_error = str(exc)
             log.error("autoscaler: the node provider failed: %s", exc)
     return report
+
+
+def _write_loads(client: redis.Redis, targets: list, plan: Plan, ttl: int) -> None:
+    """Each sized version's planned device share per replica, for the placement reconciler (LOAD_KEY): its
+    share of the demand it was sized for, at what its batches cost at that rate (no batch window assumed: the
+    smallest batches, the safe side). The simulator places with the same `placement.replica_load`."""
+    loads = {}
+    for target in targets:
+        decision = plan.decisions[target.key]
+        if decision.replicas > 0 and decision.reason != "no_data":
+            rate = decision.demand / decision.replicas
+            loads[target.key] = round(replica_load(rate, target.estimate.estimate, target.config.max_batch_size), 6)
+    pipe = client.pipeline()
+    pipe.delete(LOAD_KEY)
+    if loads:
+        pipe.hset(LOAD_KEY, mapping=loads)
+        pipe.expire(LOAD_KEY, ttl)
+    pipe.execute()
 
 
 def _capacity(decision: Decision) -> dict[str, float | bool]:

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 LOCK_KEY = "ferry:placement:lock"
 PENDING_KEY = "ferry:placement:pending"  # field "<op>|<node>|<version key>" -> epoch seconds it lapses
+# field <version key> -> the device share one replica plans on (`placement.replica_load`), as the autoscaler's
+# last tick sized it (autoscaling.tick); a version without one is placed by memory alone.
+LOAD_KEY = "ferry:placement:load"
 LOCK_SECONDS = 30  # a step holds it this long at most (a reconciler killed mid-step frees it by then)
 REASON_PREFIX = "placement: "  # what this module writes into unschedulable_reason (nodes write their own)
 
@@ -155,9 +158,14 @@ def clear_pending(pending_field: str, url: str | None = None) -> None:
         client.close()
 
 
-def spec_of(version: object) -> VersionSpec:
+def read_loads(client: redis.Redis) -> dict[str, float]:
+    """Each version's planned device share per replica, as the autoscaler last wrote it (LOAD_KEY)."""
+    return {k.decode(): float(v) for k, v in client.hgetall(LOAD_KEY).items()}
+
+
+def spec_of(version: object, load: float = 0.0) -> VersionSpec:
     """A version as placement sees it; its footprint the largest any accelerator type measured, else what
-    validation measured."""
+    validation measured; `load` its replica's planned device share (0: not known)."""
     measured = [
         m.get("memory_bytes", 0) for m in (version.placement_measurements or {}).values() if isinstance(m, dict)
     ]
@@ -170,6 +178,7 @@ def spec_of(version: object) -> VersionSpec:
         pinned=version.pinned,
         stable=version.model.stable_version == version.version,
         min_replicas=version.min_replicas,
+        load=load,
     )
 
 
@@ -206,7 +215,8 @@ def reconcile(
             nodes = read_fleet(client)
             pending = read_pending(client, now)
             versions = list(ModelVersion.objects.servable().filter(loaded=True))
-            specs = {v.key: spec_of(v) for v in versions}
+            loads = read_loads(client)
+            specs = {v.key: spec_of(v, loads.get(v.key, 0.0)) for v in versions}
             wants = {v.key: desired_replicas(v) for v in versions}
             result = plan(wants, specs, nodes, pending, now=now)
             send(client, result, now)

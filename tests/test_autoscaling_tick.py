@@ -19,6 +19,7 @@ from autoscaling.tick import LOCK_KEY, STATE_KEY, run_tick
 from serving.dataplane.transport import fleet
 from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.models import ModelVersion
+from serving.reconciler import read_loads
 from tenants.models import AuditEntry
 from tests.conftest import register
 
@@ -142,6 +143,8 @@ def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_do
     assert entry.before == {"desired_replicas": 1} and entry.after["desired_replicas"] == 3
     assert entry.after["reason"] == "max"
     assert entry.after["capacity_per_s"] == pytest.approx(400.0) and entry.after["capacity_observed"] is False
+    # and each replica's planned device share is in Redis for the placement reconciler, which places by it
+    assert read_loads(client)["scaled:1"] > 0
     # and the history is in Redis, so the next tick (any worker's) holds 3 through the cool-down
     assert "scaled:1" in json.loads(client.get(STATE_KEY))["tracks"]
     # once the replicas have answered the backlog (nodes delete what they answered) and no more requests

@@ -225,3 +225,17 @@ def test_a_node_records_hot_then_warm_then_cold_for_what_is_on_its_disk() -> Non
     assert tiers(node) == {"a:1": "hot", "b:1": "warm", "c:1": "cold"}
     # and the heartbeat carries the cold tier through Redis's hash
     assert NodeInfo.from_hash({k.encode(): v for k, v in node.to_hash().items()}).cached == node.cached
+
+
+def test_a_node_whose_replicas_plan_on_its_compute_gets_no_other_hot_one() -> None:
+    # given node a holding a replica planned at 70% of its device and node b holding a quiet one, a the tighter fit
+    specs = {"hot:1": spec("hot:1", 20 * GIB, load=0.7), "quiet:1": spec("quiet:1", load=0.05)}
+    nodes = [node("a", assigned={"hot:1"}), node("b", assigned={"quiet:1"})]
+    # when a second hot version, planned at 50% a replica, wants one: memory alone would put it on a
+    specs["hot:2"] = spec("hot:2", load=0.5)
+    result = plan({"hot:1": 1, "quiet:1": 1, "hot:2": 1}, specs, nodes)
+    # then it goes to b, as the simulator's placement would put it (the same `placement.place`)
+    assert result.loads == [("b", "hot:2")]
+    assert plan({"hot:1": 1, "quiet:1": 1, "hot:2": 1}, {**specs, "hot:2": spec("hot:2")}, nodes).loads == [
+        ("a", "hot:2")
+    ]
