@@ -11,6 +11,7 @@ core, after the timed run (TIMED), which runs alone; the validation against the 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -46,12 +47,26 @@ def log(msg: str) -> None:
     print(f"[sim] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(path: str, policy: str, duration: float | None, gain: float | None = None) -> dict[str, Any]:
+def _run(
+    path: str, policy: str, duration: float | None, gain: float | None = None, cache: str | None = None
+) -> dict[str, Any]:
+    """One run; with `cache`, a run of the same scenario file, policy, duration and gain found there is reused
+    (an interrupted `make sim` goes on where it stopped), and a new one is saved there."""
+    saved = None
+    if cache:
+        text = Path(path).read_text()
+        digest = hashlib.sha256(f"{text}|{policy}|{duration}|{gain}".encode()).hexdigest()[:16]
+        saved = Path(cache) / f"{Path(path).stem}-{policy}-{gain}-{digest}.json"
+        if saved.exists():
+            return json.loads(saved.read_text())
     sc = scenarios.load(path)
     if gain is not None:
         sc = scenarios.with_gain(sc, gain)
     result = simulate(sc, policy, duration=duration, progress=log)
     result["gain"] = gain
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(_clean(result)))
     return result
 
 
@@ -72,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="scenario names (default: every shipped one)")
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--duration", type=float, help="simulate only this many seconds of each (a quick look)")
+    p.add_argument("--cache", help="a folder where each run is saved as it ends, and reused when run again")
     p.add_argument(
         "--timed-with-others",
         action="store_true",
@@ -91,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     timed = [job for job in jobs if (loaded[job[0]].name, job[1]) == TIMED]
     rest = [job for job in jobs if job not in timed]
+    rest.sort(key=lambda job: -loaded[job[0]].duration)  # the longest first: they bound the pool's wall time
     if args.timed_with_others:  # first in the pool, beside the others
         timed, rest = [], timed + rest
     results = {}
@@ -103,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         with ProcessPoolExecutor(max_workers=workers) as pool:
             seconds = args.duration or SENSITIVITY_SECONDS
-            later = [pool.submit(_run, path, p, seconds, g) for path, p, g in sensitivity_jobs] if batch is rest else []
-            futures = {job: pool.submit(_run, *job, args.duration) for job in batch}
+            futures = {job: pool.submit(_run, *job, args.duration, None, args.cache) for job in batch}
+            later = (
+                [pool.submit(_run, path, p, seconds, g, args.cache) for path, p, g in sensitivity_jobs]
+                if batch is rest
+                else []
+            )
             for job, future in futures.items():
                 results[job] = _clean(future.result())
                 r = results[job]
