@@ -98,6 +98,7 @@ PAGES = {
     "redishop": "benchmarks/request-path.md",
     "packing": "benchmarks/fleet.md",
     "fleet200": "benchmarks/fleet.md",
+    "grpc": "benchmarks/grpc.md",
 }
 
 

@@ -68,6 +68,9 @@ _split_for_worker()
 # the tests start inherit this environment. 60 s is the longest client deadline the gateway ever took.
 SUITE_LATENCY_BUDGET_MS = "60000"
 os.environ.setdefault("FERRY_LATENCY_BUDGET_MS", SUITE_LATENCY_BUDGET_MS)
+# gRPC off in every server the suite starts: on its fixed default port (8001, SO_REUSEPORT) two servers would
+# share connections. tests/test_grpc*.py give theirs a free port.
+os.environ.setdefault("FERRY_GRPC_PORT", "0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

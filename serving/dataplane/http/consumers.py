@@ -31,6 +31,7 @@ from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.dataplane import plane as dataplane
+from serving.dataplane import tracing
 from serving.dataplane.errors import NotFound, ServingError, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
@@ -282,29 +283,40 @@ class InferenceRequest:
         plane = dataplane.current()
         if plane is None:
             raise Unavailable("the data plane is starting", retry_after=1)
+        if tracing.ENABLED:
+            return await self._traced(plane, name, version, body)
         caller = authenticate(self.headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
         plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
         caller.require("infer")
         return await self._infer(plane, caller, name, version, body)
+
+    async def _traced(
+        self, plane: dataplane.DataPlane, name: str, version: str | None, body: bytes
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """`_infer_path`'s steps under the request's span (`serving.dataplane.tracing`), the child of the
+        caller's `traceparent` when it sent one."""
+        span = tracing.start_request(
+            "ferry.infer",
+            tracing.from_headers(self.headers),
+            **{"http.request.method": self.method, "url.path": self.path, "ferry.model": name},
+        )
+        with tracing.active(span):
+            with tracing.child("ferry.auth"):
+                snapshot = plane.gateway.snapshot
+                caller = authenticate(self.headers.get(b"authorization"), snapshot, plane.pepper, time.time())
+                plane.used_keys.add(caller.prefix)
+                caller.require("infer")
+            status, payload, headers = await self._infer(plane, caller, name, version, body)
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", status)
+            return status, payload, headers
 
     async def _infer(
         self, plane: dataplane.DataPlane, caller: Caller, name: str, version: str | None, body: bytes
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         viewer = caller.tenant_id
         gateway = plane.gateway
-        # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
-        self._shed_if_saturated(plane, name, version, viewer)
-        limits = gateway.snapshot.tenants.get(viewer)
-        quota = plane.quota
-        try:
-            if quota is None or limits is None:  # quotas off, or a snapshot from a build without them
-                ticket = None
-            elif quota.shared is None:  # in-process: decided without a coroutine
-                ticket = quota.admit_here(viewer, limits)
-            else:
-                ticket = await quota.admit(viewer, limits)
-        except QuotaExceeded as refused:
-            self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
+        ticket, limits = await self.admit(plane, name, version, viewer)
         try:
             raw_length = self.headers.get(b"inference-header-content-length")
             runner = pipeline_runner(gateway)  # a pipeline is served at a model's path, charged once above
@@ -324,6 +336,30 @@ class InferenceRequest:
         if ticket is not None:
             return reply.status, reply.body, [*reply.headers, *ticket.decision.headers()]
         return reply.status, reply.body, reply.headers
+
+    async def admit(
+        self, plane: dataplane.DataPlane, name: str, version: str | None, viewer: int
+    ) -> tuple[Ticket | None, TenantEntry | None]:
+        """What an inference request passes before the gateway, whatever its protocol (REST here, gRPC in
+        serving.dataplane.grpc): shed when this process is saturated, then the tenant's quota (OverQuota,
+        429, counted and metered). The quota's ticket (None: quotas off; the caller releases it once
+        answered) and the tenant's limits (its priority tier)."""
+        # Shed before the quota: a request the server cannot take now must not spend its tenant's budget.
+        self._shed_if_saturated(plane, name, version, viewer)
+        limits = plane.gateway.snapshot.tenants.get(viewer)
+        quota = plane.quota
+        try:
+            if quota is None or limits is None:  # quotas off, or a snapshot from a build without them
+                ticket = None
+            elif quota.shared is None:  # in-process: decided without a coroutine
+                with tracing.child("ferry.quota"):
+                    ticket = quota.admit_here(viewer, limits)
+            else:
+                with tracing.child("ferry.quota"):
+                    ticket = await quota.admit(viewer, limits)
+        except QuotaExceeded as refused:
+            self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
+        return ticket, limits
 
     async def _model_path(
         self, plane: dataplane.DataPlane, caller: Caller, method: str, parts: list[str], body: bytes
@@ -384,29 +420,36 @@ class InferenceRequest:
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             caller.require("manage")
             _json_options(body, {"parameters": dict})
-            name, load = parts[1], parts[2] == "load"
-            model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
-            if model.tenant_id != caller.tenant_id:
-                # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
-                # its own tenant's call.
-                raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
-            if plane.set_loaded is None:
-                raise Unavailable("this process cannot change what is loaded; use the control plane's API")
-            # Each writes the database and republishes the snapshot for every gateway: a request of the
-            # quota and a token of the tenant's own, slower, load/unload bucket.
-            ticket = await self._control_ticket(plane, caller.tenant_id, loads=True)
-            try:
-                snapshot = await sync_to_async(plane.set_loaded)(name, load)
-                await plane.wait_reconciled(snapshot.serial)
-            finally:
-                if ticket is not None:
-                    plane.quota.release(ticket)  # type: ignore[union-attr]
-            if load:
-                failures = [f.reason for k, f in plane.node.failures.items() if k.startswith(f"{name}:")]
-                if failures:
-                    raise ServingError(f"load failed: {failures[0]}", status=409)
-            return 200, b"", [*JSON, *(ticket.decision.headers() if ticket is not None else ())]
+            return 200, b"", [*JSON, *await self.set_loaded(plane, caller, parts[1], parts[2] == "load")]
         raise NotFound("no such repository endpoint")
+
+    async def set_loaded(
+        self, plane: dataplane.DataPlane, caller: Caller, name: str, load: bool
+    ) -> list[tuple[bytes, bytes]]:
+        """The repository extension's load or unload of model `name` by `caller` (who has the `manage`
+        scope), whatever the protocol: 404 for a model it may not see, 403 for one it sees but does not own,
+        429 past its quota, 409 when the load failed. The quota's RateLimit headers."""
+        model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
+        if model.tenant_id != caller.tenant_id:
+            # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
+            # its own tenant's call.
+            raise Forbidden(f"model '{name}' belongs to another tenant: only its own keys load or unload it")
+        if plane.set_loaded is None:
+            raise Unavailable("this process cannot change what is loaded; use the control plane's API")
+        # Each writes the database and republishes the snapshot for every gateway: a request of the
+        # quota and a token of the tenant's own, slower, load/unload bucket.
+        ticket = await self._control_ticket(plane, caller.tenant_id, loads=True)
+        try:
+            snapshot = await sync_to_async(plane.set_loaded)(name, load)
+            await plane.wait_reconciled(snapshot.serial)
+        finally:
+            if ticket is not None:
+                plane.quota.release(ticket)  # type: ignore[union-attr]
+        if load:
+            failures = [f.reason for k, f in plane.node.failures.items() if k.startswith(f"{name}:")]
+            if failures:
+                raise ServingError(f"load failed: {failures[0]}", status=409)
+        return ticket.decision.headers() if ticket is not None else []
 
     async def _charge(self, plane: dataplane.DataPlane, tenant_id: int) -> list[tuple[bytes, bytes]]:
         """Take one request of the tenant's quota for a control call answered at once (metadata, ready,

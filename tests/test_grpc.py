@@ -1,0 +1,263 @@
+"""tritonclient.grpc, unchanged, against a live Ferry's gRPC port: the checks tests/test_tritonclient.py runs with
+tritonclient.http (metadata, digits accuracy, a bad key, an unknown and a foreign model, overload, a deadline),
+the quota, the repository extension, and ModelStreamInfer."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import LiveServer, free_port, mint_key, register, tenant
+from tests.test_inference_http import HELD, grew, metrics, wait_until
+from tests.test_quota_http import set_quota
+
+
+@pytest.fixture
+def grpc_port(settings) -> int:  # noqa: ANN001
+    # Before the server starts (its lifespan reads it); the suite has gRPC off (tests/xdist_workers.py).
+    settings.FERRY_GRPC_PORT = port = free_port()
+    # Not a saturation test: a busy machine must not shed these requests.
+    settings.FERRY_LOOP_LAG_TARGET_MS = settings.FERRY_MAX_LOOP_LAG_MS = 60_000
+    settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
+    return port
+
+
+@pytest.fixture
+def server(grpc_port, digits_server) -> LiveServer:  # noqa: ANN001
+    digits_server.grpc_url = f"127.0.0.1:{grpc_port}"
+    return digits_server
+
+
+@pytest.fixture
+def client(server) -> Iterator[grpcclient.InferenceServerClient]:  # noqa: ANN001
+    c = grpcclient.InferenceServerClient(url=server.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def auth(server) -> dict[str, str]:  # noqa: ANN001
+    """What an application passes to every tritonclient call: its API key, as gRPC metadata."""
+    return {"authorization": f"Bearer {server.key}"}
+
+
+def digits_input(rows: np.ndarray) -> grpcclient.InferInput:
+    inp = grpcclient.InferInput("input", list(rows.shape), "FP32")
+    inp.set_data_from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+    return inp
+
+
+def status_of(exc: InferenceServerException) -> str:
+    return exc.status() or ""
+
+
+def test_without_the_key_the_client_raises_unauthenticated(client) -> None:  # noqa: ANN001
+    # given no metadata / when inferring or reading metadata / then UNAUTHENTICATED; health stays open
+    for attempt in (
+        lambda: client.infer("digits", [digits_input(np.zeros((1, 64)))]),
+        lambda: client.get_model_metadata("digits"),
+        lambda: client.infer("digits", [digits_input(np.zeros((1, 64)))], headers={"authorization": "Bearer fy_x_y"}),
+    ):
+        with pytest.raises(InferenceServerException, match="API key") as refused:
+            attempt()
+        assert status_of(refused.value) == "StatusCode.UNAUTHENTICATED"
+    assert client.is_server_live() and client.is_server_ready()
+    assert "binary_tensor_data" in client.get_server_metadata(as_json=True)["extensions"]
+
+
+def test_a_key_without_the_scope_is_permission_denied(client, server) -> None:  # noqa: ANN001
+    token = mint_key(scopes=("manage",))
+    with pytest.raises(InferenceServerException, match="'infer' scope") as refused:
+        client.infer("digits", [digits_input(np.zeros((1, 64)))], headers={"authorization": f"Bearer {token}"})
+    assert status_of(refused.value) == "StatusCode.PERMISSION_DENIED"
+
+
+def test_health_and_metadata(client, auth) -> None:  # noqa: ANN001
+    # given a server with the digits model / when asked as Triton's client asks / then it answers as Triton
+    assert client.is_model_ready("digits", headers=auth)
+    assert client.is_model_ready("digits", "1", headers=auth)
+    meta = client.get_model_metadata("digits", headers=auth, as_json=True)
+    assert meta["name"] == "digits" and meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": ["-1", "64"]}]
+    assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": ["-1", "10"]}]
+    config = client.get_model_config("digits", headers=auth).config
+    assert config.max_batch_size == 16 and config.input[0].dims == [64]
+    assert config.dynamic_batching.default_queue_policy.default_timeout_microseconds > 0
+    server = client.get_server_metadata()
+    assert server.name == "ferry" and "model_repository" in server.extensions
+
+
+def test_prediction_matches_label(client, auth, digits_samples) -> None:  # noqa: ANN001
+    # given held-out digits / when sent through tritonclient.grpc (raw_input_contents) / then they are right
+    x, y = digits_samples
+    rows = x[-64:]
+    correct = 0
+    for i in range(len(rows)):
+        result = client.infer(
+            "digits",
+            [digits_input(rows[i : i + 1])],
+            outputs=[grpcclient.InferRequestedOutput("scores")],
+            request_id=f"r{i}",
+            headers=auth,
+        )
+        scores = result.as_numpy("scores")
+        assert scores.shape == (1, 10) and scores.dtype == np.float32
+        correct += int(scores.argmax() == y[-64 + i])
+        response = result.get_response()
+        assert (response.model_version, response.id) == ("1", f"r{i}")
+    assert correct / len(rows) >= 0.85
+
+
+def test_typed_contents_answer_as_raw_ones(server, client, auth, digits_samples) -> None:  # noqa: ANN001
+    # given five rows / when sent once as raw bytes (tritonclient) and once in fp32_contents (a bare stub)
+    x, _ = digits_samples
+    raw = client.infer("digits", [digits_input(x[:5])], headers=auth).as_numpy("scores")
+    request = service_pb2.ModelInferRequest(model_name="digits")
+    request.inputs.add(name="input", datatype="FP32", shape=[5, 64]).contents.fp32_contents.extend(
+        x[:5].astype(np.float32).ravel().tolist()
+    )
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(request, metadata=tuple(auth.items()))
+    typed = np.frombuffer(response.raw_output_contents[0], "<f4").reshape(5, 10)
+    # then the answers agree
+    np.testing.assert_allclose(typed, raw, rtol=1e-6)
+
+
+def test_torch_export_model_and_pinned_version(client, auth, digits_samples) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    result = client.infer("digits-export", [digits_input(x[:1])], model_version="1", headers=auth)
+    assert result.as_numpy("scores").argmax() == y[0]
+
+
+def test_bad_input_is_invalid_argument(client, auth) -> None:  # noqa: ANN001
+    inp = grpcclient.InferInput("input", [1, 64], "FP64")
+    inp.set_data_from_numpy(np.zeros((1, 64), dtype=np.float64))
+    with pytest.raises(InferenceServerException, match="expected datatype FP32") as refused:
+        client.infer("digits", [inp], headers=auth)
+    assert status_of(refused.value) == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_an_unknown_and_a_foreign_model_are_not_found_alike(server, client, auth, model_files) -> None:  # noqa: ANN001
+    # given a private model of another tenant
+    other = tenant("other")
+    register(model_files.digits, "theirs", owner=other, visibility="private")
+    server.refresh()
+    # when this tenant asks for it, or for a model that does not exist / then NOT_FOUND, the same words
+    answers = {}
+    for name in ("theirs", "nope"):
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(name, [digits_input(np.zeros((1, 64)))], headers=auth)
+        assert status_of(refused.value) == "StatusCode.NOT_FOUND"
+        answers[name] = refused.value.message().replace(name, "NAME")
+        with pytest.raises(InferenceServerException, match="unknown model") as meta:
+            client.get_model_metadata(name, headers=auth)
+        assert status_of(meta.value) == "StatusCode.NOT_FOUND"
+    assert answers["theirs"] == answers["nope"]
+    # while its own tenant's key is served
+    mine = {"authorization": f"Bearer {mint_key('other')}"}
+    assert client.infer("theirs", [digits_input(np.zeros((1, 64)))], headers=mine).as_numpy("scores").shape == (1, 10)
+
+
+def test_an_expired_deadline_is_deadline_exceeded(client, auth, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    # given a request whose timeout is 1 microsecond / then the server refuses it: DEADLINE_EXCEEDED (or
+    # UNAVAILABLE from admission), naming the deadline
+    with pytest.raises(InferenceServerException, match="deadline") as refused:
+        client.infer("digits", [digits_input(x[:1])], timeout=1, headers=auth)
+    assert status_of(refused.value) in ("StatusCode.DEADLINE_EXCEEDED", "StatusCode.UNAVAILABLE")
+    # and gRPC's own deadline, once passed, is DEADLINE_EXCEEDED too
+    with pytest.raises(InferenceServerException) as late:
+        client.infer("digits", [digits_input(x[:1])], client_timeout=1e-6, headers=auth)
+    assert status_of(late.value) == "StatusCode.DEADLINE_EXCEEDED"
+    # while a generous one is served
+    assert client.infer("digits", [digits_input(x[:1])], client_timeout=30, headers=auth).as_numpy("scores").size
+
+
+def test_a_full_queue_is_unavailable_with_a_retry_hint(server, auth, digits_samples, model_files) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    # given a model whose queue holds one request, with one waiting in its 2 s window
+    register(model_files.digits, "held", **HELD)
+    server.refresh()
+    before = metrics(server)
+    box: dict = {}
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        def request(i: int) -> service_pb2.ModelInferRequest:
+            m = service_pb2.ModelInferRequest(model_name="held")
+            m.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+            m.raw_input_contents.append(x[i : i + 1].astype(np.float32).tobytes())
+            return m
+
+        first = threading.Thread(target=lambda: box.update(r=stub.ModelInfer(request(0), metadata=tuple(auth.items()))))
+        first.start()
+        plane = server.plane()
+        wait_until(lambda: plane.node.queue_depth("held:1") == 1 or not first.is_alive(), "a request in the queue")
+        # when another comes / then UNAVAILABLE naming the bound, with retry-after in the trailing metadata
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(request(1), metadata=tuple(auth.items()))
+        first.join(timeout=30)
+    error = refused.value
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "max_queue_size" in error.details()
+    trailers = dict(error.trailing_metadata())
+    assert int(trailers["retry-after"]) >= 1 and trailers["ferry-status"] == "503"
+    # and the waiting one was answered
+    assert np.frombuffer(box["r"].raw_output_contents[0], "<f4").argmax() == y[0]
+    after = metrics(server)
+    assert grew(before, after, "ferry_requests_total", model="held", version="1", status="503") == 1
+
+
+def test_over_quota_is_resource_exhausted(server, client, auth) -> None:  # noqa: ANN001
+    # given a tenant with two requests left this month
+    set_quota(monthly_requests=2)
+    server.refresh()
+    for _ in range(2):
+        client.infer("digits", [digits_input(np.zeros((1, 64)))], headers=auth)
+    # when it sends a third / then RESOURCE_EXHAUSTED naming the monthly budget
+    with pytest.raises(InferenceServerException, match="monthly") as refused:
+        client.infer("digits", [digits_input(np.zeros((1, 64)))], headers=auth)
+    assert status_of(refused.value) == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_repository_index_unload_and_load(client, auth) -> None:  # noqa: ANN001
+    index = client.get_model_repository_index(headers=auth, as_json=True)["models"]
+    assert {"name": "digits", "version": "1", "state": "READY"} in [
+        {k: m.get(k) for k in ("name", "version", "state")} for m in index
+    ]
+    client.unload_model("digits", headers=auth)
+    assert not client.is_model_ready("digits", headers=auth)
+    client.load_model("digits", headers=auth)
+    assert client.is_model_ready("digits", headers=auth)
+
+
+def test_the_stream_answers_each_request_and_survives_a_bad_one(client, auth, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=auth)
+    try:
+        # when ten requests, and one with the wrong datatype among them, go down one stream
+        for i in range(10):
+            client.async_stream_infer("digits", [digits_input(x[i : i + 1])], request_id=str(i))
+        bad = grpcclient.InferInput("input", [1, 64], "FP64")
+        bad.set_data_from_numpy(np.zeros((1, 64)))
+        client.async_stream_infer("digits", [bad], request_id="bad")
+        got = [answers.get(timeout=60) for _ in range(11)]
+    finally:
+        client.stop_stream()
+    # then each good one is answered by its id, and the bad one with its reason, on the same stream
+    results = {r.get_response().id: r for r, e in got if e is None}
+    errors = [e for r, e in got if e is not None]
+    assert sorted(results, key=int) == [str(i) for i in range(10)]
+    for i in range(10):  # the same scores as the unary call gives
+        alone = client.infer("digits", [digits_input(x[i : i + 1])], headers=auth).as_numpy("scores")
+        np.testing.assert_allclose(results[str(i)].as_numpy("scores"), alone, rtol=1e-5, atol=1e-6)
+    assert len(errors) == 1 and "expected datatype FP32" in str(errors[0])

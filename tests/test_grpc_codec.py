@@ -1,0 +1,182 @@
+"""The gRPC side's pieces without a server: the vendored protos' generated code, the codec between
+ModelInferRequest/Response and the gateway's Inference/Served, the deadline gRPC hands in, and the error map."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from serving.dataplane.errors import ServingError, Shed
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.request import Served
+from serving.dataplane.gateway.snapshot import VersionEntry
+from serving.dataplane.grpc import codec, generate
+from serving.dataplane.grpc.proto import grpc_service_pb2 as pb
+from serving.dataplane.grpc.status import code_of, trailing
+from serving.dataplane.http.protocol import ProtocolError, TensorSpec
+from tests.test_admission import Clock
+from tests.test_latency_budget import Recording, gateway, snapshot
+
+
+def version(**changes: object) -> VersionEntry:
+    base = snapshot(300).models["m"].versions[1]
+    return dataclasses.replace(base, **changes)
+
+
+def message(x: np.ndarray, *, raw: bool = True, datatype: str = "FP32", **fields: object) -> pb.ModelInferRequest:
+    m = pb.ModelInferRequest(model_name="m", **fields)
+    tensor = m.inputs.add(name="input", datatype=datatype, shape=x.shape)
+    if raw:
+        m.raw_input_contents.append(x.tobytes())
+    else:
+        tensor.contents.fp32_contents.extend(x.ravel().tolist())
+    return m
+
+
+def decoded(m: pb.ModelInferRequest, entry: VersionEntry | None = None):  # noqa: ANN201
+    request = codec.request_of(m, 1)
+    request.decode(request, entry or version())  # type: ignore[misc]
+    return request
+
+
+def test_the_checked_in_code_is_what_protoc_makes_of_the_vendored_protos(tmp_path: Path) -> None:
+    # given the vendored protos / when regenerated / then the modules are byte for byte the checked-in ones
+    for path in generate.generate(tmp_path):
+        assert path.read_text() == (generate.PROTO_DIR / path.name).read_text(), path.name
+    assert (generate.PROTO_DIR / "LICENSE").read_text().startswith("Copyright (c)")
+
+
+def test_raw_and_typed_contents_decode_to_the_same_tensor() -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    raw, typed = decoded(message(x)), decoded(message(x, raw=False))
+    for request in (raw, typed):
+        assert request.rows == 2
+        np.testing.assert_array_equal(request.inputs["input"], x)
+        assert request.inputs["input"].dtype == np.float32
+
+
+def test_parameters_id_and_outputs_are_read() -> None:
+    m = message(np.zeros((1, 4), np.float32), id="r-1")
+    m.parameters["priority"].uint64_param = 2
+    m.parameters["timeout"].int64_param = 5000
+    m.outputs.add(name="scores")
+    request = codec.request_of(m, 7, tier=1)
+    assert (request.id, request.viewer, request.outputs) == ("r-1", 7, ("scores",))
+    assert request.parameters == {"priority": 2, "timeout": 5000}
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: message(np.zeros((1, 4), np.float64), datatype="FP64"), "expected datatype FP32"),
+        (lambda: message(np.zeros((1, 5), np.float32)), "expected shape"),
+        (lambda: message(np.zeros((9, 4), np.float32)), "exceeds max_batch_size"),
+        (lambda: _short_raw(), "raw_input_contents holds 12 bytes"),
+        (lambda: _fp16_typed(), "FP16 data must be sent in raw_input_contents"),
+        (lambda: _wrong_field(), "belongs in 'fp32_contents'"),
+        (lambda: _renamed("other"), "unknown input 'other'"),
+        (lambda: pb.ModelInferRequest(model_name="m"), "non-empty"),
+    ],
+)
+def test_input_the_signature_refuses_is_a_protocol_error(build, fragment: str) -> None:  # noqa: ANN001
+    entry = version(batching=dataclasses.replace(version().batching, max_batch_size=8))
+    if "FP16" in fragment:
+        entry = version(inputs=(TensorSpec("input", "FP16", (4,)),))
+    with pytest.raises(ProtocolError, match=fragment) as refused:
+        decoded(build(), entry)
+    assert refused.value.status == 400
+
+
+def _short_raw() -> pb.ModelInferRequest:
+    m = message(np.zeros((1, 4), np.float32))
+    m.raw_input_contents[0] = b"\0" * 12
+    return m
+
+
+def _fp16_typed() -> pb.ModelInferRequest:
+    m = pb.ModelInferRequest(model_name="m")
+    m.inputs.add(name="input", datatype="FP16", shape=[1, 4]).contents.fp32_contents.extend([0.0] * 4)
+    return m
+
+
+def _wrong_field() -> pb.ModelInferRequest:
+    m = pb.ModelInferRequest(model_name="m")
+    m.inputs.add(name="input", datatype="FP32", shape=[1, 4]).contents.int_contents.extend([0] * 4)
+    return m
+
+
+def _renamed(name: str) -> pb.ModelInferRequest:
+    m = message(np.zeros((1, 4), np.float32))
+    m.inputs[0].name = name
+    return m
+
+
+def test_an_output_asked_twice_is_refused() -> None:
+    m = message(np.zeros((1, 4), np.float32))
+    m.outputs.add(name="scores")
+    m.outputs.add(name="scores")
+    with pytest.raises(ProtocolError, match="more than once"):
+        codec.request_of(m, 1)
+
+
+def test_outputs_go_back_raw_little_endian_and_name_a_fallback() -> None:
+    asked = version()
+    served_by = dataclasses.replace(asked, model="small", version=3)
+    scores = np.arange(4, dtype=np.float32).reshape(2, 2)
+    request = codec.request_of(message(np.zeros((2, 4), np.float32), id="x"), 1)
+    response = codec.response_of(Served(asked, served_by, {"scores": scores}), request)
+    assert (response.model_name, response.model_version, response.id) == ("small", "3", "x")
+    assert response.parameters["fallback_from"].string_param == asked.key
+    out = response.outputs[0]
+    assert (out.name, out.datatype, list(out.shape)) == ("scores", "FP32", [2, 2])
+    np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], "<f4").reshape(2, 2), scores)
+
+
+# -- the deadline: gRPC's own becomes the request's, within the budget ----------------------------------
+
+
+async def deadline_left(grpc_timeout: float | None, budget_ms: int = 300) -> float:
+    clock, transport = Clock(), Recording()
+    gw = gateway(snapshot(budget_ms), transport, clock)
+    served = await gw.serve(codec.request_of(message(np.zeros((1, 4), np.float32)), None, timeout=grpc_timeout))
+    assert served.outputs["scores"].shape == (1, 2)
+    return transport.deadlines[0] - clock.now
+
+
+async def test_a_grpc_deadline_shorter_than_the_budget_is_the_requests() -> None:
+    assert await deadline_left(0.05) == pytest.approx(0.05)
+
+
+async def test_a_grpc_deadline_longer_than_the_budget_is_cut_to_it() -> None:
+    assert await deadline_left(30.0) == pytest.approx(0.300)
+    assert await deadline_left(None) == pytest.approx(0.300)
+
+
+async def test_a_timeout_parameter_shorter_than_the_grpc_deadline_wins() -> None:
+    m = message(np.zeros((1, 4), np.float32))
+    m.parameters["timeout"].int64_param = 20_000  # 20 ms, in microseconds as Triton's
+    clock, transport = Clock(), Recording()
+    await gateway(snapshot(300), transport, clock).serve(codec.request_of(m, None, timeout=0.1))
+    assert transport.deadlines[0] - clock.now == pytest.approx(0.020)
+    assert Gateway._timeout(300, {}, 0.1) == pytest.approx(0.1)
+
+
+# -- errors as Triton maps them -------------------------------------------------------------------------
+
+
+def test_statuses_map_as_triton_maps_them_with_the_retry_hint_in_trailing_metadata() -> None:
+    assert code_of(400) is grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(401) is grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(403) is grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(404) is grpc.StatusCode.NOT_FOUND
+    assert code_of(429) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert code_of(503) is grpc.StatusCode.UNAVAILABLE
+    assert code_of(504) is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert code_of(500) is grpc.StatusCode.INTERNAL
+    shed = dict(trailing(Shed("queue full", reason="queue_full", tier=1, retry_after=1.2)))
+    assert shed == {"ferry-status": "503", "retry-after": "2"}
+    assert dict(trailing(ServingError("bad", status=400))) == {"ferry-status": "400"}
