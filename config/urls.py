@@ -7,7 +7,7 @@ from drf_spectacular.views import SpectacularAPIView
 from rollout import promotion_views as promotion_console
 from rollout import shadow_views as shadow_console
 from rollout import views as rollout_console
-from serving import artifact_views, fleet_views, planner_views
+from serving import artifact_views, fleet_views, pipeline_views, planner_views
 from serving import views as console
 from serving.api import docs as api_docs
 from tenants import policy_views as policy_console
@@ -45,6 +45,9 @@ urlpatterns = [
     path("console/planner/", planner_views.planner_page, name="console-planner"),
     path("console/planner/fleet/", planner_views.planner_fleet, name="console-planner-fleet"),
     path("console/fleet/", fleet_views.fleet_page, name="console-fleet"),
+    path("console/pipelines/", pipeline_views.pipelines_page, name="console-pipelines"),
+    path("console/pipelines/<str:name>/", pipeline_views.pipeline_page, name="console-pipeline"),
+    path("console/pipelines/<str:name>/live/", pipeline_views.pipeline_live, name="console-pipeline-live"),
     # Before the API's include: its last pattern answers every other /api/ path with a JSON 404.
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", api_docs.SwaggerView.as_view(url_name="schema"), name="api-docs"),
