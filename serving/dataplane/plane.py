@@ -26,6 +26,7 @@ from serving.dataplane.http.frontdoor import GATE
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node.node import Node
 from serving.dataplane.transport.fleet import FleetView
+from serving.policies.shedding import smoothed_lag
 from usage.flusher import UsageFlusher
 
 log = logging.getLogger(__name__)
@@ -115,13 +116,10 @@ class DataPlane:
         while True:
             expected = self.loop.time() + LAG_SAMPLE_SECONDS
             await asyncio.sleep(LAG_SAMPLE_SECONDS)
-            lag = max(0.0, self.loop.time() - expected)
-            # Smoothed over a few samples: one late tick (a collection, a burst of start-up work) does not
-            # shut the gate, while a backlog that lasts raises it within two or three ticks.
-            self.loop_lag = 0.7 * self.loop_lag + 0.3 * lag
+            # The policy (serving.policies.shedding) smooths the lag and steers the front door's gate by it.
+            self.loop_lag = smoothed_lag(self.loop_lag, expected, self.loop.time())
             metrics.LOOP_LAG.set(self.loop_lag)
-            seen, GATE.seen = GATE.seen, 0
-            GATE.steer(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000, seen)
+            GATE.tick(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000)
 
     def count_frontend_shed(self, url: bytes) -> None:
         """Count a request the front door's gate refused, under the version it would have gone to."""

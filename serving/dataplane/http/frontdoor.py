@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -31,6 +30,8 @@ from django.conf import settings
 from django.core.signals import setting_changed
 from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from serving.policies.shedding import ShedGate
 
 log = logging.getLogger(__name__)
 
@@ -46,54 +47,32 @@ _BUDGET = REFUSED.labels("inflight_budget")
 _CONCURRENCY = REFUSED.labels("concurrency")
 
 
-class ShedGate:
-    """Inference refused in the protocol itself, before an ASGI task, a consumer or a route lookup is
-    spent on it: a refusal there costs a small fraction of a served request, which is what lets
-    shedding bring an overloaded event loop back. The data plane's lag ticker steers `drop`, the
-    share of inference requests refused, so that the loop's lag stays near its target (a
-    proportional controller in the manner of PIE): refusing all of them while the loop is late
-    and none once it has caught up would swing between overload and idling."""
-
-    # Requests per tick below which a late loop is not blamed on requests (a model loading, a collection):
-    # refusing the few there are would not bring the loop back, only fail them.
-    MIN_PRESSURE = 5
+class FrontDoorGate(ShedGate):
+    """The shed controller (serving.policies.shedding, steered by the data plane's lag ticker) with what
+    the protocol needs to refuse inference itself, before an ASGI task, a consumer or a route lookup is
+    spent on it: the answer's bytes, and `count`, which counts a refusal under its model."""
 
     def __init__(self) -> None:
-        self.drop = 0.0
-        self.seen = 0  # requests begun since the last tick (the protocol counts, the ticker reads and resets)
-        self.count: Callable[[bytes], None] = lambda url: None  # counts a refusal under its model
-        self._random = random.random
-        self.set_reason("")
+        super().__init__()
+        self.count: Callable[[bytes], None] = lambda url: None
+        self._rendered: tuple[str, bytes, bytes] = ("", b"", b"")
 
-    @property
-    def shedding(self) -> bool:
-        return self.drop > 0.0 and self._random() < self.drop
-
-    def steer(self, lag: float, target: float, requests: int | None = None) -> None:
-        """One tick: raise the drop share while the loop runs later than `target` (seconds), in
-        proportion to how much later, if `requests` (begun since the last tick) are enough to be the
-        cause; lower it slowly once it runs well within it."""
-        if lag > target and (requests is None or requests >= self.MIN_PRESSURE):
-            self.drop = min(0.98, self.drop + 0.05 + 0.1 * (lag / target - 1.0))
-        elif lag < target / 2 and self.drop:
-            self.drop = max(0.0, self.drop - 0.02)
-        if self.drop:
-            self.set_reason(f"its event loop runs {lag * 1000:.0f} ms late; refusing {self.drop:.0%} of inference")
-
-    def set_reason(self, reason: str) -> None:
-        body = orjson.dumps({"error": f"server saturated: {reason}"})
-        head = (
-            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n"
-        )
-        self.keep_alive_answer = head + b"\r\n" + body
-        self.closing_answer = head + b"connection: close\r\n\r\n" + body
-
-    def reset(self) -> None:
-        self.drop = 0.0
+    def answer(self, keep_alive: bool) -> bytes:
+        """The 503 for a refused request, with or without `connection: close` (rendered once per reason)."""
+        reason, keep, closing = self._rendered
+        if reason != self.reason or not keep:
+            reason = self.reason
+            body = orjson.dumps({"error": f"server saturated: {reason}"})
+            head = (
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n"
+            )
+            keep, closing = head + b"\r\n" + body, head + b"connection: close\r\n\r\n" + body
+            self._rendered = (reason, keep, closing)
+        return keep if keep_alive else closing
 
 
-GATE = ShedGate()
+GATE = FrontDoorGate()
 
 DISCONNECT = {"type": "http.disconnect"}
 
@@ -322,7 +301,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         ):
             GATE.count(self.url)
             if self.expect_100_continue:  # its client waits for a 100 before sending the body: answer now
-                self.transport.write(GATE.closing_answer)
+                self.transport.write(GATE.answer(False))
                 self.transport.close()
                 return
             self.shed = True  # answered at on_message_complete; its body is parsed and dropped
@@ -407,10 +386,10 @@ class FrontDoorProtocol(HttpToolsProtocol):
         if self.shed:
             self.shed = False
             if self.parser.should_keep_alive():
-                self.transport.write(GATE.keep_alive_answer)
+                self.transport.write(GATE.answer(True))
                 self.on_response_complete()  # keep-alive timer, flow control, pipelined requests
             else:
-                self.transport.write(GATE.closing_answer)
+                self.transport.write(GATE.answer(False))
                 self.transport.close()
             return
         super().on_message_complete()
