@@ -42,6 +42,7 @@ from sim.catalogue import SimModel, SimVersion
 from sim.fleet import Device, Fleet, Replica, replicas_for, staying
 from sim.metrics import Metrics
 from sim.scenario import Scenario
+from sim.summary import summarise
 
 WAKE, TICK, READY = 1, 2, 3
 INF = math.inf
@@ -646,8 +647,6 @@ class Simulation:
         self.metrics.flush(math.inf)
 
     def _result(self, wall: float, cpu: float) -> dict[str, Any]:
-        from sim.summary import summarise
-
         return summarise(self, wall, cpu)
 
 

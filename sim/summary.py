@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from sim.metrics import percentile, percentile_all
 
-if TYPE_CHECKING:
-    from sim.engine import Simulation
+
+class Finished(Protocol):
+    """What a summary reads of a finished run (`sim.engine.Simulation`, which imports this module)."""
+
+    metrics: Any
+    duration: float
+    snap: Any
+    sc: Any
+    policy: Any
+    versions: Any
+    models: Any
+    fleet: Any
+    events: Any
 
 
-def summarise(sim: Simulation, wall: float, cpu: float) -> dict[str, Any]:
+def summarise(sim: Finished, wall: float, cpu: float) -> dict[str, Any]:
     m = sim.metrics
     totals = m.totals()
     arrived = totals["arrived"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,3 +108,75 @@ def test_the_check_finds_an_orm_import_hidden_in_a_function() -> None:
     found = forbidden("serving.wiring", ORM)
     assert any(chain.endswith("serving.models") for chain in found)
     assert any("django.db" in chain for chain in found)
+
+
+# --- no import cycle, at any depth of a function ------------------------------------------------------------
+
+FIRST_PARTY_PACKAGES = ("serving", "rollout", "tenants", "usage", "autoscaling", "sim", "bench", "config")
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan's algorithm, iterative): each is a cycle,
+    or several that share modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def first_party_graph() -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports, from grimp (import-linter's graph): every import statement,
+    inside functions and under TYPE_CHECKING included."""
+    graph = grimp.build_graph(*FIRST_PARTY_PACKAGES, cache_dir=None)
+    return {
+        module: {m for m in graph.find_modules_directly_imported_by(module) if m.split(".")[0] in FIRST_PARTY_PACKAGES}
+        for module in graph.modules
+    }
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    cycles = import_cycles(first_party_graph())
+    print("import cycles among first-party modules:", cycles or "none")
+    assert cycles == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import() -> None:
+    # a -> b at the top, b -> c inside a function, c -> a under TYPE_CHECKING: one cycle of three; d is outside it
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert import_cycles(edges) == [["a", "b", "c"]]
+    # and grimp sees an import inside a function: serving.signals queues the reconciler from one
+    assert "serving.tasks" in first_party_graph()["serving.signals"]

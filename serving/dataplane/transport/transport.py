@@ -4,14 +4,11 @@ Redis Streams transport implements for distributed mode."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from serving.dataplane.gateway.snapshot import VersionEntry
-
-if TYPE_CHECKING:
-    from serving.dataplane.node.node import Node
 
 
 class Outputs(dict[str, np.ndarray]):
@@ -46,8 +43,24 @@ class Transport(Protocol):
         ...
 
 
+class LocalNode(Protocol):
+    """What the in-process transport calls on the node beside it (`serving.dataplane.node.node.Node`), named
+    here so that the transport does not import the node, which imports this module's `Outputs`."""
+
+    async def infer(
+        self,
+        key: str,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        deadline: float,
+        priority: int,
+        nbytes: int = 0,
+        gone: Callable[[], bool] | None = None,
+    ) -> dict[str, np.ndarray]: ...
+
+
 class InProcessTransport:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: LocalNode) -> None:
         self.node = node
 
     async def infer(
