@@ -12,6 +12,7 @@ gate the phase requires to pass.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 PASS, FAIL, NO_DATA = "pass", "fail", "no_data"
 
@@ -66,9 +67,9 @@ class GateResult:
     gate: str
     status: str  # PASS, FAIL or NO_DATA
     reason: str
-    numbers: dict = field(default_factory=dict)
+    numbers: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -171,7 +172,7 @@ class Verdict:
     def failed(self) -> tuple[GateResult, ...]:
         return tuple(r for r in self.results if r.status == FAIL)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "gates": [r.to_dict() for r in self.results]}
 
 
