@@ -21,6 +21,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from serving.dataplane.http import websocket
+from tenants import keys
+from tenants.actions import revoke_key
+from tenants.models import ApiKey
 from tests.conftest import mint_key, register, tenant
 from tests.test_inference_http import HELD, digits_request, infer, scores
 
@@ -375,3 +378,29 @@ def test_bad_keys_foreign_models_and_keys_in_the_url_are_refused(digits_server, 
             return answer_scores(await asyncio.wait_for(ws.recv(), DEADLINE_S))[0]
 
     assert asyncio.run(from_elsewhere()) == "o"
+
+
+def test_a_key_revoked_mid_connection_is_refused_at_its_next_message(digits_server, digits_samples) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    key = mint_key()
+    row = ApiKey.objects.get(prefix=keys.split(key)[0])
+    digits_server.refresh()
+
+    async def run() -> tuple[str, int, list[dict]]:
+        async with keyed(digits_server, key=key) as ws:
+            # given an open connection whose key answers
+            await ws.send(json_message("before", x[:1]))
+            rid, got = answer_scores(await asyncio.wait_for(ws.recv(), DEADLINE_S))
+            assert int(got.argmax()) == y[0]
+            # when the key is revoked and the server has the new snapshot
+            await asyncio.to_thread(revoke_key, key=row)
+            await asyncio.to_thread(digits_server.refresh)
+            await ws.send(json_message("after", x[:1]))
+            code, frames = await closed_with(ws)
+            return rid, code, frames
+
+    rid, code, frames = asyncio.run(run())
+    # then its next message is refused 401 by id, and the connection closed 4401
+    assert rid == "before"
+    assert frames[0]["id"] == "after" and frames[0]["status"] == 401, frames
+    assert code == 4401
