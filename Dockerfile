@@ -14,8 +14,9 @@ RUN python3 -m venv /opt/venv
 # torch first, from the chosen index, so the dependencies below never pull a second (CUDA) build.
 RUN /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml /tmp/ferry/
-# Only the dependencies: the source is copied later, so a code change does not reinstall them.
-RUN /opt/venv/bin/python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/ferry/pyproject.toml','rb'))['project']['dependencies']))" \
+# Only the dependencies (with the demo extra: the compose file trains the demo models), the source copied later,
+# so a code change does not reinstall them.
+RUN /opt/venv/bin/python -c "import tomllib; p = tomllib.load(open('/tmp/ferry/pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['demo']))" \
       > /tmp/ferry/requirements.txt \
  && /opt/venv/bin/pip install -r /tmp/ferry/requirements.txt
 

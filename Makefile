@@ -15,7 +15,8 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup
 setup:
 	@scripts/setup.sh
 
-run: setup
+run:
+	@scripts/setup.sh demo
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py build_demo_models
 	$(PY) manage.py ensure_demo_user

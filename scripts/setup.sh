@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtualenv with the CPU build of torch from local disk, then Ferry itself.
-# Usage: scripts/setup.sh [test|bench]   ("test" adds the test tools and Debian's Chromium for browser tests,
-# "bench" what the benchmarks need beyond Ferry)
+# Usage: scripts/setup.sh [demo|test|bench]   ("demo", what `make run` asks for, adds what the demo models
+# train with; "test" the test tools and Debian's Chromium for browser tests; "bench" what the benchmarks need)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian's CPython first: it is built with profile-guided and link-time optimisation, pyenv's build here is
@@ -30,6 +30,7 @@ fi
 
 extra=""
 case "${1:-}" in
+  demo) extra="[demo]" ;;
   test) extra="[test]" ;;
   bench) extra="[bench]" ;;
 esac
