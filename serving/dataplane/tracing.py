@@ -245,6 +245,26 @@ def child(name: str, **attributes: object) -> contextlib.AbstractContextManager:
     )
 
 
+def since() -> int:
+    """The start of a step a hook may record with `mark`: now in ns while traces are on, else 0. A hook's cost
+    with traces off is then two flag reads and no call into a context manager:
+
+        begun = tracing.since() if tracing.ENABLED else 0
+        ...the step...
+        if begun:
+            tracing.mark("ferry.step", begun)
+    """
+    return time.time_ns()
+
+
+def mark(name: str, begun_ns: int, **attributes: object) -> None:
+    """Record a step that ran from `begun_ns` to now as a child of the current span, if it records."""
+    if _tracer is None or not trace.get_current_span().is_recording():
+        return
+    span = _tracer.start_span(name, attributes=attributes or None, start_time=begun_ns)
+    span.end()
+
+
 def start_child(name: str, **attributes: object) -> Span | None:
     """A child of the current span that the caller ends (`end`); None while nothing records."""
     if not ENABLED:

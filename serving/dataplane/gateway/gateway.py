@@ -132,20 +132,22 @@ class Gateway:
         served = await self.serve(request)
         rest = parsed[0]
         entry = served.entry
+        begun = tracing.since() if tracing.ENABLED else 0
         try:
-            with tracing.child("ferry.reply"):
-                payload, headers = encode_infer_response(
-                    model_name=entry.model,
-                    model_version=str(entry.version),
-                    request_id=rest.id,
-                    outputs=served.outputs,
-                    output_specs=entry.outputs,
-                    requested=rest.outputs,
-                    binary_output=rest.binary_output,
-                    parameters={"fallback_from": served.asked.key} if served.fell_back else None,
-                )
+            payload, headers = encode_infer_response(
+                model_name=entry.model,
+                model_version=str(entry.version),
+                request_id=rest.id,
+                outputs=served.outputs,
+                output_specs=entry.outputs,
+                requested=rest.outputs,
+                binary_output=rest.binary_output,
+                parameters={"fallback_from": served.asked.key} if served.fell_back else None,
+            )
         except ProtocolError as exc:
             raise ServingError(exc.message, status=exc.status) from None
+        if begun:
+            tracing.mark("ferry.reply", begun)
         headers.append((b"x-ferry-model-version", str(entry.version).encode()))
         if served.fell_back:
             headers.append((b"x-ferry-fallback-from", served.asked.key.encode()))
@@ -160,8 +162,10 @@ class Gateway:
         from decoding becomes one, with its status) for every answer but a success."""
         arrived = self._clock()
         name, viewer = request.name, request.viewer
-        with tracing.child("ferry.route"):
-            entry = self.route(name, request.version, viewer, request.routing_key)
+        begun = tracing.since() if tracing.ENABLED else 0
+        entry = self.route(name, request.version, viewer, request.routing_key)
+        if begun:
+            tracing.mark("ferry.route", begun, **{"ferry.version": entry.key})
         asked = vm = metrics.for_version(entry.model, entry.version)
         counted = entry
         try:

@@ -459,16 +459,16 @@ class Node:
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
         if self.admission:
-            with tracing.child("ferry.admission") as span:
-                verdict = admission.decide(
-                    now=now,
-                    deadline=deadline,
-                    priority=priority,
-                    completion=self._completion(hosted, rows, priority, now),
-                    higher_share=hosted.share.higher_than(priority, now),
-                )
-                if span is not None and not verdict.admit:
-                    span.set_attribute("ferry.shed", verdict.reason)
+            begun = tracing.since() if tracing.ENABLED else 0
+            verdict = admission.decide(
+                now=now,
+                deadline=deadline,
+                priority=priority,
+                completion=self._completion(hosted, rows, priority, now),
+                higher_share=hosted.share.higher_than(priority, now),
+            )
+            if begun:
+                tracing.mark("ferry.admission", begun, **({} if verdict.admit else {"ferry.shed": verdict.reason}))
             if not verdict.admit:
                 completion = verdict.completion
                 why = "the request's deadline" if verdict.reason == "deadline" else f"priority {priority}'s share of"
