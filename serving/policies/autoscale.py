@@ -82,6 +82,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from serving.policies.admission import HEADROOM
 from serving.policies.seasonal import SeasonalProfile
@@ -248,11 +249,11 @@ class _Rises:
         ordered = sorted(b[1] for b in self.buckets)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    def export(self) -> dict:
+    def export(self) -> dict[str, Any]:
         return {"rates": [list(r) for r in self.rates], "buckets": [list(b) for b in self.buckets], "seen": self.seen}
 
     @classmethod
-    def restored(cls, stored: Mapping | None) -> _Rises:
+    def restored(cls, stored: Mapping[str, Any] | None) -> _Rises:
         rises = cls()
         if stored:
             rises.rates.extend((float(a), float(r)) for a, r in stored.get("rates", ()))
@@ -341,7 +342,7 @@ class Autoscaler:
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
 
-    def export_state(self) -> dict:
+    def export_state(self) -> dict[str, Any]:
         """The history between ticks as plain JSON-able data, so a tick in another process can go on from it:
         each version's track, and the pooled rates of the trend window."""
         return {
@@ -369,7 +370,7 @@ class Autoscaler:
             "pool_rises": self._pool_rises.export(),
         }
 
-    def restore_state(self, state: Mapping[str, Mapping]) -> None:
+    def restore_state(self, state: Mapping[str, Any]) -> None:
         """Take up the history `export_state` gave (replacing this instance's own). A state without "tracks" is
         an earlier release's: its tracks alone, with no pooled history. A track without what replicas were seen
         to serve (an earlier release's) starts with none, and one whose seasonal profile is missing or was cut
@@ -394,12 +395,12 @@ class Autoscaler:
                 _Rises.restored(t.get("rises")),
             )
         self._tracks = tracks
-        self._pool = deque((float(a), float(b), int(c)) for a, b, c in state.get("pool", ()))  # type: ignore[union-attr]
+        self._pool = deque((float(a), float(b), int(c)) for a, b, c in state.get("pool", ()))
         pool_at = state.get("pool_at")
-        self._pool_at = None if pool_at is None else float(pool_at)  # type: ignore[arg-type]
-        self._pool_rises = _Rises.restored(state.get("pool_rises"))  # type: ignore[arg-type]
+        self._pool_at = None if pool_at is None else float(pool_at)
+        self._pool_rises = _Rises.restored(state.get("pool_rises"))
 
-    def _season_from(self, stored: Mapping | None) -> SeasonalProfile | None:
+    def _season_from(self, stored: Mapping[str, Any] | None) -> SeasonalProfile | None:
         if self._season is None:
             return None
         return self._season.restored(stored) if stored else self._season.fresh()
@@ -488,8 +489,8 @@ class Autoscaler:
                 if reach > want:
                     want, reason = reach, "headroom"
             if self.surge > 0 and pooled.mean > 0 and short > 0:
-                reach = demand + self.surge * cfg.lead_time * short / pooled.mean
-                surge = math.ceil(reach / capacity.rate - _SLACK)
+                stretch = demand + self.surge * cfg.lead_time * short / pooled.mean
+                surge = math.ceil(stretch / capacity.rate - _SLACK)
                 if surge > want:
                     want, reason = surge, "surge"
             want += cfg.warm_pool
