@@ -122,6 +122,15 @@ def register_pipeline(
         checked = check(spec, registry_signatures(tenant_id))
     except PipelineError as exc:
         raise PipelineRegistrationError(exc.message) from None
+    if visibility == Visibility.PUBLIC:
+        # Its steps run as the caller: a public pipeline over a model some callers cannot see would fail them.
+        narrow = Model.objects.filter(name__in=checked.models, tenant__isnull=False).exclude(
+            visibility=Visibility.PUBLIC
+        )
+        first = next((m for m in checked.models if m in set(narrow.values_list("name", flat=True))), None)
+        if first is not None:
+            step = next(n.name for n in checked.root.steps() if n.model == first)
+            raise PipelineRegistrationError(f"step '{step}': a public pipeline's steps must be public models")
     fallback_model = None
     if fallback:
         fallback_model = _visible_models(tenant_id).filter(name=fallback).first()

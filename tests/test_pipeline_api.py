@@ -85,6 +85,9 @@ def test_roles_names_and_visibility(models) -> None:  # noqa: ANN001
     # Public needs the admin role.
     public = {"name": "c", "spec": SWITCH, "visibility": "public"}
     assert_json_error(bob.post("/api/pipelines/", public, format="json"), 403)
+    # Its steps run as each caller: a public pipeline over private models would fail every other tenant.
+    refused = assert_json_error(client_for(models["alice"]).post("/api/pipelines/", public, format="json"), 422)
+    assert refused["error"] == "step 'small': a public pipeline's steps must be public models"
     assert bob.post("/api/pipelines/", {"name": "c", "spec": SWITCH}, format="json").status_code == 201
     # Private: the viewer of its tenant sees it, an outsider does not.
     assert charlie.get("/api/pipelines/c/").status_code == 200
