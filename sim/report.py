@@ -52,13 +52,9 @@ def _run(
 ) -> dict[str, Any]:
     """One run; with `cache`, a run of the same scenario file, policy, duration and gain found there is reused
     (an interrupted `make sim` goes on where it stopped), and a new one is saved there."""
-    saved = None
-    if cache:
-        text = Path(path).read_text()
-        digest = hashlib.sha256(f"{text}|{policy}|{duration}|{gain}".encode()).hexdigest()[:16]
-        saved = Path(cache) / f"{Path(path).stem}-{policy}-{gain}-{digest}.json"
-        if saved.exists():
-            return json.loads(saved.read_text())
+    saved = _saved(path, policy, duration, gain, cache) if cache else None
+    if saved is not None and saved.exists():
+        return json.loads(saved.read_text())
     sc = scenarios.load(path)
     if gain is not None:
         sc = scenarios.with_gain(sc, gain)
@@ -68,6 +64,17 @@ def _run(
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(_clean(result)))
     return result
+
+
+def _saved(path: str, policy: str, duration: float | None, gain: float | None, cache: str) -> Path:
+    text = Path(path).read_text()
+    digest = hashlib.sha256(f"{text}|{policy}|{duration}|{gain}".encode()).hexdigest()[:16]
+    return Path(cache) / f"{Path(path).stem}-{policy}-{gain}-{digest}.json"
+
+
+def _cached(path: str, policy: str, duration: float | None, gain: float | None, cache: str) -> dict[str, Any] | None:
+    saved = _saved(path, policy, duration, gain, cache)
+    return json.loads(saved.read_text()) if saved.exists() else None
 
 
 def _clean(value: Any) -> Any:
@@ -87,7 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="scenario names (default: every shipped one)")
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--duration", type=float, help="simulate only this many seconds of each (a quick look)")
+    p.add_argument(
+        "--durations",
+        default="",
+        help="NAME=SECONDS,...: simulate only that much of those scenarios (the page shows each run's duration)",
+    )
+    p.add_argument("--policies", default="", help="P,...: run only these policies (default: each scenario's own)")
+    p.add_argument("--sensitivity-seconds", type=float, default=SENSITIVITY_SECONDS)
     p.add_argument("--cache", help="a folder where each run is saved as it ends, and reused when run again")
+    p.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="with --cache: run nothing, write the page from the runs saved there; it names the runs missing",
+    )
     p.add_argument(
         "--timed-with-others",
         action="store_true",
@@ -102,7 +121,21 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = [] if args.render_only else [p for p in scenarios.shipped() if not args.only or p.stem in args.only]
     loaded = {str(path): scenarios.load(path) for path in paths}
+    # A shortened or filtered invocation is that scenario with those policies and duration: the page says so.
+    cut = {k: float(v) for k, v in (item.split("=") for item in args.durations.split(",") if item)}
+    only_policies = [q for q in args.policies.split(",") if q]
+    loaded = {
+        path: sc.scaled(
+            duration=cut.get(sc.name, sc.duration),
+            policies=tuple(q for q in sc.policies if not only_policies or q in only_policies),
+        )
+        for path, sc in loaded.items()
+    }
     jobs = [(str(path), policy) for path, sc in loaded.items() for policy in sc.policies]
+
+    def dur(job: tuple[str, str]) -> float | None:
+        return cut.get(loaded[job[0]].name, args.duration)
+
     log(f"{len(jobs)} runs ({len(paths)} scenarios) on {args.jobs} processes")
     started = time.perf_counter()
     timed = [job for job in jobs if (loaded[job[0]].name, job[1]) == TIMED]
@@ -115,12 +148,29 @@ def main(argv: list[str] | None = None) -> int:
     shaped = [str(path) for path, sc in loaded.items() if sc.name == name]
     sensitivity_jobs = [(path, policy, gain) for path in shaped for gain in gains]
     sensitivity: list[dict[str, Any]] = []
+    missing: list[str] = []
+    if args.cached_only:
+        if not args.cache:
+            p.error("--cached-only needs --cache")
+        for job in timed + rest:
+            found = _cached(*job, dur(job), None, args.cache)
+            if found is None:
+                missing.append(f"{loaded[job[0]].name}/{job[1]}")
+            else:
+                results[job] = {**found, "alone": False}
+        for path, p_, g in sensitivity_jobs:
+            found = _cached(path, p_, args.duration or args.sensitivity_seconds, g, args.cache)
+            if found is None:
+                missing.append(f"sensitivity at {g:g}x")
+            else:
+                sensitivity.append(found)
+        timed, rest = [], []
     for batch, workers in ((timed, 1), (rest, args.jobs)):
         if not batch:
             continue
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            seconds = args.duration or SENSITIVITY_SECONDS
-            futures = {job: pool.submit(_run, *job, args.duration, None, args.cache) for job in batch}
+            seconds = args.duration or args.sensitivity_seconds
+            futures = {job: pool.submit(_run, *job, dur(job), None, args.cache) for job in batch}
             later = (
                 [pool.submit(_run, path, p, seconds, g, args.cache) for path, p, g in sensitivity_jobs]
                 if batch is rest
@@ -143,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = json.loads(json_path.read_text()) if json_path.exists() and partial else {}
     runs_by_name = {name: list(by_policy.values()) for name, by_policy in kept.items()}
     for path, sc in loaded.items():
-        runs_by_name[sc.name] = [results[(path, policy)] for policy in sc.policies]
+        runs_by_name[sc.name] = [results[(path, policy)] for policy in sc.policies if (path, policy) in results]
     by_scenario: list[dict[str, Any]] = []
     for path in sorted(scenarios.shipped(), key=_order):
         sc = scenarios.load(path)
@@ -165,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     validation = json.loads(validation_path.read_text()) if validation_path.exists() else None
     json_path.write_text(json.dumps({s["name"]: {r["policy"]: r for r in s["runs"]} for s in by_scenario}, indent=1))
     (args.out / "simulation.md").write_text(
-        render(by_scenario, validation, time.perf_counter() - started, sensitivity=sensitivity)
+        render(by_scenario, validation, time.perf_counter() - started, sensitivity=sensitivity, missing=missing)
     )
     log(f"wrote {args.out / 'simulation.md'} in {time.perf_counter() - started:.0f} s")
     return 0

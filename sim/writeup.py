@@ -57,9 +57,11 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             f" {_ms(p99)}, p99 of all requests {_ms(p99_all)} (under 300 ms: {_holds(p99_ok)});"
             f" work utilisation {_pct(work)} (above 60%: {_holds(work > 0.6)}; busy time"
             f" {_pct(steady['utilisation'])}, which a batching device reads near 100% at any load).",
-            f"- Ten simulated minutes of it ({steady['duration_s']:.0f} s) took {steady['cpu_s']:.0f} s of CPU on"
-            f" one core and {steady['wall_s']:.0f} s of wall time in this run (under 180 s: CPU"
-            f" {_holds(steady['cpu_s'] < 180)}, wall {_holds(steady['wall_s'] < 180)}; "
+            f"- {steady['duration_s']:.0f} simulated seconds of it (the seeds ask ten minutes in 180 s) took"
+            f" {steady['cpu_s']:.0f} s of CPU on"
+            f" one core and {steady['wall_s']:.0f} s of wall time in this run (at that pace, 0.3 s a simulated"
+            f" second: CPU {_holds(steady['cpu_s'] < 0.3 * steady['duration_s'])},"
+            f" wall {_holds(steady['wall_s'] < 0.3 * steady['duration_s'])}; "
             + (
                 "the run goes first and alone"
                 if steady.get("alone", True)
@@ -106,7 +108,12 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             " accelerator-hours after it pay for."
         )
     rush = by.get("daily-rush", {})
-    if "predictive" in rush and "trend-only" in rush:
+    if (
+        "predictive" in rush
+        and "trend-only" in rush
+        and rush["predictive"]["duration_s"]
+        >= 2 * next(s["scenario"].traffic.period for s in scenarios if s["name"] == "daily-rush")
+    ):
         sc = next(s["scenario"] for s in scenarios if s["name"] == "daily-rush")
         period = sc.traffic.period
 
@@ -267,6 +274,7 @@ def render(
     seconds: float,
     *,
     sensitivity: list[dict[str, Any]] | None = None,
+    missing: list[str] | None = None,
 ) -> str:
     lines = [
         "# Fleet simulation",
@@ -302,6 +310,15 @@ def render(
         "",
         "## Acceptance checks, as computed",
         "",
+        *(
+            [
+                f"Not run for this page (the shared machine's CPU did not reach them in time): {', '.join(missing)}."
+                " A check that needs one of them is left out below.",
+                "",
+            ]
+            if missing
+            else []
+        ),
         *_checks(scenarios),
         "",
         *_assumptions(scenarios),
