@@ -75,6 +75,7 @@ Gauge(
     "ferry_ws_read_stalls", "Times a WebSocket inference connection stopped reading at its in-flight bound"
 ).set_function(lambda: STATS.read_stalls)
 MESSAGES = Counter("ferry_ws_messages", "WebSocket inference messages taken, by frame", ["frame"])
+TEXT_MESSAGES, BINARY_MESSAGES = MESSAGES.labels("text"), MESSAGES.labels("binary")  # bound once, not per message
 CLOSES = Counter("ferry_ws_closes", "WebSocket inference connections closed by the server, by close code", ["code"])
 
 
@@ -278,10 +279,10 @@ class InferenceSocket(AsyncConsumer):
             self.last = time.monotonic()
             text = message.get("text")
             if text is not None:
-                MESSAGES.labels("text").inc()
+                TEXT_MESSAGES.inc()
                 await self._take(text.encode(), False)
             else:
-                MESSAGES.labels("binary").inc()
+                BINARY_MESSAGES.inc()
                 await self._take(message.get("bytes") or b"", True)
 
     async def _take(self, message: bytes, binary: bool) -> None:
