@@ -99,6 +99,7 @@ PAGES = {
     "packing": "benchmarks/fleet.md",
     "fleet200": "benchmarks/fleet.md",
     "grpc": "benchmarks/grpc.md",
+    "pipelines": "benchmarks/pipelines.md",
 }
 
 
