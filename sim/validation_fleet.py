@@ -1,15 +1,18 @@
 """The distributed validation (issue 20, item 5): what the real fleet did, what the simulator says it does, judged.
 
 A run has three parts, each its own record:
-1. a *calibration run*: each version alone on a node, driven at batch one and at full batches, its compute
-   per batch read from the node's own counters (`ferry_compute_seconds` over `ferry_batch_size`), its
-   footprint and load time from the node; and the front end's cost per request (client latency at a low rate
-   less the node's own request time). Nothing of the compared run is in it.
+1. a *calibration run*, with traffic of its own: each version driven at batch one and at full batches, its
+   compute per batch read from the nodes' counters (`ferry_compute_seconds` over `ferry_batch_size`), its
+   footprint and load time from the nodes; then traffic like the compared run's first part (another seed),
+   whose client latencies less the nodes' mean time per request are samples of the overhead outside the
+   node (gateway, streams, reply, client), measured again after the compared run and pooled. Nothing of the
+   compared run is in it.
 2. the *compared run*: two `runnode` processes, the web process, a Celery worker and beat; `plan.versions`
-   versions of different sizes under Zipf traffic (`arrivals`), a step up that the autoscaler answers with a
-   second replica; every answer's latency, the replicas each second and the nodes' load and eviction counts.
+   versions of different sizes under Zipf traffic (`arrivals`), a step up that the autoscaler answers with
+   more replicas; every answer's latency, the replicas ready twice a second and the nodes' loads.
 3. the *simulation*: `sim.engine` with the production autoscaler (policy `predictive`), fed the calibration's
-   profiles and the same traffic (the same rates, the same Zipf shares, the same step), `scenario_for`.
+   profiles and the same traffic (the same rates, the same Zipf shares, the same step), `scenario_for`;
+   each simulated latency plus an overhead drawn from the calibration's samples (`with_overhead`).
 
 `judge` compares them: p50 and p99 within 20% (or within 5 ms where both are under 25 ms), throughput within
 20%, replicas over time (the most and the mean per window) and cold starts. Plain Python: the process harness
@@ -310,7 +313,8 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "- A separate calibration run before it, with traffic of its own: each version's profile from the nodes'",
         "  `ferry_compute_seconds` over `ferry_batch_size` at batch one and at full batches; then, with the fleet",
         "  back to one replica each and the autoscaler's history cleared, 8 s at the base rate whose client",
-        "  latencies less the nodes' mean time per request are the overhead outside the node",
+        "  latencies less the nodes' mean time per request are the overhead outside the node (a record with",
+        "  `node_request_ms_after` measured it again after the compared run, and pooled both)",
         f"  (median {overhead[len(overhead) // 2]:.1f} ms, p99 {overhead[int(len(overhead) * 0.99)]:.1f} ms,"
         f" {len(overhead)} samples).",
         "- The simulator: `sim.engine` with the production `Autoscaler` (policy `predictive`), fed the calibration's",
