@@ -8,9 +8,11 @@ Two layers, both built for the hot path (no task per request; at most one timer 
   limit answered as 503 JSON with Retry-After instead of text. It stamps `scope["ferry.first_byte"]`
   (time.monotonic() when the request's first byte was read) and puts a hook in
   `scope["ferry.extend_read_deadline"]`, which Django's door uses for an engineer's upload.
-- `metered`, an ASGI wrapper that counts every body against a process-wide budget of body bytes
-  held (FERRY_MAX_INFLIGHT_BODY_BYTES, 503 past it) and can bound one body. Django's door
-  (`serving.django_door.bounded`, which reads sessions and users) wraps it for every non-/v2 route.
+- the inference lane (`Lane`): a plain inference POST answered by the protocol with the app's
+  handler, without ASGI (docs/decisions/0002-a-lean-request-path.md).
+
+The bounds on bodies and the process's budget of body bytes are `serving.dataplane.http.bodies`; the
+shed controller is `serving.policies.shedding`.
 
 `uvicorn_config` is the one place a server is configured: `manage.py serve` and the tests use it.
 """
@@ -27,23 +29,30 @@ import httptools
 import orjson
 import uvicorn
 from django.conf import settings
-from django.core.signals import setting_changed
-from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+# Bodies are their own module; its names are re-exported here for the callers that know them as the front
+# door's (the consumer, the inference socket, gRPC and Django's door).
+from serving.dataplane.http.bodies import (  # noqa: F401
+    _TOO_LARGE,
+    LIMITS,
+    REFUSED,
+    App,
+    Receive,
+    Scope,
+    Send,
+    charge,
+    discharge,
+    held,
+    metered,
+    send_json,
+    send_over_budget,
+)
 from serving.policies.shedding import ShedGate
 
 log = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-REFUSED = Counter("ferry_frontdoor_refusals", "Requests the front door answered itself, by reason", ["reason"])
-_TOO_LARGE = REFUSED.labels("too_large")
 _READ_TIMEOUT = REFUSED.labels("read_timeout")
-_BUDGET = REFUSED.labels("inflight_budget")
 _CONCURRENCY = REFUSED.labels("concurrency")
 
 
@@ -73,27 +82,6 @@ class FrontDoorGate(ShedGate):
 
 
 GATE = FrontDoorGate()
-
-DISCONNECT = {"type": "http.disconnect"}
-
-
-def json_head(status: int, body: bytes, retry_after: int | None = None) -> dict:
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-    ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return {"type": "http.response.start", "status": status, "headers": headers}
-
-
-async def send_json(send: Send, status: int, message: str, retry_after: int | None = None) -> None:
-    """Answer {"error": message} and close the connection (a refused body is not read to its end)."""
-    body = orjson.dumps({"error": message})
-    await send(json_head(status, body, retry_after))
-    await send({"type": "http.response.body", "body": body})
-
 
 # -- the protocol --------------------------------------------------------------------------------
 
@@ -671,121 +659,3 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
     options.update(overrides)
     options["http"] = FrontDoorProtocol
     return uvicorn.Config(app, host=host, port=port, **options)
-
-
-# -- settings read per request ------------------------------------------------------------------
-
-
-class Limits:
-    """The settings the inference path reads on every request, copied out of Django's lazy settings
-    (each of whose attribute reads is a Python-level call); reloaded when a setting changes."""
-
-    def __init__(self) -> None:
-        self.load()
-
-    def load(self, **_: object) -> None:
-        self.inflight_budget: int = settings.FERRY_MAX_INFLIGHT_BODY_BYTES
-        self.max_infer_body: int = settings.FERRY_MAX_INFER_BODY_BYTES
-        self.max_loop_lag_ms: float = settings.FERRY_MAX_LOOP_LAG_MS
-        self.max_frontend_wait_ms: float = settings.FERRY_MAX_FRONTEND_WAIT_MS
-        self.body_timeout: float = settings.FERRY_BODY_TIMEOUT_S
-
-
-LIMITS = Limits()
-setting_changed.connect(LIMITS.load)  # tests change settings; a server's stay as started
-
-
-# -- body bounds and the in-flight budget (ASGI) ---------------------------------------------------
-
-_inflight = 0  # body bytes held by requests in progress, process-wide (one event loop touches it)
-Gauge("ferry_frontdoor_inflight_body_bytes", "Request body bytes held by requests in progress").set_function(
-    lambda: _inflight
-)
-
-
-def charge(nbytes: int) -> bool:
-    """Count `nbytes` more of request body held; False (and nothing counted) past the budget."""
-    global _inflight
-    if _inflight + nbytes > LIMITS.inflight_budget:
-        _BUDGET.inc()
-        return False
-    _inflight += nbytes
-    return True
-
-
-def discharge(nbytes: int) -> None:
-    global _inflight
-    _inflight -= nbytes
-
-
-async def metered(
-    app: App,
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    limit: int | None = None,
-    limit_error: str = "",
-    charge_cap: int | None = None,
-) -> None:
-    """Run `app` with its body counted against FERRY_MAX_INFLIGHT_BODY_BYTES until it finishes.
-
-    Each request is charged the bytes it received, or at most `charge_cap` (what its app keeps in
-    memory). A chunk that takes the body past `limit` (413) or the process past its budget (503 +
-    Retry-After) is not passed on: the answer is sent unless the app began one, and the app's
-    receive() says http.disconnect from then on.
-    """
-    global _inflight
-    held = 0
-    charged = 0
-    refused = False
-    started = False
-
-    async def counted_receive() -> dict:
-        global _inflight
-        nonlocal held, charged, refused, started
-        if refused:
-            return DISCONNECT
-        message = await receive()
-        body = message.get("body")
-        if body:
-            held += len(body)
-            charge = held if charge_cap is None or held < charge_cap else charge_cap
-            _inflight += charge - charged
-            charged = charge
-            if limit is not None and held > limit:
-                refused = True
-                _TOO_LARGE.inc()
-                if not started:
-                    started = True
-                    await send_json(send, 413, limit_error)
-                return DISCONNECT
-            if _inflight > settings.FERRY_MAX_INFLIGHT_BODY_BYTES:
-                refused = True
-                _BUDGET.inc()
-                if not started:
-                    started = True
-                    await send_over_budget(send)
-                return DISCONNECT
-        return message
-
-    async def tracked_send(message: dict) -> None:
-        nonlocal started
-        if refused:
-            return
-        started = True
-        await send(message)
-
-    try:
-        await app(scope, counted_receive, tracked_send)
-    finally:
-        _inflight -= charged
-
-
-async def send_over_budget(send: Send) -> None:
-    budget = settings.FERRY_MAX_INFLIGHT_BODY_BYTES
-    await send_json(send, 503, f"server holds {budget} bytes of request bodies; retry shortly", retry_after=1)
-
-
-def held() -> int:
-    """Body bytes held by requests in progress in this process."""
-    return _inflight
