@@ -89,6 +89,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         "FERRY_SHADOW_FLUSH_SECONDS": "2",
         "FERRY_ADMIN_USER": username,
         "FERRY_ADMIN_PASSWORD": password,
+        "FERRY_GRPC_PORT": "0",  # no gRPC listener: another server on this machine may hold the default port
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
