@@ -91,6 +91,9 @@ COMPARE_START, COMPARE_END = "<!-- compare:start -->", "<!-- compare:end -->"
 # only the served page whole. The plots stay in docs/, one level above the pages (hence "../" in the links).
 PAGES = {
     "served": "benchmarks/served.md",
+    "tracingcost": "benchmarks/tracing.md",
+    "tracinghooks": "benchmarks/tracing.md",
+    "responsecache": "benchmarks/response-cache.md",
     "overload": "benchmarks/overload.md",
     "ratelimit": "benchmarks/rate-limits.md",
     "compare": "benchmarks/revisions.md",

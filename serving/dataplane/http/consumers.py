@@ -348,17 +348,20 @@ class InferenceRequest:
         self._shed_if_saturated(plane, name, version, viewer)
         limits = plane.gateway.snapshot.tenants.get(viewer)
         quota = plane.quota
+        begun = tracing.since() if tracing.ENABLED and quota is not None else 0
         try:
             if quota is None or limits is None:  # quotas off, or a snapshot from a build without them
                 ticket = None
             elif quota.shared is None:  # in-process: decided without a coroutine
-                with tracing.child("ferry.quota"):
-                    ticket = quota.admit_here(viewer, limits)
+                ticket = quota.admit_here(viewer, limits)
             else:
-                with tracing.child("ferry.quota"):
-                    ticket = await quota.admit(viewer, limits)
+                ticket = await quota.admit(viewer, limits)
         except QuotaExceeded as refused:
+            if begun:
+                tracing.mark("ferry.quota", begun, **{"ferry.refused": refused.decision.reason})
             self._over_quota(plane, limits, name, version, viewer, refused.decision)  # type: ignore[arg-type]
+        if begun:
+            tracing.mark("ferry.quota", begun)
         return ticket, limits
 
     async def _model_path(
