@@ -51,7 +51,7 @@ class VersionPlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunPlan:
     versions: tuple[VersionPlan, ...]
     rate: float  # requests a second before the step
     step_rate: float  # and from `step_at` to the end
@@ -74,7 +74,7 @@ def zipf_plan(
     step_at: float = 20.0,
     duration: float = 50.0,
     seed: int = 1,
-) -> Plan:
+) -> RunPlan:
     """`n` versions of sizes from small to large (the most popular the smallest, as a catalogue's cheap models
     draw most traffic), shares by Zipf rank."""
     weights = [(rank + 1) ** -zipf for rank in range(n)]
@@ -89,10 +89,10 @@ def zipf_plan(
         )
         for i, w in enumerate(weights)
     )
-    return Plan(versions, rate, step_rate, step_at, duration, seed=seed)
+    return RunPlan(versions, rate, step_rate, step_at, duration, seed=seed)
 
 
-def arrivals(plan: Plan) -> list[tuple[float, int]]:
+def arrivals(plan: RunPlan) -> list[tuple[float, int]]:
     """The compared run's timetable: (seconds from the start, version index), Poisson at the plan's rate, each
     request's version drawn by share. Deterministic in the plan's seed."""
     rng = random.Random(plan.seed)
@@ -106,7 +106,7 @@ def arrivals(plan: Plan) -> list[tuple[float, int]]:
         out.append((t, rng.choices(range(len(shares)), weights=shares)[0]))
 
 
-def scenario_for(plan: Plan, calibration: Mapping[str, Any], *, nodes: int, memory_bytes: int) -> Scenario:
+def scenario_for(plan: RunPlan, calibration: Mapping[str, Any], *, nodes: int, memory_bytes: int) -> Scenario:
     """The simulated twin of the compared run: one family per version with the calibration's profile (seconds
     per batch at its measured sizes), its footprint and its load time; `nodes` nodes of `memory_bytes` each;
     the plan's step as a spike that lasts to the end; the production autoscaler."""
@@ -179,7 +179,7 @@ def with_overhead(hist: np.ndarray, overhead_ms: Sequence[float], seed: int, dra
     return node + extra
 
 
-def simulated(plan: Plan, calibration: Mapping[str, Any], *, nodes: int, memory_bytes: int) -> dict[str, Any]:
+def simulated(plan: RunPlan, calibration: Mapping[str, Any], *, nodes: int, memory_bytes: int) -> dict[str, Any]:
     """The simulator's side, in the shape `judge` reads (the calibration's overhead outside the node added to
     each simulated latency, `with_overhead`)."""
     run = Simulation(scenario_for(plan, calibration, nodes=nodes, memory_bytes=memory_bytes), "predictive")
@@ -200,7 +200,7 @@ def simulated(plan: Plan, calibration: Mapping[str, Any], *, nodes: int, memory_
     }
 
 
-def summarise_answers(answers: Sequence[tuple[float, int, float]], plan: Plan) -> dict[str, Any]:
+def summarise_answers(answers: Sequence[tuple[float, int, float]], plan: RunPlan) -> dict[str, Any]:
     """The compared run's client side: `answers` are (sent at, status, latency seconds)."""
     ok = [latency * 1000 for _, status, latency in answers if status == 200]
     return {
@@ -213,7 +213,7 @@ def summarise_answers(answers: Sequence[tuple[float, int, float]], plan: Plan) -
     }
 
 
-def replicas_by_window(samples: Sequence[tuple[float, int]], plan: Plan) -> list[list[float]]:
+def replicas_by_window(samples: Sequence[tuple[float, int]], plan: RunPlan) -> list[list[float]]:
     """Replicas ready (sampled: seconds from the start, count) as the simulator reports them: a mean per window,
     stamped with the window's end."""
     rows = []
@@ -249,7 +249,7 @@ def judge(measured: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, bool
     }
 
 
-def plan_doc(plan: Plan) -> dict[str, Any]:
+def plan_doc(plan: RunPlan) -> dict[str, Any]:
     return asdict(plan)
 
 

@@ -71,7 +71,7 @@ NODE_ENV = {"FERRY_METRICS_TOKEN": TOKEN, "FERRY_TORCH_THREADS": "1"}
 STEP_REPLICAS = 1.7  # what the top version's share of the step needs, by its calibrated profile
 
 
-def plan() -> vf.Plan:
+def plan() -> vf.RunPlan:
     return vf.zipf_plan(10, rate=12.0, step_rate=36.0, step_at=SECONDS * 0.4, duration=SECONDS)
 
 
@@ -128,7 +128,7 @@ def one(web, key: str, name: str, rows: int = 1) -> tuple[int, float]:  # noqa: 
     return resp.status, time.monotonic() - sent
 
 
-def calibrate(web, key: str, ports: list[int], p: vf.Plan, client: redis.Redis) -> dict:  # noqa: ANN001
+def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redis) -> dict:  # noqa: ANN001
     """The calibration run's profiles: per version, batch one (sequential requests), then full batches (a closed
     loop of max_batch_size callers); a line through the two (rows, compute) points is its profile at 1 and its
     largest batch. Footprints from the heartbeats, load times from what the nodes reported."""
@@ -179,7 +179,7 @@ def calibrate(web, key: str, ports: list[int], p: vf.Plan, client: redis.Redis) 
     return {"versions": versions}
 
 
-def overheads(web, key: str, ports: list[int], p: vf.Plan, client: redis.Redis) -> dict:  # noqa: ANN001
+def overheads(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redis) -> dict:  # noqa: ANN001
     """The rest of the calibration run, once the profiles are installed and the fleet is back to one replica
     each: 8 s of traffic like the compared run's first part (its rate and shares, another seed); each answer's
     latency at the client less the nodes' mean time per request (batch wait and compute) is a sample of the
@@ -227,7 +227,7 @@ def install(calibration: dict) -> None:
     hub.current = held
 
 
-def drive(web, key: str, p: vf.Plan, client: redis.Redis) -> tuple[list, list]:  # noqa: ANN001
+def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list]:  # noqa: ANN001
     """The compared run: every arrival of the timetable sent at its time, on a pool thread; replicas sampled."""
     timetable = vf.arrivals(p)
     keys = {f"{v.name}:1" for v in p.versions}

@@ -13,7 +13,7 @@ from sim import validation_fleet as vf
 from sim.metrics import EDGES
 
 
-def calibration(plan: vf.Plan, slowdown: float = 1.0) -> dict:
+def calibration(plan: vf.RunPlan, slowdown: float = 1.0) -> dict:
     """Profiles of the kind the calibration run measures (a few ms a batch, batches gaining 3x to 4x)."""
     versions = {}
     for i, v in enumerate(plan.versions):
