@@ -114,6 +114,12 @@ def test_prediction_matches_label(client, auth, digits_samples) -> None:  # noqa
         response = result.get_response()
         assert (response.model_version, response.id) == ("1", f"r{i}")
     assert correct / len(rows) >= 0.85
+    # and the statistics count them (this process's metrics: at least these 64 rows, in at least one batch)
+    stats = client.get_inference_statistics("digits", headers=auth).model_stats
+    assert [(s.name, s.version) for s in stats] == [("digits", "1")]
+    assert stats[0].inference_stats.success.count >= 64 and stats[0].inference_count >= 64
+    assert 1 <= stats[0].execution_count <= stats[0].inference_count
+    assert stats[0].inference_stats.compute_infer.ns > 0
 
 
 def test_typed_contents_answer_as_raw_ones(server, client, auth, digits_samples) -> None:  # noqa: ANN001

@@ -165,6 +165,43 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         _rate(context, rate)
         return pb.ModelConfigResponse(config=config)
 
+    @answering
+    async def ModelStatistics(self, request, context):  # noqa: ANN001, ANN201, N802
+        """Triton's statistics from this process's metrics, for the versions the caller sees (one model's, or
+        every model's when `name` is empty): successes and their time (`ferry_request_seconds`), time queued
+        and computing, batches run (`execution_count`) and rows computed (`inference_count`). In distributed
+        mode the queue, compute and batch figures live in the node processes and read 0 here."""
+        plane, front = _plane(), _front("ModelStatistics", context)
+        caller = _caller(plane, front)
+        rate = await front._charge(plane, caller.tenant_id)
+        gateway = plane.gateway
+        if request.name:
+            model = gateway.model(request.name, caller.tenant_id)
+            models = [model]
+            if request.version and parse_version(request.version) not in model.versions:  # "" is every version
+                raise ServingError(f"model '{request.name}' has no version '{request.version}'", status=404)
+        else:
+            models = [m for m in gateway.snapshot.models.values() if m.visible_to(caller.tenant_id)]
+        pinned = parse_version(request.version) if request.version else None
+        response = pb.ModelStatisticsResponse()
+        for model in models:
+            for number, entry in sorted(model.versions.items()):
+                if pinned is not None and number != pinned:
+                    continue
+                vm = metrics.for_version(entry.model, entry.version)
+                stats = response.model_stats.add(name=entry.model, version=str(entry.version))
+                rows, batches = _count_sum(vm.batch_size)
+                stats.execution_count, stats.inference_count = batches, int(rows)
+                for target, histogram in (
+                    (stats.inference_stats.success, vm.total),
+                    (stats.inference_stats.queue, vm.queue_wait),
+                    (stats.inference_stats.compute_infer, vm.compute),
+                ):
+                    seconds, target.count = _count_sum(histogram)
+                    target.ns = int(seconds * 1e9)
+        _rate(context, rate)
+        return response
+
     # -- the repository extension ----------------------------------------------------------------
 
     @answering
@@ -320,3 +357,9 @@ def _rate(context: grpc.aio.ServicerContext, headers: list[tuple[bytes, bytes]])
     """The quota's RateLimit fields of a success, as trailing metadata (REST sends them as headers)."""
     if headers:
         context.set_trailing_metadata(tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers))
+
+
+def _count_sum(histogram: object) -> tuple[float, int]:
+    """A histogram child's sum and count of observations."""
+    counts, total = histogram.snapshot()  # type: ignore[attr-defined]
+    return total, sum(counts)
