@@ -1,13 +1,13 @@
 from celery import shared_task
 
+from autoscaling.provider_settings import provider_from_settings
+from autoscaling.tick import run_tick
+from serving.tasks import request_reconcile
+
 
 @shared_task(ignore_result=True)
 def autoscale() -> dict | None:
     """One autoscaler tick (Celery beat, every FERRY_AUTOSCALE_SECONDS); what changed, for the worker's log."""
-    from autoscaling.provider_settings import provider_from_settings
-    from autoscaling.tick import run_tick
-    from serving.tasks import request_reconcile
-
     # desired_replicas is written with update() (no signal), so the reconciler is asked here.
     report = run_tick(provider=provider_from_settings(), after_change=request_reconcile)
     if report is None:

@@ -5,6 +5,10 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
+from rollout.models import ShadowBatch, ShadowDisagreement, ShadowMinute
+from rollout.shadow_ingest import ingest
+from rollout.transitions import active_ids, evaluate
+
 log = logging.getLogger(__name__)
 
 
@@ -12,8 +16,6 @@ log = logging.getLogger(__name__)
 def evaluate_rollouts() -> dict[int, str]:
     """Evaluate every active rollout once (Celery beat runs this every FERRY_ROLLOUT_EVALUATE_SECONDS; the
     embedded process's loop does in embedded mode). One rollout's failure does not stop the others."""
-    from rollout.transitions import active_ids, evaluate
-
     states = {}
     for rollout_id in active_ids():
         try:
@@ -27,8 +29,6 @@ def evaluate_rollouts() -> dict[int, str]:
 @shared_task(acks_late=True, ignore_result=True)
 def record_shadow(batch_id: str, rows: list[dict], samples: list[dict]) -> int:
     """Add one flushed batch of shadow comparison (a data-plane process's flush sends it); safe to run twice."""
-    from rollout.shadow_ingest import ingest
-
     return ingest(batch_id, rows, samples)
 
 
@@ -36,8 +36,6 @@ def record_shadow(batch_id: str, rows: list[dict], samples: list[dict]) -> int:
 def prune_shadow() -> tuple[int, int, int]:
     """Delete shadow comparisons and disagreements older than FERRY_SHADOW_RETENTION_DAYS, and batch ids older
     than FERRY_USAGE_BATCH_DAYS (a flush retried later than that would be added twice)."""
-    from rollout.models import ShadowBatch, ShadowDisagreement, ShadowMinute
-
     now = timezone.now()
     cutoff = now - timedelta(days=settings.FERRY_SHADOW_RETENTION_DAYS)
     minutes, _ = ShadowMinute.objects.filter(minute__lt=cutoff).delete()

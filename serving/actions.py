@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from rollout import approval
+from rollout.models import Rollout
 from serving import artifacts, quota_counts
 from serving.dataplane.gateway.snapshot import RoutingSnapshot
 from serving.dataplane.http.protocol import TensorSpec
@@ -16,6 +17,7 @@ from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, Stat
 from serving.policies.batching import BatchingConfig
 from serving.publish import publish_snapshot
 from serving.validation import validate as run_validation
+from tenants import audit
 
 
 def check_signature(specs: list[dict], what: str) -> list[dict]:
@@ -135,8 +137,6 @@ def set_visibility(
     *, model: Model, visibility: str | None = None, shared_with: list | None = None, actor: object = None
 ) -> Model:
     """Change who may see `model` (None leaves that part alone), with its audit entry, in one transaction."""
-    from tenants import audit
-
     with transaction.atomic():
         before = sharing_state(model)
         if visibility is not None and visibility != model.visibility:
@@ -179,9 +179,6 @@ def promote(
     promotion would skip its gates and approval, so it is refused with 409 naming the rollout.
     Where the owning tenant requires approval (rollout.approval) only an approved rollout (`by_rollout`) or
     an accepted promotion request (`by_request`, rollout.promotion) promotes; anything else is a 409."""
-    from rollout.models import Rollout
-    from tenants import audit
-
     with transaction.atomic():
         model = Model.objects.select_for_update().get(pk=model.pk)
         target = ModelVersion.objects.filter(model=model, version=version).first()
@@ -234,8 +231,6 @@ def set_routing(*, model: Model, actor: object = None, **rules: object) -> Model
     changed; traffic to an unapproved version the tenant's policy does not allow (rollout.approval):
     RegistrationError 409, nothing changed. Clearing the shadow version without naming a fraction stops
     the mirroring too."""
-    from tenants import audit
-
     unknown = set(rules) - set(ROUTING_FIELDS)
     if unknown:
         raise TypeError(f"set_routing() got unknown rules {sorted(unknown)}")

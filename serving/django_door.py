@@ -16,12 +16,17 @@ from importlib import import_module
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.contrib.auth import get_user_model
+from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
 from django.contrib.auth.backends import ModelBackend
+from django.core.exceptions import ValidationError
 from django.db import InterfaceError, OperationalError
+from django.http.cookie import parse_cookie
+from django.utils.crypto import constant_time_compare
 
+from serving.api.views import FORM_OVERHEAD  # the view's own allowance for the form around a file
 from serving.dataplane.http import frontdoor
 from serving.dataplane.http.frontdoor import App, Receive, Scope, Send, metered, send_json
+from tenants.models import Role, has_role
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +46,6 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
     declared = _content_length(scope["headers"])
     error = f"request body exceeds {limit} bytes"
     if scope["method"] == "POST" and UPLOAD_ROUTE.fullmatch(scope["path"]):
-        from serving.api.views import FORM_OVERHEAD  # the view's own allowance for the form around the file
-
         artifact_limit = settings.FERRY_MAX_ARTIFACT_BYTES + FORM_OVERHEAD
         artifact_error = f"artifact exceeds the {settings.FERRY_MAX_ARTIFACT_BYTES} byte limit"
         if declared is not None and declared > artifact_limit:
@@ -103,10 +106,6 @@ async def _is_engineer(headers: list[tuple[bytes, bytes]]) -> bool:
 def _engineer_credentials(cookie: bytes | None, authorization: bytes | None) -> bool:
     """Whether the request's credentials are an engineer's, in DRF's order: an active session user if
     there is one, else HTTP Basic. Nothing is written (Django's own handling of the request does that)."""
-    from django.http.cookie import parse_cookie
-
-    from tenants.models import Role, has_role
-
     user = None
     if cookie is not None:
         key = parse_cookie(cookie.decode("latin-1")).get(settings.SESSION_COOKIE_NAME)
@@ -118,9 +117,6 @@ def _engineer_credentials(cookie: bytes | None, authorization: bytes | None) -> 
 
 
 def _session_user(key: str):  # noqa: ANN202
-    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
-    from django.core.exceptions import ValidationError
-    from django.utils.crypto import constant_time_compare
 
     session = import_module(settings.SESSION_ENGINE).SessionStore(key)
     try:

@@ -23,8 +23,12 @@ from serving.dataplane.gateway.snapshot import (
     VersionEntry,
     hub,
 )
+from serving.dataplane.gateway.snapshot_redis import RedisSnapshotStore
 from serving.dataplane.http.protocol import TensorSpec
+from serving.models import Model, State
+from serving.pipelines import snapshot_entries
 from serving.policies.batching import BatchingConfig
+from tenants.models import ApiKey, Quota, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +109,6 @@ def route_table(model: Any) -> RouteTable:
 
 
 def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
-    from serving.models import Model, State
-    from serving.pipelines import snapshot_entries  # it imports serving.models, as the line above does
-    from tenants.models import ApiKey, Quota, Tenant
-
     models: dict[str, ModelEntry] = {}
     queryset = Model.objects.select_related("fallback").prefetch_related("versions", "shared_with")
     for model in queryset:
@@ -173,7 +173,6 @@ def publish_snapshot() -> RoutingSnapshot:
         snapshot = build_snapshot()
         hub.set(snapshot)
         return snapshot
-    from serving.dataplane.gateway.snapshot_redis import RedisSnapshotStore
 
     store = RedisSnapshotStore(settings.REDIS_URL)
     try:

@@ -27,8 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
+from django.conf import settings
 
+from serving import replicas
 from serving.dataplane.transport import fleet
+from serving.models import ModelVersion
 from serving.policies.placement import NodeState, Resident, VersionSpec, place
 
 log = logging.getLogger(__name__)
@@ -149,8 +152,6 @@ def read_pending(client: redis.Redis, now: float) -> list[Pending]:
 
 def clear_pending(pending_field: str, url: str | None = None) -> None:
     """A node task is done and the node's heartbeat says how: the reconciler reads it from there now."""
-    from django.conf import settings
-
     client = redis.Redis.from_url(url or settings.REDIS_URL)
     try:
         client.hdel(PENDING_KEY, pending_field)
@@ -198,10 +199,6 @@ def reconcile(
 ) -> Outcome:
     """One reconciler step (see the module's docstring). `send` records and sends the plan's node tasks
     (`serving.node_tasks.send_plan`); `url` is the Redis of the fleet (default REDIS_URL)."""
-    from django.conf import settings
-
-    from serving.models import ModelVersion
-
     url = url or settings.REDIS_URL
     if not url:
         return Outcome(skipped="embedded mode: the in-process node serves every version")
@@ -221,7 +218,6 @@ def reconcile(
             result = plan(wants, specs, nodes, pending, now=now)
             send(client, result, now)
             _mark_unschedulable(versions, wants, result)
-            from serving import replicas
 
             replicas.record(nodes, {v.key: v for v in versions}, holdings(nodes, read_pending(client, now)))
             return Outcome(plan=result, nodes=len(nodes))

@@ -12,11 +12,18 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import uuid
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connection, connections, transaction
+from django.db.models import Count, Max
+from django.utils import timezone
 
+from rollout.shadow_compare import aggregate
+from rollout.tasks import evaluate_rollouts, record_shadow
 from serving import artifacts
+from serving.actions import RegistrationError, set_loaded
 from serving.dataplane import plane as planes
 from serving.dataplane import tracing
 from serving.dataplane.errors import ServingError
@@ -25,6 +32,7 @@ from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.gateway.shadow import Mirror, Pair
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, hub
+from serving.dataplane.gateway.snapshot_redis import follow
 from serving.dataplane.http.frontdoor import GATE
 from serving.dataplane.node import runtime_process
 from serving.dataplane.node.node import Node
@@ -36,21 +44,20 @@ from serving.dataplane.transport.fleet_events import EventPublisher
 from serving.dataplane.transport.streams import RedisStreamsTransport
 from serving.dataplane.transport.transport import InProcessTransport
 from serving.fleet_state import embedded_name
+from serving.models import Model, ModelVersion, Pipeline
 from serving.publish import publish_snapshot
 from serving.reconciler import REASON_PREFIX as PLACEMENT_REASON
+from tenants import audit
 from tenants.keys import pepper_from
+from tenants.models import ApiKey, Quota, Tenant
 from usage.flusher import UsageFlusher
 from usage.recorder import Drained, UsageRecorder
+from usage.tasks import record_usage
 
 log = logging.getLogger(__name__)
 
 
 def _registry_fingerprint() -> tuple:
-    from django.db.models import Count, Max
-
-    from serving.models import Model, ModelVersion, Pipeline
-    from tenants.models import ApiKey, Quota, Tenant
-
     versions = ModelVersion.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     models = Model.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     # A key created or revoked by another process (manage.py revoke_api_key) takes effect at the next
@@ -81,8 +88,6 @@ def _registry_fingerprint() -> tuple:
 
 
 def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
-    from serving.actions import RegistrationError, set_loaded
-
     try:
         return set_loaded(model_name=name, loaded=loaded)
     except RegistrationError as exc:  # over the tenant's accelerator memory quota (429)
@@ -93,8 +98,6 @@ def _record_placement(report: LoadReport) -> None:
     """A node's measurements of a version it loaded (footprint and cold start on its accelerator type), or
     why it can never hold one. Measurements leave `updated_at` alone (no snapshot rebuild for each load);
     an unschedulable verdict, or its end, moves it, so the snapshot and the registry API carry the reason."""
-    from django.db import connection
-
     try:
         write_placement(report)
     finally:
@@ -102,12 +105,6 @@ def _record_placement(report: LoadReport) -> None:
 
 
 def write_placement(report: LoadReport) -> None:
-    from django.db import transaction
-    from django.utils import timezone
-
-    from serving.models import ModelVersion
-    from tenants import audit
-
     with transaction.atomic():
         version = (
             ModelVersion.objects.select_for_update(of=("self",))
@@ -148,26 +145,17 @@ def write_placement(report: LoadReport) -> None:
 
 def _send_usage(batch_id: str, drained: Drained) -> None:
     # On asgiref's thread, not the event loop. Eager in embedded mode: the task writes the database here.
-    from usage.tasks import record_usage
-
     record_usage.delay(batch_id, drained.rows())
 
 
 def _send_shadow(pairs: list[Pair]) -> None:
     # On asgiref's thread: the comparison runs here, off the event loop, and the task stores it (eager in
     # embedded mode).
-    import uuid
-
-    from rollout.shadow_compare import aggregate
-    from rollout.tasks import record_shadow
-
     rows, samples = aggregate(pairs)
     record_shadow.delay(uuid.uuid4().hex, rows, samples)
 
 
 def _evaluate_rollouts() -> None:
-    from rollout.tasks import evaluate_rollouts
-
     evaluate_rollouts()
 
 
@@ -188,10 +176,6 @@ _events: list[EventPublisher] = []
 
 
 def _record_key_use(prefixes: set[str]) -> None:
-    from django.utils import timezone
-
-    from tenants.models import ApiKey
-
     ApiKey.objects.filter(prefix__in=sorted(prefixes)).update(last_used_at=timezone.now())
 
 
@@ -309,8 +293,6 @@ async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
 
 async def _follow_redis(plane: DataPlane) -> None:
     """Distributed mode: snapshots arrive through Redis; publish one from the registry if none exists yet."""
-    from serving.dataplane.gateway.snapshot_redis import follow
-
     fed = asyncio.Event()
     plane.refresher = plane.loop.create_task(follow(settings.REDIS_URL, hub, ready=fed))
     try:
@@ -368,7 +350,6 @@ async def stop() -> None:
     if isinstance(transport, RedisStreamsTransport):
         await transport.close()
     await asyncio.to_thread(tracing.shutdown)  # what is still queued is exported
-    from django.db import connections
 
     # The refresh loop's queries ran on asgiref's worker thread: close its connections there.
     await sync_to_async(connections.close_all)()

@@ -4,12 +4,13 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
+from usage.ingest import ingest
+from usage.models import UsageBatch, UsageMinute
+
 
 @shared_task(acks_late=True, ignore_result=True)
 def record_usage(batch_id: str, rows: list[dict]) -> int:
     """Add one drained batch of usage (a data-plane process's flusher sends it); safe to run twice."""
-    from usage.ingest import ingest
-
     return ingest(batch_id, rows)
 
 
@@ -17,8 +18,6 @@ def record_usage(batch_id: str, rows: list[dict]) -> int:
 def prune_usage() -> tuple[int, int]:
     """Delete usage older than FERRY_USAGE_RETENTION_DAYS, and batch ids older than FERRY_USAGE_BATCH_DAYS
     (a task retried later than that would be added twice)."""
-    from usage.models import UsageBatch, UsageMinute
-
     now = timezone.now()
     usage_cutoff = now - timedelta(days=settings.FERRY_USAGE_RETENTION_DAYS)
     batch_cutoff = now - timedelta(days=settings.FERRY_USAGE_BATCH_DAYS)
