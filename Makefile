@@ -41,3 +41,4 @@ lint:
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/lint-imports
+	.venv/bin/mypy

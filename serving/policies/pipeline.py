@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -72,8 +73,8 @@ class Tensor:
     def describe(self) -> str:
         return f"{self.datatype} {list(self.shape)}"
 
-    def to_dict(self, name: str) -> dict:
-        d: dict = {"name": name, "datatype": self.datatype, "shape": list(self.shape)}
+    def to_dict(self, name: str) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": name, "datatype": self.datatype, "shape": list(self.shape)}
         if -1 in self.shape and self.max_shape is not None:
             d["max_shape"] = list(self.max_shape)
         return d
@@ -115,7 +116,8 @@ class Condition:
             reduced = flat.min(axis=1)
         else:
             reduced = flat.mean(axis=1)
-        return OPS[self.op](reduced, self.value)
+        chosen: np.ndarray = OPS[self.op](reduced, self.value)
+        return chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +217,10 @@ def _parse(spec: object, counter: list[int], depth: int, where: str) -> Node:
         condition = _parse_condition(spec["switch"], label)
         if "then" not in spec:
             raise PipelineError("a switch needs 'then'", step=label)
-        children = [_parse(spec["then"], counter, depth + 1, label)]
+        branches_ = [_parse(spec["then"], counter, depth + 1, label)]
         if "else" in spec:
-            children.append(_parse(spec["else"], counter, depth + 1, label))
-        return Node("switch", name, children=tuple(children), condition=condition, has_else="else" in spec)
+            branches_.append(_parse(spec["else"], counter, depth + 1, label))
+        return Node("switch", name, children=tuple(branches_), condition=condition, has_else="else" in spec)
     if kind == "ensemble":
         members = spec["ensemble"]
         if not isinstance(members, list) or len(members) < 2:
@@ -231,7 +233,8 @@ def _parse(spec: object, counter: list[int], depth: int, where: str) -> Node:
     branches = spec["splitter"]
     if not isinstance(branches, list) or len(branches) < 2:
         raise PipelineError("'splitter' must list at least two {weight, node} branches", step=label)
-    weights, children = [], []
+    weights: list[float] = []
+    picks: list[Node] = []
     for branch in branches:
         if not isinstance(branch, dict) or set(branch) != {"weight", "node"}:
             raise PipelineError('each splitter branch is {"weight": w, "node": node}', step=label)
@@ -239,13 +242,13 @@ def _parse(spec: object, counter: list[int], depth: int, where: str) -> Node:
         if type(w) not in (int, float) or not 0 < w <= 1:
             raise PipelineError("a splitter weight is a number in (0, 1]", step=label)
         weights.append(float(w))
-        children.append(_parse(branch["node"], counter, depth + 1, label))
+        picks.append(_parse(branch["node"], counter, depth + 1, label))
     if abs(sum(weights) - 1.0) > 1e-6:
         raise PipelineError(f"splitter weights sum to {sum(weights):g}, not 1", step=label)
-    return Node("splitter", name, children=tuple(children), weights=tuple(weights))
+    return Node("splitter", name, children=tuple(picks), weights=tuple(weights))
 
 
-def _parse_model(spec: dict, name: str) -> Node:
+def _parse_model(spec: dict[str, Any], name: str) -> Node:
     model = spec["model"]
     if not isinstance(model, str) or not model or len(model) > 100:
         raise PipelineError("'model' must be a model's name", step=name)
@@ -314,6 +317,7 @@ class _Checker:
 
     def node(self, node: Node, current: Signature | None, scope: dict[str, Signature]) -> Signature:
         """The response of `node` given its current tensors (None: the request's, still open)."""
+        response: Signature | None
         if node.kind == "model":
             response = self.model(node, current, scope)
         elif node.kind == "sequence":
@@ -413,10 +417,10 @@ class _Checker:
             if node.combine == "concat":
                 combined[name] = _concat(label, name, specs)
                 continue
-            for other in specs[1:]:
-                if other.datatype != spec.datatype or other.shape != spec.shape:
+            for member in specs[1:]:
+                if member.datatype != spec.datatype or member.shape != spec.shape:
                     raise PipelineError(
-                        f"members answer {spec.describe()} and {other.describe()}: {node.combine} needs one type",
+                        f"members answer {spec.describe()} and {member.describe()}: {node.combine} needs one type",
                         label,
                         name,
                     )
@@ -495,7 +499,8 @@ def check(spec: object, signatures: Callable[[str, int | None], ModelSignature |
 def combine(how: str, arrays: list[np.ndarray]) -> np.ndarray:
     """An ensemble's members' answers for one tensor, combined."""
     if how == "mean":
-        return np.mean(np.stack(arrays), axis=0).astype(arrays[0].dtype, copy=False)
+        mean: np.ndarray = np.mean(np.stack(arrays), axis=0).astype(arrays[0].dtype, copy=False)
+        return mean
     if how == "concat":
         return np.concatenate(arrays, axis=-1)
     classes = arrays[0].shape[-1]
@@ -518,6 +523,6 @@ def choose_branch(weights: tuple[float, ...], u: float) -> int:
 
 def to_tensor(d: Mapping[str, object]) -> tuple[str, Tensor]:
     """A registry tensor spec ({name, datatype, shape[, max_shape]}) as the check takes it."""
-    shape = tuple(d["shape"])  # type: ignore[arg-type]
+    shape: tuple[int, ...] = tuple(d["shape"])  # type: ignore[arg-type]
     maxima = d.get("max_shape")
     return str(d["name"]), Tensor(str(d["datatype"]), shape, tuple(maxima) if maxima else None)  # type: ignore[arg-type]
