@@ -101,6 +101,7 @@ PAGES = {
     "redishop": "benchmarks/request-path.md",
     "packing": "benchmarks/fleet.md",
     "fleet200": "benchmarks/fleet.md",
+    "websocket": "benchmarks/websocket.md",
     "grpc": "benchmarks/grpc.md",
     "pipelines": "benchmarks/pipelines.md",
 }
