@@ -1,7 +1,7 @@
 """REST JSON, REST binary and gRPC inference on `digits` and the wide MLP, at the same offered rates, in one run.
 
-    .venv/bin/python -m bench.grpc_compare [--rates 200,600] [--seconds 8] [--rounds 2] [--models digits,wide-mlp]
-                                   [--record docs/benchmarks/grpc.md]
+    .venv/bin/python -m bench.grpc_compare [--rates 200,600] [--mlp-rates 20] [--seconds 8] [--rounds 2]
+        [--models digits,wide-mlp] [--data-dir DIR] [--record docs/benchmarks/grpc.md]
 
 One server (`manage.py serve`, embedded mode, the demo models and the wide MLP of bench.run's batching phase,
 gRPC on a free port), the demo tenant's quota unbound. For each model and rate the protocols alternate,
@@ -172,21 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs of each protocol at each rate, alternating")
     p.add_argument("--channels", type=int, default=4, help="gRPC channels (HTTP/2 connections)")
     p.add_argument("--models", default=f"digits,{WIDE}", help="models, comma-separated (digits, wide-mlp)")
+    p.add_argument("--mlp-rates", default="20", help="offered rates for the wide MLP (slower), req/s")
+    p.add_argument("--data-dir", type=Path, help="reuse this data dir when an earlier run set it up (its key file)")
     p.add_argument("--record", type=Path, help="write the results into this page (docs/benchmarks/grpc.md)")
     a = p.parse_args(argv)
     rates = [float(r) for r in a.rates.split(",")]
     models = [m for m in a.models.split(",") if m]
-    data_dir = Path(tempfile.mkdtemp(prefix="ferry-bench-grpc-"))
+    data_dir = a.data_dir or Path(tempfile.mkdtemp(prefix="ferry-bench-grpc-"))
     grpc_port = free_port()
     env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "FERRY_GRPC_PORT": str(grpc_port)}
     facts = machine_facts(int(os.environ.get("FERRY_TORCH_THREADS", "0") or 0))
-    model_path = None
-    if WIDE in models:
-        from bench.models import build_wide_mlp, save_torchscript
+    key = use_key(data_dir) if a.data_dir else None
+    if key is None:
+        model_path = None
+        if WIDE in models:
+            from bench.models import build_wide_mlp, save_torchscript
 
-        model_path = save_torchscript(build_wide_mlp(), data_dir / "wide-mlp.pt")
-    setup_data_dir(env, model_path, True)  # migrate, the demo models, the wide MLP, the demo key, quota lifted
-    key = use_key(data_dir)
+            model_path = save_torchscript(build_wide_mlp(), data_dir / "wide-mlp.pt")
+        setup_data_dir(env, model_path, True)  # migrate, the demo models, the wide MLP, the demo key, quota lifted
+        key = use_key(data_dir)
     if key is None:
         raise SystemExit("no demo key in the data dir")
     bodies = {"digits": digits_body(), WIDE: mlp_body()}
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = row_of(json_body)
                 binary, binary_headers = binary_body(row)
                 request = grpc_request(model, row)
-                for rate in rates:
+                for rate in [float(r) for r in a.mlp_rates.split(",")] if model == WIDE else rates:
                     for round_no in range(a.rounds):
                         for protocol in PROTOCOLS:
                             before = cpu_seconds(server.proc.pid)
