@@ -66,6 +66,15 @@ ALLOWANCES = {
         ("400",),
         "`preferred_batch_sizes` must lie within `max_batch_size` (the request's or the stored one)",
     ),
+    "POST /api/pipelines/": (
+        ("400", "422"),
+        "each step must name a model the pipeline's tenant can see, and the steps' tensors must connect"
+        " (refused naming the step and tensor): references and a graph the schema cannot check",
+    ),
+    "PUT /api/pipelines/{name}/": (
+        ("400", "422"),
+        "each step must name a model the pipeline's tenant can see, and the steps' tensors must connect",
+    ),
     "POST /api/tenants/{slug}/members/": (("400",), "`username` must name an existing user"),
     "PATCH /api/tenants/{slug}/": (
         ("400",),

