@@ -180,10 +180,15 @@ def test_an_expired_deadline_is_deadline_exceeded(client, auth, digits_samples) 
     with pytest.raises(InferenceServerException, match="deadline") as refused:
         client.infer("digits", [digits_input(x[:1])], timeout=1, headers=auth)
     assert status_of(refused.value) in ("StatusCode.DEADLINE_EXCEEDED", "StatusCode.UNAVAILABLE")
-    # and gRPC's own deadline, once passed, is DEADLINE_EXCEEDED too
+    # and gRPC's own deadline becomes the request's: once passed it is DEADLINE_EXCEEDED, or, when the server
+    # reads the call with a sliver of it left, admission's refusal that it cannot finish by then (the run in
+    # CI saw both: which one wins is the race between the client's timer and the server's answer)
     with pytest.raises(InferenceServerException) as late:
         client.infer("digits", [digits_input(x[:1])], client_timeout=1e-6, headers=auth)
-    assert status_of(late.value) == "StatusCode.DEADLINE_EXCEEDED"
+    status = status_of(late.value)
+    assert status in ("StatusCode.DEADLINE_EXCEEDED", "StatusCode.UNAVAILABLE"), status
+    if status == "StatusCode.UNAVAILABLE":
+        assert "deadline" in str(late.value).lower(), late.value
     # while a generous one is served
     assert client.infer("digits", [digits_input(x[:1])], client_timeout=30, headers=auth).as_numpy("scores").size
 

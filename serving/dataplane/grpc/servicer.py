@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from serving.dataplane import plane as dataplane
 from serving.dataplane import tracing
-from serving.dataplane.errors import ServingError, Unavailable
+from serving.dataplane.errors import DeadlineExceeded, ServingError, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
 from serving.dataplane.grpc import codec
@@ -271,6 +271,10 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         if not frontdoor.charge(size):
             raise Unavailable("server holds its budget of bytes of request bodies; retry shortly", retry_after=1)
         try:
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                # Passed before the call was read: a timeout, not a refusal of work that could still finish.
+                raise DeadlineExceeded("the call's gRPC deadline passed before it was served")
             name, version = message.model_name, message.model_version or None
             ticket, limits = await front.admit(plane, name, version, caller.tenant_id)
             try:
