@@ -15,9 +15,9 @@ pytestmark = pytest.mark.django_db
 
 
 def test_an_engineer_opts_a_version_in_and_the_snapshot_carries_it(
-    bob,
-    registry,
-    django_capture_on_commit_callbacks,  # noqa: ANN001, F811
+    bob,  # noqa: F811 (a fixture)
+    registry,  # noqa: F811 (a fixture)
+    django_capture_on_commit_callbacks,  # noqa: ANN001
 ) -> None:
     from serving.dataplane.gateway.snapshot import hub
 

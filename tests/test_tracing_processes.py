@@ -34,9 +34,9 @@ SPANS_WAIT_S = 60  # a bound on waiting for two processes' exporters, not a timi
 @pytest.fixture
 def traced_cluster(
     transactional_db,
-    redis_db,
+    redis_db,  # noqa: F811 (a fixture)
     model_files,
-    tmp_path,  # noqa: ANN001, F811
+    tmp_path,  # noqa: ANN001
 ) -> Iterator[tuple[Proc, str, otlp_receiver.Receiver]]:
     receiver = otlp_receiver.start()
     register(model_files.digits, "digits", max_batch_size=8, max_queue_delay_ms=2)
