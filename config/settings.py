@@ -236,6 +236,8 @@ FERRY_MAX_FRONTEND_WAIT_MS = env_int("FERRY_MAX_FRONTEND_WAIT_MS", 150, minimum=
 # contrast benchmarks: queues and deadlines still bound the work.
 FERRY_ADMISSION = env_bool("FERRY_ADMISSION", True)
 FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minimum=1024)  # per version
+# Distributed mode: the bytes a version's Redis stream may hold, from every gateway (transport/stream_bound.py).
+FERRY_MAX_STREAM_BYTES = env_int("FERRY_MAX_STREAM_BYTES", 64 * 1024 * 1024, minimum=1024)
 FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)

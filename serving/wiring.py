@@ -286,7 +286,9 @@ async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
     the fleet they announce says which versions are ready on a live node."""
     fleet = FleetView(settings.REDIS_URL)
     fleet.start()
-    transport = RedisStreamsTransport(settings.REDIS_URL, max_bytes=settings.FERRY_MAX_QUEUE_BYTES)
+    transport = RedisStreamsTransport(
+        settings.REDIS_URL, max_bytes=settings.FERRY_MAX_QUEUE_BYTES, stream_bytes=settings.FERRY_MAX_STREAM_BYTES
+    )
     await transport.start()
     return fleet, transport
 

@@ -45,7 +45,7 @@ from serving.dataplane.gateway import snapshot_redis
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node.node import Node
-from serving.dataplane.transport import fleet, redis_pipe
+from serving.dataplane.transport import fleet, redis_pipe, stream_bound
 from serving.dataplane.transport.fleet_events import EventPublisher
 from serving.dataplane.transport.stream_codec import (
     FIELD,
@@ -171,7 +171,8 @@ class NodeProcess:
         self._elsewhere: frozenset[str] = frozenset()  # versions assigned to other live nodes
         self.reconciled_serial = 0
         self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
-        self._acks: dict[bytes | str, list[bytes]] = {}  # request stream -> entries answered, not yet acknowledged
+        # version key -> (entry id, its size) answered, not yet acknowledged (the size: the stream's byte bound)
+        self._acks: dict[str, list[tuple[bytes, int]]] = {}
         self._flush_scheduled = False
         # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
         # be loaded for them ("cold"): the hit rate of this node's packing.
@@ -467,7 +468,7 @@ class NodeProcess:
             metrics.INTERNAL_ERRORS.labels("node_stream").inc()
             log.exception("serving stream entry %s of %s failed", entry_id, key)
         # After its reply (queued first, flushed first): an entry is acknowledged once answered.
-        self._acks.setdefault(stream, []).append(entry_id)
+        self._acks.setdefault(key, []).append((entry_id, len(raw or b"")))
         self._schedule_flush()
 
     async def _answer(self, key: str, raw: bytes | None) -> None:
@@ -523,7 +524,7 @@ class NodeProcess:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """What this turn of the loop answered: one XADD per gateway, one XACK and one XDEL per stream."""
+        """What this turn of the loop answered: one XADD per gateway, one acknowledgement (XACK, XDEL) per stream."""
         self._flush_scheduled = False
         outbox, self._outbox = self._outbox, {}
         acks, self._acks = self._acks, {}
@@ -541,9 +542,9 @@ class NodeProcess:
                 pack_replies(payloads),
                 wait=False,
             )
-        for stream, ids in acks.items():
-            self._pipe.send("XACK", stream, GROUP, *ids, wait=False)
-            self._pipe.send("XDEL", stream, *ids, wait=False)
+        for key, answered in acks.items():
+            # XACK, XDEL and the stream's byte counter in one step (stream_bound.ACK): idempotent on a resend.
+            self._pipe.send(*stream_bound.ack_args(key, GROUP, answered), wait=False)
 
     # -- lost nodes ------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ request gets exactly one answer: the node's result or error, or 504 at its deadl
 Redis is lost while it waits.
 
 What this process has outstanding per version is bounded in requests (the version's
-max_queue_size) and bytes (FERRY_MAX_QUEUE_BYTES): past either, 503 with Retry-After at once.
+max_queue_size) and bytes (FERRY_MAX_QUEUE_BYTES): past either, 503 with Retry-After at once. The
+version's stream, which every gateway adds to, is bounded in Redis (`stream_bound`): REQUEST_STREAM_MAXLEN
+entries and FERRY_MAX_STREAM_BYTES bytes; past either, 503 with Retry-After too.
 
 The reply stream lives as long as this process renews its TTL. Nodes reply with NOMKSTREAM, so a
 reply to a gateway that died is dropped instead of leaving a stream behind.
@@ -32,7 +34,7 @@ from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unavailable
 from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.metrics import metrics
-from serving.dataplane.transport import redis_pipe
+from serving.dataplane.transport import redis_pipe, stream_bound
 from serving.dataplane.transport.stream_codec import (
     FIELD,
     REPLIES,
@@ -40,7 +42,6 @@ from serving.dataplane.transport.stream_codec import (
     StreamRequest,
     decode_reply,
     encode_request,
-    request_stream,
     unpack_replies,
 )
 
@@ -50,7 +51,7 @@ REPLY_TTL_S = 30  # a dead gateway's reply stream disappears this long after its
 RENEW_S = 1.0  # renewal, and re-creation after Redis lost its data
 READ_BLOCK_MS = 1000
 READ_COUNT = 512
-REQUEST_STREAM_MAXLEN = 10_000  # approximate; nodes delete what they answered, so this bounds only a backlog
+REQUEST_STREAM_MAXLEN = 10_000  # exact (stream_bound.ADD refuses past it); nodes delete what they answered
 RECONNECT_MAX_S = 1.0  # an outage is noticed, and its end too, within about this
 
 
@@ -73,11 +74,13 @@ class RedisStreamsTransport:
         url: str,
         *,
         max_bytes: int = 64 * 1024**2,
+        stream_bytes: int = 64 * 1024**2,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.url = url
         self.max_bytes = max_bytes  # per version, what this process holds waiting
+        self.stream_bytes = stream_bytes  # per version, what its stream holds from every gateway (stream_bound)
         self._clock = clock
         self._wall = wall
         self.reply_to = f"ferry:reply:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
@@ -164,8 +167,8 @@ class RedisStreamsTransport:
         held.nbytes += nbytes
         try:
             try:
-                await self._pipe.send(
-                    "XADD", request_stream(key), "MAXLEN", "~", REQUEST_STREAM_MAXLEN, "*", FIELD, message
+                added, entries, held_bytes = await self._pipe.send(
+                    *stream_bound.add_args(key, self.stream_bytes, REQUEST_STREAM_MAXLEN, FIELD, message)
                 )
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 # The reader governs `connected`: it notices the same outage on its own connection, and
@@ -176,6 +179,13 @@ class RedisStreamsTransport:
                 log.error("XADD to %s refused: %s", key, exc)
                 metrics.INTERNAL_ERRORS.labels("stream_send").inc()
                 raise ServingError("the request queue refused the request; the gateway logged it") from None
+            if not added:  # the stream is full, from every gateway's requests: never sent
+                raise Shed(
+                    f"{key}: its stream holds {entries} requests ({held_bytes} bytes) already",
+                    reason="queue_full",
+                    tier=priority,
+                    retry_after=1,
+                )
             try:
                 async with asyncio.timeout(deadline - self._clock()):
                     return await future
