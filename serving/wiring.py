@@ -41,6 +41,7 @@ from serving.dataplane.node.runtime import configure_torch_threads
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.transport.fleet import FleetView
 from serving.dataplane.transport.fleet_events import EventPublisher
+from serving.dataplane.transport.load_view import LoadView
 from serving.dataplane.transport.streams import RedisStreamsTransport
 from serving.dataplane.transport.transport import InProcessTransport
 from serving.fleet_state import embedded_name
@@ -289,6 +290,10 @@ async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
     transport = RedisStreamsTransport(
         settings.REDIS_URL, max_bytes=settings.FERRY_MAX_QUEUE_BYTES, stream_bytes=settings.FERRY_MAX_STREAM_BYTES
     )
+    if settings.FERRY_ADMISSION:
+        # Admission before the stream, on the load the nodes publish (off with admission, for contrast runs).
+        transport.admission = LoadView(settings.REDIS_URL, lambda: fleet.nodes)
+        transport.admission.start()
     await transport.start()
     return fleet, transport
 
@@ -351,6 +356,8 @@ async def stop() -> None:
         transport = transport.inner
     if isinstance(transport, RedisStreamsTransport):
         await transport.close()
+        if isinstance(transport.admission, LoadView):
+            await transport.admission.close()
     await asyncio.to_thread(tracing.shutdown)  # what is still queued is exported
 
     # The refresh loop's queries ran on asgiref's worker thread: close its connections there.

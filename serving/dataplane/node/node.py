@@ -601,6 +601,11 @@ class Node:
         in_flight = self._in_flight(now) if self._device_work else 0.0
         return admission.completion_seconds(own=own, rows=rows, others=others, in_flight=in_flight)
 
+    def in_flight_seconds(self, now: float | None = None) -> float:
+        """Estimated seconds left of the batches on the device now (what a node process publishes for the
+        gateways' admission, `serving.dataplane.node.load_publisher`)."""
+        return self._in_flight(self._clock() if now is None else now) if self._device_work else 0.0
+
     def backlog_seconds(self, now: float | None = None) -> float:
         """Estimated seconds the device needs to finish everything queued and in flight now."""
         now = self._clock() if now is None else now

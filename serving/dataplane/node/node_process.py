@@ -44,9 +44,11 @@ from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.gateway import snapshot_redis
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, SnapshotHub, VersionEntry
 from serving.dataplane.metrics import metrics
+from serving.dataplane.node.load_publisher import LoadPublisher
 from serving.dataplane.node.node import Node
 from serving.dataplane.transport import fleet, redis_pipe, stream_bound
 from serving.dataplane.transport.fleet_events import EventPublisher
+from serving.dataplane.transport.load_view import PUBLISH_SECONDS
 from serving.dataplane.transport.stream_codec import (
     FIELD,
     GROUP,
@@ -187,6 +189,10 @@ class NodeProcess:
         self._pipe = redis_pipe.Pipe(redis_pipe.client(url, name=f"ferry-node-replies-{facts.name}"), retry_once=True)
         self.events = EventPublisher(url, facts.name)  # its loads, evictions and failures, for the fleet page
         node.packing.listeners.append(self.events.add)
+        # What the gateways' admission reads (serving.dataplane.transport.load_view), a few times a second.
+        self.load = LoadPublisher(
+            node, self._client, facts.name, held=lambda key: self._held.get(key, 0), clock=clock, wall=wall
+        )
 
     # -- membership ------------------------------------------------------------------------
 
@@ -485,8 +491,11 @@ class NodeProcess:
             return
         left = request.deadline - self._wall()
         if left <= 0:
-            # The gateway answered 504 at this deadline already: never run it, never answer it twice.
+            # Never run. The gateway's timer has most likely answered it 504 already (a second answer is
+            # ignored there), but the answer is said explicitly: a gateway whose clock runs behind this
+            # node's still waits, and must not wait for nothing.
             self.counts["expired"] += 1
+            self._reply(request.reply_to, encode_error(request.id, DeadlineExceeded("deadline passed in the stream")))
             return
         self.counts["hot" if key in self.node.hosted else "cold"] += 1
         # The gateway's trace goes on here: this node's part of the request is one span under its span.
@@ -502,9 +511,9 @@ class NodeProcess:
                 with tracing.child("ferry.reply"):
                     payload = encode_success(request.id, outputs, request.outputs)
                 self.counts["served"] += 1
-            except DeadlineExceeded:
+            except DeadlineExceeded as exc:
                 self.counts["expired"] += 1
-                return  # the gateway's own timer answers it
+                payload = encode_error(request.id, exc)  # as above: said, not left to the gateway's timer
             except ServingError as exc:
                 payload = encode_error(request.id, exc)
             except Exception:
@@ -622,6 +631,7 @@ class NodeProcess:
         await self.claim_name()
         loop = asyncio.get_running_loop()
         self._loops.append(loop.create_task(self._heartbeat_forever()))
+        self._loops.append(loop.create_task(self._every(PUBLISH_SECONDS, self.load.publish_once, "publishing load")))
         self._loops.append(
             loop.create_task(self._every(fleet.REFRESH_SECONDS, self.watch_fleet_once, "reading the fleet"))
         )

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import redis
@@ -53,6 +54,12 @@ READ_BLOCK_MS = 1000
 READ_COUNT = 512
 REQUEST_STREAM_MAXLEN = 10_000  # exact (stream_bound.ADD refuses past it); nodes delete what they answered
 RECONNECT_MAX_S = 1.0  # an outage is noticed, and its end too, within about this
+
+
+class Admission(Protocol):
+    def admit(self, key: str, rows: int, deadline: float, priority: int) -> None:
+        """Raise `Shed` to refuse a request of `rows` rows for version `key` before it is sent."""
+        ...
 
 
 @dataclass(slots=True)
@@ -93,6 +100,8 @@ class RedisStreamsTransport:
         self._pipe: redis_pipe.Pipe | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.malformed_replies = 0
+        # Admission before the stream (serving.dataplane.transport.load_view.LoadView); None admits everything.
+        self.admission: Admission | None = None
 
     async def start(self) -> None:
         self._pipe = redis_pipe.Pipe(redis_pipe.client(self.url, name=f"ferry-gateway-{os.getpid()}"))
@@ -147,6 +156,8 @@ class RedisStreamsTransport:
                 tier=priority,
                 retry_after=1,
             )
+        if self.admission is not None:  # the nodes' load as last published: refused here, never queued
+            self.admission.admit(key, rows, deadline, priority)
         request_id = next(self._ids)
         message = encode_request(
             StreamRequest(

@@ -1,0 +1,314 @@
+"""Admission at the gateway in distributed mode, against the real Redis (FERRY_TEST_REDIS_URL): a node's
+`LoadPublisher` writes what `Node.infer`'s admission reads, a gateway's `LoadView` reads it back and decides
+with the same `serving.policies.admission` functions before a request enters its stream; stale or missing
+documents admit; a refusal goes to the model's fallback through `Gateway.serve`, as an embedded node's does.
+(Whole processes: tests/test_streams_processes.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from rollout.routing import RouteTable
+from serving.dataplane.errors import Shed
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.request import Inference
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
+from serving.dataplane.node.load_publisher import LoadPublisher
+from serving.dataplane.node.node import Node
+from serving.dataplane.node.node_process import Facts, NodeProcess
+from serving.dataplane.transport import fleet, redis_pipe
+from serving.dataplane.transport.load_view import (
+    LEVELS,
+    LoadView,
+    NodeLoad,
+    VersionState,
+    decode_load,
+    encode_load,
+    load_key,
+)
+from serving.dataplane.transport.stream_codec import (
+    FIELD,
+    REPLIES,
+    StreamRequest,
+    decode_reply,
+    encode_request,
+    request_stream,
+    unpack_replies,
+)
+from serving.dataplane.transport.streams import RedisStreamsTransport
+from tests.test_admission import Clock, StandIn, host, queued, rows
+from tests.test_streams_processes import clear
+from tests.test_streams_transport import entry
+
+REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def info(name: str, *, hot: frozenset[str] = frozenset()) -> fleet.NodeInfo:
+    return fleet.NodeInfo(name, "i", "h", 1, "cpu", "cpu", 0, 0, 0, 0, {}, 0.0, 0.0, 1, ready=hot, hot=hot)
+
+
+class Wall:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(REDIS_URL)
+    clear(c)
+    yield c
+    clear(c)
+    c.close()
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[Node]:
+    clock = Clock()
+    n = Node(artifact_path=lambda sha: None, device="cpu", clock=clock, max_queue_bytes=10_000)  # type: ignore[arg-type]
+    n.clock = clock  # type: ignore[attr-defined]
+    yield n
+    for hosted in n.hosted.values():
+        hosted.batcher.queue.drain()
+    n._device_pool.shutdown(wait=False)
+    n._load_pool.shutdown(wait=False)
+
+
+async def view_of(nodes: list[fleet.NodeInfo], clock: Clock, wall: Wall) -> LoadView:
+    view = LoadView(REDIS_URL, lambda: nodes, clock=clock, wall=wall)
+    view._client = redis_pipe.client(REDIS_URL)  # no background loop: each test refreshes when it means to
+    await view.refresh_once()
+    await view.refresh_once()  # the second read has the streams' lengths of the versions the first found
+    return view
+
+
+def test_a_load_document_round_trips_and_a_foreign_one_is_refused() -> None:
+    state = VersionState("a:1", list(range(LEVELS)), 3, 8, {1: 0.01, 8: 0.02}, [0.0] * LEVELS)
+    load = decode_load(encode_load(NodeLoad("n1", 12.5, 0.25, {"a:1": state})))
+    assert (load.node, load.at, load.in_flight) == ("n1", 12.5, 0.25)
+    back = load.versions["a:1"]
+    assert (back.ahead, back.held, back.max_batch, back.profile) == (list(range(LEVELS)), 3, 8, {1: 0.01, 8: 0.02})
+    assert back.estimate(4) == pytest.approx(0.01 + 3 / 7 * 0.01)
+    for raw in (
+        b"{}",
+        b"not json",
+        b'{"node": "n", "at": 1, "in_flight": 0, "versions": [["a:1", [1], 0, 8, [], []]]}',
+    ):
+        with pytest.raises(ValueError):
+            decode_load(raw)
+
+
+async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(node: Node, client: redis.Redis) -> None:
+    # given a node with 40 rows queued on a version whose batch of 8 takes 0.4 s: 2 s of work, published
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.4)
+    tasks = await queued(node, "a", 40)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 40, clock=clock, wall=wall)
+    await publisher.publish_once()
+    assert client.pttl(load_key("n1")) > 0  # a node that stops publishing leaves nothing behind for long
+    view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
+    try:
+        # when a request with 1 s left arrives at the gateway
+        with pytest.raises(Shed) as at_gateway:
+            view.admit("a:1", 1, clock.now + 1.0, 1)
+        # then it is refused there as the node refuses it: the same reason, the same Retry-After (the 2 s drain)
+        with pytest.raises(Shed) as at_node:
+            await node.infer("a:1", rows(1), 1, clock.now + 1.0, 1)
+        assert (at_gateway.value.reason, at_gateway.value.retry_after) == ("deadline", 2.0)
+        assert (at_node.value.reason, at_node.value.retry_after) == ("deadline", 2.0)
+        assert "refused at the gateway" in at_gateway.value.message
+        # and one whose deadline the backlog fits is admitted
+        view.admit("a:1", 1, clock.now + 10.0, 1)
+        assert (view.counts["refused"], view.counts["admitted"]) == (1, 1)
+        # and a lower tier is held to its share of the budget, as on the node: tier 3 gets half of 80% of 5 s
+        with pytest.raises(Shed) as tier:
+            view.admit("a:1", 1, clock.now + 5.0, 3)
+        assert tier.value.reason == "tier"
+
+        # when the document is older than the view trusts (the node stopped publishing, or is slow to)
+        wall.now += 1.5
+        # then the view knows nothing: admitted, and the node decides
+        view.admit("a:1", 1, clock.now + 1.0, 1)
+        assert view.counts["unknown"] == 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_unread_stream_entries_and_this_gateway_s_sends_count_as_queued(node: Node, client: redis.Redis) -> None:
+    # given a node with nothing queued on a version whose batch of 8 takes 0.1 s
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.1)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 0, clock=clock, wall=wall)
+    await publisher.publish_once()
+    view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
+    try:
+        view.admit("a:1", 1, clock.now + 0.5, 1)  # nothing ahead of it
+        # when 80 requests wait unread in the stream (1 s of work: more than 80% of 0.5 s)
+        for _ in range(80):
+            client.xadd(request_stream("a:1"), {FIELD: b"x"})
+        await view.refresh_once()
+        # then a request with 0.5 s left is refused before it joins them
+        with pytest.raises(Shed) as refused:
+            view.admit("a:1", 1, clock.now + 0.5, 1)
+        assert refused.value.retry_after == 1.0
+        assert view.lengths["a:1"] == 80
+
+        # when they are gone, but this gateway has sent as many since its last read
+        client.delete(request_stream("a:1"))
+        await view.refresh_once()
+        view.admit("a:1", 1, clock.now + 0.5, 1)
+        for _ in range(80):
+            view.admit("a:1", 1, clock.now + 30.0, 1)
+        # then those count until the next read shows where they are
+        with pytest.raises(Shed):
+            view.admit("a:1", 1, clock.now + 0.5, 1)
+        await view.refresh_once()
+        view.admit("a:1", 1, clock.now + 0.5, 1)
+    finally:
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_a_node_hot_for_the_version_without_a_document_leaves_the_view_unknown(
+    node: Node,
+    client: redis.Redis,  # noqa: ARG001
+) -> None:
+    # given a node whose document shows a long backlog, and a second node serving the same version hot that
+    # publishes nothing (an older release, or its document expired)
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.4)
+    tasks = await queued(node, "a", 40)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 40, clock=clock, wall=wall)
+    await publisher.publish_once()
+    hot = frozenset({"a:1"})
+    view = await view_of([info("n1", hot=hot), info("n2", hot=hot)], clock, wall)
+    try:
+        # then the gateway cannot tell the second is busy too: admitted, the node decides
+        view.admit("a:1", 1, clock.now + 1.0, 1)
+        assert view.counts == {"refused": 0, "admitted": 0, "unknown": 1}
+        # and a version no document names is unknown as well
+        view.admit("b:1", 1, clock.now + 0.001, 1)
+        assert view.counts["unknown"] == 2
+    finally:
+        for t in tasks:
+            t.cancel()
+        await view.close()
+        await publisher.client.aclose()
+
+
+def busy_document(key: str, *, rows_queued: int, per_batch: float, max_batch: int = 4) -> bytes:
+    """A node's document holding `rows_queued` rows of `key`, a batch taking `per_batch` seconds: as published now."""
+    state = VersionState(
+        key, [rows_queued] * LEVELS, rows_queued, max_batch, {1: per_batch, max_batch: per_batch}, [0.0] * LEVELS
+    )
+    return encode_load(NodeLoad("busy", time.time(), 0.0, {key: state}))
+
+
+@pytest.fixture
+async def streams(client: redis.Redis) -> AsyncIterator[tuple[NodeProcess, RedisStreamsTransport, LoadView]]:
+    """A node process serving f:1 (the fallback) from its stream, and a gateway transport admitting on a view."""
+    node = Node(artifact_path=lambda sha: None, device="cpu")  # type: ignore[arg-type]
+    node.host(entry("f", max_batch=4), StandIn(), {1: 0.001, 4: 0.001})
+    process = NodeProcess(node, REDIS_URL, Facts("unit", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+    await process.claim_name()
+    await process.ensure_groups()
+    process.serve()
+    await process.load.publish_once()
+    # a second node, holding m:1 with 40 rows queued of 0.4 s batches of 4: 4 s of work
+    client.set(load_key("busy"), busy_document("m:1", rows_queued=40, per_batch=0.4), px=5000)
+    nodes = [info("unit", hot=frozenset({"f:1"})), info("busy", hot=frozenset({"m:1"}))]
+    view = LoadView(REDIS_URL, lambda: nodes)
+    view._client = redis_pipe.client(REDIS_URL)
+    await view.refresh_once()
+    await view.refresh_once()
+    transport = RedisStreamsTransport(REDIS_URL)
+    transport.admission = view
+    await transport.start()
+    async with asyncio.timeout(10):
+        while not transport.connected:
+            await asyncio.sleep(0.01)
+    try:
+        yield process, transport, view
+    finally:
+        await transport.close()
+        await view.close()
+        await process.stop(drain_seconds=1)
+
+
+def gateway_for(transport: RedisStreamsTransport, fallback: str | None) -> Gateway:
+    m = dataclasses.replace(entry("m", max_batch=4), default_timeout_ms=1000)
+    f = dataclasses.replace(entry("f", max_batch=4), default_timeout_ms=1000)
+    hub = SnapshotHub()
+    hub.set(
+        RoutingSnapshot(
+            serial=1,
+            built_at=0.0,
+            models={
+                "m": ModelEntry("m", "", "", fallback, {1: m}, routes=RouteTable(stable=1)),
+                "f": ModelEntry("f", "", "", None, {1: f}, routes=RouteTable(stable=1)),
+            },
+        )
+    )
+    return Gateway(hub, transport)
+
+
+async def test_a_refusal_at_the_gateway_takes_the_fallback_before_the_stream(streams, client: redis.Redis) -> None:  # noqa: ANN001
+    process, transport, view = streams
+    # when a request for m arrives, whose node's backlog is past its 1 s budget, and m falls back to f
+    served = await gateway_for(transport, "f").serve(Inference("m", None, None, inputs=rows(1), rows=1))
+    # then f's node answers it, and m's stream never saw it
+    assert served.fell_back and served.entry.key == "f:1"
+    assert served.outputs["scores"].shape == (1, 2)
+    assert client.xlen(request_stream("m:1")) == 0
+    assert view.counts["refused"] == 1 and view.counts["admitted"] == 1
+    assert process.counts["served"] == 1
+
+
+async def test_without_a_fallback_the_refusal_is_a_503_with_retry_after_from_the_drain(
+    streams, client: redis.Redis
+) -> None:  # noqa: ANN001
+    _, transport, _ = streams
+    with pytest.raises(Shed) as refused:
+        await gateway_for(transport, None).serve(Inference("m", None, None, inputs=rows(1), rows=1))
+    assert (refused.value.status, refused.value.retry_after) == (503, 4.0)  # 10 batches of 0.4 s
+    assert client.xlen(request_stream("m:1")) == 0
+
+
+async def test_the_node_answers_an_entry_past_its_deadline_504_rather_than_dropping_it_silently(
+    streams,  # noqa: ANN001
+    client: redis.Redis,
+) -> None:
+    process, _, _ = streams
+    # given an entry whose caller's deadline passed while it waited in the stream
+    reply_to = b"ferry:reply:test-expired"
+    client.xadd(reply_to, {b"hello": b"1"})
+    stale = StreamRequest(7, reply_to, time.time() - 1, None, 1, 1, {"input": np.zeros((1, 4), np.float32)}, None)
+    client.xadd(request_stream("f:1"), {FIELD: encode_request(stale)})
+    # when the node reads it, then it is never run, and answered 504 on its gateway's reply stream
+    replies: list = []
+    async with asyncio.timeout(10):
+        while not replies:
+            await asyncio.sleep(0.02)
+            answer = client.xread({reply_to: "0-0"}, count=100)
+            replies = [
+                decode_reply(r)
+                for _, entries in answer
+                for _, f in entries
+                if REPLIES in f
+                for r in unpack_replies(f[REPLIES])
+            ]
+    assert [(r.id, r.error.status) for r in replies] == [(7, 504)]
+    assert process.counts["expired"] == 1 and process.counts["served"] == 0
