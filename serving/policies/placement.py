@@ -20,12 +20,19 @@ simulator call the same functions.
   eviction, then the tightest fit. Versions are placed pinned first, then largest first (best fit
   decreasing), so large versions are not left without a hole. What cannot be placed comes back as
   unschedulable with the reason. A version the plan wants fewer replicas of loses its least recently
-  used idle ones; one the plan does not mention stays where it is hot, but may be evicted (LRU, when
-  idle and not kept) to make room for what the plan wants.
+  used idle ones (of equals, the one on the node holding the fewest versions, so nodes empty); one the
+  plan does not mention stays where it is hot, but may be evicted (LRU, when idle and not kept) to make
+  room for what the plan wants.
 - `nodes_wanted(desired, specs, node_types)`: nodes wanted per accelerator type for the desired replicas,
   by first fit decreasing with one replica of a version per node: the demand an autoscaler reports to the
   cluster's own autoscaler. Not a lower bound by memory alone: a bin that holds 0.6 of a node twice is
   two nodes.
+- `consolidate(nodes, now=..., quiet=..., moving=...)`: make-before-break moves that empty the least-loaded
+  devices onto others within memory and `MAX_LOAD` of their compute, so scale-in frees devices and not only
+  replicas: a device is emptied only after its planned load stayed under a threshold for a hold time, only
+  when every replica on it has somewhere to go, and at most so many moves are in flight. The caller loads
+  each move's copy on the target, and drains and unloads the source's once that copy is ready. The
+  placement reconciler and the fleet simulator both consolidate through it.
 
 Tiers: hot is on the device and uses the budget; warm is in host memory (it costs no device memory and
 only shortens a load); cold is the node's disk cache, not modelled here.
@@ -43,6 +50,9 @@ HELD = "held"  # it would fit, but what must stay (pinned, minimum replicas, in 
 COMPUTE = "compute"  # it would fit in memory, but the node's residents already plan on its compute
 REPLICAS = "replicas"  # fewer eligible nodes than replicas wanted
 PERMANENT = frozenset({ACCELERATOR, MIN_MEMORY, MEMORY})
+# The share of a device's compute its replicas may plan on, as the reconciler and the simulator place (`max_load`)
+# and consolidate: the rest absorbs what a forecast misses until the autoscaler's next replica is ready.
+MAX_LOAD = 0.85
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +296,12 @@ def place(
     assignments: dict[str, list[str]] = {}
     # Replicas already hot stay (most recently used first); extras beyond the desired count are scaled in.
     for key in desired:
-        holders = sorted((b for b in bins.values() if key in b.hot), key=lambda b: -b.hot[key].last_used)
+        # Least recently used go first; of equals, the one on the node holding the fewest versions, so scale-in
+        # empties nodes (the reconciler's and the simulator's scale-in both come through here).
+        holders = sorted(
+            (b for b in bins.values() if key in b.hot),
+            key=lambda b: (-b.hot[key].last_used, -len(b.hot), b.state.name),
+        )
         kept = holders[: max(0, desired[key])]
         assignments[key] = [b.state.name for b in kept]
         for b in kept:
@@ -414,3 +429,128 @@ def nodes_wanted(
                     bins.append((budget - footprint, {key}))
         wanted[kind] = len(bins)
     return wanted, impossible
+
+
+# -- consolidation: scale-in frees devices, not only replicas ----------------------------------------
+
+CONSOLIDATE_BELOW = 0.5  # a device whose replicas plan on less than this share of it is a candidate to empty
+CONSOLIDATE_HOLD = 300.0  # seconds a device stays under CONSOLIDATE_BELOW before its replicas move
+CONSOLIDATE_MOVES = 2  # moves in flight at once, fleet-wide
+CONSOLIDATE_TRIES = 16  # candidate devices a step tries to empty at most (bounds its cost on a large fleet)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One replica moving, make before break: load `key` on `target`; once that copy is ready, drain and unload
+    the one on `source`. Until then both count, so the version never has fewer replicas than it wants."""
+
+    key: str
+    source: str
+    target: str
+    started: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Consolidation:
+    moves: tuple[Move, ...]  # to start now
+    quiet: dict[str, float]  # node -> since when its planned load has been under `below`: the caller keeps it
+    emptying: tuple[str, ...]  # nodes every placed replica of which is moving or planned to move away
+
+
+def consolidate(
+    nodes: Sequence[NodeState],
+    *,
+    now: float,
+    quiet: Mapping[str, float],
+    moving: Sequence[Move] = (),
+    placed: Mapping[str, Iterable[str]] | None = None,
+    below: float = CONSOLIDATE_BELOW,
+    hold: float = CONSOLIDATE_HOLD,
+    max_moves: int = CONSOLIDATE_MOVES,
+    max_load: float = MAX_LOAD,
+    tries: int = CONSOLIDATE_TRIES,
+) -> Consolidation:
+    """Moves that empty the least-loaded devices onto others, so the emptied ones can be powered off.
+
+    `nodes` are the live (powered) nodes with every resident; `placed` names, per node, the residents that are
+    placed replicas (what consolidation moves, and what keeps a device in use; default: every resident). The
+    hysteresis: a node is a source only once its residents' planned load (`VersionSpec.load`) has stayed under
+    `below` for `hold` seconds (`quiet`, the since-when per node that this step returns for the next), and at
+    most `max_moves` moves are in flight at once (`moving`, the caller's moves not yet done). A source is
+    started only when every replica it holds has a target now; sources already draining go first. A target
+    is a node that holds placed replicas, is not being emptied, does not hold the version yet, and takes
+    the replica within its memory (evicting only idle unplaced residents, `fit`) and within `max_load` of its
+    compute; the fullest such node is picked, so load goes where load is. A node receiving a move is not a
+    source, so nothing moves twice in one direction and back.
+    """
+    placed_by = {n.name: set(n.hot) if placed is None else set(placed.get(n.name, ())) & set(n.hot) for n in nodes}
+    by_name = {n.name: n for n in nodes}
+    loads = {n.name: sum(n.hot[k].spec.load for k in placed_by[n.name]) for n in nodes}
+    new_quiet = {n.name: min(quiet.get(n.name, now), now) for n in nodes if placed_by[n.name] and loads[n.name] < below}
+    moving = [m for m in moving if m.source in by_name and m.target in by_name]
+    budget = max_moves - len(moving)
+    draining = {m.source for m in moving}
+    receiving = {m.target for m in moving}
+    in_motion = {(m.source, m.key) for m in moving}
+    if budget <= 0:
+        return Consolidation((), new_quiet, tuple(sorted(draining)))
+    # Targets as the step fills them: their residents, what must stay, and their planned load.
+    hot = {n.name: dict(n.hot) for n in nodes}
+    keep = {name: set(keys) for name, keys in placed_by.items()}
+    sources = [
+        n
+        for n in nodes
+        if n.name not in receiving
+        and placed_by[n.name] - {k for s, k in in_motion if s == n.name}
+        and (n.name in draining or (n.name in new_quiet and now - new_quiet[n.name] >= hold))
+    ]
+    sources.sort(key=lambda n: (n.name not in draining, loads[n.name], n.used, n.name))
+    chosen: set[str] = set()
+    targets_used: set[str] = set(receiving)
+    moves: list[Move] = []
+    for source in sources[: max(0, tries)]:
+        if budget <= 0:
+            break
+        if source.name in targets_used:
+            continue
+        stay = sorted(
+            (k for k in placed_by[source.name] if (source.name, k) not in in_motion),
+            key=lambda k: (-source.hot[k].spec.footprint, k),
+        )
+        planned: list[tuple[str, str]] = []  # (key, target)
+        added: dict[str, dict[str, Resident]] = {}
+        for key in stay:  # largest first: they are the hardest to fit
+            spec = source.hot[key].spec
+            best: tuple[tuple[float, int, str], str] | None = None
+            for target in nodes:
+                name = target.name
+                if name == source.name or name in chosen or name in draining or not placed_by[name]:
+                    continue
+                if key in hot[name] or key in added.get(name, {}):
+                    continue  # one replica of a version per node
+                view_hot = {**hot[name], **added.get(name, {})}
+                view = NodeState(
+                    name, target.accelerator, target.memory_budget, view_hot, target.warm, target.memory_total
+                )
+                verdict = fit(spec, view, now=now, keep=keep[name] | set(added.get(name, {})), max_load=max_load)
+                if not verdict.fits:
+                    continue
+                load_after = sum(view_hot[k].spec.load for k in view_hot) + spec.load
+                rank = (-load_after, view.free - spec.footprint, name)
+                if best is None or rank < best[0]:
+                    best = (rank, name)
+            if best is None:
+                break
+            added.setdefault(best[1], {})[key] = Resident(spec, now)
+            planned.append((key, best[1]))
+        if len(planned) < len(stay):
+            continue  # some replica of it fits nowhere now: moving the others would free nothing
+        chosen.add(source.name)
+        for key, target_name in planned[:budget]:
+            moves.append(Move(key, source.name, target_name, now))
+            hot[target_name][key] = Resident(source.hot[key].spec, now)
+            keep[target_name].add(key)
+            targets_used.add(target_name)
+        budget -= min(budget, len(planned))
+    emptying = draining | chosen
+    return Consolidation(tuple(moves), new_quiet, tuple(sorted(emptying)))
