@@ -230,7 +230,7 @@ async def streams(client: redis.Redis) -> AsyncIterator[tuple[NodeProcess, Redis
     # a second node, holding m:1 with 40 rows queued of 0.4 s batches of 4: 4 s of work
     client.set(load_key("busy"), busy_document("m:1", rows_queued=40, per_batch=0.4), px=5000)
     nodes = [info("unit", hot=frozenset({"f:1"})), info("busy", hot=frozenset({"m:1"}))]
-    view = LoadView(REDIS_URL, lambda: nodes)
+    view = LoadView(REDIS_URL, lambda: nodes, stale_s=60)  # staleness is another test's: a busy machine is slow
     view._client = redis_pipe.client(REDIS_URL)
     await view.refresh_once()
     await view.refresh_once()
