@@ -13,6 +13,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -142,6 +146,7 @@ def build_digits(
         _train(model, x, y, _scaled(epochs, epoch_scale), 1e-3, say, seed)
         return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
 
+    build.recipe = f"digits hidden={hidden} layers={layers} epochs={epochs} seed={seed}"  # type: ignore[attr-defined]
     return build
 
 
@@ -181,6 +186,7 @@ def build_wide_digits(
         model.eval()
         return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
 
+    build.recipe = f"wide-digits channels={channels} layers={layers} epochs={epochs}"  # type: ignore[attr-defined]
     return build
 
 
@@ -210,6 +216,8 @@ def build_sentiment(say: Callable[[str], None], epoch_scale: float = 1.0) -> tup
     _train(model, torch.from_numpy(x_train), torch.from_numpy(y_train), _scaled(15, epoch_scale), 1e-2, say)
     return model, _accuracy(model, torch.from_numpy(x_test), torch.from_numpy(y_test))
 
+
+build_sentiment.recipe = "token-sentiment"  # type: ignore[attr-defined]
 
 DIGITS_IO = {
     "inputs": [{"name": "input", "datatype": "FP32", "shape": [64]}],
@@ -280,39 +288,144 @@ def save_artifact(model: nn.Module, fmt: str, example: torch.Tensor, path: Path)
     torch.export.save(program, str(path))
 
 
+# Trained demo models kept on disk, so a second `make run` (or the demo's browser test, which runs `make run` in a
+# fresh data directory) registers the same artifact instead of training it again: minutes on a shared 2-core
+# machine. An entry is keyed by everything the training reads (cache_key): this file's code, the recipe, the epoch
+# scale, the format and the library versions; training is seeded, so a hit holds what training would produce. A
+# fresh clone has no cache (var/ is not in git) and trains. FERRY_DEMO_MODEL_CACHE names another directory
+# ("off": none).
+CACHE_ENV = "FERRY_DEMO_MODEL_CACHE"
+CACHE_ENTRIES = 16  # the newest entries kept; older ones (other code, other recipes) are removed
+
+
+def demo_cache_dir() -> Path | None:
+    given = os.environ.get(CACHE_ENV, "").strip()
+    if given.lower() == "off":
+        return None
+    return Path(given) if given else Path(__file__).resolve().parent.parent / "var" / "demo-model-cache"
+
+
+def cache_key(demo: DemoModel, build: Callable, epoch_scale: float) -> str | None:
+    """What the artifact depends on, hashed; None for a build without a recipe (nothing to key it by)."""
+    recipe = getattr(build, "recipe", None)
+    if recipe is None:
+        return None
+    import sklearn
+
+    parts = {
+        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "recipe": recipe,
+        "epoch_scale": repr(float(epoch_scale)),
+        "format": demo.fmt,
+        "example": [list(demo.example.shape), str(demo.example.dtype)],
+        "versions": [torch.__version__, np.__version__, sklearn.__version__],
+        "threads": torch.get_num_threads(),  # the order of floating-point sums in the kernels
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _cached(cache: Path, key: str) -> tuple[Path, dict] | None:
+    entry = cache / key
+    try:
+        meta = json.loads((entry / "entry.json").read_text())
+        artifact = entry / meta["file"]
+        if not artifact.is_file() or not isinstance(meta.get("sha256"), str):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    os.utime(entry)  # recently used: kept by the pruning below
+    return artifact, meta
+
+
+def _keep(cache: Path, key: str, artifact: Path, accuracy: float) -> None:
+    """Add an entry atomically (a directory renamed into place), then keep only the newest CACHE_ENTRIES."""
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".new-", dir=cache))
+    try:
+        shutil.copyfile(artifact, staging / artifact.name)
+        sha = hashlib.sha256((staging / artifact.name).read_bytes()).hexdigest()
+        meta = {"file": artifact.name, "sha256": sha, "accuracy": accuracy}
+        (staging / "entry.json").write_text(json.dumps(meta))
+        try:
+            staging.rename(cache / key)
+        except OSError:  # another process kept the same entry first
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    entries = sorted((p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")), key=_mtime)
+    for old in entries[:-CACHE_ENTRIES]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def train_and_register(
     demo: DemoModel,
     build: Callable[[Callable[[str], None], float], tuple[nn.Module, float]],
     say: Callable[[str], None],
     epoch_scale: float = 1.0,
     metrics: dict | None = None,
+    cache: Path | None = None,
 ) -> object:
     """Train with `build`, save the artifact in the demo's format and register it as the next version of
-    `demo.name`, validated before this returns; the registered ModelVersion."""
+    `demo.name`, validated before this returns; the registered ModelVersion. With `cache`, an artifact trained
+    earlier by the same code and recipe is registered instead of training again; its sha256 is checked as the
+    registry checks every upload's, and an entry that fails the check is removed and the model trained."""
     from serving.actions import register_version
+    from serving.errors import RegistrationError
 
     started = time.perf_counter()
-    say(f"{demo.name}: training")
-    module, accuracy = build(say, epoch_scale)
-    say(f"{demo.name}: held-out accuracy {accuracy:.4f}")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / ("model.pt2" if demo.fmt == "torch_export" else "model.pt")
-        save_artifact(module, demo.fmt, demo.example, path)
+
+    def register(path: Path, accuracy: float, sha256: str | None) -> object:
         with path.open("rb") as f:
-            version = register_version(
+            return register_version(
                 model_name=demo.name,
                 artifact_file=f,
                 fmt=demo.fmt,
                 inputs=demo.inputs,
                 outputs=demo.outputs,
+                sha256=sha256,
                 description=demo.description,
                 task="classification",
                 metrics={"accuracy": round(accuracy, 4), **(metrics or {})},
                 validate="sync",
                 **demo.batching,
             )
+
+    key = cache_key(demo, build, epoch_scale) if cache is not None else None
+    version = None
+    hit = _cached(cache, key) if cache is not None and key is not None else None
+    if hit is not None:
+        path, meta = hit
+        say(f"{demo.name}: trained earlier by this code and recipe, from {path.parent}")
+        say(f"{demo.name}: held-out accuracy {float(meta['accuracy']):.4f}")
+        try:
+            version = register(path, float(meta["accuracy"]), meta["sha256"])
+        except RegistrationError as exc:
+            if hashlib.sha256(path.read_bytes()).hexdigest() == meta["sha256"]:
+                raise  # refused for what it is (a quota, a name), not for the cache's copy: training would be too
+            say(f"{demo.name}: the cached artifact is refused ({exc}); removing it and training")
+            shutil.rmtree(path.parent, ignore_errors=True)
+    if version is None:
+        say(f"{demo.name}: training")
+        module, accuracy = build(say, epoch_scale)
+        say(f"{demo.name}: held-out accuracy {accuracy:.4f}")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / ("model.pt2" if demo.fmt == "torch_export" else "model.pt")
+            save_artifact(module, demo.fmt, demo.example, path)
+            version = register(path, accuracy, None)
+            if cache is not None and key is not None:
+                try:
+                    _keep(cache, key, path, accuracy)
+                except OSError as exc:  # a cache that cannot be written costs the next run its training, no more
+                    say(f"{demo.name}: not kept in {cache}: {exc}")
     say(
-        f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "
+        f"{demo.name}: version {version.version} {version.state} {version.failure_reason} "  # type: ignore[attr-defined]
         f"({time.perf_counter() - started:.1f}s)"
     )
     return version
@@ -322,9 +435,11 @@ def build_all(
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     only_missing: bool = True,
     epoch_scale: float = 1.0,
+    cache: Path | None = None,
 ) -> list[str]:
     """Train, save and register each demo model; skip those already ready unless told otherwise.
-    `epoch_scale` < 1 trains briefly: the same models and code path, at lower accuracy (tests)."""
+    `epoch_scale` < 1 trains briefly: the same models and code path, at lower accuracy (tests). `cache`:
+    reuse artifacts trained earlier (train_and_register)."""
     from serving.models import Model, ModelVersion, State
 
     built = []
@@ -332,7 +447,7 @@ def build_all(
         if only_missing and ModelVersion.objects.filter(model__name=demo.name, state=State.READY).exists():
             say(f"{demo.name}: already built, skipping")
             continue
-        train_and_register(demo, demo.build, say, epoch_scale)
+        train_and_register(demo, demo.build, say, epoch_scale, cache=cache)
         built.append(demo.name)
     for name, fallback in FALLBACKS.items():
         model = Model.objects.filter(name=name).first()

@@ -18,6 +18,7 @@ policy: routing and promotion go through `rollout.transitions` and `serving.acti
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
@@ -53,9 +54,10 @@ QUOTA_ASK = {"requests_per_second": 2000, "burst": 4000}
 QUOTA_WHY = "Acme's nightly batch scoring moves to Ferry next week: about 1,500 requests/s for two hours."
 
 
-def candidate(say: Callable[[str], None], epoch_scale: float = 1.0) -> int | None:
+def candidate(say: Callable[[str], None], epoch_scale: float = 1.0, cache: Path | None = None) -> int | None:
     """The version to roll out: the newest ready `digits` version that is not stable, trained and
-    registered here when there is none. None when `digits` has no stable version (not built yet)."""
+    registered here when there is none (or taken from `cache`: serving.demo.train_and_register). None when
+    `digits` has no stable version (not built yet)."""
     model = Model.objects.filter(name=MODEL).first()
     if model is None or model.stable_version is None:
         say(f"{MODEL}: no stable version yet; build the demo models first")
@@ -76,6 +78,7 @@ def candidate(say: Callable[[str], None], epoch_scale: float = 1.0) -> int | Non
         say,
         epoch_scale,
         metrics={"seed": CANDIDATE_SEED, "epochs": CANDIDATE_EPOCHS},
+        cache=cache,
     )
     return version.version if version.state == State.READY else None  # type: ignore[attr-defined]
 

@@ -2,8 +2,10 @@
 
 The test runs `make run` itself (embedded mode: SQLite in a data directory of its own, a free port), with the
 rollout evaluated, and usage and shadow pairs flushed, every 2 s instead of every 10 s, so the rollout reaches
-its approval step sooner; everything else is as a user gets it: the models trained from scratch, the second
-`digits` version, the rollout and its shadow, the background traffic. With FERRY_DEMO_URL set it drives a
+its approval step sooner; everything else is as a user gets it: the models trained (from scratch on a fresh
+clone; from serving.demo's cache in var/demo-model-cache when this code trained them before, as a user's next
+`make run` in a new data directory would), the second `digits` version, the rollout and its shadow, the
+background traffic. With FERRY_DEMO_URL set it drives a
 server started by hand instead (`make run` on a fresh clone), logging in as FERRY_ADMIN_USER / _PASSWORD.
 
 Screenshots of the model page and the shadow report go to FERRY_SCREENSHOT_DIR (docs/console.md's come from

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 
 import orjson
@@ -99,3 +100,42 @@ def test_demo_models_build_serve_and_show(transactional_db, django_user_model, d
                 browser.close()
     finally:
         server.stop()
+
+
+def test_a_cached_demo_model_is_registered_again_without_training_and_a_corrupt_one_is_retrained(
+    db,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+) -> None:
+    import dataclasses
+
+    from serving.demo import DEMO_MODELS, build_digits, cache_key, train_and_register
+
+    small = next(d for d in DEMO_MODELS if d.name == "digits-small")
+    tiny = dataclasses.replace(small, name="tiny", fmt="torchscript", build=build_digits(8, 1, 2))
+    cache = tmp_path / "cache"
+    # given a first build: trained, registered, and kept in the cache under its key
+    lines: list[str] = []
+    first = train_and_register(tiny, tiny.build, lines.append, cache=cache)
+    assert first.state == State.READY and f"{tiny.name}: training" in lines
+    key = cache_key(tiny, tiny.build, 1.0)
+    assert [p.name for p in cache.iterdir()] == [key]
+    # when it is built again / then the kept artifact is registered, nothing trained, the same bytes
+    lines.clear()
+    second = train_and_register(tiny, tiny.build, lines.append, cache=cache)
+    assert second.version == 2 and second.state == State.READY
+    assert f"{tiny.name}: training" not in lines and any("trained earlier" in line for line in lines)
+    assert second.artifact.sha256 == first.artifact.sha256
+    assert second.metrics["accuracy"] == first.metrics["accuracy"]
+    # another recipe, scale or format is another key
+    assert cache_key(tiny, build_digits(8, 1, 2, seed=1), 1.0) != key
+    assert cache_key(tiny, tiny.build, 0.5) != key
+    assert cache_key(small, tiny.build, 1.0) != key
+    # when the kept artifact is changed on disk / then the registry's sha256 check refuses it, the entry is removed,
+    # and the model is trained again: seeded, to the very same artifact
+    kept = cache / key / "model.pt"
+    kept.write_bytes(kept.read_bytes() + b"\0")
+    lines.clear()
+    third = train_and_register(tiny, tiny.build, lines.append, cache=cache)
+    assert any("refused" in line for line in lines) and f"{tiny.name}: training" in lines
+    assert third.state == State.READY and third.artifact.sha256 == first.artifact.sha256
+    assert hashlib.sha256((cache / key / "model.pt").read_bytes()).hexdigest() == first.artifact.sha256

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from serving.demo import build_all
+from serving.demo import build_all, demo_cache_dir
 
 
 class Command(BaseCommand):
@@ -10,5 +10,7 @@ class Command(BaseCommand):
         parser.add_argument("--rebuild", action="store_true", help="register new versions even if built")
 
     def handle(self, *args: object, **options: object) -> None:
-        built = build_all(only_missing=not options["rebuild"])
+        # Artifacts trained earlier by the same code are registered again rather than retrained (serving.demo's
+        # cache; FERRY_DEMO_MODEL_CACHE=off trains every time).
+        built = build_all(only_missing=not options["rebuild"], cache=demo_cache_dir())
         self.stdout.write(f"built: {', '.join(built) or 'nothing (all present)'}")

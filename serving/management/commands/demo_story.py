@@ -2,6 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from serving import demo_story
+from serving.demo import demo_cache_dir
 
 
 class Command(BaseCommand):
@@ -27,6 +28,7 @@ class Command(BaseCommand):
         if not settings.FERRY_DEMO_TRAFFIC:
             say("FERRY_DEMO_TRAFFIC=0: no demo rollout and no demo traffic")
             return
-        version = demo_story.candidate(say, float(options["epoch_scale"]))  # type: ignore[arg-type]
+        epoch_scale = float(options["epoch_scale"])  # type: ignore[arg-type]
+        version = demo_story.candidate(say, epoch_scale, cache=demo_cache_dir())
         if version is not None:
             demo_story.rollout(version, say)
