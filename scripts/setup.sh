@@ -35,6 +35,25 @@ case "${1:-}" in
   bench) extra="[bench]" ;;
 esac
 stamp=".venv/.ferry-installed${extra:+-${1}}"
+# An install of another extra that holds all of this one's requirements will do: after `setup.sh test` (make test),
+# `make run` (which tests/test_demo_browser.py runs) needs no second pip run for the demo's.
+covers() {
+  .venv/bin/python - "$1" "$2" <<'PY'
+import sys, tomllib
+with open("pyproject.toml", "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+sys.exit(0 if set(extras[sys.argv[2]]) <= set(extras[sys.argv[1]]) else 1)
+PY
+}
+if [ -n "$extra" ] && [ ! -f "$stamp" ]; then
+  for other in test bench demo; do
+    done_stamp=".venv/.ferry-installed-$other"
+    if [ "$other" != "$1" ] && [ -f "$done_stamp" ] && [ ! pyproject.toml -nt "$done_stamp" ] && covers "$other" "$1"; then
+      stamp=$done_stamp
+      break
+    fi
+  done
+fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "==> installing Ferry${extra}"
   .venv/bin/pip install -q -e ".${extra}" 2>&1 | grep -v "is ignored: it is neither" || true
