@@ -107,6 +107,10 @@ CELERY_TASK_ACKS_LATE = True
 FERRY_ROLLOUT_EVALUATE_SECONDS = env_int("FERRY_ROLLOUT_EVALUATE_SECONDS", 10, minimum=1)
 # Placement (serving.reconciler): how often the reconciler re-plans from the fleet's heartbeats.
 FERRY_RECONCILE_SECONDS = env_int("FERRY_RECONCILE_SECONDS", 10, minimum=1)
+# Consolidation (serving.reconciler, placement.consolidate): moves in flight at most (0: off), and how long a
+# node's placed replicas must plan on under half its compute before they move off it, make before break.
+FERRY_CONSOLIDATE_MOVES = env_int("FERRY_CONSOLIDATE_MOVES", 2, minimum=0)
+FERRY_CONSOLIDATE_HOLD_SECONDS = env_int("FERRY_CONSOLIDATE_HOLD_SECONDS", 300, minimum=0)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},

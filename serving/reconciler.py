@@ -9,6 +9,14 @@ the plan keeps the replicas already there first). Once a live node holds a versi
 nodes it is not assigned to stop serving it (`NodeProcess.hosted_keys`). What the plan cannot place is
 marked unschedulable on the version, with the reason.
 
+Scale-in consolidates (`serving.policies.placement.consolidate`, the function the fleet simulator
+consolidates through): a node whose placed replicas have planned on under `CONSOLIDATE_BELOW` of its compute
+for `FERRY_CONSOLIDATE_HOLD_SECONDS` is emptied onto others, make before break. A move sends a load to the
+target and is recorded in Redis (`MOVES_KEY`); while the copy loads the version is planned with one replica
+more, so neither copy is scaled in; once the target's heartbeat shows the copy hot, the source's copy ranks
+last and the placement scales it in (a `serving.node.unload`, which drains first). At most
+`FERRY_CONSOLIDATE_MOVES` are in flight; a node's quiet-since time is kept in Redis too (`QUIET_KEY`).
+
 `reconcile()` is one step, run by the Celery task `serving.tasks.reconcile_placements` on a beat schedule
 and whenever a version's desired state changes (`serving.tasks.request_reconcile`); the task hands it the
 sender of node tasks (`serving.node_tasks.send_plan`), so this module imports no task. It is idempotent: a
@@ -32,7 +40,19 @@ from django.conf import settings
 from serving import replicas
 from serving.dataplane.transport import fleet
 from serving.models import ModelVersion
-from serving.policies.placement import NodeState, Resident, VersionSpec, place
+from serving.policies.placement import (
+    CONSOLIDATE_BELOW,
+    CONSOLIDATE_HOLD,
+    CONSOLIDATE_MOVES,
+    MAX_LOAD,
+    Move,
+    NodeState,
+    Placement,
+    Resident,
+    VersionSpec,
+    consolidate,
+    place,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +61,10 @@ PENDING_KEY = "ferry:placement:pending"  # field "<op>|<node>|<version key>" -> 
 # field <version key> -> the device share one replica plans on (`placement.replica_load`), as the autoscaler's
 # last tick sized it (autoscaling.tick); a version without one is placed by memory alone.
 LOAD_KEY = "ferry:placement:load"
+MOVES_KEY = "ferry:placement:moves"  # field "<version key>|<source>|<target>" -> epoch seconds it started
+QUIET_KEY = "ferry:placement:quiet"  # field <node> -> epoch seconds since its planned load is under the threshold
+# A move whose copy is not hot on its target by then is given up (the load's expiry, its deadline, and slack).
+MOVE_TIMEOUT_SECONDS = 600.0
 LOCK_SECONDS = 30  # a step holds it this long at most (a reconciler killed mid-step frees it by then)
 REASON_PREFIX = "placement: "  # what this module writes into unschedulable_reason (nodes write their own)
 
@@ -68,6 +92,17 @@ class Plan:
     releases: list[tuple[str, str]] = field(default_factory=list)  # desired 0 now: no longer kept there
     unschedulable: dict[str, str] = field(default_factory=dict)  # version key -> why
     placed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # version key -> nodes holding it after
+    moves: list[Move] = field(default_factory=list)  # consolidation moves in flight after this step (new ones too)
+    quiet: dict[str, float] = field(default_factory=dict)  # node -> since when it is quiet, for the next step
+
+
+@dataclass(frozen=True, slots=True)
+class Consolidating:
+    """Consolidation's settings for a step (`placement.consolidate`); `moves` 0 turns it off."""
+
+    moves: int = CONSOLIDATE_MOVES
+    hold: float = CONSOLIDATE_HOLD
+    below: float = CONSOLIDATE_BELOW
 
 
 def holdings(nodes: Sequence[fleet.NodeInfo], pending: Sequence[Pending]) -> dict[str, set[str]]:
@@ -87,21 +122,59 @@ def plan(
     pending: Sequence[Pending] = (),
     *,
     now: float = 0.0,
+    moves: Sequence[Move] = (),
+    quiet: Mapping[str, float] | None = None,
+    consolidating: Consolidating | None = None,
 ) -> Plan:
     """What to do so that each version in `wants` (key -> desired replicas) has that many replicas on the
     live `nodes`. Versions hot on a node without an assignment (loaded there on demand) count as replicas
-    already in place: assigning them there costs no load."""
+    already in place: assigning them there costs no load. `moves` are the consolidation moves in flight (the
+    last step's `Plan.moves`), `quiet` the last step's `Plan.quiet`; `consolidating` None: no consolidation."""
     held = holdings(nodes, pending)
+    live = {n.name: n for n in nodes}
+    desired = {k: count for k, count in wants.items() if count > 0 and k in specs}
+    # Moves in flight: over when the old copy went, given up when the new one did (or never came); made when the
+    # new copy is hot on its target, and then the old one is scaled in; else still loading. The old copy ranks
+    # last: made, it is the one scaled in; loading, it is the first to go if the version scales in meanwhile
+    # (which empties the device the move was for), unless it is the last copy hot. Fleet.remove ranks the same.
+    hot_copies: dict[str, int] = {}
+    for n in nodes:
+        for key in held[n.name] & n.hot - n.loading:
+            hot_copies[key] = hot_copies.get(key, 0) + 1
+    loading: list[Move] = []
+    leaving: set[tuple[str, str]] = set()
+    for m in moves:
+        if m.source not in live or m.target not in live or m.key not in desired or m.key not in held[m.source]:
+            continue
+        if m.key not in held[m.target] or m.key in live[m.target].failures:
+            continue
+        if m.key in live[m.target].hot and m.key not in live[m.target].loading:
+            leaving.add((m.source, m.key))
+        elif now - m.started <= MOVE_TIMEOUT_SECONDS:
+            if hot_copies.get(m.key, 0) > 1:
+                leaving.add((m.source, m.key))
+            loading.append(m)
     states = []
     for n in nodes:
         hot = {}
         for key in n.hot | held[n.name]:
             spec = specs.get(key)
-            if spec is not None:  # by assignment first: the plan keeps those over on-demand copies
-                hot[key] = Resident(spec, last_used=2.0 if key in held[n.name] else 1.0)
+            if spec is not None:
+                # Scale-in drops the lowest first: a move's old copy, an assigned copy still loading, an
+                # on-demand copy, and an assigned one loaded last (the simulator's Fleet.remove ranks the same).
+                if (n.name, key) in leaving:
+                    rank = 0.5
+                elif key in held[n.name]:
+                    rank = 2.0 if key in n.hot and key not in n.loading else 1.5
+                else:
+                    rank = 1.0
+                hot[key] = Resident(spec, last_used=rank)
         states.append(NodeState(n.name, n.accelerator, n.memory_budget, hot, warm=n.warm, memory_total=n.memory_total))
-    desired = {k: count for k, count in wants.items() if count > 0 and k in specs}
-    placement = place(desired, specs, states, now=now)
+    # While a move's copy loads, the version has one replica more: neither copy is scaled in meanwhile.
+    counts = dict(desired)
+    for m in loading:
+        counts[m.key] += 1
+    placement = place(counts, specs, states, now=now, max_load=MAX_LOAD)
     result = Plan(unschedulable={k: u.reason for k, u in placement.unschedulable.items()}, placed=placement.assignments)
     failures = {n.name: n.failures for n in nodes}
     for key, names in placement.assignments.items():
@@ -118,7 +191,50 @@ def plan(
         result.unloads.extend((name, key) for key in keys if key in desired and key in held[name])
     for name, keys in held.items():
         result.releases.extend((name, key) for key in sorted(keys) if key not in desired)
+    result.moves.extend(loading)
+    if consolidating is not None and consolidating.moves > 0:
+        _consolidate(result, placement, states, specs, failures, consolidating, quiet or {}, now)
     return result
+
+
+def _consolidate(
+    result: Plan,
+    placement: Placement,
+    states: Sequence[NodeState],
+    specs: Mapping[str, VersionSpec],
+    failures: Mapping[str, Mapping[str, str]],
+    settings_: Consolidating,
+    quiet: Mapping[str, float],
+    now: float,
+) -> None:
+    """Consolidation moves over the fleet as this step leaves it (its loads made, its evictions gone): each new
+    move is a load on its target, recorded in `result.moves` so that the next steps make it, then break it."""
+    placed: dict[str, set[str]] = {s.name: set() for s in states}
+    for key, names in placement.assignments.items():
+        for name in names:
+            placed[name].add(key)
+    after = []
+    for s in states:
+        hot = {k: r for k, r in s.hot.items() if k not in placement.evictions.get(s.name, ())}
+        hot.update({k: Resident(specs[k], now) for k in placement.loads.get(s.name, ())})
+        after.append(NodeState(s.name, s.accelerator, s.memory_budget, hot, s.warm, s.memory_total))
+    proposed = consolidate(
+        after,
+        now=now,
+        quiet=quiet,
+        moving=result.moves,
+        placed=placed,
+        below=settings_.below,
+        hold=settings_.hold,
+        max_moves=settings_.moves,
+        max_load=MAX_LOAD,
+    )
+    result.quiet.update(proposed.quiet)
+    for move in proposed.moves:
+        if move.key in failures.get(move.target, {}):
+            continue  # never a silent retry of a load that failed there
+        result.loads.append((move.target, move.key))
+        result.moves.append(move)
 
 
 # -- the step, on the registry and the fleet ----------------------------------------------------------
@@ -164,6 +280,32 @@ def read_loads(client: redis.Redis) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in client.hgetall(LOAD_KEY).items()}
 
 
+def read_moves(client: redis.Redis) -> tuple[list[Move], dict[str, float]]:
+    """The consolidation moves in flight (MOVES_KEY) and each node's quiet-since time (QUIET_KEY)."""
+    moves = []
+    for raw, started in client.hgetall(MOVES_KEY).items():
+        key, source, target = raw.decode().rsplit("|", 2)
+        moves.append(Move(key, source, target, float(started)))
+    quiet = {k.decode(): float(v) for k, v in client.hgetall(QUIET_KEY).items()}
+    return moves, quiet
+
+
+def write_moves(client: redis.Redis, result: Plan) -> None:
+    """What the next step reads back with `read_moves`: this step's moves in flight and quiet times, replacing
+    the last step's (under the step's lock, so no other step writes meanwhile)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(MOVES_KEY, QUIET_KEY)
+    if result.moves:
+        pipe.hset(MOVES_KEY, mapping={f"{m.key}|{m.source}|{m.target}": m.started for m in result.moves})
+    if result.quiet:
+        pipe.hset(QUIET_KEY, mapping=result.quiet)
+    pipe.execute()
+
+
+def consolidating_from_settings() -> Consolidating:
+    return Consolidating(moves=settings.FERRY_CONSOLIDATE_MOVES, hold=float(settings.FERRY_CONSOLIDATE_HOLD_SECONDS))
+
+
 def spec_of(version: object, load: float = 0.0) -> VersionSpec:
     """A version as placement sees it; its footprint the largest any accelerator type measured, else what
     validation measured; `load` its replica's planned device share (0: not known)."""
@@ -195,10 +337,15 @@ class Outcome:
 
 
 def reconcile(
-    *, send: Callable[[redis.Redis, Plan, float], None], url: str | None = None, now: float | None = None
+    *,
+    send: Callable[[redis.Redis, Plan, float], None],
+    url: str | None = None,
+    now: float | None = None,
+    consolidating: Consolidating | None = None,
 ) -> Outcome:
     """One reconciler step (see the module's docstring). `send` records and sends the plan's node tasks
-    (`serving.node_tasks.send_plan`); `url` is the Redis of the fleet (default REDIS_URL)."""
+    (`serving.node_tasks.send_plan`); `url` is the Redis of the fleet (default REDIS_URL); `consolidating`
+    the consolidation's settings (default FERRY_CONSOLIDATE_MOVES and FERRY_CONSOLIDATE_HOLD_SECONDS)."""
     url = url or settings.REDIS_URL
     if not url:
         return Outcome(skipped="embedded mode: the in-process node serves every version")
@@ -215,7 +362,18 @@ def reconcile(
             loads = read_loads(client)
             specs = {v.key: spec_of(v, loads.get(v.key, 0.0)) for v in versions}
             wants = {v.key: desired_replicas(v) for v in versions}
-            result = plan(wants, specs, nodes, pending, now=now)
+            moves, quiet = read_moves(client)
+            result = plan(
+                wants,
+                specs,
+                nodes,
+                pending,
+                now=now,
+                moves=moves,
+                quiet=quiet,
+                consolidating=consolidating or consolidating_from_settings(),
+            )
+            write_moves(client, result)  # before the loads go: a move's outcome may come back before send returns
             send(client, result, now)
             _mark_unschedulable(versions, wants, result)
 

@@ -8,11 +8,22 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from serving.dataplane.transport.fleet import NodeInfo
+from serving.dataplane.transport.fleet import NODES_KEY, NodeInfo, node_key
 from serving.models import ModelVersion
 from serving.node_tasks import send_plan
-from serving.policies.placement import VersionSpec
-from serving.reconciler import LOCK_KEY, REASON_PREFIX, Pending, holdings, plan, reconcile
+from serving.policies.placement import Move, VersionSpec
+from serving.reconciler import (
+    LOAD_KEY,
+    LOCK_KEY,
+    MOVES_KEY,
+    REASON_PREFIX,
+    Consolidating,
+    Pending,
+    Plan,
+    holdings,
+    plan,
+    reconcile,
+)
 from tests.conftest import register
 from tests.test_streams_processes import REDIS_URL, clear
 
@@ -239,3 +250,147 @@ def test_a_node_whose_replicas_plan_on_its_compute_gets_no_other_hot_one() -> No
     assert plan({"hot:1": 1, "quiet:1": 1, "hot:2": 1}, {**specs, "hot:2": spec("hot:2")}, nodes).loads == [
         ("a", "hot:2")
     ]
+
+
+# -- consolidation: two quiet nodes become one, load first, then unload ---------------------------------
+
+QUIET_SPECS = {"x:1": spec("x:1", load=0.1), "y:1": spec("y:1", load=0.2)}
+NOW_CONSOLIDATING = Consolidating(moves=2, hold=30.0)
+
+
+def test_a_move_loads_first_holds_both_copies_while_it_loads_then_unloads_the_old() -> None:
+    wants = {"x:1": 1, "y:1": 1}
+    # given x on a and y on b, each planning on a tenth or a fifth of its device
+    fleet = [node("a", hot={"x:1"}, assigned={"x:1"}), node("b", hot={"y:1"}, assigned={"y:1"})]
+    first = plan(wants, QUIET_SPECS, fleet, now=1000.0, consolidating=NOW_CONSOLIDATING)
+    # then the first step only notes since when both are quiet
+    assert first.loads == [] and first.unloads == [] and first.moves == []
+    assert first.quiet == {"a": 1000.0, "b": 1000.0}
+    # when the hold has passed, then x (the lighter) is loaded on b, and nothing is unloaded yet
+    second = plan(
+        wants, QUIET_SPECS, fleet, now=1030.0, moves=first.moves, quiet=first.quiet, consolidating=NOW_CONSOLIDATING
+    )
+    assert second.loads == [("b", "x:1")] and second.unloads == []
+    assert [(m.key, m.source, m.target) for m in second.moves] == [("x:1", "a", "b")]
+    # when b has it assigned but still loading, then both copies stay: x never has fewer replicas than wanted
+    loading = [
+        node("a", hot={"x:1"}, assigned={"x:1"}),
+        NodeInfo(**{**node("b", hot={"y:1"}, assigned={"x:1", "y:1"}).__dict__, "loading": frozenset({"x:1"})}),
+    ]
+    third = plan(
+        wants, QUIET_SPECS, loading, now=1040.0, moves=second.moves, quiet=second.quiet, consolidating=NOW_CONSOLIDATING
+    )
+    assert third.loads == [] and third.unloads == [] and len(third.moves) == 1
+    # when b's copy is hot, then a's is unloaded (the unload drains first) and the move is over
+    made = [node("a", hot={"x:1"}, assigned={"x:1"}), node("b", hot={"x:1", "y:1"}, assigned={"x:1", "y:1"})]
+    fourth = plan(
+        wants, QUIET_SPECS, made, now=1050.0, moves=third.moves, quiet=third.quiet, consolidating=NOW_CONSOLIDATING
+    )
+    assert fourth.unloads == [("a", "x:1")] and fourth.loads == [] and fourth.moves == []
+    assert fourth.placed == {"x:1": ("b",), "y:1": ("b",)}
+
+
+def test_a_move_whose_copy_failed_to_load_is_given_up_and_the_old_copy_stays() -> None:
+    wants = {"x:1": 1, "y:1": 1}
+    fleet = [node("a", hot={"x:1"}, assigned={"x:1"}), node("b", hot={"y:1"}, assigned={"y:1"})]
+    started = plan(wants, QUIET_SPECS, fleet, now=1030.0, quiet={"a": 0.0, "b": 0.0}, consolidating=NOW_CONSOLIDATING)
+    assert started.loads == [("b", "x:1")]
+    failed = [fleet[0], NodeInfo(**{**fleet[1].__dict__, "failures": {"x:1": "RuntimeError: bad archive"}})]
+    after = plan(
+        wants,
+        QUIET_SPECS,
+        failed,
+        now=1040.0,
+        moves=started.moves,
+        quiet=started.quiet,
+        consolidating=NOW_CONSOLIDATING,
+    )
+    assert after.unloads == [] and after.moves == [] and after.loads == []
+
+
+def test_two_busy_nodes_are_not_consolidated() -> None:
+    # given x and y each planning on 45% of a device: together over the 85% placement plans on
+    specs = {"x:1": spec("x:1", load=0.45), "y:1": spec("y:1", load=0.45)}
+    fleet = [node("a", hot={"x:1"}, assigned={"x:1"}), node("b", hot={"y:1"}, assigned={"y:1"})]
+    result = plan(
+        {"x:1": 1, "y:1": 1}, specs, fleet, now=1e6, quiet={"a": 0.0, "b": 0.0}, consolidating=NOW_CONSOLIDATING
+    )
+    assert result.loads == [] and result.moves == []
+
+
+def test_two_lightly_loaded_nodes_converge_to_one_through_the_step(db, fleet_redis, model_files) -> None:  # noqa: ANN001
+    # given two versions with a replica each on its own node of a two-node fleet, each planning on a tenth of it
+    register(model_files.digits, "digits")
+    register(model_files.digits, "digits-b")
+    versions = {v.model.name: v for v in ModelVersion.objects.filter(model__name__in=["digits", "digits-b"])}
+    for v in versions.values():
+        v.desired_replicas = 1
+        v.save()
+    x, y = versions["digits"].key, versions["digits-b"].key
+    fleet_redis.hset(LOAD_KEY, mapping={x: 0.1, y: 0.1})
+    sent: list[Plan] = []
+
+    def send(client: redis.Redis, result: Plan, now: float) -> None:  # the nodes' side is the heartbeats below
+        sent.append(result)
+
+    def beat(**holding: set[str]) -> None:
+        fleet_redis.delete(NODES_KEY)
+        for name, keys in holding.items():
+            fleet_redis.sadd(NODES_KEY, name)
+            fleet_redis.hset(node_key(name), mapping=node(name, hot=keys, assigned=keys).to_hash())
+
+    def step(now: float) -> Plan:
+        outcome = reconcile(send=send, url=REDIS_URL, now=now, consolidating=Consolidating(moves=2, hold=30.0))
+        assert outcome.plan is not None
+        return outcome.plan
+
+    beat(a={x}, b={y})
+    assert step(1000.0).loads == []  # quiet since now: nothing moves before the hold
+    moved = step(1031.0)
+    (load,) = moved.loads
+    source = "a" if load[0] == "b" else "b"
+    key = x if source == "a" else y
+    assert load == ("b" if source == "a" else "a", key) and moved.unloads == []
+    assert fleet_redis.hlen(MOVES_KEY) == 1
+    # when the target has loaded the copy, then the old one is unloaded, and only then
+    beat(**{source: {key}, load[0]: {x, y}})
+    done = step(1041.0)
+    assert done.unloads == [(source, key)] and done.loads == []
+    assert fleet_redis.hlen(MOVES_KEY) == 0
+    # when the source has unloaded it, then the fleet holds both on one node and plans nothing more
+    beat(**{source: set(), load[0]: {x, y}})
+    settled = step(1051.0)
+    assert settled.loads == [] and settled.unloads == [] and settled.moves == []
+    assert settled.placed == {x: (load[0],), y: (load[0],)}
+
+
+def test_a_version_scaled_in_during_a_move_loses_the_copy_on_the_device_being_emptied() -> None:
+    # given x with two replicas (a, c), the one on a moving to b and still loading there
+    specs = {**QUIET_SPECS, "z:1": spec("z:1", load=0.6)}
+    fleet = [
+        node("a", hot={"x:1"}, assigned={"x:1"}),
+        NodeInfo(**{**node("b", hot={"y:1"}, assigned={"x:1", "y:1"}).__dict__, "loading": frozenset({"x:1"})}),
+        node("c", hot={"x:1", "z:1"}, assigned={"x:1", "z:1"}),
+    ]
+    moves = [Move("x:1", "a", "b", 1000.0)]
+    # while two are wanted, nothing is unloaded
+    kept = plan({"x:1": 2, "y:1": 1, "z:1": 1}, specs, fleet, now=1010.0, moves=moves, consolidating=NOW_CONSOLIDATING)
+    assert kept.unloads == [] and kept.moves == moves
+    # when x scales in to one, then the copy on a goes (the device the move empties), not the one loading on b
+    scaled = plan(
+        {"x:1": 1, "y:1": 1, "z:1": 1}, specs, fleet, now=1010.0, moves=moves, consolidating=NOW_CONSOLIDATING
+    )
+    assert scaled.unloads == [("a", "x:1")] and scaled.moves == moves
+
+
+def test_a_moves_old_copy_is_kept_while_it_is_the_last_one_hot() -> None:
+    # given x hot only on a, moving to b, and a second replica of x still loading on c
+    fleet = [
+        node("a", hot={"x:1"}, assigned={"x:1"}),
+        NodeInfo(**{**node("b", hot={"y:1"}, assigned={"x:1", "y:1"}).__dict__, "loading": frozenset({"x:1"})}),
+        NodeInfo(**{**node("c", assigned={"x:1"}).__dict__, "loading": frozenset({"x:1"})}),
+    ]
+    moves = [Move("x:1", "a", "b", 1000.0)]
+    # when x scales in to one, then a copy still loading goes, never the one copy that serves
+    scaled = plan({"x:1": 1, "y:1": 1}, QUIET_SPECS, fleet, now=1010.0, moves=moves, consolidating=NOW_CONSOLIDATING)
+    assert len(scaled.unloads) == 1 and scaled.unloads[0][0] != "a"
