@@ -272,3 +272,30 @@ def test_the_stream_answers_each_request_and_survives_a_bad_one(client, auth, di
         alone = client.infer("digits", [digits_input(x[i : i + 1])], headers=auth).as_numpy("scores")
         np.testing.assert_allclose(results[str(i)].as_numpy("scores"), alone, rtol=1e-5, atol=1e-6)
     assert len(errors) == 1 and "expected datatype FP32" in str(errors[0])
+
+
+def test_a_pipeline_is_described_and_ready_as_a_model(server, client, auth) -> None:  # noqa: ANN001
+    from serving.pipelines import register_pipeline
+
+    # given a pipeline of one step on digits, and another tenant's private one
+    register_pipeline(name="digits-pipe", spec={"model": "digits", "name": "s"}, tenant=tenant(), visibility="public")
+    register_pipeline(name="their-pipe", spec={"model": "digits"}, tenant=tenant("other"), visibility="private")
+    server.refresh()
+    # when its metadata and readiness are asked over gRPC / then they are a model's, with the derived signature
+    meta = client.get_model_metadata("digits-pipe", headers=auth, as_json=True)
+    assert meta["name"] == "digits-pipe" and meta["versions"] == ["1"] and meta["platform"] == "ferry_pipeline"
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": ["-1", "64"]}]
+    assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": ["-1", "10"]}]
+    assert client.is_model_ready("digits-pipe", headers=auth)
+    assert client.is_model_ready("digits-pipe", "1", headers=auth)
+    # and the other tenant's private pipeline is NOT_FOUND, in the words a missing name gets
+    answers = {}
+    for name in ("their-pipe", "no-such-pipe"):
+        with pytest.raises(InferenceServerException) as refused:
+            client.get_model_metadata(name, headers=auth)
+        assert status_of(refused.value) == "StatusCode.NOT_FOUND"
+        answers[name] = refused.value.message().replace(name, "NAME")
+        with pytest.raises(InferenceServerException) as unready:
+            client.is_model_ready(name, headers=auth)
+        assert status_of(unready.value) == "StatusCode.NOT_FOUND"
+    assert answers["their-pipe"] == answers["no-such-pipe"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serving.demo import build_digits, save_artifact
-from serving.models import ModelVersion
+from serving.models import Model, ModelVersion
 from serving.pipelines import register_pipeline
 from serving.publish import publish_snapshot
 from tests.conftest import LiveServer, register, tenant
@@ -119,3 +119,53 @@ def test_unknown_or_invisible_pipeline_is_404(pipeline_server, digits_samples) -
     assert_error(hidden, 404)
     assert_error(missing, 404)
     assert hidden.error.replace("hidden-pipe", "X") == missing.error.replace("no-such-pipe", "X")
+
+
+def test_pipeline_metadata_and_ready_are_a_models(pipeline_server) -> None:  # noqa: ANN001
+    # given the cascade / when its metadata is read / then it is a model's, with the derived signature
+    meta = call(pipeline_server, "GET", "/v2/models/cheap-then-big")
+    assert meta.status == 200, meta.body
+    assert meta.json() == {
+        "name": "cheap-then-big",
+        "versions": ["1"],
+        "platform": "ferry_pipeline",
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}],
+        "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, 10]}],
+    }
+    assert call(pipeline_server, "GET", "/v2/models/cheap-then-big/versions/1").json()["versions"] == ["1"]
+    assert_error(call(pipeline_server, "GET", "/v2/models/cheap-then-big/versions/7"), 404, "no version '7'")
+    assert_error(call(pipeline_server, "GET", "/v2/models/cheap-then-big/config"), 404, "pipeline")
+    # and it is ready while every step's model has a version ready
+    assert call(pipeline_server, "GET", "/v2/models/cheap-then-big/ready").status == 200
+    assert call(pipeline_server, "GET", "/v2/models/cheap-then-big/versions/1/ready").status == 200
+    # when the big step's model has no version loaded / then the pipeline is not ready: 503, Retry-After
+    ModelVersion.objects.filter(model__name="p-big").update(loaded=False)
+    publish_snapshot()
+    pipeline_server.refresh()
+    resp = call(pipeline_server, "GET", "/v2/models/cheap-then-big/ready")
+    assert_error(resp, 503, "cheap-then-big")
+    assert "retry-after" in resp.headers
+
+
+def test_a_foreign_private_pipeline_is_a_404_like_none(pipeline_server) -> None:  # noqa: ANN001
+    register_pipeline(name="hidden-pipe", spec={"model": "p-small"}, tenant=tenant("other"), visibility="private")
+    pipeline_server.refresh()
+    for suffix in ("", "/ready", "/versions/1", "/versions/1/ready"):
+        hidden = call(pipeline_server, "GET", f"/v2/models/hidden-pipe{suffix}")
+        missing = call(pipeline_server, "GET", f"/v2/models/no-such-pipe{suffix}")
+        said = assert_error(hidden, 404)
+        assert said.replace("hidden-pipe", "NAME") == assert_error(missing, 404).replace("no-such-pipe", "NAME")
+
+
+def test_ready_names_no_step_model_the_caller_cannot_see(pipeline_server, weak_digits) -> None:  # noqa: ANN001
+    # given a public pipeline of another tenant whose step's model that tenant has made private since
+    other = tenant("other")
+    register(weak_digits, "their-secret", owner=other, visibility="public")
+    register_pipeline(name="their-pipe", spec={"model": "their-secret", "name": "s"}, tenant=other, visibility="public")
+    Model.objects.filter(name="their-secret").update(visibility="private")
+    publish_snapshot()
+    pipeline_server.refresh()
+    # when this tenant asks / then the pipeline is described, but not ready, and the model's name is unsaid
+    assert call(pipeline_server, "GET", "/v2/models/their-pipe").json()["platform"] == "ferry_pipeline"
+    said = assert_error(call(pipeline_server, "GET", "/v2/models/their-pipe/ready"), 503, "step 's'")
+    assert "their-secret" not in said

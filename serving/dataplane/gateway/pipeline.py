@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 Tensors = dict[str, np.ndarray]
 
+PLATFORM = "ferry_pipeline"  # the OIP metadata's `platform` of a pipeline (a model's names its format)
+
 STEP_SECONDS = Histogram(
     "ferry_pipeline_step_seconds",
     "Time of each pipeline step, from its request to its answer",
@@ -242,16 +244,62 @@ class PipelineRunner:
             if fell_back:
                 PIPELINE_FALLBACKS.labels(name).inc()
 
-    def _version(self, pipeline: PipelineEntry, version: str | None) -> PipelineVersionEntry:
+    def metadata(self, pipeline: PipelineEntry, version: str | None) -> dict:
+        """The OIP model metadata of `pipeline` (of its version `version`, else of the one unpinned calls
+        run): its versions and the signature its registration derived."""
+        chosen = self._pick(pipeline, version)
+        return {
+            "name": pipeline.name,
+            "versions": [version] if version else [str(v) for v in sorted(pipeline.versions)],
+            "platform": PLATFORM,
+            "inputs": [s.to_metadata() for s in chosen.inputs],
+            "outputs": [s.to_metadata() for s in chosen.outputs],
+        }
+
+    def unready(
+        self,
+        pipeline: PipelineEntry,
+        version: str | None,
+        viewer: int | None,
+        routing_key: str,
+        is_ready: Callable[[str], bool],
+    ) -> str:
+        """Why the version of `pipeline` a call of `viewer` would run cannot serve now, or "" when it can:
+        it is not broken and every step's model routes, for this caller, to a version `is_ready` (by key).
+        Every step counts, a switch's or splitter's branch too: any of them may be asked. A step whose model
+        the caller may not see is said without the model's name."""
+        chosen = self._pick(pipeline, version)
+        if chosen.broken:
+            return f"pipeline '{pipeline.name}' version {chosen.version} cannot run: {chosen.broken}"
+        for step in self.graph(pipeline, chosen).steps():
+            pinned = str(step.version) if step.version is not None else None
+            try:
+                entry = self.gateway.route(step.model, pinned, viewer, routing_key)
+            except NotFound:
+                return f"pipeline '{pipeline.name}' step '{step.label()}': its model is not available to this caller"
+            except ServingError as exc:  # known to the caller, but no version of it can serve now
+                return f"pipeline '{pipeline.name}' step '{step.label()}': {exc.message}"
+            if not is_ready(entry.key):
+                where = f"pipeline '{pipeline.name}' step '{step.label()}'"
+                return f"{where}: model '{step.model}' version {entry.version} is loading"
+        return ""
+
+    def _pick(self, pipeline: PipelineEntry, version: str | None) -> PipelineVersionEntry:
+        """The version `version` names (404 when it has none), else the latest."""
         number = pipeline.latest
         if version is not None:
             pinned = parse_version(version)
             if pinned is None or pinned not in pipeline.versions:
                 raise NotFound(f"pipeline '{pipeline.name}' has no version '{version}'")
             number = pinned
-        chosen = pipeline.versions[number]
+        return pipeline.versions[number]
+
+    def _version(self, pipeline: PipelineEntry, version: str | None) -> PipelineVersionEntry:
+        chosen = self._pick(pipeline, version)
         if chosen.broken:
-            raise ServingError(f"pipeline '{pipeline.name}' version {number} cannot run: {chosen.broken}", status=503)
+            raise ServingError(
+                f"pipeline '{pipeline.name}' version {chosen.version} cannot run: {chosen.broken}", status=503
+            )
         return chosen
 
     async def _run(self, node: Node, current: Tensors, scope: dict[str, Tensors], rows: int, call: _Call) -> Tensors:

@@ -28,6 +28,7 @@ from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
+from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
 from serving.dataplane.grpc import codec
 from serving.dataplane.grpc.proto import grpc_service_pb2 as pb
 from serving.dataplane.grpc.proto import grpc_service_pb2_grpc as rpc
@@ -127,6 +128,12 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         caller = _caller(plane, front)
         rate = await front._charge(plane, caller.tenant_id)
         routing_key = front._routing_key(caller)
+        runner = pipeline_runner(plane.gateway)
+        pipeline = runner.find(request.name, caller.tenant_id)  # one the caller may not see: a model's NOT_FOUND
+        if pipeline is not None:
+            why = runner.unready(pipeline, request.version or None, caller.tenant_id, routing_key, plane.node.is_ready)
+            _rate(context, rate)
+            return pb.ModelReadyResponse(ready=not why)
         try:
             entry = plane.gateway.route(request.name, request.version or None, caller.tenant_id, routing_key)
         except ServingError as exc:
@@ -144,6 +151,12 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         caller = _caller(plane, front)
         rate = await front._charge(plane, caller.tenant_id)
         version = request.version or None
+        runner = pipeline_runner(plane.gateway)
+        pipeline = runner.find(request.name, caller.tenant_id)
+        if pipeline is not None:
+            described = runner.metadata(pipeline, version)
+            _rate(context, rate)
+            return json_format.ParseDict(described, pb.ModelMetadataResponse())
         model = plane.gateway.model(request.name, caller.tenant_id)
         if version is not None and parse_version(version) not in model.versions:
             raise ServingError(f"model '{request.name}' has no version '{version}'", status=404)

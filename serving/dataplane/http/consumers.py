@@ -382,6 +382,17 @@ class InferenceRequest:
             return await self._infer(plane, caller, name, version, body)
         _method(method, "GET")
         rate = await self._charge(plane, viewer)  # metadata, ready and config take a request of the quota
+        runner = pipeline_runner(gateway)
+        pipeline = runner.find(name, viewer)  # one the caller may not see is a model's 404 below
+        if pipeline is not None:
+            if action == "ready":
+                why = runner.unready(pipeline, version, viewer, self._routing_key(caller), plane.node.is_ready)
+                if why:
+                    raise Unavailable(why, retry_after=1)
+                return 200, b"", [*JSON, *rate]
+            if action == "":
+                return 200, orjson.dumps(runner.metadata(pipeline, version)), [*JSON, *rate]
+            raise NotFound(f"no such endpoint for pipeline '{name}': {action}")
         model = gateway.model(name, viewer)
         if version is not None and parse_version(version) not in model.versions:
             raise NotFound(f"model '{name}' has no version '{version}'")
