@@ -10,6 +10,9 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # time; the tests marked `solo` run after them, alone (scripts/test.sh). TESTS: a selection for both runs
 # (paths, -k), e.g. make test TESTS="tests/test_batching.py".
 PYTEST_ARGS ?= -n 2 --dist loadgroup
+# `make run`'s `manage.py demo_story` options, e.g. --phase-seconds 5 (tests/test_demo_browser.py: the rollout's
+# phases bake 5 s instead of 30 s; each still waits for its gates' evidence).
+DEMO_STORY_ARGS ?=
 
 .PHONY: run setup test bench lint sim
 setup:
@@ -20,7 +23,7 @@ run:
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py build_demo_models
 	$(PY) manage.py ensure_demo_user
-	$(PY) manage.py demo_story
+	$(PY) manage.py demo_story $(DEMO_STORY_ARGS)
 	@# The demo's traffic runs beside the server and stops with it (--with-parent: `exec` makes the server its parent).
 	$(PY) manage.py demo_traffic --host $(HOST) --port $(PORT) --with-parent & exec $(PY) manage.py serve --host $(HOST) --port $(PORT)
 

@@ -83,26 +83,30 @@ def candidate(say: Callable[[str], None], epoch_scale: float = 1.0, cache: Path 
     return version.version if version.state == State.READY else None  # type: ignore[attr-defined]
 
 
-def rollout(version: int, say: Callable[[str], None]) -> Rollout:
-    """The model's active rollout, or a new one of `version` (started by the system)."""
+def rollout(version: int, say: Callable[[str], None], phase_seconds: int | None = None) -> Rollout:
+    """The model's active rollout, or a new one of `version` (started by the system). `phase_seconds`: the
+    shadow's and each step's bake time instead of SHADOW_SECONDS and BAKE_SECONDS (a phase still moves on only
+    when its gates have their evidence)."""
     model = Model.objects.get(name=MODEL)
     active = Rollout.objects.active().filter(model=model).first()
     if active is not None:
         say(f"{MODEL}: rollout #{active.pk} of version {active.candidate} goes on ({active.state})")
         return active
+    shadow_s = SHADOW_SECONDS if phase_seconds is None else phase_seconds
+    bake_s = BAKE_SECONDS if phase_seconds is None else phase_seconds
     started = transitions.start(
         model=model,
         candidate=version,
         actor=None,
         steps=list(STEPS),
-        shadow_seconds=SHADOW_SECONDS,
-        bake_seconds=BAKE_SECONDS,
+        shadow_seconds=shadow_s,
+        bake_seconds=bake_s,
         step_timeout_seconds=STEP_TIMEOUT_SECONDS,
         thresholds=THRESHOLDS,
     )
     say(
         f"{MODEL}: rollout #{started.pk} of version {version} against {started.baseline} started: shadow"
-        f" {SHADOW_SECONDS} s, then steps {', '.join(f'{s}%' for s in STEPS)}, each {BAKE_SECONDS} s; it waits"
+        f" {shadow_s} s, then steps {', '.join(f'{s}%' for s in STEPS)}, each {bake_s} s; it waits"
         " for an approver at the end (console: the model's page)"
     )
     return started

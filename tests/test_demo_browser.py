@@ -1,12 +1,12 @@
 """The demo's story as a newcomer meets it: `make run` in a fresh data directory, then the console in Chromium.
 
 The test runs `make run` itself (embedded mode: SQLite in a data directory of its own, a free port), with the
-rollout evaluated, and usage and shadow pairs flushed, every 2 s instead of every 10 s, so the rollout reaches
-its approval step sooner; everything else is as a user gets it: the models trained (from scratch on a fresh
-clone; from serving.demo's cache in var/demo-model-cache when this code trained them before, as a user's next
-`make run` in a new data directory would), the second `digits` version, the rollout and its shadow, the
-background traffic. With FERRY_DEMO_URL set it drives a
-server started by hand instead (`make run` on a fresh clone), logging in as FERRY_ADMIN_USER / _PASSWORD.
+rollout evaluated, and usage and shadow pairs flushed, every 2 s instead of every 10 s, and its phases baking
+5 s instead of 30 s, so the rollout reaches its approval step sooner; everything else is as a user gets it: the
+models trained (from scratch on a fresh clone; from serving.demo's cache in var/demo-model-cache when this code
+trained them before, as a user's next `make run` in a new data directory would), the second `digits` version,
+the rollout and its shadow, the background traffic. With FERRY_DEMO_URL set it drives a server started by hand
+instead (`make run` on a fresh clone), logging in as FERRY_ADMIN_USER / _PASSWORD.
 
 Screenshots of the model page and the shadow report go to FERRY_SCREENSHOT_DIR (docs/console.md's come from
 `FERRY_SCREENSHOT_DIR=docs/img`), else to the test's temporary directory.
@@ -35,6 +35,9 @@ from tests.test_console_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, log_in
 pytestmark = [pytest.mark.browser, pytest.mark.solo]
 ROOT = Path(__file__).resolve().parent.parent
 START_S = 40 * 60  # `make run` trains four models, then the second digits version: minutes on a shared machine
+# The rollout's shadow and each canary step bake this long instead of the demo's 30 s: each phase still moves on
+# only once its gates have their evidence (100 answers or comparisons, seconds at the demo's 20 requests/s).
+PHASE_S = 5
 STORY_S = 15 * 60  # from the first request to the approval step: shadow, two canary steps, flushes, evaluations
 # Variables of the test run that must not reach `make run`: it is embedded mode, on its own SQLite.
 NOT_PASSED = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "FERRY_QUOTA_REDIS_URL")
@@ -95,7 +98,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            ["make", "run", f"PORT={port}"],
+            ["make", "run", f"PORT={port}", f"DEMO_STORY_ARGS=--phase-seconds {PHASE_S}"],
             cwd=ROOT,
             env=env,
             stdout=out,

@@ -38,6 +38,7 @@ def test_the_story_trains_a_candidate_and_starts_a_rollout_once(digits) -> None:
     assert rollout.state == RolloutState.SHADOWING and rollout.started_by is None
     assert (rollout.baseline, rollout.candidate, rollout.steps) == (1, 2, demo_story.STEPS)
     assert rollout.max_p99_ratio == demo_story.THRESHOLDS.max_p99_ratio and rollout.min_agreement == 0.95
+    assert (rollout.shadow_seconds, rollout.bake_seconds) == (demo_story.SHADOW_SECONDS, demo_story.BAKE_SECONDS)
     digits.refresh_from_db()
     assert digits.shadow_version == 2 and digits.stable_version == 1
     # and a second run keeps that rollout and that candidate
@@ -60,8 +61,10 @@ def test_after_a_promotion_the_next_run_rolls_out_the_former_stable_version(
     assert transitions.approve(rollout=rollout, actor=approver).state == RolloutState.PROMOTED
     # when the story runs again / then the candidate is v1, the former stable version, without training
     assert demo_story.candidate(lambda line: None) == 1
-    again = demo_story.rollout(1, lambda line: None)
+    again = demo_story.rollout(1, lambda line: None, phase_seconds=5)
     assert again.pk != rollout.pk and (again.baseline, again.candidate) == (2, 1)
+    # (phases as short as tests/test_demo_browser.py asks for: the same steps and gates, 5 s bakes)
+    assert (again.shadow_seconds, again.bake_seconds, again.steps) == (5, 5, demo_story.STEPS)
 
 
 def test_no_stable_digits_no_candidate() -> None:
