@@ -154,6 +154,7 @@ def build_snapshot(serial: int | None = None) -> RoutingSnapshot:
             priority=q.priority,
             share_shadow_samples=t.share_shadow_samples,
             share_response_cache=t.share_response_cache,
+            latency_budget_ms=q.latency_budget_ms,
         )
     serial = next(_serial) if serial is None else serial
     return RoutingSnapshot(

@@ -22,6 +22,9 @@ LIMIT_BOUNDS = {
     "max_versions": (1, _INT_MAX),
     "max_accelerator_bytes": (1, _BIG_MAX),
     "priority": (min(Tier.values), max(Tier.values)),
+    # ms; above the platform's budget it changes nothing (a plan may only lower it), and ten minutes is
+    # already far past any budget the platform would run with.
+    "latency_budget_ms": (1, 600_000),
 }
 assert set(LIMIT_BOUNDS) == set(Quota.LIMITS)
 
@@ -96,8 +99,9 @@ def _name(user: object) -> str:
 # --- quotas ---------------------------------------------------------------------------------------------
 
 
-def clean_changes(changes: object) -> dict[str, int]:
-    """Requested limits: Quota field names to integers within each limit's bounds (priority tier 1..3)."""
+def clean_changes(changes: object) -> dict[str, int | None]:
+    """Requested limits: Quota field names to integers within each limit's bounds (priority tier 1..3);
+    None for a limit that may be cleared (`Quota.NULLABLE`: the plan's latency budget, back to the platform's)."""
     if not isinstance(changes, dict) or not changes:
         raise GovernanceError(f"changes must name at least one limit of {', '.join(Quota.LIMITS)}")
     cleaned = {}
@@ -105,6 +109,9 @@ def clean_changes(changes: object) -> dict[str, int]:
         if name not in LIMIT_BOUNDS:
             raise GovernanceError(f"unknown limit {name!r}; limits are {', '.join(Quota.LIMITS)}")
         low, high = LIMIT_BOUNDS[name]
+        if value is None and name in Quota.NULLABLE:
+            cleaned[name] = None
+            continue
         if type(value) is not int or not low <= value <= high:
             raise GovernanceError(f"{name} must be an integer from {low} to {high}")
         cleaned[name] = value
@@ -169,7 +176,7 @@ def decide(*, request: QuotaRequest, approve: bool, note: str, actor: object) ->
     return request
 
 
-def _apply_limits(tenant: Tenant, cleaned: dict[str, int]) -> tuple[Quota, dict[str, int]]:
+def _apply_limits(tenant: Tenant, cleaned: dict[str, int | None]) -> tuple[Quota, dict[str, int | None]]:
     """Lock the tenant's quota, set `cleaned` on it and save; returns it with its limits before. The save
     republishes the routing snapshot on commit (serving.signals), so the data plane holds the new limits."""
     quota, _ = Quota.objects.select_for_update().get_or_create(tenant=tenant)

@@ -150,6 +150,13 @@ class Quota(models.Model):
         default=16 * 1024**3, help_text="accelerator memory its private models may take, in bytes"
     )
     priority = models.PositiveSmallIntegerField(choices=Tier.choices, default=Tier.HIGH)
+    # The plan's own latency budget: it may only lower the platform's (FERRY_LATENCY_BUDGET_MS); the gateway
+    # takes the least of the platform's, the version's and this one (RoutingSnapshot.budget_ms).
+    latency_budget_ms = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="its requests' latency budget in ms, where lower than the platform's; empty: the platform's",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     LIMITS = (
@@ -161,12 +168,14 @@ class Quota(models.Model):
         "max_versions",
         "max_accelerator_bytes",
         "priority",
+        "latency_budget_ms",
     )
+    NULLABLE = frozenset({"latency_budget_ms"})  # limits that may be cleared (None: the platform's default)
 
     def __str__(self) -> str:
         return f"quota of {self.tenant}"
 
-    def limits(self) -> dict[str, int]:
+    def limits(self) -> dict[str, int | None]:
         return {name: getattr(self, name) for name in self.LIMITS}
 
 

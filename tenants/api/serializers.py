@@ -141,8 +141,9 @@ class QuotaChangesSerializer(serializers.Serializer):
     """The limits to change, any non-empty subset, by Quota field name."""
 
     def get_fields(self) -> dict:
+        # A nullable limit (the plan's latency budget) takes null: cleared, back to the platform's default.
         return {
-            name: StrictIntegerField(min_value=low, max_value=high, required=False)
+            name: StrictIntegerField(min_value=low, max_value=high, required=False, allow_null=name in Quota.NULLABLE)
             for name, (low, high) in LIMIT_BOUNDS.items()
         }
 

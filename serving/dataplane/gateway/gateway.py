@@ -155,11 +155,12 @@ class Gateway:
 
     async def serve(self, request: Inference) -> Served:
         """Route, decode (`request.decode`), run and count one inference request, whatever its protocol:
-        the deadline is the version's platform budget, or the client's shorter one (Triton's "timeout"
-        parameter, `request.timeout`); the priority is the one asked for within the tenant's tier; a
-        refusal (Unavailable) falls back to the model's fallback when there is one; the shadow gets its
-        copy; metrics and usage count the answer, refusals included. Raises ServingError (a ProtocolError
-        from decoding becomes one, with its status) for every answer but a success."""
+        the deadline is the budget (the platform's, lowered by the version's and the tenant's plan), or the
+        client's shorter one (Triton's "timeout" parameter, `request.timeout`); the priority is the one
+        asked for within the tenant's tier; a refusal (Unavailable) falls back to the model's fallback when
+        there is one; the shadow gets its copy; metrics and usage count the answer, refusals included.
+        Raises ServingError (a ProtocolError from decoding becomes one, with its status) for every answer
+        but a success."""
         arrived = self._clock()
         name, viewer = request.name, request.viewer
         begun = tracing.since() if tracing.ENABLED else 0
@@ -178,7 +179,8 @@ class Gateway:
                 unknown = [o for o in wanted if o not in known]
                 if unknown:
                     raise ProtocolError(f"model '{name}' has no output {unknown[0]!r}")
-            deadline = arrived + self._timeout(self.snapshot.budget_ms(entry), request.parameters, request.timeout)
+            budget_ms = self.snapshot.budget_ms(entry, viewer)  # the platform's, the version's, the plan's least
+            deadline = arrived + self._timeout(budget_ms, request.parameters, request.timeout)
             priority = _priority(request.parameters, request.tier)
             served = entry
             try:

@@ -149,6 +149,7 @@ class TenantEntry:
     priority: int  # admission tier, 1 runs first: a floor on the priority its requests may ask for
     share_shadow_samples: bool = False  # `Tenant.share_shadow_samples`
     share_response_cache: bool = False  # `Tenant.share_response_cache` (serving.dataplane.gateway.cache)
+    latency_budget_ms: int | None = None  # `Quota.latency_budget_ms`: lowers the platform's; None: no lower
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +164,16 @@ class RoutingSnapshot:
     latency_budget_ms: int = DEFAULT_LATENCY_BUDGET_MS
     pipelines: dict[str, PipelineEntry] = field(default_factory=dict)  # by name; no model has the same
 
-    def budget_ms(self, entry: VersionEntry) -> int:
-        return version_budget_ms(entry, self.latency_budget_ms)
+    def budget_ms(self, entry: VersionEntry, tenant_id: int | None = None) -> int:
+        """The budget of a request of `entry` by `tenant_id`: the platform's, lowered by the version's
+        `default_timeout_ms` and by the tenant's plan (`TenantEntry.latency_budget_ms`) where either is lower."""
+        return version_budget_ms(entry, self.tenant_budget_ms(tenant_id))
+
+    def tenant_budget_ms(self, tenant_id: int | None) -> int:
+        """The platform's budget lowered by `tenant_id`'s plan (None: the data plane's own call), before any
+        version's."""
+        tenant = self.tenants.get(tenant_id) if tenant_id is not None else None
+        return tenant_budget_ms(tenant, self.latency_budget_ms)
 
     def hosted_versions(self) -> list[VersionEntry]:
         return [v for m in self.models.values() for v in m.servable_versions()]
@@ -175,6 +184,13 @@ def version_budget_ms(entry: VersionEntry, platform_budget_ms: int = DEFAULT_LAT
     where that is lower. A request without a deadline gets this one; a client's `timeout` may only shorten it
     (`Gateway._timeout`)."""
     return min(platform_budget_ms, entry.default_timeout_ms)
+
+
+def tenant_budget_ms(tenant: TenantEntry | None, budget_ms: int) -> int:
+    """`budget_ms` lowered by the tenant's plan where the plan sets a lower one: a plan may only lower it."""
+    if tenant is None or tenant.latency_budget_ms is None:
+        return budget_ms
+    return min(budget_ms, tenant.latency_budget_ms)
 
 
 class SnapshotHub:

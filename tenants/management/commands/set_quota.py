@@ -6,7 +6,8 @@ from tenants.models import Quota, Tenant
 
 class Command(BaseCommand):
     help = (
-        "Set a tenant's quota limits, e.g. `set_quota demo requests_per_second=5000 burst=10000`; "
+        "Set a tenant's quota limits, e.g. `set_quota demo requests_per_second=5000 burst=10000`"
+        " (`latency_budget_ms=none` clears the plan's budget); "
         "validated like a quota request, written to the audit log, in force within seconds."
     )
 
@@ -18,11 +19,14 @@ class Command(BaseCommand):
         tenant = Tenant.objects.filter(slug=o["tenant"]).first()
         if tenant is None:
             raise CommandError(f"no tenant {o['tenant']!r}")
-        changes: dict[str, int] = {}
+        changes: dict[str, int | None] = {}
         for item in o["limits"]:  # type: ignore[union-attr]
             name, sep, value = str(item).partition("=")
             if not sep:
                 raise CommandError(f"expected LIMIT=VALUE, got {item!r}")
+            if value.lower() == "none" and name in Quota.NULLABLE:  # cleared: the platform's default applies
+                changes[name] = None
+                continue
             try:
                 changes[name] = int(value)
             except ValueError:
