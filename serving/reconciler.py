@@ -22,6 +22,8 @@ and whenever a version's desired state changes (`serving.tasks.request_reconcile
 sender of node tasks (`serving.node_tasks.send_plan`), so this module imports no task. It is idempotent: a
 task sent and not yet done is recorded in Redis (`PENDING_KEY`) until the node's heartbeat shows its
 outcome, so the next step does not send it again; and two steps at once do not both act (a lock in Redis, `LOCK_KEY`).
+A step reads the pending records before the heartbeats (see `reconcile`): the node clears a record only after
+the heartbeat that shows its outcome, so in that order no finished task is missed by both reads.
 
 `plan()` is the pure part (no Django, no Redis), unit-tested on its own.
 """
@@ -356,8 +358,13 @@ def reconcile(
         if not client.set(LOCK_KEY, token, nx=True, ex=LOCK_SECONDS):
             return Outcome(skipped="another reconciler step is running")
         try:
-            nodes = read_fleet(client)
+            # Pending before the fleet, never the other way round: a node writes the heartbeat that shows a
+            # task's outcome before it clears the task's record (`serving.node_tasks`), so a record already
+            # gone here is an outcome the fleet read after it shows. Read fleet first, a task that finished
+            # between the two reads is in neither: the step would load it again, or count a replica just
+            # unloaded as still there and unload another, below the desired count.
             pending = read_pending(client, now)
+            nodes = read_fleet(client)
             versions = list(ModelVersion.objects.servable().filter(loaded=True))
             loads = read_loads(client)
             specs = {v.key: spec_of(v, loads.get(v.key, 0.0)) for v in versions}
@@ -377,7 +384,10 @@ def reconcile(
             send(client, result, now)
             _mark_unschedulable(versions, wants, result)
 
-            replicas.record(nodes, {v.key: v for v in versions}, holdings(nodes, read_pending(client, now)))
+            # The records after this step's sends, read in the same order for the same reason.
+            pending = read_pending(client, now)
+            nodes = read_fleet(client)
+            replicas.record(nodes, {v.key: v for v in versions}, holdings(nodes, pending))
             return Outcome(plan=result, nodes=len(nodes))
         finally:
             client.eval(_UNLOCK, 1, LOCK_KEY, token)

@@ -198,6 +198,52 @@ def test_a_step_skips_while_another_runs_and_marks_what_no_node_can_hold(db, fle
     assert version.unschedulable_reason == ""
 
 
+def test_a_task_done_between_the_steps_reads_is_seen_by_one_of_them(db, fleet_redis, model_files, monkeypatch) -> None:  # noqa: ANN001
+    """Issue 19's race: an unload finishing while a step reads Redis must not look undone to that step."""
+    import serving.reconciler as reconciler
+    from serving.dataplane.transport import fleet
+
+    register(model_files.digits, "digits")
+    version = ModelVersion.objects.get(model__name="digits")
+    key = version.key
+
+    def beat(info: NodeInfo) -> None:
+        fleet_redis.delete(fleet.node_key(info.name))
+        fleet_redis.hset(fleet.node_key(info.name), mapping=info.to_hash())
+        fleet_redis.sadd(fleet.NODES_KEY, info.name)
+
+    # given one replica desired, held on b, and on a until the unload an earlier step sent it finishes
+    version.desired_replicas = 1
+    version.save()
+    beat(node("a", hot={key}, assigned={key}))
+    beat(node("b", hot={key}, assigned={key}))
+    fleet_redis.hset(reconciler.PENDING_KEY, Pending("unload", "a", key).field, 1e12)
+
+    # when a's unload finishes right after the step's first read of Redis, as the node finishes one: the
+    # heartbeat that shows the outcome first, then the task's record cleared
+    reads = {"done": False}
+
+    def finish_after(read):  # noqa: ANN001, ANN202
+        def wrapped(*args: object):  # noqa: ANN202
+            answer = read(*args)
+            if not reads["done"]:
+                reads["done"] = True
+                beat(node("a"))
+                fleet_redis.hdel(reconciler.PENDING_KEY, Pending("unload", "a", key).field)
+            return answer
+
+        return wrapped
+
+    monkeypatch.setattr(reconciler, "read_fleet", finish_after(reconciler.read_fleet))
+    monkeypatch.setattr(reconciler, "read_pending", finish_after(reconciler.read_pending))
+    sent = []
+    outcome = reconcile(send=lambda client, plan, now: sent.append(plan), url=REDIS_URL)
+    # then the step sees one replica, b's, and sends nothing: not b's unload (none left), not a's again
+    assert reads["done"] and outcome.plan is not None and len(sent) == 1
+    assert (outcome.plan.loads, outcome.plan.unloads, outcome.plan.releases) == ([], [], [])
+    assert outcome.plan.placed[key] == ("b",)
+
+
 def test_a_node_where_the_load_failed_is_not_sent_it_again() -> None:
     # given m:1's load failed on a (its heartbeat says why)
     failed = NodeInfo(**{**node("a").__dict__, "failures": {"m:1": "RuntimeError: bad archive"}})
