@@ -43,6 +43,7 @@ class SimVersion:
     weight: float  # its share of its model's traffic when every version is ready
     times: list[float]  # the profile's estimate for 0..max_batch_size rows (`times_of`), its queue's too
     replicas: list = field(default_factory=list)  # sim.fleet.Replica, loading or ready
+    moving: int = 0  # of those, the copies loading for a consolidation move (sim.fleet): not replicas of their own
     ready_count: int = 0
     arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
     in_service: int = 0  # rows on a device now

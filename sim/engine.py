@@ -601,6 +601,7 @@ class Simulation:
             for _ in range(extra):
                 if self.fleet.add(v, now) is None:
                     break
+        self.fleet.consolidation_step(now)  # the reconciler's consolidation step, after its placement
         for at, replica in self.fleet.events:
             self._push(at, READY, replica)
         self.fleet.events.clear()
@@ -624,7 +625,8 @@ class Simulation:
         self._last_gauge = (busy, on, work)
         g(now, "devices", len(powered))
         g(now, "replicas_ready", sum(v.ready_count for v in self.versions))
-        g(now, "replicas", sum(len(v.replicas) for v in self.versions))
+        g(now, "replicas", sum(staying(v) for v in self.versions))
+        g(now, "moving", len(self.fleet.moves))  # consolidation moves in flight: each a second copy loading
         g(now, "queued", sum(v.queue.rows for v in self.versions))
         for kind, ds in self.fleet.devices.items():
             g(now, f"devices_{kind}", sum(1 for d in ds if d.on))

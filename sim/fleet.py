@@ -6,7 +6,10 @@ type, as the placement reconciler asks it: best fit by memory, and no node whose
 more than `max_device_load` of its compute (each replica's `load` is `placement.replica_load` of its share
 of the demand it was sized for, the reconciler's too). When no powered node can take a replica, one more
 node of the type is started, within the type's budget; past the budget the replica is unschedulable
-(counted). Nothing moves a replica once placed: production does not either.
+(counted). Scale-in consolidates as the placement reconciler does, through the same
+`placement.consolidate`: a device quiet for a while is emptied onto others, each replica make before break
+(its new copy loads, with a cold start, and the old one goes once that is ready), so emptied devices power off.
+Nothing else moves a replica once placed: production does not either.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from serving.policies.placement import NodeState, Resident, VersionSpec, place
+from serving.policies.placement import Move, NodeState, Resident, VersionSpec, consolidate, place
 from sim.catalogue import SimVersion
 from sim.scenario import NodeType, Scenario
 
@@ -63,8 +66,8 @@ class Device:
 
 
 def staying(v: SimVersion) -> int:
-    """Replicas of `v`, loading or ready."""
-    return len(v.replicas)
+    """Replicas of `v`, loading or ready; a consolidation move's second copy is not one of them."""
+    return len(v.replicas) - v.moving
 
 
 def spec_of(v: SimVersion, replicas: int) -> VersionSpec:
@@ -90,6 +93,11 @@ class Fleet:
         self.unschedulable = 0  # replicas wanted that found no node, summed over ticks
         self.cold_starts = 0
         self.events: list[tuple[float, Replica]] = []  # replicas started; the engine schedules their readiness
+        scaling = scenario.scaling
+        self.consolidation = (scaling.consolidate_below, scaling.consolidate_hold, scaling.consolidate_moves)
+        self.quiet: dict[str, float] = {}  # device -> since when its load has been under the threshold
+        self.moves: list[tuple[Move, Replica, Replica]] = []  # in flight: the move, its old copy, its new one
+        self.moved = 0  # moves completed (the old copy unloaded once the new one was ready)
 
     def powered(self) -> list[Device]:
         return [d for ds in self.devices.values() for d in ds if d.on]
@@ -107,6 +115,9 @@ class Fleet:
             device = self._place(v, [idle], now)
             if device is None:  # footprint over a whole node: the scenario is wrong
                 raise ValueError(f"{v.key} does not fit an empty {v.node.name} node")
+        return self._start(v, device, now, warm=warm)
+
+    def _start(self, v: SimVersion, device: Device, now: float, *, warm: bool = False) -> Replica:
         ready_at = now if warm else now + self.lead + v.scaling.cold_start
         replica = Replica(v, device, ready_at, ready=warm)
         device.hosted.append(replica)
@@ -118,6 +129,43 @@ class Fleet:
             self.cold_starts += 1
             self.events.append((ready_at, replica))
         return replica
+
+    def consolidation_step(self, now: float) -> None:
+        """One consolidation step, as the placement reconciler takes it: break the moves whose new copy is ready
+        (the old one drains: what it queued is the version's shared queue, which its other replicas serve), then
+        start the moves `placement.consolidate` proposes over the powered devices."""
+        below, hold, max_moves = self.consolidation
+        still = []
+        for move, old, new in self.moves:
+            if old.removed or new.removed:  # scaled in meanwhile: whichever copy is left is a replica like any
+                old.version.moving -= 1
+            elif new.ready:
+                old.version.moving -= 1
+                self.drop(old, now)
+                self.moved += 1
+            else:
+                still.append((move, old, new))
+        self.moves = still
+        if max_moves <= 0:
+            return
+        powered = self.powered()
+        result = consolidate(
+            [d.state() for d in powered],
+            now=now,
+            quiet=self.quiet,
+            moving=[m for m, _, _ in self.moves],
+            below=below,
+            hold=hold,
+            max_moves=max_moves,
+            max_load=self.max_load,
+        )
+        self.quiet = result.quiet
+        by_name = {d.name: d for d in powered}
+        for move in result.moves:
+            old = next(r for r in by_name[move.source].hosted if r.version.key == move.key)
+            new = self._start(old.version, by_name[move.target], now)
+            old.version.moving += 1
+            self.moves.append((move, old, new))
 
     def _place(self, v: SimVersion, candidates: list[Device], now: float) -> Device | None:
         """The node `place` picks for one more replica of `v`, among the candidates not holding one already (what
@@ -134,13 +182,25 @@ class Fleet:
         return by_name[names[0]]
 
     def remove(self, v: SimVersion, now: float) -> Replica | None:
-        """Scale `v` in by one: a loading replica first (its cold start is wasted, not served), else the
-        ready one whose device hosts the fewest replicas, so devices empty and power off."""
-        candidates = list(v.replicas)
-        if not candidates:
+        """Scale `v` in by one, where `placement.place` scales in as the reconciler asks it (one replica fewer
+        than it holds; a move's second copy counts, as the reconciler counts a move's copy while it loads): the
+        lowest ranked goes, the old copy of a consolidation move (unless the last one ready), then a loading one
+        (its cold start is wasted, not served), then a ready one; of equals, the one on the device holding the
+        fewest versions."""
+        if not v.replicas:
             return None
-        loading = [r for r in candidates if not r.ready]
-        victim = loading[-1] if loading else min(candidates, key=lambda r: (len(r.device.hosted), r.device.name))
+        # A move's old copy goes first unless it is the last one ready (its new copy still loading).
+        leaving = {id(old) for _, old, new in self.moves if old.version is v and (new.ready or v.ready_count > 1)}
+        nodes = []
+        for r in v.replicas:
+            state = r.device.state()
+            rank = 0.5 if id(r) in leaving else 2.0 if r.ready else 1.5
+            hot = {**state.hot, v.key: Resident(state.hot[v.key].spec, rank)}
+            nodes.append(NodeState(state.name, state.accelerator, state.memory_budget, hot))
+        spec = nodes[0].hot[v.key].spec
+        plan = place({v.key: len(v.replicas) - 1}, {v.key: spec}, nodes, now=now, max_load=self.max_load)
+        name = next(n for n, keys in plan.evictions.items() if v.key in keys)
+        victim = next(r for r in v.replicas if r.device.name == name)
         self.drop(victim, now)
         return victim
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from serving.policies.placement import CONSOLIDATE_BELOW, CONSOLIDATE_HOLD, CONSOLIDATE_MOVES, MAX_LOAD
 from sim import profiles
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
@@ -123,7 +124,13 @@ class Scaling:
     latency_budget: float = 0.3  # the p99 a replica is sized to keep
     timeout: float = 1.0  # each request's deadline after its arrival
     max_queue_size: int = 4096  # rows per version
-    max_device_load: float = 0.85  # placement: share of a device's throughput its replicas may plan on
+    max_device_load: float = MAX_LOAD  # placement: share of a device's throughput its replicas may plan on
+    # Consolidation (`placement.consolidate`): a device whose replicas plan on under `consolidate_below` of it for
+    # `consolidate_hold` seconds is emptied onto others, at most `consolidate_moves` moves in flight (0: off).
+    # The defaults are production's (placement's CONSOLIDATE_*); the shipped scenarios set their own, for minutes.
+    consolidate_below: float = CONSOLIDATE_BELOW
+    consolidate_hold: float = CONSOLIDATE_HOLD
+    consolidate_moves: int = CONSOLIDATE_MOVES
     fixed_replicas: int = 0  # static policy: this many replicas of every version (0: what the peak needs)
 
 

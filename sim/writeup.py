@@ -134,6 +134,7 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             " orders replicas one lead time ahead. Day 2 without a late window where the trend alone has some:"
             f" {_holds(ok)}."
         )
+    out += _troughs(scenarios, rush)
     for name, runs in by.items():
         hours = "; ".join(f"{p} {r['accelerator_hours']:.2f} h (${r['cost']:.2f})" for p, r in runs.items())
         verdict = ""
@@ -142,6 +143,42 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             verdict = f" Predictive no more than reactive: {_holds(ok)}."
         out.append(f"- Accelerator-hours, {name}: {hours}.{verdict}")
     return out
+
+
+def _troughs(scenarios: list[dict[str, Any]], rush: dict[str, dict[str, Any]]) -> list[str]:
+    """daily-rush's trough before each day's rush: whether scale-in (with `placement.consolidate`) gives the
+    devices back, so the second day's trough powers about what the first's did."""
+    sc = next((s["scenario"] for s in scenarios if s["name"] == "daily-rush"), None)
+    if sc is None:
+        return []
+    period, start = sc.traffic.period, sc.traffic.start
+
+    def trough(r: dict[str, Any], day: int) -> tuple[float, float] | None:
+        rows = [w for w in r["timeline"] if day * period < w["t"] <= day * period + start and "devices" in w]
+        low = min(rows, key=lambda w: w["devices"], default=None)
+        return None if low is None else (low["devices"], low.get("replicas", float("nan")))
+
+    parts, verdicts = [], []
+    for policy, r in rush.items():
+        first, second = trough(r, 0), trough(r, 1)
+        if first is None or second is None:
+            continue
+        parts.append(
+            f"{policy} {first[0]:.0f} devices ({first[1]:.0f} replicas) then {second[0]:.0f} ({second[1]:.0f}),"
+            f" {second[0] / first[0]:.2f}x"
+        )
+        verdicts.append(f"{policy} {_holds(second[0] <= 1.1 * first[0])}")
+    if not parts:
+        return []
+    return [
+        f"- Daily rush, the trough before each day's rush (the fewest powered devices in a 10 s window of the"
+        f" {start:.0f} s at {sc.traffic.low / 1000:.0f}k requests/s before it, and the replicas then), day 1 then"
+        f" day 2: {'; '.join(parts)}. Scale-in consolidates (`placement.consolidate`, make before break, at most"
+        f" {sc.scaling.consolidate_moves} moves in flight, a device under {sc.scaling.consolidate_below:.0%} of its"
+        f" compute for {sc.scaling.consolidate_hold:g} s), so a device is freed, not only a replica; day 2's trough"
+        f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough is the {start:.0f} s right after day 1's"
+        f" fall, shorter than the scale-in cool-down ({sc.scaling.cool_down:g} s): replicas still leaving then count."
+    ]
 
 
 def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
@@ -186,7 +223,9 @@ def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
         " fallback | the seeds' scale; the skew and the shares are assumptions |",
         f"| scaling | target {g.target_utilisation:g}, latency budget {g.latency_budget * 1000:g} ms, deadline"
         f" {g.timeout * 1000:g} ms, cool-down {g.cool_down:g} s, scheduling {g.scheduling_delay:g} s, device load"
-        f" {g.max_device_load:g}, rise quantile {g.rise_quantile:g} over {g.rise_history:g} s | settings"
+        f" {g.max_device_load:g}, consolidation under {g.consolidate_below:g} for {g.consolidate_hold:g} s with"
+        f" {g.consolidate_moves} moves in flight, rise quantile {g.rise_quantile:g} over {g.rise_history:g} s"
+        " | settings"
         " (the deadline is production's default, FERRY_LATENCY_BUDGET_MS) |",
         f"| compute jitter | lognormal sigma {sc.jitter:g} | assumption |",
         "",
@@ -302,9 +341,10 @@ def render(
         "served over the rows the devices could have served at each version's best batch size in their powered",
         "time (`serving.policies.utilisation`); busy is device busy time over powered time, shown beside it;",
         "accelerator-hours are powered time, over the scenario's duration. Cold starts",
-        "count every replica loaded after the start; placement is the reconciler's own (`placement.place` with each",
-        "replica's planned compute share, no device planned past 85% of it), and nothing moves a replica once",
-        "placed, as in production; unschedulable counts, per tick, replicas wanted that",
+        "count every replica loaded after the start, a consolidation move's copy too; placement is the",
+        "reconciler's own (`placement.place` with each replica's planned compute share, no device planned past",
+        "85% of it, and `placement.consolidate`, which empties quiet devices make before break); nothing else",
+        "moves a replica once placed, as in production; unschedulable counts, per tick, replicas wanted that",
         "no node within the fleet's budget could take. CPU s is the run's own process time on one core; wall s",
         "includes whatever else shared the machine.",
         "",

@@ -67,6 +67,7 @@ def test_the_simulator_drives_the_production_policy_objects():
     assert scaling.Autoscaler is serving.policies.autoscale.Autoscaler
     assert catalogue.replica_capacity is serving.policies.autoscale.replica_capacity
     assert fleet.place is serving.policies.placement.place
+    assert fleet.consolidate is serving.policies.placement.consolidate
     assert engine.choose_version is rollout.routing.choose_version
     # And a built simulation holds instances of them
     sim = Simulation(small(), "predictive")
@@ -350,3 +351,99 @@ def test_the_gain_reshaping_sets_what_a_batch_of_32_serves():
         assert shaped["large"][16] == pytest.approx(cited["large"][1] * (1 + 15 * (32 / gain - 1) / 31))
     with pytest.raises(ValueError):
         scenarios.with_gain(sc, 0.5)
+
+
+def test_every_replica_the_simulator_starts_or_removes_is_where_placement_said(monkeypatch):
+    """One placement: the simulator places, moves and scales in only through the functions the placement
+    reconciler calls (`placement.place`, `placement.consolidate`), and nothing else picks a device."""
+    import serving.reconciler
+
+    assert serving.reconciler.place is fleet.place and serving.reconciler.consolidate is fleet.consolidate
+    said: list[tuple[str, str, str]] = []  # (op, node, version key) as placement answered
+
+    def place(*args, **kwargs):
+        plan = serving.policies.placement.place(*args, **kwargs)
+        said.extend(("load", n, k) for n, keys in plan.loads.items() for k in keys)
+        said.extend(("unload", n, k) for n, keys in plan.evictions.items() for k in keys)
+        return plan
+
+    def consolidate(*args, **kwargs):
+        result = serving.policies.placement.consolidate(*args, **kwargs)
+        said.extend(("load", m.target, m.key) for m in result.moves)
+        said.extend(("unload", m.source, m.key) for m in result.moves)  # broken once the copy is ready
+        return result
+
+    done: list[tuple[str, str, str]] = []
+    start, drop = fleet.Fleet._start, fleet.Fleet.drop
+
+    def started(self, v, device, now, *, warm=False):
+        done.append(("load", device.name, v.key))
+        return start(self, v, device, now, warm=warm)
+
+    def dropped(self, victim, now):
+        done.append(("unload", victim.device.name, victim.version.key))
+        return drop(self, victim, now)
+
+    monkeypatch.setattr(fleet, "place", place)
+    monkeypatch.setattr(fleet, "consolidate", consolidate)
+    monkeypatch.setattr(fleet.Fleet, "_start", started)
+    monkeypatch.setattr(fleet.Fleet, "drop", dropped)
+    # Given a rush and its fall, long enough for scale-in and consolidation, when it runs
+    sim = Simulation(rush_and_fall(), "predictive")
+    sim.run()
+    # Then every replica started or removed went where placement had said, in that order
+    assert {op for op, _, _ in done} == {"load", "unload"} and sim.fleet.moved > 0
+    for step in done:
+        assert step in said, step
+        said.remove(step)
+
+
+def rush_and_fall(**scaling) -> scenarios.Scenario:
+    """Two compressed days of 80 s with a rush each, 24 versions on a fleet with room for the rush: the fall
+    leaves replicas scattered over devices that scale-in alone does not empty."""
+    return small(
+        name="daily-rush",  # the page's trough comparison is of the scenario of this name
+        duration=160,
+        versions=24,
+        fleet={
+            "gpu": {"nodes": 30, "memory_gb": 40, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 10},
+            "cpu": {"nodes": 30, "memory_gb": 8, "speed": 0.5, "cost_per_hour": 0.2, "cold_start": 4},
+        },
+        traffic={"shape": "rush", "low": 200, "rate": 8000, "period": 80, "start": 40, "length": 5},
+        scaling={"cool_down": 5, "timeout": 0.5, "max_queue_size": 256, "consolidate_hold": 3, **scaling},
+    )
+
+
+def test_scale_in_consolidates_devices_not_only_replicas():
+    # Given a rush and its fall, run without consolidation and with it
+    runs = {}
+    for moves in (0, 64):
+        sim = Simulation(rush_and_fall(consolidate_moves=moves), "predictive")
+        runs[moves] = (sim.run(), sim.fleet.moved)
+    fall = {
+        moves: [r["devices"] for r in result["timeline"] if 80 < r["t"] <= 100] for moves, (result, _) in runs.items()
+    }
+    # Then without it nothing moves, and with it replicas move and the fall powers fewer devices
+    assert runs[0][1] == 0 and runs[64][1] > 0
+    assert sum(fall[64]) < 0.9 * sum(fall[0])
+    assert runs[64][0]["accelerator_hours"] < runs[0][0]["accelerator_hours"]
+    # and the second day's trough powers what the first's did, serving as many
+    for result, _ in runs.values():
+        trough = {
+            day: min(r["devices"] for r in result["timeline"] if day * 80 < r["t"] <= day * 80 + 40) for day in (0, 1)
+        }
+        assert trough[1] <= trough[0]
+    assert runs[64][0]["shed_share"] <= runs[0][0]["shed_share"] + 0.001
+    # and the page says the troughs with their figures
+    from sim.writeup import render
+
+    sc = rush_and_fall()
+    result = runs[64][0]
+    page = render(
+        [{"name": sc.name, "title": sc.title, "file": "x.yaml", "scenario": sc, "runs": [result], "plot": ""}],
+        None,
+        1.0,
+    )
+    trough = min(r["devices"] for r in result["timeline"] if 80 < r["t"] <= 120)
+    assert "the trough before each day's rush" in page
+    assert f"then {trough:.0f} (" in page
