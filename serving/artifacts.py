@@ -13,7 +13,9 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -101,7 +103,7 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
             # read as data: refuses archives that would run code on load, and .pt2 programs calling refused operators
             kind = archive_check.check_archive(tmp, allowed_namespaces=namespaces)
             if kind == "zip":
-                _check_torchscript_operators(tmp, namespaces)
+                _check_torchscript_operators(tmp, namespaces, sha)
         except (archive_check.ArchiveRefused, operator_check.OperatorRefused) as exc:
             raise ArtifactRejected(f"archive refused: {exc.reason}") from None
         _save(sha, tmp)
@@ -111,18 +113,36 @@ def store(stream: BinaryIO, *, expected_sha256: str | None = None, max_bytes: in
     return artifact
 
 
-def _check_torchscript_operators(tmp: Path, namespaces: list[str]) -> None:
+# The operators found in archives this process inspected, by sha256 (newest last): the same bytes compile to the
+# same graphs, so an upload of bytes seen before (another version of the same artifact, a re-upload) is checked
+# against the policy without a second sandboxed compile. Bounded; only successful inspections are kept.
+INSPECTED_MAX = 256
+_inspected: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+_inspected_lock = threading.Lock()
+
+
+def _check_torchscript_operators(tmp: Path, namespaces: list[str], sha: str) -> None:
     """Refuse a TorchScript archive whose compiled code calls an operator the policy does not allow
     (serving.dataplane.node.operator_check). Its operators are known only by compiling it, which runs its
-    `__setstate__` code, so it is loaded in a fresh sandboxed process, never here. One that does not load
-    there (corrupt, a mislabelled format, or the child failed) passes: its validation loads it again, with
-    the same operator check, and fails it with the reason."""
-    try:
-        operators = runtime_process.inspect_operators(tmp.read_bytes(), "torchscript")
-    except RuntimeFailure as exc:
-        log.warning("operator inspection of an upload did not load it (validation checks it again): %s", exc)
-        return
-    operator_check.check(operators, namespaces)
+    `__setstate__` code, so it is loaded in a fresh sandboxed process, never here (once per content: `sha`,
+    the archive's verified sha256, keys what an earlier inspection found). One that does not load there
+    (corrupt, a mislabelled format, or the child failed) passes: its validation loads it again, with the same
+    operator check, and fails it with the reason."""
+    with _inspected_lock:
+        known = _inspected.get(sha)
+        if known is not None:
+            _inspected.move_to_end(sha)
+    if known is None:
+        try:
+            known = tuple(runtime_process.inspect_operators(tmp.read_bytes(), "torchscript"))
+        except RuntimeFailure as exc:
+            log.warning("operator inspection of an upload did not load it (validation checks it again): %s", exc)
+            return
+        with _inspected_lock:
+            _inspected[sha] = known
+            while len(_inspected) > INSPECTED_MAX:
+                _inspected.popitem(last=False)
+    operator_check.check(list(known), namespaces)
 
 
 def _save(sha: str, tmp: Path) -> None:

@@ -535,3 +535,44 @@ def test_registration_refuses_operators_with_422_and_stores_nothing(
     # the admin's namespace setting lets the custom operator register
     settings.FERRY_ALLOWED_OPERATOR_NAMESPACES = ["ferrytest"]
     assert upload(engineer_client, cases[-1][0], "torch_export", "custom").status_code == 201
+
+
+def test_bytes_inspected_before_are_checked_again_without_a_second_sandboxed_compile(
+    engineer_client: APIClient, secret: Path, tmp_path: Path, settings, monkeypatch
+) -> None:  # noqa: ANN001
+    from collections import OrderedDict
+
+    from serving import artifacts
+    from serving.dataplane.node import runtime_process
+
+    settings.FERRY_ARTIFACT_ROOT = tmp_path / "store"
+    settings.FERRY_ALLOWED_OPERATOR_NAMESPACES = []
+    monkeypatch.setattr(artifacts, "_inspected", OrderedDict())
+    inspected: list[int] = []
+    real = runtime_process.inspect_operators
+
+    def counting(data: bytes, fmt: str, **kwargs: object) -> list[str]:
+        inspected.append(len(data))
+        return real(data, fmt, **kwargs)
+
+    monkeypatch.setattr(runtime_process, "inspect_operators", counting)
+    reads = scripted(ReadsInForward(str(secret)), tmp_path / "reads.pt")
+    fine = scripted(Digits(8, 1), tmp_path / "fine.pt")
+    # when the same refused archive is uploaded twice / then both are refused for its operator, one compile
+    for _ in range(2):
+        response = upload(engineer_client, reads, "torchscript", "leaky")
+        assert response.status_code == 422, response.content
+        assert response.json()["error"] == "archive refused: operator not allowed: aten::from_file"
+    assert len(inspected) == 1
+    # and an accepted archive uploaded twice is two versions from one compile
+    assert upload(engineer_client, fine, "torchscript", "fine").status_code == 201
+    assert upload(engineer_client, fine, "torchscript", "fine").status_code == 201
+    assert len(inspected) == 2 and ModelVersion.objects.filter(model__name="fine").count() == 2
+    # the memo is bounded: past INSPECTED_MAX the oldest entries go, and their bytes are compiled again
+    monkeypatch.setattr(artifacts, "INSPECTED_MAX", 1)
+    torch.manual_seed(1)
+    other = scripted(Digits(8, 1), tmp_path / "other.pt")
+    assert upload(engineer_client, other, "torchscript", "other").status_code == 201
+    assert len(inspected) == 3 and len(artifacts._inspected) == 1
+    assert upload(engineer_client, reads, "torchscript", "leaky").status_code == 422
+    assert len(inspected) == 4
