@@ -247,10 +247,10 @@ class LoadView:
         others_level = CALLERS if priority < SHADOW_PRIORITY else SHADOW_PRIORITY
         best: admission.Verdict | None = None
         drain = math.inf
+        unread = self._unread_share(key, len(loads))
         for load in loads:
-            in_flight = max(0.0, load.in_flight - max(0.0, wall - load.at))
+            in_flight = max(0.0, load.in_flight - max(0.0, wall - load.at))  # less what ran since it published
             state = load.versions[key]
-            unread = self._unread_share(key, len(loads))
             own = admission.VersionLoad(state.ahead[level] + unread, state.max_batch, state.estimate)
             others = []
             queued = [admission.VersionLoad(state.ahead[SHADOW_PRIORITY] + unread, state.max_batch, state.estimate)]
