@@ -3,10 +3,11 @@
 The test runs `make run` itself (embedded mode: SQLite in a data directory of its own, a free port), with the
 rollout evaluated, and usage and shadow pairs flushed, every 2 s instead of every 10 s, and its phases baking
 5 s instead of 30 s, so the rollout reaches its approval step sooner; everything else is as a user gets it: the
-models trained (from scratch on a fresh clone; from serving.demo's cache in var/demo-model-cache when this code
-trained them before, as a user's next `make run` in a new data directory would), the second `digits` version,
-the rollout and its shadow, the background traffic. With FERRY_DEMO_URL set it drives a server started by hand
-instead (`make run` on a fresh clone), logging in as FERRY_ADMIN_USER / _PASSWORD.
+models trained (from scratch on a fresh clone; from serving.demo's cache, var/demo-model-cache or
+FERRY_DEMO_MODEL_CACHE, when this code trained them before, as a user's next `make run` in a new data directory
+would), the second `digits` version, the rollout and its shadow, the background traffic. With FERRY_DEMO_URL set
+it drives a server started by hand instead (`make run` on a fresh clone), logging in as FERRY_ADMIN_USER /
+_PASSWORD.
 
 Screenshots of the model page and the shadow report go to FERRY_SCREENSHOT_DIR (docs/console.md's come from
 `FERRY_SCREENSHOT_DIR=docs/img`), else to the test's temporary directory.
@@ -96,6 +97,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         "FERRY_ADMIN_PASSWORD": password,
         "FERRY_GRPC_PORT": "0",  # no gRPC listener: another server on this machine may hold the default port
     }
+    if os.environ.get("FERRY_DEMO_MODEL_CACHE"):  # where the demo models trained before are kept (.ci/run sets it)
+        env["FERRY_DEMO_MODEL_CACHE"] = os.environ["FERRY_DEMO_MODEL_CACHE"]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             ["make", "run", f"PORT={port}", f"DEMO_STORY_ARGS=--phase-seconds {PHASE_S}"],
