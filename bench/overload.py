@@ -85,9 +85,10 @@ class RampResult:
 # -------------------------------------------------------------------------------------------- requests
 
 
-def digits_requests(url: str, deadline_ms: int, tiers: tuple[tuple[int, float], ...]) -> Requests:
+def digits_requests(url: str, deadline_ms: int | None, tiers: tuple[tuple[int, float], ...]) -> Requests:
     """Every sample of scikit-learn's digits, once per tier, each carrying the deadline (Triton's
-    `timeout`, microseconds) and its tier as `priority`; each send draws a tier by its share."""
+    `timeout`, microseconds; none when `deadline_ms` is None: the platform's budget applies) and its tier
+    as `priority`; each send draws a tier by its share."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -96,10 +97,13 @@ def digits_requests(url: str, deadline_ms: int, tiers: tuple[tuple[int, float], 
     for tier, share in tiers:
         for i, (x, y) in enumerate(zip(digits.data, digits.target, strict=True)):
             rid = f"digit-{i}-label-{y}-tier-{tier}"  # echoed in the answer: checked against the request
+            parameters: dict[str, int] = {"priority": tier}
+            if deadline_ms is not None:
+                parameters["timeout"] = deadline_ms * 1000
             bodies.append(orjson.dumps({
                 "id": rid,
                 "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": x.tolist()}],
-                "parameters": {"timeout": deadline_ms * 1000, "priority": tier},
+                "parameters": parameters,
             }))  # fmt: skip
             labels.append(int(y))
             body_tiers.append(tier)
@@ -187,6 +191,7 @@ def per_step(rec: RampRecord, requests: Requests, deadline_s: float) -> list[dic
             "goodput_rps": float((ok & (lat <= deadline_s)).sum()) / st.seconds,
             "p50_ms": _pct(lat[ok], 50), "p99_ms": _pct(lat[ok], 99),
             "primary_p99_ms": _pct(lat[out == PRIMARY], 99),
+            "shed_with_retry_after": -1 if rec.retry_after is None else int((rec.retry_after[m] == 1).sum()),
             "shed_by_reason": {r: int(((out == SHED) & (rec.reason[m] == j)).sum())
                                for j, r in enumerate(rec.reasons) if ((out == SHED) & (rec.reason[m] == j)).any()},
             "client_by_kind": {k: int(((out == CLIENT) & (rec.reason[m] == j)).sum())
@@ -258,11 +263,12 @@ def counter_delta(before: str | None, after: str | None, model_names: tuple[str,
 # -------------------------------------------------------------------------------------------- running
 
 
-async def measure_capacity(base: str, model: str, s: OverloadSettings) -> float:
+async def measure_capacity(base: str, model: str, s: OverloadSettings, body: bytes | None = None) -> float:
     """Highest open-loop rate with p99 < 300 ms and < 0.1% errors (shed counts as an error), seeded by a
-    closed-loop probe: capacity.find_max_rate with short steps."""
+    closed-loop probe: capacity.find_max_rate with short steps. `body`: the request searched with (default:
+    the first digit, carrying the settings' deadline)."""
     url = f"{base}/v2/models/{model}/infer"
-    body = probe_body(s.deadline_ms)
+    body = body if body is not None else probe_body(s.deadline_ms)
     status, payload = http_post(url, body)
     if status != 200:
         raise RuntimeError(f"{model}: sanity request answered {status}: {payload[:300]!r}")
@@ -283,10 +289,12 @@ async def measure_capacity(base: str, model: str, s: OverloadSettings) -> float:
 
 
 async def ramp(server: Server, model: str, cap: float, source: str, admission: bool, s: OverloadSettings,
-               label: str) -> RampResult:  # fmt: skip
+               label: str, client_deadline: bool = True) -> RampResult:  # fmt: skip
+    """One ramp of `s.multipliers` x `cap`. `client_deadline` False: the requests carry no deadline (the
+    platform's budget applies); `s.deadline_ms` is then only the goodput's bound."""
     res = RampResult(label, model, admission, cap, source, s.deadline_ms)
     url = f"{server.base}/v2/models/{model}/infer"
-    requests = digits_requests(url, s.deadline_ms, s.tiers)
+    requests = digits_requests(url, s.deadline_ms if client_deadline else None, s.tiers)
     steps = [Step(m, m * cap, s.step_s) for m in s.multipliers]
     await asyncio.sleep(s.settle_s)
     res.memory_before = server.rss_kib()

@@ -13,8 +13,16 @@ A fresh data dir (embedded mode: one process, the node in it); the two demo mode
 2. Latency at one offered rate, open loop (bench.loadgen), alternating rounds: `digits` alone; the pipeline
    with an image the small model is sure of (one step); the pipeline with one it is unsure of (both steps).
    A body is fixed per run, so the two pipeline rows bound the cascade's latency from both sides.
-3. Overload: each target offered `--overload` req/s, past what the process serves: what is answered 200,
-   what is shed (503), and the p99 of every request.
+3. Overload, as bench.overload ramps a model (its pieces: `measure_capacity`, `ramp`, `per_step`): the
+   pipeline's capacity first (the highest open-loop rate with p99 < 300 ms and < 0.1% errors, searched with
+   the unsure image, so every call of the search runs both steps), then an open-loop ramp of
+   `--multipliers` x that capacity, `--overload-step` s each, every request a labelled sample of
+   scikit-learn's digits (1,797, drawn at random, so the small model's sure and unsure images mixed) with
+   no client deadline: the platform's budget (FERRY_LATENCY_BUDGET_MS, 300 ms) applies. A step's rate is
+   capped at `--overload-max-rate`, what the generator can send on the box it shares with the server. Per
+   step: offered, sent, answered by the pipeline, by its fallback (`digits`), shed (503, and how many of
+   those carried Retry-After), 504, the admitted p99 (every 200, from its scheduled send time) and the
+   goodput (200s within 300 ms); the server's own pipeline counters; the load average.
 """
 
 from __future__ import annotations
@@ -34,11 +42,20 @@ import numpy as np
 import orjson
 
 from bench import loadgen
+from bench.overload import OverloadSettings, measure_capacity, ramp
 from bench.report import commit, splice_section
 from bench.run import machine_facts
-from bench.server import HEADERS, Server, free_port, manage, say, unbind_quota, use_key
+from bench.server import HEADERS, Server, counters, free_port, manage, say, scrape, unbind_quota, use_key
 
 PIPELINE = "digits-cascade"
+BUDGET_MS = 300  # the platform's latency budget this run sets (FERRY_LATENCY_BUDGET_MS)
+MULTIPLIERS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 1.0)
+PIPELINE_COUNTERS = (
+    "ferry_pipeline_requests_total",
+    "ferry_pipeline_fallbacks_total",
+    "ferry_shed_total",
+    "ferry_fallbacks_total",  # a step answered by its model's fallback (digits: digits-small)
+)
 START, END = "<!-- pipelines:start -->", "<!-- pipelines:end -->"  # bench.report.PAGES["pipelines"]
 UNSURE = 0.9
 SPEC = {
@@ -128,21 +145,55 @@ def run_phase(base: str, model: str, payload: bytes, rate: float, seconds: float
     )
 
 
+def overload_ramp(server: Server, model: str, unsure: bytes, a: argparse.Namespace) -> dict:
+    """`model`'s capacity (the pipeline's, or a model's), then the ramp past it (the module docstring, 3.)."""
+    s = OverloadSettings(
+        step_s=a.overload_step, capacity_step_s=4.0, probe_s=2.0, deadline_ms=BUDGET_MS,
+        tiers=((1, 1.0),), multipliers=tuple(a.multipliers), settle_s=2.0,
+    )  # fmt: skip
+    load_before = os.getloadavg()
+    cap = loadgen.arun(measure_capacity(server.base, model, s, body=unsure))
+    top = a.overload_max_rate / cap
+    if max(s.multipliers) > top:  # the generator shares the cores: past this rate it cannot send on time
+        say(f"capacity {cap:.0f} req/s: steps capped at {a.overload_max_rate:g} req/s ({top:.2f}x)")
+        s.multipliers = tuple(round(min(m, top), 2) for m in s.multipliers)
+    before = scrape(server.base)
+    res = loadgen.arun(ramp(server, model, cap, "measured here (unsure image)", True, s, model, client_deadline=False))
+    after = scrape(server.base)
+    b, c = counters(before, PIPELINE_COUNTERS), counters(after, PIPELINE_COUNTERS)
+    server_counts = {}
+    for key, value in c.items():
+        name, labels = key
+        lab = dict(labels)
+        if lab.get("model") in (PIPELINE, "digits", "digits-small") and value - b.get(key, 0.0):
+            text = ",".join(f"{k}={v}" for k, v in labels if k != "version")
+            server_counts[f"{name}{{{text}}}"] = value - b.get(key, 0.0)
+    return {
+        "model": model, "capacity": cap, "result": res.to_dict(), "server": server_counts,
+        "load_before": load_before, "load_after": os.getloadavg(),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=100.0, help="offered req/s of the latency rounds")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each target, alternating")
-    parser.add_argument("--overload", type=float, default=3000.0, help="offered req/s of the overload phase")
+    parser.add_argument("--multipliers", type=float, nargs="+", default=list(MULTIPLIERS), help="x capacity")
+    parser.add_argument("--overload-step", type=float, default=5.0, help="seconds per overload step")
+    parser.add_argument("--overload-max-rate", type=float, default=3000.0, help="cap on a step's req/s")
+    parser.add_argument("--only-overload", action="store_true", help="skip phases 1 and 2 (prints, records nothing)")
     parser.add_argument("--record", type=Path, help="write the page (docs/benchmarks/pipelines.md)")
     a = parser.parse_args(argv)
     started = time.monotonic()
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-pipeline-bench-"))
     env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
+    env["FERRY_LATENCY_BUDGET_MS"] = str(BUDGET_MS)
     env.pop("REDIS_URL", None)
     facts = machine_facts(int(os.environ.get("FERRY_TORCH_THREADS", "0") or 0))
     rounds: list[dict] = []
     overload: list[dict] = []
+    acc: dict = {}
     try:
         manage(["migrate", "--noinput", "-v0"], env)
         manage(["shell", "-c", SETUP], env)
@@ -152,27 +203,74 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError("ensure_demo_user wrote no demo API key")
         with Server(env, free_port(), data_dir / "server.log") as server:
             server.wait_ready(("digits-small", "digits"))
-            acc = accuracy(server.base)
+            if not a.only_overload:
+                acc = accuracy(server.base)
             sure, unsure = pick_rows(server.base)
             targets = [("digits alone", "digits", body(unsure)), ("pipeline, sure image", PIPELINE, body(sure))]
             targets.append(("pipeline, unsure image", PIPELINE, body(unsure)))
-            for round_no in range(a.rounds):
+            for round_no in range(0 if a.only_overload else a.rounds):
                 for label, model, payload in targets:
                     r = run_phase(server.base, model, payload, a.rate, a.seconds)
                     say(f"{label} round {round_no + 1}: p50 {r.p50_ms:.2f} p99 {r.p99_ms:.2f} ms, ok {r.ok}/{r.count}")
                     rounds.append({"label": label, "round": round_no + 1, **r.to_dict()})
-            for label, model, payload in (targets[0], targets[2]):
-                r = run_phase(server.base, model, payload, a.overload, 5.0)
-                say(f"overload {label}: ok {r.ok}/{r.count}, errors {r.errors_by_status}, p99 {r.p99_ms:.1f} ms")
-                overload.append({"label": label, **r.to_dict()})
+            # The pipeline, then `digits` alone the same way: what a model does under the same overload.
+            overload = [overload_ramp(server, m, body(unsure), a) for m in (PIPELINE, "digits")]
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     elapsed = time.monotonic() - started
+    if a.only_overload:
+        print("\n".join(line for o in overload for line in overload_lines(o, a)))
+        return 0
     section = "\n".join([START, *page(acc, rounds, overload, facts, a, elapsed), END])
     print(section)
     if a.record:
         splice_section(a.record, START, END, section)
     return 0
+
+
+def overload_lines(overload: dict, a: argparse.Namespace) -> list[str]:
+    res, cap, model = overload["result"], overload["capacity"], overload["model"]
+    before, after = overload["load_before"], overload["load_after"]
+    is_pipeline = model == PIPELINE
+    rows = []
+    for r in res["steps"]:
+        shed = round(r["shed_rps"] * r["seconds"])
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["shed_by_reason"].items())) or "-"
+        rows.append(
+            f"| {r['multiplier']:g}x | {r['offered_rps']:.0f} | {r['sent_rps']:.0f} | {r['primary_rps']:.0f}"
+            f" | {r['fallback_rps']:.0f} | {r['shed_rps']:.0f} | {r['shed_with_retry_after']}/{shed} | {reasons}"
+            f" | {r['t504_rps']:.0f} | {r['client_rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f}"
+            f" | {r['goodput_rps']:.0f} |"
+        )
+    worst = max((r["p99_ms"] for r in res["steps"] if r["p99_ms"] == r["p99_ms"]), default=float("nan"))
+    what = "the pipeline" if is_pipeline else "`digits` alone"
+    fallback = "the pipeline's fallback (`digits`)" if is_pipeline else "its fallback (`digits-small`)"
+    return [
+        f"## Overload: {what}, a ramp to {max(r['multiplier'] for r in res['steps']):g}x its capacity",
+        "",
+        f"Capacity of `{model}` (p99 < 300 ms, < 0.1% errors, open loop, the unsure image"
+        + (": both steps every call" if is_pipeline else "")
+        + f"): **{cap:.0f} req/s**. Then {a.overload_step:g} s per step, open loop, labelled digits drawn at"
+        f" random, no client deadline (the platform's {BUDGET_MS} ms budget), one priority tier; steps capped at"
+        f" {a.overload_max_rate:g} req/s. Load average (1, 5, 15 min) before the capacity search"
+        f" {', '.join(f'{x:.2f}' for x in before)}, after the ramp {', '.join(f'{x:.2f}' for x in after)}; the"
+        f" generator used {res['generator_cores']:.2f} cores, at most {res['conns_max']} connections.",
+        "",
+        f"| step | offered/s | sent/s | `{model}` 200/s | fallback 200/s | 503/s | 503s with Retry-After / all"
+        " | 503 reasons (requests) | 504/s | client error/s | admitted p50 ms | admitted p99 ms | goodput/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Worst admitted p99 over the steps: **{worst:.1f} ms** (every 200, {fallback}'s included, timed from its"
+        " scheduled send). Goodput: 200s within 300 ms. A 503's reason is read from its body (bench.ramp's"
+        " `shed_reason`: `deadline` is admission's estimate, `frontend` the front door's saturation shed). A"
+        " client error is the generator's own (its 5 s timeout, a connection lost, a send it could not make on"
+        " time).",
+        "",
+        "The server's counters over the ramp: "
+        + (", ".join(f"`{k}` {v:.0f}" for k, v in sorted(overload["server"].items())) or "none"),
+        "",
+    ]
 
 
 def page(
@@ -182,7 +280,8 @@ def page(
     share = reached.get("big", 0.0) / reached["small"] if reached.get("small") else float("nan")
     command = (
         f"python -m bench.pipelines --rate {a.rate:g} --seconds {a.seconds:g} --rounds {a.rounds}"
-        f" --overload {a.overload:g}"
+        f" --multipliers {' '.join(f'{m:g}' for m in a.multipliers)} --overload-step {a.overload_step:g}"
+        f" --overload-max-rate {a.overload_max_rate:g}"
     )
     lines = [
         "# Pipelines: a cheap model, then the big one where it is unsure",
@@ -222,15 +321,7 @@ def page(
         "Percentiles cover every request, errors included. The sure image runs one step; the unsure one runs"
         " both, one after the other, each batched with the other traffic of its model.",
         "",
-        f"## Overload: {a.overload:g} req/s offered for 5 s",
-        "",
-        "| target | ok / sent | refused | p99 ms (every request) |",
-        "|---|---|---|---|",
-        *(f"| {r['label']} | {r['ok']}/{r['count']} | {r['errors_by_status']} | {r['p99_ms']:.1f} |" for r in overload),
-        "",
-        "Under overload a step is refused at admission when it cannot finish in what is left of the call's"
-        " deadline (the platform's 300 ms budget); the pipeline then answers with its fallback model if that"
-        " fits, else 503 with Retry-After, as a model's request does.",
+        *(line for o in overload for line in overload_lines(o, a)),
     ]
     return lines
 

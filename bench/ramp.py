@@ -98,6 +98,7 @@ class RampRecord:
     conns_max: int
     id_mismatches: int  # 200s whose `id` was not the request's: should be 0
     generator_cores: float  # this process's CPU time over the ramp's wall time (it shares the cores)
+    retry_after: np.ndarray | None = None  # per request: 1 for a 503/429 carrying Retry-After, 0 without, -1 else
 
 
 class _Conn(asyncio.Protocol):
@@ -123,6 +124,9 @@ class _Conn(asyncio.Protocol):
         if self.idx < 0 or not reader.feed(data):
             return
         status, keep, idx, body = reader.status, reader.keep, self.idx, reader.body()
+        if status in (503, 429):  # a shed or a quota refusal must say when to come back: kept per request
+            head = bytes(reader.buf[: reader.header_end]).lower()
+            self.gen.retry_after[idx] = int(b"\r\nretry-after:" in head)
         reader.reset()
         self.idx = -1
         self.gen.answered(self, idx, status, body, keep)
@@ -160,6 +164,7 @@ class _Ramp:
         self.reason = np.full(n, -1, dtype=np.int16)
         self.correct = np.full(n, -1, dtype=np.int8)
         self.body = np.zeros(n, dtype=np.int32)
+        self.retry_after = np.full(n, -1, dtype=np.int8)
         self.reasons = list(SHED_REASONS)
         self.model = ""  # the model asked: answers naming another one came from its fallback
         self.id_mismatches = 0
@@ -356,6 +361,7 @@ async def run_ramp(
         sched=gen.sched, sent=gen.sent, latency=gen.latency, status=gen.status, outcome=gen.outcome,
         reason=gen.reason, correct=gen.correct, body=gen.body, reasons=gen.reasons, steps=steps,
         step_of=step_of, conns_max=gen.max_conns, id_mismatches=gen.id_mismatches, generator_cores=cores,
+        retry_after=gen.retry_after,
     )  # fmt: skip
 
 
