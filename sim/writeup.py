@@ -177,7 +177,7 @@ def _troughs(scenarios: list[dict[str, Any]], rush: dict[str, dict[str, Any]]) -
         f" {sc.scaling.consolidate_moves} moves in flight, a device under {sc.scaling.consolidate_below:.0%} of its"
         f" compute for {sc.scaling.consolidate_hold:g} s), so a device is freed, not only a replica; day 2's trough"
         f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough is the {start:.0f} s right after day 1's"
-        f" fall, shorter than the scale-in cool-down ({sc.scaling.cool_down:g} s): replicas still leaving then count."
+        f" fall, no longer than the scale-in cool-down ({sc.scaling.cool_down:g} s): replicas still leaving then count."
     ]
 
 
