@@ -316,3 +316,41 @@ async def test_a_node_leaves_a_cold_version_to_a_live_node_holding_it_and_announ
         await process.stop(drain_seconds=1)
         clear(client)
         client.close()
+
+
+async def test_a_node_starts_though_redis_times_out_while_it_joins_and_after(monkeypatch) -> None:  # noqa: ANN001
+    """Issue 19: on a loaded machine Redis stalled past the node's command timeout at start-up, and the node
+    process exited with the TimeoutError. A failing command at start-up is retried, not the process's end."""
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)
+    process = NodeProcess(
+        Node(artifact_path=lambda sha: None, device="cpu"),  # type: ignore[arg-type]
+        REDIS_URL,
+        Facts("stalled", "cpu", "cpu", 0, 1 << 30, 1 << 30),
+    )
+    real = process.heartbeat_once
+    calls = {"n": 0, "down": False}
+
+    async def stalling() -> None:
+        # the first heartbeat (joining) times out; the second (joining again) lands; then Redis stalls again
+        calls["n"] += 1
+        if calls["n"] == 1 or calls["down"]:
+            raise redis.TimeoutError("Timeout reading from 127.0.0.1:6380")
+        await real()
+        if calls["n"] == 2:
+            calls["down"] = True
+
+    monkeypatch.setattr(process, "heartbeat_once", stalling)
+    try:
+        await process.start(first_snapshot_timeout=0.2)
+        # then it started, in the fleet by the heartbeat that landed, and serving once Redis answers again
+        assert calls["n"] >= 3 and client.exists(fleet.node_key("stalled"))
+        calls["down"] = False
+        seen = calls["n"]
+        async with asyncio.timeout(LONG):
+            while calls["n"] <= seen:
+                await asyncio.sleep(0.05)
+    finally:
+        await process.stop(drain_seconds=1)
+        clear(client)
+        client.close()

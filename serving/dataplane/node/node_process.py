@@ -70,6 +70,7 @@ CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the
 REPLY_MAXLEN = 10_000
 HOLDING_POLL_SECONDS = 0.02  # how soon a load or an eviction goes out in a heartbeat
 HEARTBEAT_RETRY_SECONDS = 0.1  # after a failed heartbeat
+JOIN_TIMEOUT_SECONDS = 60.0  # start-up gives up joining the fleet after Redis failed this long
 UNITS = {
     "": 1,
     "b": 1,
@@ -625,10 +626,11 @@ class NodeProcess:
         self._loops.append(loop.create_task(self._consume_forever()))
         self._loops.append(loop.create_task(self._every(RECLAIM_SECONDS, self.reclaim_once, "claiming")))
 
-    async def start(self, first_snapshot_timeout: float = 60.0) -> None:
-        """Join the fleet, follow the snapshot, load what it hosts, then serve."""
+    async def start(self, first_snapshot_timeout: float = 60.0, join_timeout: float = JOIN_TIMEOUT_SECONDS) -> None:
+        """Join the fleet, follow the snapshot, load what it hosts, then serve. A Redis command that fails on
+        the way (a loaded machine stalls Redis past the client's timeout) is retried, not the process's end."""
         self.events.start()
-        await self.claim_name()
+        await self._join(join_timeout)
         loop = asyncio.get_running_loop()
         self._loops.append(loop.create_task(self._heartbeat_forever()))
         self._loops.append(loop.create_task(self._every(PUBLISH_SECONDS, self.load.publish_once, "publishing load")))
@@ -645,7 +647,10 @@ class NodeProcess:
                 "no routing snapshot in Redis after %.0fs; serving once one is published", first_snapshot_timeout
             )
         self.serve()
-        await self.heartbeat_once()
+        try:
+            await self.heartbeat_once()  # what it now serves, at once: the heartbeat loop sends it too, later
+        except (redis.RedisError, OSError) as exc:
+            log.warning("heartbeat failed (%s); the heartbeat loop retries", exc)
         log.info(
             "node %s (%s, %s) serving %s",
             self.facts.name,
@@ -653,6 +658,20 @@ class NodeProcess:
             self.node.device,
             sorted(self.servable()) or "nothing yet",
         )
+
+    async def _join(self, timeout: float) -> None:
+        """`claim_name`, retried while Redis fails (times out or refuses), for up to `timeout` seconds. A live
+        namesake is not retried here: `claim_name` waits for it itself, then raises."""
+        deadline = self._clock() + timeout
+        while True:
+            try:
+                await self.claim_name()
+                return
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                if self._clock() > deadline:
+                    raise
+                log.warning("joining the fleet failed (%s); retrying", exc)
+                await asyncio.sleep(HEARTBEAT_RETRY_SECONDS)
 
     async def stop(self, drain_seconds: float = 10.0) -> None:
         """Leave the fleet (gateways stop routing here at their next read), finish what it holds, close."""
