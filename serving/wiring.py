@@ -200,6 +200,7 @@ async def start() -> DataPlane:
             accelerator=settings.FERRY_NODE_ACCELERATOR,
             max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
             warm_budget=settings.FERRY_NODE_WARM_BYTES,
+            mirror_share=settings.FERRY_SHADOW_DEVICE_PERCENT / 100,
             # Not on asgiref's one thread: a load reported while a snapshot is published from it would deadlock.
             report=sync_to_async(_record_placement, thread_sensitive=False),
         )

@@ -33,9 +33,10 @@ from serving.dataplane.node.packing import LoadReport, Packing, Ticket, constrai
 from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, pick_device
 from serving.dataplane.node.runtime_process import make_runtime
 from serving.dataplane.transport.transport import Outputs
-from serving.policies import admission
+from serving.policies import admission, mirror_share
 from serving.policies.admission import DeviceShare
 from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfile, Pending, QueueFull
+from serving.policies.mirror_share import MirrorShare
 from serving.policies.placement import Fit, NodeState, Resident, VersionSpec, fit
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Node:
         max_queued_loads: int = 16,
         warm_budget: int = 0,
         runtime_factory: Callable[..., ModelRuntime] = make_runtime,
+        mirror_share: float = 0.0,
     ) -> None:
         self.device = pick_device(device)
         # How a version's runtime is made: sandboxed in a process of its own unless FERRY_RUNTIME_ISOLATION says
@@ -137,6 +139,9 @@ class Node:
         # Set whenever a batch leaves the device: a batch of mirrored requests waits on it for callers' work
         # to be done (see _yield_to_callers).
         self._device_quiet = asyncio.Event()
+        # The device share mirrors may take ahead of callers (FERRY_SHADOW_DEVICE_PERCENT; 0: gaps only), spent
+        # in _yield_to_callers and judged by admission for mirrors (serving.policies.mirror_share).
+        self.mirror_share = MirrorShare(mirror_share, now=clock())
         # Packing: the accelerator type placement constraints name (the device's kind unless declared), and
         # one load at a time, so a fit and its evictions hold until the load lands.
         self.accelerator = accelerator or self.device.type
@@ -458,7 +463,9 @@ class Node:
         hosted.last_used = now
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
-        if self.admission:
+        if self.admission and not (
+            priority >= SHADOW_PRIORITY and self._mirror_fits_share(hosted, rows, deadline, now)
+        ):
             begun = tracing.since() if tracing.ENABLED else 0
             verdict = admission.decide(
                 now=now,
@@ -587,6 +594,25 @@ class Node:
             total -= now - self._running_since
         return max(0.0, total)
 
+    def _mirror_fits_share(self, hosted: Hosted, rows: int, deadline: float, now: float) -> bool:
+        """Whether a mirror of `rows` finishes by its deadline on the mirrors' device share alone: the mirrors
+        queued ahead of it on this version and its own rows, run at the share (callers' backlog aside: the
+        share runs ahead of it). False with no share; admission then judges it as any lowest-tier request."""
+        if not self.mirror_share.enabled:
+            return False
+        queue, top = hosted.batcher.queue, hosted.entry.batching.max_batch_size
+        queued = queue.rows - queue.rows_ahead(SHADOW_PRIORITY - 1)
+        before = admission.work_seconds(queued, top, hosted.profile.estimate)
+        after = admission.work_seconds(queued + rows, top, hosted.profile.estimate)
+        return mirror_share.admit(
+            now=now,
+            deadline=deadline,
+            queued_work=before,
+            own=after - before,
+            share=self.mirror_share.share,
+            headroom=admission.HEADROOM,
+        )
+
     def _completion(self, hosted: Hosted, rows: int, priority: int, now: float) -> float:
         top = hosted.entry.batching.max_batch_size
         own = admission.VersionLoad(hosted.batcher.queue.rows_ahead(priority), top, hosted.profile.estimate)
@@ -692,6 +718,16 @@ class Node:
                     fits += 1
                 if fits:
                     return fits
+                # No gap: the mirrors' device share pays for what it can, callers' due batches wait for it.
+                if self.mirror_share.enabled:
+                    estimates, rows = [], 0
+                    for p in live:
+                        rows += p.rows
+                        estimates.append(hosted.profile.estimate(rows))
+                    paid = self.mirror_share.affordable(estimates, now)
+                    if paid:
+                        self.mirror_share.spend(estimates[paid - 1], now)
+                        return paid
             self._device_quiet.clear()
             try:  # bounded: a queue emptied without a batch (expiry, a stopped batcher) sets no event
                 await asyncio.wait_for(self._device_quiet.wait(), 0.05)

@@ -70,6 +70,7 @@ class Command(BaseCommand):
             accelerator=facts.accelerator,
             max_queued_loads=settings.FERRY_MAX_QUEUED_LOADS,
             warm_budget=settings.FERRY_NODE_WARM_BYTES,
+            mirror_share=settings.FERRY_SHADOW_DEVICE_PERCENT / 100,
             report=_report,
         )
         process = NodeProcess(node, settings.REDIS_URL, facts, on_disk=artifacts.on_node_disk())
