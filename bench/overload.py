@@ -41,11 +41,24 @@ class OverloadSettings:
     step_s: float = 8.0
     capacity_step_s: float = 6.0
     probe_s: float = 2.0
-    deadline_ms: int = 250
+    deadline_ms: int = 250  # the client's deadline where it sends one, and then the goodput's bound
+    # Issue 19's acceptance: clients that send no deadline, held to the platform's budget (budget_ms, the
+    # servers' FERRY_LATENCY_BUDGET_MS, then also the goodput's bound). True: each request carries deadline_ms.
+    client_deadline: bool = False
+    budget_ms: int = 300
     tiers: tuple[tuple[int, float], ...] = ((1, 0.25), (2, 0.75))  # (priority, share of requests)
     multipliers: tuple[float, ...] = MULTIPLIERS
     max_connections: int = 1024
     settle_s: float = 3.0
+
+    @property
+    def goodput_ms(self) -> int:
+        """A 200 counts as goodput within this: the client's deadline, or the platform's budget without one."""
+        return self.deadline_ms if self.client_deadline else self.budget_ms
+
+    @property
+    def sent_deadline_ms(self) -> int | None:
+        return self.deadline_ms if self.client_deadline else None
 
     @classmethod
     def for_mode(cls, quick: bool) -> OverloadSettings:
@@ -61,8 +74,9 @@ class RampResult:
     admission: bool
     capacity: float
     capacity_source: str
-    deadline_ms: int
+    deadline_ms: int  # the goodput's bound: the client's deadline, or the platform's budget without one
     steps: list[dict[str, Any]] = field(default_factory=list)
+    client_deadline: bool = False  # whether the requests carried `deadline_ms` as their `timeout`
     series: dict[str, list[float]] = field(default_factory=dict)
     accuracy: dict[str, dict[str, float]] = field(default_factory=dict)
     memory_before: dict[str, int] = field(default_factory=dict)
@@ -174,7 +188,7 @@ def per_step(rec: RampRecord, requests: Requests, deadline_s: float) -> list[dic
     tiers = requests.tiers[rec.body]
     for i, st in enumerate(rec.steps):
         m = rec.step_of == i
-        out, lat = rec.outcome[m], rec.latency[m]
+        out, lat, status = rec.outcome[m], rec.latency[m], rec.status[m]
         ok = (out == PRIMARY) | (out == FALLBACK)
         sent = ~np.isnan(rec.sent[m])
         lag = (rec.sent[m] - rec.sched[m])[sent]
@@ -192,6 +206,13 @@ def per_step(rec: RampRecord, requests: Requests, deadline_s: float) -> list[dic
             "p50_ms": _pct(lat[ok], 50), "p99_ms": _pct(lat[ok], 99),
             "primary_p99_ms": _pct(lat[out == PRIMARY], 99),
             "shed_with_retry_after": -1 if rec.retry_after is None else int((rec.retry_after[m] == 1).sum()),
+            # For the acceptance rows: every HTTP answer, the 504s and 500s among them, and the 503s and 429s
+            # that came without Retry-After.
+            "answers": int((status > 0).sum()), "t504": int((status == 504).sum()),
+            "t429": int((status == 429).sum()), "t503": int((status == 503).sum()),
+            "t500": int(((status >= 500) & (status != 503) & (status != 504)).sum()),
+            "refusals_without_retry_after": int((((status == 503) | (status == 429)) & (
+                np.zeros(int(m.sum()), bool) if rec.retry_after is None else rec.retry_after[m] != 1)).sum()),
             "shed_by_reason": {r: int(((out == SHED) & (rec.reason[m] == j)).sum())
                                for j, r in enumerate(rec.reasons) if ((out == SHED) & (rec.reason[m] == j)).any()},
             "client_by_kind": {k: int(((out == CLIENT) & (rec.reason[m] == j)).sum())
@@ -268,7 +289,7 @@ async def measure_capacity(base: str, model: str, s: OverloadSettings, body: byt
     closed-loop probe: capacity.find_max_rate with short steps. `body`: the request searched with (default:
     the first digit, carrying the settings' deadline)."""
     url = f"{base}/v2/models/{model}/infer"
-    body = body if body is not None else probe_body(s.deadline_ms)
+    body = body if body is not None else probe_body(s.sent_deadline_ms)
     status, payload = http_post(url, body)
     if status != 200:
         raise RuntimeError(f"{model}: sanity request answered {status}: {payload[:300]!r}")
@@ -289,10 +310,12 @@ async def measure_capacity(base: str, model: str, s: OverloadSettings, body: byt
 
 
 async def ramp(server: Server, model: str, cap: float, source: str, admission: bool, s: OverloadSettings,
-               label: str, client_deadline: bool = True) -> RampResult:  # fmt: skip
-    """One ramp of `s.multipliers` x `cap`. `client_deadline` False: the requests carry no deadline (the
-    platform's budget applies); `s.deadline_ms` is then only the goodput's bound."""
-    res = RampResult(label, model, admission, cap, source, s.deadline_ms)
+               label: str, client_deadline: bool | None = None) -> RampResult:  # fmt: skip
+    """One ramp of `s.multipliers` x `cap`. `client_deadline` (default: the settings'): False, the requests
+    carry no deadline (the platform's budget applies); `s.deadline_ms` is then only the goodput's bound."""
+    client_deadline = s.client_deadline if client_deadline is None else client_deadline
+    goodput_ms = s.deadline_ms if client_deadline else s.budget_ms
+    res = RampResult(label, model, admission, cap, source, goodput_ms, client_deadline=client_deadline)
     url = f"{server.base}/v2/models/{model}/infer"
     requests = digits_requests(url, s.deadline_ms if client_deadline else None, s.tiers)
     steps = [Step(m, m * cap, s.step_s) for m in s.multipliers]
@@ -300,12 +323,13 @@ async def ramp(server: Server, model: str, cap: float, source: str, admission: b
     res.memory_before = server.rss_kib()
     before = scrape(server.base)
     say(f"===== ramp: {label}: {' '.join(f'{m:g}x' for m in s.multipliers)} of {cap:.0f} req/s, "
-        f"{s.step_s:g} s each, deadline {s.deadline_ms} ms =====")  # fmt: skip
+        f"{s.step_s:g} s each, " + (f"deadline {s.deadline_ms} ms" if client_deadline else
+                                    f"no client deadline (budget {s.budget_ms} ms)") + " =====")  # fmt: skip
     rec = await run_ramp(requests, model, steps, max_connections=s.max_connections, label=label)
     await asyncio.sleep(2.0)
     res.memory_after = server.rss_kib()
     res.server_counters = counter_delta(before, scrape(server.base), (model, FALLBACK_MODEL))
-    deadline_s = s.deadline_ms / 1000.0
+    deadline_s = goodput_ms / 1000.0
     res.series = per_second(rec, requests, deadline_s)
     res.steps = per_step(rec, requests, deadline_s)
     res.accuracy = accuracy(rec)
@@ -335,6 +359,8 @@ def run_overload(env: dict[str, str], data_dir: Path, s: OverloadSettings,
 
     out: dict[str, Any] = {"settings": s.__dict__, "ramps": [], "admission_setting_known": admission_setting_known()}
     models = (WIDE_MODEL, FALLBACK_MODEL, FAST_MODEL)
+    # The budget the acceptance holds is the platform's default: set, so an exported test value cannot leak in.
+    env = {**env, "FERRY_LATENCY_BUDGET_MS": str(s.budget_ms)}
     on_env = {**env, "FERRY_ADMISSION": "true"}
     off_env = {**env, "FERRY_ADMISSION": "false"}
     wide_cap: float | None = None
@@ -347,7 +373,7 @@ def run_overload(env: dict[str, str], data_dir: Path, s: OverloadSettings,
         except Exception as exc:  # keep going: the other ramps still say something
             say(f"{WIDE_MODEL} (admission on): {type(exc).__name__}: {exc}")
             out["ramps"].append(RampResult(f"{WIDE_MODEL}, admission on", WIDE_MODEL, True, wide_cap or 0, "",
-                                           s.deadline_ms, error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+                                           s.goodput_ms, error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
         try:
             if fast_capacity:
                 cap, source = fast_capacity, "the served sweep's figure (served.md; no deadline parameter)"
@@ -356,7 +382,7 @@ def run_overload(env: dict[str, str], data_dir: Path, s: OverloadSettings,
             out["ramps"].append(arun(ramp(server, FAST_MODEL, cap, source, True, s, f"{FAST_MODEL}, admission on")))
         except Exception as exc:
             say(f"{FAST_MODEL}: {type(exc).__name__}: {exc}")
-            out["ramps"].append(RampResult(f"{FAST_MODEL}, admission on", FAST_MODEL, True, 0, "", s.deadline_ms,
+            out["ramps"].append(RampResult(f"{FAST_MODEL}, admission on", FAST_MODEL, True, 0, "", s.goodput_ms,
                                            error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
     if wide_cap:
         with Server(off_env, free_port(), data_dir / "server-overload-off.log") as server:
@@ -367,5 +393,5 @@ def run_overload(env: dict[str, str], data_dir: Path, s: OverloadSettings,
             except Exception as exc:
                 say(f"{WIDE_MODEL} (admission off): {type(exc).__name__}: {exc}")
                 out["ramps"].insert(1, RampResult(f"{WIDE_MODEL}, admission off", WIDE_MODEL, False, wide_cap, "",
-                                                  s.deadline_ms, error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+                                                  s.goodput_ms, error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
     return out

@@ -22,6 +22,7 @@ from bench.overload import (
 
 START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 PLOT = "bench-overload.png"
+MAX_504_SHARE = 0.005  # issue 19: a 504 means the server's estimate was wrong, so it must be rare
 
 
 def _f(v: float | None, spec: str = ".1f") -> str:
@@ -102,7 +103,29 @@ def checks(r: RampResult) -> list[tuple[str, str, str, bool | None]]:
         "goodput back to ≥ 90% of offered after the drop", f"{g:g} s" if g is not None else "not within the schedule",
         "reading", None,
     ))  # fmt: skip
+    out += answer_checks(r)
     return out
+
+
+def answer_checks(r: RampResult) -> list[tuple[str, str, str, bool | None]]:
+    """Issue 19's rows on the answers of the whole ramp: no 500s, 504s under 0.5% of answers (a 504 says the
+    server's estimate was wrong), every 503 and 429 with Retry-After. A ramp recorded before these counts
+    were kept says so instead."""
+    if not r.steps or "answers" not in r.steps[0]:
+        return [("500s, 504s and Retry-After", "not recorded by this run", "", None)]
+    total = {k: sum(row[k] for row in r.steps) for k in ("answers", "t500", "t504", "t503", "t429")}
+    missing = sum(row["refusals_without_retry_after"] for row in r.steps)
+    answers = total["answers"]
+    share = total["t504"] / answers if answers else math.nan
+    refusals = total["t503"] + total["t429"]
+    return [
+        ("no 500s", f"{total['t500']:,} of {answers:,} answers", "0", total["t500"] == 0),
+        ("504s, whole ramp", f"{total['t504']:,} of {answers:,} answers = {_f(100 * share, '.2f')}%",
+         f"< {MAX_504_SHARE:.1%}", None if math.isnan(share) else share < MAX_504_SHARE),
+        ("every 503 and 429 carries Retry-After",
+         f"{refusals - missing:,} of {refusals:,} ({total['t503']:,} × 503, {total['t429']:,} × 429)",
+         "all", missing == 0),
+    ]  # fmt: skip
 
 
 def _checks_table(r: RampResult) -> list[str]:
@@ -194,16 +217,19 @@ def section(out: dict[str, Any], s: OverloadSettings, command: str | None = None
         f" searched in {s.capacity_step_s:g} s steps from a closed-loop probe.",
         f"- Ramp, open-loop: {', '.join(f'{m:g}x' for m in s.multipliers)} capacity, {s.step_s:g} s each."
         " Every request is one of the 1,797 samples of scikit-learn's digits (its label kept), with"
-        f" `parameters.timeout` = {s.deadline_ms * 1000:,} µs (a {s.deadline_ms} ms deadline) and"
-        f" `parameters.priority` drawn at random: {tiers}.",
+        + (f" `parameters.timeout` = {s.deadline_ms * 1000:,} µs (a {s.deadline_ms} ms deadline)"
+           if s.client_deadline else
+           f" **no deadline** (no `parameters.timeout`: the servers run with `FERRY_LATENCY_BUDGET_MS={s.budget_ms}`,"
+           " the budget a request without one gets; `--deadline-ms N` sends one instead)")
+        + f" and `parameters.priority` drawn at random: {tiers}.",
         "- Latency runs from each request's scheduled send time; each request counts in the second and"
         " step in which it was scheduled. *admitted* = answered 200; *by fallback* = a 200 whose"
         f" `parameters.fallback_from` is set (its `model_name` is `{FALLBACK_MODEL}`); *shed* = 503, with the"
         " reason read from the answer's message; *504* = deadline passed in the server; *client errors* ="
         " no answer within 5 s, a failed connection, or a request that could not leave (all connections"
-        f" busy, cap {s.max_connections}); *goodput* = 200s answered within their deadline, measured from"
-        " the scheduled send time. *sent/s* is what the generator actually sent: below *offered/s* it is"
-        " the generator, sharing the cores, that fell behind.",
+        f" busy, cap {s.max_connections}); *goodput* = 200s answered within {s.goodput_ms} ms (the deadline,"
+        " or the budget without one), measured from the scheduled send time. *sent/s* is what the generator"
+        " actually sent: below *offered/s* it is the generator, sharing the cores, that fell behind.",
         "- Accuracy is graded on the answers themselves (top score vs the sample's label); each request's"
         " `id` names its sample, label and tier, and each 200's echoed `id` is checked against it.",
         "- RSS is the server process's VmRSS from /proc before the ramp (after a settle) and 2 s after it.",

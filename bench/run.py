@@ -247,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help="use (and keep) this FERRY_DATA_DIR; built models are reused")
     p.add_argument("--keep-data", action="store_true", help="keep the temporary FERRY_DATA_DIR")
     p.add_argument("--step", type=float, help="seconds measured per sweep step (default 8, quick 3)")
-    p.add_argument("--deadline-ms", type=int, help="overload: each request's deadline (default 250)")
+    p.add_argument(
+        "--deadline-ms",
+        type=int,
+        help="overload: each request carries this deadline (default: none, the platform's 300 ms budget applies)",
+    )
     p.add_argument("--ramp-step", type=float, help="overload: seconds per ramp step (default 8, quick 2)")
     p.add_argument("--tiers", help="overload: priority:share pairs, e.g. 1:0.25,2:0.75 (the default) or 1:1")
     a = p.parse_args(argv)
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         s.step, s.ceiling_step = a.step, min(s.ceiling_step, a.step)
     o = overload.OverloadSettings.for_mode(a.quick)
     if a.deadline_ms:
-        o.deadline_ms = a.deadline_ms
+        o.deadline_ms, o.client_deadline = a.deadline_ms, True
     if a.ramp_step:
         o.step_s = a.ramp_step
     if a.tiers:
