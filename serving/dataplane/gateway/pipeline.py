@@ -31,6 +31,7 @@ from serving.dataplane.gateway.request import Inference
 from serving.dataplane.gateway.snapshot import PipelineEntry, PipelineVersionEntry, VersionEntry
 from serving.dataplane.http.protocol import DATATYPES, ProtocolError, encode_infer_response, parse_infer_request
 from serving.dataplane.metrics.metrics import LATENCY_BUCKETS
+from serving.policies.admission import HEADROOM
 from serving.policies.pipeline import REQUEST, Node, PipelineError, choose_branch, combine, parse, split_reference
 
 log = logging.getLogger(__name__)
@@ -171,10 +172,13 @@ class PipelineRunner:
         gone: Callable[[], bool] | None = None,
         tier: int = 1,
         routing_key: str = "",
+        waited: float = 0.0,
     ) -> Reply:
         """Run and answer one call of pipeline `name`, as `Gateway.infer` answers a model's (the same
-        arguments, so the front end calls either)."""
-        arrived = self._clock()
+        arguments, so the front end calls either). `waited`: how long the request already waited in this
+        process before its handler ran (the front door's measure, from its first byte); the call's deadline
+        counts from then."""
+        arrived = self._clock() - max(0.0, waited)
         pipeline = self.find(name, viewer)
         if pipeline is None:
             raise NotFound(f"unknown model '{name}'")
@@ -189,7 +193,11 @@ class PipelineRunner:
                     if wanted.name not in known:
                         raise ProtocolError(f"pipeline '{name}' has no output {wanted.name!r}")
                 budget_ms = self.gateway.snapshot.latency_budget_ms
-                deadline = arrived + Gateway._timeout(budget_ms, request.parameters)
+                # The steps run against HEADROOM of the call's time. A model's request holds back the rest
+                # for its front end at admission; a pipeline's steps each hold back a share of what is left
+                # to them, which shrinks step by step, so the call holds back its own share once, for what
+                # runs after the last step: merging, encoding, writing, and the hand-backs of a late loop.
+                deadline = arrived + HEADROOM * Gateway._timeout(budget_ms, request.parameters)
             except ProtocolError as exc:
                 raise ServingError(exc.message, status=exc.status) from None
             call = _Call(

@@ -320,16 +320,17 @@ class InferenceRequest:
         try:
             raw_length = self.headers.get(b"inference-header-content-length")
             runner = pipeline_runner(gateway)  # a pipeline is served at a model's path, charged once above
-            reply = await (runner.infer if runner.find(name, viewer) is not None else gateway.infer)(
-                name,
-                version,
-                body,
-                _header_length(raw_length),
-                viewer,
-                gone=self.gone,
-                tier=limits.priority if limits else 1,
-                routing_key=self._routing_key(caller),
-            )
+            tier, routing_key = limits.priority if limits else 1, self._routing_key(caller)
+            if runner.find(name, viewer) is not None:
+                reply = await runner.infer(
+                    name, version, body, _header_length(raw_length), viewer, gone=self.gone, tier=tier,
+                    routing_key=routing_key, waited=self.waited,
+                )  # fmt: skip
+            else:
+                reply = await gateway.infer(
+                    name, version, body, _header_length(raw_length), viewer, gone=self.gone, tier=tier,
+                    routing_key=routing_key,
+                )  # fmt: skip
         finally:
             if ticket is not None:
                 plane.quota.release(ticket)  # type: ignore[union-attr]
