@@ -156,6 +156,7 @@ async def test_unread_stream_entries_and_this_gateway_s_sends_count_as_queued(no
     view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
     try:
         view.admit("a:1", 1, clock.now + 0.5, 1)  # nothing ahead of it
+        view.settled("a:1", 1, None)  # (its XADD failed: nothing of this gateway's is on its way)
         # when 80 requests wait unread in the stream (1 s of work: more than 80% of 0.5 s)
         for _ in range(80):
             client.xadd(request_stream("a:1"), {FIELD: b"x"})
@@ -166,15 +167,22 @@ async def test_unread_stream_entries_and_this_gateway_s_sends_count_as_queued(no
         assert refused.value.retry_after == 1.0
         assert view.lengths["a:1"] == 80
 
-        # when they are gone, but this gateway has sent as many since its last read
+        # when they are gone, but this gateway is sending as many, whose XADDs have not come back
         client.delete(request_stream("a:1"))
         await view.refresh_once()
         view.admit("a:1", 1, clock.now + 0.5, 1)
         for _ in range(80):
             view.admit("a:1", 1, clock.now + 30.0, 1)
-        # then those count until the next read shows where they are
+        # then those count as queued
         with pytest.raises(Shed):
             view.admit("a:1", 1, clock.now + 0.5, 1)
+        # and once their XADDs come back, the length their replies carry stands for them (the last says 81)
+        for n in range(81):  # the one admitted before them, then the 80
+            view.settled("a:1", 1, 1 + n)
+        assert view._sent["a:1"].rows == 0 and view.lengths["a:1"] == 81
+        with pytest.raises(Shed):
+            view.admit("a:1", 1, clock.now + 0.5, 1)
+        # until a read shows the stream empty (the node answered them)
         await view.refresh_once()
         view.admit("a:1", 1, clock.now + 0.5, 1)
     finally:
@@ -275,6 +283,8 @@ async def test_a_refusal_at_the_gateway_takes_the_fallback_before_the_stream(str
     assert client.xlen(request_stream("m:1")) == 0
     assert view.counts["refused"] == 1 and view.counts["admitted"] == 1
     assert process.counts["served"] == 1
+    # and the fallback's XADD told the view its stream's length (one entry: this one), and nothing is on its way
+    assert view.lengths["f:1"] == 1 and view._sent["f:1"].rows == 0
 
 
 async def test_without_a_fallback_the_refusal_is_a_503_with_retry_after_from_the_drain(

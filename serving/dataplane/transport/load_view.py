@@ -10,10 +10,12 @@ A gateway's `LoadView` reads every live node's document and the length of each v
 pipelined round trip every REFRESH_SECONDS, in the background: a request never waits on Redis for it.
 Before a request enters a stream, `LoadView.admit` runs the node's own admission functions
 (`serving.policies.admission`) on that view, with the stream's unread entries (its length less what the
-nodes hold) and this gateway's rows sent since the read added to the queue, spread over the nodes that
-host the version; it admits if any node could answer in time and otherwise raises the same `Shed` the node
-would (503, Retry-After from the backlog's drain), which `Gateway.serve` answers with the model's fallback
-when it has one, exactly as for a refusal from an embedded node.
+nodes hold) and this gateway's rows on their way in added to the queue, spread over the nodes that host the
+version. The length is the last read's, or fresher: each XADD's reply carries the stream's length as it
+found it, every gateway's requests included (`settled`). It admits if any node could answer in time, and
+otherwise raises the same `Shed` the node would (503, Retry-After from the backlog's drain), which
+`Gateway.serve` answers with the model's fallback when it has one, exactly as for a refusal from an embedded
+node.
 
 A view is a guess a little old: a document older than STALE_S, a node announced hot for the version
 without a fresh document, or a version no document names, is unknown, and the request is admitted; the
@@ -115,7 +117,7 @@ def decode_load(raw: bytes) -> NodeLoad:
 
 @dataclass(slots=True)
 class _Sent:
-    """What this gateway sent to one version's stream since the last read of its length."""
+    """What this gateway sent to one version's stream whose XADD has not come back yet."""
 
     rows: int = 0
     mean_rows: float = 1.0  # rows per request, recently: what an unread entry is taken to hold
@@ -171,9 +173,6 @@ class LoadView:
             pipe.mget([load_key(n) for n in names])
         for key in keys:
             pipe.xlen(request_stream(key))
-        # From here, what this gateway sends is not in the lengths read (a few may be counted twice: safe).
-        for sent in self._sent.values():
-            sent.rows = 0
         results = await pipe.execute() if names or keys else []
         raws = results[0] if names else []
         loads = []
@@ -217,12 +216,21 @@ class LoadView:
     # -- per request -----------------------------------------------------------------------
 
     def sent(self, key: str, rows: int) -> None:
-        """A request of `rows` rows entered `key`'s stream from this gateway."""
+        """A request of `rows` rows is on its way into `key`'s stream from this gateway."""
         sent = self._sent.get(key)
         if sent is None:
             sent = self._sent[key] = _Sent()
         sent.rows += rows
         sent.mean_rows += 0.1 * (rows - sent.mean_rows)
+
+    def settled(self, key: str, rows: int, length: int | None) -> None:
+        """Its XADD came back, with the stream's length as it found it (None: it failed). That length counts
+        what every gateway sent, fresher than the last read: it stands until the next read or reply."""
+        sent = self._sent.get(key)
+        if sent is not None:
+            sent.rows = max(0, sent.rows - rows)
+        if length is not None:
+            self.lengths[key] = length
 
     def admit(self, key: str, rows: int, deadline: float, priority: int) -> None:
         """Raise `Shed` when no node hosting `key` could answer this request by its deadline, as the node's
@@ -290,7 +298,7 @@ class LoadView:
 
     def _unread_share(self, key: str, nodes: int) -> int:
         """Rows of `key`'s stream no node has read yet (its length less what the nodes hold, taken at this
-        gateway's recent rows per request), plus the rows this gateway sent since, split over its `nodes`."""
+        gateway's recent rows per request), plus the rows this gateway is sending, split over its `nodes`."""
         loads = self._hosting.get(key, ())
         unread = max(0, self.lengths.get(key, 0) - sum(load.versions[key].held for load in loads))
         sent = self._sent.get(key)

@@ -61,6 +61,10 @@ class Admission(Protocol):
         """Raise `Shed` to refuse a request of `rows` rows for version `key` before it is sent."""
         ...
 
+    def settled(self, key: str, rows: int, length: int | None) -> None:
+        """The XADD of an admitted request came back: the stream's `length` then (None: it failed)."""
+        ...
+
 
 @dataclass(slots=True)
 class _Waiting:
@@ -177,6 +181,7 @@ class RedisStreamsTransport:
         held.items += 1
         held.nbytes += nbytes
         try:
+            entries = None  # the stream's length as this XADD found it: every gateway's requests
             try:
                 added, entries, held_bytes = await self._pipe.send(
                     *stream_bound.add_args(key, self.stream_bytes, REQUEST_STREAM_MAXLEN, FIELD, message)
@@ -190,6 +195,9 @@ class RedisStreamsTransport:
                 log.error("XADD to %s refused: %s", key, exc)
                 metrics.INTERNAL_ERRORS.labels("stream_send").inc()
                 raise ServingError("the request queue refused the request; the gateway logged it") from None
+            finally:
+                if self.admission is not None:  # the view's guess of the stream gives way to its length
+                    self.admission.settled(key, rows, entries)
             if not added:  # the stream is full, from every gateway's requests: never sent
                 raise Shed(
                     f"{key}: its stream holds {entries} requests ({held_bytes} bytes) already",
