@@ -166,3 +166,13 @@ def test_the_set_quota_command_sets_bounds_and_clears_the_plan_budget(acme: Tena
     assert Quota.objects.get(tenant=acme).latency_budget_ms == 200
     call_command("set_quota", "acme", "latency_budget_ms=none")
     assert Quota.objects.get(tenant=acme).latency_budget_ms is None
+
+
+def test_a_pipelines_budget_and_the_config_endpoints_take_the_plans_budget_too() -> None:
+    # a pipeline's call has no version of its own: the platform's budget, lowered by the caller's plan
+    snap = with_plans(snapshot(300, default_timeout_ms=200), tenant=120, other=5000)
+    assert snap.tenant_budget_ms(TENANT) == 120 and snap.tenant_budget_ms(OTHER) == 300
+    assert snap.tenant_budget_ms(None) == 300
+    # and a version's budget for the caller (what /config and gRPC's ModelConfig report) is the least of all
+    version = snap.models["m"].versions[1]
+    assert snap.budget_ms(version, TENANT) == 120 and snap.budget_ms(version, OTHER) == 200

@@ -192,7 +192,7 @@ class PipelineRunner:
                 for wanted in request.outputs or ():
                     if wanted.name not in known:
                         raise ProtocolError(f"pipeline '{name}' has no output {wanted.name!r}")
-                budget_ms = self.gateway.snapshot.latency_budget_ms
+                budget_ms = self.gateway.snapshot.tenant_budget_ms(viewer)  # the platform's, or the plan's lower
                 # The steps run against HEADROOM of the call's time. A model's request holds back the rest
                 # for its front end at admission; a pipeline's steps each hold back a share of what is left
                 # to them, which shrinks step by step, so the call holds back its own share once, for what

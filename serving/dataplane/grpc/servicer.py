@@ -173,7 +173,7 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         rate = await front._charge(plane, caller.tenant_id)
         gateway = plane.gateway
         entry = gateway.route(request.name, request.version or None, caller.tenant_id, front._routing_key(caller))
-        config = _config(entry, gateway.snapshot.budget_ms(entry))
+        config = _config(entry, gateway.snapshot.budget_ms(entry, caller.tenant_id))
         config = json_format.ParseDict(config, model_config_pb2.ModelConfig())
         _rate(context, rate)
         return pb.ModelConfigResponse(config=config)

@@ -407,7 +407,7 @@ class InferenceRequest:
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), [*JSON, *rate]
         if action == "config":
             entry = gateway.route(name, version, viewer, self._routing_key(caller))
-            return 200, orjson.dumps(_config(entry, gateway.snapshot.budget_ms(entry))), [*JSON, *rate]
+            return 200, orjson.dumps(_config(entry, gateway.snapshot.budget_ms(entry, viewer))), [*JSON, *rate]
         raise NotFound(f"no such endpoint for model '{name}': {action}")
 
     async def _repository(
