@@ -104,6 +104,7 @@ PAGES = {
     "websocket": "benchmarks/websocket.md",
     "grpc": "benchmarks/grpc.md",
     "pipelines": "benchmarks/pipelines.md",
+    "failures": "benchmarks/failures.md",
 }
 
 
