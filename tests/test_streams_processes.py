@@ -132,12 +132,31 @@ def start_node(name: str, tmp_path: Path, redis_url: str) -> Proc:
     )
 
 
+MAX_SLOWNESS = 10.0  # a wait's deadline stretches this much at most: a hang still fails, within the hour
+
+
+def slowness() -> float:
+    """How many times slower than an idle machine this one runs now: its 1-minute load average per core, at
+    least 1 (the deadlines as written are for a machine with a core to spare), at most MAX_SLOWNESS."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return 1.0
+    return min(MAX_SLOWNESS, max(1.0, load / (os.cpu_count() or 1)))
+
+
 def wait_for(what: str, check, procs: list[Proc], timeout: float = START_TIMEOUT_S) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
+    """Poll `check` until it holds, failing if a process exits or the deadline passes: `timeout` seconds on a
+    machine with a core to spare, stretched by `slowness()` on a loaded one (issue 19: three processes
+    importing torch and Django took over 240 s to serve at a load average of 22 on 2 cores)."""
+    stretch = slowness()
+    deadline = time.monotonic() + timeout * stretch
     while not check():
         for proc in procs:
             proc.alive()
-        assert time.monotonic() < deadline, f"{what}:\n" + "\n".join(f"--- {p.name}\n{p.log()[-3000:]}" for p in procs)
+        assert time.monotonic() < deadline, f"{what} (after {timeout * stretch:.0f} s, load x{stretch:.1f}):\n" + (
+            "\n".join(f"--- {p.name}\n{p.log()[-3000:]}" for p in procs)
+        )
         time.sleep(0.2)
 
 
