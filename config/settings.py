@@ -305,8 +305,9 @@ FERRY_SHADOW_QUEUE_ITEMS = env_int("FERRY_SHADOW_QUEUE_ITEMS", 256, minimum=1)
 FERRY_SHADOW_QUEUE_BYTES = env_int("FERRY_SHADOW_QUEUE_BYTES", 16 * 1024 * 1024, minimum=1024)
 FERRY_SHADOW_WORKERS = env_int("FERRY_SHADOW_WORKERS", 2, minimum=1)
 # The percent of a node's device mirrors may take ahead of callers' batches (serving.policies.mirror_share);
-# 0: mirrors run only in the gaps callers leave. At most 50: callers' work comes first.
-FERRY_SHADOW_DEVICE_PERCENT = env_int("FERRY_SHADOW_DEVICE_PERCENT", 10, minimum=0)
+# 0: mirrors run only in the gaps callers leave. At most 50: callers' work comes first. Off by default: at 10%
+# it compared a little more at half capacity and cost callers at capacity (docs/benchmarks/shadow.md).
+FERRY_SHADOW_DEVICE_PERCENT = env_int("FERRY_SHADOW_DEVICE_PERCENT", 0, minimum=0)
 if FERRY_SHADOW_DEVICE_PERCENT > 50:
     raise ImproperSetting(f"FERRY_SHADOW_DEVICE_PERCENT={FERRY_SHADOW_DEVICE_PERCENT} is over 50")
 FERRY_SHADOW_MAX_PAIRS = env_int("FERRY_SHADOW_MAX_PAIRS", 4096, minimum=1)
