@@ -13,8 +13,10 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from rest_framework.test import APIClient
 
+from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.gateway import snapshot_redis
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, TenantEntry
+from serving.dataplane.metrics import metrics
 from serving.publish import build_snapshot
 from tenants.models import Quota, QuotaRequest, Role, Tenant
 from tests.test_admission import Clock
@@ -176,3 +178,23 @@ def test_a_pipelines_budget_and_the_config_endpoints_take_the_plans_budget_too()
     # and a version's budget for the caller (what /config and gRPC's ModelConfig report) is the least of all
     version = snap.models["m"].versions[1]
     assert snap.budget_ms(version, TENANT) == 120 and snap.budget_ms(version, OTHER) == 200
+
+
+class Late:
+    """A transport whose every request passes its deadline in the node (504)."""
+
+    async def infer(self, entry, inputs, rows, deadline, priority, **_):  # noqa: ANN001, ANN003, ANN201
+        raise DeadlineExceeded("deadline passed while queued")
+
+
+async def test_a_504_is_answered_and_counted_by_model_and_version() -> None:
+    # 504 means the server's estimate was wrong: each one counts in ferry_requests_total{model,version,status}
+    counted = metrics.REQUESTS.labels("m", "1", "504")
+    before = counted.value
+    reply_status = None
+    try:
+        await gateway(with_plans(snapshot(300)), Late(), Clock()).infer("m", None, body(), None, TENANT)
+    except ServingError as exc:
+        reply_status = exc.status
+    assert reply_status == 504
+    assert counted.value == before + 1
