@@ -53,6 +53,10 @@ class SimVersion:
     demand: float = 0.0  # requests a second the scaling policy last sized it for
     observed: float = 0.0  # requests a second arriving now (smoothed over ~10 s)
     counted: int = 0  # arrivals_total when `observed` was last updated
+    # Its compute's wall time over its profile's, where the machine runs slower or faster than when the profile was
+    # measured (a shared CPU's contention, sim.validation_fleet): scales each batch's time on the device only;
+    # admission and the scaling policy keep estimating by the profile they were given.
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         self.max_batch = self.batching.max_batch_size

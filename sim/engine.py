@@ -435,7 +435,7 @@ class Simulation:
         jitters = self._jitters
         if not jitters:
             jitters.extend(self.draws.lognormal(*self.jitter, BLOCK).tolist())
-        dur = v.times[rows] * jitters.pop()
+        dur = v.times[rows] * jitters.pop() * v.slowdown
         end = now + dur
         dev.busy_until = end
         dev.batch_version = v

@@ -6,30 +6,30 @@ steps, largest batches 8 to 32), each autoscaled (one replica at least, two at m
 
 1. Calibration, before the compared traffic and with traffic of its own: each version's compute per batch
    from the nodes' /metrics (`ferry_compute_seconds` over `ferry_batch_size`) at batch one and under a closed
-   loop of full batches; its footprint and load time from the nodes; then, the fleet back to one replica each
-   and the autoscaler's history cleared, the overhead outside the node per request (`overheads`), measured
-   again after the compared run and pooled.
+   loop of full batches, with the machine's slowdown over those seconds (`computing`: the scheduler's counters
+   of the nodes' runtime processes); its footprint and load time from the nodes.
 2. The compared run: Zipf traffic on a fixed timetable (`sim.validation_fleet.arrivals`), with a step that the
    autoscaler answers with more replicas (the target utilisation set from the calibration so that the most
-   popular version needs two by its profile; the others scale as the same target makes them).
-3. The simulator, fed the calibration and the plan, `sim.validation_fleet.simulated`; `judge` must agree on
-   every check. Marked `solo`: two nodes computing and the web process take this 2-core machine; with other
-   work on it, the latencies drift between the calibration and the compared run and the test fails
-   (docs/validation.md lists such runs).
+   popular version needs two by its profile; the others scale as the same target makes them). Each request
+   carries a trace id of its own, so the nodes' spans (exported to `tests/otlp_receiver.py`) give its time on
+   the node; the machine's slowdown is read over the run.
+3. The simulator, fed the calibration, the plan and the slowdowns, `sim.validation_fleet.simulated`; `judge`
+   must agree on every check, the latencies judged the node's (the client's are mostly this shared machine's
+   time outside the node). Marked `solo`: two nodes computing and the web process take this 2-core machine.
 
 It runs by default, in `make test`'s solo part: the short form, 20 s of compared traffic after a calibration of
-10 versions (on this 2-core machine at a load average of 22, 91 s in the test's body, 73 s of setup and 10 s of
-teardown: docs/validation.md). FERRY_VALIDATION_SECONDS lengthens the compared run
+10 versions (on this 2-core machine at a load average of 10 to 23: 95 s of setup, 42 to 53 s in the test's
+body, 13 s of teardown: docs/validation.md). FERRY_VALIDATION_SECONDS lengthens the compared run
 (the calibration stays as it is); FERRY_VALIDATION_RECORD names a JSON file to write the whole record to
 (`python -m sim.validation_fleet` makes docs/validation.md of it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -56,6 +56,7 @@ from serving.policies.autoscale import replica_capacity
 from serving.policies.batching import LatencyProfile
 from serving.publish import publish_snapshot
 from sim import validation_fleet as vf
+from tests import otlp_receiver
 from tests.conftest import celery_worker, free_port, mint_key, register
 from tests.test_autoscale_processes import answers, start
 from tests.test_celery_worker import BROKER
@@ -74,7 +75,6 @@ QUEUE = 128
 SECONDS = float(os.environ.get("FERRY_VALIDATION_SECONDS", "20"))
 QUIET = 8  # calibration: requests one at a time per version (batch one)
 FULL_S = 1.0  # calibration: seconds of a closed loop of full batches per version
-OVERHEAD_S = 4.0  # calibration: seconds of traffic for the overhead, before and after the compared run
 AUTOSCALE_ENV = {"FERRY_AUTOSCALE_SECONDS": "1", "FERRY_AUTOSCALE_SCHEDULING_DELAY_S": "1"}
 NODE_ENV = {"FERRY_METRICS_TOKEN": TOKEN, "FERRY_TORCH_THREADS": "1"}
 STEP_REPLICAS = 1.7  # what the top version's share of the step needs, by its calibrated profile
@@ -136,21 +136,59 @@ def replicas_ready(client: redis.Redis, keys: set[str]) -> int:
     return sum(len(keys & info.assigned & info.hot) for info in heartbeats(client))
 
 
-def one(web, key: str, name: str, rows: int = 1) -> tuple[int, float]:  # noqa: ANN001
+def one(web, key: str, name: str, rows: int = 1, trace: str | None = None) -> tuple[int, float]:  # noqa: ANN001
+    """One request; with `trace`, sent as the W3C parent (sampled) of its spans, so the node's spans of it are found."""
     body = digits_request(np.zeros((rows, 64), dtype=np.float32))
+    headers = {"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"} if trace else None
     sent = time.monotonic()
-    resp = call(web, "POST", f"/v2/models/{name}/versions/1/infer", body, auth=key)
+    resp = call(web, "POST", f"/v2/models/{name}/versions/1/infer", body, headers=headers, auth=key)
     return resp.status, time.monotonic() - sent
 
 
-def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redis) -> dict:  # noqa: ANN001
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (/proc/<pid>/task/<tid>/children, recursively)."""
+    found, todo = [], [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                pids = [int(c) for c in children.read_text().split()]
+            except OSError:  # it ended between the listing and the read
+                continue
+            found += pids
+            todo += pids
+    return found
+
+
+def computing(procs: list) -> dict[int, tuple[int, int]]:  # noqa: ANN001
+    """The scheduler's counters of the processes that run the models (the nodes' runtime processes, forked under
+    `runnode` by its zygote): per pid, ns on a CPU and ns waiting for one, summed over its threads
+    (/proc/<pid>/task/<tid>/schedstat)."""
+    out: dict[int, tuple[int, int]] = {}
+    for proc in procs:
+        if not proc.name.startswith("val-"):
+            continue
+        for pid in descendants(proc.proc.pid):
+            run = wait = 0
+            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                try:
+                    ran, waited, _ = stat.read_text().split()
+                except (OSError, ValueError):  # a thread that ended between the listing and the read
+                    continue
+                run, wait = run + int(ran), wait + int(waited)
+            out[pid] = (run, wait)
+    return out
+
+
+def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redis, procs: list) -> dict:  # noqa: ANN001
     """The calibration run's profiles: per version, batch one (sequential requests), then full batches (a closed
     loop of max_batch_size callers); a line through the two (rows, compute) points is its profile at 1 and its
-    largest batch. Footprints from the heartbeats, load times from what the nodes reported."""
+    largest batch, with the machine's slowdown over the same seconds (`vf.slowdown`). Footprints from the
+    heartbeats, load times from what the nodes reported."""
     versions = {}
     last = everything(ports)  # the versions are calibrated one at a time: one's end is the next one's start
     for v in p.versions:
         t0 = last.get(v.name, {})
+        sched = computing(procs)
         quiet = [one(web, key, v.name) for _ in range(QUIET)]
         t1 = everything(ports).get(v.name, {})
         until = time.monotonic() + FULL_S
@@ -181,6 +219,7 @@ def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redi
             "profile_ms": {b: s * 1000 for b, s in profile.items()},
             "quiet": [b0, c0],
             "full": [b1, c1],
+            "slowdown": vf.slowdown(sched, computing(procs)),
         }
     for info in heartbeats(client):
         for k, r in info.resident.items():
@@ -194,30 +233,6 @@ def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redi
         versions[v.name]["load_seconds"] = float(here.get("cold_start_seconds") or version.load_seconds or 1.0)
         versions[v.name].setdefault("memory_bytes", int(here.get("memory_bytes") or version.memory_bytes or 1 << 20))
     return {"versions": versions}
-
-
-def overheads(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redis) -> dict:  # noqa: ANN001
-    """The rest of the calibration run, once the profiles are installed and the fleet is back to one replica
-    each: OVERHEAD_S of traffic like the compared run (its rates, shares and step, another seed: the overhead on a
-    busy machine grows with the rate, so both rates are sampled); each answer's
-    latency at the client less the nodes' mean time per request (batch wait and compute) is a sample of the
-    overhead outside the node."""
-    start = everything(ports)
-    before = [start.get(v.name, {}) for v in p.versions]
-    sample = dataclasses.replace(p, seed=p.seed + 100, duration=OVERHEAD_S, step_at=OVERHEAD_S * 0.4)
-    answered, _ = drive(web, key, sample, client)
-    end = everything(ports)
-    after = [end.get(v.name, {}) for v in p.versions]
-    # a request's time on a node: its wait for a batch, then its batch's compute (means over the phase)
-    waits = [phase(b, a)[2] for a, b in zip(after, before, strict=True)]
-    computes = [phase(b, a)[1] for a, b in zip(after, before, strict=True)]
-    counts = [
-        a.get("ferry_queue_wait_seconds_count", 0.0) - b.get("ferry_queue_wait_seconds_count", 0.0)
-        for a, b in zip(after, before, strict=True)
-    ]
-    node_ms = 1000 * sum((w + c) * n for w, c, n in zip(waits, computes, counts, strict=True)) / max(sum(counts), 1.0)
-    overhead = [max(0.0, seconds * 1000 - node_ms) for _, status, seconds in answered if status == 200]
-    return {"overhead_ms": overhead, "node_request_ms": node_ms}
 
 
 def fresh_autoscaler(client: redis.Redis) -> None:
@@ -248,10 +263,11 @@ def install(calibration: dict) -> None:
 
 
 def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list]:  # noqa: ANN001
-    """The compared run: every arrival of the timetable sent at its time, on a pool thread; replicas sampled."""
+    """The compared run: every arrival of the timetable sent at its time, on a pool thread, with a trace id of its
+    own; replicas sampled. Returns (sent at, status, seconds, trace id) per request, and the samples."""
     timetable = vf.arrivals(p)
     keys = {f"{v.name}:1" for v in p.versions}
-    results: list[tuple[float, int, float]] = []
+    results: list[tuple[float, int, float, str]] = []
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
     began = time.monotonic()
@@ -262,8 +278,9 @@ def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list
             time.sleep(0.5)
 
     def send(at: float, index: int) -> None:
-        status, seconds = one(web, key, p.versions[index].name)
-        results.append((at, status, seconds))
+        trace = secrets.token_hex(16)
+        status, seconds = one(web, key, p.versions[index].name, trace=trace)
+        results.append((at, status, seconds, trace))
 
     watcher = threading.Thread(target=sampler, daemon=True)
     watcher.start()
@@ -303,6 +320,15 @@ def register_plan(p: vf.RunPlan, tmp_path: Path) -> str:
 
 @pytest.fixture
 def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
+    # the node's per-request timings come as its spans, exported to a receiver in this process; the web process
+    # traces too, so the client's trace id reaches the node through the stream
+    receiver = otlp_receiver.start()
+    traced = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "500",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "16384",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_off",  # only the requests the client traces
+    }
     client = redis.Redis.from_url(REDIS_URL)
     broker = redis.Redis.from_url(BROKER)
     clear(client)
@@ -310,12 +336,12 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
     p = plan()
     port = free_port()
     serve = ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    web = start("web", serve, tmp_path, FERRY_GRPC_PORT="0", **AUTOSCALE_ENV)
+    web = start("web", serve, tmp_path, FERRY_GRPC_PORT="0", **AUTOSCALE_ENV, **traced)
     web.port = port
     ports = [free_port() for _ in NODES]
     argv = ["manage.py", "runnode", "--accelerator", "cpu", "--memory", f"{MEMORY >> 20}MiB"]
     nodes = [
-        start(n, [*argv, "--name", n, "--metrics-port", str(mp)], tmp_path, **AUTOSCALE_ENV, **NODE_ENV)
+        start(n, [*argv, "--name", n, "--metrics-port", str(mp)], tmp_path, **AUTOSCALE_ENV, **NODE_ENV, **traced)
         for n, mp in zip(NODES, ports, strict=True)
     ]
     beat = start("beat", ["-m", "celery", "-A", "config", "beat", "-s", str(tmp_path / "beat-schedule")], tmp_path)
@@ -335,7 +361,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
             wait_for("web answering", lambda: answers(web), procs, START_TIMEOUT_S)
             wait_for("both nodes up", lambda: len(heartbeats(client)) == 2, procs, START_TIMEOUT_S)
             try:
-                yield client, web, key, ports, procs, p
+                yield client, web, key, ports, procs, p, receiver
             finally:
                 t0 = time.monotonic()
                 terminate(procs)  # before the worker's own stop, which the context's exit waits for
@@ -350,6 +376,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
         broker.flushdb()
         client.close()
         broker.close()
+        receiver.close()
 
 
 def terminate(procs: list, grace: float = 5.0) -> None:
@@ -368,7 +395,7 @@ def terminate(procs: list, grace: float = 5.0) -> None:
 
 
 def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(system) -> None:  # noqa: ANN001
-    client, web, key, ports, procs, p = system
+    client, web, key, ports, procs, p, receiver = system
     started_load = os.getloadavg()
     began = time.monotonic()
     phases: dict[str, float] = {}  # seconds from the test's start at the end of each phase, for the record
@@ -377,15 +404,17 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         phases[name] = round(time.monotonic() - began, 1)
 
     keys = {f"{v.name}:1" for v in p.versions}
-    # given every version autoscaled, one replica each placed across the two nodes
+    # given every version autoscaled, one replica each placed across the two nodes (their loads' slowdown read)
+    sched = computing(procs)
     for v in p.versions:
         ScalingPolicy.objects.create(
             version=ModelVersion.objects.get(model__name=v.name, version=1), max_replicas=2, cool_down_seconds=60
         )
     wait_for("a replica of each", lambda: replicas_ready(client, keys) == len(keys), procs, 240)
+    load_slowdown = vf.slowdown(sched, computing(procs))
     mark("placed")
     # when the calibration run measures each version's profile and the front end's cost
-    calibration = calibrate(web, key, ports, p, client)
+    calibration = calibrate(web, key, ports, p, client, procs)
     mark("profiles")
     # and the target utilisation is set so the step needs two replicas of the top version by its profile
     top = p.versions[0]
@@ -399,36 +428,41 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         "target_utilisation": target,
         "scheduling_delay": 1.0,
         "max_queue_size": QUEUE,
-        "overhead_seconds": OVERHEAD_S,
-        "overhead_traffic": "at the compared run's rates, with its step (another seed)",
+        "load_slowdown": load_slowdown,
     }
     # and the autoscaler forgets the calibration: what it scaled up goes (no cool-down without a history)
     fresh_autoscaler(client)
     wait_for("one replica of each again", lambda: replicas_ready(client, keys) == len(keys), procs, 120)
     time.sleep(1)
-    calibration |= overheads(web, key, ports, p, client)
-    mark("overhead_before")
-    fresh_autoscaler(client)
-    wait_for("still one replica of each", lambda: replicas_ready(client, keys) == len(keys), procs, 120)
     fresh_autoscaler(client)
     loads_before = sum(i.counts.get("loads", 0) for i in heartbeats(client))
-    # and the compared run sends its timetable
+    mark("ready")
+    # and the compared run sends its timetable, the machine's slowdown read over the same seconds
+    sched = computing(procs)
     answered, samples = drive(web, key, p, client)
+    machine = vf.slowdown(sched, computing(procs))
     mark("compared")
     time.sleep(2)  # the nodes' next heartbeats carry the loads
     loads = sum(i.counts.get("loads", 0) for i in heartbeats(client)) - loads_before
-    # and the overhead is measured once more after it (a shared machine drifts): the two calibrations, pooled,
-    # bracket the compared run without being part of it
-    after = overheads(web, key, ports, p, client)
-    calibration["overhead_ms"] = calibration["overhead_ms"] + after["overhead_ms"]
-    calibration["node_request_ms_after"] = after["node_request_ms"]
-    mark("overhead_after")
-    measured = vf.summarise_answers(answered, p) | {
-        "replicas": vf.replicas_by_window(samples, p),
-        "cold_starts": loads,
-    }
-    # then the simulator, fed the calibration and the same plan, agrees on every check
-    sim = vf.simulated(p, calibration, nodes=len(NODES), memory_bytes=MEMORY)
+    # and the nodes' spans of the compared run's requests arrive (exported every half second)
+    ok = {trace for _, status, _, trace in answered if status == 200}
+    times = wait_for_spans(receiver, ok)
+    mark("spans")
+    measured = (
+        vf.summarise_answers(answered, p)
+        | vf.node_side(answered, times)
+        | {"replicas": vf.replicas_by_window(samples, p), "cold_starts": loads, "slowdown": machine}
+    )
+    # then the simulator, fed the calibration, the same plan and the machine's slowdown, agrees on every check
+    sim = vf.simulated(
+        p,
+        calibration,
+        nodes=len(NODES),
+        memory_bytes=MEMORY,
+        slowdown=machine,
+        overhead_ms=measured.pop("overhead_ms"),
+        handoff_ms=measured.pop("handoff_ms"),
+    )
     verdict = vf.judge(measured, sim)
     mark("simulated")
     record = {
@@ -446,6 +480,40 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     }
     print(json.dumps({k: record[k] for k in ("phases_s", "measured", "simulated", "verdict")}, default=float))
     if out := os.environ.get("FERRY_VALIDATION_RECORD"):
+        record["spans"] = span_parts(receiver.take(), ok)
         Path(out).write_text(json.dumps(record, indent=1, default=float))
     assert measured["refused"] == 0 or not math.isnan(measured["p50_ms"])
+    # the node's timings cover the answers (a full export queue drops spans): the judged latencies are theirs
+    assert measured["traced"] >= 0.9 * measured["answered"], (measured["traced"], measured["answered"])
     assert all(verdict.values()), verdict
+
+
+def span_parts(spans: list, traces: set[str]) -> dict[str, list]:
+    """For the record: the compared run's queue spans (ms), and per batch (rows, its span's ms, its device's ms)."""
+    devices = {s.parent_id: (s.end_ns - s.start_ns) / 1e6 for s in spans if s.name == "ferry.device"}
+    queued = [s for s in spans if s.name == "ferry.queue" and s.trace_id in traces]
+    mine = {s.parent_id for s in queued}
+    return {
+        "queue_ms": [(s.end_ns - s.start_ns) / 1e6 for s in queued],
+        "batches": [
+            [s.attributes.get("ferry.batch.rows"), (s.end_ns - s.start_ns) / 1e6, devices.get(s.span_id)]
+            for s in spans
+            if s.name == "ferry.batch" and mine.intersection(s.links)
+        ],
+    }
+
+
+def wait_for_spans(receiver: otlp_receiver.Receiver, traces: set[str], deadline_s: float = 20.0) -> dict[str, float]:
+    """The node's time per request of `traces` (`vf.node_times`), once every one's spans arrived, or when none
+    came for 3 s, or at the deadline: what arrived by then."""
+    until, last, count, times = time.monotonic() + deadline_s, time.monotonic(), -1, {}
+    while time.monotonic() < until:
+        times = vf.node_times(receiver.take(), traces)
+        if len(times) >= len(traces):
+            break
+        if len(times) > count:
+            count, last = len(times), time.monotonic()
+        elif time.monotonic() - last > 3.0:
+            break
+        time.sleep(0.5)
+    return times
