@@ -28,9 +28,12 @@ PENDING, PRIMARY, FALLBACK, SHED, TIMEOUT_504, OTHER_STATUS, CLIENT = -1, 0, 1, 
 OUTCOMES = {PRIMARY: "primary", FALLBACK: "fallback", SHED: "shed", TIMEOUT_504: "504", OTHER_STATUS: "other",
             CLIENT: "client error"}  # fmt: skip
 # Reasons for a 503, from the answer's body: a `reason` field when the server gives one, else read from
-# its message. The names follow the server's `ferry_shed_total` reasons.
+# its message. The names follow the server's `ferry_shed_total` reasons; one a gateway gave before the stream
+# (distributed mode: "refused at the gateway", `ferry_gateway_refusals_total`) is prefixed "gateway_".
 SHED_REASONS = ["deadline", "tier", "queue_full", "evicted", "frontend", "not_loaded", "other"]
+AT_GATEWAY = "refused at the gateway"
 _REASON_PATTERNS = [
+    ("node_lost", re.compile(r"no live node serves it", re.I)),
     ("evicted", re.compile(r"evicted", re.I)),
     ("tier", re.compile(r"priority \d+'s share", re.I)),
     ("deadline", re.compile(r"estimated (completion|wait)", re.I)),
@@ -52,10 +55,11 @@ def shed_reason(body: bytes) -> str:
     if isinstance(reason, str) and reason:
         return reason
     message = str(doc.get("error", ""))
+    where = "gateway_" if AT_GATEWAY in message else ""
     for name, pattern in _REASON_PATTERNS:
         if pattern.search(message):
-            return name
-    return "other"
+            return where + name
+    return where + "other"
 
 
 @dataclass

@@ -100,6 +100,11 @@ async def ramp_checks() -> list[bool]:
         "server saturated: its event loop runs 180 ms late and this request waited 12 ms before it was handled":
             "frontend",
         "something else": "other",
+        "digits:1: estimated completion 1200 ms on the least loaded of 1 node(s) (its device backlog and the stream's"
+        " unread requests included) exceeds the request's deadline budget (80% of 300 ms left); refused at the gateway":
+            "gateway_deadline",
+        "digits:1: no live node serves it: the 1 node(s) consuming its stream published no load for 600 ms (lost until"
+        " their heartbeat expires); refused at the gateway": "gateway_node_lost",
     }  # fmt: skip
     got = {m: shed_reason(orjson.dumps({"error": m})) for m in messages}
     out = [check("503 reasons", got == messages, f"{sum(got[m] == w for m, w in messages.items())}/{len(messages)}")]

@@ -322,3 +322,131 @@ async def test_the_node_answers_an_entry_past_its_deadline_504_rather_than_dropp
             ]
     assert [(r.id, r.error.status) for r in replies] == [(7, 504)]
     assert process.counts["expired"] == 1 and process.counts["served"] == 0
+
+
+async def test_a_node_that_stops_publishing_is_lost_and_its_version_refused_before_the_stream(
+    node: Node, client: redis.Redis
+) -> None:
+    # given the one node consuming a:1, publishing (nothing queued), and a view reading every 0.1 s of its clock
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.01)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 0, clock=clock, wall=wall)
+    await publisher.publish_once()
+    view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
+
+    async def read(*, publish: bool, reads: int = 1) -> None:
+        for _ in range(reads):
+            clock.now += 0.1
+            wall.now += 0.1
+            if publish:
+                await publisher.publish_once()
+            await view.refresh_once()
+
+    try:
+        await read(publish=True, reads=6)
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        # when it stops publishing (killed: its heartbeat lives 3 s more), 0.4 s of reads is not yet lost
+        await read(publish=False, reads=4)
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        assert view.counts == {"refused": 0, "admitted": 2, "unknown": 0}
+        # but past 0.5 s it is: refused at the gateway, Retry-After the heartbeat's time left plus the cold start
+        await read(publish=False, reads=2)
+        with pytest.raises(Shed) as lost:
+            view.admit("a:1", 1, clock.now + 0.3, 1, cold_start_s=1.2)
+        assert (lost.value.reason, lost.value.retry_after) == ("node_lost", 4.0)  # ceil(3 - 0.6 + 1.2)
+        assert "refused at the gateway" in lost.value.message and view.counts["refused"] == 1
+
+        # when it is this gateway that stalls (no read for 1 s), it judges no one: admitted on the document
+        clock.now += 1.0
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        # and the first read after its stall starts the silence again
+        await read(publish=False)
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        await read(publish=False, reads=3)
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        assert view.counts == {"refused": 1, "admitted": 5, "unknown": 0}
+        # until 0.5 s of fresh reads pass again; and a document gone with its TTL is as silent
+        await read(publish=False, reads=2)
+        client.delete(load_key("n1"))
+        await read(publish=False)
+        with pytest.raises(Shed):
+            view.admit("a:1", 1, clock.now + 0.3, 1)
+
+        # when it publishes again, it serves again
+        await read(publish=True)
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        assert view.counts == {"refused": 2, "admitted": 6, "unknown": 0}
+    finally:
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_a_lost_node_leaves_the_version_to_the_live_ones_and_one_never_seen_is_never_judged(
+    node: Node, client: redis.Redis
+) -> None:
+    # given a:1 consumed by a silent node whose last document shows a long backlog, and by a live idle one
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.01)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n2", held=lambda key: 0, clock=clock, wall=wall)
+    silent = dataclasses.replace(decode_load(busy_document("a:1", rows_queued=400, per_batch=0.4)), node="n1")
+    silent.at = wall.now
+    client.set(load_key("n1"), encode_load(silent), px=60_000)
+    await publisher.publish_once()
+    hot = frozenset({"a:1"})
+    nodes = [info("n1", hot=hot), info("n2", hot=hot)]
+    view = await view_of(nodes, clock, wall)
+    try:
+        for _ in range(6):
+            clock.now += 0.1
+            wall.now += 0.1
+            await publisher.publish_once()
+            await view.refresh_once()
+        # then the live node takes it: admitted on its document, not refused for the lost one
+        assert set(view.lost()) == {"n1"}
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        assert view.counts == {"refused": 0, "admitted": 1, "unknown": 0}
+        # and when the other consumer is a node this view never saw publish (an older release), nothing is judged
+        # of it: unknown, admitted, the node decides
+        nodes[1] = info("n3", hot=hot)
+        await view.refresh_once()
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        assert view.counts == {"refused": 0, "admitted": 1, "unknown": 1}
+    finally:
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_a_version_whose_only_node_is_lost_falls_back_before_its_stream(streams, client: redis.Redis) -> None:  # noqa: ANN001
+    from prometheus_client import REGISTRY
+
+    process, transport, _ = streams
+    # given m:1's only node silent (its document as last published), and f:1's node publishing, read by a view
+    # whose reads are 0.1 s apart on its clock
+    nodes = [info("unit", hot=frozenset({"f:1"})), info("busy", hot=frozenset({"m:1"}))]
+    client.set(load_key("busy"), busy_document("m:1", rows_queued=0, per_batch=0.001), px=60_000)
+    clock = Clock()
+    clock.now = time.monotonic() - 1.0  # behind the gateway's clock after the reads below: no deadline looks past
+    view = LoadView(REDIS_URL, lambda: nodes, clock=clock)
+    view._client = redis_pipe.client(REDIS_URL)
+    transport.admission = view
+    labels = {"model": "m", "version": "1", "reason": "node_lost"}
+    before = REGISTRY.get_sample_value("ferry_gateway_refusals_total", labels) or 0.0
+    try:
+        for _ in range(7):
+            clock.now += 0.1
+            await process.load.publish_once()
+            await view.refresh_once()
+        assert set(view.lost()) == {"busy"}
+        # when a request for m arrives, then f's node answers it, and m's stream never saw it
+        served = await gateway_for(transport, "f").serve(Inference("m", None, None, inputs=rows(1), rows=1))
+        assert served.fell_back and served.entry.key == "f:1"
+        assert client.xlen(request_stream("m:1")) == 0
+        # and without a fallback the answer is a quick 503 with Retry-After, counted as the gateway's refusal
+        with pytest.raises(Shed) as refused:
+            await gateway_for(transport, None).serve(Inference("m", None, None, inputs=rows(1), rows=1))
+        assert (refused.value.status, refused.value.reason) == (503, "node_lost")
+        assert refused.value.retry_after is not None and refused.value.retry_after >= 1
+        assert REGISTRY.get_sample_value("ferry_gateway_refusals_total", labels) == before + 2
+        assert client.xlen(request_stream("m:1")) == 0
+    finally:
+        await view.close()

@@ -39,6 +39,21 @@ SHED = Counter(
     "Requests refused to protect the latency of admitted ones (503)",
     ["model", "version", "reason", "tier"],
 )
+# Distributed mode (serving.dataplane.transport.streams): what the gateway refused itself before a stream, and
+# where each 504 was found.
+GATEWAY_REFUSALS = Counter(
+    "ferry_gateway_refusals",
+    "Requests a gateway refused before its version's stream (503; also in ferry_shed), by reason:"
+    " deadline/tier (admission on the nodes' published load), node_lost (no live node consumes the stream),"
+    " queue_full (this gateway's or the stream's bound)",
+    ["model", "version", "reason"],
+)
+DEADLINES = Counter(
+    "ferry_deadline_exceeded",
+    "504s in distributed mode, by origin: gateway (its timer ran out waiting for the node), node (the node"
+    " answered 504: expired in the stream, queued or loading), unsent (passed before the request was sent)",
+    ["model", "version", "origin"],
+)
 POISON = Counter(
     "ferry_poison_requests", "Requests the model failed on, found by bisecting their batch (422)", ["model", "version"]
 )

@@ -20,6 +20,16 @@ node.
 A view is a guess a little old: a document older than STALE_S, a node announced hot for the version
 without a fresh document, or a version no document names, is unknown, and the request is admitted; the
 node decides on arrival (`Node.infer`).
+
+A node that stopped publishing is lost well before its heartbeat expires (`fleet.TTL_SECONDS`): once this
+view has seen a node's document change, a node whose document then stays the same (or is gone) across
+LOST_S of this view's reads is taken as not serving anything. The silence is timed on this gateway's
+clock between its own reads, and only while they keep coming (a gap past FRESH_S, this process stalled or
+Redis away, starts the count again), so the gateway's own stall is not mistaken for the node's death; a
+node never seen publishing (an older release) is never judged. When every live node consuming a version
+is lost, the request is refused before it enters a stream no one reads (`Shed`, reason "node_lost",
+Retry-After the heartbeat's time left plus the version's cold start), so it gets the fallback or a quick
+503 instead of 504 at its deadline. A lost node's document is left out of the estimate for the others.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import redis
 
 from serving.dataplane.errors import Shed
 from serving.dataplane.transport import redis_pipe
-from serving.dataplane.transport.fleet import NodeInfo
+from serving.dataplane.transport.fleet import TTL_SECONDS, NodeInfo
 from serving.dataplane.transport.stream_codec import request_stream
 from serving.policies import admission
 from serving.policies.batching import SHADOW_PRIORITY, LatencyProfile
@@ -48,6 +58,8 @@ PUBLISH_SECONDS = 0.1  # a node's publication; one SET
 TTL_MS = 2000  # a node that stops publishing leaves no document behind for long
 REFRESH_SECONDS = 0.1  # a gateway's read of the documents and the streams' lengths; one round trip
 STALE_S = 1.0  # past this age a document says nothing: admit, the node decides
+LOST_S = 0.5  # five publications missed across this view's reads: the node is not serving (dead or stalled)
+FRESH_S = 0.3  # reads further apart than this: this view stalled, and says nothing of who went silent
 LEVELS = SHADOW_PRIORITY + 1  # priority levels 0 (highest) .. SHADOW_PRIORITY (mirrors)
 CALLERS = SHADOW_PRIORITY - 1  # the lowest callers' level: mirrored work yields to callers
 
@@ -134,17 +146,26 @@ class LoadView:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         stale_s: float = STALE_S,
+        lost_s: float = LOST_S,
+        fresh_s: float = FRESH_S,
     ) -> None:
         self.url = url
         self.nodes = nodes  # the live nodes (FleetView.nodes): whose documents to read, which hold what hot
         self._clock = clock
         self._wall = wall
         self.stale_s = stale_s
+        self.lost_s = lost_s
+        self.fresh_s = fresh_s
         self.loads: dict[str, NodeLoad] = {}  # by node name
         self.lengths: dict[str, int] = {}  # version key -> its stream's length when last read
         self._hosting: dict[str, list[NodeLoad]] = {}  # version key -> the documents that name it
         self._hot: dict[str, set[str]] = {}  # version key -> the live nodes announcing it hot
         self._sent: dict[str, _Sent] = {}
+        self._ready: dict[str, set[str]] = {}  # version key -> the live nodes consuming its stream
+        # node -> (its document's `at` when it last changed, this view's clock at that read): a node seen publishing
+        self._progress: dict[str, tuple[float, float]] = {}
+        self._lost: dict[str, float] = {}  # node -> seconds its document has not changed, past lost_s
+        self._read_at = -math.inf  # this view's clock at its last successful read
         # Requests by what the view said: refused here, admitted on the view, admitted because it knew nothing.
         self.counts = {"refused": 0, "admitted": 0, "unknown": 0}
         self._client: redis.asyncio.Redis | None = None
@@ -194,10 +215,40 @@ class LoadView:
                 hosting.setdefault(key, []).append(load)
         self._hosting = hosting
         hot: dict[str, set[str]] = {}
+        ready: dict[str, set[str]] = {}
+        names = set()
         for node in live:
+            names.add(node.name)
             for key in node.hot:
                 hot.setdefault(key, set()).add(node.name)
+            for key in node.ready:
+                ready.setdefault(key, set()).add(node.name)
         self._hot = hot
+        self._ready = ready
+        self._judge(loads, names)
+
+    def _judge(self, loads: list[NodeLoad], live: set[str]) -> None:
+        """Which live nodes have gone silent: a document unchanged across lost_s of this view's reads."""
+        read_at = self._clock()
+        if read_at - self._read_at > self.fresh_s:
+            # This view missed reads (its loop stalled, Redis was away): what it did not see says nothing of the
+            # nodes. Their silence is timed again from this read.
+            self._progress = {name: (at, read_at) for name, (at, _) in self._progress.items()}
+        self._read_at = read_at
+        for load in loads:
+            seen = self._progress.get(load.node)
+            if seen is None or seen[0] != load.at:
+                self._progress[load.node] = (load.at, read_at)
+        for name in [n for n in self._progress if n not in live]:
+            del self._progress[name]  # left the fleet (its heartbeat expired): routing no longer counts it
+        self._lost = {
+            name: read_at - since for name, (_, since) in self._progress.items() if read_at - since > self.lost_s
+        }
+
+    def lost(self) -> dict[str, float]:
+        """The live nodes judged not serving, with how long they have been silent; none while this view is
+        itself not fresh (its last read further back than fresh_s)."""
+        return self._lost if self._lost and self._clock() - self._read_at <= self.fresh_s else {}
 
     async def _refresh_forever(self) -> None:
         failing = False
@@ -232,21 +283,39 @@ class LoadView:
         if length is not None:
             self.lengths[key] = length
 
-    def admit(self, key: str, rows: int, deadline: float, priority: int) -> None:
+    def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> None:
         """Raise `Shed` when no node hosting `key` could answer this request by its deadline, as the node's
-        admission would judge it; otherwise count its rows as sent to the stream (the caller sends it next)."""
-        refusal = self.refusal(key, rows, deadline, priority)
+        admission would judge it, or when every node consuming its stream is lost (`cold_start_s`: the
+        version's load time, for Retry-After); otherwise count its rows as sent to the stream (the caller
+        sends it next)."""
+        refusal = self.refusal(key, rows, deadline, priority, cold_start_s=cold_start_s)
         if refusal is not None:
             raise refusal
         self.sent(key, rows)
 
-    def refusal(self, key: str, rows: int, deadline: float, priority: int) -> Shed | None:
+    def refusal(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> Shed | None:
         loads = self._hosting.get(key)
+        hot = self._hot.get(key)
+        lost = self.lost()
+        if lost:
+            ready = self._ready.get(key)
+            if ready and ready <= lost.keys():
+                self.counts["refused"] += 1
+                silent = min(lost[name] for name in ready)
+                return Shed(
+                    f"{key}: no live node serves it: the {len(ready)} node(s) consuming its stream published"
+                    f" no load for {silent * 1000:.0f} ms (lost until their heartbeat expires); refused at the gateway",
+                    reason="node_lost",
+                    tier=priority,
+                    retry_after=admission.retry_after(max(0.0, TTL_SECONDS - silent) + cold_start_s),
+                )
+            # a lost node reads nothing from the stream: the others' documents decide
+            loads = [load for load in loads or () if load.node not in lost]
+            hot = hot - lost.keys() if hot is not None else None
         wall = self._wall()
         if not loads or any(wall - load.at > self.stale_s for load in loads):
             self.counts["unknown"] += 1
             return None
-        hot = self._hot.get(key)
         if hot is not None and not hot <= {load.node for load in loads}:
             self.counts["unknown"] += 1  # a node serves it hot and said nothing of its load
             return None

@@ -57,13 +57,20 @@ RECONNECT_MAX_S = 1.0  # an outage is noticed, and its end too, within about thi
 
 
 class Admission(Protocol):
-    def admit(self, key: str, rows: int, deadline: float, priority: int) -> None:
-        """Raise `Shed` to refuse a request of `rows` rows for version `key` before it is sent."""
+    def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> None:
+        """Raise `Shed` to refuse a request of `rows` rows for version `key` before it is sent (`cold_start_s`:
+        the version's load time, for the Retry-After of a refusal that waits on a node to load it)."""
         ...
 
     def settled(self, key: str, rows: int, length: int | None) -> None:
         """The XADD of an admitted request came back: the stream's `length` then (None: it failed)."""
         ...
+
+
+def _cold_start(entry: VersionEntry) -> float:
+    """The version's load time as the nodes measured it (their slowest accelerator), else validation's."""
+    measured = [cold for _, _, cold in entry.placement.measured]
+    return max(measured) if measured else entry.placement.load_seconds
 
 
 @dataclass(slots=True)
@@ -144,6 +151,7 @@ class RedisStreamsTransport:
     ) -> dict[str, np.ndarray]:
         now = self._clock()
         if deadline <= now:
+            metrics.DEADLINES.labels(entry.model, str(entry.version), "unsent").inc()
             raise DeadlineExceeded("request deadline passed before it was sent")
         if gone is not None and gone():  # its client left before it was sent: never sent, never run
             raise ServingError("the client closed the connection", status=499)
@@ -154,6 +162,7 @@ class RedisStreamsTransport:
         if held is None:
             held = self._outstanding[key] = _Outstanding()
         if held.items >= entry.batching.max_queue_size or held.nbytes + nbytes > self.max_bytes:
+            metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), "queue_full").inc()
             raise Shed(
                 f"{key}: this gateway holds {held.items} requests ({held.nbytes} bytes) for it already",
                 reason="queue_full",
@@ -161,7 +170,11 @@ class RedisStreamsTransport:
                 retry_after=1,
             )
         if self.admission is not None:  # the nodes' load as last published: refused here, never queued
-            self.admission.admit(key, rows, deadline, priority)
+            try:
+                self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
+            except Shed as refused:
+                metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), refused.reason).inc()
+                raise
         request_id = next(self._ids)
         message = encode_request(
             StreamRequest(
@@ -199,6 +212,7 @@ class RedisStreamsTransport:
                 if self.admission is not None:  # the view's guess of the stream gives way to its length
                     self.admission.settled(key, rows, entries)
             if not added:  # the stream is full, from every gateway's requests: never sent
+                metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), "queue_full").inc()
                 raise Shed(
                     f"{key}: its stream holds {entries} requests ({held_bytes} bytes) already",
                     reason="queue_full",
@@ -209,7 +223,11 @@ class RedisStreamsTransport:
                 async with asyncio.timeout(deadline - self._clock()):
                     return await future
             except TimeoutError:
+                metrics.DEADLINES.labels(entry.model, str(entry.version), "gateway").inc()
                 raise DeadlineExceeded("request deadline exceeded") from None
+            except DeadlineExceeded:
+                metrics.DEADLINES.labels(entry.model, str(entry.version), "node").inc()
+                raise
         finally:
             self._waiting.pop(request_id, None)
             held.items -= 1
