@@ -193,6 +193,7 @@ def simulated(
     slowdown: float = 1.0,
     overhead_ms: Sequence[float] | None = None,
     handoff_ms: Sequence[float] = (),
+    loop_ms: Sequence[float] = (),
 ) -> dict[str, Any]:
     """The simulator's side, in the shape `judge` reads. `slowdown` is the machine's during the compared run (the
     computing processes' wall time over their CPU time, function `slowdown`), each version's calibration carrying
@@ -202,7 +203,9 @@ def simulated(
     latencies (`node_p50_ms`, `node_p99_ms`: queue, batch and compute, what the simulator models) are what the
     judge compares, each simulated latency plus a hand-off from `handoff_ms` (the compared run's own: its
     threads' waits for a CPU between the queue, the device and the event loop, `node_times`, which the simulator
-    does not model; the queue and the compute stay the simulator's); `p50_ms` and `p99_ms` add an overhead
+    does not model; the queue and the compute stay the simulator's) and, independently, a wait for the event
+    loop from `loop_ms` (the same run's: a batch starts when the node's loop gets to it, as its answers are
+    taken back when it does); `p50_ms` and `p99_ms` add an overhead
     outside the node per request, from `overhead_ms` (the compared run's own, client less node, where given;
     else the calibration's), for the page."""
     twin = scenario_for(plan, calibration, nodes=nodes, memory_bytes=memory_bytes, slowdown=slowdown)
@@ -214,7 +217,14 @@ def simulated(
     extra = calibration.get("overhead_ms", ()) if overhead_ms is None else overhead_ms
     hist = run.metrics.hists.sum(axis=0)
     node = with_overhead(hist, handoff_ms, plan.seed)
-    latencies = node + np.random.default_rng(plan.seed + 1).choice(np.asarray(extra, dtype=float), size=len(node))
+    if len(loop_ms):
+        node = node + np.random.default_rng(plan.seed + 2).choice(np.asarray(loop_ms, dtype=float), size=len(node))
+    outside = (
+        np.random.default_rng(plan.seed + 1).choice(np.asarray(extra, dtype=float), size=len(node))
+        if len(extra)
+        else 0.0
+    )
+    latencies = node + outside
     answered = result["outcomes"]["served"] + result["outcomes"]["fallback"]
     return {
         "requests": result["requests"],
@@ -246,35 +256,40 @@ def summarise_answers(answers: Sequence[Sequence[Any]], plan: RunPlan) -> dict[s
     }
 
 
-def node_times(spans: Sequence[Any], trace_ids: set[str]) -> dict[str, tuple[float, float]]:
+def node_times(spans: Sequence[Any], trace_ids: set[str]) -> dict[str, tuple[float, float, float]]:
     """Per request of `trace_ids` (the client's own W3C trace ids), its time on the node in ms as the node's spans
     (`serving.dataplane.tracing`) measured it, and of that its batch's hand-offs: its `ferry.queue` span (from
     entering the version's queue to its batch's start) plus the `ferry.batch` span that links to it (its batch,
     to the answers back on the node's event loop); the second figure that batch less its `ferry.device` span
     (the compute), the waits for the device thread to take the batch and for the event loop to take the
-    answers back: threads waiting for a CPU, which the simulator does not model. Measured on the compared run's
+    answers back: threads waiting for a CPU, which the simulator does not model; the third the last of those,
+    the event loop's wait alone. Measured on the compared run's
     own requests, without the gateway, the streams and the client, whose time on a shared CPU is the machine's
     more than the node's. Requests whose spans did not all arrive (a full export queue drops spans, never holds
     them) are left out."""
     queued: dict[str, tuple[str, float]] = {}  # the node span's id: (trace id, queue ms)
     batches: dict[str, str] = {}  # the node span's id: its batch's span id
     lasted: dict[str, float] = {}  # a batch's span id: its ms
-    device: dict[str, float] = {}  # a batch's span id: its device's ms
+    device: dict[str, tuple[float, float]] = {}  # a batch's span id: its device's ms, and its end to the batch's
+    ends: dict[str, int] = {}  # a batch's span id: its end (ns)
     for s in spans:
         ms = (s.end_ns - s.start_ns) / 1e6
         if s.name == "ferry.queue" and s.parent_id and s.trace_id in trace_ids:
             queued[s.parent_id] = (s.trace_id, ms)
         elif s.name == "ferry.batch":  # in its first request's trace, whichever that was: its links say whose
             lasted[s.span_id] = ms
+            ends[s.span_id] = s.end_ns
             for node_span in s.links:
                 batches[node_span] = s.span_id
         elif s.name == "ferry.device":
-            device[s.parent_id] = ms
+            device[s.parent_id] = (ms, s.end_ns)
     out = {}
     for node, (trace, ms) in queued.items():
         batch = batches.get(node)
         if batch is not None and batch in device:
-            out[trace] = (ms + lasted[batch], max(0.0, lasted[batch] - device[batch]))
+            computed, done = device[batch]
+            back = max(0.0, (ends[batch] - done) / 1e6)
+            out[trace] = (ms + lasted[batch], max(0.0, lasted[batch] - computed), back)
     return out
 
 
@@ -292,19 +307,20 @@ def slowdown(before: Mapping[int, Sequence[int]], after: Mapping[int, Sequence[i
     return (run + wait) / run if run > 0 else 1.0
 
 
-def node_side(answers: Sequence[Sequence[Any]], times: Mapping[str, tuple[float, float]]) -> dict[str, Any]:
+def node_side(answers: Sequence[Sequence[Any]], times: Mapping[str, tuple[float, float, float]]) -> dict[str, Any]:
     """The compared run's node side: `answers` are (sent at, status, latency seconds, trace id), `times` the
-    node's (time, hand-offs) per trace id (`node_times`). The node's p50 and p99 over the answered requests it
-    timed; per such request its hand-offs, and the overhead outside the node (the client's latency less the
-    node's time), the run's own."""
+    node's (time, hand-offs, the event loop's wait) per trace id (`node_times`). The node's p50 and p99 over
+    the answered requests it timed; per such request its hand-offs and its loop's wait, and the overhead outside
+    the node (the client's latency less the node's time), the run's own."""
     timed = [(a[2] * 1000, *times[a[3]]) for a in answers if a[1] == 200 and a[3] in times]
-    node = [n for _, n, _ in timed]
+    node = [n for _, n, _, _ in timed]
     return {
         "traced": len(node),
         "node_p50_ms": float(np.percentile(node, 50)) if node else math.nan,
         "node_p99_ms": float(np.percentile(node, 99)) if node else math.nan,
-        "handoff_ms": [h for _, _, h in timed],
-        "overhead_ms": [max(0.0, c - n) for c, n, _ in timed],
+        "handoff_ms": [h for _, _, h, _ in timed],
+        "loop_ms": [b for _, _, _, b in timed],
+        "overhead_ms": [max(0.0, c - n) for c, n, _, _ in timed],
     }
 
 

@@ -462,6 +462,7 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         slowdown=machine,
         overhead_ms=measured.pop("overhead_ms"),
         handoff_ms=measured.pop("handoff_ms"),
+        loop_ms=measured.pop("loop_ms"),
     )
     verdict = vf.judge(measured, sim)
     mark("simulated")

@@ -226,4 +226,4 @@ def test_the_nodes_time_per_request_is_its_queue_span_plus_its_batchs() -> None:
     spans.append(span("ferry.device", "t0", "d1", "b1", (), 5_000_000, 9_000_000))  # 4 ms of the batch computed
     times = vf.node_times(spans, {"t1", "t2", "t3"})
     assert times.keys() == {"t1", "t2"}  # t3's batch lost: left out
-    assert times["t1"] == pytest.approx((10.0, 2.0)) and times["t2"] == pytest.approx((9.0, 2.0))
+    assert times["t1"] == pytest.approx((10.0, 2.0, 1.0)) and times["t2"] == pytest.approx((9.0, 2.0, 1.0))
