@@ -354,3 +354,32 @@ async def test_a_node_starts_though_redis_times_out_while_it_joins_and_after(mon
         await process.stop(drain_seconds=1)
         clear(client)
         client.close()
+
+
+async def test_a_consumer_group_whose_creation_failed_is_created_by_the_consumer_loop() -> None:
+    """Issue 19: a node's reconcile could not create a version's group (Redis timed out on a loaded machine);
+    the node logged that its consumer loop retries, but the loop read only grouped streams, so the version
+    stayed unread, and not ready, until the next snapshot."""
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)
+    node = Node(artifact_path=lambda sha: None, device="cpu")  # type: ignore[arg-type]
+    node.host(entry("m", max_batch=4), Recording(), {1: 0.001, 4: 0.001})
+    process = NodeProcess(node, REDIS_URL, Facts("ungrouped", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+    await process.claim_name()
+    # given no group made for m (its creation failed), when the node serves
+    process.serve()
+    transport = RedisStreamsTransport(REDIS_URL)
+    await transport.start()
+    try:
+        async with asyncio.timeout(10):
+            while not transport.connected:
+                await asyncio.sleep(0.01)
+        # then a request for m is read and answered
+        outputs = await transport.infer(entry("m", max_batch=4), rows(2), 2, deadline(), 1, outputs=("scores",))
+        assert outputs["scores"].shape == (2, 2)
+        assert "m:1" in process.info().ready
+    finally:
+        await transport.close()
+        await process.stop(drain_seconds=1)
+        clear(client)
+        client.close()

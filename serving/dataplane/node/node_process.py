@@ -430,6 +430,10 @@ class NodeProcess:
 
     async def consume_once(self) -> int:
         """One read over the streams with room; returns the entries handed to the node."""
+        if any(key not in self._grouped for key in self.servable()):
+            # A group whose creation failed in `reconcile` (Redis timed out: a loaded machine stalls it) is
+            # created here, or the version would stay unread, and not ready, until the next snapshot.
+            await self.ensure_groups()
         streams = self._readable()
         if not streams:
             self._room.clear()
