@@ -28,7 +28,8 @@ The runs, each `--before` seconds of load, the failure, then `--after` seconds:
    (what the web Deployment's endpoints and preStop sleep do), started again, and put back once ready;
    afterwards both must say the same of readiness and the repository (from the nodes' heartbeats).
 
-Reported per run: requests sent, each answer's count, the requests without an answer (must be 0), the
+Reported per run: requests sent, each answer's count (a 200 from the fallback, `X-Ferry-Fallback-From`,
+apart; it counts as a 200 for the time to recover), the requests without an answer (must be 0), the
 slowest answer, and the time to recover: from the failure (the kill, Redis back, the web process stopped)
 to the start of the first 1 s of requests, by send time, that were all answered 200. Exit status 1 if a
 request went without an answer, any answer was a 500, or a 503 came without Retry-After.
@@ -187,6 +188,7 @@ class Result:
     retry_after: bool
     seconds: float
     body: bytes = b""
+    fallback: bool = False  # a 200 from the model's fallback (X-Ferry-Fallback-From): the asked version refused
 
 
 @dataclass
@@ -255,6 +257,7 @@ class Load:
                                 "Retry-After" in resp.headers,
                                 time.monotonic() - started,
                                 body[:300] if resp.status != 200 else b"",
+                                "X-Ferry-Fallback-From" in resp.headers,
                             )
                         )
                         return
@@ -360,6 +363,8 @@ def statuses_of(results: list[Result]) -> Counter:
             out["503 with Retry-After" if r.retry_after else "503 without Retry-After"] += 1
         elif r.status < 0:
             out["no answer"] += 1
+        elif r.fallback:
+            out["200 by the fallback"] += 1
         else:
             out[str(r.status)] += 1
     return out

@@ -345,7 +345,9 @@ async def test_a_node_that_stops_publishing_is_lost_and_its_version_refused_befo
     try:
         await read(publish=True, reads=6)
         view.admit("a:1", 1, clock.now + 0.3, 1)
-        # when it stops publishing (killed: its heartbeat lives 3 s more), 0.4 s of reads is not yet lost
+        # when it stops publishing (killed: its heartbeat lives 3 s more), and the request this gateway added to
+        # its stream gets no answer, 0.4 s of reads is not yet lost
+        view.settled("a:1", 1, 1)
         await read(publish=False, reads=4)
         view.admit("a:1", 1, clock.now + 0.3, 1)
         assert view.counts == {"refused": 0, "admitted": 2, "unknown": 0}
@@ -376,6 +378,12 @@ async def test_a_node_that_stops_publishing_is_lost_and_its_version_refused_befo
         await read(publish=True)
         view.admit("a:1", 1, clock.now + 0.3, 1)
         assert view.counts == {"refused": 2, "admitted": 6, "unknown": 0}
+        # and when it answers this gateway's requests, a silence of its document alone (a loop stalled by a cold
+        # load) is no refusal: unknown (its document is left out), admitted, the node decides
+        view.answered("a:1")
+        await read(publish=False, reads=6)
+        view.admit("a:1", 1, clock.now + 0.3, 1)
+        assert view.counts == {"refused": 2, "admitted": 6, "unknown": 1}
     finally:
         await view.close()
         await publisher.client.aclose()
@@ -432,6 +440,7 @@ async def test_a_version_whose_only_node_is_lost_falls_back_before_its_stream(st
     labels = {"model": "m", "version": "1", "reason": "node_lost"}
     before = REGISTRY.get_sample_value("ferry_gateway_refusals_total", labels) or 0.0
     try:
+        view.settled("m:1", 1, 1)  # a request this gateway added to m's stream, never answered
         for _ in range(7):
             clock.now += 0.1
             await process.load.publish_once()

@@ -26,10 +26,13 @@ view has seen a node's document change, a node whose document then stays the sam
 LOST_S of this view's reads is taken as not serving anything. The silence is timed on this gateway's
 clock between its own reads, and only while they keep coming (a gap past FRESH_S, this process stalled or
 Redis away, starts the count again), so the gateway's own stall is not mistaken for the node's death; a
-node never seen publishing (an older release) is never judged. When every live node consuming a version
-is lost, the request is refused before it enters a stream no one reads (`Shed`, reason "node_lost",
-Retry-After the heartbeat's time left plus the version's cold start), so it gets the fallback or a quick
-503 instead of 504 at its deadline. A lost node's document is left out of the estimate for the others.
+node never seen publishing (an older release) is never judged. A node whose loop stalls (a cold load, a
+loaded machine) is as silent as a dead one, so the refusal also needs this gateway's own evidence: requests
+it added to the version's stream with no answer of any kind for LOST_S (`answered`). When every live node
+consuming a version is lost, and that evidence is there, the request is refused before it enters a stream
+no one reads (`Shed`, reason "node_lost", Retry-After the heartbeat's time left plus the version's cold
+start), so it gets the fallback or a quick 503 instead of 504 at its deadline. A lost node's document is
+left out of the estimate for the others (none left: unknown, admitted).
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ class LoadView:
         self._progress: dict[str, tuple[float, float]] = {}
         self._lost: dict[str, float] = {}  # node -> seconds its document has not changed, past lost_s
         self._read_at = -math.inf  # this view's clock at its last successful read
+        self._unanswered: dict[str, float] = {}  # version key -> when this gateway's first unanswered XADD went in
         # Requests by what the view said: refused here, admitted on the view, admitted because it knew nothing.
         self.counts = {"refused": 0, "admitted": 0, "unknown": 0}
         self._client: redis.asyncio.Redis | None = None
@@ -282,6 +286,11 @@ class LoadView:
             sent.rows = max(0, sent.rows - rows)
         if length is not None:
             self.lengths[key] = length
+            self._unanswered.setdefault(key, self._clock())
+
+    def answered(self, key: str) -> None:
+        """A node answered a request of `key`'s stream (a result or an error: it is reading the stream)."""
+        self._unanswered.pop(key, None)
 
     def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> None:
         """Raise `Shed` when no node hosting `key` could answer this request by its deadline, as the node's
@@ -299,7 +308,8 @@ class LoadView:
         lost = self.lost()
         if lost:
             ready = self._ready.get(key)
-            if ready and ready <= lost.keys():
+            since = self._unanswered.get(key)
+            if ready and ready <= lost.keys() and since is not None and self._clock() - since > self.lost_s:
                 self.counts["refused"] += 1
                 silent = min(lost[name] for name in ready)
                 return Shed(

@@ -66,6 +66,10 @@ class Admission(Protocol):
         """The XADD of an admitted request came back: the stream's `length` then (None: it failed)."""
         ...
 
+    def answered(self, key: str) -> None:
+        """A node answered a request of `key` (a result or an error)."""
+        ...
+
 
 def _cold_start(entry: VersionEntry) -> float:
     """The version's load time as the nodes measured it (their slowest accelerator), else validation's."""
@@ -262,6 +266,8 @@ class RedisStreamsTransport:
                 waiting.future.set_exception(ServingError("malformed reply from the node; the gateway logged it"))
             return
         waiting = self._waiting.get(reply.id)
+        if waiting is not None and self.admission is not None:
+            self.admission.answered(waiting.key)  # a node reads the stream, even if this answer came late
         if waiting is None or waiting.future.done():
             return  # answered already (its deadline), or a second answer after a claim: the first one stands
         if reply.error is not None:
