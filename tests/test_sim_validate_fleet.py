@@ -18,10 +18,10 @@ steps, largest batches 8 to 32), each autoscaled (one replica at least, two at m
    time outside the node). Marked `solo`: two nodes computing and the web process take this 2-core machine.
 
 It runs by default, in `make test`'s solo part: the short form, 20 s of compared traffic after a calibration of
-10 versions (on this 2-core machine at a load average of 10 to 23: 95 s of setup, 42 to 53 s in the test's
-body, 13 s of teardown: docs/validation.md). FERRY_VALIDATION_SECONDS lengthens the compared run
-(the calibration stays as it is); FERRY_VALIDATION_RECORD names a JSON file to write the whole record to
-(`python -m sim.validation_fleet` makes docs/validation.md of it).
+10 versions (on this 2-core machine at a load average of 10 to 23: 31 to 95 s of setup, 42 to 109 s in the
+test's body, 9 to 18 s of teardown, over ten runs: docs/validation.md). FERRY_VALIDATION_SECONDS lengthens the
+compared run (the calibration stays as it is); FERRY_VALIDATION_RECORD names a JSON file to write the whole record
+to (`python -m sim.validation_fleet` makes docs/validation.md of it).
 """
 
 from __future__ import annotations
