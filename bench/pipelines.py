@@ -1,11 +1,16 @@
 """A cascade pipeline against its big model alone: `digits-small`, then `digits` only where the small model is
 unsure (its top softmax score under 0.9), measured on the demo models in one run.
 
-    .venv/bin/python -m bench.pipelines [--rate R] [--seconds S] [--overload R] [--record docs/benchmarks/pipelines.md]
+    .venv/bin/python -m bench.pipelines [--rate R] [--seconds S] [--overload-models digits,digits-wide]
+        [--only-overload] [--record docs/benchmarks/pipelines.md]
 
-A fresh data dir (embedded mode: one process, the node in it); the two demo models trained as
-`manage.py build_demo_models` trains them (serving.demo), platform models; the pipeline registered through
-`serving.pipelines.register_pipeline` with `digits` as its fallback.
+A fresh data dir (embedded mode: one process, the node in it); the demo models trained as
+`manage.py build_demo_models` trains them (serving.demo, its artifact cache reused: demo_cache_dir), platform
+models; the pipeline registered through `serving.pipelines.register_pipeline` with `digits` as its fallback.
+`--overload-models` names the big models of phase 3: `digits` (the cascade above) and `digits-wide`
+(compute-bound: a second cascade, `digits-wide-cascade`, `digits-small` then `digits-wide` where unsure, its
+fallback `digits-wide`); each ramp's model falls back to `digits-small`. `--only-overload` skips phases 1 and
+2; with `--record` it rewrites the page's overload section only.
 
 1. Accuracy: every held-out image (scikit-learn's split, serving.demo.digits_data) sent once to `digits` and
    once to the pipeline, one request each; the share of rows that reached `digits` is the server's own count
@@ -22,7 +27,10 @@ A fresh data dir (embedded mode: one process, the node in it); the two demo mode
    capped at `--overload-max-rate`, what the generator can send on the box it shares with the server. Per
    step: offered, sent, answered by the pipeline, by its fallback (`digits`), shed (503, and how many of
    those carried Retry-After), 504, the admitted p99 (every 200, from its scheduled send time) and the
-   goodput (200s within 300 ms); the server's own pipeline counters; the load average.
+   goodput (200s within 300 ms); the server's own pipeline counters; the load average. For each big model of
+   `--overload-models`: its cascade's ramp, then its own. The section's table marks each ramp PASS or FAIL
+   against issue 23's acceptance (admitted p99 < 300 ms at every step; every step past 1x shed, each 503 with
+   Retry-After, or fell back).
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ from bench.run import machine_facts
 from bench.server import HEADERS, Server, counters, free_port, manage, say, scrape, unbind_quota, use_key
 
 PIPELINE = "digits-cascade"
+# The overload phase's cascades, by their big model: `digits` (~2 ms a batch, bound by the server's one process
+# under overload: issue 19) and `digits-wide` (compute-bound, where admission decides), each beside its model.
+PIPELINES = {"digits": PIPELINE, "digits-wide": "digits-wide-cascade"}
 BUDGET_MS = 300  # the platform's latency budget this run sets (FERRY_LATENCY_BUDGET_MS)
 MULTIPLIERS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 1.0)
 PIPELINE_COUNTERS = (
@@ -57,27 +68,47 @@ PIPELINE_COUNTERS = (
     "ferry_fallbacks_total",  # a step answered by its model's fallback (digits: digits-small)
 )
 START, END = "<!-- pipelines:start -->", "<!-- pipelines:end -->"  # bench.report.PAGES["pipelines"]
+# The overload phase's own section: `--only-overload --record` rewrites it alone, the rest of the page kept.
+OVERLOAD_START, OVERLOAD_END = "<!-- pipelines-overload:start -->", "<!-- pipelines-overload:end -->"
 UNSURE = 0.9
-SPEC = {
-    "sequence": [
-        {"model": "digits-small", "name": "small"},
-        {
-            "switch": {"tensor": "scores", "reduce": "max_softmax", "op": "<", "value": UNSURE},
-            "then": {"model": "digits", "name": "big"},
-            "name": "unsure",
-        },
-    ]
-}
-SETUP = f"""
-from serving.demo import DEMO_MODELS, train_and_register
+
+
+def spec(big: str) -> dict:
+    """`digits-small`, then `big` for the rows it is unsure of."""
+    return {
+        "sequence": [
+            {"model": "digits-small", "name": "small"},
+            {
+                "switch": {"tensor": "scores", "reduce": "max_softmax", "op": "<", "value": UNSURE},
+                "then": {"model": big, "name": "big"},
+                "name": "unsure",
+            },
+        ]
+    }
+
+
+SPEC = spec("digits")
+
+
+def setup(bigs: list[str]) -> str:
+    """The manage.py shell script: the demo models (from serving.demo's cache when trained earlier by the same
+    code: demo_cache_dir, FERRY_DEMO_MODEL_CACHE), each big model falling back to `digits-small` as
+    serving.demo.FALLBACKS has it, and one cascade per big model with that model as its fallback."""
+    names = ["digits-small", *dict.fromkeys(["digits", *bigs])]
+    pipes = {big: (PIPELINES[big], spec(big)) for big in dict.fromkeys(["digits", *bigs])}
+    return f"""
+from serving.demo import DEMO_MODELS, demo_cache_dir, train_and_register
 from serving.models import Model
 from serving.pipelines import register_pipeline
-for demo in DEMO_MODELS[:2]:
-    train_and_register(demo, demo.build, print)
-small, big = Model.objects.get(name="digits-small"), Model.objects.get(name="digits")
-big.fallback = small
-big.save(update_fields=["fallback", "updated_at"])
-register_pipeline(name={PIPELINE!r}, spec={SPEC!r}, tenant=None, visibility="public", fallback="digits")
+for demo in DEMO_MODELS:
+    if demo.name in {names!r}:
+        train_and_register(demo, demo.build, print, cache=demo_cache_dir())
+small = Model.objects.get(name="digits-small")
+for big, (name, spec) in {pipes!r}.items():
+    model = Model.objects.get(name=big)
+    model.fallback = small
+    model.save(update_fields=["fallback", "updated_at"])
+    register_pipeline(name=name, spec=spec, tenant=None, visibility="public", fallback=big)
 """
 
 
@@ -181,7 +212,7 @@ def overload_ramp(server: Server, model: str, unsure: bytes, a: argparse.Namespa
     for key, value in c.items():
         name, labels = key
         lab = dict(labels)
-        if lab.get("model") in (PIPELINE, "digits", "digits-small") and value - b.get(key, 0.0):
+        if lab.get("model") in (*PIPELINES.values(), *PIPELINES, "digits-small") and value - b.get(key, 0.0):
             text = ",".join(f"{k}={v}" for k, v in labels if k != "version")
             server_counts[f"{name}{{{text}}}"] = value - b.get(key, 0.0)
     return {
@@ -198,9 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multipliers", type=float, nargs="+", default=list(MULTIPLIERS), help="x capacity")
     parser.add_argument("--overload-step", type=float, default=5.0, help="seconds per overload step")
     parser.add_argument("--overload-max-rate", type=float, default=3000.0, help="cap on a step's req/s")
-    parser.add_argument("--only-overload", action="store_true", help="skip phases 1 and 2 (prints, records nothing)")
+    parser.add_argument(
+        "--overload-models", default="digits", help="big models, comma-separated: each one's cascade, then it alone"
+    )
+    parser.add_argument(
+        "--only-overload", action="store_true", help="skip phases 1 and 2 (--record: the overload section only)"
+    )
     parser.add_argument("--record", type=Path, help="write the page (docs/benchmarks/pipelines.md)")
     a = parser.parse_args(argv)
+    bigs = [m.strip() for m in a.overload_models.split(",") if m.strip()]
+    if not bigs or any(m not in PIPELINES for m in bigs):
+        parser.error(f"--overload-models: a comma-separated list of {', '.join(PIPELINES)}")
     started = time.monotonic()
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-pipeline-bench-"))
     env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
@@ -212,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     acc: dict = {}
     try:
         manage(["migrate", "--noinput", "-v0"], env)
-        manage(["shell", "-c", SETUP], env)
+        manage(["shell", "-c", setup(bigs)], env)
         manage(["ensure_demo_user"], env)
         unbind_quota(env)
         if use_key(data_dir) is None:
             raise RuntimeError("ensure_demo_user wrote no demo API key")
         with Server(env, free_port(), data_dir / "server.log") as server:
-            server.wait_ready(("digits-small", "digits"))
+            server.wait_ready(("digits-small", *dict.fromkeys(["digits", *bigs])))
             if not a.only_overload:
                 acc = accuracy(server.base)
             sure, unsure = pick_rows(server.base)
@@ -229,25 +268,31 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_phase(server.base, model, payload, a.rate, a.seconds)
                     say(f"{label} round {round_no + 1}: p50 {r.p50_ms:.2f} p99 {r.p99_ms:.2f} ms, ok {r.ok}/{r.count}")
                     rounds.append({"label": label, "round": round_no + 1, **r.to_dict()})
-            # The pipeline, then `digits` alone the same way: what a model does under the same overload.
-            overload = [overload_ramp(server, m, body(unsure), a) for m in (PIPELINE, "digits")]
+            # Each cascade, then its big model alone the same way: what a model does under the same overload.
+            for big in bigs:
+                overload += [overload_ramp(server, m, body(unsure), a) for m in (PIPELINES[big], big)]
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     elapsed = time.monotonic() - started
+    over = "\n".join([OVERLOAD_START, *overload_page(overload, facts, a, elapsed), OVERLOAD_END])
     if a.only_overload:
-        print("\n".join(line for o in overload for line in overload_lines(o, a)))
+        print(over)
+        if a.record:
+            splice_section(a.record, OVERLOAD_START, OVERLOAD_END, over)
         return 0
-    section = "\n".join([START, *page(acc, rounds, overload, facts, a, elapsed), END])
-    print(section)
+    section = "\n".join([START, *page(acc, rounds, facts, a, elapsed), END])
+    print(section + "\n\n" + over)
     if a.record:
         splice_section(a.record, START, END, section)
+        splice_section(a.record, OVERLOAD_START, OVERLOAD_END, over)
     return 0
 
 
 def overload_lines(overload: dict, a: argparse.Namespace) -> list[str]:
     res, cap, model = overload["result"], overload["capacity"], overload["model"]
     before, after = overload["load_before"], overload["load_after"]
-    is_pipeline = model == PIPELINE
+    is_pipeline = model in PIPELINES.values()
+    big = next((b for b, name in PIPELINES.items() if name == model), model)
     rows = []
     for r in res["steps"]:
         shed = round(r["shed_rps"] * r["seconds"])
@@ -259,10 +304,10 @@ def overload_lines(overload: dict, a: argparse.Namespace) -> list[str]:
             f" | {r['goodput_rps']:.0f} |"
         )
     worst = max((r["p99_ms"] for r in res["steps"] if r["p99_ms"] == r["p99_ms"]), default=float("nan"))
-    what = "the pipeline" if is_pipeline else "`digits` alone"
-    fallback = "the pipeline's fallback (`digits`)" if is_pipeline else "its fallback (`digits-small`)"
+    what = f"the pipeline `{model}` (`digits-small`, then `{big}`)" if is_pipeline else f"`{model}` alone"
+    fallback = f"the pipeline's fallback (`{big}`)" if is_pipeline else "its fallback (`digits-small`)"
     return [
-        f"## Overload: {what}, a ramp to {max(r['multiplier'] for r in res['steps']):g}x its capacity",
+        f"### Overload: {what}, a ramp to {max(r['multiplier'] for r in res['steps']):g}x its capacity",
         "",
         f"Capacity of `{model}` (p99 < 300 ms, < 0.1% errors, open loop, the unsure image"
         + (": both steps every call" if is_pipeline else "")
@@ -289,16 +334,74 @@ def overload_lines(overload: dict, a: argparse.Namespace) -> list[str]:
     ]
 
 
-def page(
-    acc: dict, rounds: list[dict], overload: list[dict], facts: dict, a: argparse.Namespace, elapsed: float
-) -> list[str]:
-    n, right, reached = acc["n"], acc["right"], acc["reached"]
-    share = reached.get("big", 0.0) / reached["small"] if reached.get("small") else float("nan")
-    command = (
+def command_line(a: argparse.Namespace) -> str:
+    return (
         f"python -m bench.pipelines --rate {a.rate:g} --seconds {a.seconds:g} --rounds {a.rounds}"
         f" --multipliers {' '.join(f'{m:g}' for m in a.multipliers)} --overload-step {a.overload_step:g}"
-        f" --overload-max-rate {a.overload_max_rate:g}"
+        f" --overload-max-rate {a.overload_max_rate:g} --overload-models {a.overload_models}"
+        + (" --only-overload" if a.only_overload else "")
     )
+
+
+def verdict(overload: dict) -> tuple[float, bool, bool]:
+    """A ramp against issue 23's acceptance: its worst admitted p99 (NaN when a step had no 200: a fail),
+    whether every step's admitted p99 was under the budget, and whether every step past 1x shed (every 503
+    with Retry-After) or fell back."""
+    steps = overload["result"]["steps"]
+    p99s = [r["p99_ms"] for r in steps]
+    worst = float("nan") if any(x != x for x in p99s) else max(p99s, default=float("nan"))
+    under = worst == worst and worst < BUDGET_MS
+    over = [r for r in steps if r["multiplier"] > 1.0]
+    relieved = bool(over) and all(
+        (r["shed_rps"] > 0 or r["fallback_rps"] > 0)
+        and r["shed_with_retry_after"] == round(r["shed_rps"] * r["seconds"])
+        for r in over
+    )
+    return worst, under, relieved
+
+
+def overload_page(overload: list[dict], facts: dict, a: argparse.Namespace, elapsed: float) -> list[str]:
+    """The overload phase's section: its command, date, commit, machine, a PASS/FAIL per target, the ramps."""
+
+    def mark(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    rows = []
+    for o in overload:
+        worst, under, relieved = verdict(o)
+        kind = "pipeline" if o["model"] in PIPELINES.values() else "model alone"
+        rows.append(
+            f"| `{o['model']}` | {kind} | {o['capacity']:.0f} | {worst:.1f} | {mark(under)} | {mark(relieved)}"
+            f" | **{mark(under and relieved)}** |"
+        )
+    return [
+        "## Pipelines under overload: each cascade beside its big model",
+        "",
+        f"Generated by `{command_line(a)}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC} in commit {commit()}"
+        f" in {elapsed / 60:.1f} min (the whole run). Load average (1, 5, 15 min) at the end"
+        f" {', '.join(f'{x:.2f}' for x in os.getloadavg())} on {facts.get('nproc', '?')} cores; each ramp's own"
+        " is in its table. The method: `bench/pipelines.py`'s docstring, 3.",
+        "",
+        "Issue 23's acceptance, per ramp: under overload a pipeline sheds or falls back as a model does, its"
+        f" admitted p99 < {BUDGET_MS} ms. A row passes when the admitted p99 (every 200, fallbacks' included, from"
+        f" its scheduled send) is under {BUDGET_MS} ms at every step and every step past 1x answered some"
+        " requests with a 503 (each carrying Retry-After) or from the fallback. The models' rows are the"
+        " comparison: `digits` (~2 ms a batch) is bound by the server's one process before admission decides"
+        " (issue 19), `digits-wide` by its compute.",
+        "",
+        f"| target | kind | capacity req/s | worst admitted p99 ms | p99 < {BUDGET_MS} ms every step"
+        " | sheds or falls back past 1x | acceptance |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        *(line for o in overload for line in overload_lines(o, a)),
+    ]
+
+
+def page(acc: dict, rounds: list[dict], facts: dict, a: argparse.Namespace, elapsed: float) -> list[str]:
+    n, right, reached = acc["n"], acc["right"], acc["reached"]
+    share = reached.get("big", 0.0) / reached["small"] if reached.get("small") else float("nan")
+    command = command_line(a)
     lines = [
         "# Pipelines: a cheap model, then the big one where it is unsure",
         "",
@@ -335,9 +438,8 @@ def page(
         ),
         "",
         "Percentiles cover every request, errors included. The sure image runs one step; the unsure one runs"
-        " both, one after the other, each batched with the other traffic of its model.",
-        "",
-        *(line for o in overload for line in overload_lines(o, a)),
+        " both, one after the other, each batched with the other traffic of its model. Overload: the next"
+        " section.",
     ]
     return lines
 
