@@ -39,6 +39,7 @@ from serving.dataplane.transport.stream_codec import (
     unpack_replies,
 )
 from tests.conftest import free_port, mint_key, register
+from tests.load import slowness
 from tests.test_inference_http import Resp, call, digits_request
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -130,19 +131,6 @@ def start_node(name: str, tmp_path: Path, redis_url: str) -> Proc:
         tmp_path,
         redis_url,
     )
-
-
-MAX_SLOWNESS = 10.0  # a wait's deadline stretches this much at most: a hang still fails, within the hour
-
-
-def slowness() -> float:
-    """How many times slower than an idle machine this one runs now: its 1-minute load average per core, at
-    least 1 (the deadlines as written are for a machine with a core to spare), at most MAX_SLOWNESS."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load average on this platform
-        return 1.0
-    return min(MAX_SLOWNESS, max(1.0, load / (os.cpu_count() or 1)))
 
 
 def wait_for(what: str, check, procs: list[Proc], timeout: float = START_TIMEOUT_S) -> None:  # noqa: ANN001
