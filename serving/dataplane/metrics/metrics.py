@@ -43,7 +43,8 @@ SHED = Counter(
 # where each 504 was found.
 GATEWAY_REFUSALS = Counter(
     "ferry_gateway_refusals",
-    "Requests a gateway refused before its version's stream (503; also in ferry_shed), by reason:"
+    "Requests a gateway refused before its version's stream (then answered by the fallback, or 503 and in"
+    " ferry_shed), by reason:"
     " deadline/tier (admission on the nodes' published load), node_lost (no live node consumes the stream),"
     " queue_full (this gateway's or the stream's bound)",
     ["model", "version", "reason"],
