@@ -19,26 +19,26 @@ def ramp(*steps: dict) -> dict:
 
 
 def test_a_ramp_under_budget_that_sheds_past_1x_passes() -> None:
-    worst, under, relieved = pipelines.verdict(ramp(step(0.5, 40), step(2, 250, shed=100), step(1, 60)))
-    assert (worst, under, relieved) == (250, True, True)
+    worst, under, retry, relieved = pipelines.verdict(ramp(step(0.5, 40), step(2, 250, shed=100), step(1, 60)))
+    assert (worst, under, retry, relieved) == (250, True, True, True)
 
 
 def test_falling_back_counts_as_relief() -> None:
-    assert pipelines.verdict(ramp(step(1, 50), step(3, 120, fallback=30)))[2] is True
+    assert pipelines.verdict(ramp(step(1, 50), step(3, 120, fallback=30)))[3] is True
 
 
 def test_a_step_over_budget_fails() -> None:
-    worst, under, _ = pipelines.verdict(ramp(step(0.5, 40), step(3, 300, shed=50)))
+    worst, under, *_ = pipelines.verdict(ramp(step(0.5, 40), step(3, 300, shed=50)))
     assert worst == 300 and under is False
 
 
 def test_a_step_without_any_200_fails() -> None:
-    worst, under, _ = pipelines.verdict(ramp(step(0.5, 40), step(3, float("nan"), shed=50)))
+    worst, under, *_ = pipelines.verdict(ramp(step(0.5, 40), step(3, float("nan"), shed=50)))
     assert worst != worst and under is False
 
 
 def test_an_overloaded_step_neither_shedding_nor_falling_back_fails() -> None:
-    assert pipelines.verdict(ramp(step(1.5, 100, shed=10), step(2, 100)))[2] is False
+    assert pipelines.verdict(ramp(step(1.5, 100, shed=10), step(2, 100)))[3] is False
 
 
 def test_a_503_without_retry_after_fails() -> None:
