@@ -3,6 +3,9 @@ a wait for an approver, a second tenant's pending quota request, and the bounded
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import pytest
 from django.core.management import call_command
 from sklearn.datasets import load_digits
@@ -15,6 +18,7 @@ from serving.models import Model, State
 from tenants.governance import decide
 from tenants.models import Membership, QuotaRequest, Role
 from tests.conftest import LiveServer, register
+from tests.load import stretched
 
 pytestmark = pytest.mark.django_db
 
@@ -104,11 +108,20 @@ def test_traffic_bursts_answer_and_stay_within_their_bound(transactional_db, mod
     try:
         assert traffic.ready()
         # when it sends bursts / then each has fewer than 2 x rate x TICK requests, and every request is answered:
-        # served, or shed (503) while the version loads or the shared machine lags; never refused or unanswered
-        sizes = [len(traffic.send_burst()) for _ in range(20)]
+        # served, or shed (503) while the version loads or the shared machine lags; never refused or unanswered.
+        # At least 20 bursts, and until one request was served: on a machine with a load average of 20 on its 2
+        # cores the event loop runs late past FERRY_MAX_LOOP_LAG_MS for seconds, and the front door then rightly
+        # sheds every request of 20 bursts; how many bursts that takes depends on the machine, not on the traffic.
+        sizes: list[int] = []
+        statuses: Counter[int] = Counter()
+        deadline = time.monotonic() + stretched(30.0)
+        while len(sizes) < 20 or not statuses[200]:
+            assert time.monotonic() < deadline, f"none of {len(sizes)} bursts served: {statuses}"
+            sizes.append(len(traffic.send_burst()))
+            statuses.update(traffic.take_statuses())
+            assert set(statuses) <= {200, 503}, statuses  # refused or unanswered fails at once, not at the deadline
         assert all(1 <= n < 2 * 40 * 0.25 for n in sizes) and sum(sizes) > 20
-        statuses = traffic.take_statuses()
-        assert statuses[200] > 0 and set(statuses) <= {200, 503} and statuses.total() == sum(sizes)
+        assert statuses[200] > 0 and set(statuses) <= {200, 503} and statuses.total() == sum(sizes), statuses
         # and a stop asked for ends the loop before its next burst
         traffic.run(stop=lambda: True)
         assert traffic.take_statuses() == {}
