@@ -10,6 +10,7 @@ Statuses only, with margins: no timing is asserted.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -34,7 +35,10 @@ from tests.test_streams_processes import (  # noqa: F401  (redis_db: the fixture
 )
 
 LOAD_SECONDS = 8
-CLIENTS = 16
+BUDGET_S = 1.0  # the web process's FERRY_LATENCY_BUDGET_MS
+PROBES = 5
+MIN_CLIENTS = 16
+MAX_CLIENTS = 96
 
 
 class Slow(nn.Module):
@@ -64,16 +68,25 @@ def test_overload_gets_quick_503s_from_the_gateway_not_504s_from_the_stream(
     save_artifact(Slow(torch.jit.load(str(model_files.digits))), "torchscript", torch.zeros(2, 64), slow)
     register(slow, "digits", max_batch_size=1, max_queue_delay_ms=1, default_timeout_ms=1000)
     key = mint_key()
-    procs = [start_web(tmp_path, REDIS_URL, FERRY_LATENCY_BUDGET_MS="1000"), start_node("node-a", tmp_path, REDIS_URL)]
+    budget = str(int(BUDGET_S * 1000))
+    procs = [start_web(tmp_path, REDIS_URL, FERRY_LATENCY_BUDGET_MS=budget), start_node("node-a", tmp_path, REDIS_URL)]
     web, node = procs
     try:
         wait_for("the node ready with digits:1", lambda: ready_on(redis_db, "node-a", "digits:1"), procs)
         wait_for("the web process ready", lambda: web_ready(web), procs)
         resp, _ = digits(web, key)
         assert resp.status == 200, resp.body
+        # How long one request takes here and now, one at a time: the clients below are enough to need three
+        # budgets' worth of the device whatever this machine's speed (a fixed count overloads only a busy one).
+        started = time.monotonic()
+        for _ in range(PROBES):
+            resp, _ = digits(web, key)
+            assert resp.status == 200, resp.body
+        each = (time.monotonic() - started) / PROBES
+        clients = max(MIN_CLIENTS, min(MAX_CLIENTS, math.ceil(3 * BUDGET_S / each)))
 
-        # when twice as many clients as fit the budget call it without a deadline of their own, each pausing
-        # a moment after a refusal (they do not spin)
+        # when three budgets' worth of clients call it without a deadline of their own, each pausing a moment
+        # after a refusal (they do not spin)
         answers: list[tuple[int, dict, bytes]] = []
         lock = threading.Lock()
         stop = threading.Event()
@@ -90,7 +103,7 @@ def test_overload_gets_quick_503s_from_the_gateway_not_504s_from_the_stream(
                 if answer[0] != 200:
                     time.sleep(0.1)
 
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(CLIENTS)]
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
         for t in threads:
             t.start()
         time.sleep(LOAD_SECONDS)
@@ -102,7 +115,10 @@ def test_overload_gets_quick_503s_from_the_gateway_not_504s_from_the_stream(
         statuses = Counter(status for status, _, _ in answers)
         shed = [orjson.loads(body).get("error", "") for status, _, body in answers if status == 503]
         at_gateway = sum("refused at the gateway" in message for message in shed)
-        print(f"statuses: {dict(statuses)}; 503s refused at the gateway: {at_gateway} of {len(shed)}")
+        print(
+            f"{clients} clients, {each * 1000:.0f} ms a request alone; statuses: {dict(statuses)};"
+            f" 503s refused at the gateway: {at_gateway} of {len(shed)}"
+        )
         # then every request got an answer, none a 500
         assert set(statuses) <= {200, 503, 504}, statuses
         # and the overload is answered by 503s with Retry-After, most of them by the gateway before the stream
