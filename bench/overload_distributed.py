@@ -95,6 +95,16 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def tree_note() -> str:
+    """What the working tree changes in the code that ran (serving/, bench/, config/), if anything."""
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", "serving", "bench", "config"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    ).stdout.split("\n")  # fmt: skip
+    paths = [line[3:] for line in changed if line.strip()]
+    return f", with uncommitted changes to {', '.join(paths)}" if paths else ", clean tree"
+
+
 def row(res: overload.RampResult, step: dict[str, Any]) -> str:
     answers = max(1, step.get("answers", 0))
     return (
@@ -109,9 +119,9 @@ def section(results: list[overload.RampResult], command: str, started: str, comm
     lines = [
         "## Distributed mode: two web processes, two nodes (issue 19)",
         "",
-        f"Command: `{command}`. Date (UTC): {started}. Commit: `{commit}` (with the working tree's bench/overload.py).",
-        f"Load average (1, 5, 15 min) before and after: {loads[0]} / {loads[-1]}; the machine's 2 cores are shared",
-        "with other work, so the figures are one noisy run's.",
+        f"Command: `{command}`. Date (UTC): {started}. Commit: {commit}.",
+        f"Load average (1, 5, 15 min) before and after: {loads[0]} / {loads[-1]} (the load the run brings counts in",
+        "the second: before it tells whether other work shared the cores).",
         "",
     ]
     for res in results:
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         s.step_s = a.ramp_step
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = f"`{commit.strip()}`{tree_note()}"  # the tree as the run starts, not as it ends
     loads = [load_average()]
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-overload-distributed-"))
     env = {k: v for k, v in os.environ.items() if k not in ("FERRY_QUOTA_REDIS_URL",)}
