@@ -8,7 +8,7 @@ import asyncio
 import json
 import math
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -62,7 +62,7 @@ async def probe_capacity(
 
 async def find_max_rate(
     url: str,
-    body: bytes,
+    body: bytes | Sequence[bytes],
     headers: dict[str, str],
     *,
     start: float,
@@ -84,7 +84,8 @@ async def find_max_rate(
 ) -> tuple[LoadResult | None, list[LoadResult]]:
     """Highest offered rate that passes (p99 < budget and error ratio < max): geometric steps up from
     `start` (down when `start` already fails), then bisection (geometric mean) between the last pass and
-    the first fail. `before_step`/`after_step` bracket each run, e.g. to diff server metrics."""
+    the first fail. `before_step`/`after_step` bracket each run, e.g. to diff server metrics. `body`: one
+    request body, or several sent in turn (loadgen.run)."""
     results: list[LoadResult] = []
 
     async def step(rate: float) -> LoadResult:

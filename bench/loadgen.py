@@ -20,7 +20,7 @@ import math
 import os
 import sys
 from array import array
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -125,7 +125,12 @@ class _Conn(asyncio.Protocol):
     def send(self, sched: float, record: bool) -> None:
         self.sched = sched
         self.record = record
-        self.transport.write(self.gen.request)  # type: ignore[union-attr]
+        gen = self.gen
+        if gen.mix is None:
+            self.transport.write(gen.request)  # type: ignore[union-attr]
+        else:  # a mix of bodies, sent in turn
+            self.transport.write(gen.mix[gen.fired % len(gen.mix)])  # type: ignore[union-attr]
+            gen.fired += 1
         if record:
             self.gen.lag.append(perf_counter() - sched)
 
@@ -151,8 +156,12 @@ class _Conn(asyncio.Protocol):
 
 
 class Generator:
-    def __init__(self, host: str, port: int, request: bytes, timeout: float, cap: int) -> None:
+    def __init__(
+        self, host: str, port: int, request: bytes, timeout: float, cap: int, mix: list[bytes] | None = None
+    ) -> None:
         self.host, self.port, self.request = host, port, request
+        self.mix = mix  # several framed requests, sent in turn (`run`'s body as a list), or None: `request`
+        self.fired = 0
         self.timeout, self.cap = timeout, cap
         self.loop = asyncio.get_running_loop()
         self.idle: list[_Conn] = []
@@ -276,7 +285,7 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 async def run(
     url: str,
-    body: bytes,
+    body: bytes | Sequence[bytes],
     headers: dict[str, str],
     rate: float,
     duration: float,
@@ -291,10 +300,13 @@ async def run(
     """Send `rate` req/s for `warmup + duration` seconds; only the last `duration` seconds are measured.
 
     `abort_after_errors`: stop early once this many measured requests have failed (the step can no
-    longer pass), which keeps overload steps of a sweep short.
+    longer pass), which keeps overload steps of a sweep short. `body` may be several bodies: they are sent
+    in turn, in the order given (shuffle them for a random mix), so a search can offer the mix a ramp sends.
     """
-    host, port, request = request_bytes(url, body, headers)
-    gen = Generator(host, port, request, timeout, max_connections)
+    bodies = [body] if isinstance(body, bytes) else list(body)
+    host, port, request = request_bytes(url, bodies[0], headers)
+    mix = [request_bytes(url, b, headers)[2] for b in bodies] if len(bodies) > 1 else None
+    gen = Generator(host, port, request, timeout, max_connections, mix)
     if connections is None:
         # Enough for ~5 ms of requests: the send loop fires in bursts after any stall, and opening
         # connections mid-burst costs both processes CPU exactly when it is scarcest.

@@ -76,6 +76,7 @@ class Requests:
     def __init__(self, url: str, bodies: list[bytes], labels: np.ndarray, tiers: np.ndarray,
                  headers: dict[str, str], ids: list[str | None] | None = None,
                  weights: np.ndarray | None = None) -> None:  # fmt: skip
+        self.bodies = bodies
         self.wire = [request_bytes(url, b, headers)[2] for b in bodies]
         self.host, self.port, _ = request_bytes(url, bodies[0], headers)
         self.labels = labels  # per body

@@ -50,3 +50,44 @@ def test_the_setup_registers_a_cascade_per_big_model_and_only_the_models_asked()
     assert "'digits-wide-cascade'" in script and "'digits-cascade'" in script and "demo_cache_dir()" in script
     assert "token-sentiment" not in script
     assert "'digits-wide'" not in pipelines.setup(["digits"])
+
+
+def test_the_open_loop_generator_sends_a_mix_of_bodies_in_turn() -> None:
+    # The capacity search offers the ramp's mix (pipelines.ramp_mix) through loadgen.run's list of bodies.
+    import asyncio
+
+    from bench import loadgen
+
+    seen: list[bytes] = []
+
+    class Recorder(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport, self.buf = transport, b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while b"\r\n\r\n" in self.buf:
+                head, rest = self.buf.split(b"\r\n\r\n", 1)
+                length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:])
+                if len(rest) < length:
+                    return
+                seen.append(rest[:length])
+                self.buf = rest[length:]
+                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")  # type: ignore[attr-defined]
+
+    async def scenario() -> loadgen.LoadResult:
+        server = await asyncio.get_running_loop().create_server(Recorder, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await loadgen.run(
+                f"http://127.0.0.1:{port}/v2/models/m/infer", [b'{"a":1}', b'{"b":22}', b'{"c":333}'], {},
+                rate=200.0, duration=0.3, warmup=0.0, progress=False,
+            )  # fmt: skip
+        finally:
+            server.close()
+
+    result = asyncio.run(scenario())
+    assert result.ok == result.count == len(seen) >= 30
+    # each body in turn: all three, as often as each other (arrival order across connections may differ)
+    assert set(seen) == {b'{"a":1}', b'{"b":22}', b'{"c":333}'}
+    assert {seen.count(b) for b in set(seen)} <= {len(seen) // 3, len(seen) // 3 + 1}
