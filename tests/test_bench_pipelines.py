@@ -1,8 +1,11 @@
-"""bench.pipelines' verdict against issue 23's acceptance, and the setup script its overload models pick."""
+"""bench.pipelines' verdict against issue 23's acceptance, the setup script its overload models pick, and the
+mix of bodies its capacity search sends."""
 
 from __future__ import annotations
 
-from bench import pipelines
+import asyncio
+
+from bench import loadgen, pipelines
 
 
 def step(multiplier: float, p99: float, shed: float = 0.0, fallback: float = 0.0, retry: int | None = None) -> dict:
@@ -54,10 +57,6 @@ def test_the_setup_registers_a_cascade_per_big_model_and_only_the_models_asked()
 
 def test_the_open_loop_generator_sends_a_mix_of_bodies_in_turn() -> None:
     # The capacity search offers the ramp's mix (pipelines.ramp_mix) through loadgen.run's list of bodies.
-    import asyncio
-
-    from bench import loadgen
-
     seen: list[bytes] = []
 
     class Recorder(asyncio.Protocol):
