@@ -690,7 +690,7 @@ def run(a: argparse.Namespace, runs: list[str]) -> bool:
         f" (budget {budget_s * 1000:.0f} ms), {a.before:g} s before each failure and {a.after:g} s after;"
         f" {time.monotonic() - started:.0f} s in all",
         f"load average (1 min) at the start {load_before[0]:.1f}, at the end {load_after[0]:.1f}, on {os.cpu_count()}"
-        " cores shared with other work",
+        " cores (the start's tells whether other work shared them)",
         "",
     ]
     print("\n".join(head + lines))
