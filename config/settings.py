@@ -306,8 +306,8 @@ FERRY_SHADOW_QUEUE_BYTES = env_int("FERRY_SHADOW_QUEUE_BYTES", 16 * 1024 * 1024,
 FERRY_SHADOW_WORKERS = env_int("FERRY_SHADOW_WORKERS", 2, minimum=1)
 # The percent of a node's device mirrors may take ahead of callers' batches (serving.policies.mirror_share);
 # 0: mirrors run only in the gaps callers leave. At most 50: callers' work comes first. 10 by default: on a quiet
-# machine it took the share of mirrors compared from under 1% to 21-22% at half capacity and 5-11% at capacity,
-# every caller still answered, callers' p99 a few ms higher (docs/benchmarks/shadow.md).
+# machine it took the share of mirrors compared from under 1% to 21-24% at half capacity (every caller answered)
+# and 3-11% at capacity, where one run of three lost more callers' requests with it (docs/benchmarks/shadow.md).
 FERRY_SHADOW_DEVICE_PERCENT = env_int("FERRY_SHADOW_DEVICE_PERCENT", 10, minimum=0)
 if FERRY_SHADOW_DEVICE_PERCENT > 50:
     raise ImproperSetting(f"FERRY_SHADOW_DEVICE_PERCENT={FERRY_SHADOW_DEVICE_PERCENT} is over 50")
