@@ -193,10 +193,13 @@ async def search_up(base: str, model: str, payload: bytes | list[bytes]) -> floa
     return best.achieved_rate
 
 
+RAMP_TIERS = ((1, 1.0),)  # one priority tier: the ramp's requests and the search's are the same bodies
+
+
 def ramp_mix(base: str, model: str) -> list[bytes]:
     """The bodies the ramp sends (bench.overload.digits_requests, one tier, no deadline), in a seeded random
     order: what the capacity search offers, so that the ramp's multipliers are of the load it measured."""
-    bodies = digits_requests(f"{base}/v2/models/{model}/infer", None, ((1, 1.0),)).bodies
+    bodies = digits_requests(f"{base}/v2/models/{model}/infer", None, RAMP_TIERS).bodies
     order = np.random.default_rng(0).permutation(len(bodies))
     return [bodies[i] for i in order]
 
@@ -205,7 +208,7 @@ def overload_ramp(server: Server, model: str, a: argparse.Namespace) -> dict:
     """`model`'s capacity (the pipeline's, or a model's), then the ramp past it (the module docstring, 3.)."""
     s = OverloadSettings(
         step_s=a.overload_step, capacity_step_s=4.0, probe_s=2.0, deadline_ms=BUDGET_MS,
-        tiers=((1, 1.0),), multipliers=tuple(a.multipliers), settle_s=2.0,
+        tiers=RAMP_TIERS, multipliers=tuple(a.multipliers), settle_s=2.0,
     )  # fmt: skip
     load_before = os.getloadavg()
     cap = loadgen.arun(search_up(server.base, model, ramp_mix(server.base, model)))
