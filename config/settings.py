@@ -256,6 +256,9 @@ FERRY_MAX_QUEUED_LOADS = env_int("FERRY_MAX_QUEUED_LOADS", 16, minimum=1)
 FERRY_NODE_METRICS_PORT = env_int("FERRY_NODE_METRICS_PORT", 0, minimum=0)
 # The web process hosts the node (embedded mode) unless told otherwise.
 FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
+# Embedded mode with several web processes (`serve --workers N`): the node host's Unix socket, which `serve`
+# sets for the web processes it starts (serving.dataplane.transport.host_link). Not a setting to set by hand.
+FERRY_NODE_SOCKET = env_str("FERRY_NODE_SOCKET", "")
 # Per-tenant quotas on /v2 inference (docs/decisions/0012-quotas.md). Shared through Redis (one script call
 # per request, FERRY_QUOTA_REDIS_TIMEOUT_MS at most) when FERRY_QUOTA_REDIS_URL (default REDIS_URL) is
 # set, in-process otherwise. While Redis does not answer, each gateway enforces its share: the tenant's

@@ -29,6 +29,7 @@ from serving.dataplane import tracing
 from serving.dataplane.errors import ServingError
 from serving.dataplane.gateway.cache import CachingTransport, RedisTier, ResponseCache
 from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.quota_gate import QuotaGate
 from serving.dataplane.gateway.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.gateway.shadow import Mirror, Pair
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, hub
@@ -41,6 +42,7 @@ from serving.dataplane.node.runtime import configure_torch_threads
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.transport.fleet import FleetView
 from serving.dataplane.transport.fleet_events import EventPublisher
+from serving.dataplane.transport.host_link import HostLink, HostQuota, HostTransport, HostView
 from serving.dataplane.transport.load_view import LoadView
 from serving.dataplane.transport.streams import RedisStreamsTransport
 from serving.dataplane.transport.transport import InProcessTransport
@@ -188,7 +190,10 @@ async def start() -> DataPlane:
     runtime_process.warn_if_inline()
     tracing.configure(service="ferry-web")  # off unless the OTEL_* variables ask for traces
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
-    if settings.REDIS_URL and not settings.FERRY_EMBEDDED_NODE:
+    quota = quota_gate_from_settings()
+    if settings.FERRY_NODE_SOCKET:
+        node, transport, quota = await _node_host(quota)
+    elif settings.REDIS_URL and not settings.FERRY_EMBEDDED_NODE:
         node, transport = await _remote_nodes()
     else:
         node = Node(
@@ -234,7 +239,7 @@ async def start() -> DataPlane:
         node=node,
         loop=asyncio.get_running_loop(),
         pepper=pepper_from(settings.SECRET_KEY),
-        quota=quota_gate_from_settings(),
+        quota=quota,
         usage=UsageFlusher(recorder, sync_to_async(_send_usage)),
         fingerprint=_registry_fingerprint,
         publish=publish_snapshot,
@@ -259,8 +264,9 @@ async def start() -> DataPlane:
         except Exception as exc:
             log.error("no routing snapshot at start-up (database unreachable?): %s", exc)
         plane.refresher = plane.loop.create_task(plane._refresh_forever())
-        _control_tasks.append(plane.loop.create_task(_evaluate_rollouts_forever()))
-    if hub.current is not None and isinstance(node, Node):
+        if not isinstance(node, HostView):  # the node host evaluates them, once for every web process
+            _control_tasks.append(plane.loop.create_task(_evaluate_rollouts_forever()))
+    if hub.current is not None and isinstance(node, Node | HostView):
         await plane.wait_reconciled(hub.current.serial)
     # Everything built so far (Django, torch, loaded models) lives as long as the process: keep it
     # out of the collector's full passes, which otherwise stall the event loop for tens of ms.
@@ -269,7 +275,7 @@ async def start() -> DataPlane:
     return plane
 
 
-def _with_cache(transport: InProcessTransport | RedisStreamsTransport) -> object:
+def _with_cache(transport: InProcessTransport | RedisStreamsTransport | HostTransport) -> object:
     """The gateway's transport, behind the response cache unless FERRY_RESPONSE_CACHE_BYTES is 0."""
     if not settings.FERRY_RESPONSE_CACHE_BYTES:
         return transport
@@ -297,6 +303,29 @@ async def _remote_nodes() -> tuple[FleetView, RedisStreamsTransport]:
         transport.admission.start()
     await transport.start()
     return fleet, transport
+
+
+async def _node_host(quota: QuotaGate | None) -> tuple[HostView, HostTransport, QuotaGate | None]:
+    """A web process of embedded mode with several (`serve --workers N`): the node host beside it holds the
+    models and the quotas; this process parses, authenticates, routes and meters."""
+    link = HostLink(settings.FERRY_NODE_SOCKET)
+    link.start()
+    try:
+        await asyncio.wait_for(link.connected.wait(), timeout=30)
+    except TimeoutError:
+        log.error("the node host at %s does not answer; starting without it", settings.FERRY_NODE_SOCKET)
+    view = HostView(link)
+    view.start()
+    transport = HostTransport(link, max_bytes=settings.FERRY_MAX_QUEUE_BYTES)
+    if quota is not None:
+        # The host decides for every web process; while it does not answer, each decides alone on its share.
+        quota = QuotaGate(
+            shared=HostQuota(link),  # type: ignore[arg-type]
+            gateways=settings.FERRY_QUOTA_GATEWAYS,
+            timeout_s=settings.FERRY_QUOTA_REDIS_TIMEOUT_MS / 1000,
+            control=quota.control,
+        )
+    return view, transport, quota
 
 
 async def _follow_redis(plane: DataPlane) -> None:

@@ -31,6 +31,7 @@ PROCESS_MODULES = {
     "test_autoscale_processes",
     "test_fleet_processes",
     "test_lifecycle_processes",
+    "test_node_host_processes",
     "test_node_providers",
     "test_postgres_outage",
     "test_revocation_gateways",

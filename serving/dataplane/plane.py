@@ -26,6 +26,7 @@ from serving.dataplane.http.frontdoor import GATE
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node.node import Node
 from serving.dataplane.transport.fleet import FleetView
+from serving.dataplane.transport.host_link import HostView
 from serving.policies.shedding import smoothed_lag
 from usage.flusher import UsageFlusher
 
@@ -39,8 +40,9 @@ KEY_USE_FLUSH_SECONDS = 5.0  # how often API keys' last_used_at is written, off 
 @dataclass
 class DataPlane:
     gateway: Gateway
-    # The embedded node, or in distributed mode the fleet of node processes as Redis announces it.
-    node: Node | FleetView
+    # The embedded node; in distributed mode the fleet of node processes as Redis announces it; in a web process
+    # of embedded mode with several, the node host's versions (transport.host_link).
+    node: Node | FleetView | HostView
     loop: asyncio.AbstractEventLoop
     refresher: asyncio.Task[None] | None = None
     lag_watch: asyncio.Task[None] | None = None

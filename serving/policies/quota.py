@@ -237,6 +237,19 @@ class InProcessQuota:
         else:
             state.bucket.tokens, state.bucket.at = tokens, now
 
+    def charge(self, tenant_id: int, n: int, limits: Limits) -> None:
+        """Count `n` requests admitted elsewhere (a gateway deciding alone while this limiter did not answer):
+        tokens and the month's count, never the in-flight count, which that gateway kept."""
+        if n <= 0:
+            return
+        now = self.clock()
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now))
+        state.bucket.refill(now, limits.requests_per_second, limits.burst)
+        state.bucket.tokens -= n
+        state.used += n
+
     def release(self, tenant_id: int) -> None:
         state = self._tenants.get(tenant_id)
         if state is not None and state.in_flight > 0:

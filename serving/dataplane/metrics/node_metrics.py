@@ -137,10 +137,20 @@ def _labels(key: str) -> list[str]:
 def serve(process: NodeProcess, port: int, addr: str = "0.0.0.0") -> WSGIServer:  # noqa: S104 (a scrape target)
     """Register the node's collector and serve /metrics on `port`; returns the server (shutdown())."""
     REGISTRY.register(NodeCollector(process))
+    return serve_registry(lambda: process.hub.current, port, addr)
+
+
+def serve_registry(
+    snapshot: Callable[[], RoutingSnapshot | None],
+    port: int,
+    addr: str = "0.0.0.0",  # noqa: S104
+) -> WSGIServer:
+    """Serve this process's registry on `port` (the node host of embedded mode: its batches, devices and
+    runtimes, which its web processes do not see); `snapshot` judges which names a caller may read."""
     server = make_server(
         addr,
         port,
-        MetricsApp(lambda: process.hub.current),
+        MetricsApp(snapshot),
         server_class=_server_class(addr),
         handler_class=_QuietHandler,
     )

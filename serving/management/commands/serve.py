@@ -1,9 +1,19 @@
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import uvicorn
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from uvicorn.supervisors import Multiprocess
 
 from serving.dataplane.http.frontdoor import uvicorn_config
+
+HOST_START_TIMEOUT_S = 600.0  # the node host loads every model before it listens
+MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
 
 
 class Command(BaseCommand):
@@ -17,7 +27,9 @@ class Command(BaseCommand):
             type=int,
             default=1,
             help="web processes sharing the port (uvicorn's supervisor restarts any that dies); each has its"
-            " own gateway. More than one needs distributed mode with FERRY_EMBEDDED_NODE=false.",
+            " own gateway. In embedded mode a node host process beside them holds the models and the quotas"
+            " (`manage.py nodehost`); in distributed mode the nodes are `runnode` processes"
+            " (FERRY_EMBEDDED_NODE=false).",
         )
 
     def handle(self, *args: object, **options: object) -> None:
@@ -26,10 +38,7 @@ class Command(BaseCommand):
         workers = int(options["workers"])  # type: ignore[call-overload]
         if workers < 1:
             raise CommandError("--workers must be at least 1")
-        if workers > 1 and settings.EMBEDDED:
-            # Quotas, snapshots and the node would each be per process: a tenant would get N times its limits.
-            raise CommandError("several web processes need REDIS_URL (shared quotas and routing snapshots)")
-        if workers > 1 and settings.FERRY_EMBEDDED_NODE:
+        if workers > 1 and not settings.EMBEDDED and settings.FERRY_EMBEDDED_NODE:
             raise CommandError(
                 "several web processes would each load every model: run nodes with `manage.py"
                 " runnode` and set FERRY_EMBEDDED_NODE=false"
@@ -40,10 +49,18 @@ class Command(BaseCommand):
         )
         config = uvicorn_config("config.asgi:application", options["host"], options["port"], workers=workers)
         if workers > 1:
+            host = NodeHost(Path(settings.DATA_DIR) / "run" / "node.sock") if settings.EMBEDDED else None
             try:
+                if host is not None:
+                    host.start()
+                    os.environ["FERRY_NODE_SOCKET"] = str(host.path)  # what the web processes read
+                    os.environ.setdefault("FERRY_QUOTA_GATEWAYS", str(workers))
                 Multiprocess(config, sockets=[config.bind_socket()]).run()
             except KeyboardInterrupt:
                 pass
+            finally:
+                if host is not None:
+                    host.stop()
             return
         server = uvicorn.Server(config)
         try:
@@ -52,3 +69,57 @@ class Command(BaseCommand):
             pass
         if not server.started:
             raise CommandError("the server did not start (see the log above)")
+
+
+class NodeHost:
+    """`manage.py nodehost` beside the web processes: started before them (it loads the models first), and
+    started again if it dies; its socket is what the web processes connect to."""
+
+    def __init__(self, path: Path) -> None:
+        if len(str(path)) > MAX_SOCKET_PATH:
+            raise CommandError(f"the node host's socket path is too long for a Unix socket: {path}")
+        self.path = path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k != "FERRY_NODE_SOCKET"}
+        cmd = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "nodehost", "--socket", str(self.path)]
+        return subprocess.Popen(cmd, env=env)
+
+    def start(self) -> None:
+        if self.path.exists():
+            self.path.unlink()  # a host that died left it: readiness is the new one's socket
+        self.proc = self._spawn()
+        deadline = time.monotonic() + HOST_START_TIMEOUT_S
+        while not self.path.exists():
+            if self.proc.poll() is not None:
+                raise CommandError(f"the node host exited with {self.proc.returncode} before it listened")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise CommandError(f"the node host did not listen within {HOST_START_TIMEOUT_S:.0f} s")
+            time.sleep(0.1)
+        self._watch = threading.Thread(target=self._keep_running, name="ferry-node-host", daemon=True)
+        self._watch.start()
+
+    def _keep_running(self) -> None:
+        while not self._stopping.is_set():
+            assert self.proc is not None
+            code = self.proc.poll()
+            if code is not None and not self._stopping.is_set():
+                # Meanwhile the web processes answer 503 with Retry-After; they reconnect on their own.
+                print(f"the node host exited with {code}; starting it again", file=sys.stderr, flush=True)
+                self.proc = self._spawn()
+            self._stopping.wait(0.5)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
