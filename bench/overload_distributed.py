@@ -28,6 +28,7 @@ from typing import Any
 
 from bench import overload
 from bench.fleet200 import clear_redis, fresh_database
+from bench.overload_report import checks
 from bench.run import setup_data_dir
 from bench.server import ROOT, Server, free_port, proc_memory, say
 
@@ -105,6 +106,10 @@ def tree_note() -> str:
     return f", with uncommitted changes to {', '.join(paths)}" if paths else ", clean tree"
 
 
+def _verdict(ok: bool | None) -> str:
+    return "reading" if ok is None else ("PASS" if ok else "FAIL")
+
+
 def row(res: overload.RampResult, step: dict[str, Any]) -> str:
     answers = max(1, step.get("answers", 0))
     return (
@@ -115,10 +120,22 @@ def row(res: overload.RampResult, step: dict[str, Any]) -> str:
     )
 
 
-def section(results: list[overload.RampResult], command: str, started: str, commit: str, loads: list[str]) -> str:
+HEADING = "## Distributed mode: two web processes, two nodes"
+
+
+def section(
+    results: list[overload.RampResult],
+    command: str,
+    started: str,
+    commit: str,
+    loads: list[str],
+    heading: str = HEADING + " (issue 19)",
+    about: tuple[str, ...] = (),
+) -> str:
     lines = [
-        "## Distributed mode: two web processes, two nodes (issue 19)",
+        heading,
         "",
+        *about,
         f"Command: `{command}`. Date (UTC): {started}. Commit: {commit}.",
         f"Load average (1, 5, 15 min) before and after: {loads[0]} / {loads[-1]} (the load the run brings counts in",
         "the second: before it tells whether other work shared the cores).",
@@ -138,13 +155,16 @@ def section(results: list[overload.RampResult], command: str, started: str, comm
             "|---|---|---|---|---|---|---|---|---|---|",
             *(row(res, step) for step in res.steps),
             "",
+            "| check | measured | target | verdict |",
+            "|---|---|---|---|",
+            *(f"| {name} | {measured} | {target} | {_verdict(ok)} |" for name, measured, target, ok in checks(res)),
+            "",
         ]
     return "\n".join(lines) + "\n"
 
 
-def splice(path: Path, text: str) -> None:
-    """Replace this page's distributed section, or add it at the end."""
-    head = "## Distributed mode: two web processes, two nodes"
+def splice(path: Path, text: str, head: str = HEADING) -> None:
+    """Replace the page's section that starts with `head` (the distributed one by default), or add it at the end."""
     old = path.read_text() if path.exists() else ""
     start = old.find(head)
     if start < 0:
