@@ -2,7 +2,7 @@
 host (`manage.py serve --workers N`, issue 19's item 3), in one run: the same capacity search and ramp for each.
 
     .venv/bin/python -m bench.overload_processes [--quick] [--workers 1,2] [--models digits-wide,digits]
-        [--record docs/benchmarks/overload.md]
+        [--record docs/benchmarks/overload-processes.md]
 
 Embedded mode: SQLite in a fresh data directory, no Redis. With N > 1, `serve` starts `manage.py nodehost`
 (the models, their batches and every tenant's quota) and N web processes on one port
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="1,2", help="web process counts to run, in turn")
     p.add_argument("--models", default=f"{overload.WIDE_MODEL},{overload.FAST_MODEL}")
     p.add_argument("--ramp-step", type=float, help="seconds per ramp step")
-    p.add_argument("--record", type=Path, help="splice the section into this page (docs/benchmarks/overload.md)")
+    p.add_argument("--record", type=Path, help="splice the section into this page (docs/benchmarks/overload-processes.md)")
     a = p.parse_args(argv)
     s = overload.OverloadSettings.for_mode(a.quick)
     if a.ramp_step:
