@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="1,2", help="web process counts to run, in turn")
     p.add_argument("--models", default=f"{overload.WIDE_MODEL},{overload.FAST_MODEL}")
     p.add_argument("--ramp-step", type=float, help="seconds per ramp step")
-    p.add_argument("--record", type=Path, help="splice the section into this page (docs/benchmarks/overload-processes.md)")
+    p.add_argument("--record", type=Path, help="splice the section into this page (overload-processes.md)")
     a = p.parse_args(argv)
     s = overload.OverloadSettings.for_mode(a.quick)
     if a.ramp_step:
