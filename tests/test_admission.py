@@ -355,3 +355,54 @@ async def test_shrinking_max_batch_answers_queued_requests_that_no_longer_fit(no
     assert refused.value.status == 503 and "max_batch_size changed to 4" in refused.value.message
     assert not small.done() and hosted.batcher.queue.rows == 2
     small.cancel()
+
+
+def test_calibration_is_the_recent_slow_tail_of_took_over_estimated() -> None:
+    cal = admission.Calibration(tau=2.0)
+    assert cal.factor(0.0) == 1.0  # nothing learned: the estimate stands
+    for i in range(admission.CALIBRATION_MIN_SAMPLES - 1):
+        cal.observe(0.1, 0.2, 1.0 + i * 0.001)
+    assert cal.factor(1.1) == 1.0  # too few to say
+    cal = admission.Calibration(tau=2.0)
+    for i in range(100):  # 91 at 1.5x, 9 at 3x: the 90th percentile is 1.5x
+        cal.observe(0.1, 0.15 if i < 91 else 0.3, 1.2 + i * 0.001)
+    assert cal.factor(1.3) == pytest.approx(1.5)
+    cal.observe(0.1, 0.4, 1.31)
+    assert cal.factor(1.35) == pytest.approx(1.5)  # kept between refreshes
+    assert cal.factor(3.35) == 1.0  # all older than tau: forgotten
+    fast = admission.Calibration()
+    for i in range(50):
+        fast.observe(0.1, 0.05, float(i) / 100)  # faster than estimated
+        fast.observe(0.01, 1.0, float(i) / 100)  # a short estimate: a request's fixed cost, not taught
+    assert fast.factor(0.6) == 1.0  # never below 1
+    slow = admission.Calibration()
+    for i in range(50):
+        slow.observe(0.1, 10.0, float(i) / 100)
+    assert slow.factor(0.6) == admission.MAX_CORRECTION
+
+
+async def test_a_calibrated_node_refuses_what_the_raw_estimate_would_admit(node) -> None:  # noqa: ANN001
+    # given 16 rows queued on a version whose batch of 8 takes 0.1 s: the raw estimate for one more is 0.3 s
+    host(node, "a", 0.1)
+    tasks = await queued(node, "a", 16)
+    # and a node whose admitted requests lately took twice their estimate
+    for _ in range(admission.CALIBRATION_MIN_SAMPLES):
+        node.calibration.observe(0.1, 0.2, node.clock.now)
+    node.clock.now += admission.CALIBRATION_REFRESH_S  # the factor is recomputed at most this often
+    # when a request with 0.5 s left arrives (headroom 0.4 s: the raw 0.3 s fits, the calibrated 0.6 s does not)
+    with pytest.raises(Shed) as refused:
+        await node.infer("a:1", rows(1), 1, node.clock.now + 0.5, 1)
+    assert refused.value.reason == "deadline"
+    for t in tasks:
+        t.cancel()
+
+
+async def test_an_admitted_request_that_misses_its_deadline_teaches_the_calibration(node) -> None:  # noqa: ANN001
+    host(node, "a", 0.06)
+    task = asyncio.ensure_future(node.infer("a:1", rows(1), 1, node.clock.now + 0.1, 1))
+    await asyncio.sleep(0)
+    node.clock.now += 0.12  # its batch never ran (the batcher is stopped): its deadline timer answers
+    with pytest.raises(DeadlineExceeded):
+        await task
+    (when, ratio), *_ = node.calibration._samples
+    assert ratio == pytest.approx(0.12 / 0.06)

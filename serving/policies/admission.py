@@ -25,6 +25,7 @@ tighter share of their budget (`tier_share`), so they are shed first as the back
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -110,6 +111,60 @@ def drain_seconds(loads: Iterable[VersionLoad], in_flight: float) -> float:
 def retry_after(drain: float) -> float:
     """Whole seconds, at least one: when the backlog that refused this request will have drained."""
     return float(max(1, math.ceil(drain)))
+
+
+CALIBRATION_TAU_S = 2.0  # how long what answered requests took is remembered
+CALIBRATION_MIN_ESTIMATE_S = 0.05  # shorter estimates are mostly fixed costs, not the device's queue
+CALIBRATION_QUANTILE = 0.9
+CALIBRATION_MIN_SAMPLES = 20  # fewer recent than this: no correction
+CALIBRATION_SAMPLES = 512
+CALIBRATION_REFRESH_S = 0.1  # the quantile is recomputed at most this often, not per request
+MAX_CORRECTION = 4.0
+
+
+class Calibration:
+    """How far the device estimate falls short of the time admitted requests really take, on this node.
+
+    The estimate counts the device's queue at the profile's speed. When the node's process is short of CPU
+    (the event loop, parsing and the device thread contending for it), batches start later than the profile
+    says, and requests admitted near the edge of their budget miss it: 504s where a quick 503 or the fallback
+    was due. `factor` is the CALIBRATION_QUANTILE of took / estimated over the admitted requests answered in
+    the last CALIBRATION_TAU_S (took: from admission to the answer, or to the deadline for one that missed
+    it), never below 1; the node multiplies each estimate by it before `decide`. A quantile, not a mean: the
+    bound is on the slow tail. Only requests estimated at CALIBRATION_MIN_ESTIMATE_S or more teach it (a short
+    estimate's error is a request's fixed cost, which HEADROOM covers); with too few of them, it is 1."""
+
+    def __init__(
+        self,
+        *,
+        tau: float = CALIBRATION_TAU_S,
+        min_estimate: float = CALIBRATION_MIN_ESTIMATE_S,
+        quantile: float = CALIBRATION_QUANTILE,
+    ) -> None:
+        self.tau = tau
+        self.min_estimate = min_estimate
+        self.quantile = quantile
+        self._samples: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_SAMPLES)  # (when, took / estimated)
+        self._factor = 1.0
+        self._until = -math.inf
+
+    def observe(self, estimated: float, took: float, now: float) -> None:
+        if estimated >= self.min_estimate:
+            self._samples.append((now, took / estimated))
+
+    def factor(self, now: float) -> float:
+        if now < self._until:
+            return self._factor
+        self._until = now + CALIBRATION_REFRESH_S
+        since = now - self.tau
+        while self._samples and self._samples[0][0] < since:
+            self._samples.popleft()
+        if len(self._samples) < CALIBRATION_MIN_SAMPLES:
+            self._factor = 1.0
+        else:
+            ratios = sorted(r for _, r in self._samples)
+            self._factor = min(MAX_CORRECTION, max(1.0, ratios[int(self.quantile * (len(ratios) - 1))]))
+        return self._factor
 
 
 def decide(*, now: float, deadline: float, priority: int, completion: float, higher_share: float = 0.0) -> Verdict:

@@ -34,7 +34,7 @@ from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, pick_de
 from serving.dataplane.node.runtime_process import make_runtime
 from serving.dataplane.transport.transport import Outputs
 from serving.policies import admission, mirror_share
-from serving.policies.admission import DeviceShare
+from serving.policies.admission import Calibration, DeviceShare
 from serving.policies.batching import SHADOW_PRIORITY, BatchQueue, LatencyProfile, Pending, QueueFull
 from serving.policies.mirror_share import MirrorShare
 from serving.policies.placement import Fit, NodeState, Resident, VersionSpec, fit
@@ -132,6 +132,8 @@ class Node:
         self.failures: dict[str, LoadFailure] = {}
         self._reconcile_lock = asyncio.Lock()
         self.reconciled_serial = 0
+        # How far admission's device estimate falls short of what admitted requests take here (policies.admission).
+        self.calibration = Calibration()
         # Batches handed to the device thread and not finished: id -> estimated seconds. All versions
         # share the thread, so admission counts this work for every request.
         self._device_work: dict[int, float] = {}
@@ -463,15 +465,17 @@ class Node:
         hosted.last_used = now
         if deadline <= now:
             raise DeadlineExceeded("request deadline passed before it was queued")
+        estimated = 0.0  # the device estimate this request was admitted on, which then teaches the calibration
         if self.admission and not (
             priority >= SHADOW_PRIORITY and self._mirror_fits_share(hosted, rows, deadline, now)
         ):
             begun = tracing.since() if tracing.ENABLED else 0
+            estimated = self._completion(hosted, rows, priority, now)
             verdict = admission.decide(
                 now=now,
                 deadline=deadline,
                 priority=priority,
-                completion=self._completion(hosted, rows, priority, now),
+                completion=estimated * self.calibration.factor(now),
                 higher_share=hosted.share.higher_than(priority, now),
             )
             if begun:
@@ -510,7 +514,17 @@ class Node:
         timer = loop.call_at(loop.time() + (deadline - now), _expire_future, future)
         hosted.in_flight += 1
         try:
-            return await future
+            try:
+                result = await future
+            except DeadlineExceeded:  # took at least its whole budget
+                if estimated:
+                    done = self._clock()
+                    self.calibration.observe(estimated, done - now, done)
+                raise
+            if estimated:
+                done = self._clock()
+                self.calibration.observe(estimated, done - now, done)
+            return result
         finally:
             hosted.in_flight -= 1
             timer.cancel()
