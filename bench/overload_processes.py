@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench import overload
+from bench.loadgen import arun
 from bench.overload_distributed import load_average, section, splice, tree_note
 from bench.run import setup_data_dir
 from bench.server import ROOT, Server, free_port, say
@@ -31,8 +32,6 @@ HEADING = "## Embedded mode: one web process, and several beside a node host"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.loadgen import arun
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="bench.overload's quick settings (shorter steps)")
     p.add_argument("--workers", default="1,2", help="web process counts to run, in turn")

@@ -28,10 +28,11 @@ import msgpack
 import numpy as np
 
 from serving.dataplane import tracing
-from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unavailable
+from serving.dataplane.errors import DeadlineExceeded, ServingError, Unavailable
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, TenantEntry, VersionEntry
 from serving.dataplane.metrics import metrics
 from serving.dataplane.transport import host_frames as frames
+from serving.dataplane.transport.outstanding import Outstanding, check_sendable, held_for
 from serving.dataplane.transport.stream_codec import MalformedMessage, StreamRequest, decode_reply, encode_request
 from serving.policies.quota import Decision
 
@@ -139,12 +140,6 @@ class HostLink:
             self._proto.close()
 
 
-@dataclass(slots=True)
-class _Outstanding:
-    items: int = 0
-    nbytes: int = 0
-
-
 REPLY_TO = b"host"
 
 
@@ -168,7 +163,7 @@ class HostTransport:
         self.max_bytes = max_bytes
         self._clock = clock
         self._wall = wall
-        self._outstanding: dict[str, _Outstanding] = {}
+        self._outstanding: dict[str, Outstanding] = {}
 
     async def infer(
         self,
@@ -184,23 +179,9 @@ class HostTransport:
         outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         now = self._clock()
-        if deadline <= now:
-            metrics.DEADLINES.labels(entry.model, str(entry.version), "unsent").inc()
-            raise DeadlineExceeded("request deadline passed before it was sent")
-        if gone is not None and gone():
-            raise ServingError("the client closed the connection", status=499)
+        check_sendable(entry, deadline, now, gone)
         key = entry.key
-        held = self._outstanding.get(key)
-        if held is None:
-            held = self._outstanding[key] = _Outstanding()
-        if held.items >= entry.batching.max_queue_size or held.nbytes + nbytes > self.max_bytes:
-            metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), "queue_full").inc()
-            raise Shed(
-                f"{key}: this web process holds {held.items} requests ({held.nbytes} bytes) for it already",
-                reason="queue_full",
-                tier=priority,
-                retry_after=1,
-            )
+        held = held_for(self._outstanding, entry, nbytes, self.max_bytes, priority, "this web process")
         message = encode_request(
             StreamRequest(
                 0,  # the frame's id is the request's; the codec's reply stream is the connection

@@ -36,6 +36,7 @@ from serving.dataplane.errors import DeadlineExceeded, ServingError, Shed, Unava
 from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.metrics import metrics
 from serving.dataplane.transport import redis_pipe, stream_bound
+from serving.dataplane.transport.outstanding import Outstanding, check_sendable, held_for
 from serving.dataplane.transport.stream_codec import (
     FIELD,
     REPLIES,
@@ -84,12 +85,6 @@ class _Waiting:
     nbytes: int
 
 
-@dataclass(slots=True)
-class _Outstanding:
-    items: int = 0
-    nbytes: int = 0
-
-
 class RedisStreamsTransport:
     def __init__(
         self,
@@ -108,7 +103,7 @@ class RedisStreamsTransport:
         self.reply_to = f"ferry:reply:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}
-        self._outstanding: dict[str, _Outstanding] = {}
+        self._outstanding: dict[str, Outstanding] = {}
         # False from a Redis error until the reply reader is connected again: requests are refused at once
         # rather than each spending a connection attempt.
         self.connected = False
@@ -154,25 +149,11 @@ class RedisStreamsTransport:
         outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         now = self._clock()
-        if deadline <= now:
-            metrics.DEADLINES.labels(entry.model, str(entry.version), "unsent").inc()
-            raise DeadlineExceeded("request deadline passed before it was sent")
-        if gone is not None and gone():  # its client left before it was sent: never sent, never run
-            raise ServingError("the client closed the connection", status=499)
+        check_sendable(entry, deadline, now, gone)
         if not self.connected or self._pipe is None:
             raise Unavailable("the request queue (Redis) is unreachable", retry_after=1)
         key = entry.key
-        held = self._outstanding.get(key)
-        if held is None:
-            held = self._outstanding[key] = _Outstanding()
-        if held.items >= entry.batching.max_queue_size or held.nbytes + nbytes > self.max_bytes:
-            metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), "queue_full").inc()
-            raise Shed(
-                f"{key}: this gateway holds {held.items} requests ({held.nbytes} bytes) for it already",
-                reason="queue_full",
-                tier=priority,
-                retry_after=1,
-            )
+        held = held_for(self._outstanding, entry, nbytes, self.max_bytes, priority, "this gateway")
         if self.admission is not None:  # the nodes' load as last published: refused here, never queued
             try:
                 self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))

@@ -33,7 +33,7 @@ class Command(BaseCommand):
             raise CommandError("nodehost is embedded mode's (no REDIS_URL), and is not itself a web process")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            import uvloop
+            import uvloop  # noqa: PLC0415  (optional: uvicorn[standard] brings it; the loop runs without it)
 
             factory = uvloop.new_event_loop
         except ImportError:
