@@ -208,24 +208,15 @@ async def read_lost(client: aioredis.Redis, live: list[NodeInfo], now: float) ->
     return sorted(lost, key=lambda n: n.name)
 
 
-class FleetView:
-    """A gateway's view of the live nodes, re-read every REFRESH_SECONDS. If Redis is unreachable the
-    last view stays (the transport refuses requests meanwhile; routing on a stale view costs nothing)."""
+class RemoteVersions:
+    """What a gateway asks of the node(s) beside it when they are other processes, answered from the last view
+    it read: what `FleetView` reads from Redis and `host_link.HostView` from the node host."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.nodes: list[NodeInfo] = []
+    def __init__(self) -> None:
         self._ready: frozenset[str] = frozenset()  # served by some live node, loaded or cold
         self._hot: frozenset[str] = frozenset()  # loaded on some live node
-        self.packing = FleetPacking()
         self.failures: dict[str, LoadFailure] = {}
         self.reconciled_serial = 0
-        self._client: aioredis.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._client = redis_pipe.client(self.url)
-        self._task = asyncio.get_running_loop().create_task(self._refresh_forever(), name="ferry-fleet")
 
     def is_ready(self, key: str) -> bool:
         """Loaded on a live node (an embedded `Node.is_ready`)."""
@@ -241,6 +232,23 @@ class FleetView:
 
     def queue_depth(self, key: str) -> int:
         return 0  # queues live on the nodes
+
+
+class FleetView(RemoteVersions):
+    """A gateway's view of the live nodes, re-read every REFRESH_SECONDS. If Redis is unreachable the
+    last view stays (the transport refuses requests meanwhile; routing on a stale view costs nothing)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.nodes: list[NodeInfo] = []
+        self.packing = FleetPacking()
+        self._client: aioredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._client = redis_pipe.client(self.url)
+        self._task = asyncio.get_running_loop().create_task(self._refresh_forever(), name="ferry-fleet")
 
     def update(self, nodes: list[NodeInfo]) -> None:
         self.nodes = nodes

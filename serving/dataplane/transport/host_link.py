@@ -22,7 +22,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -32,6 +31,7 @@ from serving.dataplane.errors import DeadlineExceeded, ServingError, Unavailable
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, TenantEntry, VersionEntry
 from serving.dataplane.metrics import metrics
 from serving.dataplane.transport import host_frames as frames
+from serving.dataplane.transport.fleet import LoadFailure, RemoteVersions
 from serving.dataplane.transport.outstanding import Outstanding, check_sendable, held_for
 from serving.dataplane.transport.stream_codec import MalformedMessage, StreamRequest, decode_reply, encode_request
 from serving.policies.quota import Decision
@@ -231,45 +231,24 @@ class HostTransport:
         return held.items if held else 0
 
 
-@dataclass(frozen=True, slots=True)
-class HostFailure:
-    reason: str
-
-
-class HostView:
+class HostView(RemoteVersions):
     """The node host's versions as a web process sees them, re-read every STATUS_SECONDS; the last view
     stays while the host is away (requests are refused meanwhile: the link is down)."""
 
     def __init__(self, link: HostLink) -> None:
+        super().__init__()
         self.link = link
-        self._ready: frozenset[str] = frozenset()
-        self._hot: frozenset[str] = frozenset()
-        self.failures: dict[str, HostFailure] = {}
         self.host_serial = 0
-        # The serial of this process's latest snapshot that the host has reconciled (see `reconcile`).
-        self.reconciled_serial = 0
+        # reconciled_serial: that of this process's latest snapshot the host has reconciled (see `reconcile`).
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._refresh_forever(), name="ferry-host-view")
 
-    def is_ready(self, key: str) -> bool:
-        return key in self._hot
-
-    def routable(self, key: str) -> bool:
-        return key in self._ready
-
-    def unready_reason(self, key: str) -> str:
-        failure = self.failures.get(key)
-        return failure.reason if failure is not None else ""
-
-    def queue_depth(self, key: str) -> int:
-        return 0  # queues live on the host
-
     def update(self, doc: dict) -> None:
         self._hot = frozenset(doc.get("hot", ()))
         self._ready = frozenset(doc.get("ready", ())) | self._hot
-        self.failures = {k: HostFailure(r) for k, r in (doc.get("failures") or {}).items()}
+        self.failures = {k: LoadFailure(r) for k, r in (doc.get("failures") or {}).items()}
         self.host_serial = int(doc.get("serial", 0))
 
     async def refresh_once(self) -> None:
