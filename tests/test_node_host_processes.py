@@ -1,7 +1,8 @@
 """Embedded mode with several web processes, with real processes: `manage.py serve --workers 2` and no Redis.
 
 `serve` starts the node host (`manage.py nodehost`), which loads the models and keeps the quotas, then two web
-processes sharing the port (serving.dataplane.transport.host_link). On the test PostgreSQL database, one deployment, checked in turn:
+processes sharing the port (serving.dataplane.transport.host_link). On the test PostgreSQL database, one
+deployment, checked in turn:
 
 - both web processes and the host are up, and inference is answered;
 - a tenant's rate is its rate across both web processes, not twice it;
