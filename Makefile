@@ -6,10 +6,11 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
-# Two workers (tests/xdist_workers.py): in-process tests run beside the deployments of real processes, one at a
-# time; the tests marked `solo` run after them, alone (scripts/test.sh). TESTS: a selection for both runs
+# Three workers on two cores (tests/xdist_workers.py): much of the suite waits (on processes starting, heartbeats,
+# deadlines), so a third keeps the cores busier; in-process tests run beside the deployments of real processes,
+# one at a time; the tests marked `solo` run after them, alone (scripts/test.sh). TESTS: a selection for both runs
 # (paths, -k), e.g. make test TESTS="tests/test_batching.py".
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
 # `make run`'s `manage.py demo_story` options, e.g. --phase-seconds 5 (tests/test_demo_browser.py: the rollout's
 # phases bake 5 s instead of 30 s; each still waits for its gates' evidence).
 DEMO_STORY_ARGS ?=

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The suite in two runs: everything but the tests marked `solo` on pytest-xdist workers (PYTEST_ARGS, from
-# the Makefile: two workers), then the `solo` tests in one process, alone on the machine. Arguments go to
+# the Makefile: three workers), then the `solo` tests in one process, alone on the machine. Arguments go to
 # both runs (a path, a -k); either run may select nothing, both may not (pytest's exit 5 is a failure here).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -22,6 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from django.conf import settings as django_settings
+from django.contrib.auth import hashers
+from playwright.sync_api import expect
 from torch import nn
 
 from serving.demo import Digits, TokenSentiment, build_digits, save_artifact
@@ -48,6 +51,28 @@ class FailsOnNegative(nn.Module):
         if bool((x < 0).any()):
             raise ValueError("negative pixel")
         return x[:, :10] * 2.0
+
+
+# Playwright's expect() waits 5 s by default, apart from a context's default timeout: under a loaded CI
+# machine Redoc takes longer than that to lay out the schema. Every browser assertion gets the same
+# deadline as the pages' own waits (a failure past it, never a timing assertion).
+expect.set_options(timeout=30_000)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quick_password_hashing() -> Iterator[None]:
+    """Production's password hasher at fewer iterations (tests.hashers), for every test of the session."""
+    quick = "tests.hashers.QuickPBKDF2PasswordHasher"
+    before = django_settings.PASSWORD_HASHERS
+    django_settings.PASSWORD_HASHERS = [
+        quick if h == "django.contrib.auth.hashers.PBKDF2PasswordHasher" else h for h in before
+    ]
+    hashers.get_hashers.cache_clear()
+    hashers.get_hashers_by_algorithm.cache_clear()
+    yield
+    django_settings.PASSWORD_HASHERS = before
+    hashers.get_hashers.cache_clear()
+    hashers.get_hashers_by_algorithm.cache_clear()
 
 
 @dataclass

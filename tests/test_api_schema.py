@@ -4,8 +4,9 @@ Schemathesis (its CLI, as an operator would run it) drives the real app: a live 
 PostgreSQL test database, authenticated as a tenant admin. Every check runs (`-c all`): no server errors,
 only documented status codes and content types, responses that match their schemas, schema-violating
 requests rejected, schema-valid requests accepted, authentication enforced, and so on. The run is
-bounded (a few examples per operation, a fixed seed): about 1,000 requests of examples and fuzzing and
-2,000 of the coverage phase's boundary cases, 80-105 s on this 2-core machine, the longest test here.
+bounded (five examples per operation, a fixed seed; FERRY_SCHEMATHESIS_EXAMPLES for more): the coverage
+phase's boundary cases (about 2,000 requests) and the examples and fuzzing, 77 s on this 2-core machine
+(2026-12-03, beside one other test), the longest test here. Eight examples took 121 s in the full suite.
 
 One check is given more room on a few operations, for rejections an OpenAPI schema cannot express:
 schema-valid requests that the API still refuses with the reason (400, or 413/422 for artifacts).
@@ -34,7 +35,7 @@ from serving.models import Model
 from tenants.models import Membership, Role, Tenant
 from tests.conftest import LiveServer
 
-EXAMPLES = int(os.environ.get("FERRY_SCHEMATHESIS_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("FERRY_SCHEMATHESIS_EXAMPLES", "5"))
 SEED = int(os.environ.get("FERRY_SCHEMATHESIS_SEED", "20240601"))
 PASSWORD = "tenant-admin-password"
 
@@ -182,8 +183,12 @@ def test_schemathesis_finds_no_disagreement(
         "1",
         "--generation-database",
         "none",
+        # `--checks all` includes max_response_time, 10 s by default: a timing assertion, which a loaded machine
+        # failed (a 400 answered in 19.7 s during a CI run). Here it only catches a hang, as the request timeout does.
         "--request-timeout",
-        "30",
+        "60",
+        "--max-response-time",
+        "60",
         "--no-color",
     ]
     # when schemathesis runs every phase and every check against it

@@ -33,7 +33,9 @@ from sklearn.datasets import load_digits
 from tests.conftest import free_port
 from tests.test_console_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, log_in
 
-pytestmark = [pytest.mark.browser, pytest.mark.solo]
+# Not `solo`: the story mostly waits (for the server, each phase's evidence, the evaluations), and its deadlines
+# are minutes; it runs in the parallel part's group of deployments (tests/xdist_workers.py), one at a time.
+pytestmark = [pytest.mark.browser]
 ROOT = Path(__file__).resolve().parent.parent
 START_S = 40 * 60  # `make run` trains four models, then the second digits version: minutes on a shared machine
 # The rollout's shadow and each canary step bake this long instead of the demo's 30 s: each phase still moves on

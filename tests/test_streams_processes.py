@@ -440,12 +440,13 @@ def test_redis_outage_answers_503_quickly_and_recovers_without_a_restart(
         server.terminate()
         server.wait(timeout=10)
         time.sleep(0.5)
-        # then inference answers 503 with Retry-After, quickly: not at the 1 s deadline, not hanging
+        # then inference answers 503 with Retry-After at once, not at its deadline, not hanging: a 20 s deadline,
+        # so that "at once" leaves the seconds a loaded machine may take (it was under 0.5 s of a 1 s one)
         for _ in range(10):
-            resp, seconds = digits(web, key)
+            resp, seconds = digits(web, key, timeout_us=20_000_000)
             assert resp.status == 503, (resp.status, resp.body)
             assert resp.headers.get("retry-after") == "1", resp.headers
-            assert seconds < 0.5, seconds
+            assert seconds < 10, seconds
 
         # when Redis comes back, empty (no persistence), on the same port
         server = redis_server(port, tmp_path)

@@ -197,8 +197,11 @@ def test_a_sender_faster_than_its_reader_is_slowed(
 ) -> None:  # noqa: ANN001
     x, _ = digits_samples
     rows = np.resize(x, (256, 64)).astype(np.float32)
-    # given a wide model, and connections bounded at 4 messages and 300 KiB in flight
-    register(model_files.digits, "wide", max_batch_size=256, max_queue_delay_ms=1)
+    # given a wide model whose batches wait 50 ms for more rows (a batch holds eight messages, so the four a
+    # connection may have in flight never fill one: each waits out the window, and a fifth, sent meanwhile,
+    # finds the connection at its bound however fast the model computes), and connections bounded at 4 messages
+    # and 300 KiB in flight
+    register(model_files.digits, "wide", max_batch_size=2048, max_queue_delay_ms=50)
     server = request.getfixturevalue("live_server")
     settings.FERRY_WS_MAX_IN_FLIGHT = 4
     settings.FERRY_WS_MAX_IN_FLIGHT_BYTES = 300 * 1024

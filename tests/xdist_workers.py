@@ -1,6 +1,6 @@
 """Resources of its own for each pytest-xdist worker, and the tests that must not overlap kept on one.
 
-`make test` runs the suite on two workers (`-n 2 --dist loadgroup`). pytest-django already gives each
+`make test` runs the suite on three workers (`-n 3 --dist loadgroup`). pytest-django already gives each
 worker a test database of its own (`test_<name>_gw0`, ...); the rest is shared unless split here:
 the test Redis database, the Celery broker database and the data directory, all read from the
 environment when the test modules and Django's settings are imported. This module is a plugin
@@ -9,7 +9,7 @@ Django, so it rewrites those variables in time: worker N uses the Redis database
 configured ones and a subdirectory `gwN` of FERRY_DATA_DIR.
 
 Tests that start deployments of real processes (web, nodes, Celery worker and beat) are put in one
-xdist group, so at most one such deployment runs at a time while the other worker runs in-process
+xdist group, so at most one such deployment runs at a time while the other workers run in-process
 tests: two of them on this 2-core machine at once would starve each other's processes.
 
 It also gives the whole suite, this process and every process it starts, a latency budget far above the
@@ -29,6 +29,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
 PROCESS_MODULES = {
     "test_artifact_processes",
     "test_autoscale_processes",
+    "test_demo_browser",  # `make run`: an embedded deployment, its training, its background traffic
     "test_fleet_processes",
     "test_lifecycle_processes",
     "test_node_host_processes",
