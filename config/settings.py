@@ -111,6 +111,8 @@ FERRY_RECONCILE_SECONDS = env_int("FERRY_RECONCILE_SECONDS", 10, minimum=1)
 # node's placed replicas must plan on under half its compute before they move off it, make before break.
 FERRY_CONSOLIDATE_MOVES = env_int("FERRY_CONSOLIDATE_MOVES", 2, minimum=0)
 FERRY_CONSOLIDATE_HOLD_SECONDS = env_int("FERRY_CONSOLIDATE_HOLD_SECONDS", 300, minimum=0)
+# Relief moves in flight at most (serving.policies.placement.relieve; 0: off): replicas off a device they outgrew.
+FERRY_RELIEVE_MOVES = env_int("FERRY_RELIEVE_MOVES", 16, minimum=0)
 CELERY_BEAT_SCHEDULE = {
     "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
     "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
@@ -259,6 +261,10 @@ FERRY_EMBEDDED_NODE = env_bool("FERRY_EMBEDDED_NODE", True)
 # Embedded mode with several web processes (`serve --workers N`): the node host's Unix socket, which `serve`
 # sets for the web processes it starts (serving.dataplane.transport.host_link). Not a setting to set by hand.
 FERRY_NODE_SOCKET = env_str("FERRY_NODE_SOCKET", "")
+# Several web processes on one port (`serve --workers N`, either mode): the folder where each writes its metrics
+# every second, so that /metrics on the port answers for all of them whichever process the kernel picks
+# (serving.dataplane.metrics.process_set). `serve` sets it, a fresh folder per run; not a setting to set by hand.
+FERRY_METRICS_DIR = env_str("FERRY_METRICS_DIR", "")
 # Per-tenant quotas on /v2 inference (docs/decisions/0012-quotas.md). Shared through Redis (one script call
 # per request, FERRY_QUOTA_REDIS_TIMEOUT_MS at most) when FERRY_QUOTA_REDIS_URL (default REDIS_URL) is
 # set, in-process otherwise. While Redis does not answer, each gateway enforces its share: the tenant's

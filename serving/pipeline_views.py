@@ -1,5 +1,6 @@
 """Console pages for pipelines: the list, and one pipeline's graph drawn as SVG with each step's live latency
-(this process's executor, `serving.dataplane.gateway.pipeline.stats`, polled every 2 s)."""
+(the executors of this web process and of the others on its port, `serving.dataplane.gateway.pipeline.live`,
+polled every 2 s)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
 from serving.api.pipelines import visible_pipelines
-from serving.dataplane.gateway.pipeline import stats
+from serving.dataplane.gateway.pipeline import live
 from serving.models import Pipeline
 from serving.policies.pipeline import Node, PipelineError, parse
 
@@ -127,7 +128,7 @@ def pipeline_page(request: HttpRequest, name: str) -> HttpResponse:
         "width": width,
         "height": height,
         "problem": problem,
-        "live": stats.of(pipeline.name),
+        "live": live(pipeline.name),
     }
     return render(request, "console/pipeline.html", context)
 
@@ -135,4 +136,4 @@ def pipeline_page(request: HttpRequest, name: str) -> HttpResponse:
 @login_required
 def pipeline_live(request: HttpRequest, name: str) -> JsonResponse:
     pipeline = _pipeline(request, name)
-    return JsonResponse(stats.of(pipeline.name))
+    return JsonResponse(live(pipeline.name))

@@ -1,4 +1,5 @@
-"""The model page's last hour per version, from this process's data plane (`metrics.hour_history`): p50 and
+"""The model page's last hour per version, from this process's data plane (`metrics.hour_history`; with several
+web processes on one port, all of theirs: `serving.dataplane.metrics.process_set`): p50 and
 p99 latency per minute, the batch-size histogram, and the answers per minute by kind (served, passed to the
 fallback, shed), as inline SVG drawn on the server in the style of `usage.chart` and `rollout.charts`.
 

@@ -29,12 +29,14 @@ from serving.dataplane import tracing
 from serving.dataplane.errors import ServingError
 from serving.dataplane.gateway.cache import CachingTransport, RedisTier, ResponseCache
 from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.gateway.pipeline import stats as pipeline_stats
 from serving.dataplane.gateway.quota_gate import QuotaGate
 from serving.dataplane.gateway.quota_gate import from_settings as quota_gate_from_settings
 from serving.dataplane.gateway.shadow import Mirror, Pair
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, hub
 from serving.dataplane.gateway.snapshot_redis import follow
 from serving.dataplane.http.frontdoor import GATE
+from serving.dataplane.metrics import metrics, process_set
 from serving.dataplane.node import runtime_process
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.packing import LoadReport
@@ -256,6 +258,9 @@ async def start() -> DataPlane:
     plane.usage_task = plane.loop.create_task(plane._flush_usage_forever())
     mirror.start()
     plane.shadow_task = plane.loop.create_task(plane._flush_shadow_forever())
+    figures = {"versions": metrics.console_doc, "pipelines": pipeline_stats.docs}
+    if (shared := process_set.install(settings.FERRY_METRICS_DIR, console=figures)) is not None:
+        _control_tasks.append(plane.loop.create_task(shared.write_forever()))
     if settings.REDIS_URL:
         await _follow_redis(plane)
     else:
@@ -361,6 +366,11 @@ async def stop() -> None:
         if task is not None:
             task.cancel()
     _control_tasks.clear()
+    if (shared := process_set.current()) is not None:
+        try:
+            shared.write()  # what it counted since its last write stays counted after it exits
+        except OSError as exc:
+            log.warning("could not write this process's metrics at shutdown: %s", exc)
     if plane.mirror is not None:
         await plane.mirror.stop()
         try:

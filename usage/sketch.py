@@ -34,6 +34,12 @@ def bucket_value(index: int) -> float:
     return FLOOR_SECONDS * GROWTH ** (index - 0.5)
 
 
+def add(into: Sketch, seconds: float) -> None:
+    """Count one value of `seconds` into `into`."""
+    index = bucket_of(seconds)
+    into[index] = into.get(index, 0) + 1
+
+
 def merge(into: Sketch, other: Mapping[int | str, int]) -> Sketch:
     """Add `other` (int or JSON string keys) into `into`, and return it."""
     for index, count in other.items():

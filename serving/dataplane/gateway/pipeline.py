@@ -30,9 +30,11 @@ from serving.dataplane.gateway.gateway import Gateway, Reply, parse_version
 from serving.dataplane.gateway.request import Inference
 from serving.dataplane.gateway.snapshot import PipelineEntry, PipelineVersionEntry, VersionEntry
 from serving.dataplane.http.protocol import DATATYPES, ProtocolError, encode_infer_response, parse_infer_request
+from serving.dataplane.metrics import process_set
 from serving.dataplane.metrics.metrics import LATENCY_BUCKETS
 from serving.policies.admission import HEADROOM
 from serving.policies.pipeline import REQUEST, Node, PipelineError, choose_branch, combine, parse, split_reference
+from usage import sketch
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +81,9 @@ class StepStats:
 
 
 class PipelineStats:
-    """Per pipeline, per step; in this process only (each gateway has its own). Bounded: a step's recent
-    latencies are its last 512, and there are as many entries as pipelines' steps."""
+    """Per pipeline, per step; in this process (each gateway has its own; the web processes of one port merge
+    theirs: `live`). Bounded: a step's recent latencies are its last 512, and there are as many entries as
+    pipelines' steps."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,8 +113,61 @@ class PipelineStats:
             steps = {s: st.summary() for (p, s), st in self._steps.items() if p == pipeline}
             return {"calls": self.calls.get(pipeline, 0), "fallbacks": self.fallbacks.get(pipeline, 0), "steps": steps}
 
+    def docs(self, only: str | None = None) -> dict[str, dict]:
+        """Every pipeline's figures (or the pipeline `only`'s) as another web process can merge them (`live`):
+        as `of`, each step's recent latencies a usage.sketch instead of its percentiles."""
+        with self._lock:
+            names = set(self.calls) | {p for p, _ in self._steps}
+            out: dict[str, dict] = {}
+            for name in names if only is None else names & {only}:
+                steps = {}
+                for (p, step), st in self._steps.items():
+                    if p == name:
+                        latency: dict[int, int] = {}
+                        for seconds in st.recent:
+                            sketch.add(latency, seconds)
+                        steps[step] = {"calls": st.calls, "rows": st.rows, "refused": st.refused, "latency": latency}
+                out[name] = {"calls": self.calls.get(name, 0), "fallbacks": self.fallbacks.get(name, 0), "steps": steps}
+            return out
+
 
 stats = PipelineStats()
+
+
+def live(pipeline: str) -> dict:
+    """What the console shows of `pipeline`: this process's figures (`stats.of`), or, with several web
+    processes on one port, all of theirs (`process_set`): counts summed, each step's p50 and p99 from the
+    merged sketches of their recent latencies."""
+    shared = process_set.current()
+    if shared is None:
+        return stats.of(pipeline)
+    docs = shared.console("pipelines", pipeline, alive_only=False)
+    steps: dict[str, dict] = {}
+    for doc in docs:
+        for step, figures in doc["steps"].items():
+            into = steps.setdefault(step, {"calls": 0, "rows": 0, "refused": 0, "latency": {}})
+            for count in ("calls", "rows", "refused"):
+                into[count] += int(figures[count])
+            sketch.merge(into["latency"], figures["latency"])
+
+    def ms(latency: dict[int, int], q: float) -> float | None:
+        found = sketch.quantile(latency, q)
+        return None if found is None else round(found * 1000, 2)
+
+    return {
+        "calls": sum(int(d["calls"]) for d in docs),
+        "fallbacks": sum(int(d["fallbacks"]) for d in docs),
+        "steps": {
+            step: {
+                "calls": f["calls"],
+                "rows": f["rows"],
+                "refused": f["refused"],
+                "p50_ms": ms(f["latency"], 0.5),
+                "p99_ms": ms(f["latency"], 0.99),
+            }
+            for step, f in steps.items()
+        },
+    }
 
 
 @dataclass(slots=True)

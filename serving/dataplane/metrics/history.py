@@ -39,6 +39,26 @@ class Minute:
     kinds: dict[str, int] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
 
+    def to_doc(self) -> dict:
+        """As another web process reads it (`from_doc`; JSON turns the int keys into strings)."""
+        return {
+            "start": self.start,
+            "latency": self.latency,
+            "errors": self.errors,
+            "kinds": self.kinds,
+            "batches": self.batches,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> Minute:
+        return cls(
+            int(doc["start"]),
+            {int(k): int(v) for k, v in doc["latency"].items()},
+            int(doc["errors"]),
+            {str(k): int(v) for k, v in doc["kinds"].items()},
+            {int(k): int(v) for k, v in doc["batches"].items()},
+        )
+
     def add(self, other: Minute) -> None:
         sketch.merge(self.latency, other.latency)
         self.errors += other.errors

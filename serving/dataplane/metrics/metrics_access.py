@@ -26,11 +26,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 
 from serving.dataplane.errors import ServingError
 from serving.dataplane.gateway.snapshot import RoutingSnapshot
+from serving.dataplane.metrics import process_set
 
 FULL = "full"
 REDACTED = "redacted"
@@ -107,10 +108,12 @@ def _access(token: str, allow: tuple[str, ...], secret_key: str) -> Access:
 
 
 def exposition(level: str, snapshot: RoutingSnapshot | None, label_key: bytes) -> bytes:
-    """The text exposition of the process's registry for a caller admitted at `level`."""
+    """The text exposition of the process's registry for a caller admitted at `level`: with the other web
+    processes' beside it when this is one of several on one port (`process_set`)."""
+    registry = process_set.registry()
     if level == FULL:
-        return generate_latest(REGISTRY)
-    return generate_latest(RedactedRegistry(REGISTRY, Redactor(snapshot, label_key)))
+        return generate_latest(registry)
+    return generate_latest(RedactedRegistry(registry, Redactor(snapshot, label_key)))
 
 
 class Redactor:

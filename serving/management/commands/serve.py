@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,6 +15,14 @@ from serving.dataplane.http.frontdoor import uvicorn_config
 
 HOST_START_TIMEOUT_S = 600.0  # the node host loads every model before it listens
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
+
+
+def fresh_metrics_dir(run_dir: Path) -> Path:
+    """This run's folder for the web processes' metrics files: an earlier run's counts are not this one's."""
+    path = run_dir / "metrics"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700, parents=True)
+    return path
 
 
 class Command(BaseCommand):
@@ -55,6 +64,8 @@ class Command(BaseCommand):
                     host.start()
                     os.environ["FERRY_NODE_SOCKET"] = str(host.path)  # what the web processes read
                     os.environ.setdefault("FERRY_QUOTA_GATEWAYS", str(workers))
+                # /metrics on the port answers for every web process (serving.dataplane.metrics.process_set)
+                os.environ["FERRY_METRICS_DIR"] = str(fresh_metrics_dir(Path(settings.DATA_DIR) / "run"))
                 Multiprocess(config, sockets=[config.bind_socket()]).run()
             except KeyboardInterrupt:
                 pass
@@ -85,7 +96,8 @@ class NodeHost:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k != "FERRY_NODE_SOCKET"}
+        # The host's own metrics are on FERRY_NODE_METRICS_PORT, not merged into the web processes'.
+        env = {k: v for k, v in os.environ.items() if k not in ("FERRY_NODE_SOCKET", "FERRY_METRICS_DIR")}
         cmd = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "nodehost", "--socket", str(self.path)]
         return subprocess.Popen(cmd, env=env)
 
