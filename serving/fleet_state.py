@@ -10,8 +10,8 @@ never announces itself in the fleet that gateways route by.
 
 from __future__ import annotations
 
-import os
-import socket
+import asyncio
+import logging
 import time
 from typing import Any
 
@@ -19,45 +19,28 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from serving.dataplane import plane as planes
+from serving.dataplane.errors import ServingError
 from serving.dataplane.http.consumers import load_failure, repository_state
+from serving.dataplane.node import announce
 from serving.dataplane.node.node import Node
 from serving.dataplane.transport import fleet, fleet_events
 from serving.dataplane.transport.fleet import NodeInfo
 from serving.dataplane.transport.fleet_events import FleetEvent
+from serving.dataplane.transport.host_link import HostView
+
+log = logging.getLogger(__name__)
 
 EVENTS_SHOWN = 200
 HIDDEN = "another tenant's version"
 
 
 def embedded_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return announce.process_name()
 
 
 def embedded_info(node: Node, now: float) -> NodeInfo:
     """This process's in-process node, as a heartbeat would announce it."""
-    hosted = dict(node.hosted)
-    return NodeInfo(
-        name=embedded_name(),
-        instance="embedded",
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        device=str(node.device),
-        accelerator=node.accelerator,
-        accelerator_count=0 if node.device.type == "cpu" else 1,
-        memory_total=node.memory_budget,
-        memory_budget=node.memory_budget,
-        memory_used=sum(h.runtime.memory_bytes for h in hosted.values()),
-        labels={},
-        started_at=0.0,
-        heartbeat_at=now,
-        serial=node.reconciled_serial,
-        hot=frozenset(hosted),
-        failures={k: f.reason for k, f in dict(node.failures).items()},
-        busy=round(node.busy.fraction(), 4),
-        work=round(node.work.fraction(), 4),
-        utilisation=[list(sample) for sample in node.work.history()],
-        resident=fleet.resident_of(hosted),
-    )
+    return announce.describe(node, embedded_name(), now)
 
 
 def node_doc(info: NodeInfo, state: str, now: float) -> dict[str, Any]:
@@ -97,6 +80,10 @@ async def read_state(client: aioredis.Redis | None, *, now: float | None = None)
     embedded = plane.node if plane is not None and isinstance(plane.node, Node) else None
     if embedded is not None:
         nodes.append(node_doc(embedded_info(embedded, now), "live", now) | {"embedded": True})
+    host = await host_node(plane) if plane is not None and isinstance(plane.node, HostView) else None
+    if host is not None:
+        info, events = host
+        nodes.append(node_doc(info, "live", now) | {"embedded": True, "node_host": True})
     if client is not None:
         live = await fleet.read_fleet(client)
         lost = await fleet.read_lost(client, live, now)
@@ -104,6 +91,8 @@ async def read_state(client: aioredis.Redis | None, *, now: float | None = None)
         nodes += [node_doc(n, "lost", now) | {"embedded": False} for n in lost]
         events = await fleet_events.read_recent(client, now=now, count=EVENTS_SHOWN)
         events += fleet_events.lost_events(lost, now)
+    elif host is not None:
+        events = host[1]
     elif embedded is not None:
         name = embedded_name()
         record = list(embedded.packing.events)  # one C-level copy: a sync view may read it off the node's loop
@@ -143,6 +132,20 @@ def versions_doc(plane: planes.DataPlane | None, nodes: list[dict[str, Any]]) ->
             )
     rows.sort(key=lambda r: (_model(r["key"]), int(r["key"].rpartition(":")[2])))
     return rows
+
+
+async def host_node(plane: planes.DataPlane) -> tuple[NodeInfo, list[FleetEvent]] | None:
+    """The node host's node and record (`serve --workers N` in embedded mode), asked over this process's link
+    on the plane's own loop (a sync view reads the page from another); None while the host does not answer."""
+    view = plane.node
+    assert isinstance(view, HostView)
+    try:
+        if asyncio.get_running_loop() is plane.loop:
+            return await view.fleet()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(view.fleet(), plane.loop))
+    except (ServingError, TimeoutError, ValueError, KeyError) as exc:
+        log.warning("the node host did not say what it holds: %s", exc)
+        return None
 
 
 async def read_now() -> dict[str, Any]:

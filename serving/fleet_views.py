@@ -99,7 +99,12 @@ class ResidentSerializer(serializers.Serializer):
 class FleetNodeSerializer(serializers.Serializer):
     name = serializers.CharField()
     state = serializers.ChoiceField(["live", "lost"], help_text="lost: its heartbeat expired (within the hour)")
-    embedded = serializers.BooleanField(help_text="the node inside the web process that answered")
+    embedded = serializers.BooleanField(
+        help_text="a node without a heartbeat: inside the web process that answered, or its node host"
+    )
+    node_host = serializers.BooleanField(
+        required=False, help_text="the node host that this web process and the others on its port share"
+    )
     host = serializers.CharField()
     pid = serializers.IntegerField()
     device = serializers.CharField()

@@ -8,17 +8,21 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 from pathlib import Path
 
 import msgpack
 import pytest
 
 from serving.dataplane.errors import ServingError
+from serving.dataplane.node import announce
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_host import NodeHost
 from serving.dataplane.transport import host_frames as frames
-from serving.dataplane.transport.host_link import HostLink, HostLost, HostQuota, HostView
+from serving.dataplane.transport.host_link import HostLink, HostLost, HostQuota, HostTransport, HostView
 from serving.policies.quota import IN_FLIGHT, RATE, InProcessQuota
+from tests.test_admission import StandIn, entry, rows
+from tests.test_packing_node import digits
 
 
 class Limits:
@@ -145,5 +149,126 @@ def test_requests_on_a_lost_link_are_answered_503_with_retry_after(tmp_path: Pat
             assert refused.value.status == 503
         finally:
             await link.close()
+
+    asyncio.run(go())
+
+
+class Slow(StandIn):
+    """A stand-in runtime whose batches take 0.3 s on the device thread, counting the rows it ran."""
+
+    ran: int = 0
+
+    def run(self, requests):  # noqa: ANN001, ANN201
+        time.sleep(0.3)
+        self.ran += len(requests)
+        return super().run(requests)
+
+
+async def _queued(host: NodeHost, key: str, n: int) -> None:
+    for _ in range(300):
+        if host.node.queue_depth(key) >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} requests never waited in {key}'s queue")
+
+
+def test_a_request_whose_client_left_is_dropped_unrun_on_the_host(tmp_path: Path) -> None:
+    async def go() -> None:
+        host, path = await _host(tmp_path)
+        link = await _link(path)
+        runtime = Slow()
+        # given a version on the host whose batches of one take 0.3 s, one running and one waiting behind it
+        host.node.host(entry("slow", max_batch=1), runtime, {1: 0.3})
+        transport = HostTransport(link)
+        loop = asyncio.get_running_loop()
+        try:
+            running = asyncio.ensure_future(transport.infer(entry("slow"), rows(1), 1, loop.time() + 2.0, 1))
+            await asyncio.sleep(0.05)
+            left = asyncio.Event()
+            waiting = asyncio.ensure_future(
+                transport.infer(entry("slow"), rows(1), 1, loop.time() + 2.0, 1, gone=left.is_set)
+            )
+            await _queued(host, "slow:1", 1)
+            # when the waiting one's client leaves
+            left.set()
+            # then the host drops it unrun at its turn, long before its deadline: 499 (never sent on)
+            with pytest.raises(ServingError) as dropped:
+                await asyncio.wait_for(waiting, 1.0)
+            assert dropped.value.status == 499
+            # while the one whose client stayed is answered, and was the only one run
+            assert (await running)["scores"].shape == (1, 2)
+            assert runtime.ran == 1 and not host._gone
+        finally:
+            await link.close()
+            await host.close()
+
+    asyncio.run(go())
+
+
+def test_the_requests_of_a_web_process_that_went_away_are_dropped_unrun(tmp_path: Path) -> None:
+    async def go() -> None:
+        host, path = await _host(tmp_path)
+        stays, leaves = await _link(path), await _link(path)
+        runtime = Slow()
+        host.node.host(entry("slow", max_batch=1), runtime, {1: 0.3})
+        loop = asyncio.get_running_loop()
+        try:
+            # given a request of one web process running on the host, and one of another waiting behind it
+            running = asyncio.ensure_future(HostTransport(stays).infer(entry("slow"), rows(1), 1, loop.time() + 2.0, 1))
+            await asyncio.sleep(0.05)
+            waiting = asyncio.ensure_future(
+                HostTransport(leaves).infer(entry("slow"), rows(1), 1, loop.time() + 2.0, 1)
+            )
+            await _queued(host, "slow:1", 1)
+            # when the second web process's connection closes
+            await leaves.close()
+            with pytest.raises(HostLost):
+                await waiting
+            # then its request is dropped unrun at its turn, and the first is answered
+            assert (await running)["scores"].shape == (1, 2)
+            await asyncio.sleep(0.6)  # its turn came as the first was answered: run, it would be done by now
+            assert runtime.ran == 1
+            assert not host._gone
+        finally:
+            await stays.close()
+            await host.close()
+
+    asyncio.run(go())
+
+
+def test_the_fleet_page_is_told_what_the_hosts_node_holds_and_did(tmp_path: Path, model_files) -> None:  # noqa: ANN001
+    # given a host whose node loaded a version
+    async def go() -> None:
+        node = Node(artifact_path=lambda sha: model_files.digits, device="cpu", memory_budget=10**9)
+        hosted = await node.load(digits("one"))
+        assert hosted is not None
+
+        async def refresh() -> int:
+            return 0
+
+        host = NodeHost(node, InProcessQuota(), refresh=refresh)
+        path = str(tmp_path / "node.sock")
+        await host.start(path)
+        link = await _link(path)
+        try:
+            # when a web process asks it, for its fleet page
+            info, events = await HostView(link).fleet()
+            # then it hears the host's node as a heartbeat would announce it, and the node's record
+            assert info.name == announce.process_name() and info.pid == os.getpid()
+            assert info.memory_budget == 10**9 and info.memory_used == hosted.runtime.memory_bytes > 0
+            assert info.resident == {"one:1": {"tier": "hot", "bytes": hosted.runtime.memory_bytes}}
+            assert [(e.node, e.kind, e.key) for e in events] == [(info.name, "load", "one:1")]
+            # and its status says what the repository index reads of a node's packing (before, a version not
+            # hot on the host made the index and the fleet page answer 500: the view had no packing)
+            view = HostView(link)
+            await view.refresh_once()
+            assert view.is_ready("one:1") and view.packing.cold == frozenset()
+            view.update({"hot": ["one:1"], "ready": ["two:1"], "loading": ["two:1"], "no_room": {"three:1": "full"}})
+            assert view.packing.cold == {"two:1"} and view.packing.loading == {"two:1"}
+            assert view.packing.no_room == {"three:1": "full"}
+        finally:
+            await link.close()
+            await host.close()
+            await node.close()
 
     asyncio.run(go())

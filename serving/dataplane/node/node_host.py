@@ -5,9 +5,13 @@ and answers the web processes over a Unix socket (`serving.dataplane.transport.h
 
 - INFER: a version's key and a `stream_codec` request; `Node.infer` decides admission and runs it, and the
   answer is the codec's success or error, so a refusal is the node's own `Shed`.
-- STATUS: the serial it reconciled, the versions it holds hot and those it can load, its load failures.
+- STATUS: the serial it reconciled, the versions it holds hot, those it can load and is loading, and why it
+  could not load some (no room, a failure).
 - QUOTA / QUOTA_RELEASE: `InProcessQuota` over every web process's requests; a lease per admitted request.
 - REFRESH: read the registry now (a web process changed it) and answer once what it names is loaded.
+- FLEET: its node and that node's record of the last hour, for the fleet page of the web processes.
+- CANCEL: the client of an INFER left; the node drops it unrun at its turn (answered 499), as for a client of
+  its own. A web process whose connection closes cancels all of its requests so.
 
 The socket lives in the data directory with mode 0600: the web processes are its only peers. The sandboxed
 runtimes cannot reach it (they see no data directory).
@@ -28,12 +32,16 @@ import msgpack
 
 from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.metrics import metrics
+from serving.dataplane.node import announce
 from serving.dataplane.node.node import Node
+from serving.dataplane.transport import fleet_events
 from serving.dataplane.transport import host_frames as frames
 from serving.dataplane.transport.stream_codec import MalformedMessage, decode_request, encode_error, encode_success
 from serving.policies.quota import InProcessQuota
 
 log = logging.getLogger(__name__)
+
+EVENTS_SHOWN = 200  # as many as the fleet page lists
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +78,8 @@ class NodeHost:
         self._tasks: set[asyncio.Task[None]] = set()
         self._protos: set[frames.FrameProtocol] = set()
         self.counts = {"served": 0, "refused": 0, "malformed": 0, "errors": 0}
+        # (connection, request id) -> set when that request's client left (CANCEL): the node drops it unrun
+        self._gone: dict[tuple[int, int], asyncio.Event] = {}
 
     async def start(self, path: str) -> None:
         if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
@@ -93,6 +103,10 @@ class NodeHost:
             self._protos.discard(proto)
             for tenant in self._held.pop(conn, {}).values():
                 self.quota.release(tenant)
+            # the web process went away, and its clients with it: what of theirs still waits is dropped unrun
+            for (of, _), gone in self._gone.items():
+                if of == conn:
+                    gone.set()
 
         proto = frames.FrameProtocol(on_frame, on_lost)
         self._protos.add(proto)
@@ -100,15 +114,21 @@ class NodeHost:
 
     def _on_frame(self, proto: frames.FrameProtocol, conn: int, kind: int, rid: int, payload: bytes) -> None:
         if kind == frames.INFER:
-            task = asyncio.get_running_loop().create_task(self._infer(proto, rid, payload))
+            task = asyncio.get_running_loop().create_task(self._infer(proto, conn, rid, payload))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        elif kind == frames.CANCEL:
+            left = self._gone.get((conn, rid))
+            if left is not None:  # else answered already, or never sent
+                left.set()
         elif kind == frames.QUOTA:
             self._admit(proto, conn, rid, payload)
         elif kind == frames.QUOTA_RELEASE:
             self._release(conn, payload)
         elif kind == frames.STATUS:
             proto.send(frames.STATUS_REPLY, rid, msgpack.packb(self.status()))
+        elif kind == frames.FLEET:
+            proto.send(frames.FLEET_REPLY, rid, msgpack.packb(self.fleet()))
         elif kind == frames.REFRESH:
             task = asyncio.get_running_loop().create_task(self._refresh(proto, rid))
             self._tasks.add(task)
@@ -123,10 +143,24 @@ class NodeHost:
             "serial": node.reconciled_serial,
             "hot": sorted(node.hosted),
             "ready": sorted(node.packing.cold),  # cold here: a request loads it
+            "loading": sorted(node.packing.loading),
+            "no_room": dict(node.packing.no_room),
             "failures": {k: f.reason for k, f in node.failures.items()},
         }
 
-    async def _infer(self, proto: frames.FrameProtocol, rid: int, payload: bytes) -> None:
+    def fleet(self) -> dict:
+        """What the web processes' fleet page shows of this host: its node as a heartbeat would announce it, and
+        the node's loads, evictions and failures of the last hour (the newest EVENTS_SHOWN)."""
+        now = self._wall()
+        name = announce.process_name()
+        since = now - fleet_events.WINDOW_SECONDS
+        record = [e for e in list(self.node.packing.events) if e.at >= since][-EVENTS_SHOWN:]
+        return {
+            "info": announce.describe(self.node, name, now).to_doc(),
+            "events": [(name, e.at, e.kind, e.key, e.detail) for e in record],
+        }
+
+    async def _infer(self, proto: frames.FrameProtocol, conn: int, rid: int, payload: bytes) -> None:
         key, sep, raw = payload.partition(b"\0")
         try:
             if not sep:
@@ -140,11 +174,18 @@ class NodeHost:
             return
         name = key.decode(errors="replace")
         left = request.deadline - self._wall()
+        gone = self._gone[(conn, rid)] = asyncio.Event()  # set by a CANCEL from the web process
         try:
             if left <= 0:
                 raise DeadlineExceeded("deadline passed on the way to the node host")
             outputs = await self.node.infer(
-                name, request.inputs, request.rows, self._clock() + left, request.priority, nbytes=len(raw)
+                name,
+                request.inputs,
+                request.rows,
+                self._clock() + left,
+                request.priority,
+                nbytes=len(raw),
+                gone=gone.is_set,
             )
             answer = encode_success(0, outputs, request.outputs)
             self.counts["served"] += 1
@@ -156,18 +197,21 @@ class NodeHost:
             metrics.INTERNAL_ERRORS.labels("node_host").inc()
             log.exception("inference on %s failed unexpectedly", name)
             answer = encode_error(0, ServingError("internal error on the node host; it logged it"))
+        finally:
+            self._gone.pop((conn, rid), None)
         proto.send(frames.REPLY, rid, answer)
 
     def _admit(self, proto: frames.FrameProtocol, conn: int, rid: int, payload: bytes) -> None:
         try:
-            tenant, rps, burst, in_flight, monthly, debt = msgpack.unpackb(payload)
+            tenant, rps, burst, in_flight, monthly, debt, debt_age, share = msgpack.unpackb(payload)
             limits = QuotaLimits(float(rps), int(burst), int(in_flight), int(monthly))
+            debt_age, share = float(debt_age), float(share)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             self.counts["malformed"] += 1
             proto.send(frames.BAD_FRAME, rid, f"malformed quota frame: {exc}".encode())
             return
         if debt:  # admitted by a web process on its own while this host did not answer
-            self.quota.charge(int(tenant), int(debt), limits)
+            self.quota.charge(int(tenant), int(debt), limits, age=debt_age, share=share)
         decision = self.quota.admit(int(tenant), limits)
         lease = ""
         if decision.admitted:

@@ -29,6 +29,11 @@ QUOTA_RELEASE = 7  # no answer
 REFRESH, REFRESH_REPLY = 8, 9
 # The host could not read a request it was sent (an id it can still answer): the payload is its message.
 BAD_FRAME = 10
+# The client of the INFER of this id left (no payload, no answer): the host drops it unrun if it still waits.
+CANCEL = 11
+# The host's node as the fleet page shows it (a heartbeat's document) and its record of the last hour: asked for
+# only when the page or /api/fleet/ is read, never on the request path.
+FLEET, FLEET_REPLY = 12, 13
 
 # Above this many bytes unwritten, a connection stops reading until its peer drains it.
 HIGH_WATER = 4 * 1024**2

@@ -31,7 +31,8 @@ from serving.dataplane.errors import DeadlineExceeded, ServingError, Unavailable
 from serving.dataplane.gateway.snapshot import RoutingSnapshot, TenantEntry, VersionEntry
 from serving.dataplane.metrics import metrics
 from serving.dataplane.transport import host_frames as frames
-from serving.dataplane.transport.fleet import LoadFailure, RemoteVersions
+from serving.dataplane.transport.fleet import FleetPacking, LoadFailure, NodeInfo, RemoteVersions
+from serving.dataplane.transport.fleet_events import FleetEvent
 from serving.dataplane.transport.outstanding import Outstanding, check_sendable, held_for
 from serving.dataplane.transport.stream_codec import MalformedMessage, StreamRequest, decode_reply, encode_request
 from serving.policies.quota import Decision
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STATUS_SECONDS = 0.1  # how stale "ready" may be here: a load on the host shows within about this
 RECONNECT_MAX_S = 0.5
+GONE_POLL_S = 0.05  # how often a request waiting on the host checks whether its client left
 CONTROL_TIMEOUT_S = 5.0  # a status read or a quota decision; a refresh waits for the host's loads (REFRESH_TIMEOUT_S)
 REFRESH_TIMEOUT_S = 300.0
 
@@ -117,6 +119,12 @@ class HostLink:
 
     def forget(self, rid: int) -> None:
         self._waiting.pop(rid, None)
+
+    def cancel(self, rid: int) -> None:
+        """Tell the host the client of request `rid` left (dropped while not connected: the request went too)."""
+        proto = self._proto
+        if proto is not None and not proto.closed:
+            proto.send(frames.CANCEL, rid, b"")
 
     def post(self, kind: int, payload: bytes) -> None:
         """Send a request that has no answer (dropped while not connected)."""
@@ -201,7 +209,10 @@ class HostTransport:
         try:
             try:
                 async with asyncio.timeout(deadline - self._clock()):
-                    kind, payload = await future
+                    if gone is None:
+                        kind, payload = await future
+                    else:
+                        kind, payload = await self._answer_or_cancel(rid, future, gone)
             except TimeoutError:
                 metrics.DEADLINES.labels(entry.model, str(entry.version), "gateway").inc()
                 raise DeadlineExceeded("request deadline exceeded") from None
@@ -226,6 +237,31 @@ class HostTransport:
             held.items -= 1
             held.nbytes -= nbytes
 
+    async def _answer_or_cancel(
+        self, rid: int, future: asyncio.Future[tuple[int, bytes]], gone: Callable[[], bool]
+    ) -> tuple[int, bytes]:
+        """The host's answer; meanwhile, every GONE_POLL_S, whether the client left, which the host then hears
+        at once (CANCEL) and drops the request unrun at its turn, as an embedded node does for a client of its
+        own. The answer still comes (499 when it was dropped) and is awaited: what this process holds for the
+        version is released then. A timer, not a wait with a timeout: most answers come before the first
+        check, and the timer costs a couple of microseconds a request where `asyncio.wait` cost six."""
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            nonlocal timer
+            if future.done():
+                return
+            if gone():
+                self.link.cancel(rid)
+            else:
+                timer = loop.call_later(GONE_POLL_S, check)
+
+        timer = loop.call_later(GONE_POLL_S, check)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+
     def outstanding(self, key: str) -> int:
         held = self._outstanding.get(key)
         return held.items if held else 0
@@ -239,6 +275,9 @@ class HostView(RemoteVersions):
         super().__init__()
         self.link = link
         self.host_serial = 0
+        # What the repository index and the fleet page read of a node's packing (`Node.packing`); without it
+        # they answered 500 for any version not hot on the host.
+        self.packing = FleetPacking()
         # reconciled_serial: that of this process's latest snapshot the host has reconciled (see `reconcile`).
         self._task: asyncio.Task[None] | None = None
 
@@ -249,6 +288,11 @@ class HostView(RemoteVersions):
         self._hot = frozenset(doc.get("hot", ()))
         self._ready = frozenset(doc.get("ready", ())) | self._hot
         self.failures = {k: LoadFailure(r) for k, r in (doc.get("failures") or {}).items()}
+        self.packing = FleetPacking(
+            cold=self._ready - self._hot,
+            loading=frozenset(doc.get("loading", ())) - self._hot,
+            no_room=dict(doc.get("no_room") or {}),
+        )
         self.host_serial = int(doc.get("serial", 0))
 
     async def refresh_once(self) -> None:
@@ -264,6 +308,16 @@ class HostView(RemoteVersions):
             except (ServingError, TimeoutError, ValueError) as exc:
                 log.debug("reading the node host's status failed: %s", exc)
             await asyncio.sleep(STATUS_SECONDS)
+
+    async def fleet(self) -> tuple[NodeInfo, list[FleetEvent]]:
+        """The host's node and its record of the last hour, as the fleet page shows a node (asked each time:
+        the page is read seldom, and the host's own view is the fresh one)."""
+        kind, payload = await self.link.call(frames.FLEET, b"")
+        if kind != frames.FLEET_REPLY:
+            raise Unavailable(f"the node host answered the fleet's question with frame kind {kind}", retry_after=1)
+        doc = msgpack.unpackb(payload)
+        events = [FleetEvent(str(n), float(at), str(k), str(key), str(d)) for n, at, k, key, d in doc["events"]]
+        return NodeInfo.from_doc(doc["info"]), events
 
     async def reconcile(self, snapshot: RoutingSnapshot) -> None:
         """This process saw the registry change (its own snapshot): the host reads the registry again, loads
@@ -288,9 +342,20 @@ class HostQuota:
     def __init__(self, link: HostLink) -> None:
         self.link = link
 
-    async def admit(self, tenant_id: int, limits: TenantEntry, debt: int = 0) -> tuple[Decision, str]:
+    async def admit(
+        self, tenant_id: int, limits: TenantEntry, debt: int = 0, *, debt_age: float = 0.0, share: float = 1.0
+    ) -> tuple[Decision, str]:
         payload = msgpack.packb(
-            [tenant_id, limits.requests_per_second, limits.burst, limits.max_in_flight, limits.monthly_requests, debt]
+            [
+                tenant_id,
+                limits.requests_per_second,
+                limits.burst,
+                limits.max_in_flight,
+                limits.monthly_requests,
+                debt,
+                debt_age,
+                share,
+            ]
         )
         try:
             kind, answer = await self.link.call(frames.QUOTA, payload)
