@@ -18,7 +18,7 @@ from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.node.node import Node
 from serving.policies import admission
-from serving.policies.batching import BatchingConfig
+from serving.policies.batching import SHADOW_PRIORITY, BatchingConfig
 
 X = (TensorSpec("input", "FP32", (4,)),)
 Y = (TensorSpec("scores", "FP32", (2,)),)
@@ -47,6 +47,32 @@ def test_completion_counts_own_queue_in_flight_and_other_versions_per_round() ->
     completion = admission.completion_seconds(own=own, rows=1, others=[busy, light], in_flight=0.004)
     # then: in flight + own 2 batches (13 rows) + busy runs at most 2 batches (one per round) + light's one batch
     assert completion == pytest.approx(0.004 + 2 * 0.010 + 2 * 0.020 + 0.005)
+
+
+def test_completion_counts_the_work_arriving_for_the_other_versions_within_the_horizon() -> None:
+    # given 20 rows ahead on a version of batch 8 (3 rounds with a newcomer), and other versions with nothing
+    # queued now but 0.5 device seconds a second arriving for them, whose full batches take 20 ms in all
+    own = admission.VersionLoad(20, 8, linear(0.010))
+    fed = admission.Arrivals(0.5, 0.020)
+    # when estimated over no horizon / then the arrivals are not counted
+    assert admission.completion_seconds(own=own, rows=1, others=[], in_flight=0.0, arrivals=fed) == pytest.approx(0.030)
+    # and over 0.1 s: 0.05 s of their work comes meanwhile, within the 3 rounds' 0.06 s it may take
+    assert admission.completion_seconds(
+        own=own, rows=1, others=[], in_flight=0.0, arrivals=fed, horizon=0.1
+    ) == pytest.approx(0.030 + 0.05)
+    # and over 1 s: never more than one full batch of each a round
+    assert admission.completion_seconds(
+        own=own, rows=1, others=[], in_flight=0.0, arrivals=fed, horizon=1.0
+    ) == pytest.approx(0.030 + 3 * 0.020)
+
+
+def test_device_share_total_counts_every_tier() -> None:
+    share = admission.DeviceShare(tau=1.0)
+    assert share.total(0.0) == 0.0
+    share.add(1, 0.3, now=0.0)
+    share.add(10, 0.2, now=0.0)
+    assert share.total(0.0) == pytest.approx(0.5)
+    assert share.total(2.0) == pytest.approx(0.5 * math.exp(-2))
 
 
 def test_drain_and_retry_after() -> None:
@@ -214,6 +240,37 @@ async def test_other_versions_on_the_device_count(node) -> None:  # noqa: ANN001
     await asyncio.sleep(0)
     assert len(node.hosted["b:1"].batcher.queue) == 1
     for t in [*tasks, admitted]:
+        t.cancel()
+
+
+def admitted_to_a(node: Node, priority: int, seconds: float) -> None:
+    """As `Node.infer` counts work it admits to a:1 (then run at once), `seconds` of device time just now."""
+    node.hosted["a:1"].share.add(priority, seconds, node.clock.now)
+    node.device_share.add(priority, seconds, node.clock.now)
+
+
+async def test_work_arriving_for_other_versions_counts_though_none_is_queued(node) -> None:  # noqa: ANN001
+    # given version a with nothing queued, but just admitted at 2 device seconds a second (its batches leave
+    # as soon as they come), beside version b, on the same device
+    host(node, "a", 0.4)
+    host(node, "b", 0.01)
+    admitted_to_a(node, 1, 2.0)
+    # when b gets a request with 0.3 s left (0.24 s of headroom) / then it is refused: a batch of a (0.4 s)
+    # arrives and takes its turn before b's
+    with pytest.raises(Shed) as refused:
+        await node.infer("b:1", rows(1), 1, node.clock.now + 0.3, 1)
+    assert refused.value.reason == "deadline"
+    # and with 0.6 s left (0.48 s) it fits: one batch of a per round, then b's own
+    admitted = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.6, 1))
+    await asyncio.sleep(0)
+    assert len(node.hosted["b:1"].batcher.queue) == 1
+    # and mirrored work arriving for a yields to b's callers: it is not counted against them
+    node.hosted["a:1"].share = node.device_share = admission.DeviceShare()
+    admitted_to_a(node, SHADOW_PRIORITY, 2.0)
+    mirrored = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.3, 1))
+    await asyncio.sleep(0)
+    assert len(node.hosted["b:1"].batcher.queue) == 2
+    for t in (admitted, mirrored):
         t.cancel()
 
 

@@ -44,7 +44,7 @@ from serving.dataplane.transport.stream_codec import (
     unpack_replies,
 )
 from serving.dataplane.transport.streams import RedisStreamsTransport
-from tests.test_admission import Clock, StandIn, host, queued, rows
+from tests.test_admission import Clock, StandIn, admitted_to_a, host, queued, rows
 from tests.test_streams_processes import clear
 from tests.test_streams_transport import entry
 
@@ -143,6 +143,37 @@ async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(no
     finally:
         for t in tasks:
             t.cancel()
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_the_work_arriving_for_another_version_counts_at_the_gateway_as_on_the_node(
+    node: Node,
+    client: redis.Redis,  # noqa: ARG001
+) -> None:
+    # given a node with nothing queued, but version a just admitted at 2 device seconds a second beside b
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.4)
+    host(node, "b", 0.01)
+    admitted_to_a(node, 1, 2.0)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 0, clock=clock, wall=wall)
+    await publisher.publish_once()
+    view = await view_of([info("n1", hot=frozenset({"a:1", "b:1"}))], clock, wall)
+    try:
+        # when a request for b with 0.3 s left arrives / then the gateway refuses it as the node does: a batch
+        # of a's arrives and runs first
+        with pytest.raises(Shed) as at_gateway:
+            view.admit("b:1", 1, clock.now + 0.3, 1)
+        with pytest.raises(Shed) as at_node:
+            await node.infer("b:1", rows(1), 1, clock.now + 0.3, 1)
+        assert at_gateway.value.reason == at_node.value.reason == "deadline"
+        # and one with 0.6 s left is admitted by both
+        view.admit("b:1", 1, clock.now + 0.6, 1)
+        admitted = asyncio.ensure_future(node.infer("b:1", rows(1), 1, clock.now + 0.6, 1))
+        await asyncio.sleep(0)
+        assert len(node.hosted["b:1"].batcher.queue) == 1
+        admitted.cancel()
+    finally:
         await view.close()
         await publisher.client.aclose()
 

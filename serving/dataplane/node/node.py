@@ -134,6 +134,11 @@ class Node:
         self.reconciled_serial = 0
         # How far admission's device estimate falls short of what admitted requests take here (policies.admission).
         self.calibration = Calibration()
+        # Every hosted version's admitted device share in one (each also keeps its own, `Hosted.share`): the
+        # work arriving for the others, read in one step per request (`admission.Arrivals`). An unloaded
+        # version's part stays until it decays (about a second): the cautious side of the estimate.
+        self.device_share = DeviceShare()
+        self._full_batches: tuple[tuple[Hosted, ...], float, float] = ((), 0.0, -math.inf)  # for, sum, until
         # Batches handed to the device thread and not finished: id -> estimated seconds. All versions
         # share the thread, so admission counts this work for every request.
         self._device_work: dict[int, float] = {}
@@ -470,7 +475,7 @@ class Node:
             priority >= SHADOW_PRIORITY and self._mirror_fits_share(hosted, rows, deadline, now)
         ):
             begun = tracing.since() if tracing.ENABLED else 0
-            estimated = self._completion(hosted, rows, priority, now)
+            estimated = self._completion(hosted, rows, priority, now, deadline)
             verdict = admission.decide(
                 now=now,
                 deadline=deadline,
@@ -500,7 +505,9 @@ class Node:
                 tracing.end(job.trace, "queue_full")
             raise Shed(f"{key}: {exc}", reason="queue_full", tier=priority, retry_after=self.retry_after(now)) from None
         top = hosted.entry.batching.max_batch_size
-        hosted.share.add(priority, hosted.profile.estimate(top) * rows / top, now)
+        seconds = hosted.profile.estimate(top) * rows / top
+        hosted.share.add(priority, seconds, now)
+        self.device_share.add(priority, seconds, now)
         for victim in evicted:
             _fail(
                 victim,
@@ -627,7 +634,7 @@ class Node:
             headroom=admission.HEADROOM,
         )
 
-    def _completion(self, hosted: Hosted, rows: int, priority: int, now: float) -> float:
+    def _completion(self, hosted: Hosted, rows: int, priority: int, now: float, deadline: float) -> float:
         top = hosted.entry.batching.max_batch_size
         own = admission.VersionLoad(hosted.batcher.queue.rows_ahead(priority), top, hosted.profile.estimate)
         # Per request: a plain loop over the hosted versions, a VersionLoad only for those with work.
@@ -639,7 +646,30 @@ class Node:
             if queued and h is not hosted:
                 others.append(admission.VersionLoad(queued, h.entry.batching.max_batch_size, h.profile.estimate))
         in_flight = self._in_flight(now) if self._device_work else 0.0
-        return admission.completion_seconds(own=own, rows=rows, others=others, in_flight=in_flight)
+        arrivals = None
+        if len(self._hosted_list) > 1:
+            if priority < SHADOW_PRIORITY:  # mirrored work yields to callers: their tiers only
+                coming = self.device_share.higher_than(SHADOW_PRIORITY, now) - hosted.share.higher_than(
+                    SHADOW_PRIORITY, now
+                )
+            else:
+                coming = self.device_share.total(now) - hosted.share.total(now)
+            if coming > 1e-9:
+                arrivals = admission.Arrivals(coming, self._others_full_batches(hosted, now))
+        return admission.completion_seconds(
+            own=own, rows=rows, others=others, in_flight=in_flight, arrivals=arrivals, horizon=deadline - now
+        )
+
+    def _others_full_batches(self, hosted: Hosted, now: float) -> float:
+        """One full batch of every hosted version but `hosted`, summed: re-read from the profiles at most once
+        a second (they learn slowly) or when what is hosted changes."""
+        hosted_list = self._hosted_list
+        of, total, until = self._full_batches
+        if of is not hosted_list or now >= until:
+            total = sum(h.profile.estimate(h.entry.batching.max_batch_size) for h in hosted_list)
+            self._full_batches = (hosted_list, total, now + 1.0)
+        top = hosted.entry.batching.max_batch_size
+        return max(0.0, total - hosted.profile.estimate(top))
 
     def in_flight_seconds(self, now: float | None = None) -> float:
         """Estimated seconds left of the batches on the device now (what a node process publishes for the

@@ -82,9 +82,11 @@ class VersionState:
     profile: dict[int, float]  # seconds per batch size (LatencyProfile.points)
     higher: list[float]  # device share taken by tiers above each level (DeviceShare.higher_than), 0..SHADOW_PRIORITY
     estimate: admission.Estimate = field(default=lambda rows: 0.0, repr=False)
+    full_batch: float = field(default=0.0, repr=False)  # seconds of its largest batch: read once per document
 
     def __post_init__(self) -> None:
         self.estimate = LatencyProfile(self.profile).estimate
+        self.full_batch = self.estimate(self.max_batch)
 
 
 @dataclass(slots=True)
@@ -341,10 +343,14 @@ class LoadView:
             own = admission.VersionLoad(state.ahead[level] + unread, state.max_batch, state.estimate)
             others = []
             queued = [admission.VersionLoad(state.ahead[SHADOW_PRIORITY] + unread, state.max_batch, state.estimate)]
+            coming = batches = 0.0
             for other in load.versions.values():
                 if other is state:
                     continue
                 share = self._unread_share(other.key, len(self._hosting.get(other.key, ())))
+                # the work arriving for it: its callers' device share (tiers above the mirrors' level)
+                coming += other.higher[SHADOW_PRIORITY]
+                batches += other.full_batch
                 if other.ahead[others_level] + share:
                     others.append(
                         admission.VersionLoad(other.ahead[others_level] + share, other.max_batch, other.estimate)
@@ -353,7 +359,10 @@ class LoadView:
                     queued.append(
                         admission.VersionLoad(other.ahead[SHADOW_PRIORITY] + share, other.max_batch, other.estimate)
                     )
-            completion = admission.completion_seconds(own=own, rows=rows, others=others, in_flight=in_flight)
+            arrivals = admission.Arrivals(coming, batches) if coming > 1e-9 else None
+            completion = admission.completion_seconds(
+                own=own, rows=rows, others=others, in_flight=in_flight, arrivals=arrivals, horizon=deadline - now
+            )
             verdict = admission.decide(
                 now=now, deadline=deadline, priority=priority, completion=completion, higher_share=state.higher[level]
             )
