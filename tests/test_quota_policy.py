@@ -18,6 +18,7 @@ from serving.policies.quota import (
     Bucket,
     Decision,
     InProcessQuota,
+    debt_tokens,
     decide,
     month_of,
     scaled,
@@ -189,3 +190,38 @@ def test_seed_sets_the_bucket_to_what_the_shared_limiter_left() -> None:
     assert quota.admit(1, limits()).admitted and not quota.admit(1, limits()).admitted
     quota.seed(1, 2.0)  # and one it has
     assert quota.admit(1, limits()).remaining == 1
+
+
+def test_a_debt_is_charged_whole_to_a_bucket_that_saw_its_time_go_by() -> None:
+    # given 30 requests a gateway admitted alone over the last 10 s, at half the limits (two gateways), to a
+    # limiter counting the tenant since before then / then all 30 are taken (the bucket refilled by itself)
+    assert debt_tokens(30, age=10.0, born=0.0, now=100.0, rate=2.0, share=0.5) == 30.0
+    assert debt_tokens(0, age=10.0, born=100.0, now=100.0, rate=2.0, share=0.5) == 0.0
+
+
+def test_a_limiter_that_came_back_empty_is_charged_only_past_the_refill_it_missed() -> None:
+    # given a limiter that began counting the tenant 4 s ago, and a debt begun 10 s ago: it missed 6 s, of which
+    # this gateway's share of the refill is 6 s x 2/s x 0.5 = 6 tokens
+    assert debt_tokens(30, age=10.0, born=96.0, now=100.0, rate=2.0, share=0.5) == pytest.approx(24.0)
+    # and one that began just now missed it all: 10 tokens off, never below nothing
+    assert debt_tokens(30, age=10.0, born=100.0, now=100.0, rate=2.0, share=0.5) == pytest.approx(20.0)
+    assert debt_tokens(5, age=10.0, born=100.0, now=100.0, rate=2.0, share=0.5) == 0.0
+
+
+def test_a_fresh_limiter_charges_a_restarts_debt_without_refusing_the_tenant_after_it() -> None:
+    # given a node host just started (a fresh limiter), and a web process of two that admitted 1,000 requests
+    # on its own over the 10 s the host was away, at 100/s of a tenant's 200/s with a burst of 400
+    clock = FakeClock()
+    quota = InProcessQuota(clock=clock)
+    rate = limits(requests_per_second=200, burst=400, monthly_requests=1_000_000)
+    quota.charge(1, 1_000, rate, age=10.0, share=0.5)
+    # then the month counts them all, but the bucket only what exceeded that process's share of the refill the
+    # host missed: the tenant is admitted at once
+    assert quota.admit(1, rate).admitted
+    assert quota._tenants[1].used == 1_001
+    # while a limiter that was counting all along charges the whole debt, to one burst below empty at most
+    clock.now += 1.0
+    quota.charge(1, 100_000, rate, age=0.5, share=0.5)
+    assert quota._tenants[1].bucket.tokens == -400.0
+    refused = quota.admit(1, rate)
+    assert not refused.admitted and refused.reason == RATE

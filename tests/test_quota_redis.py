@@ -61,6 +61,15 @@ def redis_now() -> float:
         client.close()
 
 
+def month_used(tid: int) -> int:
+    """The tenant's requests counted this month in Redis."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return int(client.hget(keys_of(tid)[0], "used"))
+    finally:
+        client.close()
+
+
 def rewind(tid: int, seconds: float) -> None:
     """Pretend the bucket was last touched `seconds` earlier (Redis time)."""
     client = redis.Redis.from_url(REDIS_URL)
@@ -198,6 +207,12 @@ class FakeClock:
         return self.now
 
 
+def live_gate(clock: FakeClock, *, gateways: int) -> QuotaGate:
+    """A gate on the live Redis, one of `gateways`, deciding on `clock`; retrying Redis a second after it failed."""
+    shared = RedisQuota.from_url(REDIS_URL, timeout_s=2.0, lease_s=60)
+    return QuotaGate(shared=shared, gateways=gateways, timeout_s=2.0, retry_s=1.0, clock=clock)
+
+
 def fallbacks() -> float:
     return metrics.QUOTA_FALLBACKS._value.get()
 
@@ -275,25 +290,41 @@ async def test_a_debt_is_charged_to_the_bucket_and_the_month(limiter, tenant_id)
     decision, _ = await limiter.admit(tenant_id, limits(burst=5), debt=3)
     # then the bucket lost 4 tokens and the month counts 4
     assert decision.admitted and decision.remaining == 1
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        assert int(client.hget(keys_of(tenant_id)[0], "used")) == 4
-    finally:
-        client.close()
+    assert month_used(tenant_id) == 4
     # a debt larger than the bucket leaves it at most one burst below empty: refused, not forever
     refused, _ = await limiter.admit(tenant_id, limits(burst=5, requests_per_second=1), debt=100)
     assert refused.reason == RATE and refused.retry_after == pytest.approx(6.0, abs=0.1)
 
 
+async def test_a_redis_that_came_back_empty_is_charged_only_past_the_refill_it_missed(limiter, tenant_id) -> None:  # noqa: ANN001
+    # given no state for the tenant (Redis restarted empty), and a gateway of two that admitted 30 requests on
+    # its own over the last 10 s, at half of a tenant's 2/s with a burst of 5
+    tight = limits(requests_per_second=2, burst=5)
+    decision, _ = await limiter.admit(tenant_id, tight, debt=30, debt_age=10.0, share=0.5)
+    # then the month counts them, and the bucket the 20 past the 10 s x 1/s of refill Redis did not see: one
+    # burst below empty at most, so the tenant waits for tokens, not for 30 of them
+    assert not decision.admitted and decision.reason == RATE
+    assert decision.retry_after == pytest.approx(3.0, abs=0.1)  # from -5 to 1 at 2/s
+    assert month_used(tenant_id) == 30
+    # and within what it missed, a debt takes nothing from the bucket: admitted, 4 left
+    other = tenant_id + 500_000
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete(*keys_of(other))
+    try:
+        decision, _ = await limiter.admit(other, tight, debt=8, debt_age=10.0, share=0.5)
+        assert decision.admitted and decision.remaining == 4
+        # while once Redis has counted the tenant since before a debt began, the debt is charged whole
+        client.hset(keys_of(other)[0], "born", repr(redis_now() - 20.0))
+        decision, _ = await limiter.admit(other, tight, debt=3, debt_age=10.0, share=0.5)
+        assert decision.admitted and decision.remaining == 0  # 4 left, 3 charged, 1 taken
+    finally:
+        client.delete(*keys_of(other))
+        client.close()
+
+
 async def test_what_the_fallback_admitted_is_charged_when_redis_answers_again(tenant_id) -> None:  # noqa: ANN001
     clock = FakeClock()
-    gate = QuotaGate(
-        shared=RedisQuota.from_url(REDIS_URL, timeout_s=2.0, lease_s=60),
-        gateways=1,
-        timeout_s=2.0,
-        retry_s=1.0,
-        clock=clock,
-    )
+    gate = live_gate(clock, gateways=1)
     try:
         # given Redis said 4 of a bucket of 5 are left
         first = await gate.admit(tenant_id, limits(burst=5))
@@ -310,11 +341,39 @@ async def test_what_the_fallback_admitted_is_charged_when_redis_answers_again(te
             await gate.admit(tenant_id, limits(burst=5))
     finally:
         await gate.close()
-    client = redis.Redis.from_url(REDIS_URL)
+    assert month_used(tenant_id) == 5
+
+
+async def test_after_redis_comes_back_empty_the_fallback_s_debt_does_not_refuse_the_tenant(tenant_id) -> None:  # noqa: ANN001
+    clock = FakeClock()
+    gate = live_gate(clock, gateways=2)
+    tight = limits(requests_per_second=2, burst=5)
     try:
-        assert int(client.hget(keys_of(tenant_id)[0], "used")) == 5
+        # given a gateway of two that admitted on its own for 11 s while Redis was away: 12 requests at its half
+        # of the tenant's 2/s, from the 2 of the last 4 Redis said were left
+        assert (await gate.admit(tenant_id, tight)).decision.remaining == 4
+        gate._redis_down_until = clock.now + 11.0
+        local = []
+        for _ in range(10):
+            local += [await gate.admit(tenant_id, tight)]
+            clock.now += 1.0
+        local += [await gate.admit(tenant_id, tight)]
+        local += [await gate.admit(tenant_id, tight)]
+        assert len(local) == 12 and all(t.lease is None for t in local)
+        # when Redis comes back empty (restarted without its data), a second later
+        client = redis.Redis.from_url(REDIS_URL)
+        try:
+            client.delete(*keys_of(tenant_id))
+        finally:
+            client.close()
+        clock.now += 1.0
+        # then the next request is admitted: the 12 are counted for the month, but only the 1 past this
+        # gateway's share of the 11 s of refill Redis did not see (11 x 2/s x 1/2) is taken from its fresh bucket
+        back = await gate.admit(tenant_id, tight)
+        assert back.lease is not None and back.decision.remaining == 3
     finally:
-        client.close()
+        await gate.close()
+    assert month_used(tenant_id) == 13
 
 
 async def test_answered_leases_leave_redis_in_batches(tenant_id) -> None:  # noqa: ANN001

@@ -170,12 +170,28 @@ class ControlBuckets:
             bucket.tokens = min(float(self.burst), bucket.tokens + 1.0)
 
 
+def debt_tokens(debt: int, *, age: float, born: float, now: float, rate: float, share: float) -> float:
+    """Tokens to take from a shared bucket for `debt` requests a gateway admitted on its own, the first of
+    them `age` seconds ago, its limits `share` (1/gateways) of the tenant's while it did.
+
+    A bucket that was there all along (`born`, when the limiter began counting the tenant, before the debt)
+    has refilled over that time by itself: the whole debt is charged. One the limiter began counting since
+    (a Redis or node host that came back empty) never saw that time go by, and charging the whole debt to
+    its fresh, full bucket refused the tenant for seconds after every restart; this gateway's share of the
+    refill over the part of the debt's time the limiter missed is taken off first."""
+    if debt <= 0:
+        return 0.0
+    missed = min(max(born - (now - age), 0.0), age)
+    return max(0.0, debt - missed * rate * share)
+
+
 @dataclass(slots=True)
 class _TenantState:
     bucket: Bucket
     in_flight: int = 0
     month: int = 0
     used: int = 0
+    born: float = 0.0  # when this limiter began counting the tenant (`debt_tokens`)
 
 
 @dataclass
@@ -196,14 +212,9 @@ class InProcessQuota:
         now = self.clock()
         state = self._tenants.get(tenant_id)
         if state is None:
-            state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now))
+            state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now), born=now)
         state.bucket.refill(now, limits.requests_per_second, limits.burst)
-        if not self._month_since <= now < self._month_until:  # a new month (or a clock stepped back)
-            t = time.gmtime(now)
-            self._month = t.tm_year * 100 + t.tm_mon
-            self._month_since = float(calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)))
-            self._month_until = now + seconds_to_next_month(now)
-        month = self._month
+        month = self._month_at(now)
         if state.month != month:
             state.month, state.used = month, 0
         tokens, rate, burst = state.bucket.tokens, limits.requests_per_second, limits.burst
@@ -227,27 +238,42 @@ class InProcessQuota:
             state.used += 1
         return decision
 
+    def _month_at(self, now: float) -> int:
+        if not self._month_since <= now < self._month_until:  # a new month (or a clock stepped back)
+            t = time.gmtime(now)
+            self._month = t.tm_year * 100 + t.tm_mon
+            self._month_since = float(calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)))
+            self._month_until = now + seconds_to_next_month(now)
+        return self._month
+
     def seed(self, tenant_id: int, tokens: float) -> None:
         """Set the tenant's bucket to `tokens` now: the shared limiter's last word, so that deciding here
         (Redis away) starts from what the tenant had left instead of a full bucket."""
         now = self.clock()
         state = self._tenants.get(tenant_id)
         if state is None:
-            self._tenants[tenant_id] = _TenantState(Bucket(tokens, now))
+            self._tenants[tenant_id] = _TenantState(Bucket(tokens, now), born=now)
         else:
             state.bucket.tokens, state.bucket.at = tokens, now
 
-    def charge(self, tenant_id: int, n: int, limits: Limits) -> None:
-        """Count `n` requests admitted elsewhere (a gateway deciding alone while this limiter did not answer):
-        tokens and the month's count, never the in-flight count, which that gateway kept."""
+    def charge(self, tenant_id: int, n: int, limits: Limits, *, age: float = 0.0, share: float = 1.0) -> None:
+        """Count `n` requests admitted elsewhere (a gateway deciding alone while this limiter did not answer,
+        the first `age` seconds ago, at `share` of the limits): the month's count, and tokens as
+        `debt_tokens` says, down to one burst below empty at most (as the Redis script); never the in-flight
+        count, which that gateway kept."""
         if n <= 0:
             return
         now = self.clock()
         state = self._tenants.get(tenant_id)
         if state is None:
-            state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now))
-        state.bucket.refill(now, limits.requests_per_second, limits.burst)
-        state.bucket.tokens -= n
+            state = self._tenants[tenant_id] = _TenantState(Bucket(float(limits.burst), now), born=now)
+        rate, burst = limits.requests_per_second, limits.burst
+        state.bucket.refill(now, rate, burst)
+        taken = debt_tokens(n, age=age, born=state.born, now=now, rate=rate, share=share)
+        state.bucket.tokens = max(-float(burst), state.bucket.tokens - taken)
+        month = self._month_at(now)
+        if state.month != month:  # a tenant first seen here, or a new month: the debt opens its count
+            state.month, state.used = month, 0
         state.used += n
 
     def release(self, tenant_id: int) -> None:

@@ -7,8 +7,11 @@ per `retry_s`, not one per request. A request is never answered 500 and never ad
 because Redis is away. The in-process bucket starts from what Redis last said the tenant had left
 (scaled), not full, and what this gateway admitted on its own is a debt charged to the tenant's
 bucket and month at its next Redis call, so a timeout (a slow moment, not an outage) does not hand
-the tenant extra requests. The monthly budget cannot be enforced across gateways during an outage:
-only a tenant Redis last refused for its month stays refused; otherwise its rate bounds it.
+the tenant extra requests. The debt travels with its age and this gateway's share of the limits: a
+limiter that came back empty charges its bucket only what exceeds the refill it did not see
+(`serving.policies.quota.debt_tokens`), so a restart does not refuse the tenant afterwards. The
+monthly budget cannot be enforced across gateways during an outage: only a tenant Redis last refused
+for its month stays refused; otherwise its rate bounds it.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class QuotaGate:
         self._clock = clock
         self._redis_down_until = 0.0
         self._month_spent: dict[int, int] = {}  # tenant -> the month (YYYYMM) Redis refused it for
-        self._debt: dict[int, int] = {}  # tenant -> requests admitted here, not yet charged in Redis
+        # tenant -> requests admitted here, not yet charged in Redis, and when the first of them was
+        self._debt: dict[int, tuple[int, float]] = {}
         # Redis leases answered and not yet removed, sent as one pipeline per event-loop turn (not a task
         # and a round trip per request).
         self._to_release: list[tuple[int, str]] = []
@@ -83,14 +87,18 @@ class QuotaGate:
 
     async def admit(self, tenant_id: int, limits: TenantEntry) -> Ticket:
         """A ticket for an admitted request, or QuotaExceeded with the refusal."""
-        if self.shared is not None and self._clock() >= self._redis_down_until:
-            debt = self._debt.pop(tenant_id, 0)
+        now = self._clock()
+        if self.shared is not None and now >= self._redis_down_until:
+            debt, since = self._debt.pop(tenant_id, (0, now))
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    decision, lease = await self.shared.admit(tenant_id, limits, debt)
+                    decision, lease = await self.shared.admit(
+                        tenant_id, limits, debt, debt_age=now - since, share=1.0 / self.gateways
+                    )
             except (redis.RedisError, OSError, TimeoutError) as exc:
                 if debt:  # perhaps charged, perhaps not: keep it (charging twice errs on the strict side)
-                    self._debt[tenant_id] = self._debt.get(tenant_id, 0) + debt
+                    more, later = self._debt.get(tenant_id, (0, since))
+                    self._debt[tenant_id] = (debt + more, min(since, later))
                 self._redis_down_until = self._clock() + self.retry_s
                 log.warning(
                     "quota check through Redis failed (%s); deciding in-process for %.0f s",
@@ -115,6 +123,7 @@ class QuotaGate:
         return self._admit_here(tenant_id, limits, fallback=False)
 
     def _admit_here(self, tenant_id: int, limits: Limits, *, fallback: bool) -> Ticket:
+        now = 0.0
         if fallback:
             metrics.QUOTA_FALLBACKS.inc()
             now = self._clock()
@@ -125,7 +134,8 @@ class QuotaGate:
         if not decision.admitted:
             raise QuotaExceeded(decision)
         if fallback:
-            self._debt[tenant_id] = self._debt.get(tenant_id, 0) + 1
+            debt, since = self._debt.get(tenant_id, (0, now))
+            self._debt[tenant_id] = (debt + 1, since)
         return Ticket(tenant_id, decision, None)
 
     def release(self, ticket: Ticket) -> None:

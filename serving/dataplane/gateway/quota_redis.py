@@ -44,8 +44,10 @@ end
 """
 
 # KEYS: state hash, in-flight set. ARGV: rate, burst, max_in_flight, monthly, lease id, lease seconds,
-# debt (requests this gateway admitted on its own while Redis did not answer: charged to the bucket,
-# down to at most one burst's worth below empty, and to the month).
+# debt (requests this gateway admitted on its own while Redis did not answer: charged to the month, and to
+# the bucket down to at most one burst's worth below empty, less this gateway's share of the refill over
+# the part of the debt's time the hash did not exist: `serving.policies.quota.debt_tokens`), the debt's
+# age in seconds, that share (1/gateways). The hash's `born` is when it began counting the tenant.
 # Returns {reason ('' when admitted), tokens left, in flight, used this month, Redis time}; numbers
 # that may be fractional travel as strings (a Lua number would be truncated to an integer reply).
 ADMIT = (
@@ -56,13 +58,20 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_in_flight, monthly = tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease_s = tonumber(ARGV[6])
-local st = redis.call('HMGET', KEYS[1], 'tokens', 'at', 'month', 'used')
+local st = redis.call('HMGET', KEYS[1], 'tokens', 'at', 'month', 'used', 'born')
 local tokens, at = tonumber(st[1]), tonumber(st[2])
-if tokens == nil or at == nil then tokens, at = burst, now end
+local born = tonumber(st[5]) or 0
+if tokens == nil or at == nil then tokens, at, born = burst, now, now end
 local elapsed = now - at
 if elapsed < 0 then elapsed = 0 end
 local debt = tonumber(ARGV[7])
-tokens = math.max(-burst, math.min(burst, tokens + elapsed * rate - debt))
+local charged = 0
+if debt > 0 then
+  local age, share = tonumber(ARGV[8]), tonumber(ARGV[9])
+  local missed = math.min(math.max(born - (now - age), 0), age)
+  charged = math.max(0, debt - missed * rate * share)
+end
+tokens = math.max(-burst, math.min(burst, tokens + elapsed * rate - charged))
 local month = month_of(now)
 local used = tonumber(st[4]) or 0
 if tonumber(st[3]) ~= month then used = 0 end
@@ -82,7 +91,7 @@ if reason == '' then
   redis.call('EXPIRE', KEYS[2], math.ceil(lease_s))
 end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'at', string.format('%.6f', now),
-           'month', month, 'used', used)
+           'month', month, 'used', used, 'born', string.format('%.6f', born))
 redis.call('EXPIRE', KEYS[1], 40 * 86400)
 return {reason, string.format('%.6f', tokens), in_flight, used, string.format('%.6f', now)}
 """
@@ -130,9 +139,11 @@ class RedisQuota:
         client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, lease_s=lease_s)
 
-    async def admit(self, tenant_id: int, limits: TenantEntry, debt: int = 0) -> tuple[Decision, str]:
-        """The decision for one request, and its lease id; `debt` requests admitted elsewhere are charged
-        first (see `QuotaGate`)."""
+    async def admit(
+        self, tenant_id: int, limits: TenantEntry, debt: int = 0, *, debt_age: float = 0.0, share: float = 1.0
+    ) -> tuple[Decision, str]:
+        """The decision for one request, and its lease id; `debt` requests admitted elsewhere, the first
+        `debt_age` seconds ago at `share` of the limits, are charged first (see `QuotaGate`)."""
         lease = f"{self._origin}{next(self._ids)}"
         reply = await self._script(
             keys=keys_of(tenant_id),
@@ -144,6 +155,8 @@ class RedisQuota:
                 lease,
                 repr(float(self.lease_s)),
                 debt,
+                repr(float(debt_age)),
+                repr(float(share)),
             ],
         )
         return decision_from(limits, reply), lease
