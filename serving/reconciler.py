@@ -17,6 +17,10 @@ more, so neither copy is scaled in; once the target's heartbeat shows the copy h
 last and the placement scales it in (a `serving.node.unload`, which drains first). At most
 `FERRY_CONSOLIDATE_MOVES` are in flight; a node's quiet-since time is kept in Redis too (`QUIET_KEY`).
 
+Relief (`serving.policies.placement.relieve`, the simulator's too) comes first: a node whose placed replicas, at
+the device shares the autoscaler last sized them for (`LOAD_KEY`), plan on more than all of its compute sheds
+replicas onto nodes with room, as the same make-before-break moves, at most `FERRY_RELIEVE_MOVES` in flight.
+
 `reconcile()` is one step, run by the Celery task `serving.tasks.reconcile_placements` on a beat schedule
 and whenever a version's desired state changes (`serving.tasks.request_reconcile`); the task hands it the
 sender of node tasks (`serving.node_tasks.send_plan`), so this module imports no task. It is idempotent: a
@@ -47,6 +51,8 @@ from serving.policies.placement import (
     CONSOLIDATE_HOLD,
     CONSOLIDATE_MOVES,
     MAX_LOAD,
+    RELIEVE_ABOVE,
+    RELIEVE_MOVES,
     Move,
     NodeState,
     Placement,
@@ -54,6 +60,7 @@ from serving.policies.placement import (
     VersionSpec,
     consolidate,
     place,
+    relieve,
 )
 
 log = logging.getLogger(__name__)
@@ -100,11 +107,15 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Consolidating:
-    """Consolidation's settings for a step (`placement.consolidate`); `moves` 0 turns it off."""
+    """The settings of a step's moves: consolidation's (`placement.consolidate`; `moves` 0 turns it off) and
+    relief's (`placement.relieve`; `relieve_moves` 0 turns it off). Each bounds all moves in flight, of
+    either kind, so consolidation waits while relief is under way."""
 
     moves: int = CONSOLIDATE_MOVES
     hold: float = CONSOLIDATE_HOLD
     below: float = CONSOLIDATE_BELOW
+    relieve_moves: int = RELIEVE_MOVES
+    relieve_above: float = RELIEVE_ABOVE
 
 
 def holdings(nodes: Sequence[fleet.NodeInfo], pending: Sequence[Pending]) -> dict[str, set[str]]:
@@ -194,12 +205,12 @@ def plan(
     for name, keys in held.items():
         result.releases.extend((name, key) for key in sorted(keys) if key not in desired)
     result.moves.extend(loading)
-    if consolidating is not None and consolidating.moves > 0:
-        _consolidate(result, placement, states, specs, failures, consolidating, quiet or {}, now)
+    if consolidating is not None and (consolidating.moves > 0 or consolidating.relieve_moves > 0):
+        _move(result, placement, states, specs, failures, consolidating, quiet or {}, now)
     return result
 
 
-def _consolidate(
+def _move(
     result: Plan,
     placement: Placement,
     states: Sequence[NodeState],
@@ -209,8 +220,9 @@ def _consolidate(
     quiet: Mapping[str, float],
     now: float,
 ) -> None:
-    """Consolidation moves over the fleet as this step leaves it (its loads made, its evictions gone): each new
-    move is a load on its target, recorded in `result.moves` so that the next steps make it, then break it."""
+    """Relief, then consolidation, moves over the fleet as this step leaves it (its loads made, its evictions
+    gone): each new move is a load on its target, recorded in `result.moves` so that the next steps make it,
+    then break it."""
     placed: dict[str, set[str]] = {s.name: set() for s in states}
     for key, names in placement.assignments.items():
         for name in names:
@@ -220,6 +232,20 @@ def _consolidate(
         hot = {k: r for k, r in s.hot.items() if k not in placement.evictions.get(s.name, ())}
         hot.update({k: Resident(specs[k], now) for k in placement.loads.get(s.name, ())})
         after.append(NodeState(s.name, s.accelerator, s.memory_budget, hot, s.warm, s.memory_total))
+    relief: tuple[Move, ...] = ()
+    if settings_.relieve_moves > 0:
+        relief = relieve(
+            after,
+            now=now,
+            moving=result.moves,
+            placed=placed,
+            above=settings_.relieve_above,
+            max_load=MAX_LOAD,
+            max_moves=settings_.relieve_moves,
+        )
+    _start_moves(result, relief, failures)
+    if settings_.moves <= 0:
+        return
     proposed = consolidate(
         after,
         now=now,
@@ -232,7 +258,11 @@ def _consolidate(
         max_load=MAX_LOAD,
     )
     result.quiet.update(proposed.quiet)
-    for move in proposed.moves:
+    _start_moves(result, proposed.moves, failures)
+
+
+def _start_moves(result: Plan, moves: Sequence[Move], failures: Mapping[str, Mapping[str, str]]) -> None:
+    for move in moves:
         if move.key in failures.get(move.target, {}):
             continue  # never a silent retry of a load that failed there
         result.loads.append((move.target, move.key))
@@ -305,7 +335,11 @@ def write_moves(client: redis.Redis, result: Plan) -> None:
 
 
 def consolidating_from_settings() -> Consolidating:
-    return Consolidating(moves=settings.FERRY_CONSOLIDATE_MOVES, hold=float(settings.FERRY_CONSOLIDATE_HOLD_SECONDS))
+    return Consolidating(
+        moves=settings.FERRY_CONSOLIDATE_MOVES,
+        hold=float(settings.FERRY_CONSOLIDATE_HOLD_SECONDS),
+        relieve_moves=settings.FERRY_RELIEVE_MOVES,
+    )
 
 
 def spec_of(version: object, load: float = 0.0) -> VersionSpec:

@@ -17,6 +17,7 @@ import numpy as np
 
 from rollout.routing import RouteTable
 from serving.dataplane.gateway.snapshot import ModelEntry, VersionEntry
+from serving.policies.admission import DeviceShare
 from serving.policies.autoscale import Capacity, ScalingConfig, replica_capacity
 from serving.policies.batching import BatchingConfig, BatchQueue, LatencyProfile
 from serving.policies.placement import replica_load
@@ -57,6 +58,9 @@ class SimVersion:
     # measured (a shared CPU's contention, sim.validation_fleet): scales each batch's time on the device only;
     # admission and the scaling policy keep estimating by the profile they were given.
     slowdown: float = 1.0
+    # Device seconds a second admitted for it, as a node counts them (`Node.infer`'s `hosted.share`): what
+    # admission reads as the work arriving for a version packed beside the one it judges.
+    share: DeviceShare = field(default_factory=DeviceShare)
 
     def __post_init__(self) -> None:
         self.max_batch = self.batching.max_batch_size

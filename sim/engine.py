@@ -17,9 +17,10 @@ Replicas of a version share its queue; one of their devices, the version's waker
 for it (`_covered`, `_hand_off`), so n idle replicas do not each wake for the same batch.
 
 Simplified: one queue per version shared by all its replicas (the design's stream per version),
-admission estimated against the version's first replica's device with the queue split evenly over
-its replicas, every request one row and one priority tier, no network, parsing or gateway cost,
-compute time = profile x lognormal jitter (the profile is the truth's mean and is not re-learnt).
+admission estimated against the version's first replica's device with the queue (and the work
+arriving for the versions beside it, their admitted `DeviceShare`s) split evenly over replicas,
+every request one row and one priority tier, no network, parsing or gateway cost, compute time =
+profile x lognormal jitter (the profile is the truth's mean and is not re-learnt).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from rollout.routing import RouteError, choose_version
-from serving.policies.admission import HEADROOM, VersionLoad, completion_seconds, decide
+from serving.policies.admission import HEADROOM, Arrivals, VersionLoad, completion_seconds, decide
 from serving.policies.batching import Pending
 from sim import catalogue, scaling
 from sim.budget import Budget, Stopped
@@ -284,6 +285,7 @@ class Simulation:
             in_flight = home.busy_until - now
             if (in_flight if in_flight > 0 else 0.0) + home.ready_turn <= (lo + timeout - now) * HEADROOM:
                 queue.put(Pending((lo, hi, fallback, first), k, lo, lo + timeout, 1, k))
+                v.share.add(1, v.full_batch * k / v.max_batch, now)
                 if fallback:
                     self._kick(v, now)
                 return
@@ -295,6 +297,7 @@ class Simulation:
         split = lo + (hi - lo) * admit / k
         if admit > 0:
             self._put(v, admit, lo, split, fallback, first)
+            v.share.add(1, v.full_batch * admit / v.max_batch, now)
             if fallback:
                 self._kick(v, now)
         if admit < k:
@@ -323,19 +326,34 @@ class Simulation:
         replicas = v.ready_count
         home = self._home(v)
         in_flight = home.busy_until - now if home.busy_until > now else 0.0
-        if v.queue.rows + k <= v.max_batch and in_flight + home.ready_turn <= (deadline - now) * HEADROOM:
+        queued = v.queue.rows
+        if queued + k <= v.max_batch and in_flight + home.ready_turn <= (deadline - now) * HEADROOM:
             # Within one batch, `completion_seconds` is at most the in-flight remainder plus one full batch
             # of every version on the device, and that already fits: its verdict would be to admit.
             return k
-        own = VersionLoad(v.queue.rows // replicas, v.max_batch, v.estimate)
-        others = [
-            VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate)
-            for r in home.hosted
-            if r.ready and (o := r.version) is not v and o.queue.rows
-        ]
+        own = VersionLoad(queued // replicas, v.max_batch, v.estimate)
+        # The others' queues are shared by their replicas, and so is the work arriving for them (a node sums
+        # its versions' shares in one `DeviceShare`; here each replica's part of its version's).
+        others = []
+        coming = batches = 0.0
+        for r in home.hosted:
+            if r.ready and (o := r.version) is not v:
+                coming += o.share.total(now) / o.ready_count
+                batches += o.full_batch
+                if o.queue.rows:
+                    others.append(VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate))
+        arrivals = Arrivals(coming, batches) if coming > 1e-9 else None
+        horizon = deadline - now
 
         def fits(rows: int) -> bool:
-            c = completion_seconds(own=own, rows=-(-rows // replicas), others=others, in_flight=in_flight)
+            c = completion_seconds(
+                own=own,
+                rows=-(-rows // replicas),
+                others=others,
+                in_flight=in_flight,
+                arrivals=arrivals,
+                horizon=horizon,
+            )
             return decide(now=now, deadline=deadline, priority=1, completion=c).admit
 
         if fits(k):

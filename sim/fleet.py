@@ -9,7 +9,9 @@ node of the type is started, within the type's budget; past the budget the repli
 (counted). Scale-in consolidates as the placement reconciler does, through the same
 `placement.consolidate`: a device quiet for a while is emptied onto others, each replica make before break
 (its new copy loads, with a cold start, and the old one goes once that is ready), so emptied devices power off.
-Nothing else moves a replica once placed: production does not either.
+Before it, relief (`placement.relieve`, as the reconciler relieves) moves replicas off a device whose co-located
+replicas grew past it, make before break the same way. Nothing else moves a replica once placed: production does
+not either.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from serving.policies.placement import Move, NodeState, Resident, VersionSpec, consolidate, place
+from serving.policies.placement import Move, NodeState, Resident, VersionSpec, consolidate, place, relieve
 from sim.catalogue import SimVersion
 from sim.scenario import NodeType, Scenario
 
@@ -95,6 +97,8 @@ class Fleet:
         self.events: list[tuple[float, Replica]] = []  # replicas started; the engine schedules their readiness
         scaling = scenario.scaling
         self.consolidation = (scaling.consolidate_below, scaling.consolidate_hold, scaling.consolidate_moves)
+        self.relief = (scaling.relieve_above, scaling.relieve_moves)
+        self.relieved = 0  # relief moves started
         self.quiet: dict[str, float] = {}  # device -> since when its load has been under the threshold
         self.moves: list[tuple[Move, Replica, Replica]] = []  # in flight: the move, its old copy, its new one
         self.moved = 0  # moves completed (the old copy unloaded once the new one was ready)
@@ -146,6 +150,7 @@ class Fleet:
             else:
                 still.append((move, old, new))
         self.moves = still
+        self._relieve(now)
         if max_moves <= 0:
             return
         powered = self.powered()
@@ -166,6 +171,35 @@ class Fleet:
             new = self._start(old.version, by_name[move.target], now)
             old.version.moving += 1
             self.moves.append((move, old, new))
+
+    def _relieve(self, now: float) -> None:
+        """Start the moves `placement.relieve` proposes: off powered devices whose replicas outgrew them, onto
+        powered ones with room or, as the reconciler would onto a node the cluster's autoscaler adds, onto
+        devices it powers on (offered as empty nodes, at most one per move it may start)."""
+        above, max_moves = self.relief
+        budget = max_moves - len(self.moves)
+        if budget <= 0:
+            return
+        powered = self.powered()
+        offered = [d for ds in self.devices.values() for d in [d for d in ds if not d.on][:budget]]
+        candidates = powered + offered
+        moves = relieve(
+            [d.state() for d in candidates],
+            now=now,
+            moving=[m for m, _, _ in self.moves],
+            above=above,
+            max_load=self.max_load,
+            max_moves=max_moves,
+        )
+        by_name = {d.name: d for d in candidates}
+        for move in moves:
+            old = next(r for r in by_name[move.source].hosted if r.version.key == move.key)
+            target = by_name[move.target]
+            self._power(target, True, now)
+            new = self._start(old.version, target, now)
+            old.version.moving += 1
+            self.moves.append((move, old, new))
+            self.relieved += 1
 
     def _place(self, v: SimVersion, candidates: list[Device], now: float) -> Device | None:
         """The node `place` picks for one more replica of `v`, among the candidates not holding one already (what

@@ -15,7 +15,14 @@ from typing import Any
 
 import yaml
 
-from serving.policies.placement import CONSOLIDATE_BELOW, CONSOLIDATE_HOLD, CONSOLIDATE_MOVES, MAX_LOAD
+from serving.policies.placement import (
+    CONSOLIDATE_BELOW,
+    CONSOLIDATE_HOLD,
+    CONSOLIDATE_MOVES,
+    MAX_LOAD,
+    RELIEVE_ABOVE,
+    RELIEVE_MOVES,
+)
 from sim import profiles
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
@@ -131,6 +138,10 @@ class Scaling:
     consolidate_below: float = CONSOLIDATE_BELOW
     consolidate_hold: float = CONSOLIDATE_HOLD
     consolidate_moves: int = CONSOLIDATE_MOVES
+    # Relief (`placement.relieve`): replicas move off a device whose replicas plan on over `relieve_above` of it, at
+    # most `relieve_moves` moves (of either kind) in flight (0: off). The defaults are production's.
+    relieve_above: float = RELIEVE_ABOVE
+    relieve_moves: int = RELIEVE_MOVES
     fixed_replicas: int = 0  # static policy: this many replicas of every version (0: what the peak needs)
 
 
@@ -271,6 +282,14 @@ def with_gain(scenario: Scenario, gain: float) -> Scenario:
         shaped = tuple((b, t1 * (1.0 + (b - 1) * slope)) for b, _ in f.profile_ms)
         families.append(replace(f, profile_ms=shaped))
     return replace(scenario, families=tuple(families))
+
+
+def with_window(scenario: Scenario, window_ms: float) -> Scenario:
+    """The scenario with every family's batch window (`max_queue_delay_ms`) set to `window_ms`: how much of the
+    latency budget a quiet version waits to fill a batch (a sensitivity check of the window)."""
+    if window_ms < 0:
+        raise ValueError("a batch window must not be negative")
+    return replace(scenario, families=tuple(replace(f, max_queue_delay_ms=window_ms) for f in scenario.families))
 
 
 def load(path: str | Path) -> Scenario:

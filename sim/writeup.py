@@ -131,7 +131,9 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             f" {sc.traffic.length:.0f} s at the same time each compressed day of {period:.0f} s, 30 s cold starts, no"
             f" surge declared): 10 s windows with p99 (all) over 300 ms on day 1 / day 2: {days}. On day 1 nothing"
             " foresees the rush; by day 2 the predictive policy's seasonal profile (`scaling.season`) has seen it and"
-            " orders replicas one lead time ahead. Day 2 without a late window where the trend alone has some:"
+            " orders replicas one lead time ahead, and keeps those the rush will need instead of scaling them in"
+            " within one cool-down before it (`season_hold`). Day 2 without a late window where the trend alone has"
+            " some:"
             f" {_holds(ok)}."
         )
     out += _troughs(scenarios, rush)
@@ -176,8 +178,11 @@ def _troughs(scenarios: list[dict[str, Any]], rush: dict[str, dict[str, Any]]) -
         f" day 2: {'; '.join(parts)}. Scale-in consolidates (`placement.consolidate`, make before break, at most"
         f" {sc.scaling.consolidate_moves} moves in flight, a device under {sc.scaling.consolidate_below:.0%} of its"
         f" compute for {sc.scaling.consolidate_hold:g} s), so a device is freed, not only a replica; day 2's trough"
-        f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough is the {start:.0f} s right after day 1's"
-        f" fall, no longer than the scale-in cool-down ({sc.scaling.cool_down:g} s): replicas still leaving then count."
+        f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough starts"
+        f" {period - start - 2 * sc.traffic.length:.0f} s after day 1's fall ends, past the scale-in cool-down"
+        f" ({sc.scaling.cool_down:g} s). The predictive and trend-only policies keep more there on purpose: the"
+        " headroom they learnt from day 1's rise (held for `rise_history`), and, predictive only, the seasonal hold"
+        " of what day 2's rush will need."
     ]
 
 
@@ -209,7 +214,8 @@ def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
             f"| {f.name}: each version's profile factor | {f.scale[0]:g} to {f.scale[1]:g} | assumption |",
             f"| {f.name}: memory footprint (GB) | {f.memory_gb[0]:g} to {f.memory_gb[1]:g} | assumption |",
             f"| {f.name}: share of models; largest batch; batch window | {f.share:.0%}; {f.max_batch_size};"
-            f" {f.max_queue_delay_ms:g} ms | assumption (settings) |",
+            f" {f.max_queue_delay_ms:g} ms | the share an assumption; the batch sizes and the window settings (the"
+            " window's trade is below) |",
         ]
     for n in sc.fleet:
         lines.append(
@@ -224,7 +230,8 @@ def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
         f"| scaling | target {g.target_utilisation:g}, latency budget {g.latency_budget * 1000:g} ms, deadline"
         f" {g.timeout * 1000:g} ms, cool-down {g.cool_down:g} s, scheduling {g.scheduling_delay:g} s, device load"
         f" {g.max_device_load:g}, consolidation under {g.consolidate_below:g} for {g.consolidate_hold:g} s with"
-        f" {g.consolidate_moves} moves in flight, rise quantile {g.rise_quantile:g} over {g.rise_history:g} s"
+        f" {g.consolidate_moves} moves in flight, relief over {g.relieve_above:g} with {g.relieve_moves} moves in"
+        f" flight, rise quantile {g.rise_quantile:g} over {g.rise_history:g} s"
         " | settings"
         " (the deadline is production's default, FERRY_LATENCY_BUDGET_MS) |",
         f"| compute jitter | lognormal sigma {sc.jitter:g} | assumption |",
@@ -234,27 +241,60 @@ def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
 
 
 def _sensitivity(runs: list[dict[str, Any]]) -> list[str]:
-    if not runs:
-        return []
-    first = runs[0]
-    lines = [
-        "## Sensitivity to the batching gain",
-        "",
-        f"`{first['scenario']}` under the {first['policy']} policy, its first {first['duration_s']:.0f} s, with every"
-        " family's profile reshaped so that a batch of 32 serves the given multiple of what a batch of one"
-        " serves: t(b) = t(1) x (1 + (b - 1) x (32 / gain - 1) / 31), t(1) the cited one"
-        " (`sim.scenario.with_gain`). The cited profiles gain 3.4x (ResNet-50 on T4 at 32) and 2.0x"
-        " (BERT-large on A100 at 16, its largest batch).",
-        "",
-        "| batch-32 gain | peak accelerators | accelerator-hours | p99 (all) | refused or late | work utilisation |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in sorted(runs, key=lambda r: r["gain"]):
-        lines.append(
-            f"| {r['gain']:g}x | {r['peak_devices']:.0f} | {r['accelerator_hours']:.2f} | {_ms(r['p99_all_ms'])} |"
-            f" {_pct(r['shed_share'] + r['expired_share'])} | {_pct(r.get('work_utilisation', 0.0))} |"
-        )
-    return [*lines, ""]
+    gains = [r for r in runs if r.get("gain") is not None]
+    windows = [r for r in runs if r.get("window_ms") is not None]
+    lines: list[str] = []
+    header = (
+        "| peak accelerators | accelerator-hours | p99 (all) | refused or late | work utilisation | busy |",
+        "|---|---|---|---|---|---|---|",
+    )
+    if gains:
+        first = gains[0]
+        lines += [
+            "## Sensitivity to the batching gain",
+            "",
+            f"`{first['scenario']}` under the {first['policy']} policy, its first {first['duration_s']:.0f} s, with"
+            " every family's profile reshaped so that a batch of 32 serves the given multiple of what a batch of"
+            " one serves: t(b) = t(1) x (1 + (b - 1) x (32 / gain - 1) / 31), t(1) the cited one"
+            " (`sim.scenario.with_gain`). The cited profiles gain 3.4x (ResNet-50 on T4 at 32) and 2.0x"
+            " (BERT-large on A100 at 16, its largest batch). A larger gain needs fewer devices but reads a lower"
+            " work utilisation: a quiet version's small batches fall further short of the best batch.",
+            "",
+            "| batch-32 gain " + header[0],
+            header[1],
+        ]
+        lines += [f"| {r['gain']:g}x {_sensitivity_row(r)}" for r in sorted(gains, key=lambda r: r["gain"])]
+        lines.append("")
+    if windows:
+        first = windows[0]
+        lines += [
+            "## The batch window: latency traded for devices",
+            "",
+            f"`{first['scenario']}` under the {first['policy']} policy, its first {first['duration_s']:.0f} s, with"
+            " every version's batch window (`max_queue_delay_ms`, the longest a batch waits for more rows) set as"
+            " given (`sim.scenario.with_window`); the cited profiles as they are. A hot version fills its batches"
+            " within any of these windows. A quiet one, packed beside others on a shared device, runs a batch of"
+            " one row per arrival at a short window, each paying the profile's fixed cost, so it plans on (and"
+            " uses) several times the device time its rows are worth; a longer window gathers several rows a"
+            " batch for the latency it adds. The shipped scenarios set the window in their families (the inputs"
+            " table says which); production's default is 5 ms, a version's own setting.",
+            "",
+            "| batch window " + header[0],
+            header[1],
+        ]
+        lines += [
+            f"| {r['window_ms']:g} ms {_sensitivity_row(r)}" for r in sorted(windows, key=lambda r: r["window_ms"])
+        ]
+        lines.append("")
+    return lines
+
+
+def _sensitivity_row(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['peak_devices']:.0f} | {r['accelerator_hours']:.2f} | {_ms(r['p99_all_ms'])} |"
+        f" {_pct(r['shed_share'] + r['expired_share'])} | {_pct(r.get('work_utilisation', 0.0))} |"
+        f" {_pct(r.get('utilisation', 0.0))} |"
+    )
 
 
 VALIDATION_NOTE = """\
@@ -341,9 +381,10 @@ def render(
         "served over the rows the devices could have served at each version's best batch size in their powered",
         "time (`serving.policies.utilisation`); busy is device busy time over powered time, shown beside it;",
         "accelerator-hours are powered time, over the scenario's duration. Cold starts",
-        "count every replica loaded after the start, a consolidation move's copy too; placement is the",
-        "reconciler's own (`placement.place` with each replica's planned compute share, no device planned past",
-        "85% of it, and `placement.consolidate`, which empties quiet devices make before break); nothing else",
+        "count every replica loaded after the start, a move's copy too; placement is the reconciler's own",
+        "(`placement.place` with each replica's planned compute share, no device planned past 85% of it;",
+        "`placement.relieve`, which moves replicas off a device they outgrew together, and",
+        "`placement.consolidate`, which empties quiet devices, both make before break); nothing else",
         "moves a replica once placed, as in production; unschedulable counts, per tick, replicas wanted that",
         "no node within the fleet's budget could take. CPU s is the run's own process time on one core; wall s",
         "includes whatever else shared the machine.",

@@ -613,6 +613,38 @@ def test_a_step_seen_at_this_time_of_day_before_is_ordered_one_lead_time_ahead()
     assert 300 - 45 <= first <= 300 - 25  # one lead time (35 s) ahead, within a bucket's interpolation
 
 
+def test_replicas_a_known_rise_will_need_within_a_cool_down_are_not_scaled_in_before_it() -> None:
+    # given "days" of 100 s (10 buckets of 10 s) with a 20 s rush to 400 a second from t = 50, 100 otherwise, a
+    # 35 s lead and a 30 s cool-down: after day 1's rush the cool-down ends at 100, and day 2's rush at 150 is
+    # then within one cool-down after the lead time. The version holds what the last decision asked for.
+    def rate(t: float) -> float:
+        return 400.0 if 50 <= t % 100 < 70 else 100.0
+
+    cfg = config(cool_down=30.0, max_replicas=50)
+    runs = {}
+    for season in (100.0, 0.0):
+        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=10, rise_quantile=0.0)
+        total, replicas, decisions = 0, 2, {}
+        for t in range(0, 200):
+            total += int(rate(t))
+            decision = scaler.tick(float(t), [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"]
+            decisions[t], replicas = decision, decision.replicas
+        runs[season] = decisions
+    seasonal, plain = runs[100.0], runs[0.0]
+    # then both held the rush's replicas through the cool-down, and without the season scale in after it, to
+    # what 100 a second needs (3: 100 / 50, rounded up over the trend's forecast)
+    assert seasonal[75].replicas == plain[75].replicas >= 8
+    assert plain[110].replicas == 3
+    # where the seasonal one keeps what day 2's rush will need (400 / 50 = 8; the reason says so) until the rush
+    # is one lead time off and it is ordered as ever, never holding more than it had
+    held = [t for t in range(100, 150) if seasonal[t].reason == "season_hold"]
+    assert 105 in held and 110 in held
+    assert all(seasonal[t].replicas == 8 for t in range(105, 150))
+    assert all(seasonal[t].replicas <= seasonal[t - 1].replicas for t in held)
+    # and after day 2's rush the cool-down holds both alike
+    assert seasonal[199].replicas == plain[199].replicas
+
+
 def test_a_season_survives_the_exported_state_and_a_changed_season_starts_afresh() -> None:
     import json
 

@@ -364,6 +364,26 @@ def test_two_busy_nodes_are_not_consolidated() -> None:
     assert result.loads == [] and result.moves == []
 
 
+def test_a_node_whose_replicas_outgrew_it_is_relieved_make_before_break() -> None:
+    # given x and y placed together on a when quiet, now sized at 60% of a device each, and c serving little
+    specs = {"x:1": spec("x:1", load=0.6), "y:1": spec("y:1", load=0.6), "z:1": spec("z:1", load=0.1)}
+    wants = {"x:1": 1, "y:1": 1, "z:1": 1}
+    fleet = [node("a", hot={"x:1", "y:1"}, assigned={"x:1", "y:1"}), node("c", hot={"z:1"}, assigned={"z:1"})]
+    first = plan(wants, specs, fleet, now=1000.0, consolidating=Consolidating(moves=0))
+    # then one of them loads on c, recorded as a move, and nothing is unloaded yet
+    assert first.loads == [("c", "x:1")] and first.unloads == []
+    assert [(m.key, m.source, m.target) for m in first.moves] == [("x:1", "a", "c")]
+    # when c's copy is hot, then a's is unloaded: a and c each hold what they can serve
+    made = [
+        node("a", hot={"x:1", "y:1"}, assigned={"x:1", "y:1"}),
+        node("c", hot={"x:1", "z:1"}, assigned={"x:1", "z:1"}),
+    ]
+    second = plan(wants, specs, made, now=1030.0, moves=first.moves, consolidating=Consolidating(moves=0))
+    assert second.unloads == [("a", "x:1")] and second.loads == [] and second.moves == []
+    # and with relief off, nothing moves
+    assert plan(wants, specs, fleet, now=1000.0, consolidating=Consolidating(moves=0, relieve_moves=0)).moves == []
+
+
 def test_two_lightly_loaded_nodes_converge_to_one_through_the_step(db, fleet_redis, model_files) -> None:  # noqa: ANN001
     # given two versions with a replica each on its own node of a two-node fleet, each planning on a tenth of it
     register(model_files.digits, "digits")

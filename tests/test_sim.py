@@ -68,6 +68,7 @@ def test_the_simulator_drives_the_production_policy_objects():
     assert catalogue.replica_capacity is serving.policies.autoscale.replica_capacity
     assert fleet.place is serving.policies.placement.place
     assert fleet.consolidate is serving.policies.placement.consolidate
+    assert fleet.relieve is serving.policies.placement.relieve
     assert engine.choose_version is rollout.routing.choose_version
     # And a built simulation holds instances of them
     sim = Simulation(small(), "predictive")
@@ -165,8 +166,13 @@ def test_routing_splits_a_model_by_its_canary_weight():
 
 
 def test_predictive_orders_replicas_ahead_of_a_ramp_and_reactive_later():
-    # Given a ramp with a cold start long enough to matter
-    sc = small(duration=60, traffic={"shape": "ramp", "low": 500, "rate": 4000, "start": 10, "length": 20})
+    # Given a ramp with a cold start long enough to matter, and relief off (it moves shared replicas onto devices
+    # of their own, which serve the ramp with fewer replicas: the orders compared here would not all come)
+    sc = small(
+        duration=60,
+        traffic={"shape": "ramp", "low": 500, "rate": 4000, "start": 10, "length": 20},
+        scaling={**SMALL["scaling"], "relieve_moves": 0},
+    )
     runs = {p: Simulation(sc, p) for p in ("predictive", "reactive")}
     first_order: dict[str, float] = {}
     for name, sim in runs.items():
@@ -353,12 +359,48 @@ def test_the_gain_reshaping_sets_what_a_batch_of_32_serves():
         scenarios.with_gain(sc, 0.5)
 
 
+def test_a_longer_batch_window_packs_quiet_versions_on_fewer_devices_for_some_latency():
+    # Given many quiet versions on one accelerator type (a fixed cost of 4 ms a batch, 0.1 ms a row), steady
+    # traffic, and the same scenario at a 2 ms and a 40 ms batch window
+    doc = {
+        "versions": 24,
+        "canary_share": 0.0,
+        "fallback_share": 0.0,
+        "traffic": {"shape": "steady", "rate": 2400},
+        "families": {
+            "one": {
+                "share": 1.0,
+                "accelerator": "gpu",
+                "memory_gb": [0.5, 1],
+                "base_ms": [4, 4],
+                "per_row_ms": [0.1, 0.1],
+                "max_batch_size": 32,
+            },
+        },
+        "fleet": {"gpu": {"nodes": 20, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 5}},
+        "policies": ["predictive"],
+    }
+    short, long = (simulate(scenarios.with_window(small(duration=30, **doc), w), "predictive") for w in (2.0, 40.0))
+    # Then the longer window gathers several rows a batch: the same requests take fewer devices, whose work
+    # utilisation is higher, and the median waits longer for it, within the budget
+    assert long["requests"] == pytest.approx(short["requests"], rel=0.05)
+    assert long["accelerator_hours"] < 0.8 * short["accelerator_hours"]
+    assert long["work_utilisation"] > 1.25 * short["work_utilisation"]
+    assert long["latency_ms"]["p50"] > short["latency_ms"]["p50"] + 5
+    assert long["p99_all_ms"] < 300
+    with pytest.raises(ValueError):
+        scenarios.with_window(short_sc := small(), -1.0)
+    assert all(f.max_queue_delay_ms == 7.0 for f in scenarios.with_window(short_sc, 7.0).families)
+
+
 def test_every_replica_the_simulator_starts_or_removes_is_where_placement_said(monkeypatch):
     """One placement: the simulator places, moves and scales in only through the functions the placement
-    reconciler calls (`placement.place`, `placement.consolidate`), and nothing else picks a device."""
+    reconciler calls (`placement.place`, `placement.relieve`, `placement.consolidate`), and nothing else picks a
+    device."""
     import serving.reconciler
 
     assert serving.reconciler.place is fleet.place and serving.reconciler.consolidate is fleet.consolidate
+    assert serving.reconciler.relieve is fleet.relieve
     said: list[tuple[str, str, str]] = []  # (op, node, version key) as placement answered
 
     def place(*args, **kwargs):
@@ -373,6 +415,12 @@ def test_every_replica_the_simulator_starts_or_removes_is_where_placement_said(m
         said.extend(("unload", m.source, m.key) for m in result.moves)  # broken once the copy is ready
         return result
 
+    def relieve(*args, **kwargs):
+        moves = serving.policies.placement.relieve(*args, **kwargs)
+        said.extend(("load", m.target, m.key) for m in moves)
+        said.extend(("unload", m.source, m.key) for m in moves)
+        return moves
+
     done: list[tuple[str, str, str]] = []
     start, drop = fleet.Fleet._start, fleet.Fleet.drop
 
@@ -386,6 +434,7 @@ def test_every_replica_the_simulator_starts_or_removes_is_where_placement_said(m
 
     monkeypatch.setattr(fleet, "place", place)
     monkeypatch.setattr(fleet, "consolidate", consolidate)
+    monkeypatch.setattr(fleet, "relieve", relieve)
     monkeypatch.setattr(fleet.Fleet, "_start", started)
     monkeypatch.setattr(fleet.Fleet, "drop", dropped)
     # Given a rush and its fall, long enough for scale-in and consolidation, when it runs
@@ -415,10 +464,11 @@ def rush_and_fall(**scaling) -> scenarios.Scenario:
 
 
 def test_scale_in_consolidates_devices_not_only_replicas():
-    # Given a rush and its fall, run without consolidation and with it
+    # Given a rush and its fall, run without consolidation and with it (relief off in both: its moves are not
+    # consolidation's)
     runs = {}
     for moves in (0, 64):
-        sim = Simulation(rush_and_fall(consolidate_moves=moves), "predictive")
+        sim = Simulation(rush_and_fall(consolidate_moves=moves, relieve_moves=0), "predictive")
         runs[moves] = (sim.run(), sim.fleet.moved)
     fall = {
         moves: [r["devices"] for r in result["timeline"] if 80 < r["t"] <= 100] for moves, (result, _) in runs.items()
@@ -447,3 +497,53 @@ def test_scale_in_consolidates_devices_not_only_replicas():
     trough = min(r["devices"] for r in result["timeline"] if 80 < r["t"] <= 120)
     assert "the trough before each day's rush" in page
     assert f"then {trough:.0f} (" in page
+
+
+def growing_together(**scaling) -> scenarios.Scenario:
+    """16 quiet versions packed onto shared devices at 400 requests/s, then a steady rise to 6,000 over 80 s: the
+    replicas that share a device grow together, past what placement planned for each when it placed them."""
+    return small(
+        duration=120,
+        versions=16,
+        canary_share=0.0,
+        fallback_share=0.0,
+        traffic={"shape": "ramp", "low": 400, "rate": 6000, "start": 20, "length": 80},
+        families={
+            "one": {
+                "share": 1.0,
+                "accelerator": "gpu",
+                "memory_gb": [0.5, 1],
+                "base_ms": [3, 5],
+                "per_row_ms": [0.3, 0.6],
+                "max_batch_size": 32,
+            },
+        },
+        fleet={"gpu": {"nodes": 40, "memory_gb": 16, "speed": 1.0, "cost_per_hour": 2.0, "cold_start": 5}},
+        scaling={"cool_down": 10, "timeout": 0.5, "max_queue_size": 256, **scaling},
+    )
+
+
+def test_replicas_that_outgrow_their_shared_device_are_relieved_before_it_sheds():
+    # Given versions packed together while quiet, then rising together, run without relief and with it
+    runs = {}
+    for moves in (0, 16):
+        sim = Simulation(growing_together(relieve_moves=moves), "predictive")
+        runs[moves] = (sim.run(), sim.fleet.relieved)
+    refused = {m: (r["outcomes"]["shed"] + r["outcomes"]["expired"]) / r["requests"] for m, (r, _) in runs.items()}
+    # Then without it their shared devices saturate and requests are refused; with it replicas move off them
+    # (make before break, one lead time ahead of the forecast) and the rise is served
+    assert runs[0][1] == 0 and runs[16][1] > 0
+    assert refused[0] > 0.02
+    assert refused[16] < refused[0] / 4
+    assert runs[16][0]["windows_p99_all_over_300ms"] < runs[0][0]["windows_p99_all_over_300ms"]
+
+
+def test_packed_versions_saturating_their_device_are_refused_not_admitted_late():
+    # Given versions packed on shared devices that saturate as they rise together, with nothing moving them
+    result = Simulation(growing_together(relieve_moves=0), "predictive").run()
+    outcomes = result["outcomes"]
+    # Then admission refuses what the device cannot serve in time (it counts the work arriving for the versions
+    # beside each one, not only what they have queued): few of the admitted miss their deadline
+    assert outcomes["shed"] > 0.02 * result["requests"]
+    assert outcomes["expired"] < 0.01 * result["requests"]
+    assert outcomes["expired"] < outcomes["shed"] / 10

@@ -33,8 +33,10 @@ Per version, each tick:
   bucket over past periods (`serving.policies.seasonal`). Where the profile says `now + lead` is
   busier than the short window's middle, the short window's rate scaled by that ratio is also a
   forecast (the larger one counts, as with the pooled trend): a rise that came at this time of day
-  before is ordered one lead time ahead, before any trend can see it. A fall is left to the
-  cool-down, as always;
+  before is ordered one lead time ahead, before any trend can see it. Nor are replicas scaled in
+  that a rise the profile knows of, due within one cool-down after the lead time, will need
+  (`season_hold`, never more than are there): they would be ordered again, a cold start later, as
+  it comes. A fall is left to the cool-down, as always;
 - learned headroom (`rise_quantile`, 0.99 by default; 0: off): no forecast from the rate sees a rise before it
   starts, and what is ordered then is ready a lead time later, so the fleet must already hold what the rate can
   reach within one lead time. Each tick records, per version and for the pool (all versions' summed rate),
@@ -155,7 +157,8 @@ class Capacity:
 class Decision:
     version: str
     replicas: int
-    # forecast | season | short_window | headroom | surge | min | max | cool_down | idle | no_data | no_profile
+    # forecast | season | season_hold | short_window | headroom | surge | min | max | cool_down | idle | no_data
+    # | no_profile
     reason: str
     demand: float  # requests a second the replicas were sized for
     forecast: float  # the trend's rate at now + lead time
@@ -457,12 +460,15 @@ class Autoscaler:
         if growth > 1.0:  # the pool's significant rise, carried to this version's own rate: also a forecast
             forecast = max(forecast, short * growth)
         seasonal = False
+        coming: float | None = None  # the profile's busiest within one cool-down after the lead time, as a ratio
         if track.season is not None:
             # From the short window's middle, whose rate it scales (at `now` the bucket ahead already leaks
             # into the interpolation), to the time a replica ordered now is ready.
-            ratio = track.season.ratio(now - self.short_window / 2, now + cfg.lead_time)
+            middle, ready = now - self.short_window / 2, now + cfg.lead_time
+            ratio = track.season.ratio(middle, ready)
             if ratio is not None and ratio > 1.0 and short * ratio > forecast:
                 forecast, seasonal = short * ratio, True
+            coming = track.season.peak_ratio(middle, ready, ready + cfg.cool_down)
         # A backlog no replica has taken is work the arrival rate already counted once but the replicas
         # did not keep up with: it is sized to be worked off within the short window, on top of the rate.
         demand = max(forecast, short) + max(obs.backlog, 0) / self.short_window
@@ -488,6 +494,13 @@ class Autoscaler:
                 reach = math.ceil(short * (1.0 + headroom) / capacity.rate - _SLACK)
                 if reach > want:
                     want, reason = reach, "headroom"
+            if coming is not None and coming > 1.0 and short > 0 and obs.replicas > want:
+                # A rise the profile knows of, due within one cool-down after a replica ordered now would be
+                # ready: the replicas it will need are kept, not scaled in now only to be ordered again (a cold
+                # start each) as it comes. Never more than are there: ordering stays one lead time ahead.
+                keep = min(obs.replicas, math.ceil(short * coming / (capacity.rate * cfg.target_utilisation) - _SLACK))
+                if keep > want:
+                    want, reason = keep, "season_hold"
             if self.surge > 0 and pooled.mean > 0 and short > 0:
                 stretch = demand + self.surge * cfg.lead_time * short / pooled.mean
                 surge = math.ceil(stretch / capacity.rate - _SLACK)

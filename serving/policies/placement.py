@@ -554,3 +554,85 @@ def consolidate(
         budget -= min(budget, len(planned))
     emptying = draining | chosen
     return Consolidation(tuple(moves), new_quiet, tuple(sorted(emptying)))
+
+
+# -- relief: co-located replicas that outgrew their device --------------------------------------------
+
+RELIEVE_ABOVE = 1.0  # a device whose replicas plan on more than all of its compute is relieved
+RELIEVE_MOVES = 16  # moves in flight at once, fleet-wide, that relief may bring the total to
+
+
+def relieve(
+    nodes: Sequence[NodeState],
+    *,
+    now: float,
+    moving: Sequence[Move] = (),
+    placed: Mapping[str, Iterable[str]] | None = None,
+    above: float = RELIEVE_ABOVE,
+    max_load: float = MAX_LOAD,
+    max_moves: int = RELIEVE_MOVES,
+) -> tuple[Move, ...]:
+    """Make-before-break moves off devices whose placed replicas now plan on more than `above` of their compute.
+
+    `place` checks a device's compute when a replica arrives, at the demand then; replicas that share a device
+    and grow together (a ramp, a daily rush) pass it later, and nothing else would notice: each version's
+    autoscaler sizes its replicas as if each had a device of its own. Each resident's `load` is its planned
+    share at the demand it is sized for now (the autoscaler's forecast, one lead time ahead), so relief starts
+    before the device saturates. From the most loaded device, its replicas move, largest load first (fewest
+    moves), until what stays is within `max_load`; a replica alone on its device is the autoscaler's to
+    multiply, not relief's. A target takes the replica within its memory (evicting only idle unplaced
+    residents, `fit`) and within `max_load`; devices already serving go first, the least loaded (room for
+    what is still growing), then empty ones (a caller offers those it may power). Replicas moving away
+    (`moving`) no longer count on their source; at most `max_moves` moves, counting `moving`, are in flight.
+    The placement reconciler and the fleet simulator both relieve through it, before they consolidate.
+    """
+    placed_by = {n.name: set(n.hot) if placed is None else set(placed.get(n.name, ())) & set(n.hot) for n in nodes}
+    budget = max_moves - len(moving)
+    if budget <= 0:
+        return ()
+    leaving = {(m.source, m.key) for m in moving}
+    draining = {m.source for m in moving}
+    staying = {n.name: {k for k in placed_by[n.name] if (n.name, k) not in leaving} for n in nodes}
+    hot = {n.name: dict(n.hot) for n in nodes}
+    keep = {name: set(keys) for name, keys in placed_by.items()}
+    load = {n.name: sum(n.hot[k].spec.load for k in staying[n.name]) for n in nodes}
+    moves: list[Move] = []
+    sources = sorted(
+        (n for n in nodes if load[n.name] > above + 1e-9 and len(staying[n.name]) > 1),
+        key=lambda n: (-load[n.name], n.name),
+    )
+    relieved: set[str] = set()
+    for source in sources:
+        candidates = sorted(staying[source.name], key=lambda k: (-source.hot[k].spec.load, k))
+        for key in candidates:
+            if budget <= 0 or load[source.name] <= max_load + 1e-9 or len(staying[source.name]) <= 1:
+                break
+            spec = source.hot[key].spec
+            best: tuple[tuple[bool, float, int, str], NodeState] | None = None
+            for target in nodes:
+                name = target.name
+                if name == source.name or name in relieved or name in draining or key in hot[name]:
+                    continue
+                if load[name] > above + 1e-9:
+                    continue  # overloaded itself: the next to be relieved, not a target
+                view = NodeState(
+                    name, target.accelerator, target.memory_budget, hot[name], target.warm, target.memory_total
+                )
+                if not fit(spec, view, now=now, keep=keep[name], max_load=max_load).fits:
+                    continue
+                rank = (not staying[name], load[name] + spec.load, -view.free, name)
+                if best is None or rank < best[0]:
+                    best = (rank, target)
+            if best is None:
+                continue  # a smaller replica may still fit somewhere
+            target = best[1]
+            moves.append(Move(key, source.name, target.name, now))
+            budget -= 1
+            hot[target.name][key] = Resident(spec, now)
+            keep[target.name].add(key)
+            staying[target.name].add(key)
+            load[target.name] += spec.load
+            staying[source.name].discard(key)
+            load[source.name] -= spec.load
+        relieved.add(source.name)
+    return tuple(moves)

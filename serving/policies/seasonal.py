@@ -85,6 +85,19 @@ class SeasonalProfile:
             return None
         return ahead / now
 
+    def peak_ratio(self, here: float, start: float, end: float) -> float | None:
+        """The largest `ratio(here, t)` for t from `start` to `end`, read at both ends and every bucket between:
+        the busiest the profile expects that span to be, against `here`."""
+        best: float | None = None
+        t = start
+        while True:
+            r = self.ratio(here, min(t, end))
+            if r is not None and (best is None or r > best):
+                best = r
+            if t >= end:
+                return best
+            t += self.width
+
     def export(self) -> dict[str, Any]:
         return {
             "period": self.period,
