@@ -205,6 +205,20 @@ async def read_nodes(client) -> dict[str, dict]:  # noqa: ANN001
     }
 
 
+async def settled_nodes(client, nodes: int, timeout: float = 20.0) -> dict[str, dict]:  # noqa: ANN001
+    """The nodes' last counts, once every one of the `nodes` is live. A node whose heartbeat is more than
+    TTL_SECONDS late (a machine busy with other work stalls every process for seconds at times) is out of
+    the fleet until its next one: read again rather than report it as having served nothing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await read_nodes(client)
+        if len(found) >= nodes or time.monotonic() > deadline:
+            if len(found) < nodes:
+                say(f"only {len(found)} of {nodes} nodes live after {timeout:g} s: their counts are missing")
+            return found
+        await asyncio.sleep(0.5)
+
+
 # -- the stream --------------------------------------------------------------------------------------------
 
 
@@ -299,7 +313,7 @@ async def stream(
         await asyncio.sleep(2.5)  # the counts travel with the heartbeats (every second)
         stop.set()
         await sampler
-    after = await read_nodes(client)
+    after = await settled_nodes(client, a.nodes)
     await client.aclose()
     for name, state in after.items():
         state["before"] = before.get(name, {}).get("counts", {})
@@ -402,7 +416,7 @@ def run(a: argparse.Namespace) -> bool:
             say(f"{a.rate:g} requests/s for {a.duration:g} s, Zipf s={a.zipf:g} over {a.versions} versions")
             skip = {name: len(procs.log(name)) for name in names}  # the loads at start-up are not the stream's
             results, samples, nodes = asyncio.run(stream(a, url, token, a.redis_url, budget))
-            index = repository_index(url, token)
+            index = settled_index(url, token)
             procs.check()
             loads = {
                 name: [(key, float(s)) for key, s in NODE_LOAD.findall(procs.log(name)[skip[name] :])] for name in names
@@ -457,6 +471,17 @@ def repository_index(url: str, token: str) -> list[dict]:
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return orjson.loads(resp.read())
+
+
+def settled_index(url: str, token: str, timeout: float = 10.0) -> list[dict]:
+    """The repository index once the web process sees the nodes again: while it has no live node (their
+    heartbeats late, see `settled_nodes`) it reports every version LOADING, which says nothing of the run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        index = repository_index(url, token)
+        if any(row.get("state") == "READY" for row in index) or time.monotonic() > deadline:
+            return index
+        time.sleep(0.5)
 
 
 def both(sample: Sample) -> int:
