@@ -258,3 +258,25 @@ def test_inspect_operators_lists_the_graphs_operators_from_a_sandboxed_child(sec
     names = inspect_operators(secret_reader.read_bytes(), "torchscript")
     assert "aten::from_file" in names and names == sorted(names)
     assert "aten::from_file" not in inspect_operators(model_files.digits.read_bytes(), "torchscript")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_isolated_runtime_runs_confined_on_cuda(model_files, digits_samples) -> None:  # noqa: ANN001
+    # given the digits model in a runtime process on the GPU, every layer of the sandbox applied (on an H200,
+    # Landlock without the process's own /proc/self/task rule left CUDA unable to start: error 304)
+    runtime = IsolatedRuntime(model_files.digits, "torchscript", [X], [SCORES], torch.device("cuda"))
+    runtime.load()
+    try:
+        inline = ModelRuntime(model_files.digits, "torchscript", [X], [SCORES], CPU)
+        inline.load()
+        x = digits_samples[0][:16]
+        # when it runs a batch / then it answers as the CPU does, Landlock and the drop of privileges applied
+        (mine,) = runtime.run([{"input": x}])
+        (theirs,) = inline.run([{"input": x}])
+        np.testing.assert_allclose(mine["scores"], theirs["scores"], rtol=1e-3, atol=1e-3)
+        applied = runtime.confinement["applied"]
+        assert any(a.startswith("landlock-fs") for a in applied) and "no-new-privs" in applied, applied
+        assert runtime.memory_bytes > 0
+    finally:
+        runtime.close()

@@ -229,6 +229,11 @@ class ModelRuntime:
         """Load from `path`, or from `source` (the sandboxed runtime process is sent the artifact's bytes);
         `options` go to load_module."""
         started = time.perf_counter()
+        if self.device.type == "cuda":
+            # The TorchScript loader allocates from C++, which leaves torch.cuda's Python-side state
+            # uninitialised, and memory_allocated() then answers 0 for every load (seen on an H200: the
+            # packing would take every GPU model for free). Initialised first, it counts what the load takes.
+            torch.cuda.init()
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.module = load_module(self.path if source is None else source, self.fmt, self.device, **options)
         if self.device.type == "cuda":

@@ -15,7 +15,8 @@ user cannot have it, in `Confinement.skipped` with the reason:
    namespace.
 3. `landlock_filesystem`: read-only access beneath the interpreter's and torch's directories and the
    `serving` package only (never the project root, which holds var/), no write, no execve; device files the
-   accelerator needs may be written and ioctl'ed. Through the `landlock` binding (filesystem rules only).
+   accelerator needs may be written and ioctl'ed, and on CUDA its own threads' /proc entries (the driver
+   names its threads: `own_writable_paths`). Through the `landlock` binding (filesystem rules only).
 4. `landlock_network_and_scope`: a second Landlock layer, by ctypes because the binding knows only
    filesystem rules: TCP bind and connect denied (ABI >= 4), abstract Unix sockets and signals scoped to the
    domain (ABI >= 6).
@@ -112,7 +113,7 @@ def readable_paths(project_root: Path, device: str = "cpu") -> list[str]:
     """What the interpreter and torch read after confinement (lazy imports, shared libraries, CPU topology):
     the interpreter's prefixes and site-packages, the system's libraries, and this project's `serving`
     package only. On CUDA also /sys (the driver reads the PCI topology) and the driver's /etc files; that
-    path is not exercised by the tests here (no GPU on the CI machine)."""
+    path is not exercised by the CI machine (no GPU): `bench/gpu_check.sh` checks it on one."""
     paths = {
         sys.prefix,
         sys.base_prefix,
@@ -141,6 +142,16 @@ def device_paths(device: str) -> list[str]:
         dev = Path("/dev")
         paths += sorted(str(p) for p in dev.glob("nvidia*"))
     return paths
+
+
+def own_writable_paths(device: str) -> list[str]:
+    """Files of the runtime process's own /proc entry it may write: on CUDA its threads' entries. Without
+    this the CUDA driver's initialisation fails with error 304, "OS call failed", under Landlock alone (on
+    an H200, 2026-12-04, bench.sandbox_cuda_check: every other layer left CUDA working; write rights on
+    /proc/self/task let it start, on /proc/thread-self did not, so it writes another thread's entry: most
+    likely it names the threads it starts, through their `comm`). The rule is on this process's own entry,
+    opened when the ruleset is built, so no other process's /proc files (the platform's) become writable."""
+    return ["/proc/self/task"] if device.startswith("cuda") else []
 
 
 def single_threaded() -> bool:
@@ -205,8 +216,11 @@ def namespaces(hidden: Sequence[str], record: Confinement) -> None:
     record.applied.append(f"hidden:{len(covered)}")
 
 
-def landlock_filesystem(read: Sequence[str], devices: Sequence[str], record: Confinement) -> None:
-    """Landlock: read beneath `read`, read-write (and ioctl) on `devices`, nothing else; no execve anywhere."""
+def landlock_filesystem(
+    read: Sequence[str], devices: Sequence[str], record: Confinement, own: Sequence[str] = ()
+) -> None:
+    """Landlock: read beneath `read`, read-write (and ioctl) on `devices`, write (no create) beneath `own`,
+    nothing else; no execve anywhere."""
     try:
         abi = landlock.landlock_abi_version()
     except OSError as exc:
@@ -225,6 +239,14 @@ def landlock_filesystem(read: Sequence[str], devices: Sequence[str], record: Con
     for path in devices:
         if os.path.exists(path):
             ruleset.allow(path, rules=device)
+    # What bench.sandbox_cuda_check found CUDA to need beneath its threads' entries: read, write and truncate
+    # (the create and remove rights are in the set it was checked with; procfs refuses those operations anyway).
+    # Read and write alone were not enough: the driver opens the file truncating it.
+    own_rights = fs.READ_FILE | fs.READ_DIR | fs.WRITE_FILE | fs.TRUNCATE | fs.REMOVE_FILE | fs.REMOVE_DIR
+    own_rights |= fs.MAKE_REG | fs.MAKE_DIR | fs.MAKE_SOCK | fs.MAKE_FIFO | fs.MAKE_SYM
+    for path in own:
+        if os.path.exists(path):
+            ruleset.allow(path, rules=own_rights)
     ruleset.apply()  # sets no_new_privs first, as landlock_restrict_self(2) requires without CAP_SYS_ADMIN
     record.applied.append(f"landlock-fs:abi{abi}")
 
@@ -327,7 +349,9 @@ def confine(*, hidden: Sequence[str], project_root: Path, device: str, channel_f
         namespaces(hidden, record)
     except OSError as exc:
         raise ConfinementError(f"namespaces: {exc}") from None
-    landlock_filesystem(readable_paths(project_root, device), device_paths(device), record)
+    landlock_filesystem(
+        readable_paths(project_root, device), device_paths(device), record, own=own_writable_paths(device)
+    )
     landlock_network_and_scope(record)
     drop_privileges(record)
     limit_resources(record, dropped_root=root)
