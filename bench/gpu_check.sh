@@ -12,10 +12,11 @@
 #      dependencies installed from a local wheelhouse (FERRY_WHEELHOUSE, ./.whl, /opt/wheels) or the
 #      index; else a local CUDA torch wheel installed into ./.venv; else it stops and says what is missing.
 #   2. the tests marked gpu (`pytest -m gpu` over the files that carry the marker);
-#   3. `bench.run --only batching --quick` with FERRY_DEVICE=cuda: the wide MLP raw, then served batched
-#      and unbatched, and the two acceptance ratios;
-#   4. `bench.profile_models`: latency per batch size of the wide MLP, ResNet-50 and a BERT-base-shaped
-#      encoder on the device (FP16), as profiles.json in the format the simulator reads (sim.profiles).
+#   3. `bench.profile_models`: latency per batch size of the wide MLP, ResNet-50 and a BERT-base-shaped
+#      encoder on the device (FP16), as profiles.json in the format the simulator reads (sim.profiles);
+#      before the benchmark, since the simulator's scenarios need it and the benchmark may use up the budget;
+#   4. `bench.run --only batching --quick` with FERRY_DEVICE=cuda: the wide MLP raw, then served batched
+#      and unbatched, and the two acceptance ratios.
 # Writes eight files into OUTDIR (the device tool brings back at most eight): gpu_check.log (all the
 # output, the tests' and the benchmark's included), pytest-gpu.xml, bench.json, benchmarks/served.md,
 # bench-latency.png, bench-batching.png, profiles.json and SUMMARY.md (with the environment: python, torch,
@@ -197,16 +198,16 @@ if [ -n "$PY" ]; then
       RESULT["gpu tests"]="SOME SKIPPED on a CUDA run: ${RESULT["gpu tests"]} (see gpu_check.log)"
     fi
   fi
-  # ------------------------------------------------------------------------------------------- 3. bench
-  BENCH=(--only batching --quick --docs "$OUTDIR" --json "$OUTDIR/bench.json")
-  [ "$DRY" = 1 ] && BENCH+=(--step 1)
-  step "batching benchmark on $DEVICE" 300 "$PY" -m bench.run "${BENCH[@]}"
-  # ---------------------------------------------------------------------------------------- 4. profiles
+  # ---------------------------------------------------------------------------------------- 3. profiles
   # The latency per batch size of the demo model and a standard vision and text model, in the format the
   # simulator reads (sim.profiles): commit it as sim/profiles/<device>.json for a scenario's `measured:`.
   PROFILE=("$OUTDIR/profiles.json")
   [ "$DRY" = 1 ] && PROFILE+=(--quick)
-  step "latency profiles on $DEVICE" 120 "$PY" -m bench.profile_models "${PROFILE[@]}"
+  step "latency profiles on $DEVICE" 200 "$PY" -m bench.profile_models "${PROFILE[@]}"
+  # ------------------------------------------------------------------------------------------- 4. bench
+  BENCH=(--only batching --quick --docs "$OUTDIR" --json "$OUTDIR/bench.json")
+  [ "$DRY" = 1 ] && BENCH+=(--step 1)
+  step "batching benchmark on $DEVICE" 300 "$PY" -m bench.run "${BENCH[@]}"
 fi
 
 # ---------------------------------------------------------------------------------------------- summary

@@ -8,7 +8,8 @@
                              "profile_ms": {"1": 1.9, "2": 2.1, ...}, "what": "torchvision resnet50, fp16"}}}
 
 A scenario's family names it with `measured: {file: PATH, model: NAME}` instead of `profile_ms` (see
-`sim.scenario`): the points are the file's, and the family's source says what measured them and when.
+`sim.scenario`): the points are the file's, and the family's source says what measured them and when. A fleet's
+node type names it with `measured_cold_start: PATH` instead of `cold_start` and `cold_start_per_gb`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,26 @@ def read(path: str | Path, model: str) -> tuple[dict[int, float], dict[str, str]
         "derived": "the mean compute per batch as measured, used as it is",
     }
     return points, source
+
+
+def cold_start(path: str | Path) -> tuple[float, float, str]:
+    """The cold start a profile file measured (`bench.profile_models`' `cold_start`): the seconds a load costs,
+    the seconds per GB on top, and its source as a fleet cites it."""
+    path = Path(path)
+    if not path.is_absolute():
+        path = ROOT / path
+    doc = json.loads(path.read_text())
+    validate(doc)
+    measured = doc.get("cold_start")
+    if not measured or not measured.get("points"):
+        raise ValueError(f"{path.name} has no cold_start")
+    fit = measured["fit"]
+    points = ", ".join(f"{p['model']} {p['bytes'] / 1e9:.2f} GB {p['seconds']:.2f} s" for p in measured["points"])
+    source = (
+        f"cold start measured: `{doc['command']}`, {doc['when']} (commit {doc['commit']}), {doc['device']}: "
+        f"{measured['what']}; points {points}; least squares {fit['seconds']:.2f} s + {fit['per_gb']:.3f} s/GB"
+    )
+    return float(fit["seconds"]), float(fit["per_gb"]), source
 
 
 def write(path: str | Path, doc: dict[str, Any]) -> None:

@@ -213,12 +213,23 @@ def _family(name: str, spec: dict[str, Any]) -> Family:
     )
 
 
+def _node_type(name: str, spec: dict[str, Any]) -> NodeType:
+    measured = spec.pop("measured_cold_start", None)
+    if measured:  # the cold start a profile file measured (sim.profiles.cold_start), and where it comes from
+        if "cold_start" in spec or "cold_start_per_gb" in spec:
+            raise ValueError(f"node type {name}: give cold_start or measured_cold_start, not both")
+        seconds, per_gb, source = profiles.cold_start(measured)
+        spec.update(cold_start=seconds, cold_start_per_gb=per_gb)
+        spec["source"] = "; ".join(s for s in (spec.get("source", ""), source) if s)
+    return NodeType(name=name, **spec)
+
+
 def from_dict(doc: dict[str, Any]) -> Scenario:
     families = tuple(_family(name, spec) for name, spec in doc["families"].items())
     for family in families:
         if family.profile_ms and family.max_batch_size not in dict(family.profile_ms):
             raise ValueError(f"family {family.name}'s measured profile lacks its max_batch_size")
-    fleet = tuple(NodeType(name=name, **spec) for name, spec in doc["fleet"].items())
+    fleet = tuple(_node_type(name, dict(spec)) for name, spec in doc["fleet"].items())
     known = {
         k: doc[k]
         for k in ("versions", "canary_share", "canary_weight", "fallback_share", "zipf", "seed", "window", "jitter")
