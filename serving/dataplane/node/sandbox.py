@@ -239,9 +239,9 @@ def landlock_filesystem(
     for path in devices:
         if os.path.exists(path):
             ruleset.allow(path, rules=device)
-    # What bench.sandbox_cuda_check found CUDA to need beneath its threads' entries: read, write and truncate
-    # (the create and remove rights are in the set it was checked with; procfs refuses those operations anyway).
-    # Read and write alone were not enough: the driver opens the file truncating it.
+    # The rights bench.sandbox_cuda_check found CUDA to start with beneath its threads' entries. Read and write
+    # alone were not enough; which of truncate, create and remove it needs was not narrowed down (most likely
+    # truncate: creating or removing a file is an operation procfs refuses anyway).
     own_rights = fs.READ_FILE | fs.READ_DIR | fs.WRITE_FILE | fs.TRUNCATE | fs.REMOVE_FILE | fs.REMOVE_DIR
     own_rights |= fs.MAKE_REG | fs.MAKE_DIR | fs.MAKE_SOCK | fs.MAKE_FIFO | fs.MAKE_SYM
     for path in own:
