@@ -9,6 +9,8 @@ import inspect
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from torch import nn
 
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.metrics import metrics
+from serving.dataplane.node import sandbox
 from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, load_module
 from serving.dataplane.node.runtime_process import IsolatedRuntime, inspect_operators
 from serving.demo import save_artifact
@@ -280,3 +283,47 @@ def test_the_isolated_runtime_runs_confined_on_cuda(model_files, digits_samples)
         assert runtime.memory_bytes > 0
     finally:
         runtime.close()
+
+
+OWN_PROC_CHILD = r"""
+import os, sys, threading
+from pathlib import Path
+from serving.dataplane.node import sandbox
+record = sandbox.Confinement()
+root = Path(sys.argv[1])
+sandbox.landlock_filesystem(
+    sandbox.readable_paths(root, "cuda"), sandbox.device_paths("cuda"), record, own=sandbox.own_writable_paths("cuda")
+)
+def attempt(path, text):
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return "written"
+    except OSError as exc:
+        return type(exc).__name__
+worker = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)
+worker.start()
+print(attempt(f"/proc/self/task/{worker.native_id}/comm", "named"))
+print(attempt(f"/proc/{os.getppid()}/oom_score_adj", "1000"))
+print(attempt(f"/proc/{os.getppid()}/comm", "renamed"))
+print(attempt(sys.argv[2], "stolen"))
+"""
+
+
+def test_the_cuda_rule_lets_the_runtime_write_its_own_threads_proc_entries_and_nothing_else(tmp_path: Path) -> None:
+    # given a process under the runtime's Landlock rules for CUDA, which lets it write beneath its own
+    # /proc/self/task (the driver writes its threads' entries as it starts)
+    outside = tmp_path / "written-by-the-child"
+    env = sandbox.clean_environment(Path(__file__).resolve().parent.parent)
+    # when it writes its own thread's name, then its parent's /proc entries, then a file
+    result = subprocess.run(
+        [sys.executable, "-c", OWN_PROC_CHILD, env["PYTHONPATH"], str(outside)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # then only the first is written: the rule reaches no other process's entries, the platform's included
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["written", "PermissionError", "PermissionError", "PermissionError"], result
+    assert not outside.exists()

@@ -345,6 +345,24 @@ def test_a_measured_profile_file_is_read_with_its_command(tmp_path):
         profiles.write(path, doc)
 
 
+def test_a_fleet_reads_the_cold_start_a_profile_file_measured() -> None:
+    # Given the H200 profile file bench/gpu_check.sh wrote, with its cold start's points and line
+    doc = json.loads((ROOT / "sim" / "profiles" / "h200.json").read_text())
+    fit = doc["cold_start"]["fit"]
+    # When steady-h200's fleet names it (measured_cold_start)
+    (h200,) = scenarios.load("steady-h200").fleet
+    # Then its cold start is the line, and its source says what measured it, when, and the points
+    assert (h200.cold_start, h200.cold_start_per_gb) == (fit["seconds"], fit["per_gb"])
+    assert "cold start measured" in h200.source and doc["command"] in h200.source and doc["when"] in h200.source
+    assert all(p["model"] in h200.source for p in doc["cold_start"]["points"])
+    # and a node type may not give both a cold start and a measured one
+    spec = json.loads(json.dumps(SMALL))
+    node = next(iter(spec["fleet"]))
+    spec["fleet"][node]["measured_cold_start"] = "sim/profiles/h200.json"
+    with pytest.raises(ValueError, match="not both"):
+        scenarios.from_dict(spec)
+
+
 def test_the_gain_reshaping_sets_what_a_batch_of_32_serves():
     sc = scenarios.load("steady-50k")
     cited = {f.name: dict(f.profile_ms) for f in sc.families}

@@ -15,8 +15,8 @@ user cannot have it, in `Confinement.skipped` with the reason:
    namespace.
 3. `landlock_filesystem`: read-only access beneath the interpreter's and torch's directories and the
    `serving` package only (never the project root, which holds var/), no write, no execve; device files the
-   accelerator needs may be written and ioctl'ed, and on CUDA its own threads' /proc entries (the driver
-   names its threads: `own_writable_paths`). Through the `landlock` binding (filesystem rules only).
+   accelerator needs may be written and ioctl'ed, and on CUDA its own threads' /proc entries, which the
+   driver writes as it starts (`own_writable_paths`). Through the `landlock` binding (filesystem rules only).
 4. `landlock_network_and_scope`: a second Landlock layer, by ctypes because the binding knows only
    filesystem rules: TCP bind and connect denied (ABI >= 4), abstract Unix sockets and signals scoped to the
    domain (ABI >= 6).
@@ -219,8 +219,8 @@ def namespaces(hidden: Sequence[str], record: Confinement) -> None:
 def landlock_filesystem(
     read: Sequence[str], devices: Sequence[str], record: Confinement, own: Sequence[str] = ()
 ) -> None:
-    """Landlock: read beneath `read`, read-write (and ioctl) on `devices`, write (no create) beneath `own`,
-    nothing else; no execve anywhere."""
+    """Landlock: read beneath `read`, read-write (and ioctl) on `devices`, read-write beneath `own` (the
+    process's own /proc entries), nothing else; no execve anywhere."""
     try:
         abi = landlock.landlock_abi_version()
     except OSError as exc:
