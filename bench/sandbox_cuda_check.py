@@ -17,11 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from serving.dataplane.node import sandbox
+
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("namespaces", "landlock_fs", "landlock_net", "drop_privileges", "limit_resources")
 
 CHILD = r"""
 import os, sys, torch
+import landlock
 from pathlib import Path
 from serving.dataplane.node import sandbox
 layers = sys.argv[1].split(",") if sys.argv[1] else []
@@ -33,7 +36,6 @@ record = sandbox.Confinement()
 was_root = os.geteuid() == 0
 try:
     if layers and layers[0].startswith("ll:"):  # Landlock as the sandbox applies it, plus the named rules
-        import landlock
         fs = landlock.FSAccess
         write = fs.WRITE_FILE | fs.MAKE_REG | fs.MAKE_DIR | fs.MAKE_SOCK | fs.MAKE_FIFO | fs.MAKE_SYM
         write |= fs.REMOVE_FILE | fs.REMOVE_DIR | fs.TRUNCATE
@@ -100,9 +102,6 @@ except Exception as exc:
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT))
-    from serving.dataplane.node import sandbox
-
     os.makedirs("/tmp/ferry-hidden-probe", exist_ok=True)
     env = sandbox.clean_environment(ROOT)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
