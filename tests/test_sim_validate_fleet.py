@@ -144,13 +144,14 @@ def replicas_ready(client: redis.Redis, keys: set[str]) -> int:
     return sum(len(keys & info.assigned & info.hot) for info in heartbeats(client))
 
 
-def one(web, key: str, name: str, rows: int = 1, trace: str | None = None) -> tuple[int, float]:  # noqa: ANN001
-    """One request; with `trace`, sent as the W3C parent (sampled) of its spans, so the node's spans of it are found."""
+def one(web, key: str, name: str, rows: int = 1, trace: str | None = None) -> tuple[int, float, bytes]:  # noqa: ANN001
+    """One request: its status, seconds and, for a failure, its body (the reason, for an assertion's message).
+    With `trace`, sent as the W3C parent (sampled) of its spans, so the node's spans of it are found."""
     body = digits_request(np.zeros((rows, 64), dtype=np.float32))
     headers = {"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"} if trace else None
     sent = time.monotonic()
     resp = call(web, "POST", f"/v2/models/{name}/versions/1/infer", body, headers=headers, auth=key)
-    return resp.status, time.monotonic() - sent
+    return resp.status, time.monotonic() - sent, b"" if resp.status == 200 else resp.body
 
 
 def descendants(pid: int) -> list[int]:
@@ -222,7 +223,7 @@ def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redi
             shape = {int(b): float(t) for b, t in registered.items()}
             shape.setdefault(top, shape[max(shape)] * top / max(shape))  # linear past the largest measured
             profile = {b: max(c0, 1e-5) * t / shape[min(shape)] for b, t in shape.items() if b in (1, top)}
-        assert all(status == 200 for status, _ in quiet), quiet
+        assert all(status == 200 for status, _, _ in quiet), [q for q in quiet if q[0] != 200]
         versions[v.name] = {
             "profile_ms": {b: s * 1000 for b, s in profile.items()},
             "quiet": [b0, c0],
@@ -278,7 +279,7 @@ def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list
     results: list[tuple[float, int, float, str]] = []
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
-    began = time.monotonic()
+    began = 0.0
 
     def sampler() -> None:
         while not stop.is_set():
@@ -287,9 +288,15 @@ def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list
 
     def send(at: float, index: int) -> None:
         trace = secrets.token_hex(16)
-        status, seconds = one(web, key, p.versions[index].name, trace=trace)
+        status, seconds, _ = one(web, key, p.versions[index].name, trace=trace)
         results.append((at, status, seconds, trace))
 
+    # The autoscaler's history starts with the traffic, as the simulated one's does at t = 0 (cleared a second
+    # or more before it, its ticks recorded a pooled rate of 0 rising to the plan's, which the simulator never
+    # sees). Beside a CPU burner the real fleet still scaled a version up before the step in some runs: the
+    # early scale-up is not only this (docs/validation.md).
+    fresh_autoscaler(client)
+    began = time.monotonic()
     watcher = threading.Thread(target=sampler, daemon=True)
     watcher.start()
     with ThreadPoolExecutor(QUEUE) as pool:
@@ -441,8 +448,6 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     # and the autoscaler forgets the calibration: what it scaled up goes (no cool-down without a history)
     fresh_autoscaler(client)
     wait_for("one replica of each again", lambda: replicas_ready(client, keys) == len(keys), procs, 120)
-    time.sleep(1)
-    fresh_autoscaler(client)
     loads_before = sum(i.counts.get("loads", 0) for i in heartbeats(client))
     mark("ready")
     # and the compared run sends its timetable, the machine's slowdown read over the same seconds
