@@ -22,7 +22,7 @@ from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_process import Facts, NodeProcess, parse_bytes, parse_labels
 from serving.dataplane.node.runtime import RuntimeFailure
 from serving.dataplane.transport import fleet
-from serving.dataplane.transport.stream_codec import FIELD, StreamRequest, encode_request, request_stream
+from serving.dataplane.transport.stream_codec import FIELD, GROUP, StreamRequest, encode_request, request_stream
 from serving.dataplane.transport.streams import RedisStreamsTransport
 from tests.conftest import free_port
 from tests.test_admission import StandIn, rows
@@ -381,5 +381,59 @@ async def test_a_consumer_group_whose_creation_failed_is_created_by_the_consumer
     finally:
         await transport.close()
         await process.stop(drain_seconds=1)
+        clear(client)
+        client.close()
+
+
+async def test_a_request_read_by_a_node_its_version_moved_away_from_is_answered_by_the_node_holding_it() -> None:
+    """A node reads ahead; a placement can move a version to another node between a read and its serve (the
+    reconcile drops the version here meanwhile). Seen in the fleet validation: such a request was answered 503
+    "not loaded on this node yet" while the other node served the version. It goes back to the stream instead."""
+    client = redis.Redis.from_url(REDIS_URL)
+    clear(client)
+    holder = Node(artifact_path=lambda sha: None, device="cpu")  # type: ignore[arg-type]
+    runtime = Recording()
+    holder.host(entry("m", max_batch=4), runtime, {1: 0.001, 4: 0.001})
+    holding = NodeProcess(holder, REDIS_URL, Facts("holder", "cpu", "cpu", 0, 1 << 30, 1 << 30))
+    leaver = NodeProcess(
+        Node(artifact_path=lambda sha: None, device="cpu"),  # type: ignore[arg-type]
+        REDIS_URL,
+        Facts("leaver", "cpu", "cpu", 0, 1 << 30, 1 << 30),
+    )
+    transport = RedisStreamsTransport(REDIS_URL)
+    stream = request_stream("m:1")
+    try:
+        await holding.claim_name()
+        await holding.ensure_groups()
+        await leaver.claim_name()
+        leaver.serve()  # it reads nothing: it serves no version
+        await transport.start()
+        async with asyncio.timeout(10):
+            while not transport.connected:
+                await asyncio.sleep(0.01)
+        # given a request of m that the leaving node read (its placement moved m to the holder since)
+        asking = asyncio.ensure_future(transport.infer(entry("m", max_batch=4), rows(2), 2, deadline(), 1))
+        async with asyncio.timeout(10):
+            while not client.xlen(stream):
+                await asyncio.sleep(0.01)
+        size = int(client.get(stream + ":bytes"))
+        [(_, [(entry_id, fields)])] = client.xreadgroup(GROUP, leaver.consumer, {stream: ">"}, count=1)
+        leaver._elsewhere = frozenset({"m:1"})
+        leaver._start("m:1", stream, entry_id, fields[FIELD])
+        # then it goes back on the stream, bytes counted once, and nothing answers it yet
+        async with asyncio.timeout(10):
+            while leaver.counts["handed_back"] == 0 or client.xrange(stream)[0][0] == entry_id:
+                await asyncio.sleep(0.01)
+        assert client.xlen(stream) == 1 and int(client.get(stream + ":bytes")) == size
+        assert not asking.done()
+        # and the node holding m answers it
+        holding.serve()
+        outputs = await asyncio.wait_for(asking, 10)
+        assert outputs["scores"].shape == (2, 2) and runtime.calls == [2]
+        assert leaver.counts["handed_back"] == 1 and leaver.counts["served"] == 0
+    finally:
+        await transport.close()
+        await leaver.stop(drain_seconds=1)
+        await holding.stop(drain_seconds=1)
         clear(client)
         client.close()

@@ -179,7 +179,16 @@ class NodeProcess:
         self._flush_scheduled = False
         # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
         # be loaded for them ("cold"): the hit rate of this node's packing.
-        self.counts = {"served": 0, "expired": 0, "claimed": 0, "malformed": 0, "errors": 0, "hot": 0, "cold": 0}
+        self.counts = {
+            "served": 0,
+            "expired": 0,
+            "claimed": 0,
+            "handed_back": 0,
+            "malformed": 0,
+            "errors": 0,
+            "hot": 0,
+            "cold": 0,
+        }
         self._held_elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(
@@ -472,6 +481,13 @@ class NodeProcess:
         self._room.set()
 
     async def _serve(self, key: str, stream: bytes | str, entry_id: bytes, raw: bytes | None) -> None:
+        if raw is not None and self._moved_away(key):
+            # Read while this node served it, moved to another since (a placement's reconcile ran between the
+            # read and now): that node answers it, not a 503 from here saying "not loaded". One step puts it back
+            # at the stream's end; its deadline stays the one it came with.
+            self.counts["handed_back"] += 1
+            self._pipe.send(*stream_bound.hand_back_args(key, GROUP, entry_id, FIELD, raw), wait=False)
+            return
         try:
             await self._answer(key, raw)
         except Exception:  # a bug here must not end the consumer loop; the entry is still acknowledged
@@ -481,6 +497,14 @@ class NodeProcess:
         # After its reply (queued first, flushed first): an entry is acknowledged once answered.
         self._acks.setdefault(key, []).append((entry_id, len(raw or b"")))
         self._schedule_flush()
+
+    def _moved_away(self, key: str) -> bool:
+        """Whether `key` is neither loaded nor loadable here while another live node holds it (assigned, hot or
+        loading): a request of it here would only be refused."""
+        node = self.node
+        if key in node.hosted or key in node.packing.cold:
+            return False
+        return key in self._elsewhere or key in self._held_elsewhere
 
     async def _answer(self, key: str, raw: bytes | None) -> None:
         try:

@@ -8,6 +8,8 @@ stream holds sits beside it (`bytes_key`, in the stream's hash slot), and two Lu
   answers 503 with Retry-After. No MAXLEN trimming: a trimmed entry would be a request dropped unseen.
 - `ACK`: a node's XACK and XDEL of the entries it answered, and the counter less the size of each entry
   that XDEL actually removed, so a pipeline sent twice after a broken connection takes nothing off twice.
+- `HAND_BACK`: a node that read an entry of a version it no longer serves (a placement moved it away between
+  the read and the serve) puts it back at the stream's end for the node that does, in one step.
 
 Drift (an entry removed some other way: a test's XDEL, an operator's XTRIM) is healed when the stream is
 empty, since then it holds nothing, whatever the counter says; the counter never goes below 0.
@@ -53,6 +55,18 @@ return freed
 """
 
 
+# KEYS: the stream, its byte counter. ARGV: the group, the entry id, the field, the entry.
+# The entry acknowledged and deleted, and the same bytes added again as a new entry at the stream's end, for
+# the other consumers: the counter is left as it is (what left comes back). Nothing is added when XDEL found
+# nothing (a resend after a broken connection, or the entry already gone). Returns 1 when handed back.
+HAND_BACK = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('XDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+return 1
+"""
+
+
 def add_args(key: str, max_bytes: int, max_entries: int, field: bytes, message: bytes) -> tuple:
     """The EVAL command (for `redis_pipe.Pipe.send`) that adds `message` to version `key`'s stream within bounds."""
     return ("EVAL", ADD, 2, request_stream(key), bytes_key(key), max_bytes, max_entries, field, message)
@@ -62,3 +76,8 @@ def ack_args(key: str, group: str, answered: list[tuple[bytes, int]]) -> tuple:
     """The EVAL command that acknowledges and deletes `answered` (entry id, size) of version `key`'s stream."""
     flat = [item for pair in answered for item in pair]
     return ("EVAL", ACK, 2, request_stream(key), bytes_key(key), group, *flat)
+
+
+def hand_back_args(key: str, group: str, entry_id: bytes, field: bytes, message: bytes) -> tuple:
+    """The EVAL command that hands entry `entry_id` of version `key`'s stream back to the group's other consumers."""
+    return ("EVAL", HAND_BACK, 2, request_stream(key), bytes_key(key), group, entry_id, field, message)
