@@ -25,11 +25,12 @@ profile x lognormal jitter (the profile is the truth's mean and is not re-learnt
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -88,8 +89,14 @@ class Simulation:
         duration: float | None = None,
         progress: Callable[[str], None] | None = None,
         budget: Budget | None = None,
+        arrivals: Sequence[Sequence[float]] | None = None,
     ) -> None:
-        """`budget`: when to give up (its deadline or cancel flag), raising `Stopped`; None runs to the end."""
+        """`budget`: when to give up (its deadline or cancel flag), raising `Stopped`; None runs to the end.
+        `arrivals`: a trace to replay instead of drawing Poisson arrivals, each model's arrival times (sorted, in
+        seconds) in the catalogue's order (model i, the i-th most popular); a cohort is then the trace's arrivals
+        since the model was last looked at (spread over its span as drawn ones are). For comparing with a real
+        run that sent those requests (sim.validation_fleet): the same arrivals on both sides, so a scaling
+        decision near a threshold is not down to two different samples of the same rate."""
         self.sc = scenario
         self.budget = budget
         self.duration = duration if duration is not None else scenario.duration
@@ -114,6 +121,10 @@ class Simulation:
         self._rate_at = scenario.traffic.at
         self._exponentials: list[float] = []  # unit-mean
         self.ready = lambda key: self.by_key[key].ready_count > 0
+        if arrivals is not None and len(arrivals) != len(self.models):
+            raise ValueError(f"a trace of {len(arrivals)} models for a catalogue of {len(self.models)}")
+        self._trace = {m.name: [float(t) for t in times] for m, times in zip(self.models, arrivals or (), strict=False)}
+        self._traced = {m.name: 0 for m in self.models}  # per model, the trace's next arrival not yet generated
         self.snap: dict[str, float] = {}
         self._last_tick = 0.0
 
@@ -179,7 +190,12 @@ class Simulation:
             if not static:
                 v.demand = v.observed
             warm = self.sc.scaling.warm_pool
-            want = self.policy.desired(0.0)[v] if static else replicas_for(v, v.demand, target) + warm
+            if static:
+                want = self.policy.desired(0.0)[v]
+            elif self.sc.scaling.opening_replicas:
+                want = self.sc.scaling.opening_replicas
+            else:
+                want = replicas_for(v, v.demand, target) + warm
             for _ in range(want):
                 # Placing a replica looks at every device: a large fleet takes long before the first event.
                 if self.budget is not None and (why := self.budget.exhausted()) is not None:
@@ -193,7 +209,11 @@ class Simulation:
     # --- arrivals, routing, admission -----------------------------------------------------------
     def _resample(self, m: SimModel, now: float) -> None:
         rate = m.rate = self._rate_at(now) * m.popularity if now < self.duration else 0.0
-        if rate > 0:
+        trace = self._trace.get(m.name)
+        if trace is not None:  # the next arrival the trace has not given yet (the rate stays for planning)
+            i = self._traced[m.name]
+            m.next_arrival = trace[i] if i < len(trace) and trace[i] < self.duration else INF
+        elif rate > 0:
             draws = self._exponentials
             if not draws:
                 draws.extend(self.draws.exponential(1.0, BLOCK).tolist())
@@ -214,7 +234,13 @@ class Simulation:
             if now > m.t:
                 m.t = now
             return
-        k = 1 + poisson(self.rng, self._rate_at((first + now) / 2) * m.popularity * (now - first))
+        trace = self._trace.get(m.name)
+        if trace is not None:
+            i = self._traced[m.name]
+            k = bisect.bisect_right(trace, now, lo=i) - i  # at least one: trace[i] is `first`
+            self._traced[m.name] = i + k
+        else:
+            k = 1 + poisson(self.rng, self._rate_at((first + now) / 2) * m.popularity * (now - first))
         m.t = now
         self._resample(m, now)
         self.metrics.at(now).counts["arrived"] += k
@@ -574,6 +600,13 @@ class Simulation:
         for m in self.models:
             self._advance(m, now)
             self._resample(m, now)
+        phase = self.sc.scaling.tick_phase
+        if now < phase:
+            # The opening turn, before the first scaling tick (a twin ticks where its real fleet's ticks ran): the
+            # devices plan their turns for the arrivals to come, and nothing is decided yet.
+            self._plan_turns(now)
+            self._push(phase, TICK)
+            return
         last = self._last_tick
         if now > last:
             keep = math.exp(-(now - last) / 10.0)
@@ -588,6 +621,15 @@ class Simulation:
                 d.batch_version.in_service += d.batch_rows
         desired = self.policy.desired(now)
         self._reconcile(desired, now)
+        self._plan_turns(now)
+        self._gauges(now, desired)
+        self.metrics.flush(now - self.sc.window)
+        if now + self.sc.scaling.tick <= self.end:
+            self._push(now + self.sc.scaling.tick, TICK)
+        if self.duration <= now < self.duration + self.sc.scaling.tick:
+            self._snapshot(now)
+
+    def _plan_turns(self, now: float) -> None:
         for v in self.versions:  # replicas may have come or gone: the devices' turns below claim anew
             v.waker = None
         for d in self.fleet.powered():
@@ -595,12 +637,6 @@ class Simulation:
                 self._recheck(d, now)  # new arrival times, replicas come or gone
             elif d.hosted:
                 self._serve(d, now)
-        self._gauges(now, desired)
-        self.metrics.flush(now - self.sc.window)
-        if now + self.sc.scaling.tick <= self.end:
-            self._push(now + self.sc.scaling.tick, TICK)
-        if self.duration <= now < self.duration + self.sc.scaling.tick:
-            self._snapshot(now)
 
     def _reconcile(self, desired: dict[SimVersion, int], now: float) -> None:
         grow = []

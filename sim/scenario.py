@@ -119,6 +119,9 @@ class NodeType:
 @dataclass(frozen=True)
 class Scaling:
     tick: float = 1.0
+    # When the first scaling tick runs (seconds, under one tick): a real fleet's ticks run at its own phase to the
+    # traffic, and a twin compared with it ticks where it did (sim.validation_fleet).
+    tick_phase: float = 0.0
     cool_down: float = 60.0
     target_utilisation: float = 0.7
     warm_pool: int = 0
@@ -143,6 +146,15 @@ class Scaling:
     relieve_above: float = RELIEVE_ABOVE
     relieve_moves: int = RELIEVE_MOVES
     fixed_replicas: int = 0  # static policy: this many replicas of every version (0: what the peak needs)
+    # Replicas of every version at t = 0, warm (0: what the policy wants for the opening load). A real fleet
+    # compared with its twin starts from what it placed (sim.validation_fleet: one of each), not from that.
+    opening_replicas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.opening_replicas < 0 or self.fixed_replicas < 0:
+            raise ValueError("opening_replicas and fixed_replicas must not be negative")
+        if not 0.0 <= self.tick_phase < self.tick:
+            raise ValueError("tick_phase must be at least 0 and under one tick")
 
 
 @dataclass(frozen=True)

@@ -565,3 +565,45 @@ def test_packed_versions_saturating_their_device_are_refused_not_admitted_late()
     assert outcomes["shed"] > 0.02 * result["requests"]
     assert outcomes["expired"] < 0.01 * result["requests"]
     assert outcomes["expired"] < outcomes["shed"] / 10
+
+
+def test_a_replayed_trace_is_what_arrives_and_a_fleet_opens_with_the_replicas_it_is_told():
+    # Given a trace: each model's own arrival times, a few hundred in all
+    scaling_doc = {**SMALL["scaling"], "opening_replicas": 1}
+    models = len(Simulation(small(duration=20), "predictive").models)
+    rng = np.random.default_rng(3)
+    trace = [sorted(rng.uniform(0, 20, size=10 + 5 * i).tolist()) for i in range(models)]
+    # When it is replayed, whatever the seed
+    for seed in (1, 2):
+        sim = Simulation(small(duration=20, seed=seed, scaling=scaling_doc), "predictive", arrivals=trace)
+        result = sim.run()
+        # Then exactly the trace arrives, model by model: nothing is drawn
+        assert result["outcomes"]["arrived"] == sum(len(t) for t in trace)
+        assert result["unanswered"] == 0
+        for m, times in zip(sim.models, trace, strict=True):
+            assert sum(v.arrivals_total for v in m.versions.values() if v.model is m) >= len(times)
+    # and a fleet told to open with two replicas of each version does, whatever the opening load wants (one)
+    wants = Simulation(small(duration=20), "predictive")
+    wants._start()
+    assert {v.ready_count for v in wants.versions} == {1}
+    opening = Simulation(small(duration=20, scaling={**SMALL["scaling"], "opening_replicas": 2}), "predictive")
+    opening._start()
+    assert {v.ready_count for v in opening.versions} == {2}
+    # and a trace that does not fit the catalogue is refused
+    with pytest.raises(ValueError, match="a trace of"):
+        Simulation(small(duration=20), "predictive", arrivals=trace[:-1])
+
+
+def test_ticks_at_a_phase_decide_later_and_serve_the_opening_arrivals_on_time():
+    # Given the same traffic with the scaling ticks at 0, 1, 2, ... and at 0.9, 1.9, 2.9, ...
+    at_zero = simulate(small(duration=20), "predictive")
+    late = simulate(small(duration=20, scaling={**SMALL["scaling"], "tick_phase": 0.9}), "predictive")
+    # Then the arrivals before the first tick are served as they come, not held for it (and shed at their
+    # deadline, or served late): none is refused or late where the ticks at 0 refuse none, and the tail is alike
+    assert at_zero["outcomes"]["shed"] == at_zero["outcomes"]["expired"] == 0
+    assert late["outcomes"]["shed"] == late["outcomes"]["expired"] == 0
+    assert late["latency_ms"]["p99"] < 2 * at_zero["latency_ms"]["p99"] + 5
+    assert late["unanswered"] == 0
+    # and a phase of a tick or more is refused
+    with pytest.raises(ValueError, match="tick_phase"):
+        small(scaling={**SMALL["scaling"], "tick_phase": 1.0})

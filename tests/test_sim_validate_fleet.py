@@ -44,6 +44,7 @@ import redis
 import torch
 from django.conf import settings as django_settings
 from django.test import override_settings
+from django.utils import timezone as django_timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from autoscaling import tick
@@ -57,6 +58,7 @@ from serving.policies.autoscale import replica_capacity
 from serving.policies.batching import LatencyProfile
 from serving.publish import publish_snapshot
 from sim import validation_fleet as vf
+from tenants.models import AuditEntry
 from tests import otlp_receiver
 from tests.conftest import celery_worker, free_port, mint_key, register
 from tests.test_autoscale_processes import answers, start
@@ -80,6 +82,7 @@ NODES = ["val-a", "val-b"]
 MEMORY = 256 * 2**20
 TOKEN = "validation-metrics-token"
 QUEUE = 128
+WINDOW_MS = 5.0  # every version's batch window, the real ones' and their twins'
 SECONDS = float(os.environ.get("FERRY_VALIDATION_SECONDS", "20"))
 QUIET = 8  # calibration: requests one at a time per version (batch one)
 FULL_S = 1.0  # calibration: seconds of a closed loop of full batches per version
@@ -142,6 +145,13 @@ def heartbeats(client: redis.Redis) -> list[fleet.NodeInfo]:
 
 def replicas_ready(client: redis.Redis, keys: set[str]) -> int:
     return sum(len(keys & info.assigned & info.hot) for info in heartbeats(client))
+
+
+def web_sees_ready(web, key: str, p: vf.RunPlan) -> bool:  # noqa: ANN001
+    """Whether the web process routes to every version: its readiness is its own view of the nodes' heartbeats,
+    read every so often, so a replica just placed or moved (make before break) is ready there a little later
+    than in the heartbeats (one run's calibration met "val00 is loading" there)."""
+    return all(call(web, "GET", f"/v2/models/{v.name}/versions/1/ready", auth=key).status == 200 for v in p.versions)
 
 
 def one(web, key: str, name: str, rows: int = 1, trace: str | None = None) -> tuple[int, float, bytes]:  # noqa: ANN001
@@ -229,6 +239,7 @@ def calibrate(web, key: str, ports: list[int], p: vf.RunPlan, client: redis.Redi
             "quiet": [b0, c0],
             "full": [b1, c1],
             "slowdown": vf.slowdown(sched, computing(procs)),
+            "max_queue_delay_ms": WINDOW_MS,
         }
     for info in heartbeats(client):
         for k, r in info.resident.items():
@@ -319,7 +330,12 @@ def register_plan(p: vf.RunPlan, tmp_path: Path) -> str:
             artifact = tmp_path / f"{v.name}.pt"
             save_artifact(Chain(v.width, v.layers).eval(), "torchscript", torch.zeros(1, 64), artifact)
             version = register(
-                artifact, v.name, max_batch_size=v.max_batch_size, max_queue_size=QUEUE, default_timeout_ms=2000
+                artifact,
+                v.name,
+                max_batch_size=v.max_batch_size,
+                max_queue_size=QUEUE,
+                max_queue_delay_ms=WINDOW_MS,
+                default_timeout_ms=2000,
             )
             version.min_replicas = 1
             version.save(update_fields=["min_replicas", "updated_at"])
@@ -426,6 +442,7 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
             version=ModelVersion.objects.get(model__name=v.name, version=1), max_replicas=2, cool_down_seconds=60
         )
     wait_for("a replica of each", lambda: replicas_ready(client, keys) == len(keys), procs, 240)
+    wait_for("the web process sees them", lambda: web_sees_ready(web, key, p), procs, 60)
     load_slowdown = vf.slowdown(sched, computing(procs))
     mark("placed")
     # when the calibration run measures each version's profile and the front end's cost
@@ -444,16 +461,25 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         "scheduling_delay": 1.0,
         "max_queue_size": QUEUE,
         "load_slowdown": load_slowdown,
+        "opening_replicas": 1,  # the compared run starts from one replica of each, as placed
     }
     # and the autoscaler forgets the calibration: what it scaled up goes (no cool-down without a history)
     fresh_autoscaler(client)
     wait_for("one replica of each again", lambda: replicas_ready(client, keys) == len(keys), procs, 120)
+    wait_for("the web process sees them again", lambda: web_sees_ready(web, key, p), procs, 60)
     loads_before = sum(i.counts.get("loads", 0) for i in heartbeats(client))
     mark("ready")
     # and the compared run sends its timetable, the machine's slowdown read over the same seconds
     sched = computing(procs)
+    wall = django_timezone.now()
     answered, samples = drive(web, key, p, client)
     machine = vf.slowdown(sched, computing(procs))
+    state = json.loads(client.get(tick.STATE_KEY) or "{}").get("tracks", {})
+    # the top version's ticks as the real autoscaler recorded them (start, end, arrivals), from the run's start
+    ticks = [
+        [round(a - wall.timestamp(), 3), round(b - wall.timestamp(), 3), n]
+        for a, b, n in state.get(f"{p.versions[0].name}:1", {}).get("samples", [])
+    ]
     mark("compared")
     time.sleep(2)  # the nodes' next heartbeats carry the loads
     loads = sum(i.counts.get("loads", 0) for i in heartbeats(client)) - loads_before
@@ -463,10 +489,12 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     mark("spans")
     measured = (
         vf.summarise_answers(answered, p)
-        | vf.node_side(answered, times)
+        | vf.node_side(answered, times, WINDOW_MS)
         | {"replicas": vf.replicas_by_window(samples, p), "cold_starts": loads, "slowdown": machine}
     )
-    # then the simulator, fed the calibration, the same plan and the machine's slowdown, agrees on every check
+    # then the simulator, fed the calibration, the same plan and the machine's slowdown, its ticks where the real
+    # ones ran (the first, which found no history, was the first sample's start), agrees on every check
+    calibration["tick_phase"] = ticks[0][0] % 1.0 if ticks and ticks[0][0] >= 0 else 0.0
     sim = vf.simulated(
         p,
         calibration,
@@ -474,8 +502,7 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         memory_bytes=MEMORY,
         slowdown=machine,
         overhead_ms=measured.pop("overhead_ms"),
-        handoff_ms=measured.pop("handoff_ms"),
-        loop_ms=measured.pop("loop_ms"),
+        unmodelled_ms=measured.pop("unmodelled_ms"),
     )
     verdict = vf.judge(measured, sim)
     mark("simulated")
@@ -491,6 +518,13 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         "measured": measured,
         "simulated": sim,
         "verdict": verdict,
+        # the real autoscaler's changes in the compared run (its audit), seconds from the run's start, for a
+        # replica check that disagrees: which version, why, at what demand
+        "scaled": [
+            [round((e.at - wall).total_seconds(), 2), e.target, e.before, e.after]
+            for e in AuditEntry.objects.filter(action="version.scaled", at__gte=wall).order_by("at")
+        ],
+        "ticks": ticks,
     }
     print(json.dumps({k: record[k] for k in ("phases_s", "measured", "simulated", "verdict")}, default=float))
     if out := os.environ.get("FERRY_VALIDATION_RECORD"):
