@@ -58,6 +58,9 @@ class SimVersion:
     # measured (a shared CPU's contention, sim.validation_fleet): scales each batch's time on the device only;
     # admission and the scaling policy keep estimating by the profile they were given.
     slowdown: float = 1.0
+    # Seconds a load of it takes on its node type, where that differs from the cold start its scaling plans by
+    # (`scaling.cold_start`, the family's recorded measurement: sim.validation_fleet); None: that cold start.
+    load_s: float | None = None
     # Device seconds a second admitted for it, as a node counts them (`Node.infer`'s `hosted.share`): what
     # admission reads as the work arriving for a version packed beside the one it judges.
     share: DeviceShare = field(default_factory=DeviceShare)
@@ -195,7 +198,7 @@ def _version(
     config = ScalingConfig(
         accelerator=node.name,
         memory_bytes=memory,
-        cold_start=cold_start,
+        cold_start=family.cold_start if family.cold_start is not None else cold_start,
         latency_budget=scaling.latency_budget,
         max_batch_size=family.max_batch_size,
         target_utilisation=scaling.target_utilisation,
@@ -225,6 +228,7 @@ def _version(
         queue=queue,
         weight=weight,
         times=times,
+        load_s=cold_start if family.cold_start is not None else None,
     )
 
 

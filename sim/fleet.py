@@ -122,7 +122,7 @@ class Fleet:
         return self._start(v, device, now, warm=warm)
 
     def _start(self, v: SimVersion, device: Device, now: float, *, warm: bool = False) -> Replica:
-        ready_at = now if warm else now + self.lead + v.scaling.cold_start
+        ready_at = now if warm else now + self.lead + (v.load_s if v.load_s is not None else v.scaling.cold_start)
         replica = Replica(v, device, ready_at, ready=warm)
         device.hosted.append(replica)
         v.replicas.append(replica)

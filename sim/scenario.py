@@ -98,6 +98,10 @@ class Family:
     # Where `profile_ms` comes from: (key, text) pairs; `kind` is published (with link, model, table, derived),
     # measured (with command, when) or assumption. `tests/test_sim.py` refuses a shipped scenario without one.
     source: tuple[tuple[str, str], ...] = ()
+    # The cold start its versions' scaling plans by, where that is a recorded measurement of its own (a real
+    # fleet's autoscaler reads each version's: sim.validation_fleet's twin); None: the node type's. A load itself
+    # still takes the node type's.
+    cold_start: float | None = None
 
     @property
     def cited(self) -> dict[str, str]:
@@ -219,6 +223,7 @@ def _family(name: str, spec: dict[str, Any]) -> Family:
         per_row_ms=_pair(spec.get("per_row_ms", 0.0)),
         max_batch_size=int(spec.get("max_batch_size", 32)),
         max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
+        cold_start=None if spec.get("cold_start") is None else float(spec["cold_start"]),
         profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in profile.items())),
         scale=_pair(spec.get("scale", 1.0)),
         source=tuple(sorted(source.items())),

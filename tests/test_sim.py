@@ -607,3 +607,18 @@ def test_ticks_at_a_phase_decide_later_and_serve_the_opening_arrivals_on_time():
     # and a phase of a tick or more is refused
     with pytest.raises(ValueError, match="tick_phase"):
         small(scaling={**SMALL["scaling"], "tick_phase": 1.0})
+
+
+def test_a_family_can_plan_by_a_cold_start_of_its_own_while_its_loads_take_the_nodes():
+    families = json.loads(json.dumps(SMALL["families"]))
+    families["big"]["cold_start"] = 40.0  # a recorded first load, slower than the loads to come
+    sim = Simulation(small(families=families), "predictive")
+    big = [v for v in sim.versions if v.family.name == "big"]
+    tiny = [v for v in sim.versions if v.family.name == "tiny"]
+    assert big and tiny
+    assert {v.scaling.cold_start for v in big} == {40.0}  # the autoscaler's lead time is planned by it
+    assert {v.scaling.cold_start for v in tiny} == {4.0} and {v.load_s for v in tiny} == {None}
+    # and a replica of it loads in the node type's cold start (10 s for gpu), after the scheduling delay
+    replica = sim.fleet.add(big[0], 100.0)
+    assert replica is not None
+    assert replica.ready_at == pytest.approx(100.0 + sim.fleet.lead + 10.0)
