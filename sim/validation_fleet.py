@@ -384,7 +384,8 @@ def plan_doc(plan: RunPlan) -> dict[str, Any]:
 
 
 COMMAND = (
-    "FERRY_VALIDATION_RECORD=docs/validation-fleet.json make test TESTS=tests/test_sim_validate_fleet.py"
+    "FERRY_VALIDATE_FLEET=1 FERRY_VALIDATION_RECORD=docs/validation-fleet.json make test"
+    " TESTS=tests/test_sim_validate_fleet.py"
     ' PYTEST_ARGS="-p no:randomly -s"; python -m sim.validation_fleet --other docs/validation/<each>.json'
     " (FERRY_VALIDATION_SECONDS=40 for a longer compared run than the short form's 20 s)"
 )
@@ -456,7 +457,7 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "",
         f"Command: `{COMMAND}`",
         f"Recorded {record['when']} at commit {commit}, {plan['duration']:g} s of compared traffic, on a 2-core",
-        f"machine that other work shared (load average {_load(record)}).",
+        f"machine ({record['note'] + '; ' if record.get('note') else ''}load average {_load(record)}).",
         "",
         "## The run",
         "",
