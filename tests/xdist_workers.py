@@ -75,7 +75,18 @@ os.environ.setdefault("FERRY_LATENCY_BUDGET_MS", SUITE_LATENCY_BUDGET_MS)
 os.environ.setdefault("FERRY_GRPC_PORT", "0")
 
 
+# Last in the group (the group's tests run on one worker in this order): `.ci/run` trains the demo models into their
+# cache beside the suite, and the later the browser test's `make run` starts, the likelier it finds them there.
+LAST_IN_GROUP = "test_demo_browser"
+
+
+def _module(item: pytest.Item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which would undo the order
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
+        if _module(item) in PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
+    items.sort(key=lambda item: _module(item) == LAST_IN_GROUP)  # stable: every other order stays
