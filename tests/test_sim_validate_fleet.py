@@ -302,8 +302,8 @@ def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list
 
     # The autoscaler's history starts with the traffic, as the simulated one's does at t = 0 (cleared a second
     # or more before it, its ticks recorded a pooled rate of 0 rising to the plan's, which the simulator never
-    # sees). Beside a CPU burner the real fleet still scaled a version up before the step in some runs: the
-    # early scale-up is not only this (docs/validation.md).
+    # sees). The real fleet's other early scale-ups came from val00's lead time (its first load's 4 s), which the
+    # twin now plans by too (`vf.scenario_for`).
     fresh_autoscaler(client)
     began = time.monotonic()
     watcher = threading.Thread(target=sampler, daemon=True)
