@@ -84,9 +84,21 @@ def _module(item: pytest.Item) -> str:
     return item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which would undo the order
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group markers into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _module(item) in PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
-    items.sort(key=lambda item: _module(item) == LAST_IN_GROUP)  # stable: every other order stays
+
+
+class _LastInGroup:
+    """A plugin of its own: a module has one implementation of a hook, and this one must run after pytest-randomly's
+    shuffle (which would undo the order), while the markers above must be there before xdist reads them."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=lambda item: _module(item) == LAST_IN_GROUP)  # stable: every other order stays
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_LastInGroup(), "ferry-last-in-group")
