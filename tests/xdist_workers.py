@@ -75,30 +75,7 @@ os.environ.setdefault("FERRY_LATENCY_BUDGET_MS", SUITE_LATENCY_BUDGET_MS)
 os.environ.setdefault("FERRY_GRPC_PORT", "0")
 
 
-# Last in the group (the group's tests run on one worker in this order): `.ci/run` trains the demo models into their
-# cache beside the suite, and the later the browser test's `make run` starts, the likelier it finds them there.
-LAST_IN_GROUP = "test_demo_browser"
-
-
-def _module(item: pytest.Item) -> str:
-    return item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group markers into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _module(item) in PROCESS_MODULES:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
-
-
-class _LastInGroup:
-    """A plugin of its own: a module has one implementation of a hook, and this one must run after pytest-randomly's
-    shuffle (which would undo the order), while the markers above must be there before xdist reads them."""
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        items.sort(key=lambda item: _module(item) == LAST_IN_GROUP)  # stable: every other order stays
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_LastInGroup(), "ferry-last-in-group")
