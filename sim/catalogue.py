@@ -90,6 +90,8 @@ class SimModel:
     rate: float = 0.0  # requests a second now
     routes: list[tuple[SimVersion, float]] = field(default_factory=list)
     routes_dirty: bool = True
+    trace: list[float] | None = None  # arrival times to replay instead of drawing (sim.engine's `arrivals`)
+    traced: int = 0  # of those, the next not yet generated
 
 
 def _entry(name: str, number: int, batching: BatchingConfig, timeout: float, profile: dict[int, float]) -> VersionEntry:

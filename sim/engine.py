@@ -123,8 +123,8 @@ class Simulation:
         self.ready = lambda key: self.by_key[key].ready_count > 0
         if arrivals is not None and len(arrivals) != len(self.models):
             raise ValueError(f"a trace of {len(arrivals)} models for a catalogue of {len(self.models)}")
-        self._trace = {m.name: [float(t) for t in times] for m, times in zip(self.models, arrivals or (), strict=False)}
-        self._traced = {m.name: 0 for m in self.models}  # per model, the trace's next arrival not yet generated
+        for m, times in zip(self.models, arrivals or (), strict=False):
+            m.trace = [float(t) for t in times]
         self.snap: dict[str, float] = {}
         self._last_tick = 0.0
 
@@ -209,9 +209,9 @@ class Simulation:
     # --- arrivals, routing, admission -----------------------------------------------------------
     def _resample(self, m: SimModel, now: float) -> None:
         rate = m.rate = self._rate_at(now) * m.popularity if now < self.duration else 0.0
-        trace = self._trace.get(m.name)
+        trace = m.trace
         if trace is not None:  # the next arrival the trace has not given yet (the rate stays for planning)
-            i = self._traced[m.name]
+            i = m.traced
             m.next_arrival = trace[i] if i < len(trace) and trace[i] < self.duration else INF
         elif rate > 0:
             draws = self._exponentials
@@ -234,11 +234,11 @@ class Simulation:
             if now > m.t:
                 m.t = now
             return
-        trace = self._trace.get(m.name)
+        trace = m.trace
         if trace is not None:
-            i = self._traced[m.name]
+            i = m.traced
             k = bisect.bisect_right(trace, now, lo=i) - i  # at least one: trace[i] is `first`
-            self._traced[m.name] = i + k
+            m.traced = i + k
         else:
             k = 1 + poisson(self.rng, self._rate_at((first + now) / 2) * m.popularity * (now - first))
         m.t = now
