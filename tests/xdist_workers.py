@@ -75,6 +75,10 @@ os.environ.setdefault("FERRY_LATENCY_BUDGET_MS", SUITE_LATENCY_BUDGET_MS)
 os.environ.setdefault("FERRY_GRPC_PORT", "0")
 
 
+# tryfirst: pytest-xdist's worker turns `xdist_group` markers into the node id's `@group` suffix in its own
+# `pytest_collection_modifyitems`, registered after this plugin and so, at the same priority, called before it:
+# markers added later are never read and the group never forms.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
