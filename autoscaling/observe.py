@@ -1,10 +1,13 @@
 """What one autoscaler tick knows of the live system, read from Redis and the registry (control plane).
 
-- Arrivals per version: the version's request stream counts them already. Every request a gateway
-  sends is one XADD to `ferry:{model:version}:req`, and Redis keeps the stream's `entries-added`
-  (XINFO STREAM, Redis 7): a cumulative counter at no cost per request. It restarts at 0 when the
-  stream is gone (Redis lost its data), which the policy reads as a counter reset. Requests a gateway
-  refuses before sending (its own queue bound, Redis unreachable) are not in it.
+- Arrivals per version: what was asked of it, admitted or not. Every request a gateway sends is one
+  XADD to `ferry:{model:version}:req`, and Redis keeps the stream's `entries-added` (XINFO STREAM,
+  Redis 7): a cumulative counter at no cost per request. What the gateways refused before the stream
+  (their admission, their own bounds, the stream's bound) is counted beside it (`stream_bound.refused_key`,
+  added every second): under overload the admitted alone is about what the replicas already serve, and
+  sizing for it would scale out a target utilisation's step per lead time, not to the demand. Both restart
+  at 0 when Redis lost its data, which the policy reads as a counter reset. Requests refused while Redis
+  is unreachable are in neither.
 - Backlog: requests no node has taken. Nodes acknowledge and delete what they answered, so a stream
   holds what waits plus what nodes hold: backlog = XLEN - the group's pending entries. A node reads
   only while it holds fewer than two batches, so a backlog means every replica is full.
@@ -24,7 +27,7 @@ import redis
 from django.conf import settings
 
 from serving.dataplane.node.packing import DEFAULT_COLD_START
-from serving.dataplane.transport import fleet
+from serving.dataplane.transport import fleet, stream_bound
 from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.policies.autoscale import Observation, ScalingConfig
 from serving.policies.batching import LatencyProfile
@@ -34,17 +37,25 @@ from serving.policies.batching import LatencyProfile
 class StreamStats:
     added: int  # entries ever added (0: no stream)
     backlog: int  # entries no node has taken
+    refused: int = 0  # requests gateways refused before the stream
+
+    @property
+    def asked(self) -> int:
+        """Every request for the version, admitted or not: the autoscaler's arrival counter."""
+        return self.added + self.refused
 
 
 # XINFO STREAM answers with the stream's first and last entries, request bodies of any size: the script
-# keeps them in Redis and returns three numbers per stream. (One script over many streams: on Redis Cluster,
-# whose slots differ per version, run it per stream.)
+# keeps them in Redis and returns four numbers per stream. KEYS: each stream, then its refusal counter. (One
+# script over many streams: on Redis Cluster, whose slots differ per version, run it per stream.)
 _STREAM_STATS = """
 local out = {}
-for i, key in ipairs(KEYS) do
+for i = 1, #KEYS, 2 do
+  local key = KEYS[i]
+  local refused = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
   local ok, info = pcall(redis.call, 'XINFO', 'STREAM', key)
   if not ok then
-    out[i] = {0, 0, 0}
+    out[#out + 1] = {0, 0, 0, refused}
   else
     local f = {}
     for j = 1, #info, 2 do f[info[j]] = info[j + 1] end
@@ -54,7 +65,7 @@ for i, key in ipairs(KEYS) do
       for j = 1, #g, 2 do h[g[j]] = g[j + 1] end
       if h['name'] == ARGV[1] then pending = h['pending'] end
     end
-    out[i] = {f['entries-added'], f['length'], pending}
+    out[#out + 1] = {f['entries-added'], f['length'], pending, refused}
   end
 end
 return out
@@ -65,10 +76,11 @@ def read_streams(client: redis.Redis, keys: Iterable[str]) -> dict[str, StreamSt
     keys = list(keys)
     if not keys:
         return {}
-    rows = client.register_script(_STREAM_STATS)(keys=[request_stream(k) for k in keys], args=[GROUP])
+    names = [name for k in keys for name in (request_stream(k), stream_bound.refused_key(k))]
+    rows = client.register_script(_STREAM_STATS)(keys=names, args=[GROUP])
     return {
-        key: StreamStats(int(added), max(0, int(length) - int(pending)))
-        for key, (added, length, pending) in zip(keys, rows, strict=True)
+        key: StreamStats(int(added), max(0, int(length) - int(pending)), int(refused))
+        for key, (added, length, pending, refused) in zip(keys, rows, strict=True)
     }
 
 
@@ -126,5 +138,7 @@ def observe(
     for t in targets:
         stats = streams.get(t.key, StreamStats(0, 0))
         replicas = sum(1 for n in nodes if t.key in n.hot)
-        observations.append(Observation(t.key, t.config, stats.added, replicas, t.estimate.estimate, stats.backlog))
+        observations.append(
+            Observation(t.key, t.config, stats.asked, replicas, t.estimate.estimate, stats.backlog, stats.refused)
+        )
     return observations

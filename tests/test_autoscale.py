@@ -494,15 +494,19 @@ class Saturated:
     def __init__(self, served: float, **changes: object) -> None:
         self.cfg = config(cool_down=0.0, max_replicas=50)
         self.scaler = Autoscaler({"gpu": 80 * GB}, **changes)  # type: ignore[arg-type]
-        self.served, self.total, self.backlog, self.now = served, 0, 0.0, 0.0
+        self.served, self.total, self.backlog, self.now, self.refused = served, 0, 0.0, 0.0, 0
 
-    def run(self, seconds: int, rate: float, replicas: int = 2):
+    def run(self, seconds: int, rate: float, replicas: int = 2, refused: float = 0.0):
+        """`rate` a second admitted, and `refused` a second more asked for and refused before the queue."""
         decision = None
         for _ in range(seconds):
             self.now += 1.0
-            self.total += int(rate)
+            self.total += int(rate + refused)
+            self.refused += int(refused)
             self.backlog = max(0.0, self.backlog + rate - self.served * replicas)
-            obs = Observation("m:1", self.cfg, self.total, replicas, per_row, backlog=int(self.backlog))
+            obs = Observation(
+                "m:1", self.cfg, self.total, replicas, per_row, backlog=int(self.backlog), refused_total=self.refused
+            )
             decision = self.scaler.tick(self.now, [obs]).decisions["m:1"]
         return decision
 
@@ -519,6 +523,20 @@ def test_saturated_replicas_that_serve_less_than_the_profile_size_the_version_by
     # ceil(demand / 50))
     assert decision.replicas == math.ceil(decision.demand / 15.0 - 0.01)
     assert decision.replicas > math.ceil(decision.demand / 50.0)
+
+
+def test_requests_refused_before_the_queue_are_demand_but_not_work_the_replicas_took() -> None:
+    # given the same two replicas serving 30 a second each, of 200 a second asked for 80 admitted (a backlog
+    # grows) and 120 refused by admission before the queue
+    fleet = Saturated(30.0)
+    decision = fleet.run(40, 80.0, refused=120.0)
+    # then what a replica serves is learnt from the admitted alone: 30, not the (200 - backlog growth) / 2 the
+    # refused would make of it
+    assert decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(30.0)
+    # and the demand sized for is every request asked for, refused ones too (plus the backlog to work off)
+    assert decision.short_rate == pytest.approx(200.0)
+    assert decision.replicas == math.ceil(decision.demand / 15.0 - 0.01)
 
 
 def test_without_a_backlog_nothing_is_learnt_and_the_profile_stands() -> None:

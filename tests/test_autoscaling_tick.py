@@ -16,7 +16,7 @@ from autoscaling import observe
 from autoscaling.models import ScalingPolicy
 from autoscaling.providers import Pool
 from autoscaling.tick import LOCK_KEY, STATE_KEY, run_tick
-from serving.dataplane.transport import fleet
+from serving.dataplane.transport import fleet, stream_bound
 from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.models import ModelVersion
 from serving.reconciler import read_loads
@@ -84,6 +84,19 @@ def test_streams_give_arrivals_and_the_backlog_no_node_has_taken(client: redis.R
     assert stats["never:1"] == observe.StreamStats(0, 0)
 
 
+def test_requests_refused_before_the_stream_count_as_asked_for(client: redis.Redis) -> None:
+    # given a version with 5 requests in its stream and 40 its gateways refused before it (stream_bound's counter),
+    # and one that had every request refused and so has no stream at all
+    send(client, "m:1", 5)
+    client.incrby(stream_bound.refused_key("m:1"), 40)
+    client.incrby(stream_bound.refused_key("shut:1"), 7)
+    # when the streams are read
+    stats = observe.read_streams(client, ["m:1", "shut:1"])
+    # then the autoscaler's arrivals are what was asked, admitted or not; the backlog is the stream's alone
+    assert (stats["m:1"].asked, stats["m:1"].backlog) == (45, 5)
+    assert (stats["shut:1"].asked, stats["shut:1"].backlog) == (7, 0)
+
+
 def test_a_replica_seen_saturated_sizes_the_version_by_what_it_answered_not_by_its_profile(
     client: redis.Redis, version: ModelVersion
 ) -> None:
@@ -109,6 +122,25 @@ def test_a_replica_seen_saturated_sizes_the_version_by_what_it_answered_not_by_i
     assert capacity.observed
     assert capacity.rate == pytest.approx(100 / (third.now - second.now))
     assert first.plan.decisions["scaled:1"].reason == "no_data"
+
+
+def test_a_version_whose_gateways_refuse_most_requests_is_sized_for_all_it_was_asked(
+    client: redis.Redis, version: ModelVersion
+) -> None:
+    ScalingPolicy.objects.create(version=version, max_replicas=10, cool_down_seconds=300)
+    heartbeat(client, "n1", {"scaled:1"})
+    first = tick(client)
+    # given, before the second tick, 100 requests admitted into the stream and 900 refused by the gateways'
+    # admission (one replica serves 400 a second: this is the overload admission was for)
+    send(client, "scaled:1", 100)
+    client.incrby(stream_bound.refused_key("scaled:1"), 900)
+    time.sleep(1.0)
+    second = tick(client)
+    # then the version is sized for the 1,000 asked over the interval, not the 100 that got in: at 280 a
+    # replica (70% of 400), 1,000 a second over about a second wants 3 or 4 replicas, not 1
+    decision = second.plan.decisions["scaled:1"]
+    assert decision.short_rate == pytest.approx(1000 / (second.now - first.now))
+    assert decision.replicas >= 3
 
 
 def test_a_load_step_raises_desired_replicas_with_an_audit_entry_and_the_cool_down_holds_it(

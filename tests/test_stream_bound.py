@@ -48,6 +48,8 @@ def test_the_stream_refuses_past_its_bytes_and_its_entries_and_counts_exactly(cl
     # and an entry bound is exact, not trimmed: the entry past it is refused, none of the held ones dropped
     assert add(client, "v:1", 10**9, 2, body) == [0, 2, 2 * size]
     assert client.xlen(request_stream("v:1")) == 2
+    # and each refusal is counted beside the stream, for the autoscaler's demand (autoscaling.observe)
+    assert int(client.get(stream_bound.refused_key("v:1"))) == 2
 
 
 def test_acknowledging_frees_the_bytes_once_even_if_sent_twice(client: redis.Redis) -> None:

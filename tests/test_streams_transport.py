@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import redis
 
+from autoscaling import observe
 from serving.dataplane.errors import DeadlineExceeded, ModelFailed, Shed, Unavailable
 from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_process import Facts, NodeProcess, parse_bytes, parse_labels
 from serving.dataplane.node.runtime import RuntimeFailure
-from serving.dataplane.transport import fleet
+from serving.dataplane.transport import fleet, stream_bound
 from serving.dataplane.transport.stream_codec import FIELD, GROUP, StreamRequest, encode_request, request_stream
 from serving.dataplane.transport.streams import RedisStreamsTransport
 from tests.conftest import free_port
@@ -126,6 +127,13 @@ async def test_the_gateway_bounds_what_it_holds_per_version_and_answers_504_at_t
     results = await asyncio.gather(*held, return_exceptions=True)
     assert all(isinstance(r, DeadlineExceeded) for r in results), results
     assert served.transport.outstanding("idle:1") == 0
+    # and the refusal reached the version's refusal counter within the gateway's next flush (every second), so
+    # the autoscaler counts the request as asked for: two in the stream, one refused
+    async with asyncio.timeout(10):
+        while served.client.get(stream_bound.refused_key("idle:1")) is None:
+            await asyncio.sleep(0.05)
+    assert int(served.client.get(stream_bound.refused_key("idle:1"))) == 1
+    assert observe.read_streams(served.client, ["idle:1"])["idle:1"].asked == 3
 
 
 async def test_an_entry_past_its_deadline_is_never_run(served: Served) -> None:

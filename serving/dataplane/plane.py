@@ -136,6 +136,7 @@ class DataPlane:
         vm = metrics.for_version(entry.model, entry.version)
         vm.answered(503, 0.0)
         vm.shed("frontend", 0)
+        self.gateway.transport.count_refused(entry.key)
 
     async def flush_key_use(self) -> None:
         """Write last_used_at for the keys used since the last flush; on failure (database down) keep

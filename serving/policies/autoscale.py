@@ -60,11 +60,12 @@ Per version, each tick:
 - capacity seen served: a profile counts the model's compute only, and a replica may serve less (on a CPU
   node, its own request handling and the GIL share the cores with the compute). An interval the
   version's replicas spent saturated (a backlog at both of its ends, the same replica count) shows
-  what they serve: the arrivals less the backlog's growth, per replica per second, smoothed
+  what they serve: the arrivals admitted (less those refused before the queue, `refused_total`)
+  less the backlog's growth, per replica per second, smoothed
   (`served_tau`). Below the profile's capacity, it replaces it; an interval that sees more served
   raises it at once, and it is forgotten `served_ttl` seconds after the last saturated interval
-  (the fleet may have changed). Without a backlog (the simulator, a fleet that keeps up) nothing
-  is learnt and the profile stands. What the nodes hold in flight is not counted (at most two
+  (the fleet may have changed). Without a backlog (a fleet that keeps up) nothing is learnt and
+  the profile stands. What the nodes hold in flight is not counted (at most two
   batches a node), so one interval's sample may be off by that;
 - recommendation: `ceil(demand / (capacity x target_utilisation)) + warm_pool`, clamped to
   `[min, max]`; a version with `min_replicas = 0` keeps one replica until it has seen no
@@ -140,9 +141,12 @@ class Observation:
     version: str
     config: ScalingConfig
     arrivals_total: int  # cumulative arrivals, as a counter metric reports them
-    replicas: int  # replicas serving or loading now
+    replicas: int  # replicas serving now (loaded: a live fleet's heartbeats say which nodes hold it hot)
     estimate: Estimate  # compute seconds per batch size (LatencyProfile.estimate)
     backlog: int = 0  # requests waiting that no replica has taken yet (a live fleet's streams report it)
+    # Of `arrivals_total`, those refused before the queue (by admission or a bound): a counter as well. They count
+    # as demand, but not as work the replicas took, when what a replica serves is learnt from the backlog.
+    refused_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +283,7 @@ class _Track:
     last_dt: float = 0.0
     last_backlog: int = 0
     last_replicas: int = 0
+    last_refused: int = 0
     served: float | None = None  # requests a second one replica was seen to serve saturated (smoothed)
     served_at: float = 0.0  # the end of the last saturated interval
     season: SeasonalProfile | None = None  # its rate by time of day (None: seasonality off)
@@ -361,6 +366,7 @@ class Autoscaler:
                     "last_dt": t.last_dt,
                     "last_backlog": t.last_backlog,
                     "last_replicas": t.last_replicas,
+                    "last_refused": t.last_refused,
                     "served": t.served,
                     "served_at": t.served_at,
                     "season": t.season.export() if t.season is not None else None,
@@ -392,6 +398,7 @@ class Autoscaler:
                 float(t["last_dt"]),
                 int(t.get("last_backlog", 0)),
                 int(t.get("last_replicas", 0)),
+                int(t.get("last_refused", 0)),
                 None if t.get("served") is None else float(t["served"]),
                 float(t.get("served_at", 0.0)),
                 self._season_from(t.get("season")),
@@ -535,20 +542,23 @@ class Autoscaler:
             track.last_arrival = now
         if track.season is not None:
             track.season.add(track.last_at, now, count)
+        refused = max(obs.refused_total, 0)
         if not reset:
-            self._served(track, now, dt, count, obs)
+            # A refusal counter behind its last reading restarted with the arrivals' (they live together).
+            admitted = count - (refused - track.last_refused if refused >= track.last_refused else refused)
+            self._served(track, now, dt, admitted, obs)
         track.last_at, track.last_total = now, total
-        track.last_backlog, track.last_replicas = max(obs.backlog, 0), obs.replicas
+        track.last_backlog, track.last_replicas, track.last_refused = max(obs.backlog, 0), obs.replicas, refused
         while track.samples and track.samples[0][0] < now - self.long_window - _EPS:
             track.samples.popleft()
         return count
 
-    def _served(self, track: _Track, now: float, dt: float, count: int, obs: Observation) -> None:
-        """Learn what one replica serves from an interval of `dt` seconds with `count` arrivals."""
+    def _served(self, track: _Track, now: float, dt: float, admitted: int, obs: Observation) -> None:
+        """Learn what one replica serves from an interval of `dt` seconds in which `admitted` arrivals queued."""
         replicas, backlog = obs.replicas, max(obs.backlog, 0)
         if replicas <= 0 or replicas != track.last_replicas:
             return  # a replica came or went within the interval: whose work it was is not known
-        answered = count - (backlog - track.last_backlog)
+        answered = admitted - (backlog - track.last_backlog)
         if answered <= 0:
             return  # nothing taken: a node restarting or loading says nothing of what a replica serves
         per_replica = answered / dt / replicas

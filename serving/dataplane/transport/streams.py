@@ -112,6 +112,9 @@ class RedisStreamsTransport:
         self.malformed_replies = 0
         # Admission before the stream (serving.dataplane.transport.load_view.LoadView); None admits everything.
         self.admission: Admission | None = None
+        # Per version, requests refused here before the stream since the last flush to its refusal counter
+        # (`stream_bound.refused_key`, every RENEW_S): the autoscaler's demand is what was asked, not admitted.
+        self.refused: dict[str, int] = {}
 
     async def start(self) -> None:
         self._pipe = redis_pipe.Pipe(redis_pipe.client(self.url, name=f"ferry-gateway-{os.getpid()}"))
@@ -153,13 +156,17 @@ class RedisStreamsTransport:
         if not self.connected or self._pipe is None:
             raise Unavailable("the request queue (Redis) is unreachable", retry_after=1)
         key = entry.key
-        held = held_for(self._outstanding, entry, nbytes, self.max_bytes, priority, "this gateway")
-        if self.admission is not None:  # the nodes' load as last published: refused here, never queued
-            try:
-                self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
-            except Shed as refused:
-                metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), refused.reason).inc()
-                raise
+        try:
+            held = held_for(self._outstanding, entry, nbytes, self.max_bytes, priority, "this gateway")
+            if self.admission is not None:  # the nodes' load as last published: refused here, never queued
+                try:
+                    self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
+                except Shed as refused:
+                    metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), refused.reason).inc()
+                    raise
+        except Shed:
+            self.count_refused(key)
+            raise
         request_id = next(self._ids)
         message = encode_request(
             StreamRequest(
@@ -317,6 +324,26 @@ class RedisStreamsTransport:
             pipe.expire(self.reply_to, REPLY_TTL_S)
             await pipe.execute()
 
+    def count_refused(self, key: str) -> None:
+        """A request for `key` refused before the stream: asked for all the same, so the autoscaler counts it."""
+        self.refused[key] = self.refused.get(key, 0) + 1
+
+    async def flush_refused(self, client: redis.asyncio.Redis) -> None:
+        """Add the refusals counted since the last flush to their versions' counters in Redis; kept for the next
+        flush when Redis cannot take them (a count may then arrive twice: a second's refusals, never a lost one)."""
+        if not self.refused:
+            return
+        counts, self.refused = self.refused, {}
+        pipe = client.pipeline(transaction=False)
+        for key, n in counts.items():
+            pipe.incrby(stream_bound.refused_key(key), n)
+        try:
+            await pipe.execute()
+        except (redis.RedisError, OSError):
+            for key, n in counts.items():
+                self.refused[key] = self.refused.get(key, 0) + n
+            raise
+
     async def _renew_forever(self) -> None:
         client = redis_pipe.client(self.url)
         try:
@@ -324,6 +351,7 @@ class RedisStreamsTransport:
                 await asyncio.sleep(RENEW_S)
                 try:
                     await self._ensure_reply_stream(client)
+                    await self.flush_refused(client)
                 except (redis.RedisError, OSError):
                     pass  # the reader notices and reconnects
         finally:

@@ -42,6 +42,11 @@ class Transport(Protocol):
         and `outputs` (the output names asked for, None: all) travel with a request to a remote node."""
         ...
 
+    def count_refused(self, key: str) -> None:
+        """A request for version `key` was refused before this transport saw it (the front door's gate): it was
+        asked for all the same, and the autoscaler sizes the version for what was asked."""
+        ...
+
 
 class LocalNode(Protocol):
     """What the in-process transport calls on the node beside it (`serving.dataplane.node.node.Node`), named
@@ -77,3 +82,6 @@ class InProcessTransport:
         outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:
         return await self.node.infer(entry.key, inputs, rows, deadline, priority, nbytes, gone)
+
+    def count_refused(self, key: str) -> None:
+        """Nothing to count with: one node beside the gateway, no fleet autoscaler (it reads the streams)."""
