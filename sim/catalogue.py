@@ -47,6 +47,7 @@ class SimVersion:
     moving: int = 0  # of those, the copies loading for a consolidation move (sim.fleet): not replicas of their own
     ready_count: int = 0
     arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
+    refused_total: int = 0  # of arrivals_total, refused by admission (production's gateways count theirs in Redis)
     in_service: int = 0  # rows on a device now
     # Of its replicas' devices (they share its queue), the one that takes its next turn; the others do not
     # wake for it (sim.engine: `_covered`, `_hand_off`). None: whichever looks next claims it.

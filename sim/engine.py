@@ -327,6 +327,7 @@ class Simulation:
             if fallback:
                 self._kick(v, now)
         if admit < k:
+            v.refused_total += k - admit
             self._refused(m, k - admit, split, hi, now, fallback, why, first and admit == 0)
 
     def _refused(

@@ -2,7 +2,8 @@
 
 - predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
   now + cold start + scheduling delay, warm pool, cool-down, the headroom it learns from the rises it has
-  seen, and the scenario's seasonality where it declares one);
+  seen, and the scenario's seasonality where it declares one), observing what production's
+  `autoscaling.observe` does: the requests asked (refused ones included) and the backlog no replica took;
 - forecast-only: the same without headroom, where a scenario asks to see what forecasting alone does;
 - trend-only: the same without the seasonality, where a scenario declares one (`scaling.season`);
 - reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency
@@ -20,6 +21,7 @@ import math
 from collections import deque
 
 from serving.policies.autoscale import Autoscaler, Observation
+from serving.policies.batching import untaken
 from sim.catalogue import SimVersion
 from sim.fleet import replicas_for, staying
 from sim.scenario import Scenario
@@ -45,8 +47,23 @@ class Predictive:
         self.nodes_wanted: dict[str, int] = {}
 
     def desired(self, now: float) -> dict[SimVersion, int]:
+        # As production observes a version (autoscaling.observe): every request asked of it (refused ones too),
+        # its replicas serving (a heartbeat's hot versions: loaded, not loading), and the backlog its stream would
+        # hold, what those replicas reading ahead as nodes do have not taken.
         plan = self.autoscaler.tick(
-            now, [Observation(v.key, v.scaling, v.arrivals_total, staying(v), v.estimate) for v in self.versions]
+            now,
+            [
+                Observation(
+                    v.key,
+                    v.scaling,
+                    v.arrivals_total,
+                    v.ready_count,
+                    v.estimate,
+                    untaken(v.queue.rows + v.in_service, v.ready_count, v.max_batch),
+                    v.refused_total,
+                )
+                for v in self.versions
+            ],
         )
         self.nodes_wanted = {kind: demand.nodes for kind, demand in plan.accelerators.items()}
         out: dict[SimVersion, int] = {}

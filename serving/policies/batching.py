@@ -23,6 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# Batches of a version one node holds at most, queued or running, before it stops reading the version's stream
+# (`serving.dataplane.node.node_process`): what it holds then is its own, and the rest waits in the stream for
+# whichever node has room, so a busy node never hoards what an idle one could serve.
+READ_AHEAD = 2
+
+
+def untaken(waiting: int, replicas: int, max_batch_size: int) -> int:
+    """Of `waiting` requests for a version (queued or running), those its `replicas` reading ahead by READ_AHEAD
+    batches each have not taken: a stream's backlog, as the autoscaler's observation has it (the simulator, whose
+    replicas share one queue, counts it so)."""
+    return max(0, waiting - replicas * READ_AHEAD * max_batch_size)
+
 
 class QueueFull(Exception):
     """The version's queue holds `max_queue_size` requests already."""

@@ -60,11 +60,11 @@ from serving.dataplane.transport.stream_codec import (
     pack_replies,
     request_stream,
 )
+from serving.policies.batching import READ_AHEAD
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 20  # short: the set of streams worth reading changes as this node's queues fill and drain
-READ_AHEAD = 2  # batches of a version this node holds at most (queued or running) before it stops reading
 RECLAIM_SECONDS = 0.5
 CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the entry no longer idle
 REPLY_MAXLEN = 10_000
