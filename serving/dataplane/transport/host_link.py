@@ -173,6 +173,9 @@ class HostTransport:
         self._wall = wall
         self._outstanding: dict[str, Outstanding] = {}
 
+    def count_refused(self, key: str) -> None:
+        """Nothing to count with: the node host is embedded mode's one node, no fleet autoscaler reads demand."""
+
     async def infer(
         self,
         entry: VersionEntry,
