@@ -117,7 +117,9 @@ def _checks(scenarios: list[dict[str, Any]]) -> list[str]:
             " ordered then is ready one lead time (cold start plus scheduling) later; admission and the fallback"
             " answer what comes meanwhile, and what they cannot is counted above as refused or late. Once seen,"
             " the rise's size is held as headroom for the rest of the history (`rise_history`), which is what the"
-            " accelerator-hours after it pay for."
+            " accelerator-hours after it pay for, with the capacity its saturated replicas were seen to serve while"
+            " they shared devices with saturated neighbours, below their profile's and held for `served_ttl` (an"
+            " hour, as in production: longer than these scenarios)."
         )
     rush = by.get("daily-rush", {})
     if (
@@ -193,8 +195,9 @@ def _troughs(scenarios: list[dict[str, Any]], rush: dict[str, dict[str, Any]]) -
         f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough starts"
         f" {period - start - 2 * sc.traffic.length:.0f} s after day 1's fall ends, past the scale-in cool-down"
         f" ({sc.scaling.cool_down:g} s). The predictive and trend-only policies keep more there on purpose: the"
-        " headroom they learnt from day 1's rise (held for `rise_history`), and, predictive only, the seasonal hold"
-        " of what day 2's rush will need."
+        " headroom they learnt from day 1's rise (held for `rise_history`), the capacity day 1's saturated replicas"
+        " were seen to serve (held for `served_ttl`), and, predictive only, the seasonal hold of what day 2's rush"
+        " will need."
     ]
 
 
