@@ -20,6 +20,7 @@ import orjson
 import torch
 from torch import nn
 
+from autoscaling import observe
 from serving.demo import save_artifact
 from tests.conftest import mint_key, register
 from tests.test_streams_processes import (  # noqa: F401  (redis_db: the fixture)
@@ -127,6 +128,17 @@ def test_overload_gets_quick_503s_from_the_gateway_not_504s_from_the_stream(
         assert at_gateway >= len(shed) // 2, (at_gateway, len(shed))
         # and few requests waited in the stream past their deadline
         assert statuses[504] <= max(5, 0.05 * sum(statuses.values())), statuses
+        # and the autoscaler counts every request asked for, refused or not: each refusal reaches the version's
+        # refusal counter within the web process's next flush (every second), beside the stream's entries; only
+        # a request whose deadline passed before it was sent (a 504) may be in neither
+        sent = len(answers) + 1 + PROBES
+        wait_for(
+            "the gateway's refusals counted in Redis",
+            lambda: observe.read_streams(redis_db, ["digits:1"])["digits:1"].refused >= at_gateway,
+            procs,
+        )
+        asked = observe.read_streams(redis_db, ["digits:1"])["digits:1"].asked
+        assert sent - statuses[504] <= asked <= sent, (asked, sent, statuses)
         node.alive()
     finally:
         stop_all(procs)
