@@ -80,6 +80,18 @@ DATABASES = {
         conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0),
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Embedded mode's one file is written at once by request handlers, the in-process Celery tasks (usage, shadow
+    # pairs, rollout gates) and their threads. A transaction that reads and then writes (an approval) takes
+    # SQLite's write lock only at its first write, and when another connection is writing SQLite refuses that
+    # upgrade at once ("database is locked", no busy wait: it would deadlock), which answered an admin's
+    # approval 503 in CI. IMMEDIATE takes the write lock at BEGIN, where SQLite waits up to `timeout` seconds
+    # for it; WAL lets the readers read meanwhile.
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 10,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL")
