@@ -30,14 +30,20 @@ PROCESS_MODULES = {
     "test_artifact_processes",
     "test_autoscale_processes",
     "test_demo_browser",  # `make run`: an embedded deployment, its training, its background traffic
+    "test_fleet_browser",
     "test_fleet_processes",
+    "test_gateway_admission_processes",  # an overload of its own
+    "test_gateway_restart_processes",
     "test_lifecycle_processes",
+    "test_metrics_access",
     "test_node_host_processes",
     "test_node_providers",
     "test_postgres_outage",
     "test_revocation_gateways",
+    "test_sandbox_processes",
     "test_shadow_processes",
     "test_streams_processes",
+    "test_tracing_processes",
 }
 
 
