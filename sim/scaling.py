@@ -3,7 +3,8 @@
 - predictive: `serving.policies.autoscale.Autoscaler`, the production policy itself (forecast at
   now + cold start + scheduling delay, warm pool, cool-down, the headroom it learns from the rises it has
   seen, and the scenario's seasonality where it declares one), observing what production's
-  `autoscaling.observe` does: the requests asked (refused ones included) and the backlog no replica took;
+  `autoscaling.observe` does: the requests asked (refused ones included), the replicas loaded, and the
+  backlog no replica took;
 - forecast-only: the same without headroom, where a scenario asks to see what forecasting alone does;
 - trend-only: the same without the seasonality, where a scenario declares one (`scaling.season`);
 - reactive: queue depth, as Knative's KPA scales on concurrency: desired = ceil(average concurrency

@@ -267,40 +267,36 @@ def summarise_answers(answers: Sequence[Sequence[Any]], plan: RunPlan) -> dict[s
     }
 
 
-def node_times(spans: Sequence[Any], trace_ids: set[str]) -> dict[str, tuple[float, float, float, float]]:
+def node_times(spans: Sequence[Any], trace_ids: set[str]) -> dict[str, tuple[float, float, float]]:
     """Per request of `trace_ids` (the client's own W3C trace ids), its time on the node in ms as the node's spans
     (`serving.dataplane.tracing`) measured it, and of that its batch's hand-offs: its `ferry.queue` span (from
     entering the version's queue to its batch's start) plus the `ferry.batch` span that links to it (its batch,
     to the answers back on the node's event loop); the second figure that batch less its `ferry.device` span
     (the compute), the waits for the device thread to take the batch and for the event loop to take the
-    answers back: threads waiting for a CPU, which the simulator does not model; the third the last of those,
-    the event loop's wait alone; the fourth its queue span alone. Measured on the compared run's
+    answers back: threads waiting for a CPU, which the simulator does not model; the third its queue span
+    alone. Measured on the compared run's
     own requests, without the gateway, the streams and the client, whose time on a shared CPU is the machine's
     more than the node's. Requests whose spans did not all arrive (a full export queue drops spans, never holds
     them) are left out."""
     queued: dict[str, tuple[str, float]] = {}  # the node span's id: (trace id, queue ms)
     batches: dict[str, str] = {}  # the node span's id: its batch's span id
     lasted: dict[str, float] = {}  # a batch's span id: its ms
-    device: dict[str, tuple[float, float]] = {}  # a batch's span id: its device's ms, and its end to the batch's
-    ends: dict[str, int] = {}  # a batch's span id: its end (ns)
+    device: dict[str, float] = {}  # a batch's span id: its device's ms
     for s in spans:
         ms = (s.end_ns - s.start_ns) / 1e6
         if s.name == "ferry.queue" and s.parent_id and s.trace_id in trace_ids:
             queued[s.parent_id] = (s.trace_id, ms)
         elif s.name == "ferry.batch":  # in its first request's trace, whichever that was: its links say whose
             lasted[s.span_id] = ms
-            ends[s.span_id] = s.end_ns
             for node_span in s.links:
                 batches[node_span] = s.span_id
         elif s.name == "ferry.device":
-            device[s.parent_id] = (ms, s.end_ns)
+            device[s.parent_id] = ms
     out = {}
     for node, (trace, ms) in queued.items():
         batch = batches.get(node)
         if batch is not None and batch in device:
-            computed, done = device[batch]
-            back = max(0.0, (ends[batch] - done) / 1e6)
-            out[trace] = (ms + lasted[batch], max(0.0, lasted[batch] - computed), back, ms)
+            out[trace] = (ms + lasted[batch], max(0.0, lasted[batch] - device[batch]), ms)
     return out
 
 
@@ -319,10 +315,10 @@ def slowdown(before: Mapping[int, Sequence[int]], after: Mapping[int, Sequence[i
 
 
 def node_side(
-    answers: Sequence[Sequence[Any]], times: Mapping[str, tuple[float, float, float, float]], window_ms: float
+    answers: Sequence[Sequence[Any]], times: Mapping[str, tuple[float, float, float]], window_ms: float
 ) -> dict[str, Any]:
     """The compared run's node side: `answers` are (sent at, status, latency seconds, trace id), `times` the
-    node's (time, hand-offs, the event loop's wait, queue) per trace id (`node_times`), `window_ms` the versions'
+    node's (time, hand-offs, queue) per trace id (`node_times`), `window_ms` the versions'
     batch window. The node's p50 and p99 over the answered requests it timed; per such request what the
     simulator does not model, as one figure (`unmodelled_ms`): its batch's hand-offs plus how late its batch
     started past the window (its queue span less the window, where more: the window's timer ran late, for the
@@ -332,13 +328,13 @@ def node_side(
     and independent draws of them put the sum's tail short (by 2 to 5 ms at the p99 in the runs of
     2026-12-04)."""
     timed = [(a[2] * 1000, *times[a[3]]) for a in answers if a[1] == 200 and a[3] in times]
-    node = [n for _, n, _, _, _ in timed]
+    node = [n for _, n, _, _ in timed]
     return {
         "traced": len(node),
         "node_p50_ms": float(np.percentile(node, 50)) if node else math.nan,
         "node_p99_ms": float(np.percentile(node, 99)) if node else math.nan,
-        "unmodelled_ms": [h + max(0.0, q - window_ms) for _, _, h, _, q in timed],
-        "overhead_ms": [max(0.0, c - n) for c, n, _, _, _ in timed],
+        "unmodelled_ms": [h + max(0.0, q - window_ms) for _, _, h, q in timed],
+        "overhead_ms": [max(0.0, c - n) for c, n, _, _ in timed],
     }
 
 
@@ -554,14 +550,15 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "  more are not recorded.",
         "- Replicas near a threshold: the run sets the target utilisation so that the top version needs two",
         "  replicas at the step, which leaves several versions' demand near a replica's worth; a version then",
-        "  scales on one side and not on the other now and then (every disagreement of 2026-12-04, 4 of 18",
-        "  runs). What still differs there: arrivals counted when they reach the stream, not when sent (and",
-        "  refusals within the gateway's next second); the twin's backlog is what its replicas reading ahead",
-        "  as nodes do have not taken, the real one the stream's (in the runs above the twin had none).",
-        "- The real autoscaler sizes by what saturated replicas were seen to serve where that is below the",
-        "  profile's capacity (`serving.policies.autoscale`), the simulated one here by the calibrated profile: on",
-        "  a slow machine the real one can add a replica the simulated one does not (the replica and cold-start",
-        "  checks above).",
+        "  scales on one side and not on the other now and then (every disagreement of 2026-12-04: 4 of the 18",
+        "  runs of 20:07-20:28 UTC, and 1 of the 3 of 22:58-23:00, the first with the twin's backlog). What",
+        "  still differs there: arrivals counted when they reach the stream, not when sent (and refusals within",
+        "  the gateway's next second); the twin's backlog is what its replicas reading ahead as nodes do have not",
+        "  taken, the real one the stream's (the twin had none before 22:58 that day).",
+        "- Both autoscalers size by what saturated replicas were seen to serve where that is below the profile's",
+        "  capacity (`serving.policies.autoscale`), each from its own backlog: before 22:58 on 2026-12-04 the",
+        "  twin had no backlog and sized by the calibrated profile alone, so on a slow machine the real one could",
+        "  add a replica the simulated one did not (the replica and cold-start checks above).",
         "- One machine's CPUs: the two nodes and the web process share two cores, so the run is small (tens of",
         "  requests a second); a device machine was not lent to this work.",
         "- Linux only: the slowdown is read from `/proc`. Marked `solo`, the test runs with nothing else of the",

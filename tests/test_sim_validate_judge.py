@@ -226,14 +226,14 @@ def test_the_nodes_time_per_request_is_its_queue_span_plus_its_batchs() -> None:
     spans.append(span("ferry.device", "t0", "d1", "b1", (), 5_000_000, 9_000_000))  # 4 ms of the batch computed
     times = vf.node_times(spans, {"t1", "t2", "t3"})
     assert times.keys() == {"t1", "t2"}  # t3's batch lost: left out
-    assert times["t1"] == pytest.approx((10.0, 2.0, 1.0, 4.0)) and times["t2"] == pytest.approx((9.0, 2.0, 1.0, 3.0))
+    assert times["t1"] == pytest.approx((10.0, 2.0, 4.0)) and times["t2"] == pytest.approx((9.0, 2.0, 3.0))
 
 
 def test_what_the_simulator_does_not_model_is_one_figure_a_request() -> None:
-    # (time on the node, hand-offs, the loop's wait, queue) per trace: a request whose batch started 4 ms past a
+    # (time on the node, hand-offs, queue) per trace: a request whose batch started 4 ms past a
     # 5 ms window and whose threads then waited 3 ms, one on time with 1 ms of hand-offs, one in a batch that
     # filled before the window (queued 2 ms: not late)
-    times = {"a": (13.0, 3.0, 1.0, 9.0), "b": (7.0, 1.0, 0.5, 5.0), "c": (4.0, 1.0, 0.5, 2.0)}
+    times = {"a": (13.0, 3.0, 9.0), "b": (7.0, 1.0, 5.0), "c": (4.0, 1.0, 2.0)}
     answers = [(0.0, 200, 0.020, "a"), (0.1, 200, 0.010, "b"), (0.2, 200, 0.009, "c"), (0.3, 503, 0.001, "d")]
     side = vf.node_side(answers, times, window_ms=5.0)
     assert side["traced"] == 3

@@ -156,17 +156,20 @@ class RedisStreamsTransport:
         if not self.connected or self._pipe is None:
             raise Unavailable("the request queue (Redis) is unreachable", retry_after=1)
         key = entry.key
+        # A request refused here was asked for all the same: `count_refused` tells the autoscaler (the stream's
+        # bound counts its own refusals, in its script).
         try:
             held = held_for(self._outstanding, entry, nbytes, self.max_bytes, priority, "this gateway")
-            if self.admission is not None:  # the nodes' load as last published: refused here, never queued
-                try:
-                    self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
-                except Shed as refused:
-                    metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), refused.reason).inc()
-                    raise
         except Shed:
             self.count_refused(key)
             raise
+        if self.admission is not None:  # the nodes' load as last published: refused here, never queued
+            try:
+                self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
+            except Shed as refused:
+                metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), refused.reason).inc()
+                self.count_refused(key)
+                raise
         request_id = next(self._ids)
         message = encode_request(
             StreamRequest(
