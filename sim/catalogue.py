@@ -204,7 +204,9 @@ def _version(
         cold_start=family.cold_start if family.cold_start is not None else cold_start,
         latency_budget=scaling.latency_budget,
         max_batch_size=family.max_batch_size,
-        target_utilisation=scaling.target_utilisation,
+        target_utilisation=(
+            family.target_utilisation if family.target_utilisation is not None else scaling.target_utilisation
+        ),
         warm_pool=scaling.warm_pool,
         min_replicas=1,
         max_replicas=max(1, node.nodes),

@@ -183,7 +183,6 @@ class Simulation:
     def _start(self) -> None:
         """Every version starts with the replicas its policy wants for the opening load, already warm."""
         rate0 = self.sc.traffic.at(0.0)
-        target = self.sc.scaling.target_utilisation
         static = isinstance(self.policy, scaling.Static)
         for v in sorted(self.versions, key=lambda v: -v.memory_bytes):
             v.observed = rate0 * v.model.popularity * v.weight
@@ -195,7 +194,7 @@ class Simulation:
             elif self.sc.scaling.opening_replicas:
                 want = self.sc.scaling.opening_replicas
             else:
-                want = replicas_for(v, v.demand, target) + warm
+                want = replicas_for(v, v.demand, v.scaling.target_utilisation) + warm
             for _ in range(want):
                 # Placing a replica looks at every device: a large fleet takes long before the first event.
                 if self.budget is not None and (why := self.budget.exhausted()) is not None:

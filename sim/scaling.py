@@ -101,11 +101,10 @@ class Reactive:
         self.versions = versions
         self.window = window
         self.cool_down = scenario.scaling.cool_down
-        self.target = scenario.scaling.target_utilisation
         self._samples: dict[str, deque[tuple[float, int, int]]] = {v.key: deque() for v in versions}
         self._answers: dict[str, deque[tuple[float, int]]] = {v.key: deque() for v in versions}
         self.nodes_wanted: dict[str, int] = {}
-        self.per_replica = {v.key: 1.5 * _batch_at(v, self.target * v.capacity.rate) for v in versions}
+        self.per_replica = {v.key: 1.5 * _batch_at(v, v.scaling.target_utilisation * v.capacity.rate) for v in versions}
 
     def desired(self, now: float) -> dict[SimVersion, int]:
         out: dict[SimVersion, int] = {}
@@ -143,12 +142,11 @@ class Static:
 
     def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
         peak = scenario.traffic.peak(scenario.duration)
-        target = scenario.scaling.target_utilisation
         self.replicas: dict[SimVersion, int] = {}
         for v in versions:
             v.demand = peak * v.model.popularity * v.weight
             fixed = scenario.scaling.fixed_replicas
-            self.replicas[v] = fixed if fixed > 0 else replicas_for(v, v.demand, target)
+            self.replicas[v] = fixed if fixed > 0 else replicas_for(v, v.demand, v.scaling.target_utilisation)
         self.nodes_wanted: dict[str, int] = {}
 
     def desired(self, now: float) -> dict[SimVersion, int]:

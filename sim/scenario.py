@@ -102,6 +102,9 @@ class Family:
     # fleet's autoscaler reads each version's: sim.validation_fleet's twin); None: the node type's. A load itself
     # still takes the node type's.
     cold_start: float | None = None
+    # Its versions' target utilisation, where it is their own (a real fleet's is each version's ScalingPolicy's:
+    # sim.validation_fleet's twin); None: the scenario's `scaling.target_utilisation`.
+    target_utilisation: float | None = None
 
     @property
     def cited(self) -> dict[str, str]:
@@ -224,6 +227,7 @@ def _family(name: str, spec: dict[str, Any]) -> Family:
         max_batch_size=int(spec.get("max_batch_size", 32)),
         max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
         cold_start=None if spec.get("cold_start") is None else float(spec["cold_start"]),
+        target_utilisation=None if spec.get("target_utilisation") is None else float(spec["target_utilisation"]),
         profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in profile.items())),
         scale=_pair(spec.get("scale", 1.0)),
         source=tuple(sorted(source.items())),

@@ -658,3 +658,25 @@ def test_a_family_can_plan_by_a_cold_start_of_its_own_while_its_loads_take_the_n
     replica = sim.fleet.add(big[0], 100.0)
     assert replica is not None
     assert replica.ready_at == pytest.approx(100.0 + sim.fleet.lead + 10.0)
+
+
+@pytest.mark.parametrize("policy", ["predictive", "reactive", "static"])
+def test_a_family_can_scale_by_a_target_utilisation_of_its_own(policy):
+    # given the same traffic, with the big family's target utilisation its own and a tenth of the scenario's
+    families = json.loads(json.dumps(SMALL["families"]))
+    families["big"]["target_utilisation"] = 0.07
+    own = Simulation(small(families=families), policy)
+    shared = Simulation(small(), policy)
+    big = [v for v in own.versions if v.family.name == "big"]
+    assert {v.scaling.target_utilisation for v in big} == {0.07}  # as a real version's ScalingPolicy holds it
+    assert {v.scaling.target_utilisation for v in own.versions if v.family.name == "tiny"} == {0.7}
+    # when both run
+    own.run()
+    shared.run()
+
+    # then the big family's versions hold more replicas by the end, and the tiny family's the same
+    def replicas(sim: Simulation, family: str) -> int:
+        return sum(len(v.replicas) for v in sim.versions if v.family.name == family)
+
+    assert replicas(own, "big") > replicas(shared, "big")
+    assert replicas(own, "tiny") == replicas(shared, "tiny")
