@@ -525,6 +525,28 @@ def test_saturated_replicas_that_serve_less_than_the_profile_size_the_version_by
     assert decision.replicas > math.ceil(decision.demand / 50.0)
 
 
+def test_a_burst_of_a_few_requests_left_over_is_not_saturation() -> None:
+    # given two replicas (the profile's 100 a second each, batches of 8) asked 80 a second, which they keep up
+    # with, and a stream whose backlog holds a few requests at every tick (bursts they are working off)
+    fleet = Saturated(60.0)
+    total, decision = 0, None
+    for second, backlog in enumerate([3, 2, 5, 1, 4, 15, 15, 9] * 5, start=1):
+        total += 80
+        obs = Observation("m:1", fleet.cfg, total, 2, per_row, backlog=backlog)
+        decision = fleet.scaler.tick(float(second), [obs]).decisions["m:1"]
+    # then nothing is learnt: what they answered was what was asked (80 a second, 40 each), not what they can
+    # serve, and sized by that they would be scaled out although they keep up
+    assert not decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(100.0)
+    # and a backlog of a full batch a replica (16) at both ends of a tick is saturation, learnt at once
+    total += 80
+    fleet.scaler.tick(41.0, [Observation("m:1", fleet.cfg, total, 2, per_row, backlog=16)])
+    total += 80
+    decision = fleet.scaler.tick(42.0, [Observation("m:1", fleet.cfg, total, 2, per_row, backlog=16)]).decisions["m:1"]
+    assert decision.capacity.observed
+    assert decision.capacity.rate == pytest.approx(40.0)
+
+
 def test_requests_refused_before_the_queue_are_demand_but_not_work_the_replicas_took() -> None:
     # given the same two replicas serving 30 a second each, of 200 a second asked for 80 admitted (a backlog
     # grows) and 120 refused by admission before the queue

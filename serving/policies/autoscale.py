@@ -59,7 +59,8 @@ Per version, each tick:
   `b* / t(b*)`;
 - capacity seen served: a profile counts the model's compute only, and a replica may serve less (on a CPU
   node, its own request handling and the GIL share the cores with the compute). An interval the
-  version's replicas spent saturated (a backlog at both of its ends, the same replica count) shows
+  version's replicas spent saturated (at both of its ends a backlog of a full batch a replica or more
+  beyond what they read ahead, and the same replica count) shows
   what they serve: the arrivals admitted (less those refused before the queue, `refused_total`)
   less the backlog's growth, per replica per second, smoothed
   (`served_tau`). Below the profile's capacity, it replaces it; an interval that sees more served
@@ -562,7 +563,12 @@ class Autoscaler:
         if answered <= 0:
             return  # nothing taken: a node restarting or loading says nothing of what a replica serves
         per_replica = answered / dt / replicas
-        if track.last_backlog > 0 and backlog > 0:  # saturated throughout: this is what they serve
+        # Saturated throughout: at both ends, every replica had a full batch waiting beyond what it reads ahead,
+        # so it never waited for a batch to fill; this is what they serve. A backlog of a few requests is a
+        # burst the replicas were working off, and what they answered then is what was asked, not what they
+        # can serve (learnt as capacity, it scaled a version that kept up: sim steady-h200, 2026-12-05).
+        full = replicas * obs.config.max_batch_size
+        if track.last_backlog >= full and backlog >= full:
             if track.served is None:
                 track.served = per_replica
             else:
