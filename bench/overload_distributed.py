@@ -112,9 +112,12 @@ def _verdict(ok: bool | None) -> str:
 
 def row(res: overload.RampResult, step: dict[str, Any]) -> str:
     answers = max(1, step.get("answers", 0))
+    seconds = max(step.get("seconds", 1.0), 1e-9)
+    reasons = ", ".join(f"{k} {v / seconds:.0f}" for k, v in sorted(step.get("shed_by_reason", {}).items()))
     return (
         f"| {step['multiplier']:g}x | {step['offered_rps']:.0f} | {step['admitted_rps']:.0f}"
-        f" ({step['fallback_rps']:.0f}) | {step['shed_rps']:.0f} | {step['t504_rps']:.1f}"
+        f" ({step['fallback_rps']:.0f}) | {step['shed_rps']:.0f}{f' ({reasons})' if reasons else ''}"
+        f" | {step['t504_rps']:.1f}"
         f" ({100 * step.get('t504', 0) / answers:.1f}%) | {step.get('t500', 0)} | {step['goodput_rps']:.0f}"
         f" | {step['p50_ms']:.0f} | {step['p99_ms']:.0f} | {step.get('refusals_without_retry_after', 0)} |"
     )
@@ -150,7 +153,7 @@ def section(
             f"**{res.label}**: capacity {res.capacity:.0f} req/s ({res.capacity_source}); {sent}; goodput is a 200",
             f"within {res.deadline_ms} ms.",
             "",
-            "| step | offered/s | admitted/s (fallback) | shed/s | 504/s (share) | 500s | goodput/s | p50 ms"
+            "| step | offered/s | admitted/s (fallback) | shed/s (reasons) | 504/s (share) | 500s | goodput/s | p50 ms"
             " | p99 ms | 503/429 without Retry-After |",
             "|---|---|---|---|---|---|---|---|---|---|",
             *(row(res, step) for step in res.steps),

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rollout.routing import RouteError, choose_version
-from serving.policies.admission import HEADROOM, Arrivals, VersionLoad, completion_seconds, decide
+from serving.policies.admission import ACTIVE_SHARE, HEADROOM, Arrivals, VersionLoad, completion_seconds, decide
 from serving.policies.batching import Pending
 from sim import catalogue, scaling
 from sim.budget import Budget, Stopped
@@ -361,14 +361,22 @@ class Simulation:
         # The others' queues are shared by their replicas, and so is the work arriving for them (a node sums
         # its versions' shares in one `DeviceShare`; here each replica's part of its version's).
         others = []
-        coming = batches = 0.0
+        coming = batches = handed = 0.0
+        # The version whose batch is on the device takes its next turn after this request's first batch when
+        # that batch outlasts the request's window (`completion_seconds`'s `first`), as on a node.
+        running = home.batch_version if in_flight > 0 else None
+        first = running is not None and running is not v and in_flight >= v.window
         for r in home.hosted:
             if r.ready and (o := r.version) is not v:
-                coming += o.share.total(now) / o.ready_count
-                batches += o.full_batch
+                part = o.share.total(now) / o.ready_count
+                coming += part
+                if part >= ACTIVE_SHARE:  # a version nothing arrives for takes no turn
+                    batches += o.full_batch
+                    if first and o is running:
+                        handed += o.full_batch
                 if o.queue.rows:
-                    others.append(VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate))
-        arrivals = Arrivals(coming, batches) if coming > 1e-9 else None
+                    others.append(VersionLoad(o.queue.rows // o.ready_count, o.max_batch, o.estimate, o is running))
+        arrivals = Arrivals(coming, batches, handed) if coming > 1e-9 else None
         horizon = deadline - now
 
         def fits(rows: int) -> bool:
@@ -379,6 +387,7 @@ class Simulation:
                 in_flight=in_flight,
                 arrivals=arrivals,
                 horizon=horizon,
+                first=first,
             )
             return decide(now=now, deadline=deadline, priority=1, completion=c).admit
 

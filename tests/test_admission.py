@@ -7,6 +7,7 @@ is queued stays queued and each decision is exactly the policy's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,37 @@ def test_completion_counts_the_work_arriving_for_the_other_versions_within_the_h
     assert admission.completion_seconds(
         own=own, rows=1, others=[], in_flight=0.0, arrivals=fed, horizon=1.0
     ) == pytest.approx(0.030 + 3 * 0.020)
+
+
+def test_a_version_with_a_batch_on_the_device_takes_its_next_turn_after_the_request_handed_first() -> None:
+    # given a request of 1 row (one round) and another version with a full batch queued, whose batch is on the
+    # device now (its 50 ms remainder is the in-flight time), and 0.5 device seconds a second arriving for it
+    own = admission.VersionLoad(0, 8, linear(0.010))
+    busy = admission.VersionLoad(8, 8, linear(0.020), handed=True)
+    fed = admission.Arrivals(0.5, 0.020, handed=0.020)
+    # when the request's batch is handed before that batch ends (`first`) / then the busy version's next batch
+    # runs after it: the remainder and its own batch, nothing of the busy one's queue or arrivals
+    handed_first = admission.completion_seconds(
+        own=own, rows=1, others=[busy], in_flight=0.050, arrivals=fed, horizon=0.3, first=True
+    )
+    assert handed_first == pytest.approx(0.050 + 0.010)
+    # and when it is not (the batch ends within the request's window): a full batch of the busy one first
+    assert admission.completion_seconds(
+        own=own, rows=1, others=[busy], in_flight=0.050, arrivals=fed, horizon=0.3
+    ) == pytest.approx(0.050 + 0.020 + 0.010)
+    # and a version not on the device keeps its turn either way
+    idle_now = admission.VersionLoad(8, 8, linear(0.020))
+    assert admission.completion_seconds(
+        own=own, rows=1, others=[idle_now], in_flight=0.050, first=True
+    ) == pytest.approx(0.050 + 0.020 + 0.010)
+    # and over two rounds the handed one runs one batch fewer than the others, queued or arriving
+    two = admission.VersionLoad(8, 8, linear(0.010))
+    assert admission.completion_seconds(own=two, rows=1, others=[busy], in_flight=0.050, first=True) == pytest.approx(
+        0.050 + 2 * 0.010 + 0.020
+    )
+    assert admission.completion_seconds(
+        own=two, rows=1, others=[], in_flight=0.050, arrivals=fed, horizon=1.0, first=True
+    ) == pytest.approx(0.050 + 2 * 0.010 + 0.020)
 
 
 def test_device_share_total_counts_every_tier() -> None:
@@ -272,6 +304,43 @@ async def test_work_arriving_for_other_versions_counts_though_none_is_queued(nod
     assert len(node.hosted["b:1"].batcher.queue) == 2
     for t in (admitted, mirrored):
         t.cancel()
+
+
+async def test_a_quiet_version_waits_for_the_batch_on_the_device_not_for_its_versions_next(node) -> None:  # noqa: ANN001
+    # given a's 0.4 s batch on the device for 0.1 s already, a full batch more of a's queued and 2 device seconds
+    # a second arriving for it, beside b (a 0.01 s model with a 5 ms batch window): a saturated primary and its
+    # fallback on one device
+    host(node, "a", 0.4)
+    quick = entry("b")
+    node.host(
+        dataclasses.replace(quick, batching=dataclasses.replace(quick.batching, max_queue_delay=0.005)),
+        StandIn(),
+        {1: 0.01, 8: 0.01},
+        start=False,
+    )
+    waiting = await queued(node, "a", 8)
+    admitted_to_a(node, 1, 2.0)
+    node._device_work[7], node._handed[7] = 0.4, node.hosted["a:1"]
+    node._running_since = node.clock.now - 0.1
+    # when b gets a request with 0.45 s left (0.36 s of headroom) / then it is admitted: b's batch is handed
+    # to the device thread before a's batch ends, so a's next runs after it (0.3 + 0.01 s)
+    ok = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.45, 1))
+    await asyncio.sleep(0)
+    assert len(node.hosted["b:1"].batcher.queue) == 1
+    # and when a's batch is about to end (under b's window), a's next may go first: refused (0.41 s)
+    node._running_since = node.clock.now - 0.399
+    with pytest.raises(Shed):
+        await node.infer("b:1", rows(1), 1, node.clock.now + 0.45, 1)
+    # and so when b's own batch is on the device too: b's next waits for it, and a's may go first
+    node._running_since = node.clock.now - 0.1
+    node._device_work[8], node._handed[8] = 0.01, node.hosted["b:1"]
+    with pytest.raises(Shed):
+        await node.infer("b:1", rows(1), 1, node.clock.now + 0.45, 1)
+    for t in (ok, *waiting):
+        t.cancel()
+    node._device_work.clear()
+    node._handed.clear()
+    node._running_since = None
 
 
 async def test_work_in_flight_on_the_device_counts(node) -> None:  # noqa: ANN001

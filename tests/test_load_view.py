@@ -99,6 +99,16 @@ def test_a_load_document_round_trips_and_a_foreign_one_is_refused() -> None:
     back = load.versions["a:1"]
     assert (back.ahead, back.held, back.max_batch, back.profile) == (list(range(LEVELS)), 3, 8, {1: 0.01, 8: 0.02})
     assert back.estimate(4) == pytest.approx(0.01 + 3 / 7 * 0.01)
+    # and what is on the device: the versions with a batch there, what is left of the running one, each window
+    state.window = 0.005
+    on = decode_load(encode_load(NodeLoad("n1", 12.5, 0.25, {"a:1": state}, frozenset({"a:1"}), 0.125)))
+    assert (on.handed, on.running_left, on.versions["a:1"].window) == (frozenset({"a:1"}), 0.125, 0.005)
+    # and a document of an older node, without them, reads as nothing known on the device
+    older = decode_load(
+        b'{"node": "n", "at": 1, "in_flight": 0, "versions": [["a:1", %s, 0, 8, [[1, 0.01]], %s]]}'
+        % (str([0] * LEVELS).encode(), str([0.0] * LEVELS).encode())
+    )
+    assert (older.handed, older.running_left, older.versions["a:1"].window) == (frozenset(), 0.0, 0.0)
     for raw in (
         b"{}",
         b"not json",
@@ -143,6 +153,93 @@ async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(no
     finally:
         for t in tasks:
             t.cancel()
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_a_version_nothing_arrives_for_takes_no_turn_at_the_gateway_or_on_the_node(
+    node: Node,
+    client: redis.Redis,  # noqa: ARG001
+) -> None:
+    # given a node with nothing queued: version a just admitted at 2 device seconds a second (a full batch
+    # 0.4 s) beside a quiet b (0.01 s), and c, hosted but asked nothing, whose full batch takes 0.5 s
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.4)
+    host(node, "b", 0.01)
+    host(node, "c", 0.5)
+    admitted_to_a(node, 1, 2.0)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 0, clock=clock, wall=wall)
+    await publisher.publish_once()
+    view = await view_of([info("n1", hot=frozenset({"a:1", "b:1", "c:1"}))], clock, wall)
+    try:
+        # when a request for b with 0.6 s left arrives (0.48 s of headroom) / then both admit it: a batch of a's
+        # runs before it (0.41 s), and none of c's, for which nothing arrives (counted, 0.91 s: refused, as
+        # every request of a fallback beside its saturated primary was on a node hosting idle models)
+        view.admit("b:1", 1, clock.now + 0.6, 1)
+        admitted = asyncio.ensure_future(node.infer("b:1", rows(1), 1, clock.now + 0.6, 1))
+        await asyncio.sleep(0)
+        assert len(node.hosted["b:1"].batcher.queue) == 1
+        admitted.cancel()
+        # and once work arrives for c too, its batch counts on both sides: refused
+        node.hosted["c:1"].share.add(1, 1.0, clock.now)
+        node.device_share.add(1, 1.0, clock.now)
+        clock.now += 0.2  # past the node's re-read of which versions are asked (FULL_BATCHES_S)
+        await publisher.publish_once()
+        await view.refresh_once()
+        with pytest.raises(Shed) as at_gateway:
+            view.admit("b:1", 1, clock.now + 0.6, 1)
+        with pytest.raises(Shed) as at_node:
+            await node.infer("b:1", rows(1), 1, clock.now + 0.6, 1)
+        assert at_gateway.value.reason == at_node.value.reason == "deadline"
+    finally:
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_the_batch_on_the_device_is_published_and_read_as_the_node_reads_it(
+    node: Node,
+    client: redis.Redis,  # noqa: ARG001
+) -> None:
+    # given a's 0.4 s batch on the device for 0.1 s already, a full batch more of a's queued and 2 device seconds
+    # a second arriving for it, beside a quick b with a 5 ms window (test_admission's node test, published)
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.4)
+    quick = entry("b")
+    node.host(
+        dataclasses.replace(quick, batching=dataclasses.replace(quick.batching, max_queue_delay=0.005)),
+        StandIn(),
+        {1: 0.01, 8: 0.01},
+        start=False,
+    )
+    waiting = await queued(node, "a", 8)
+    admitted_to_a(node, 1, 2.0)
+    node._device_work[7], node._handed[7] = 0.4, node.hosted["a:1"]
+    node._running_since = clock.now - 0.1
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 0, clock=clock, wall=wall)
+    await publisher.publish_once()
+    view = await view_of([info("n1", hot=frozenset({"a:1", "b:1"}))], clock, wall)
+    try:
+        # when b gets a request with 0.45 s left / then the gateway admits it as the node does: b's batch is
+        # handed before a's ends, and a's next runs after it
+        view.admit("b:1", 1, clock.now + 0.45, 1)
+        ok = asyncio.ensure_future(node.infer("b:1", rows(1), 1, clock.now + 0.45, 1))
+        await asyncio.sleep(0)
+        assert len(node.hosted["b:1"].batcher.queue) == 1
+        ok.cancel()
+        # and once a's batch is about to end, both refuse it: a's next may go first
+        node._running_since = clock.now - 0.399
+        await publisher.publish_once()
+        await view.refresh_once()
+        with pytest.raises(Shed):
+            view.admit("b:1", 1, clock.now + 0.45, 1)
+        with pytest.raises(Shed):
+            await node.infer("b:1", rows(1), 1, clock.now + 0.45, 1)
+    finally:
+        for t in waiting:
+            t.cancel()
+        node._device_work.clear()
+        node._handed.clear()
+        node._running_since = None
         await view.close()
         await publisher.client.aclose()
 

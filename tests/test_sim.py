@@ -523,9 +523,11 @@ def test_scale_in_consolidates_devices_not_only_replicas():
     }
     # Then without it nothing moves, and with it replicas move and the fall powers fewer devices
     assert runs[0][1] == 0 and runs[64][1] > 0
-    # (by 6% here: since the autoscaler works off the backlog and sizes by what saturated, packed replicas were seen
-    # to serve, the rush fills this fleet and the fall's first seconds still want most of its replicas)
-    assert sum(fall[64]) < 0.97 * sum(fall[0])
+    # (by 3% here, 52.4 device-windows against 54.0: since the autoscaler works off the backlog and sizes by what
+    # saturated, packed replicas were seen to serve, the rush fills this fleet and the fall's first seconds still
+    # want most of its replicas; and since admission counts no turn of the batch already on a device, 2026-12-05,
+    # the rush sheds less and scale-in alone frees most devices by the fall's second window)
+    assert sum(fall[64]) < 0.98 * sum(fall[0])
     assert runs[64][0]["accelerator_hours"] < runs[0][0]["accelerator_hours"]
     # and the second day's trough powers what the first's did, serving as many
     for result, _ in runs.values():

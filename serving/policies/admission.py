@@ -80,6 +80,7 @@ class VersionLoad:
     rows: int
     max_batch: int
     estimate: Estimate
+    handed: bool = False  # a batch of it is on the device or handed to it: its next one waits for that
 
     def seconds(self) -> float:
         return work_seconds(self.rows, self.max_batch, self.estimate)
@@ -100,14 +101,25 @@ def work_seconds(rows: int, max_batch: int, estimate: Estimate) -> float:
     return full * estimate(max_batch) + (estimate(rest) if rest else 0.0)
 
 
+# A version whose admitted device share is under this takes no turn worth counting while a request waits: the
+# cap on the others' arriving work (`Arrivals.full_batches`) counts one full batch of each version at or above
+# it only. Counting every hosted version's, idle ones too, made the cap of a node hosting several models
+# larger than any request's budget, so a busy neighbour's arrivals alone refused every request of a quiet
+# version: a fallback beside its saturated primary was refused at every step of the overload benchmark
+# (docs/benchmarks/overload.md, distributed mode, 2026-12-05).
+ACTIVE_SHARE = 0.01
+
+
 @dataclass(slots=True)
 class Arrivals:
     """The work arriving for the other versions on the device: their admitted device seconds a second, summed
-    (each version's `DeviceShare`, callers' tiers for a caller), and one full batch of each of them, summed
-    (the most of it that runs in one round)."""
+    (each version's `DeviceShare`, callers' tiers for a caller), and one full batch of each of them with a
+    share of ACTIVE_SHARE or more, summed (the most of it that runs in one round: a version nothing arrives
+    for takes no turn)."""
 
     seconds_per_second: float
     full_batches: float
+    handed: float = 0.0  # of `full_batches`, those of versions with a batch on the device (`VersionLoad.handed`)
 
 
 def completion_seconds(
@@ -118,8 +130,17 @@ def completion_seconds(
     in_flight: float,
     arrivals: Arrivals | None = None,
     horizon: float = 0.0,
+    first: bool = False,
 ) -> float:
     """Estimated time until a request of `rows` rows, queued behind `own.rows`, is answered.
+
+    `first`: the request's first batch is handed to the device before the batch on it now ends (the caller
+    knows: what is left of that batch outlasts the version's batch window, and no batch of the request's own
+    version is on the device). A version has one batch on the device at most and hands it its next only once
+    that one ends, so then every version with a batch on the device (`handed`) takes its next turn after the
+    request's: one turn fewer than the others in the request's rounds. Counting it a full turn, a fallback
+    packed beside its saturated primary was charged a batch of the primary it never waits for, and refused at
+    every step of the overload benchmark (docs/benchmarks/overload.md, distributed mode, 2026-12-05).
 
     The other versions' turns come from the work they have queued now and from the work that arrives for them
     while the request waits: `arrivals` over `horizon` (the caller passes the request's time left), at most
@@ -138,11 +159,12 @@ def completion_seconds(
     turns = 0.0  # the others' work that runs before the request's last batch
     for other in others:
         if other.rows:
-            turns += min(other.seconds(), rounds * other.estimate(other.max_batch))
+            its_rounds = rounds - 1 if first and other.handed else rounds
+            turns += min(other.seconds(), its_rounds * other.estimate(other.max_batch))
     if arrivals is not None and horizon > 0.0 and arrivals.seconds_per_second > 0.0:
         # What is queued now arrived recently too (the share counts it): queued and arriving share one cap,
-        # a full batch of each other version a round.
-        most = rounds * arrivals.full_batches
+        # a full batch of each other version a round (one fewer of each with a batch on the device, `first`).
+        most = rounds * arrivals.full_batches - (arrivals.handed if first else 0.0)
         turns = max(turns, min(turns + arrivals.seconds_per_second * horizon, most))
     return in_flight + work_seconds(total, own.max_batch, own.estimate) + turns
 

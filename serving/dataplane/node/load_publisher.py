@@ -2,9 +2,10 @@
 
 Every PUBLISH_SECONDS one SET of `ferry:load:<node>` with a TTL: what `Node.infer`'s admission reads per
 request (each hosted version's queued rows per priority level, its largest batch, its latency profile, the
-device share of higher tiers; the device's in-flight remainder), and the stream entries the node holds per
-version, so a gateway can tell the stream's unread entries from those already here. A few hundred bytes per
-version; no round trip waited on by a request.
+device share of higher tiers, its batch window; the device's in-flight remainder, the versions with a batch on
+it and what is left of the one running), and the stream entries the node holds per version, so a gateway can
+tell the stream's unread entries from those already here. A few hundred bytes per version; no round trip
+waited on by a request.
 """
 
 from __future__ import annotations
@@ -50,8 +51,16 @@ class LoadPublisher:
                 hosted.entry.batching.max_batch_size,
                 hosted.profile.points(),
                 [hosted.share.higher_than(p, now) for p in range(LEVELS)],
+                window=hosted.entry.batching.max_queue_delay,
             )
-        return NodeLoad(self.name, self._wall(), node.in_flight_seconds(now), versions)
+        return NodeLoad(
+            self.name,
+            self._wall(),
+            node.in_flight_seconds(now),
+            versions,
+            handed=node.handed_keys(),
+            running_left=node.running_left_seconds(now),
+        )
 
     async def publish_once(self) -> None:
         await self.client.set(load_key(self.name), encode_load(self.load()), px=TTL_MS)

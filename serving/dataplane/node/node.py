@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # A deliberate unload answers what is queued before the module goes; a queue still busy after this long (new
 # requests kept coming) is cut off with 503. Each request keeps its own deadline meanwhile.
 UNLOAD_DRAIN_S = 10.0
+FULL_BATCHES_S = 0.1  # how often admission re-reads which hosted versions work arrives for
 
 
 @dataclass(slots=True)
@@ -138,10 +139,12 @@ class Node:
         # work arriving for the others, read in one step per request (`admission.Arrivals`). An unloaded
         # version's part stays until it decays (about a second): the cautious side of the estimate.
         self.device_share = DeviceShare()
-        self._full_batches: tuple[tuple[Hosted, ...], float, float] = ((), 0.0, -math.inf)  # for, sum, until
+        # For which hosted list, each active version's full batch (by id), their sum, until when.
+        self._full_batches: tuple[tuple[Hosted, ...], dict[int, float], float, float] = ((), {}, 0.0, -math.inf)
         # Batches handed to the device thread and not finished: id -> estimated seconds. All versions
         # share the thread, so admission counts this work for every request.
         self._device_work: dict[int, float] = {}
+        self._handed: dict[int, Hosted] = {}  # the same batches' versions: each hands the device its next later
         self._running_since: float | None = None
         # Set whenever a batch leaves the device: a batch of mirrored requests waits on it for callers' work
         # to be done (see _yield_to_callers).
@@ -637,6 +640,11 @@ class Node:
     def _completion(self, hosted: Hosted, rows: int, priority: int, now: float, deadline: float) -> float:
         top = hosted.entry.batching.max_batch_size
         own = admission.VersionLoad(hosted.batcher.queue.rows_ahead(priority), top, hosted.profile.estimate)
+        # The versions with a batch handed to the device thread, and whether this request's batch is handed
+        # before the one running now ends (`admission.completion_seconds`'s `first`).
+        handed = {id(h) for h in self._handed.values()} if self._handed else set()
+        window = hosted.entry.batching.max_queue_delay
+        first = bool(handed) and id(hosted) not in handed and self._running_left(now) >= window
         # Per request: a plain loop over the hosted versions, a VersionLoad only for those with work.
         others = []
         for h in self._hosted_list:
@@ -644,7 +652,9 @@ class Node:
             if queued and h is not hosted and priority < SHADOW_PRIORITY:
                 queued = h.batcher.queue.rows_ahead(SHADOW_PRIORITY - 1)  # mirrored work yields to callers
             if queued and h is not hosted:
-                others.append(admission.VersionLoad(queued, h.entry.batching.max_batch_size, h.profile.estimate))
+                others.append(
+                    admission.VersionLoad(queued, h.entry.batching.max_batch_size, h.profile.estimate, id(h) in handed)
+                )
         in_flight = self._in_flight(now) if self._device_work else 0.0
         arrivals = None
         if len(self._hosted_list) > 1:
@@ -655,21 +665,54 @@ class Node:
             else:
                 coming = self.device_share.total(now) - hosted.share.total(now)
             if coming > 1e-9:
-                arrivals = admission.Arrivals(coming, self._others_full_batches(hosted, now))
+                each, total = self._others_full_batches(now)
+                own_full = each.get(id(hosted), 0.0)
+                arrivals = admission.Arrivals(
+                    coming,
+                    max(0.0, total - own_full),
+                    sum(each.get(key, 0.0) for key in handed) if first else 0.0,
+                )
         return admission.completion_seconds(
-            own=own, rows=rows, others=others, in_flight=in_flight, arrivals=arrivals, horizon=deadline - now
+            own=own,
+            rows=rows,
+            others=others,
+            in_flight=in_flight,
+            arrivals=arrivals,
+            horizon=deadline - now,
+            first=first,
         )
 
-    def _others_full_batches(self, hosted: Hosted, now: float) -> float:
-        """One full batch of every hosted version but `hosted`, summed: re-read from the profiles at most once
-        a second (they learn slowly) or when what is hosted changes."""
+    def _running_left(self, now: float) -> float:
+        """Estimated seconds left of the batch the device thread runs now (or takes next): the first handed."""
+        if not self._device_work:
+            return 0.0
+        estimate = next(iter(self._device_work.values()))
+        since = self._running_since
+        return max(0.0, estimate - (now - since)) if since is not None else estimate
+
+    def _others_full_batches(self, now: float) -> tuple[dict[int, float], float]:
+        """One full batch of every hosted version that work arrives for (an admitted device share of
+        `admission.ACTIVE_SHARE` or more), by id, and their sum: re-read at most every FULL_BATCHES_S (shares
+        move within a second, profiles slowly) or when what is hosted changes."""
         hosted_list = self._hosted_list
-        of, total, until = self._full_batches
+        of, each, total, until = self._full_batches
         if of is not hosted_list or now >= until:
-            total = sum(h.profile.estimate(h.entry.batching.max_batch_size) for h in hosted_list)
-            self._full_batches = (hosted_list, total, now + 1.0)
-        top = hosted.entry.batching.max_batch_size
-        return max(0.0, total - hosted.profile.estimate(top))
+            each = {
+                id(h): h.profile.estimate(h.entry.batching.max_batch_size)
+                for h in hosted_list
+                if h.share.total(now) >= admission.ACTIVE_SHARE
+            }
+            total = sum(each.values())
+            self._full_batches = (hosted_list, each, total, now + FULL_BATCHES_S)
+        return each, total
+
+    def handed_keys(self) -> frozenset[str]:
+        """The versions with a batch handed to the device thread now (published for the gateways' admission)."""
+        return frozenset(h.entry.key for h in self._handed.values())
+
+    def running_left_seconds(self, now: float | None = None) -> float:
+        """Estimated seconds left of the batch the device thread runs now (published beside `handed_keys`)."""
+        return self._running_left(self._clock() if now is None else now)
 
     def in_flight_seconds(self, now: float | None = None) -> float:
         """Estimated seconds left of the batches on the device now (what a node process publishes for the
@@ -801,6 +844,7 @@ class Node:
         Returns the results, the compute seconds, and when the device thread began it (node clock)."""
         token = id(requests)
         self._device_work[token] = hosted.profile.estimate(rows)
+        self._handed[token] = hosted
         try:
             done = await asyncio.get_running_loop().run_in_executor(
                 self._device_pool, self._timed, hosted.runtime, requests
@@ -809,6 +853,7 @@ class Node:
             return done
         finally:
             del self._device_work[token]
+            del self._handed[token]
             self._device_quiet.set()
 
     def _timed(

@@ -81,6 +81,7 @@ class VersionState:
     max_batch: int
     profile: dict[int, float]  # seconds per batch size (LatencyProfile.points)
     higher: list[float]  # device share taken by tiers above each level (DeviceShare.higher_than), 0..SHADOW_PRIORITY
+    window: float = 0.0  # its batch window, seconds (0 in an older node's document)
     estimate: admission.Estimate = field(default=lambda rows: 0.0, repr=False)
     full_batch: float = field(default=0.0, repr=False)  # seconds of its largest batch: read once per document
 
@@ -95,6 +96,8 @@ class NodeLoad:
     at: float  # the node's wall clock when it published
     in_flight: float  # estimated seconds left of the work already on its device then
     versions: dict[str, VersionState]
+    handed: frozenset[str] = frozenset()  # versions with a batch on its device then (none: an older node)
+    running_left: float = 0.0  # estimated seconds left then of the batch running
 
 
 def encode_load(load: NodeLoad) -> bytes:
@@ -103,6 +106,10 @@ def encode_load(load: NodeLoad) -> bytes:
             "node": load.node,
             "at": load.at,
             "in_flight": load.in_flight,
+            # Beside the versions' rows, so a gateway one release older reads the document as before.
+            "handed": sorted(load.handed),
+            "running_left": load.running_left,
+            "windows": {v.key: v.window for v in load.versions.values()},
             "versions": [
                 [v.key, v.ahead, v.held, v.max_batch, sorted(v.profile.items()), v.higher]
                 for v in load.versions.values()
@@ -116,6 +123,7 @@ def decode_load(raw: bytes) -> NodeLoad:
     try:
         doc = orjson.loads(raw)
         versions = {}
+        windows = doc.get("windows") or {}
         for key, ahead, held, max_batch, profile, higher in doc["versions"]:
             if len(ahead) != LEVELS or len(higher) != LEVELS or int(max_batch) < 1:
                 raise ValueError(f"{key}: {len(ahead)} levels, max batch {max_batch}")
@@ -126,8 +134,16 @@ def decode_load(raw: bytes) -> NodeLoad:
                 int(max_batch),
                 {int(size): float(seconds) for size, seconds in profile},
                 [float(s) for s in higher],
+                window=float(windows.get(key, 0.0)),
             )
-        return NodeLoad(str(doc["node"]), float(doc["at"]), float(doc["in_flight"]), versions)
+        return NodeLoad(
+            str(doc["node"]),
+            float(doc["at"]),
+            float(doc["in_flight"]),
+            versions,
+            frozenset(str(k) for k in doc.get("handed") or ()),
+            float(doc.get("running_left", 0.0)),
+        )
     except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
         raise ValueError(f"not a load document: {exc}") from None
 
@@ -338,30 +354,45 @@ class LoadView:
         drain = math.inf
         unread = self._unread_share(key, len(loads))
         for load in loads:
-            in_flight = max(0.0, load.in_flight - max(0.0, wall - load.at))  # less what ran since it published
+            since = max(0.0, wall - load.at)
+            in_flight = max(0.0, load.in_flight - since)  # less what ran since it published
             state = load.versions[key]
+            # whether this request's batch is handed before the batch running then ends (as `Node._completion`)
+            first = bool(load.handed) and key not in load.handed and load.running_left - since >= state.window
             own = admission.VersionLoad(state.ahead[level] + unread, state.max_batch, state.estimate)
             others = []
             queued = [admission.VersionLoad(state.ahead[SHADOW_PRIORITY] + unread, state.max_batch, state.estimate)]
-            coming = batches = 0.0
+            coming = batches = handed = 0.0
             for other in load.versions.values():
                 if other is state:
                     continue
                 share = self._unread_share(other.key, len(self._hosting.get(other.key, ())))
+                on_device = other.key in load.handed
                 # the work arriving for it: its callers' device share (tiers above the mirrors' level)
                 coming += other.higher[SHADOW_PRIORITY]
-                batches += other.full_batch
+                if other.higher[SHADOW_PRIORITY] >= admission.ACTIVE_SHARE:  # a version nothing arrives for
+                    batches += other.full_batch  # takes no turn
+                    if first and on_device:
+                        handed += other.full_batch
                 if other.ahead[others_level] + share:
                     others.append(
-                        admission.VersionLoad(other.ahead[others_level] + share, other.max_batch, other.estimate)
+                        admission.VersionLoad(
+                            other.ahead[others_level] + share, other.max_batch, other.estimate, on_device
+                        )
                     )
                 if other.ahead[SHADOW_PRIORITY] + share:
                     queued.append(
                         admission.VersionLoad(other.ahead[SHADOW_PRIORITY] + share, other.max_batch, other.estimate)
                     )
-            arrivals = admission.Arrivals(coming, batches) if coming > 1e-9 else None
+            arrivals = admission.Arrivals(coming, batches, handed) if coming > 1e-9 else None
             completion = admission.completion_seconds(
-                own=own, rows=rows, others=others, in_flight=in_flight, arrivals=arrivals, horizon=deadline - now
+                own=own,
+                rows=rows,
+                others=others,
+                in_flight=in_flight,
+                arrivals=arrivals,
+                horizon=deadline - now,
+                first=first,
             )
             verdict = admission.decide(
                 now=now, deadline=deadline, priority=priority, completion=completion, higher_share=state.higher[level]
