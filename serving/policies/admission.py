@@ -12,7 +12,9 @@ batches of its own. Hence
                        min(that + the work arriving for them within the request's time left,
                            rounds x one full batch of each of them))
 
-(what arrives meanwhile takes its turns too: the others' recent admitted device share, `Arrivals`).
+(what arrives meanwhile takes its turns too: the others' recent admitted device share, `Arrivals`, counting
+the full batches only of versions work arrives for; and a version whose batch is on the device when the
+request's is handed to it takes one turn fewer, `first`).
 
 Two corrections make that an estimate of the answer's time rather than the device's:
 - work of higher priority that arrives later in the same version's queue runs first, so a lower
