@@ -665,7 +665,7 @@ class Node:
             else:
                 coming = self.device_share.total(now) - hosted.share.total(now)
             if coming > 1e-9:
-                each, total = self._others_full_batches(now)
+                each, total = self._active_full_batches(now)
                 own_full = each.get(id(hosted), 0.0)
                 arrivals = admission.Arrivals(
                     coming,
@@ -690,7 +690,7 @@ class Node:
         since = self._running_since
         return max(0.0, estimate - (now - since)) if since is not None else estimate
 
-    def _others_full_batches(self, now: float) -> tuple[dict[int, float], float]:
+    def _active_full_batches(self, now: float) -> tuple[dict[int, float], float]:
         """One full batch of every hosted version that work arrives for (an admitted device share of
         `admission.ACTIVE_SHARE` or more), by id, and their sum: re-read at most every FULL_BATCHES_S (shares
         move within a second, profiles slowly) or when what is hosted changes."""
