@@ -306,12 +306,11 @@ async def test_work_arriving_for_other_versions_counts_though_none_is_queued(nod
         t.cancel()
 
 
-async def test_a_quiet_version_waits_for_the_batch_on_the_device_not_for_its_versions_next(node) -> None:  # noqa: ANN001
-    # given a's 0.4 s batch on the device for 0.1 s already, a full batch more of a's queued and 2 device seconds
-    # a second arriving for it, beside b (a 0.01 s model with a 5 ms batch window): a saturated primary and its
-    # fallback on one device
+async def busy_beside_quick(node: Node, quick: VersionEntry) -> list:
+    """A saturated primary and its fallback on one device: a's 0.4 s batch on the device for 0.1 s already, a
+    full batch more of a's queued and 2 device seconds a second arriving for it, beside `quick` (a 0.01 s model
+    with a 5 ms batch window). Returns a's queued requests' tasks."""
     host(node, "a", 0.4)
-    quick = entry("b")
     node.host(
         dataclasses.replace(quick, batching=dataclasses.replace(quick.batching, max_queue_delay=0.005)),
         StandIn(),
@@ -322,6 +321,12 @@ async def test_a_quiet_version_waits_for_the_batch_on_the_device_not_for_its_ver
     admitted_to_a(node, 1, 2.0)
     node._device_work[7], node._handed[7] = 0.4, node.hosted["a:1"]
     node._running_since = node.clock.now - 0.1
+    return waiting
+
+
+async def test_a_quiet_version_waits_for_the_batch_on_the_device_not_for_its_versions_next(node) -> None:  # noqa: ANN001
+    # given a saturated a's batch on the device, beside a quick b
+    waiting = await busy_beside_quick(node, entry("b"))
     # when b gets a request with 0.45 s left (0.36 s of headroom) / then it is admitted: b's batch is handed
     # to the device thread before a's batch ends, so a's next runs after it (0.3 + 0.01 s)
     ok = asyncio.ensure_future(node.infer("b:1", rows(1), 1, node.clock.now + 0.45, 1))

@@ -44,7 +44,7 @@ from serving.dataplane.transport.stream_codec import (
     unpack_replies,
 )
 from serving.dataplane.transport.streams import RedisStreamsTransport
-from tests.test_admission import Clock, StandIn, admitted_to_a, host, queued, rows
+from tests.test_admission import Clock, StandIn, admitted_to_a, busy_beside_quick, host, queued, rows
 from tests.test_streams_processes import clear
 from tests.test_streams_transport import entry
 
@@ -203,18 +203,7 @@ async def test_the_batch_on_the_device_is_published_and_read_as_the_node_reads_i
     # given a's 0.4 s batch on the device for 0.1 s already, a full batch more of a's queued and 2 device seconds
     # a second arriving for it, beside a quick b with a 5 ms window (test_admission's node test, published)
     clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
-    host(node, "a", 0.4)
-    quick = entry("b")
-    node.host(
-        dataclasses.replace(quick, batching=dataclasses.replace(quick.batching, max_queue_delay=0.005)),
-        StandIn(),
-        {1: 0.01, 8: 0.01},
-        start=False,
-    )
-    waiting = await queued(node, "a", 8)
-    admitted_to_a(node, 1, 2.0)
-    node._device_work[7], node._handed[7] = 0.4, node.hosted["a:1"]
-    node._running_since = clock.now - 0.1
+    waiting = await busy_beside_quick(node, entry("b"))
     publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 0, clock=clock, wall=wall)
     await publisher.publish_once()
     view = await view_of([info("n1", hot=frozenset({"a:1", "b:1"}))], clock, wall)
