@@ -36,7 +36,15 @@ from typing import Any
 import numpy as np
 
 from rollout.routing import RouteError, choose_version
-from serving.policies.admission import ACTIVE_SHARE, HEADROOM, Arrivals, VersionLoad, completion_seconds, decide
+from serving.policies.admission import (
+    ACTIVE_SHARE,
+    HEADROOM,
+    Arrivals,
+    VersionLoad,
+    completion_seconds,
+    decide,
+    hands_first,
+)
 from serving.policies.batching import Pending
 from sim import catalogue, scaling
 from sim.budget import Budget, Stopped
@@ -365,7 +373,9 @@ class Simulation:
         # The version whose batch is on the device takes its next turn after this request's first batch when
         # that batch outlasts the request's window (`completion_seconds`'s `first`), as on a node.
         running = home.batch_version if in_flight > 0 else None
-        first = running is not None and running is not v and in_flight >= v.window
+        first = hands_first(
+            on_device=running is not None, own_on_device=running is v, running_left=in_flight, window=v.window
+        )
         for r in home.hosted:
             if r.ready and (o := r.version) is not v:
                 part = o.share.total(now) / o.ready_count

@@ -124,6 +124,13 @@ class Arrivals:
     handed: float = 0.0  # of `full_batches`, those of versions with a batch on the device (`VersionLoad.handed`)
 
 
+def hands_first(*, on_device: bool, own_on_device: bool, running_left: float, window: float) -> bool:
+    """`completion_seconds`'s `first`: whether a request's first batch is handed to the device before the batch
+    running there ends. Something is on the device (`on_device`), nothing of the request's own version (its next
+    batch would wait for that one), and what is left of the running batch outlasts the version's batch window."""
+    return on_device and not own_on_device and running_left >= window
+
+
 def completion_seconds(
     *,
     own: VersionLoad,

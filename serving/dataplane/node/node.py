@@ -643,8 +643,12 @@ class Node:
         # The versions with a batch handed to the device thread, and whether this request's batch is handed
         # before the one running now ends (`admission.completion_seconds`'s `first`).
         handed = {id(h) for h in self._handed.values()} if self._handed else set()
-        window = hosted.entry.batching.max_queue_delay
-        first = bool(handed) and id(hosted) not in handed and self._running_left(now) >= window
+        first = bool(handed) and admission.hands_first(
+            on_device=True,
+            own_on_device=id(hosted) in handed,
+            running_left=self._running_left(now),
+            window=hosted.entry.batching.max_queue_delay,
+        )
         # Per request: a plain loop over the hosted versions, a VersionLoad only for those with work.
         others = []
         for h in self._hosted_list:

@@ -358,7 +358,12 @@ class LoadView:
             in_flight = max(0.0, load.in_flight - since)  # less what ran since it published
             state = load.versions[key]
             # whether this request's batch is handed before the batch running then ends (as `Node._completion`)
-            first = bool(load.handed) and key not in load.handed and load.running_left - since >= state.window
+            first = admission.hands_first(
+                on_device=bool(load.handed),
+                own_on_device=key in load.handed,
+                running_left=load.running_left - since,
+                window=state.window,
+            )
             own = admission.VersionLoad(state.ahead[level] + unread, state.max_batch, state.estimate)
             others = []
             queued = [admission.VersionLoad(state.ahead[SHADOW_PRIORITY] + unread, state.max_batch, state.estimate)]
