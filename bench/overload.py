@@ -33,7 +33,14 @@ P99_BUDGET_MS = 300.0
 GOODPUT_SHARE = 0.90  # goodput at the peak step, as a share of the best step's goodput
 RECOVERY_BUDGET_S = 5.0
 RSS_GROWTH_LIMIT = 0.25  # this benchmark's bound on RSS growth across one ramp
-SERVER_COUNTERS = ("ferry_shed_total", "ferry_requests_total", "ferry_fallbacks_total")
+# The last two only distributed mode has: where each 504 was found, and what a gateway refused before a stream.
+SERVER_COUNTERS = (
+    "ferry_shed_total",
+    "ferry_requests_total",
+    "ferry_fallbacks_total",
+    "ferry_deadline_exceeded_total",
+    "ferry_gateway_refusals_total",
+)
 
 
 @dataclass
@@ -192,9 +199,14 @@ def per_step(rec: RampRecord, requests: Requests, deadline_s: float) -> list[dic
         ok = (out == PRIMARY) | (out == FALLBACK)
         sent = ~np.isnan(rec.sent[m])
         lag = (rec.sent[m] - rec.sched[m])[sent]
+        start = sum(x.seconds for x in rec.steps[:i])
+        loop = np.array([])
+        if rec.loop_t is not None and rec.loop_lag is not None:
+            loop = rec.loop_lag[(rec.loop_t >= start) & (rec.loop_t < start + st.seconds)]
         row: dict[str, Any] = {
             "multiplier": st.multiplier, "offered_rps": st.rate, "seconds": st.seconds, "requests": int(m.sum()),
             "sent_rps": float(sent.sum()) / st.seconds, "send_lag_p99_ms": _pct(lag, 99),
+            "loop_lag_p99_ms": _pct(loop, 99),
             "admitted_rps": float(ok.sum()) / st.seconds,
             "primary_rps": float((out == PRIMARY).sum()) / st.seconds,
             "fallback_rps": float((out == FALLBACK).sum()) / st.seconds,
@@ -341,7 +353,9 @@ async def ramp(server: Server, model: str, cap: float, source: str, admission: b
     for row in res.steps:
         say(f"{label}: {row['multiplier']:g}x offered {row['offered_rps']:.0f}/s sent {row['sent_rps']:.0f}/s"
             f" admitted {row['admitted_rps']:.0f}/s (fallback {row['fallback_rps']:.0f}) shed {row['shed_rps']:.0f}/s"
-            f" 504 {row['t504_rps']:.0f}/s goodput {row['goodput_rps']:.0f}/s p99 {row['p99_ms']:.0f} ms")  # fmt: skip
+            f" 504 {row['t504_rps']:.0f}/s goodput {row['goodput_rps']:.0f}/s p99 {row['p99_ms']:.0f} ms"
+            f" (generator: send lag p99 {row['send_lag_p99_ms']:.0f} ms,"
+            f" loop lag p99 {row['loop_lag_p99_ms']:.0f} ms)")  # fmt: skip
     return res
 
 

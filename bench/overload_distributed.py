@@ -16,6 +16,7 @@ process's (a scrape reaches one of the two); the statuses are the clients'.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -119,7 +120,8 @@ def row(res: overload.RampResult, step: dict[str, Any]) -> str:
         f" ({step['fallback_rps']:.0f}) | {step['shed_rps']:.0f}{f' ({reasons})' if reasons else ''}"
         f" | {step['t504_rps']:.1f}"
         f" ({100 * step.get('t504', 0) / answers:.1f}%) | {step.get('t500', 0)} | {step['goodput_rps']:.0f}"
-        f" | {step['p50_ms']:.0f} | {step['p99_ms']:.0f} | {step.get('refusals_without_retry_after', 0)} |"
+        f" | {step['p50_ms']:.0f} | {step['p99_ms']:.0f} | {step.get('refusals_without_retry_after', 0)}"
+        f" | {step.get('send_lag_p99_ms', math.nan):.0f} / {step.get('loop_lag_p99_ms', math.nan):.0f} |"
     )
 
 
@@ -142,6 +144,9 @@ def section(
         f"Command: `{command}`. Date (UTC): {started}. Commit: {commit}.",
         f"Load average (1, 5, 15 min) before and after: {loads[0]} / {loads[-1]} (the load the run brings counts in",
         "the second: before it tells whether other work shared the cores).",
+        "The generator shares the cores: *generator late* is how late it sent (from the schedule) and how late its",
+        "event loop ran a 5 ms timer, which bounds how late it read an answer that had arrived; latencies run from",
+        "the schedule, so both are in them.",
         "",
     ]
     for res in results:
@@ -154,8 +159,8 @@ def section(
             f"within {res.deadline_ms} ms.",
             "",
             "| step | offered/s | admitted/s (fallback) | shed/s (reasons) | 504/s (share) | 500s | goodput/s | p50 ms"
-            " | p99 ms | 503/429 without Retry-After |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            " | p99 ms | 503/429 without Retry-After | generator late p99 ms (send / loop) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *(row(res, step) for step in res.steps),
             "",
             "| check | measured | target | verdict |",
@@ -163,6 +168,13 @@ def section(
             *(f"| {name} | {measured} | {target} | {_verdict(ok)} |" for name, measured, target, ok in checks(res)),
             "",
         ]
+        if res.server_counters:
+            lines += [
+                "Server counters over the ramp (Δ from `/metrics` of the web process a scrape reached, one of two): "
+                + "; ".join(f"`{k}` {v:,.0f}" for k, v in sorted(res.server_counters.items()))
+                + ".",
+                "",
+            ]
     return "\n".join(lines) + "\n"
 
 

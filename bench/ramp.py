@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+from array import array
 from dataclasses import dataclass
 from time import perf_counter, process_time
 
@@ -104,6 +105,11 @@ class RampRecord:
     id_mismatches: int  # 200s whose `id` was not the request's: should be 0
     generator_cores: float  # this process's CPU time over the ramp's wall time (it shares the cores)
     retry_after: np.ndarray | None = None  # per request: 1 for a 503/429 carrying Retry-After, 0 without, -1 else
+    # The generator's own event loop: when a 5 ms timer ran (seconds from the start) and how late. An answer
+    # that reached the socket is read only when the loop gets to it, so a late loop adds its lag to the
+    # latencies above (this process shares the cores with the server); these say how much.
+    loop_t: np.ndarray | None = None
+    loop_lag: np.ndarray | None = None
 
 
 class _Conn(asyncio.Protocol):
@@ -323,6 +329,8 @@ async def run_ramp(
     gc.disable()  # a full collection stalls the send loop; nothing here builds reference cycles
     cpu0 = process_time()
     gen.t0 = t0 = perf_counter() + 0.01
+    loop_t, loop_lag = array("d"), array("d")
+    probe = asyncio.get_running_loop().create_task(_probe_loop(t0, loop_t, loop_lag))
     end_sched = sum(st.seconds for st in steps)
     i, next_tick, next_expire = 0, 1.0, 0.0
     ticker = _Ticker(gen, steps, step_of, label) if progress else None
@@ -354,6 +362,7 @@ async def run_ramp(
                 if ticker:
                     ticker.tick(now, i)
     finally:
+        probe.cancel()
         gen.close()
         if gc_was_enabled:
             gc.enable()
@@ -366,8 +375,18 @@ async def run_ramp(
         sched=gen.sched, sent=gen.sent, latency=gen.latency, status=gen.status, outcome=gen.outcome,
         reason=gen.reason, correct=gen.correct, body=gen.body, reasons=gen.reasons, steps=steps,
         step_of=step_of, conns_max=gen.max_conns, id_mismatches=gen.id_mismatches, generator_cores=cores,
-        retry_after=gen.retry_after,
+        retry_after=gen.retry_after, loop_t=np.frombuffer(loop_t), loop_lag=np.frombuffer(loop_lag),
     )  # fmt: skip
+
+
+async def _probe_loop(t0: float, times: array, lags: array, period: float = 0.005) -> None:
+    """Until cancelled: sleep `period`, and record when the loop woke (from `t0`) and how late."""
+    while True:
+        start = perf_counter()
+        await asyncio.sleep(period)
+        now = perf_counter()
+        times.append(now - t0)
+        lags.append(max(0.0, now - start - period))
 
 
 class _Ticker:

@@ -6,7 +6,7 @@ Two layers, both built for the hot path (no task per request; at most one timer 
   (FERRY_REQUEST_READ_TIMEOUT_S, from the request's first byte until its body is complete; a new
   connection that sends nothing gets the same time) answered 408 JSON, and uvicorn's concurrency
   limit answered as 503 JSON with Retry-After instead of text. It stamps `scope["ferry.first_byte"]`
-  (time.monotonic() when the request's first byte was read) and puts a hook in
+  (time.monotonic() when the request's first byte reached this machine: `_ReceivedAt`) and puts a hook in
   `scope["ferry.extend_read_deadline"]`, which Django's door uses for an engineer's upload.
 - the inference lane (`Lane`): a plain inference POST answered by the protocol with the app's
   handler, without ASGI (docs/decisions/0002-a-lean-request-path.md).
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -51,6 +53,50 @@ from serving.dataplane.http.bodies import (  # noqa: F401
 from serving.policies.shedding import ShedGate
 
 log = logging.getLogger(__name__)
+
+# Linux's struct tcp_info: `tcpi_last_data_recv`, the milliseconds since the kernel received the connection's
+# last data segment, is the u32 at byte 52 (8 one-byte fields, then 11 u32s).
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_TCP_INFO_LEN = 104
+_LAST_DATA_RECV = struct.Struct("=I")
+_LAST_DATA_RECV_AT = 52
+
+
+class _ReceivedAt:
+    """When the bytes being read now reached this machine, on time.monotonic()'s clock.
+
+    A request's deadline counts from its first byte, but a process that is behind reads late: a new
+    connection waits in the listen queue until the loop accepts it, and its request, or one on a keep-alive
+    connection, waits in the socket's buffer until the loop reads it. No clock of this process sees that
+    wait, and it is the one that grows under overload. The kernel does: it stamps each data segment it
+    receives, and TCP_INFO says how long ago the last one came (in ms, to the kernel's tick: 4 ms at 250 Hz;
+    about a microsecond to ask). So the wait counts
+    against the request's deadline and the front end's bound on it (FERRY_MAX_FRONTEND_WAIT_MS), as its
+    client sees it. Elsewhere (a Unix socket, another OS) the read time is the best there is."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        self.sock = None
+        if _TCP_INFO is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                if len(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)) >= _LAST_DATA_RECV_AT + 4:
+                    self.sock = sock
+            except OSError:
+                pass
+
+    def __call__(self, now: float, limit: float) -> float:
+        """`now`, less how long the kernel has held what is being read (at most `limit` seconds)."""
+        sock = self.sock
+        if sock is None:
+            return now
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+        except OSError:  # the connection is going away
+            return now
+        return now - min(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0] / 1000.0, limit)
+
 
 _READ_TIMEOUT = REFUSED.labels("read_timeout")
 _CONCURRENCY = REFUSED.labels("concurrency")
@@ -127,7 +173,8 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.read_timer_at = 0.0  # when read_timer fires, on time.monotonic()'s clock
         self.shed = False  # the current request is refused by the shed gate
         self._extend = self.extend_read_deadline
-        self.first_byte = 0.0  # time.monotonic() when the current request's first byte was read
+        self.first_byte = 0.0  # time.monotonic() when the current request's first byte reached this machine
+        self.received_at: _ReceivedAt | None = None  # once connected
         self.raw_headers: list[bytes] = []  # the current request's header names and values, alternating, as they came
         # The inference lane (see Lane): the application's handler for an inference request, when the app
         # names one (config.asgi does); any other app, or one wrapped by uvicorn, gets every request by ASGI.
@@ -141,6 +188,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._is_closing = transport.is_closing
+        self.received_at = _ReceivedAt(transport)
         self.reading = True
         self.read_deadline = time.monotonic() + self.read_timeout
         self._arm(self.read_timeout)
@@ -219,7 +267,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         # uvicorn's scope is built at on_headers_complete, and only for a request that goes by ASGI; until then
         # an empty dict marks "a request has begun" (and is the request's identity for the read deadline).
         GATE.seen += 1
-        self.first_byte = now = time.monotonic()
+        now = time.monotonic()
+        received_at = self.received_at
+        self.first_byte = received_at(now, self.read_timeout) if received_at is not None else now
         self.url = b""
         self.expect_100_continue = False
         self.raw_headers = []
@@ -351,7 +401,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         else:
             lane.charged += size
             if lane.body:  # a later chunk: the request's wait in this process counts from its last bytes
-                lane.first_byte = time.monotonic()
+                now = time.monotonic()
+                received_at = self.received_at
+                lane.first_byte = received_at(now, self.read_timeout) if received_at is not None else now
             lane.body.append(body)
 
     def _refuse(self, lane: Lane, status: int, message: str, retry_after: int | None) -> None:
