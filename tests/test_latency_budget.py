@@ -72,10 +72,11 @@ def gateway(snap: RoutingSnapshot, transport, clock: Clock, mirror: Mirror | Non
     return Gateway(hub, transport, clock, mirror=mirror)
 
 
-async def deadline_left(snap: RoutingSnapshot, timeout_us: int | None = None) -> float:
-    """The seconds from arrival to the deadline the gateway hands the transport for one request."""
+async def deadline_left(snap: RoutingSnapshot, timeout_us: int | None = None, waited: float = 0.0) -> float:
+    """The seconds from the handler's start to the deadline the gateway hands the transport for one request
+    that had waited `waited` seconds before it."""
     clock, transport = Clock(), Recording()
-    reply = await gateway(snap, transport, clock).infer("m", None, body(timeout_us), None, None)
+    reply = await gateway(snap, transport, clock).infer("m", None, body(timeout_us), None, None, waited=waited)
     assert reply.status == 200
     return transport.deadlines[0] - clock.now
 
@@ -86,6 +87,14 @@ async def deadline_left(snap: RoutingSnapshot, timeout_us: int | None = None) ->
 async def test_without_a_client_timeout_the_deadline_is_the_budget() -> None:
     # given a 300 ms platform budget and a version whose default_timeout_ms is 1 s / then 300 ms, not 1 s
     assert await deadline_left(snapshot(300)) == pytest.approx(0.300)
+
+
+async def test_what_a_request_waited_before_its_handler_is_spent_from_its_deadline() -> None:
+    # given a request that waited 120 ms between reaching the machine and its handler (the listen queue, a
+    # socket's buffer, the loop's backlog: the front door's measure) / then 180 ms of the 300 ms budget are left
+    assert await deadline_left(snapshot(300), waited=0.120) == pytest.approx(0.180)
+    # and of a client's own shorter deadline too (it counts from the client's send)
+    assert await deadline_left(snapshot(300), timeout_us=150_000, waited=0.120) == pytest.approx(0.030)
 
 
 async def test_a_longer_client_timeout_is_cut_to_the_budget() -> None:

@@ -110,12 +110,14 @@ class Gateway:
         gone: Callable[[], bool] | None = None,
         tier: int = 1,
         routing_key: str = "",
+        waited: float = 0.0,
     ) -> Reply:
         """One REST (KServe V2 / Triton HTTP) inference request: its body decoded for the routed version's
         signature, served by `serve`, and its outputs encoded as JSON or binary tensors. `tier` is the
         caller's tenant's priority tier: a request may ask for a lower priority (a higher level), never a
         higher one. `routing_key` keeps a caller on one side of an experiment or a canary
-        (X-Ferry-Routing-Key, else its API key's prefix)."""
+        (X-Ferry-Routing-Key, else its API key's prefix). `waited`: how long it waited before its handler
+        began (`Inference.waited`), spent from its deadline."""
         parsed: list[InferRequest] = []
 
         def decode(request: Inference, entry: VersionEntry) -> None:
@@ -127,7 +129,15 @@ class Gateway:
                 request.outputs = tuple(o.name for o in rest.outputs)
 
         request = Inference(
-            name, version, viewer, tier=tier, routing_key=routing_key, gone=gone, nbytes=len(body), decode=decode
+            name,
+            version,
+            viewer,
+            tier=tier,
+            routing_key=routing_key,
+            gone=gone,
+            nbytes=len(body),
+            decode=decode,
+            waited=waited,
         )
         served = await self.serve(request)
         rest = parsed[0]
@@ -161,7 +171,10 @@ class Gateway:
         there is one; the shadow gets its copy; metrics and usage count the answer, refusals included.
         Raises ServingError (a ProtocolError from decoding becomes one, with its status) for every answer
         but a success."""
-        arrived = self._clock()
+        # The deadline counts from when the request reached the machine: what it waited before its handler
+        # (in the listen queue, a socket's buffer, the loop's backlog) is spent from its budget, as its client
+        # sees it, not given back (pipeline.PipelineRunner.infer counts the same).
+        arrived = self._clock() - max(0.0, request.waited)
         name, viewer = request.name, request.viewer
         begun = tracing.since() if tracing.ENABLED else 0
         entry = self.route(name, request.version, viewer, request.routing_key)

@@ -28,7 +28,9 @@ class Inference:
     "timeout" parameter to the version's platform budget. `tier`: the tenant's priority tier (the highest
     level it may ask for). `routing_key`: keeps a caller on one side of an experiment or a canary.
     `gone`: whether the client has gone (checked when a queued request's turn comes). `nbytes`: the
-    request's size on the wire, for the transport's byte bounds."""
+    request's size on the wire, for the transport's byte bounds. `waited`: seconds the request had already
+    waited when its handler began (the front door's measure, from when its first byte reached the machine);
+    its deadline and its latency count from then."""
 
     name: str
     version: str | None
@@ -44,6 +46,7 @@ class Inference:
     gone: Callable[[], bool] | None = None
     nbytes: int = 0
     decode: Callable[[Inference, VersionEntry], None] | None = None
+    waited: float = 0.0
 
 
 @dataclass(slots=True)

@@ -186,7 +186,7 @@ class InferenceRequest:
     straight from the front door's protocol (`frontdoor.FrontDoorProtocol`'s lane for inference), which
     has already read its whole body. `answer` never raises: every outcome is an answer to write."""
 
-    __slots__ = ("method", "path", "headers", "waited", "gone", "client")
+    __slots__ = ("method", "path", "headers", "waited", "began", "gone", "client")
 
     def __init__(
         self,
@@ -203,8 +203,14 @@ class InferenceRequest:
         # How long this request waited in this process before its handler started: from its first byte
         # through header parsing and the event loop's ready queue.
         self.waited = waited
+        self.began = time.monotonic()
         self.gone = gone  # whether its client has gone (checked when a queued request's turn comes)
         self.client = client  # the peer's address, for /metrics' allow-list (None: unknown, token only)
+
+    def waited_so_far(self) -> float:
+        """What the request has waited since its first byte reached the machine: before its handler began, and
+        in the handler since (authentication, the quota's round trip). Its deadline counts from that."""
+        return self.waited + (time.monotonic() - self.began)
 
     async def answer(
         self, body: bytes, infer: bool = False
@@ -324,12 +330,12 @@ class InferenceRequest:
             if runner.find(name, viewer) is not None:
                 reply = await runner.infer(
                     name, version, body, _header_length(raw_length), viewer, gone=self.gone, tier=tier,
-                    routing_key=routing_key, waited=self.waited,
+                    routing_key=routing_key, waited=self.waited_so_far(),
                 )  # fmt: skip
             else:
                 reply = await gateway.infer(
                     name, version, body, _header_length(raw_length), viewer, gone=self.gone, tier=tier,
-                    routing_key=routing_key,
+                    routing_key=routing_key, waited=self.waited_so_far(),
                 )  # fmt: skip
         finally:
             if ticket is not None:
