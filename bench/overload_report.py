@@ -208,7 +208,10 @@ def section(out: dict[str, Any], s: OverloadSettings, command: str | None = None
     tiers = ", ".join(f"priority {t} for {share:.0%}" for t, share in s.tiers)
     L = [START, "## Overload: admission, fallback and shedding", ""]
     if command:
-        L += [f"This section was generated separately, by `{command}` on {datetime.now(UTC):%Y-%m-%d %H:%M UTC}.", ""]
+        from bench.report import commit
+
+        when = f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}"
+        L += [f"This section was generated separately, by `{command}` on {when} in commit {commit()}.", ""]
     L += [
         "Method:",
         "",
