@@ -44,6 +44,7 @@ from serving.dataplane.transport.stream_codec import (
     unpack_replies,
 )
 from serving.dataplane.transport.streams import RedisStreamsTransport
+from serving.policies import admission
 from tests.test_admission import Clock, StandIn, admitted_to_a, busy_beside_quick, host, queued, rows
 from tests.test_streams_processes import clear
 from tests.test_streams_transport import entry
@@ -150,6 +151,37 @@ async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(no
         # then the view knows nothing: admitted, and the node decides
         view.admit("a:1", 1, clock.now + 1.0, 1)
         assert view.counts["unknown"] == 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_the_gateway_learns_what_its_admitted_requests_really_took(node: Node, client: redis.Redis) -> None:
+    # given a node with 40 rows queued on a version whose batch of 8 takes 0.4 s (2 s of work), published
+    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
+    host(node, "a", 0.4)
+    tasks = await queued(node, "a", 40)
+    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 40, clock=clock, wall=wall)
+    await publisher.publish_once()
+    view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
+    try:
+        # when a request with 3.5 s left is admitted on the estimate (2.4 s: the backlog and its own batch; it
+        # fits 80% of 3.5 s)
+        estimated = view.admit("a:1", 1, clock.now + 3.5, 1)
+        assert estimated == pytest.approx(2.4)
+        # and the requests it admits take half as long again as estimated, from this gateway's admission to their
+        # answer (the streams both ways, the node's read-ahead, this process's hand-back: none in the estimate)
+        for _ in range(admission.CALIBRATION_MIN_SAMPLES):
+            view.observe(estimated, 1.5 * estimated)
+        clock.now += admission.CALIBRATION_REFRESH_S
+        # then the same request is refused: its estimate, corrected by what this gateway saw, no longer fits
+        with pytest.raises(Shed) as refused:
+            view.admit("a:1", 1, clock.now + 3.5, 1)
+        assert refused.value.reason == "deadline" and "refused at the gateway" in refused.value.message
+        # and one with time for the corrected estimate is admitted
+        assert view.admit("a:1", 1, clock.now + 5.0, 1) > 0.0
     finally:
         for t in tasks:
             t.cancel()

@@ -190,6 +190,10 @@ class LoadView:
         self._unanswered: dict[str, float] = {}  # version key -> when this gateway's first unanswered XADD went in
         # Requests by what the view said: refused here, admitted on the view, admitted because it knew nothing.
         self.counts = {"refused": 0, "admitted": 0, "unknown": 0}
+        # What admitted requests really took from this gateway's admission to their answer, over the estimate
+        # they were admitted on: the node's own calibration covers its device and loop, not the streams both
+        # ways, the node's read-ahead or this process's hand-back, all of which a gateway's request waits on.
+        self.calibration = admission.Calibration()
         self._client: redis.asyncio.Redis | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -310,17 +314,28 @@ class LoadView:
         """A node answered a request of `key`'s stream (a result or an error: it is reading the stream)."""
         self._unanswered.pop(key, None)
 
-    def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> None:
+    def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> float:
         """Raise `Shed` when no node hosting `key` could answer this request by its deadline, as the node's
-        admission would judge it, or when every node consuming its stream is lost (`cold_start_s`: the
-        version's load time, for Retry-After); otherwise count its rows as sent to the stream (the caller
-        sends it next)."""
-        refusal = self.refusal(key, rows, deadline, priority, cold_start_s=cold_start_s)
+        admission would judge it (times this gateway's `calibration`), or when every node consuming its
+        stream is lost (`cold_start_s`: the version's load time, for Retry-After); otherwise count its rows as
+        sent to the stream (the caller sends it next) and return the device estimate it was admitted on (0.0:
+        unknown), which the caller hands to `observe` with what the request took."""
+        refusal, estimated = self.refusal(key, rows, deadline, priority, cold_start_s=cold_start_s)
         if refusal is not None:
             raise refusal
         self.sent(key, rows)
+        return estimated
 
-    def refusal(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> Shed | None:
+    def observe(self, estimated: float, took: float) -> None:
+        """A request admitted on `estimated` seconds was answered `took` seconds after its admission (or hit
+        its deadline then): what teaches `calibration`."""
+        if estimated > 0.0:
+            self.calibration.observe(estimated, took, self._clock())
+
+    def refusal(
+        self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0
+    ) -> tuple[Shed | None, float]:
+        """(the refusal, or None to admit; the estimate admitted on, 0.0 when unknown or refused)."""
         loads = self._hosting.get(key)
         hot = self._hot.get(key)
         lost = self.lost()
@@ -330,12 +345,16 @@ class LoadView:
             if ready and ready <= lost.keys() and since is not None and self._clock() - since > self.lost_s:
                 self.counts["refused"] += 1
                 silent = min(lost[name] for name in ready)
-                return Shed(
-                    f"{key}: no live node serves it: the {len(ready)} node(s) consuming its stream published"
-                    f" no load for {silent * 1000:.0f} ms (lost until their heartbeat expires); refused at the gateway",
-                    reason="node_lost",
-                    tier=priority,
-                    retry_after=admission.retry_after(max(0.0, TTL_SECONDS - silent) + cold_start_s),
+                return (
+                    Shed(
+                        f"{key}: no live node serves it: the {len(ready)} node(s) consuming its stream published"
+                        f" no load for {silent * 1000:.0f} ms (lost until their heartbeat expires); refused at"
+                        " the gateway",
+                        reason="node_lost",
+                        tier=priority,
+                        retry_after=admission.retry_after(max(0.0, TTL_SECONDS - silent) + cold_start_s),
+                    ),
+                    0.0,
                 )
             # a lost node reads nothing from the stream: the others' documents decide
             loads = [load for load in loads or () if load.node not in lost]
@@ -343,11 +362,12 @@ class LoadView:
         wall = self._wall()
         if not loads or any(wall - load.at > self.stale_s for load in loads):
             self.counts["unknown"] += 1
-            return None
+            return None, 0.0
         if hot is not None and not hot <= {load.node for load in loads}:
             self.counts["unknown"] += 1  # a node serves it hot and said nothing of its load
-            return None
+            return None, 0.0
         now = self._clock()
+        factor = self.calibration.factor(now)
         level = min(max(priority, 0), SHADOW_PRIORITY)
         others_level = CALLERS if priority < SHADOW_PRIORITY else SHADOW_PRIORITY
         best: admission.Verdict | None = None
@@ -400,24 +420,32 @@ class LoadView:
                 first=first,
             )
             verdict = admission.decide(
-                now=now, deadline=deadline, priority=priority, completion=completion, higher_share=state.higher[level]
+                now=now,
+                deadline=deadline,
+                priority=priority,
+                completion=completion * factor,
+                higher_share=state.higher[level],
             )
             if verdict.admit:
                 self.counts["admitted"] += 1
-                return None
+                return None, completion
             if best is None or verdict.completion < best.completion:
                 best = verdict
             drain = min(drain, admission.drain_seconds(queued, in_flight))
         assert best is not None
         self.counts["refused"] += 1
         why = "the request's deadline" if best.reason == "deadline" else f"priority {priority}'s share of"
-        return Shed(
-            f"{key}: estimated completion {best.completion * 1000:.0f} ms on the least loaded of {len(loads)} node(s)"
-            f" (its device backlog and the stream's unread requests included) exceeds {why} budget"
-            f" ({admission.HEADROOM:.0%} of the {max(0.0, deadline - now) * 1000:.0f} ms left); refused at the gateway",
-            reason=best.reason,
-            tier=priority,
-            retry_after=admission.retry_after(drain),
+        return (
+            Shed(
+                f"{key}: estimated completion {best.completion * 1000:.0f} ms on the least loaded of {len(loads)}"
+                f" node(s) (its device backlog and the stream's unread requests included) exceeds {why} budget"
+                f" ({admission.HEADROOM:.0%} of the {max(0.0, deadline - now) * 1000:.0f} ms left); refused at the"
+                " gateway",
+                reason=best.reason,
+                tier=priority,
+                retry_after=admission.retry_after(drain),
+            ),
+            0.0,
         )
 
     def _unread_share(self, key: str, nodes: int) -> int:

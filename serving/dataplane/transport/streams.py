@@ -58,9 +58,14 @@ RECONNECT_MAX_S = 1.0  # an outage is noticed, and its end too, within about thi
 
 
 class Admission(Protocol):
-    def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> None:
+    def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> float:
         """Raise `Shed` to refuse a request of `rows` rows for version `key` before it is sent (`cold_start_s`:
-        the version's load time, for the Retry-After of a refusal that waits on a node to load it)."""
+        the version's load time, for the Retry-After of a refusal that waits on a node to load it); else the
+        estimate it was admitted on (0.0: none)."""
+        ...
+
+    def observe(self, estimated: float, took: float) -> None:
+        """A request admitted on `estimated` seconds had its answer, or its deadline, `took` seconds later."""
         ...
 
     def settled(self, key: str, rows: int, length: int | None) -> None:
@@ -138,6 +143,10 @@ class RedisStreamsTransport:
 
     # -- requests --------------------------------------------------------------------------
 
+    def _observe(self, estimated: float, admitted_at: float) -> None:
+        if estimated and self.admission is not None:
+            self.admission.observe(estimated, self._clock() - admitted_at)
+
     async def infer(
         self,
         entry: VersionEntry,
@@ -163,9 +172,10 @@ class RedisStreamsTransport:
         except Shed:
             self.count_refused(key)
             raise
+        estimated = 0.0  # the estimate admitted on, which what the request then takes teaches (LoadView.observe)
         if self.admission is not None:  # the nodes' load as last published: refused here, never queued
             try:
-                self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
+                estimated = self.admission.admit(key, rows, deadline, priority, cold_start_s=_cold_start(entry))
             except Shed as refused:
                 metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), refused.reason).inc()
                 self.count_refused(key)
@@ -216,13 +226,17 @@ class RedisStreamsTransport:
                 )
             try:
                 async with asyncio.timeout(deadline - self._clock()):
-                    return await future
+                    outputs = await future
             except TimeoutError:
                 metrics.DEADLINES.labels(entry.model, str(entry.version), "gateway").inc()
+                self._observe(estimated, now)
                 raise DeadlineExceeded("request deadline exceeded") from None
             except DeadlineExceeded:
                 metrics.DEADLINES.labels(entry.model, str(entry.version), "node").inc()
+                self._observe(estimated, now)
                 raise
+            self._observe(estimated, now)
+            return outputs
         finally:
             self._waiting.pop(request_id, None)
             held.items -= 1
