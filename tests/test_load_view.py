@@ -174,7 +174,7 @@ async def test_the_gateway_learns_what_its_admitted_requests_really_took(node: N
         # and the requests it admits take half as long again as estimated, from this gateway's admission to their
         # answer (the streams both ways, the node's read-ahead, this process's hand-back: none in the estimate)
         for _ in range(admission.CALIBRATION_MIN_SAMPLES):
-            view.observe(estimated, 1.5 * estimated)
+            view.observe("a:1", estimated, 1.5 * estimated)
         clock.now += admission.CALIBRATION_REFRESH_S
         # then the same request is refused: its estimate, corrected by what this gateway saw, no longer fits
         with pytest.raises(Shed) as refused:

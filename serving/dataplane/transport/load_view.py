@@ -12,10 +12,12 @@ Before a request enters a stream, `LoadView.admit` runs the node's own admission
 (`serving.policies.admission`) on that view, with the stream's unread entries (its length less what the
 nodes hold) and this gateway's rows on their way in added to the queue, spread over the nodes that host the
 version. The length is the last read's, or fresher: each XADD's reply carries the stream's length as it
-found it, every gateway's requests included (`settled`). It admits if any node could answer in time, and
-otherwise raises the same `Shed` the node would (503, Retry-After from the backlog's drain), which
-`Gateway.serve` answers with the model's fallback when it has one, exactly as for a refusal from an embedded
-node.
+found it, every gateway's requests included (`settled`). Each estimate is scaled by the view's own
+`admission.Calibration` of the version, taught by what the requests it admitted took to their answer
+(`observe`). It admits
+if any node could answer in time, and otherwise raises the same `Shed` the node would (503, Retry-After from
+the backlog's drain), which `Gateway.serve` answers with the model's fallback when it has one, exactly as for
+a refusal from an embedded node.
 
 A view is a guess a little old: a document older than STALE_S, a node announced hot for the version
 without a fresh document, or a version no document names, is unknown, and the request is admitted; the
@@ -190,10 +192,13 @@ class LoadView:
         self._unanswered: dict[str, float] = {}  # version key -> when this gateway's first unanswered XADD went in
         # Requests by what the view said: refused here, admitted on the view, admitted because it knew nothing.
         self.counts = {"refused": 0, "admitted": 0, "unknown": 0}
-        # What admitted requests really took from this gateway's admission to their answer, over the estimate
-        # they were admitted on: the node's own calibration covers its device and loop, not the streams both
-        # ways, the node's read-ahead or this process's hand-back, all of which a gateway's request waits on.
-        self.calibration = admission.Calibration()
+        # Per version: what admitted requests really took from this gateway's admission to their answer, over
+        # the estimate they were admitted on. The node's own calibration covers its device and loop, not the
+        # streams both ways, the node's read-ahead or this process's hand-back, all of which a gateway's
+        # request waits on; and how far the estimate falls short differs by version (a saturated primary's
+        # backlog in its stream, its quick fallback's none), so one factor for all refused the fallback what
+        # the primary had taught it (`digits-wide`'s fallback answered 7/s at 3x instead of 200/s).
+        self.calibrations: dict[str, admission.Calibration] = {}
         self._client: redis.asyncio.Redis | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -316,7 +321,7 @@ class LoadView:
 
     def admit(self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0) -> float:
         """Raise `Shed` when no node hosting `key` could answer this request by its deadline, as the node's
-        admission would judge it (times this gateway's `calibration`), or when every node consuming its
+        admission would judge it (times this gateway's calibration for `key`), or when every node consuming its
         stream is lost (`cold_start_s`: the version's load time, for Retry-After); otherwise count its rows as
         sent to the stream (the caller sends it next) and return the device estimate it was admitted on (0.0:
         unknown), which the caller hands to `observe` with what the request took."""
@@ -326,11 +331,16 @@ class LoadView:
         self.sent(key, rows)
         return estimated
 
-    def observe(self, estimated: float, took: float) -> None:
-        """A request admitted on `estimated` seconds was answered `took` seconds after its admission (or hit
-        its deadline then): what teaches `calibration`."""
+    def observe(self, key: str, estimated: float, took: float) -> None:
+        """A request for `key` admitted on `estimated` seconds was answered `took` seconds after its admission
+        (or hit its deadline then): what teaches the version's calibration."""
         if estimated > 0.0:
-            self.calibration.observe(estimated, took, self._clock())
+            calibration = self.calibrations.get(key)
+            if calibration is None:
+                if len(self.calibrations) > 4096:  # versions gone over a long life
+                    self.calibrations.clear()
+                calibration = self.calibrations[key] = admission.Calibration()
+            calibration.observe(estimated, took, self._clock())
 
     def refusal(
         self, key: str, rows: int, deadline: float, priority: int, *, cold_start_s: float = 0.0
@@ -367,7 +377,8 @@ class LoadView:
             self.counts["unknown"] += 1  # a node serves it hot and said nothing of its load
             return None, 0.0
         now = self._clock()
-        factor = self.calibration.factor(now)
+        calibration = self.calibrations.get(key)
+        factor = calibration.factor(now) if calibration is not None else 1.0
         level = min(max(priority, 0), SHADOW_PRIORITY)
         others_level = CALLERS if priority < SHADOW_PRIORITY else SHADOW_PRIORITY
         best: admission.Verdict | None = None

@@ -64,8 +64,9 @@ class Admission(Protocol):
         estimate it was admitted on (0.0: none)."""
         ...
 
-    def observe(self, estimated: float, took: float) -> None:
-        """A request admitted on `estimated` seconds had its answer, or its deadline, `took` seconds later."""
+    def observe(self, key: str, estimated: float, took: float) -> None:
+        """A request for `key` admitted on `estimated` seconds had its answer, or its deadline, `took` seconds
+        later."""
         ...
 
     def settled(self, key: str, rows: int, length: int | None) -> None:
@@ -143,9 +144,9 @@ class RedisStreamsTransport:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _observe(self, estimated: float, admitted_at: float) -> None:
+    def _observe(self, key: str, estimated: float, admitted_at: float) -> None:
         if estimated and self.admission is not None:
-            self.admission.observe(estimated, self._clock() - admitted_at)
+            self.admission.observe(key, estimated, self._clock() - admitted_at)
 
     async def infer(
         self,
@@ -229,13 +230,13 @@ class RedisStreamsTransport:
                     outputs = await future
             except TimeoutError:
                 metrics.DEADLINES.labels(entry.model, str(entry.version), "gateway").inc()
-                self._observe(estimated, now)
+                self._observe(key, estimated, now)
                 raise DeadlineExceeded("request deadline exceeded") from None
             except DeadlineExceeded:
                 metrics.DEADLINES.labels(entry.model, str(entry.version), "node").inc()
-                self._observe(estimated, now)
+                self._observe(key, estimated, now)
                 raise
-            self._observe(estimated, now)
+            self._observe(key, estimated, now)
             return outputs
         finally:
             self._waiting.pop(request_id, None)
