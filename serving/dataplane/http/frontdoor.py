@@ -70,9 +70,9 @@ class _ReceivedAt:
     connection, waits in the socket's buffer until the loop reads it. No clock of this process sees that
     wait, and it is the one that grows under overload. The kernel does: it stamps each data segment it
     receives, and TCP_INFO says how long ago the last one came (in ms, to the kernel's tick: 4 ms at 250 Hz;
-    about a microsecond to ask). So the wait counts
-    against the request's deadline and the front end's bound on it (FERRY_MAX_FRONTEND_WAIT_MS), as its
-    client sees it. Elsewhere (a Unix socket, another OS) the read time is the best there is."""
+    about a microsecond to ask). So the wait counts against the request's deadline and the front end's bound
+    on it (FERRY_MAX_FRONTEND_WAIT_MS), as its client sees it. Elsewhere (a Unix socket, another OS) the read
+    time is the best there is."""
 
     __slots__ = ("sock",)
 
