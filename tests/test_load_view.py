@@ -7,6 +7,7 @@ documents admit; a refusal goes to the model's fallback through `Gateway.serve`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -119,16 +120,29 @@ def test_a_load_document_round_trips_and_a_foreign_one_is_refused() -> None:
             decode_load(raw)
 
 
-async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(node: Node, client: redis.Redis) -> None:
-    # given a node with 40 rows queued on a version whose batch of 8 takes 0.4 s: 2 s of work, published
+@contextlib.asynccontextmanager
+async def published_backlog(node: Node) -> AsyncIterator[tuple[Clock, Wall, LoadView]]:
+    """A node with 40 rows queued on version `a:1`, whose batch of 8 takes 0.4 s (2 s of work), its load
+    published as `n1`, and a gateway's view of it: (the node's clock, the wall clock, the view)."""
     clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
     host(node, "a", 0.4)
     tasks = await queued(node, "a", 40)
     publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 40, clock=clock, wall=wall)
     await publisher.publish_once()
-    assert client.pttl(load_key("n1")) > 0  # a node that stops publishing leaves nothing behind for long
     view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
     try:
+        yield clock, wall, view
+    finally:
+        for t in tasks:
+            t.cancel()
+        await view.close()
+        await publisher.client.aclose()
+
+
+async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(node: Node, client: redis.Redis) -> None:
+    # given a node with 40 rows queued on a version whose batch of 8 takes 0.4 s: 2 s of work, published
+    async with published_backlog(node) as (clock, wall, view):
+        assert client.pttl(load_key("n1")) > 0  # a node that stops publishing leaves nothing behind for long
         # when a request with 1 s left arrives at the gateway
         with pytest.raises(Shed) as at_gateway:
             view.admit("a:1", 1, clock.now + 1.0, 1)
@@ -151,22 +165,11 @@ async def test_the_gateway_refuses_on_the_published_backlog_as_the_node_would(no
         # then the view knows nothing: admitted, and the node decides
         view.admit("a:1", 1, clock.now + 1.0, 1)
         assert view.counts["unknown"] == 1
-    finally:
-        for t in tasks:
-            t.cancel()
-        await view.close()
-        await publisher.client.aclose()
 
 
 async def test_the_gateway_learns_what_its_admitted_requests_really_took(node: Node, client: redis.Redis) -> None:
     # given a node with 40 rows queued on a version whose batch of 8 takes 0.4 s (2 s of work), published
-    clock, wall = node.clock, Wall()  # type: ignore[attr-defined]
-    host(node, "a", 0.4)
-    tasks = await queued(node, "a", 40)
-    publisher = LoadPublisher(node, redis_pipe.client(REDIS_URL), "n1", held=lambda key: 40, clock=clock, wall=wall)
-    await publisher.publish_once()
-    view = await view_of([info("n1", hot=frozenset({"a:1"}))], clock, wall)
-    try:
+    async with published_backlog(node) as (clock, _, view):
         # when a request with 3.5 s left is admitted on the estimate (2.4 s: the backlog and its own batch; it
         # fits 80% of 3.5 s)
         estimated = view.admit("a:1", 1, clock.now + 3.5, 1)
@@ -182,11 +185,8 @@ async def test_the_gateway_learns_what_its_admitted_requests_really_took(node: N
         assert refused.value.reason == "deadline" and "refused at the gateway" in refused.value.message
         # and one with time for the corrected estimate is admitted
         assert view.admit("a:1", 1, clock.now + 5.0, 1) > 0.0
-    finally:
-        for t in tasks:
-            t.cancel()
-        await view.close()
-        await publisher.client.aclose()
+        # and what it learnt is this version's alone (a fallback beside it keeps its own)
+        assert set(view.calibrations) == {"a:1"}
 
 
 async def test_a_version_nothing_arrives_for_takes_no_turn_at_the_gateway_or_on_the_node(
