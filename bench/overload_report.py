@@ -19,6 +19,7 @@ from bench.overload import (
     OverloadSettings,
     RampResult,
 )
+from bench.report import commit
 
 START, END = "<!-- overload:start -->", "<!-- overload:end -->"
 PLOT = "bench-overload.png"
@@ -208,8 +209,6 @@ def section(out: dict[str, Any], s: OverloadSettings, command: str | None = None
     tiers = ", ".join(f"priority {t} for {share:.0%}" for t, share in s.tiers)
     L = [START, "## Overload: admission, fallback and shedding", ""]
     if command:
-        from bench.report import commit
-
         when = f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}"
         L += [f"This section was generated separately, by `{command}` on {when} in commit {commit()}.", ""]
     L += [

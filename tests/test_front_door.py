@@ -9,10 +9,12 @@ argument as its own.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import select
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -23,6 +25,7 @@ import orjson
 import pytest
 from django.contrib.auth.models import User
 
+from serving.dataplane.http.frontdoor import GATE, _ReceivedAt
 from tenants.models import Membership, Role, Tenant
 from tests.conftest import DIGITS_IO, register
 from tests.test_inference_http import (
@@ -30,6 +33,7 @@ from tests.test_inference_http import (
     assert_error,
     call,
     digits_request,
+    grew,
     infer,
     metrics,
     sample,
@@ -563,12 +567,6 @@ def test_bytes_that_are_not_http_get_a_json_400(transactional_db, request) -> No
 def test_the_shed_gate_answers_inference_in_the_protocol_and_keeps_the_connection(  # noqa: ANN001
     digits_server, digits_samples, settings
 ) -> None:
-    import http.client
-    import json
-
-    from serving.dataplane.http.frontdoor import GATE
-    from tests.test_inference_http import digits_request, grew, metrics
-
     # The consumer's own saturation check (a late loop, or a request that waited past FERRY_MAX_FRONTEND_WAIT_MS
     # before its handler) is another refusal, tested in its own tests: on a loaded machine it refused the request
     # this test expects served once the gate opens (CI, 2026-12-03), so it is lifted here.
@@ -871,10 +869,6 @@ def test_an_idle_keep_alive_connection_is_closed_and_a_busy_one_is_not(digits_se
 def test_a_request_that_waited_in_the_kernel_for_a_busy_loop_counts_that_wait(  # noqa: ANN001
     digits_server, digits_samples, settings, connection
 ) -> None:
-    import threading
-
-    from serving.dataplane.http.frontdoor import GATE
-
     # given a server that judges a request by its own wait only (the loop's lag, which the stall below also
     # raises, is lifted, and the shed gate it steers held open)
     settings.FERRY_MAX_LOOP_LAG_MS = 60_000
@@ -925,10 +919,6 @@ def test_a_request_that_waited_in_the_kernel_for_a_busy_loop_counts_that_wait(  
 
 
 def test_the_kernel_says_how_long_it_held_a_connections_bytes() -> None:
-    import asyncio
-
-    from serving.dataplane.http.frontdoor import _ReceivedAt
-
     async def main() -> tuple[float, float]:
         # given a connection whose request reached the kernel 300 ms before this process took it
         server = socket.socket()

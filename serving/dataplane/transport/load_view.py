@@ -14,10 +14,9 @@ nodes hold) and this gateway's rows on their way in added to the queue, spread o
 version. The length is the last read's, or fresher: each XADD's reply carries the stream's length as it
 found it, every gateway's requests included (`settled`). Each estimate is scaled by the view's own
 `admission.Calibration` of the version, taught by what the requests it admitted took to their answer
-(`observe`). It admits
-if any node could answer in time, and otherwise raises the same `Shed` the node would (503, Retry-After from
-the backlog's drain), which `Gateway.serve` answers with the model's fallback when it has one, exactly as for
-a refusal from an embedded node.
+(`observe`). It admits if any node could answer in time, and otherwise raises the same `Shed` the node would
+(503, Retry-After from the backlog's drain), which `Gateway.serve` answers with the model's fallback when it
+has one, exactly as for a refusal from an embedded node.
 
 A view is a guess a little old: a document older than STALE_S, a node announced hot for the version
 without a fresh document, or a version no document names, is unknown, and the request is admitted; the
