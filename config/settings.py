@@ -250,6 +250,9 @@ FERRY_MAX_CONCURRENCY = env_int("FERRY_MAX_CONCURRENCY", 4096, minimum=1)
 FERRY_LOOP_LAG_TARGET_MS = env_int("FERRY_LOOP_LAG_TARGET_MS", 40, minimum=1)
 FERRY_MAX_LOOP_LAG_MS = env_int("FERRY_MAX_LOOP_LAG_MS", 150, minimum=1)
 FERRY_MAX_FRONTEND_WAIT_MS = env_int("FERRY_MAX_FRONTEND_WAIT_MS", 150, minimum=1)
+# CoDel's target for that wait: while every request read for 100 ms waited past it, a queue stands before the
+# read and the front door refuses each request that waited longer (serving.policies.shedding); 0 turns it off.
+FERRY_FRONTEND_SOJOURN_TARGET_MS = env_int("FERRY_FRONTEND_SOJOURN_TARGET_MS", 20, minimum=0)
 # Admission by estimated completion against the deadline, and fallback under saturation. Off only for
 # contrast benchmarks: queues and deadlines still bound the work.
 FERRY_ADMISSION = env_bool("FERRY_ADMISSION", True)

@@ -108,9 +108,11 @@ def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_sample
     plane.loop.call_soon_threadsafe(hog)
     try:
         wait_until(lambda: plane.loop_lag * 1000 > settings.FERRY_MAX_LOOP_LAG_MS, "the loop lag to rise")
-        # when inference arrives / then it is refused at once with Retry-After, saying why
+        # when inference arrives / then it is refused at once with Retry-After, saying why: the loop is late,
+        # or (when it came during a hold, and waited through it before it was read) its own wait
         resp = infer(digits_server, "digits", digits_request(x[:1]))
-        assert_error(resp, 503, "saturated", "late")
+        message = assert_error(resp, 503, "saturated")
+        assert "ms late" in message or "before it was read" in message, message
         assert resp.headers["retry-after"] == "1"
         # and health still answers
         assert call(digits_server, "GET", "/v2/health/live").status == 200

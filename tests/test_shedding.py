@@ -75,3 +75,85 @@ def test_the_lag_is_smoothed_and_never_negative() -> None:
 def test_a_target_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         ShedGate().steer(0.1, 0.0)
+
+
+def test_a_busy_loop_whose_requests_are_refused_past_the_gate_refuses_more_of_them_at_the_door() -> None:
+    gate = ShedGate()
+    # given a loop on time but busy, half of whose requests past the gate are refused after all (admission's
+    # 503, after the body, the key and the route were paid for) / then the gate takes more of them itself
+    gate.steer(0.0, 0.040, requests=100, refused=0.5, busy=0.9)
+    assert gate.drop == pytest.approx(gate.REFUSED_GAIN * (0.5 - gate.REFUSED_TARGET))
+    assert "50% of the inference it took was refused for want of capacity" in gate.reason
+    # and the more refused, the faster
+    more = ShedGate()
+    more.steer(0.0, 0.040, requests=100, refused=0.9, busy=0.9)
+    assert more.drop > gate.drop
+    # and once few are refused past it, the share falls back, step by step, to none
+    for _ in range(100):
+        gate.steer(0.0, 0.040, requests=100, refused=0.0, busy=0.9)
+    assert gate.drop == 0
+
+
+def test_refusals_past_the_gate_of_an_idle_loop_or_within_the_target_refuse_nothing_at_the_door() -> None:
+    # a compute-bound model refuses much of its overload at admission while the loop idles: refusing at the
+    # door would save no work and would refuse what its fallback answers
+    idle = ShedGate()
+    idle.steer(0.0, 0.040, requests=100, refused=0.9, busy=ShedGate.BUSY - 0.1)
+    assert idle.drop == 0
+    within = ShedGate()
+    within.steer(0.0, 0.040, requests=100, refused=ShedGate.REFUSED_TARGET, busy=1.0)
+    assert within.drop == 0
+
+
+def test_a_tick_remembers_a_burst_of_refusals_for_a_few_ticks_and_resets_its_counts() -> None:
+    gate = ShedGate()
+    # given one tick in which most requests past the gate were refused, on a busy loop
+    gate.passed, gate.refused = 100, 80
+    gate.tick(0.0, 0.040, busy=0.9)
+    assert gate.drop > 0 and gate.passed == gate.refused == 0
+    first = gate.drop
+    # when the next ticks refuse none / then the burst still counts for a tick or two, then no longer
+    gate.passed = 100
+    gate.tick(0.0, 0.040, busy=0.9)
+    assert gate.drop > first  # 64 of 180 remembered: still over the target
+    for _ in range(10):
+        gate.passed = 100
+        gate.tick(0.0, 0.040, busy=0.9)
+    assert gate.drop < first
+    # and too few requests to judge by count for nothing
+    fresh = ShedGate()
+    fresh.passed, fresh.refused = fresh.MIN_PRESSURE - 1, fresh.MIN_PRESSURE - 1
+    fresh.tick(0.0, 0.040, busy=1.0)
+    assert fresh.drop == 0
+
+
+def test_a_standing_queue_before_the_read_lowers_the_wait_bound_to_the_sojourn_target() -> None:
+    gate = ShedGate()
+    front_end, target = 0.150, 0.020
+
+    def tick(least: float, seen: int = gate.MIN_PRESSURE) -> None:
+        gate.least_wait, gate.seen = least, seen
+        gate.tick(0.0, 0.040, wait_bound=front_end, sojourn=target)
+
+    # given no requests yet / then the bound is the front end's
+    tick(float("inf"), 0)
+    assert gate.wait_bound == front_end
+    # when every request read waits past the target for a tick / then that may be a burst draining: unchanged
+    tick(target * 2)
+    assert gate.wait_bound == front_end and gate.least_wait == float("inf")
+    # and for STANDING_TICKS in a row / then a queue stands: a request that waited past the target is refused
+    for _ in range(gate.STANDING_TICKS - 1):
+        tick(target * 2)
+    assert gate.wait_bound == target
+    # and one request read within the target in a tick / then the queue drained: the front end's bound again
+    tick(target / 2)
+    assert gate.wait_bound == front_end
+    # and ticks with too few requests to be a queue's (a test's, a health check's) do not count
+    for _ in range(gate.STANDING_TICKS):
+        tick(target * 2, gate.MIN_PRESSURE - 1)
+    assert gate.wait_bound == front_end
+    # and a target of 0 turns the rule off
+    for _ in range(gate.STANDING_TICKS):
+        gate.least_wait, gate.seen = target * 2, gate.MIN_PRESSURE
+        gate.tick(0.0, 0.040, wait_bound=front_end, sojourn=0.0)
+    assert gate.wait_bound == front_end

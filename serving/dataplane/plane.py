@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from serving.dataplane.gateway.shadow import DROPPED as SHADOW_DROPPED
 from serving.dataplane.gateway.shadow import Mirror, Pair
 from serving.dataplane.gateway.snapshot import RoutingSnapshot
 from serving.dataplane.http.frontdoor import GATE
+from serving.dataplane.http.frontdoor import LIMITS as frontdoor_limits
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node.node import Node
 from serving.dataplane.transport.fleet import FleetView
@@ -115,13 +117,23 @@ class DataPlane:
         return True
 
     async def _watch_loop_lag(self) -> None:
+        ran, cpu = self.loop.time(), time.thread_time()  # this runs on the loop's thread: its CPU time
         while True:
             expected = self.loop.time() + LAG_SAMPLE_SECONDS
             await asyncio.sleep(LAG_SAMPLE_SECONDS)
-            # The policy (serving.policies.shedding) smooths the lag and steers the front door's gate by it.
-            self.loop_lag = smoothed_lag(self.loop_lag, expected, self.loop.time())
+            now, busy = self.loop.time(), time.thread_time()
+            # The policy (serving.policies.shedding) smooths the lag and steers the front door's gate by it and
+            # by the share of the tick the loop's thread ran.
+            self.loop_lag = smoothed_lag(self.loop_lag, expected, now)
             metrics.LOOP_LAG.set(self.loop_lag)
-            GATE.tick(self.loop_lag, settings.FERRY_LOOP_LAG_TARGET_MS / 1000)
+            GATE.tick(
+                self.loop_lag,
+                settings.FERRY_LOOP_LAG_TARGET_MS / 1000,
+                (busy - cpu) / max(now - ran, 1e-6),
+                frontdoor_limits.max_frontend_wait_ms / 1000,
+                settings.FERRY_FRONTEND_SOJOURN_TARGET_MS / 1000,
+            )
+            ran, cpu = now, busy
 
     def count_frontend_shed(self, url: bytes) -> None:
         """Count a request the front door's gate refused, under the version it would have gone to."""

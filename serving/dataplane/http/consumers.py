@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.dataplane import plane as dataplane
 from serving.dataplane import tracing
-from serving.dataplane.errors import NotFound, ServingError, Unavailable
+from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
 from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
 from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
@@ -217,11 +217,14 @@ class InferenceRequest:
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bytes] | None:
         """(status, headers, the headers rendered as lines, payload); None when the client went away.
         `infer`: a POST to a path ending in /infer (the front door's lane checked it), routed directly."""
+        frontdoor.GATE.passed += 1
         try:
             status, payload, headers = await (self._infer_path(body) if infer else self._dispatch(body))
         except ServingError as exc:
             if exc.status == CLIENT_CLOSED:
                 return None
+            if isinstance(exc, Shed):  # refused for want of capacity after all this request cost: the gate learns
+                frontdoor.GATE.refused += 1
             status, payload, headers = exc.status, error_body(exc.message), [*JSON, *exc.headers]
             if isinstance(exc, Unauthenticated | Forbidden):
                 metrics.REQUESTS.labels("", "", str(exc.status)).inc()  # refused before routing
@@ -545,9 +548,11 @@ class InferenceRequest:
                 plane.gateway.usage.record(viewer, entry.model, entry.version, 503, 0, 0.0, waited_ms / 1000)
         else:
             metrics.SHED.labels(name, "", "frontend", "0").inc()
-        raise Unavailable(
+        raise Shed(
             f"server saturated: its event loop runs {lag_ms:.0f} ms late and this request waited"
             f" {waited_ms:.0f} ms before it was handled",
+            reason="frontend",
+            tier=0,
             retry_after=1,
         )
 

@@ -112,19 +112,25 @@ class FrontDoorGate(ShedGate):
         self.count: Callable[[bytes], None] = lambda url: None
         self._rendered: tuple[str, bytes, bytes] = ("", b"", b"")
 
-    def answer(self, keep_alive: bool) -> bytes:
-        """The 503 for a refused request, with or without `connection: close` (rendered once per reason)."""
-        reason, keep, closing = self._rendered
-        if reason != self.reason or not keep:
-            reason = self.reason
-            body = orjson.dumps({"error": f"server saturated: {reason}"})
-            head = (
-                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-                b"content-length: " + str(len(body)).encode() + b"\r\n"
-            )
-            keep, closing = head + b"\r\n" + body, head + b"connection: close\r\n\r\n" + body
-            self._rendered = (reason, keep, closing)
+    def answer(self, keep_alive: bool, reason: str = "") -> bytes:
+        """The 503 for a refused request, with or without `connection: close`: for the gate's own reason
+        (rendered once per reason) or for `reason`, one request's (rendered for it)."""
+        if reason:
+            return self._render(reason)[0 if keep_alive else 1]
+        rendered, keep, closing = self._rendered
+        if rendered != self.reason or not keep:
+            keep, closing = self._render(self.reason)
+            self._rendered = (self.reason, keep, closing)
         return keep if keep_alive else closing
+
+    @staticmethod
+    def _render(reason: str) -> tuple[bytes, bytes]:
+        body = orjson.dumps({"error": f"server saturated: {reason}"})
+        head = (
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n"
+        )
+        return head + b"\r\n" + body, head + b"connection: close\r\n\r\n" + body
 
 
 GATE = FrontDoorGate()
@@ -171,7 +177,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.reading = False  # the connection is new, or a request has begun and not all arrived
         self.read_timer: asyncio.TimerHandle | None = None
         self.read_timer_at = 0.0  # when read_timer fires, on time.monotonic()'s clock
-        self.shed = False  # the current request is refused by the shed gate
+        # The current request is refused in the protocol: "gate" by the shed gate, else the reason it waited
+        # too long; "" while it is not.
+        self.shed = ""
         self._extend = self.extend_read_deadline
         self.first_byte = 0.0  # time.monotonic() when the current request's first byte reached this machine
         self.received_at: _ReceivedAt | None = None  # once connected
@@ -292,10 +300,20 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.raw_headers += (name, value)
 
     def on_headers_complete(self) -> None:
-        self.shed = False
+        self.shed = ""
         url = self.url
         parser = self.parser
-        shedding = GATE.drop > 0.0 and GATE.shedding  # a draw: taken once per request
+        # A request that has already waited past the front end's bound (in the kernel, for a loop that is
+        # behind) is refused here, as the gate's are, not by its handler: a refusal must cost far less than
+        # an answer, or the work of refusing crowds out the answering, and a loop behind on its reading falls
+        # further behind the more it refuses.
+        waited = time.monotonic() - self.first_byte
+        if waited < GATE.least_wait:
+            GATE.least_wait = waited
+        if waited > GATE.wait_bound or waited * 1000.0 > LIMITS.max_frontend_wait_ms:
+            shedding = f"this request waited {waited * 1000.0:.0f} ms before it was read"
+        else:
+            shedding = "gate" if GATE.drop > 0.0 and GATE.shedding else ""  # a draw: taken once per request
         if (
             self.infer is not None
             and not shedding
@@ -330,20 +348,25 @@ class FrontDoorProtocol(HttpToolsProtocol):
                     self.flow.pause_reading()
                     self.pipeline.appendleft((lane, None))  # type: ignore[arg-type]
                 return
-        self._begin_asgi()
         if (
             shedding
             and (self.cycle is None or self.cycle.response_complete)
             and _is_infer(self.url)
             and (self.parser.get_method() == b"POST")
         ):
+            # Refused without an ASGI scope: what it costs is what the gate saves.
             GATE.count(self.url)
-            if self.expect_100_continue:  # its client waits for a 100 before sending the body: answer now
-                self.transport.write(GATE.answer(False))
+            reason = "" if shedding == "gate" else shedding
+            raw = self.raw_headers
+            if any(  # its client waits for a 100 before sending the body: answer now
+                raw[i].lower() == b"expect" and raw[i + 1].lower() == b"100-continue" for i in range(0, len(raw), 2)
+            ):
+                self.transport.write(GATE.answer(False, reason))
                 self.transport.close()
                 return
-            self.shed = True  # answered at on_message_complete; its body is parsed and dropped
+            self.shed = shedding  # answered at on_message_complete; its body is parsed and dropped
             return
+        self._begin_asgi()
         limit = self.max_concurrency
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             app, self.app = self.app, over_capacity
@@ -424,12 +447,13 @@ class FrontDoorProtocol(HttpToolsProtocol):
                 self._start_lane(lane)
             return
         if self.shed:
-            self.shed = False
+            reason = "" if self.shed == "gate" else self.shed
+            self.shed = ""
             if self.parser.should_keep_alive():
-                self.transport.write(GATE.answer(True))
+                self.transport.write(GATE.answer(True, reason))
                 self.on_response_complete()  # keep-alive timer, flow control, pipelined requests
             else:
-                self.transport.write(GATE.answer(False))
+                self.transport.write(GATE.answer(False, reason))
                 self.transport.close()
             return
         super().on_message_complete()
