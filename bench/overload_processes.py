@@ -2,7 +2,7 @@
 host (`manage.py serve --workers N`, issue 19's item 3), in one run: the same capacity search and ramp for each.
 
     .venv/bin/python -m bench.overload_processes [--quick] [--workers 1,2] [--models digits-wide,digits]
-        [--record docs/benchmarks/overload-processes.md]
+        [--multipliers 1,2,3,3,3,3 --capacity 3000 --ramp-step 6] [--record docs/benchmarks/overload-processes.md]
 
 Embedded mode: SQLite in a fresh data directory, no Redis. With N > 1, `serve` starts `manage.py nodehost`
 (the models, their batches and every tenant's quota) and N web processes on one port
@@ -37,11 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="1,2", help="web process counts to run, in turn")
     p.add_argument("--models", default=f"{overload.WIDE_MODEL},{overload.FAST_MODEL}")
     p.add_argument("--ramp-step", type=float, help="seconds per ramp step")
+    p.add_argument(
+        "--multipliers", help="the ramp's steps, as multiples of capacity (default: bench.overload's), e.g. 1,2,3,3,3"
+    )
+    p.add_argument(
+        "--capacity", type=float, help="req/s the multipliers are of, for every configuration (default: searched)"
+    )
     p.add_argument("--record", type=Path, help="splice the section into this page (overload-processes.md)")
     a = p.parse_args(argv)
     s = overload.OverloadSettings.for_mode(a.quick)
     if a.ramp_step:
         s.step_s = a.ramp_step
+    if a.multipliers:
+        s.multipliers = tuple(float(m) for m in a.multipliers.split(",") if m)
     counts = [int(w) for w in a.workers.split(",") if w]
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
@@ -69,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                 for model in models:
                     label = f"{model}, {workers} web process{'es' if workers > 1 else ''}"
                     try:
-                        cap = arun(overload.measure_capacity(server.base, model, s))
-                        results.append(arun(overload.ramp(server, model, cap, "measured here", True, s, label)))
+                        if a.capacity:
+                            cap, source = a.capacity, "given (--capacity)"
+                        else:
+                            cap, source = arun(overload.measure_capacity(server.base, model, s)), "measured here"
+                        results.append(arun(overload.ramp(server, model, cap, source, True, s, label)))
                     except Exception as exc:  # the other ramps still say something
                         say(f"{label}: {type(exc).__name__}: {exc}")
                         results.append(
