@@ -12,9 +12,9 @@ the loop runs and falls slowly.
 The lag is not the only sign. A loop can keep its timers on time and still spend most of its work on
 requests that are refused after all: admission's 503 (the device cannot answer them within their
 deadline) comes after the body was parsed, the key checked and the request routed, most of what an answer
-costs. While the loop's thread is busy (BUSY) and more than REFUSED_TARGET of the requests that passed
-the gate were refused so, the gate takes more of them itself, for a fraction of the cost. Only a busy
-loop: a compute-bound model refuses much of its overload at admission while the loop idles, and there
+costs. While the loop's thread is busy (BUSY: a third of the time) and more than REFUSED_TARGET of the
+requests that passed the gate were refused so, the gate takes more of them itself, for a fraction of the
+cost. Only a busy loop: a compute-bound model refuses much of its overload at admission while the loop idles, and there
 refusing at the door would save nothing (and would refuse requests its fallback would have answered).
 
 And a request's wait before it is read (in the kernel, dated by its stamp) is bounded at the door, as
@@ -62,7 +62,9 @@ class ShedGate:
     # loop's thread from which that counts.
     REFUSED_TARGET = 0.1
     REFUSED_GAIN = 0.1
-    BUSY = 0.6
+    # 0.35, not a saturated loop's 0.9: beside a node host, each of two web processes ran 45-50% of the time
+    # at 3x while the machine's two cores were full, and what their refusals cost was the device's.
+    BUSY = 0.35
     # How much of the refused and passed counts a tick keeps: admission refuses in bursts (a batch's worth
     # at a time as a queue crosses its bound), which one tick's share would follow.
     REFUSED_MEMORY = 0.8
