@@ -13,12 +13,9 @@ The lag is not the only sign. A loop can keep its timers on time and still spend
 requests that are refused after all: admission's 503 (the device cannot answer them within their
 deadline) comes after the body was parsed, the key checked and the request routed, most of what an answer
 costs. While the loop's thread is busy (BUSY: a third of the time) and more than REFUSED_TARGET of the
-requests it begins are refused so, the gate takes more of them itself, for a fraction of the cost. Of the
-requests begun, not of those past the gate: as the gate takes more, fewer are left to refuse, so it stops
-where the waste is REFUSED_TARGET of the work, even where some share of what passes is always refused
-(a lower tier's tighter bound). Only a busy loop: a compute-bound model refuses much of its overload at
-admission while the loop idles, and there refusing at the door would save nothing (and would refuse
-requests its fallback would have answered).
+requests that passed the gate were refused so, the gate takes more of them itself, for a fraction of the
+cost. Only a busy loop: a compute-bound model refuses much of its overload at admission while the loop idles, and there
+refusing at the door would save nothing (and would refuse requests its fallback would have answered).
 
 And a request's wait before it is read (in the kernel, dated by its stamp) is bounded at the door, as
 CoDel bounds a packet's: by the front end's bound (FERRY_MAX_FRONTEND_WAIT_MS) while the waits are a burst
@@ -49,8 +46,8 @@ class ShedGate:
     the requests refused past it; and the bound on a request's wait before it is read (`wait_bound`).
 
     The protocol counts the requests it begins in `seen`, and the least wait of those it reads in
-    `least_wait`; handlers count their refusals for want of capacity in `refused`. `tick` reads and
-    resets the counts, so a late loop with too few requests to be
+    `least_wait`; handlers count what they answer in `passed` and their refusals for want of capacity in
+    `refused`. `tick` and `sojourn` read and reset the counts, so a late loop with too few requests to be
     their doing is not answered by refusing them. `draw` is the random source of the per-request decision
     (uniform on [0, 1)); a test passes its own.
     """
@@ -60,15 +57,15 @@ class ShedGate:
     MIN_PRESSURE = 5
     MAX_DROP = 0.98  # never all: some requests keep measuring the way through
 
-    # The share of the requests begun that a busy loop may see refused after all, past the gate, before the
-    # gate takes more of them; how fast the share refused at the gate follows the excess; and the busy share
-    # of the loop's thread from which that counts.
+    # The share of requests past the gate that a busy loop may see refused after all before the gate takes
+    # more of them; how fast the share refused at the gate follows the excess; and the busy share of the
+    # loop's thread from which that counts.
     REFUSED_TARGET = 0.1
     REFUSED_GAIN = 0.1
     # 0.35, not a saturated loop's 0.9: beside a node host, each of two web processes ran 45-50% of the time
     # at 3x while the machine's two cores were full, and what their refusals cost was the device's.
     BUSY = 0.35
-    # How much of the refused and begun counts a tick keeps: admission refuses in bursts (a batch's worth
+    # How much of the refused and passed counts a tick keeps: admission refuses in bursts (a batch's worth
     # at a time as a queue crosses its bound), which one tick's share would follow.
     REFUSED_MEMORY = 0.8
     STANDING_TICKS = 2  # ticks in a row whose requests all waited past the sojourn target: a queue stands
@@ -76,8 +73,9 @@ class ShedGate:
     def __init__(self, draw: Callable[[], float] = random.random) -> None:
         self.drop = 0.0
         self.seen = 0  # requests begun since the last tick (the protocol counts, `tick` reads and resets)
-        self.refused = 0  # of those, the ones a handler refused 503 for want of capacity (the handler counts)
-        self._seen = 0.0  # the decayed sums `tick` keeps of the two
+        self.passed = 0  # requests past the gate answered by a handler since the last tick (the protocol counts)
+        self.refused = 0  # of those, the ones refused 503 for want of capacity (the handler counts)
+        self._passed = 0.0  # the decayed sums `tick` keeps of the two
         self._refused = 0.0
         self.draw = draw
         self.reason = ""  # why it refuses, for the answer's message; changes only when `drop` does
@@ -99,9 +97,9 @@ class ShedGate:
         """One tick: raise the drop share while the loop runs later than `target` (seconds), in
         proportion to how much later, if `requests` (begun since the last tick) are enough to be the
         cause; or while its thread was `busy` (the share of the tick it ran) for BUSY or more and the
-        share of the requests begun that were `refused` for want of capacity past the gate exceeds
-        REFUSED_TARGET, in proportion to the excess. Lower it slowly once the loop runs well within its
-        target and neither holds."""
+        share of requests past the gate `refused` for want of capacity exceeds REFUSED_TARGET, in
+        proportion to the excess. Lower it slowly once the loop runs well within its target and neither
+        holds."""
         if target <= 0:
             raise ValueError(f"the lag target must be positive, not {target!r}")
         wasted = busy >= self.BUSY and refused > self.REFUSED_TARGET
@@ -110,7 +108,7 @@ class ShedGate:
             self._cause = f"its event loop runs {lag * 1000:.0f} ms late"
         elif wasted:
             self.drop = min(self.MAX_DROP, self.drop + self.REFUSED_GAIN * (refused - self.REFUSED_TARGET))
-            self._cause = f"{refused:.0%} of the requests it took were refused for want of capacity after all"
+            self._cause = f"{refused:.0%} of the inference it took was refused for want of capacity"
         elif lag < target / 2 and self.drop:
             self.drop = max(0.0, self.drop - 0.02)
         if self.drop:
@@ -120,7 +118,7 @@ class ShedGate:
         self, lag: float, target: float, busy: float = 0.0, wait_bound: float = math.inf, sojourn: float = 0.0
     ) -> None:
         """The lag ticker's step: steer by `lag`, the loop's `busy` share since the last tick, the requests
-        seen since then, and the share of them refused for want of capacity past the gate, recently; and
+        seen since then, and the share of those past the gate refused for want of capacity, recently; and
         set the bound on a request's wait before it is read: `wait_bound` (seconds; the front end's), or
         `sojourn` (CoDel's target; 0: none) while a queue stands before the read.
 
@@ -130,10 +128,10 @@ class ShedGate:
         at the door; one request read within it ends that."""
         seen, self.seen = self.seen, 0
         memory = self.REFUSED_MEMORY
-        self._seen = memory * self._seen + seen
+        self._passed = memory * self._passed + self.passed
         self._refused = memory * self._refused + self.refused
-        self.refused = 0
-        refused = self._refused / self._seen if self._seen >= self.MIN_PRESSURE else 0.0
+        self.passed = self.refused = 0
+        refused = self._refused / self._passed if self._passed >= self.MIN_PRESSURE else 0.0
         self.steer(lag, target, seen, refused=refused, busy=busy)
         least, self.least_wait = self.least_wait, math.inf
         self.standing = self.standing + 1 if seen >= self.MIN_PRESSURE and 0 < sojourn < least else 0
@@ -141,6 +139,6 @@ class ShedGate:
 
     def reset(self) -> None:
         self.drop = 0.0
-        self.seen = self.refused = self.standing = 0
-        self._seen = self._refused = 0.0
+        self.seen = self.passed = self.refused = self.standing = 0
+        self._passed = self._refused = 0.0
         self.least_wait = self.wait_bound = math.inf

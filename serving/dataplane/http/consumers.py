@@ -217,6 +217,7 @@ class InferenceRequest:
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bytes] | None:
         """(status, headers, the headers rendered as lines, payload); None when the client went away.
         `infer`: a POST to a path ending in /infer (the front door's lane checked it), routed directly."""
+        frontdoor.GATE.passed += 1
         try:
             status, payload, headers = await (self._infer_path(body) if infer else self._dispatch(body))
         except ServingError as exc:
