@@ -24,7 +24,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import httptools
@@ -177,9 +177,9 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.reading = False  # the connection is new, or a request has begun and not all arrived
         self.read_timer: asyncio.TimerHandle | None = None
         self.read_timer_at = 0.0  # when read_timer fires, on time.monotonic()'s clock
-        # The current request is refused in the protocol: "gate" by the shed gate, else the reason it waited
-        # too long; "" while it is not.
-        self.shed = ""
+        # The current request is refused in the protocol, with this reason for its answer ("": the shed gate's
+        # own); None while it is not.
+        self.shed: str | None = None
         self._extend = self.extend_read_deadline
         self.first_byte = 0.0  # time.monotonic() when the current request's first byte reached this machine
         self.received_at: _ReceivedAt | None = None  # once connected
@@ -300,7 +300,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.raw_headers += (name, value)
 
     def on_headers_complete(self) -> None:
-        self.shed = ""
+        self.shed = None
         url = self.url
         parser = self.parser
         # A request that has already waited past the front end's bound (in the kernel, for a loop that is
@@ -310,13 +310,14 @@ class FrontDoorProtocol(HttpToolsProtocol):
         waited = time.monotonic() - self.first_byte
         if waited < GATE.least_wait:
             GATE.least_wait = waited
+        shedding: str | None = None  # why this request is refused here ("": the gate's own reason)
         if waited > GATE.wait_bound or waited * 1000.0 > LIMITS.max_frontend_wait_ms:
             shedding = f"this request waited {waited * 1000.0:.0f} ms before it was read"
-        else:
-            shedding = "gate" if GATE.drop > 0.0 and GATE.shedding else ""  # a draw: taken once per request
+        elif GATE.drop > 0.0 and GATE.shedding:  # a draw: taken once per request
+            shedding = ""
         if (
             self.infer is not None
-            and not shedding
+            and shedding is None
             and url.startswith(b"/v2/models/")
             and url.endswith(b"/infer")
             and parser.get_method() == b"POST"
@@ -349,19 +350,16 @@ class FrontDoorProtocol(HttpToolsProtocol):
                     self.pipeline.appendleft((lane, None))  # type: ignore[arg-type]
                 return
         if (
-            shedding
+            shedding is not None
             and (self.cycle is None or self.cycle.response_complete)
             and _is_infer(self.url)
             and (self.parser.get_method() == b"POST")
         ):
             # Refused without an ASGI scope: what it costs is what the gate saves.
             GATE.count(self.url)
-            reason = "" if shedding == "gate" else shedding
             raw = self.raw_headers
-            if any(  # its client waits for a 100 before sending the body: answer now
-                raw[i].lower() == b"expect" and raw[i + 1].lower() == b"100-continue" for i in range(0, len(raw), 2)
-            ):
-                self.transport.write(GATE.answer(False, reason))
+            if _expects_continue(zip(raw[::2], raw[1::2], strict=True)):  # waits for a 100 to send its body
+                self.transport.write(GATE.answer(False, shedding))
                 self.transport.close()
                 return
             self.shed = shedding  # answered at on_message_complete; its body is parsed and dropped
@@ -384,7 +382,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         """uvicorn's scope for a request that goes by ASGI (what its on_message_begin and on_header build)."""
         raw = self.raw_headers
         self.headers = headers = list(zip(map(bytes.lower, raw[::2]), raw[1::2], strict=True))
-        self.expect_100_continue = any(n == b"expect" and v.lower() == b"100-continue" for n, v in headers)
+        self.expect_100_continue = _expects_continue(headers)
         self.scope.update(
             {  # type: ignore[typeddict-item]
                 "type": "http",
@@ -405,7 +403,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         )
 
     def on_body(self, body: bytes) -> None:
-        if self.shed:
+        if self.shed is not None:
             return
         lane = self.cycle
         if type(lane) is not Lane:
@@ -441,14 +439,13 @@ class FrontDoorProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self.reading = False
         lane = self.cycle
-        if type(lane) is Lane and not self.shed:
+        if type(lane) is Lane and self.shed is None:
             lane.more_body = False
             if lane.turn and not lane.started:
                 self._start_lane(lane)
             return
-        if self.shed:
-            reason = "" if self.shed == "gate" else self.shed
-            self.shed = ""
+        if self.shed is not None:
+            reason, self.shed = self.shed, None
             if self.parser.should_keep_alive():
                 self.transport.write(GATE.answer(True, reason))
                 self.on_response_complete()  # keep-alive timer, flow control, pipelined requests
@@ -707,6 +704,11 @@ def render_head(headers: list[tuple[bytes, bytes]]) -> bytes:
     if head.count(b"\n") != lines or head.count(b"\r") != lines or b"\0" in head:
         raise ValueError("a response header holds CR, LF or NUL")
     return head
+
+
+def _expects_continue(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's client waits for a 100 before sending its body (`Expect: 100-continue`)."""
+    return any(n.lower() == b"expect" and v.lower() == b"100-continue" for n, v in headers)
 
 
 def _is_infer(url: bytes) -> bool:
