@@ -192,12 +192,13 @@ def _troughs(scenarios: list[dict[str, Any]], rush: dict[str, dict[str, Any]]) -
         f" day 2: {'; '.join(parts)}. Scale-in consolidates (`placement.consolidate`, make before break, at most"
         f" {sc.scaling.consolidate_moves} moves in flight, a device under {sc.scaling.consolidate_below:.0%} of its"
         f" compute for {sc.scaling.consolidate_hold:g} s), so a device is freed, not only a replica; day 2's trough"
-        f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough starts"
-        f" {period - start - 2 * sc.traffic.length:.0f} s after day 1's fall ends, past the scale-in cool-down"
-        f" ({sc.scaling.cool_down:g} s). The predictive and trend-only policies keep more there on purpose: the"
-        " headroom they learnt from day 1's rise (held for `rise_history`), the capacity day 1's saturated replicas"
-        " were seen to serve (held for `served_ttl`), and, predictive only, the seasonal hold of what day 2's rush"
-        " will need."
+        f" within 10% of day 1's: {', '.join(verdicts)}. Day 2's trough is the {start:.0f} s from the end of day 1's"
+        f" fall to day 2's rush: the scale-in cool-down ({sc.scaling.cool_down:g} s), then consolidation's hold and"
+        " its moves' cold starts, come within it. What a policy may keep there beyond day 1's trough: the headroom"
+        " learnt from day 1's rise (`rise_history`; trend-only all of it, predictive only what its seasonal profile"
+        " does not foresee at that time of day, since the season orders that rise one lead time ahead), the"
+        " capacity day 1's saturated replicas were seen to serve (`served_ttl`), and, predictive only, the seasonal"
+        " hold of what day 2's rush will need within one cool-down before it."
     ]
 
 

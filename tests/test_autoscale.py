@@ -422,6 +422,37 @@ def test_learned_rises_leave_the_history_and_survive_the_exported_state() -> Non
         Autoscaler({"gpu": GB}, rise_quantile=1.0)
 
 
+def test_a_rise_the_season_holds_is_ordered_ahead_not_kept_as_headroom_all_day() -> None:
+    # given "days" of 200 s (20 buckets of 10 s) with a rush from 100 to 300 a second from t = 100 to 160 each
+    # day, replicas of 100 a second at a 0.5 target, a 35 s lead, no cool-down, learned headroom on, and the
+    # season on or off
+    def rate(t: float) -> float:
+        return 300.0 if 100 <= t % 200 < 160 else 100.0
+
+    cfg = config(cool_down=0.0, max_replicas=50)
+    runs = {}
+    for season in (200.0, 0.0):
+        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=20)
+        total, replicas, decisions = 0, 2, {}
+        for t in range(0, 400):
+            total += int(rate(t))
+            decision = scaler.tick(float(t), [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"]
+            decisions[t], replicas = decision, decision.replicas
+        runs[season] = decisions
+    seasonal, plain = runs[200.0], runs[0.0]
+    # then in the quiet hours after the rush, without the season, the fleet holds at full utilisation what the
+    # rush reached within one lead time (100 x (1 + 2) / 100 = 3 replicas where the target asks for 2); the
+    # seconds around the day's turn at 200 are left out (the trend, overshooting out of the fall, asks for 3 in
+    # both), and those from 251, when the seasonal one begins to order the rush
+    quiet = [*range(170, 194), *range(230, 251)]
+    assert all((plain[t].replicas, plain[t].reason) == (3, "headroom") for t in quiet)
+    # while the seasonal one holds the target's 2: the profile knows the rush at that time of day (its own day
+    # counted, as the forecast counts it), so none of it is headroom
+    assert all(seasonal[t].replicas == 2 for t in quiet)
+    # and it orders the rush one lead time ahead instead (300 / 50 = 6), before it comes
+    assert seasonal[295].replicas >= 6 > plain[295].replicas
+
+
 def test_surge_headroom_holds_what_a_ramp_reaches_in_one_lead_time_at_full_utilisation() -> None:
     # given replicas of 100 requests a second sized at a 0.5 target, a 35 s lead, and a declared surge of
     # 10 requests a second per second: 350 more within one lead time

@@ -304,8 +304,10 @@ def test_a_season_foresees_the_second_days_rush_where_the_trend_alone_is_late():
             (r["shed_share"] + r["expired_share"]) * r["rate"] * 2 for r in rows if day * 80 < r["t"] <= day * 80 + 80
         )
 
-    # Then on day 1, before any profile exists, the two are the same run, and nothing foresees the rush
-    assert runs["predictive"][:40] == runs["trend-only"][:40]
+    # Then on day 1, before any profile exists, the two are the same run, and nothing foresees the rush (they
+    # part in day 1's last window: the profile now holds the rush, which the predictive policy no longer keeps
+    # as headroom since its season will order it)
+    assert runs["predictive"][:39] == runs["trend-only"][:39]
     assert failed(runs["predictive"], 0) > 10_000
     # and on day 2 the season has ordered replicas a lead time ahead, where the trend alone is late again: a
     # tenth of the failures at most (not none: the 40 nodes run out at the peak, and nothing moves a replica

@@ -48,7 +48,11 @@ Per version, each tick:
   Nothing is declared: at a flat rate `h` is the rate's own noise, within the target's slack, and costs
   nothing; after a rush has been seen, the fleet holds what the worst rises of the history reached, at the
   cost of that headroom until they leave the history. A first-seen rise is learnt only once it has happened:
-  admission and the fallback answer it meanwhile;
+  admission and the fallback answer it meanwhile. With a seasonal profile (the version's own, and one of the
+  pool's summed rate), a rise counts only for what the profile does not foresee at its time of day (`1 + rise`
+  over the rise the profile reads across that lead time): a rush the profile holds is ordered one lead time
+  ahead by the season, and holding its size as headroom all day besides would pay for it twice. Its own day
+  counts, as the forecast does with `season_min_periods` at 1: what came at this time is taken to come again;
 - surge headroom (`surge`, requests a second per second, 0 by default) is the declared form of the same: the
   growth the pool must absorb unannounced, each version holding at full utilisation its demand plus its share
   (its short-window rate over the pool's) of `surge x lead`;
@@ -223,14 +227,17 @@ _MAX_RISE = 10.0  # a rise from almost nothing is capped: a quiet version's 0.2 
 
 class _Rises:
     """A rate's rises over one lead time: the largest of each `bucket` seconds, over the last `history` seconds
-    (so the state a tick hands on stays small: an hour of minute buckets is 60 numbers a version)."""
+    (so the state a tick hands on stays small: an hour of minute buckets is 60 numbers a version), each with the
+    time it was seen, so that a seasonal profile can later say how much of it came at its time of day."""
 
-    __slots__ = ("rates", "buckets", "seen")
+    __slots__ = ("rates", "buckets", "seen", "changes", "cached")
 
     def __init__(self) -> None:
         self.rates: deque[tuple[float, float]] = deque()  # (at, rate), back to one lead time ago
-        self.buckets: deque[list[float]] = deque()  # [bucket start, largest rise in it]
+        self.buckets: deque[list[float]] = deque()  # [bucket start, largest rise in it, when it was seen]
         self.seen = 0  # rises recorded (capped): a quantile needs some history
+        self.changes = 0  # bumped whenever `buckets` changes: with the profile's folds, what a quantile depends on
+        self.cached: tuple[tuple[int, int, float, float], float] | None = None
 
     def add(self, now: float, rate: float, lead: float, history: float, bucket: float) -> None:
         rates = self.rates
@@ -244,18 +251,37 @@ class _Rises:
             rise = min(max(rate / before - 1.0, 0.0), _MAX_RISE)
             start = math.floor(now / bucket) * bucket
             if self.buckets and self.buckets[-1][0] == start:
-                self.buckets[-1][1] = max(self.buckets[-1][1], rise)
+                if rise > self.buckets[-1][1]:
+                    self.buckets[-1][1:] = [rise, now]
+                    self.changes += 1
             else:
-                self.buckets.append([start, rise])
+                self.buckets.append([start, rise, now])
+                self.changes += 1
             self.seen = min(self.seen + 1, 1 << 20)
         while self.buckets and self.buckets[0][0] + bucket < now - history - _EPS:
             self.buckets.popleft()
+            self.changes += 1
 
-    def quantile(self, q: float, min_samples: int) -> float:
+    def quantile(
+        self, q: float, min_samples: int, season: SeasonalProfile | None = None, lead: float = 0.0, span: float = 0.0
+    ) -> float:
+        """The `q` quantile of the rises kept; with a seasonal profile, of what of each the profile does not foresee:
+        the rise over what it says the rise's time of day brings against one lead time before (`span`: the rate's
+        window, whose middle the rates stand at). A rise the profile knows of is forecast one lead time ahead
+        (`Autoscaler._decide`), so holding headroom for it as well would pay for it twice."""
         if q <= 0 or self.seen < max(min_samples, 1) or not self.buckets:
             return 0.0
-        ordered = sorted(b[1] for b in self.buckets)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        key = (self.changes, -1 if season is None else season.folds, lead, span)
+        if self.cached is not None and self.cached[0] == key:
+            return self.cached[1]
+        if season is None:
+            rises = [b[1] for b in self.buckets]
+        else:
+            rises = [_unforeseen(b[1], season.ratio(b[2] - lead - span / 2, b[2] - span / 2)) for b in self.buckets]
+        rises.sort()
+        value = rises[min(len(rises) - 1, int(q * len(rises)))]
+        self.cached = (key, value)
+        return value
 
     def export(self) -> dict[str, Any]:
         return {"rates": [list(r) for r in self.rates], "buckets": [list(b) for b in self.buckets], "seen": self.seen}
@@ -265,9 +291,19 @@ class _Rises:
         rises = cls()
         if stored:
             rises.rates.extend((float(a), float(r)) for a, r in stored.get("rates", ()))
-            rises.buckets.extend([float(a), float(r)] for a, r in stored.get("buckets", ()))
+            # An earlier release kept no time per bucket: its start stands in.
+            rises.buckets.extend(
+                [float(b[0]), float(b[1]), float(b[2] if len(b) > 2 else b[0])] for b in stored.get("buckets", ())
+            )
             rises.seen = int(stored.get("seen", 0))
         return rises
+
+
+def _unforeseen(rise: float, ratio: float | None) -> float:
+    """What of a rise of `rise` (0.5: 50%) a profile that foresaw the rate multiplied by `ratio` left over."""
+    if ratio is None or ratio <= 1.0:
+        return rise
+    return max((1.0 + rise) / ratio - 1.0, 0.0)
 
 
 @dataclass
@@ -347,6 +383,8 @@ class Autoscaler:
         self._pool_rises = _Rises()  # the pooled short-window rate's rises over the longest lead seen
         # The seasonal settings, as an empty profile each version's track starts from (None: off).
         self._season = SeasonalProfile(season, season_buckets, season_gamma, season_min_periods) if season > 0 else None
+        # All versions' summed rate by time of day: what of the pool's rises it foresees needs no headroom.
+        self._pool_season = self._new_season()
         self._tracks: dict[str, _Track] = {}
         self._pool: deque[tuple[float, float, int]] = deque()  # (start, end, arrivals of every version)
         self._pool_at: float | None = None
@@ -378,6 +416,7 @@ class Autoscaler:
             "pool": [list(p) for p in self._pool],
             "pool_at": self._pool_at,
             "pool_rises": self._pool_rises.export(),
+            "pool_season": self._pool_season.export() if self._pool_season is not None else None,
         }
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
@@ -410,6 +449,7 @@ class Autoscaler:
         pool_at = state.get("pool_at")
         self._pool_at = None if pool_at is None else float(pool_at)
         self._pool_rises = _Rises.restored(state.get("pool_rises"))
+        self._pool_season = self._season_from(state.get("pool_season"))
 
     def _season_from(self, stored: Mapping[str, Any] | None) -> SeasonalProfile | None:
         if self._season is None:
@@ -433,15 +473,17 @@ class Autoscaler:
             if track is not None:
                 arrivals += self._record(track, now, obs)
         pooled = self._pooled(now, arrivals)
+        lead = max((obs.config.lead_time for obs in observed), default=0.0)
         # The pool's headroom is learnt from the ticks before this one; its sample of this tick is added after.
-        pool_headroom = self._pool_rises.quantile(self.rise_quantile, self.rise_min_samples)
+        pool_headroom = self._pool_rises.quantile(
+            self.rise_quantile, self.rise_min_samples, self._pool_season, lead, self.short_window
+        )
         decisions: dict[str, Decision] = {}
         configs: dict[str, ScalingConfig] = {}
         for obs in observed:
             configs[obs.version] = obs.config
             decisions[obs.version] = self._decide(now, obs, pooled, pool_headroom)
         if self.rise_quantile > 0 and decisions:
-            lead = max(c.lead_time for c in configs.values())
             self._pool_rises.add(
                 now, sum(d.short_rate for d in decisions.values()), lead, self.rise_history, self.rise_bucket
             )
@@ -461,7 +503,9 @@ class Autoscaler:
         headroom = 0.0
         if self.rise_quantile > 0:
             track.rises.add(now, short, cfg.lead_time, self.rise_history, self.rise_bucket)
-            own = track.rises.quantile(self.rise_quantile, self.rise_min_samples)
+            own = track.rises.quantile(
+                self.rise_quantile, self.rise_min_samples, track.season, cfg.lead_time, self.short_window
+            )
             headroom = max(own, pool_headroom)
         forecast = max(self._forecast(track, cfg.lead_time), 0.0)
         growth = pooled.growth(now, cfg.lead_time)
@@ -581,6 +625,8 @@ class Autoscaler:
         """The line through the pooled rates of the trend window, its slope kept only when significant."""
         if self._pool_at is not None and now > self._pool_at:
             self._pool.append((self._pool_at, now, arrivals))
+            if self._pool_season is not None:
+                self._pool_season.add(self._pool_at, now, arrivals)
         if self._pool_at is None or now > self._pool_at:
             self._pool_at = now
         pool = self._pool

@@ -31,6 +31,9 @@ class SeasonalProfile:
     current: int | None = None  # the bucket being observed, counted from time 0 (not modulo the period)
     count: int = 0  # its arrivals so far
     seconds: float = 0.0  # and the seconds of it observed
+    # Buckets folded in since this object was made, so a reader can tell its answers may have changed (a cache
+    # key, not the profile: a restored copy starts at 0 and equals the original).
+    folds: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if self.period <= 0 or self.buckets < 2:
@@ -69,6 +72,7 @@ class SeasonalProfile:
         rate = self.count / self.seconds
         self.rates[i] = rate if not self.seen[i] else self.rates[i] + self.gamma * (rate - self.rates[i])
         self.seen[i] += 1
+        self.folds += 1
 
     def at(self, t: float) -> float | None:
         """The profile's rate at time `t`, None where a bucket it needs has too few periods behind it."""
