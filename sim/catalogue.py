@@ -49,6 +49,7 @@ class SimVersion:
     arrivals_total: int = 0  # offered to this version (routed or fallen back), as a counter metric
     refused_total: int = 0  # of arrivals_total, refused by admission (production's gateways count theirs in Redis)
     in_service: int = 0  # rows on a device now
+    last_used: float = 0.0  # when a batch of it last began: what placement's LRU eviction orders by
     # Of its replicas' devices (they share its queue), the one that takes its next turn; the others do not
     # wake for it (sim.engine: `_covered`, `_hand_off`). None: whichever looks next claims it.
     waker: Any = None

@@ -135,6 +135,7 @@ class Simulation:
             m.trace = [float(t) for t in times]
         self.snap: dict[str, float] = {}
         self._last_tick = 0.0
+        self._evictions_seen = 0  # of fleet.evicted, those whose versions' waiting work was answered
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -192,12 +193,15 @@ class Simulation:
         """Every version starts with the replicas its policy wants for the opening load, already warm."""
         rate0 = self.sc.traffic.at(0.0)
         static = isinstance(self.policy, scaling.Static)
-        for v in sorted(self.versions, key=lambda v: -v.memory_bytes):
+        # Versions no policy scales come last: in production they are loaded where the policy's replicas left room.
+        for v in sorted(self.versions, key=lambda v: (not v.family.autoscaled, -v.memory_bytes)):
             v.observed = rate0 * v.model.popularity * v.weight
             if not static:
                 v.demand = v.observed
             warm = self.sc.scaling.warm_pool
-            if static:
+            if not v.family.autoscaled:
+                want = 1
+            elif static:
                 want = self.policy.desired(0.0)[v]
             elif self.sc.scaling.opening_replicas:
                 want = self.sc.scaling.opening_replicas
@@ -503,6 +507,7 @@ class Simulation:
         dev.busy_until = end
         dev.batch_version = v
         dev.batch_rows = rows
+        v.last_used = now
         dev.busy_seconds += dur
         w = self.metrics.at(end)
         record, counts = w.pieces.extend, w.counts
@@ -638,7 +643,8 @@ class Simulation:
         for d in self.fleet.powered():
             if d.busy_until > now and d.batch_version is not None:
                 d.batch_version.in_service += d.batch_rows
-        desired = self.policy.desired(now)
+        # What no policy scales is left as it is (placement alone may evict it).
+        desired = {v: n for v, n in self.policy.desired(now).items() if v.family.autoscaled}
         self._reconcile(desired, now)
         self._plan_turns(now)
         self._gauges(now, desired)
@@ -674,6 +680,10 @@ class Simulation:
             for _ in range(extra):
                 if self.fleet.add(v, now) is None:
                     break
+        for _, evicted in self.fleet.evicted[self._evictions_seen :]:
+            if evicted.ready and not evicted.version.ready_count:
+                self._unload(evicted.version, now)
+        self._evictions_seen = len(self.fleet.evicted)
         self.fleet.consolidation_step(now)  # the reconciler's consolidation step, after its placement
         for at, replica in self.fleet.events:
             self._push(at, READY, replica)
@@ -697,7 +707,7 @@ class Simulation:
             g(now, "work_utilisation", (work - last[2]) / (on - last[1]))
         self._last_gauge = (busy, on, work)
         g(now, "devices", len(powered))
-        g(now, "replicas_ready", sum(v.ready_count for v in self.versions))
+        g(now, "replicas_ready", sum(v.ready_count for v in self.versions if v.family.autoscaled))
         g(now, "replicas", sum(staying(v) for v in self.versions))
         g(now, "moving", len(self.fleet.moves))  # consolidation moves in flight: each a second copy loading
         g(now, "queued", sum(v.queue.rows for v in self.versions))

@@ -11,7 +11,8 @@ node of the type is started, within the type's budget; past the budget the repli
 (its new copy loads, with a cold start, and the old one goes once that is ready), so emptied devices power off.
 Before it, relief (`placement.relieve`, as the reconciler relieves) moves replicas off a device whose co-located
 replicas grew past it, make before break the same way. Nothing else moves a replica once placed: production does
-not either.
+not either. A version no policy scales (its family not autoscaled) has no minimum: where `place` finds room for a
+new replica only by evicting it (idle, least recently used first), it is evicted, as a node makes room at load.
 """
 
 from __future__ import annotations
@@ -62,8 +63,16 @@ class Device:
         self.ready_turn = sum(r.version.full_batch for r in self.hosted if r.ready)
 
     def state(self) -> NodeState:
-        """The node as placement sees it: each replica here at its share of its version's demand."""
-        hot = {r.version.key: Resident(spec_of(r.version, max(staying(r.version), 1)), 0.0) for r in self.hosted}
+        """The node as placement sees it: each replica here at its share of its version's demand, when its version
+        last ran and what of it is queued or on a device (in flight: never evicted)."""
+        hot = {
+            r.version.key: Resident(
+                spec_of(r.version, max(staying(r.version), 1)),
+                r.version.last_used,
+                r.version.queue.rows + r.version.in_service,
+            )
+            for r in self.hosted
+        }
         return NodeState(self.name, self.kind.name, self.memory_budget, hot)
 
 
@@ -73,14 +82,15 @@ def staying(v: SimVersion) -> int:
 
 
 def spec_of(v: SimVersion, replicas: int) -> VersionSpec:
-    """`v` as placement sees it with `replicas` sharing its demand. Every simulated version is a stable one with
-    a minimum replica: placement never evicts it, the reconciler alone scales it in."""
+    """`v` as placement sees it with `replicas` sharing its demand. A simulated version is a stable one with a
+    minimum replica, which placement never evicts (the reconciler alone scales it in), unless its family is not
+    autoscaled: then it has no minimum, and placement may evict it when idle to make room."""
     return VersionSpec(
         v.key,
         v.memory_bytes,
         accelerators=frozenset({v.node.name}),
         stable=True,
-        min_replicas=1,
+        min_replicas=1 if v.family.autoscaled else 0,
         load=v.busy_share(v.demand / replicas),
     )
 
@@ -102,6 +112,9 @@ class Fleet:
         self.quiet: dict[str, float] = {}  # device -> since when its load has been under the threshold
         self.moves: list[tuple[Move, Replica, Replica]] = []  # in flight: the move, its old copy, its new one
         self.moved = 0  # moves completed (the old copy unloaded once the new one was ready)
+        # Replicas placement evicted to make room for another's load, with when: (at, replica). The engine answers
+        # what waited for a version left with no replica ready, as at any unload.
+        self.evicted: list[tuple[float, Replica]] = []
 
     def powered(self) -> list[Device]:
         return [d for ds in self.devices.values() for d in ds if d.on]
@@ -109,16 +122,21 @@ class Fleet:
     def add(self, v: SimVersion, now: float, *, warm: bool = False) -> Replica | None:
         """Start one more replica of `v`; None when no node can take it."""
         pool = self.devices[v.node.name]
-        device = self._place(v, [d for d in pool if d.on], now)
-        if device is None:
+        placed = self._place(v, [d for d in pool if d.on], now)
+        if placed is None:
             idle = next((d for d in pool if not d.on), None)
             if idle is None:
                 self.unschedulable += 1
                 return None
             self._power(idle, True, now)
-            device = self._place(v, [idle], now)
-            if device is None:  # footprint over a whole node: the scenario is wrong
+            placed = self._place(v, [idle], now)
+            if placed is None:  # footprint over a whole node: the scenario is wrong
                 raise ValueError(f"{v.key} does not fit an empty {v.node.name} node")
+        device, evict = placed
+        for key in evict:  # idle versions without a minimum, least recently used first, as a node makes room
+            victim = next(r for r in device.hosted if r.version.key == key)
+            self.drop(victim, now, power_off=False)
+            self.evicted.append((now, victim))
         return self._start(v, device, now, warm=warm)
 
     def _start(self, v: SimVersion, device: Device, now: float, *, warm: bool = False) -> Replica:
@@ -201,9 +219,10 @@ class Fleet:
             self.moves.append((move, old, new))
             self.relieved += 1
 
-    def _place(self, v: SimVersion, candidates: list[Device], now: float) -> Device | None:
+    def _place(self, v: SimVersion, candidates: list[Device], now: float) -> tuple[Device, list[str]] | None:
         """The node `place` picks for one more replica of `v`, among the candidates not holding one already (what
-        `place` itself would keep rather than load: one replica of a version per node)."""
+        `place` itself would keep rather than load: one replica of a version per node), and the versions it evicts
+        there to make room."""
         nodes = [d.state() for d in candidates if all(r.version is not v for r in d.hosted)]
         if not nodes:
             return None
@@ -213,7 +232,7 @@ class Fleet:
         if not names:
             return None
         by_name = {d.name: d for d in candidates}
-        return by_name[names[0]]
+        return by_name[names[0]], list(plan.evictions.get(names[0], ()))
 
     def remove(self, v: SimVersion, now: float) -> Replica | None:
         """Scale `v` in by one, where `placement.place` scales in as the reconciler asks it (one replica fewer
@@ -238,7 +257,9 @@ class Fleet:
         self.drop(victim, now)
         return victim
 
-    def drop(self, victim: Replica, now: float) -> None:
+    def drop(self, victim: Replica, now: float, *, power_off: bool = True) -> None:
+        """Unload `victim`; its device powers off once empty and idle, unless `power_off` is False (an eviction,
+        whose device takes another replica at once)."""
         v = victim.version
         v.replicas.remove(victim)
         victim.removed = True
@@ -247,7 +268,7 @@ class Fleet:
         if victim.ready:
             v.ready_count -= 1
             device.refresh()
-        if not device.hosted and device.busy_until <= now:
+        if power_off and not device.hosted and device.busy_until <= now:
             self._power(device, False, now)
 
     def release_if_empty(self, device: Device, now: float) -> None:

@@ -161,4 +161,6 @@ def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictiv
         "reactive": Reactive,
         "static": Static,
     }
-    return policies[name](scenario, versions)
+    # A version no policy scales (its family not autoscaled) is not observed either: production's autoscaler
+    # observes the versions with a scaling policy.
+    return policies[name](scenario, [v for v in versions if v.family.autoscaled])

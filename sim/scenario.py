@@ -105,6 +105,10 @@ class Family:
     # Its versions' target utilisation, where it is their own (a real fleet's is each version's ScalingPolicy's:
     # sim.validation_fleet's twin); None: the scenario's `scaling.target_utilisation`.
     target_utilisation: float | None = None
+    # False: no scaling policy, as a version registered without one (or with no minimum) is in production: it opens
+    # with one replica, the scaling policy never observes or scales it, and placement may evict it, least recently
+    # used first, to make room for what the policy wants (sim.validation_fleet's twin).
+    autoscaled: bool = True
 
     @property
     def cited(self) -> dict[str, str]:
@@ -228,6 +232,7 @@ def _family(name: str, spec: dict[str, Any]) -> Family:
         max_queue_delay_ms=float(spec.get("max_queue_delay_ms", 5.0)),
         cold_start=None if spec.get("cold_start") is None else float(spec["cold_start"]),
         target_utilisation=None if spec.get("target_utilisation") is None else float(spec["target_utilisation"]),
+        autoscaled=bool(spec.get("autoscaled", True)),
         profile_ms=tuple(sorted((int(b), float(ms)) for b, ms in profile.items())),
         scale=_pair(spec.get("scale", 1.0)),
         source=tuple(sorted(source.items())),

@@ -76,6 +76,7 @@ def summarise(sim: Finished, wall: float, cpu: float) -> dict[str, Any]:
         "accelerator_hours_by_type": hours,
         "cost": sum(hours[k] * costs[k] for k in hours),
         "cold_starts": sim.fleet.cold_starts,
+        "evictions": [[round(at, 3), replica.version.key] for at, replica in sim.fleet.evicted],
         "unschedulable": sim.fleet.unschedulable,
         "peak_devices": max((row.get("devices", 0) for row in timeline), default=0),
         "events": sim.events,

@@ -15,10 +15,10 @@ A run has three parts, each its own record:
 
 `judge` compares them: the node's p50 and p99 (what the simulator models: queue, batch and compute) within 20%
 (or within 5 ms where both are under 25 ms), throughput within 20%, replicas over time (the most and the mean
-per window) and cold starts. The client's latencies, which on a shared CPU are mostly the machine's time
-outside the node, are recorded beside them (with that time, measured per request, added to the simulated
-node's: `with_overhead`), not judged. Plain Python: the process harness
-is `tests/test_sim_validate_fleet.py`, and `docs/validation.md` records a run with its command.
+per window), cold starts, and evictions (the same count: an idle version's, `idle_version`). The client's
+latencies, which on a shared CPU are mostly the machine's time outside the node, are recorded beside them (with
+that time, measured per request, added to the simulated node's: `with_overhead`), not judged. Plain Python: the
+process harness is `tests/test_sim_validate_fleet.py`, and `docs/validation.md` records a run with its command.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class RunPlan:
     window: float = 5.0  # seconds per compared window (replicas over time)
     seed: int = 1
     timeout: float = 2.0  # each request's deadline, seconds
+    # A version registered without a scaling policy or a minimum, sent nothing, to be evicted (`idle_version`).
+    idle: VersionPlan | None = None
 
     def rate_at(self, t: float) -> float:
         return self.step_rate if t >= self.step_at else self.rate
@@ -78,9 +80,10 @@ def zipf_plan(
     step_at: float = 20.0,
     duration: float = 50.0,
     seed: int = 1,
+    idle: bool = False,
 ) -> RunPlan:
     """`n` versions of sizes from small to large (the most popular the smallest, as a catalogue's cheap models
-    draw most traffic), shares by Zipf rank."""
+    draw most traffic), shares by Zipf rank; with `idle`, a version to evict besides (`idle_version`)."""
     weights = [(rank + 1) ** -zipf for rank in range(n)]
     total = sum(weights)
     versions = tuple(
@@ -93,14 +96,48 @@ def zipf_plan(
         )
         for i, w in enumerate(weights)
     )
-    return RunPlan(versions, rate, step_rate, step_at, duration, seed=seed)
+    return RunPlan(
+        versions, rate, step_rate, step_at, duration, seed=seed, idle=idle_version(versions) if idle else None
+    )
 
 
 def short_plan(duration: float = 20.0) -> RunPlan:
     """The short form's plan (`tests/test_sim_validate_fleet.py`): 12 then 72 requests a second, the step at 40%
-    of the run. In 20 s that is about a thousand answers, so a p99 (its tenth largest) moves by sampling alone
-    less than the judge's 20% (`tests/test_sim_validate_judge.py` measures how often)."""
-    return zipf_plan(10, rate=12.0, step_rate=72.0, step_at=duration * 0.4, duration=duration)
+    of the run, and an idle version to evict. In 20 s that is about a thousand answers, so a p99 (its tenth
+    largest) moves by sampling alone less than the judge's 20% (`tests/test_sim_validate_judge.py` measures how
+    often)."""
+    return zipf_plan(10, rate=12.0, step_rate=72.0, step_at=duration * 0.4, duration=duration, idle=True)
+
+
+# The run's eviction. Each node's budget (`node_budget`) holds every version of the plan with ROOM to spare, so
+# the reconciler, placing by best fit, packs them all on one node. The idle version (`idle_version`), registered
+# after them without a scaling policy or a minimum, as production holds a version no policy scales (hot wherever
+# it fits, evictable when idle), fills the other node but for less than the smallest version the step scales: the
+# step's first new replica there finds no room until placement evicts the idle version, on the real node and in
+# the twin alike, and once it is gone the rest fit.
+ROOM = 64 * 1024
+
+
+def chain_bytes(width: int) -> int:
+    """A `Chain(width, layers)`'s parameters in bytes (float32: 64 x width in, width x width, width x 10 out), the
+    footprint a node measures for it, whatever its layers (they share one matrix)."""
+    return 4 * (64 * width + width * width + 10 * width)
+
+
+def node_budget(plan: RunPlan) -> int:
+    """Bytes each node of the run may fill: every version of the plan (not the idle one) and ROOM."""
+    return sum(chain_bytes(v.width) for v in plan.versions) + ROOM
+
+
+def idle_version(versions: Sequence[VersionPlan]) -> VersionPlan:
+    """The widest `Chain` that leaves less free on a node of `node_budget` than half the smallest of the SCALED
+    most popular versions needs (one step, one layer, sent nothing)."""
+    budget = sum(chain_bytes(v.width) for v in versions) + ROOM
+    most = budget - min(chain_bytes(v.width) for v in versions[:SCALED]) // 2
+    width = 64
+    while chain_bytes(width + 1) <= most:
+        width += 1
+    return VersionPlan(name="val-idle", width=width, layers=1, max_batch_size=8, share=0.0)
 
 
 # Each version's target utilisation is set from its calibrated profile so that the step asks a clear answer of
@@ -167,7 +204,7 @@ def scenario_for(
         c = cal[v.name]
         profile = {int(b): float(ms) for b, ms in c["profile_ms"].items()}
         families[v.name] = {
-            "share": 1.0 / len(plan.versions),
+            "share": 1.0 / (len(plan.versions) + (plan.idle is not None)),  # the assignment decides
             "accelerator": "cpu",
             "memory_gb": c["memory_bytes"] / 2**30,
             "max_batch_size": v.max_batch_size,
@@ -181,11 +218,26 @@ def scenario_for(
             "source": {"kind": "measured", "command": "tests/test_sim_validate_fleet.py (calibration run)"},
         }
     loads = [float(cal[v.name]["load_seconds"]) for v in plan.versions]
+    if plan.idle is not None:
+        # Sent nothing, so its profile is never run: the smallest version's stands in. No policy scales it.
+        smallest = min(plan.versions, key=lambda v: chain_bytes(v.width))
+        families[plan.idle.name] = {
+            **families[smallest.name],
+            "memory_gb": chain_bytes(plan.idle.width) / 2**30,
+            "max_batch_size": plan.idle.max_batch_size,
+            "profile_ms": {
+                b: ms for b, ms in families[smallest.name]["profile_ms"].items() if b <= plan.idle.max_batch_size
+            }
+            or {1: min(families[smallest.name]["profile_ms"].values())},
+            "target_utilisation": None,
+            "autoscaled": False,
+            "source": {"kind": "assumption", "what": "never run: the idle version is sent nothing"},
+        }
     doc = {
         "name": "validate-fleet",
         "duration": plan.duration,
         "seed": plan.seed,
-        "versions": len(plan.versions),
+        "versions": len(families),
         "canary_share": 0.0,
         "fallback_share": 0.0,
         "zipf": 1.0,
@@ -223,7 +275,7 @@ def scenario_for(
     }
     scenario = from_dict(doc)
     # The catalogue ranks models by Zipf popularity; the plan's versions are in rank order, so model i is version i.
-    return scenario.scaled(assignment=tuple(range(len(plan.versions))))
+    return scenario.scaled(assignment=tuple(range(len(families))))
 
 
 def with_overhead(hist: np.ndarray, overhead_ms: Sequence[float], seed: int, draws: int = 50_000) -> np.ndarray:
@@ -261,10 +313,10 @@ def simulated(
     outside the node per request, from `overhead_ms` (the compared run's own, client less node, where given;
     else the calibration's), for the page."""
     twin = scenario_for(plan, calibration, nodes=nodes, memory_bytes=memory_bytes, slowdown=slowdown)
-    run = Simulation(twin, "predictive", arrivals=by_version(arrivals(plan), len(plan.versions)))
+    run = Simulation(twin, "predictive", arrivals=by_version(arrivals(plan), len(twin.families)))
     cal = calibration["versions"]
     for v in run.versions:
-        v.slowdown = slowdown / float(cal[v.family.name].get("slowdown", 1.0))
+        v.slowdown = slowdown / float(cal.get(v.family.name, {}).get("slowdown", 1.0))
     result = run.run()
     extra = calibration.get("overhead_ms", ()) if overhead_ms is None else overhead_ms
     hist = run.metrics.hists.sum(axis=0)
@@ -290,6 +342,8 @@ def simulated(
         "slowdown": slowdown,
         "replicas": [[row["t"], row.get("replicas_ready", 0.0)] for row in result["timeline"]],
         "cold_starts": result["cold_starts"],
+        "evictions": len(result["evictions"]),
+        "evicted": result["evictions"],  # (seconds from the start, version) each
     }
 
 
@@ -411,6 +465,8 @@ def judge(measured: Mapping[str, Any], sim: Mapping[str, Any]) -> dict[str, bool
         "replicas_peak": bool(real_replicas and sim_replicas) and round(max(real_replicas)) == round(max(sim_replicas)),
         "replicas_over_time": gap <= 0.5,
         "cold_starts": abs(sim["cold_starts"] - measured["cold_starts"]) <= max(1, WITHIN * measured["cold_starts"]),
+        # a record from before the idle version has no evictions on either side to compare
+        **({"evictions": sim["evictions"] == measured["evictions"]} if "evictions" in measured else {}),
     }
 
 
@@ -469,6 +525,32 @@ def _run_line(r: Mapping[str, Any]) -> str:
     )
 
 
+def _budget(record: Mapping[str, Any]) -> str:
+    plan = record["plan"]
+    if plan.get("idle") is None:  # a record from before the idle version: the budget was the harness's constant
+        return "256 MiB budget"
+    budget = sum(chain_bytes(v["width"]) for v in plan["versions"]) + ROOM
+    return f"a budget of {budget:,} bytes, the versions' footprints and {ROOM // 1024} KiB"
+
+
+def _idle_lines(record: Mapping[str, Any]) -> list[str]:
+    idle = record["plan"].get("idle")
+    if idle is None:
+        return []
+    return [
+        f"- An idle version (`{idle['name']}`, {chain_bytes(idle['width']):,} bytes), registered after the others'"
+        " placement without a scaling",
+        "  policy or a minimum and sent nothing: the reconciler packed the ten on one node (the harness checks",
+        "  it), so it loads on the other, where the step's first new replica finds no room until the node evicts",
+        "  it (`idle_version`); the twin opens the same way and places through the same `placement.place`.",
+    ]
+
+
+def _evictions(side: Mapping[str, Any]) -> str:
+    when = ", ".join(f"{at:.1f} s" for at, _ in side.get("evicted", ()))
+    return f"{side['evictions']}" + (f" (at {when})" if when else "")
+
+
 def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, Any]] = ()) -> str:
     """docs/validation.md from a recorded run (`FERRY_VALIDATION_RECORD`), with one line for each other run."""
     m, s, verdict, plan = record["measured"], record["simulated"], record["verdict"], record["plan"]
@@ -497,11 +579,13 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "",
         "## The run",
         "",
-        "- Two `runnode` processes (256 MiB budget each, one torch thread), the web process, a Celery worker and",
-        f"  beat; {len(plan['versions'])} versions of different sizes (`bench.gil_contention.Chain`, 64 to 256 wide,",
+        f"- Two `runnode` processes ({_budget(record)} each, one torch thread), the web process, a Celery worker",
+        f"  and beat; {len(plan['versions'])} versions of different sizes (`bench.gil_contention.Chain`, 64 to 256"
+        " wide,",
         "  20 to 50 steps, largest batches 8, 16 and 32), each autoscaled between one and two replicas, its",
         "  target utilisation set from its calibrated profile (`step_targets`) so that the three most popular",
         "  need two replicas at the step and the others a quarter of one.",
+        *_idle_lines(record),
         f"- Zipf traffic (s = 1, the top version {plan['versions'][0]['share']:.0%} of requests) at"
         f" {plan['rate']:g} requests/s,",
         f"  stepping to {plan['step_rate']:g}/s at {plan['step_at']:g} s, for {plan['duration']:g} s, on a fixed"
@@ -549,6 +633,11 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         f"| most replicas ready | {max(n for _, n in m['replicas'] if math.isfinite(n)):.0f} |"
         f" {max(n for _, n in s['replicas']):.0f} | {yes('replicas_peak')} |",
         f"| cold starts | {m['cold_starts']} | {s['cold_starts']} | {yes('cold_starts')} (20%, or 1) |",
+        *(
+            [f"| evictions | {_evictions(m)} | {_evictions(s)} | {yes('evictions')} (the same count) |"]
+            if "evictions" in verdict
+            else []
+        ),
         "",
         f"Replicas ready per {plan['window']:g} s window ({yes('replicas_over_time')}: half a replica apart on"
         " average at most):",
@@ -580,8 +669,10 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "",
         "## What it does not check yet",
         "",
-        "- Eviction: the simulator has no on-demand tier to evict from, and this run places every version by the",
-        "  reconciler, so nothing is evicted on either side.",
+        "- One eviction, of a version sent nothing: a version evicted while requests still come for it is loaded",
+        "  again on demand by a real node (`Node._wake`), which the simulator does not model (it refuses them,",
+        "  `no_replica`); nor does it model the host-memory copy an eviction keeps warm. The runs before",
+        "  2026-12-05 10:00 UTC had no idle version and a 256 MiB budget: nothing was evicted on either side.",
         "- The time outside the node is measured, not modelled: the client's latencies are shown with the run's",
         "  own, and a change to the gateway or the streams is not judged here.",
         "- The slowdown scales compute and loads, and the hand-offs and late starts are the run's own; the rest",

@@ -11,7 +11,9 @@ steps, largest batches 8 to 32), each autoscaled (one replica at least, two at m
 2. The compared run: Zipf traffic on a fixed timetable (`sim.validation_fleet.arrivals`), with a step that the
    autoscaler answers with more replicas (each version's target utilisation set from its calibrated profile,
    `sim.validation_fleet.step_targets`: the three most popular need two at the step, the others a quarter of
-   one). Each request
+   one), and an eleventh version, idle, registered after the ten without a scaling policy or a minimum
+   (`sim.validation_fleet.idle_version`): each node's budget (`node_budget`) packs the ten on one node, the idle
+   one fills the other, and the step's first new replica there evicts it. Each request
    carries a trace id of its own, so the nodes' spans (exported to `tests/otlp_receiver.py`) give its time on
    the node; the machine's slowdown is read over the run.
 3. The simulator, fed the calibration, the plan and the slowdowns, `sim.validation_fleet.simulated`; `judge`
@@ -51,7 +53,7 @@ from autoscaling import tick
 from autoscaling.models import ScalingPolicy
 from bench.gil_contention import Chain
 from serving.dataplane.gateway.snapshot import hub
-from serving.dataplane.transport import fleet
+from serving.dataplane.transport import fleet, fleet_events
 from serving.demo import save_artifact
 from serving.models import ModelVersion
 from serving.publish import publish_snapshot
@@ -75,7 +77,6 @@ pytestmark = [
 ]
 
 NODES = ["val-a", "val-b"]
-MEMORY = 256 * 2**20
 TOKEN = "validation-metrics-token"
 QUEUE = 128
 WINDOW_MS = 5.0  # every version's batch window, the real ones' and their twins'
@@ -338,6 +339,48 @@ def register_plan(p: vf.RunPlan, tmp_path: Path) -> str:
     return key
 
 
+def register_idle(p: vf.RunPlan, tmp_path: Path) -> str:
+    """The plan's idle version registered without a scaling policy or a minimum (nothing keeps it: placement may
+    evict it when idle) and published: every node loads it where it fits. Its key."""
+    assert p.idle is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        artifact = tmp_path / f"{p.idle.name}.pt"
+        save_artifact(Chain(p.idle.width, p.idle.layers).eval(), "torchscript", torch.zeros(1, 64), artifact)
+        version = register(
+            artifact,
+            p.idle.name,
+            max_batch_size=p.idle.max_batch_size,
+            max_queue_size=QUEUE,
+            max_queue_delay_ms=WINDOW_MS,
+            default_timeout_ms=2000,
+        )
+        version.min_replicas = 0
+        version.save(update_fields=["min_replicas", "updated_at"])
+    finally:
+        torch.set_num_threads(threads)
+    held = hub.current
+    with override_settings(REDIS_URL=REDIS_URL):
+        publish_snapshot()
+    hub.current = held
+    return f"{p.idle.name}:1"
+
+
+def evictions(client: redis.Redis) -> int:
+    return sum(i.counts.get("evictions", 0) for i in heartbeats(client))
+
+
+def evicted_since(client: redis.Redis, since: float) -> list[list[object]]:
+    """The nodes' evictions from the fleet's event stream after `since` (epoch seconds): (seconds after it, key)."""
+    out = []
+    for _, fields in client.xrange(fleet_events.STREAM):
+        event = fleet_events.decode(fields[fleet_events.FIELD])
+        if event.kind == "evict" and event.at >= since:
+            out.append([round(event.at - since, 2), event.key])
+    return out
+
+
 @pytest.fixture
 def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
     # the node's per-request timings come as its spans, exported to a receiver in this process; the web process
@@ -359,7 +402,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
     web = start("web", serve, tmp_path, FERRY_GRPC_PORT="0", **AUTOSCALE_ENV, **traced)
     web.port = port
     ports = [free_port() for _ in NODES]
-    argv = ["manage.py", "runnode", "--accelerator", "cpu", "--memory", f"{MEMORY >> 20}MiB"]
+    argv = ["manage.py", "runnode", "--accelerator", "cpu", "--memory", str(vf.node_budget(p))]
     nodes = [
         start(n, [*argv, "--name", n, "--metrics-port", str(mp)], tmp_path, **AUTOSCALE_ENV, **NODE_ENV, **traced)
         for n, mp in zip(NODES, ports, strict=True)
@@ -414,7 +457,7 @@ def terminate(procs: list, grace: float = 5.0) -> None:
             proc.proc.kill()
 
 
-def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(system) -> None:  # noqa: ANN001
+def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(system, tmp_path: Path) -> None:  # noqa: ANN001
     client, web, key, ports, procs, p, receiver = system
     started_load = os.getloadavg()
     began = time.monotonic()
@@ -453,7 +496,19 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     fresh_autoscaler(client)
     wait_for("one replica of each again", lambda: replicas_ready(client, keys) == len(keys), procs, 120)
     wait_for("the web process sees them again", lambda: web_sees_ready(web, key, p), procs, 60)
+    # and the reconciler's best fit packed them on one node, where the idle version, registered now, has no room:
+    # it loads on the other (what the twin does: `vf.idle_version`)
+    layout = {info.name: sorted(info.hot & keys) for info in heartbeats(client)}
+    assert sorted(len(hot) for hot in layout.values()) == [0, len(keys)], f"not packed on one node: {layout}"
+    idle = register_idle(p, tmp_path)
+    wait_for(
+        "the idle version hot on the other node",
+        lambda: any(idle in info.hot and not info.hot & keys for info in heartbeats(client)),
+        procs,
+        60,
+    )
     loads_before = sum(i.counts.get("loads", 0) for i in heartbeats(client))
+    evictions_before = evictions(client)
     mark("ready")
     # and the compared run sends its timetable, the machine's slowdown read over the same seconds
     sched = computing(procs)
@@ -469,6 +524,7 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     mark("compared")
     time.sleep(2)  # the nodes' next heartbeats carry the loads
     loads = sum(i.counts.get("loads", 0) for i in heartbeats(client)) - loads_before
+    evicted = evictions(client) - evictions_before
     # and the nodes' spans of the compared run's requests arrive (exported every half second)
     ok = {trace for _, status, _, trace in answered if status == 200}
     times = wait_for_spans(receiver, ok)
@@ -477,6 +533,7 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         vf.summarise_answers(answered, p)
         | vf.node_side(answered, times, WINDOW_MS)
         | {"replicas": vf.replicas_by_window(samples, p), "cold_starts": loads, "slowdown": machine}
+        | {"evictions": evicted, "evicted": evicted_since(client, wall.timestamp())}
     )
     # then the simulator, fed the calibration, the same plan and the machine's slowdown, its ticks where the real
     # ones ran (the first, which found no history, was the first sample's start), agrees on every check
@@ -485,7 +542,7 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
         p,
         calibration,
         nodes=len(NODES),
-        memory_bytes=MEMORY,
+        memory_bytes=vf.node_budget(p),
         slowdown=machine,
         overhead_ms=measured.pop("overhead_ms"),
         unmodelled_ms=measured.pop("unmodelled_ms"),
@@ -519,6 +576,8 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     assert measured["refused"] == 0 or not math.isnan(measured["p50_ms"])
     # the node's timings cover the answers (a full export queue drops spans): the judged latencies are theirs
     assert measured["traced"] >= 0.9 * measured["answered"], (measured["traced"], measured["answered"])
+    # the step evicted the idle version (so the eviction check compares one, not none with none)
+    assert measured["evictions"] >= 1, measured["evicted"]
     assert all(verdict.values()), verdict
 
 

@@ -112,6 +112,38 @@ def test_replicas_and_cold_starts_must_match_over_time() -> None:
     assert vf.judge(gaps, sim)["replicas_over_time"]
 
 
+def test_the_twin_evicts_the_idle_version_once_when_the_step_needs_its_room() -> None:
+    # Given the short form's plan, its idle version and the nodes' budget (the ten packed on one node, the idle
+    # one on the other with less room left than a scaled version needs), footprints as a node measures them and
+    # the targets the harness sets
+    plan = vf.short_plan(20.0)
+    assert plan.idle is not None
+    budget = vf.node_budget(plan)
+    scaled = [vf.chain_bytes(v.width) for v in plan.versions[: vf.SCALED]]
+    assert (
+        budget - vf.chain_bytes(plan.idle.width) < min(scaled) <= budget - vf.chain_bytes(plan.idle.width) + sum(scaled)
+    )
+    cal = calibration(plan)
+    for v in plan.versions:
+        cal["versions"][v.name]["memory_bytes"] = vf.chain_bytes(v.width)
+    profiles = {name: c["profile_ms"] for name, c in cal["versions"].items()}
+    for name, target in vf.step_targets(plan, profiles).items():
+        cal["versions"][name]["target_utilisation"] = target
+    cal["opening_replicas"] = 1
+    # When the twin runs
+    sim = vf.simulated(plan, cal, nodes=2, memory_bytes=budget)
+    # Then the step's first new replica evicts the idle version, once, a tick or two after the step; the replicas
+    # counted are the scaled versions' (ten, then thirteen)
+    assert sim["evictions"] == 1 and sim["evicted"][0][1].endswith("val-idle:1"), sim["evicted"]
+    assert plan.step_at < sim["evicted"][0][0] <= plan.step_at + 3
+    assert sim["replicas"][0][1] == 10 and max(n for _, n in sim["replicas"]) == 13
+    # and the judge asks the same count of the real run
+    assert vf.judge(measured_from(sim, evictions=1), sim)["evictions"]
+    assert not vf.judge(measured_from(sim, evictions=0), sim)["evictions"]
+    # while with room for all of it beside the rest nothing is evicted
+    assert vf.simulated(plan, cal, nodes=2, memory_bytes=256 << 20)["evictions"] == 0
+
+
 def busy_overhead(n: int = 400) -> list[float]:
     """Overhead samples outside the node as a busy 2-core machine gives them: median 8 ms, p99 near 65 ms
     (lognormal, sigma 0.9), the size of what the calibrations here measured (docs/validation.md)."""
