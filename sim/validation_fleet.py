@@ -521,16 +521,18 @@ def _run_line(r: Mapping[str, Any]) -> str:
     return (
         f"- {r['when']}, commit {r.get('commit', '?')}, {plan['duration']:g} s{loaded}: {latencies}, replicas at most"
         f" {max(n for _, n in m['replicas'] if math.isfinite(n)):.0f} against {max(n for _, n in s['replicas']):.0f},"
-        f" cold starts {m['cold_starts']} against {s['cold_starts']}: {verdict}."
+        f" cold starts {m['cold_starts']} against {s['cold_starts']}"
+        + (f", evictions {_evictions(m)} against {_evictions(s)}" if "evictions" in m else "")
+        + f": {verdict}."
     )
 
 
 def _budget(record: Mapping[str, Any]) -> str:
     plan = record["plan"]
     if plan.get("idle") is None:  # a record from before the idle version: the budget was the harness's constant
-        return "256 MiB budget"
+        return "256 MiB"
     budget = sum(chain_bytes(v["width"]) for v in plan["versions"]) + ROOM
-    return f"a budget of {budget:,} bytes, the versions' footprints and {ROOM // 1024} KiB"
+    return f"{budget:,} bytes (the versions' footprints and {ROOM // 1024} KiB)"
 
 
 def _idle_lines(record: Mapping[str, Any]) -> list[str]:
@@ -579,9 +581,9 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "",
         "## The run",
         "",
-        f"- Two `runnode` processes ({_budget(record)} each, one torch thread), the web process, a Celery worker",
-        f"  and beat; {len(plan['versions'])} versions of different sizes (`bench.gil_contention.Chain`, 64 to 256"
-        " wide,",
+        "- Two `runnode` processes (one torch thread each), the web process, a Celery worker and beat; each node's",
+        f"  budget {_budget(record)};",
+        f"  {len(plan['versions'])} versions of different sizes (`bench.gil_contention.Chain`, 64 to 256 wide,",
         "  20 to 50 steps, largest batches 8, 16 and 32), each autoscaled between one and two replicas, its",
         "  target utilisation set from its calibrated profile (`step_targets`) so that the three most popular",
         "  need two replicas at the step and the others a quarter of one.",
@@ -672,7 +674,7 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "- One eviction, of a version sent nothing: a version evicted while requests still come for it is loaded",
         "  again on demand by a real node (`Node._wake`), which the simulator does not model (it refuses them,",
         "  `no_replica`); nor does it model the host-memory copy an eviction keeps warm. The runs before",
-        "  2026-12-05 10:00 UTC had no idle version and a 256 MiB budget: nothing was evicted on either side.",
+        "  2026-12-05 09:35 UTC had no idle version and a 256 MiB budget: nothing was evicted on either side.",
         "- The time outside the node is measured, not modelled: the client's latencies are shown with the run's",
         "  own, and a change to the gateway or the streams is not judged here.",
         "- The slowdown scales compute and loads, and the hand-offs and late starts are the run's own; the rest",
