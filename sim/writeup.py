@@ -444,7 +444,16 @@ def render(
             f"![{s['name']}]({s['plot']})",
             "",
         ]
-    lines += ["## Validation against the real server", ""]
+    lines += [
+        "## Validation against the real server",
+        "",
+        "The fleet's own validation is [validation.md](validation.md): two `runnode` processes, the web process, a"
+        " Celery worker and beat, ten versions of different sizes under Zipf traffic with a step that the"
+        " autoscaler answers and an idle version that the step's placement evicts, against the same plan"
+        " simulated from a separate calibration run (`sim.validation_fleet`; its short form runs in CI). Below,"
+        " the single-node check it grew from.",
+        "",
+    ]
     if validation:
         lines += [
             "`python -m sim.validate --model M --rate R`: an embedded server (`manage.py serve`) with the demo models,"
