@@ -453,6 +453,32 @@ def test_a_rise_the_season_holds_is_ordered_ahead_not_kept_as_headroom_all_day()
     assert seasonal[295].replicas >= 6 > plain[295].replicas
 
 
+def test_the_seasons_view_of_past_rises_survives_the_exported_state() -> None:
+    # Given the same days, an autoscaler with the season and learned headroom, its state handed at t = 250 (after
+    # day 1's rush) to a fresh one through JSON, as the production tick hands it on
+    def rate(t: float) -> float:
+        return 300.0 if 100 <= t % 200 < 160 else 100.0
+
+    cfg = config(cool_down=0.0, max_replicas=50)
+
+    def run(scaler: Autoscaler, ticks: range, total: int, replicas: int) -> tuple[list[tuple[int, str]], int, int]:
+        out = []
+        for t in ticks:
+            total += int(rate(t))
+            decision = scaler.tick(float(t), [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"]
+            replicas = decision.replicas
+            out.append((decision.replicas, decision.reason))
+        return out, total, replicas
+
+    scaler = Autoscaler({"gpu": 80 * GB}, season=200.0, season_buckets=20)
+    _, total, replicas = run(scaler, range(0, 250), 0, 2)
+    fresh = Autoscaler({"gpu": 80 * GB}, season=200.0, season_buckets=20)
+    fresh.restore_state(json.loads(json.dumps(scaler.export_state())))
+    # When both go on with the same arrivals, then they decide alike: the pool's profile came across too
+    assert fresh.export_state()["pool_season"] == scaler.export_state()["pool_season"]
+    assert run(fresh, range(250, 400), total, replicas)[0] == run(scaler, range(250, 400), total, replicas)[0]
+
+
 def test_surge_headroom_holds_what_a_ramp_reaches_in_one_lead_time_at_full_utilisation() -> None:
     # given replicas of 100 requests a second sized at a 0.5 target, a 35 s lead, and a declared surge of
     # 10 requests a second per second: 350 more within one lead time
