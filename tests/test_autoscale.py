@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -422,6 +423,18 @@ def test_learned_rises_leave_the_history_and_survive_the_exported_state() -> Non
         Autoscaler({"gpu": GB}, rise_quantile=1.0)
 
 
+def following(rate: Callable[[float], float], cfg: ScalingConfig, ticks: range, **settings: Any) -> dict[int, Any]:
+    """One version on an `Autoscaler(**settings)` ticked once a second, holding what each decision asked for (two
+    replicas to start): its decision at each tick."""
+    scaler = Autoscaler({"gpu": 80 * GB}, **settings)
+    total, replicas, decisions = 0, 2, {}
+    for t in ticks:
+        total += int(rate(t))
+        decision = scaler.tick(float(t), [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"]
+        decisions[t], replicas = decision, decision.replicas
+    return decisions
+
+
 def test_a_rise_the_season_holds_is_ordered_ahead_not_kept_as_headroom_all_day() -> None:
     # given "days" of 200 s (20 buckets of 10 s) with a rush from 100 to 300 a second from t = 100 to 160 each
     # day, replicas of 100 a second at a 0.5 target, a 35 s lead, no cool-down, learned headroom on, and the
@@ -430,16 +443,7 @@ def test_a_rise_the_season_holds_is_ordered_ahead_not_kept_as_headroom_all_day()
         return 300.0 if 100 <= t % 200 < 160 else 100.0
 
     cfg = config(cool_down=0.0, max_replicas=50)
-    runs = {}
-    for season in (200.0, 0.0):
-        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=20)
-        total, replicas, decisions = 0, 2, {}
-        for t in range(0, 400):
-            total += int(rate(t))
-            decision = scaler.tick(float(t), [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"]
-            decisions[t], replicas = decision, decision.replicas
-        runs[season] = decisions
-    seasonal, plain = runs[200.0], runs[0.0]
+    seasonal, plain = (following(rate, cfg, range(400), season=s, season_buckets=20) for s in (200.0, 0.0))
     # then in the quiet hours after the rush, without the season, the fleet holds at full utilisation what the
     # rush reached within one lead time (100 x (1 + 2) / 100 = 3 replicas where the target asks for 2); the
     # seconds around the day's turn at 200 are left out (the trend, overshooting out of the fall, asks for 3 in
@@ -718,16 +722,9 @@ def test_replicas_a_known_rise_will_need_within_a_cool_down_are_not_scaled_in_be
         return 400.0 if 50 <= t % 100 < 70 else 100.0
 
     cfg = config(cool_down=30.0, max_replicas=50)
-    runs = {}
-    for season in (100.0, 0.0):
-        scaler = Autoscaler({"gpu": 80 * GB}, season=season, season_buckets=10, rise_quantile=0.0)
-        total, replicas, decisions = 0, 2, {}
-        for t in range(0, 200):
-            total += int(rate(t))
-            decision = scaler.tick(float(t), [Observation("m:1", cfg, total, replicas, per_row)]).decisions["m:1"]
-            decisions[t], replicas = decision, decision.replicas
-        runs[season] = decisions
-    seasonal, plain = runs[100.0], runs[0.0]
+    seasonal, plain = (
+        following(rate, cfg, range(200), season=s, season_buckets=10, rise_quantile=0.0) for s in (100.0, 0.0)
+    )
     # then both held the rush's replicas through the cool-down, and without the season scale in after it, to
     # what 100 a second needs (3: 100 / 50, rounded up over the trend's forecast)
     assert seasonal[75].replicas == plain[75].replicas >= 8

@@ -266,10 +266,7 @@ def install(calibration: dict) -> None:
         version = ModelVersion.objects.get(model__name=name, version=1)
         version.latency_profile = {str(b): ms / 1000 for b, ms in c["profile_ms"].items()}
         version.save(update_fields=["latency_profile", "updated_at"])
-    held = hub.current
-    with override_settings(REDIS_URL=REDIS_URL):
-        publish_snapshot()
-    hub.current = held
+    publish()
 
 
 def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list]:  # noqa: ANN001
@@ -311,31 +308,42 @@ def drive(web, key: str, p: vf.RunPlan, client: redis.Redis) -> tuple[list, list
     return results, samples
 
 
-def register_plan(p: vf.RunPlan, tmp_path: Path) -> str:
-    """Each version of the plan registered (one replica at least) and published; an API key for the traffic."""
+def register_chain(v: vf.VersionPlan, tmp_path: Path, min_replicas: int) -> None:
+    """`v` saved as a `Chain` (on one torch thread: validation measures as each node computes) and registered with
+    the run's batching and `min_replicas` as its minimum."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # validation measures as each node computes, on one thread
+    torch.set_num_threads(1)
     try:
-        for v in p.versions:
-            artifact = tmp_path / f"{v.name}.pt"
-            save_artifact(Chain(v.width, v.layers).eval(), "torchscript", torch.zeros(1, 64), artifact)
-            version = register(
-                artifact,
-                v.name,
-                max_batch_size=v.max_batch_size,
-                max_queue_size=QUEUE,
-                max_queue_delay_ms=WINDOW_MS,
-                default_timeout_ms=2000,
-            )
-            version.min_replicas = 1
-            version.save(update_fields=["min_replicas", "updated_at"])
+        artifact = tmp_path / f"{v.name}.pt"
+        save_artifact(Chain(v.width, v.layers).eval(), "torchscript", torch.zeros(1, 64), artifact)
+        version = register(
+            artifact,
+            v.name,
+            max_batch_size=v.max_batch_size,
+            max_queue_size=QUEUE,
+            max_queue_delay_ms=WINDOW_MS,
+            default_timeout_ms=2000,
+        )
+        version.min_replicas = min_replicas
+        version.save(update_fields=["min_replicas", "updated_at"])
     finally:
         torch.set_num_threads(threads)
-    key = mint_key()
+
+
+def publish() -> None:
+    """The registry's routing snapshot, published to the run's Redis (this process's own hub left as it was)."""
     held = hub.current
     with override_settings(REDIS_URL=REDIS_URL):
         publish_snapshot()
     hub.current = held
+
+
+def register_plan(p: vf.RunPlan, tmp_path: Path) -> str:
+    """Each version of the plan registered (one replica at least) and published; an API key for the traffic."""
+    for v in p.versions:
+        register_chain(v, tmp_path, min_replicas=1)
+    key = mint_key()
+    publish()
     return key
 
 
@@ -343,27 +351,8 @@ def register_idle(p: vf.RunPlan, tmp_path: Path) -> str:
     """The plan's idle version registered without a scaling policy or a minimum (nothing keeps it: placement may
     evict it when idle) and published: every node loads it where it fits. Its key."""
     assert p.idle is not None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        artifact = tmp_path / f"{p.idle.name}.pt"
-        save_artifact(Chain(p.idle.width, p.idle.layers).eval(), "torchscript", torch.zeros(1, 64), artifact)
-        version = register(
-            artifact,
-            p.idle.name,
-            max_batch_size=p.idle.max_batch_size,
-            max_queue_size=QUEUE,
-            max_queue_delay_ms=WINDOW_MS,
-            default_timeout_ms=2000,
-        )
-        version.min_replicas = 0
-        version.save(update_fields=["min_replicas", "updated_at"])
-    finally:
-        torch.set_num_threads(threads)
-    held = hub.current
-    with override_settings(REDIS_URL=REDIS_URL):
-        publish_snapshot()
-    hub.current = held
+    register_chain(p.idle, tmp_path, min_replicas=0)
+    publish()
     return f"{p.idle.name}:1"
 
 
