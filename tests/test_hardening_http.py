@@ -6,6 +6,7 @@ shedding visible in /metrics; registry edits unable to wedge or break serving.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -92,22 +93,34 @@ def test_a_fallback_too_small_for_the_request_is_skipped_not_crashed(  # noqa: A
     assert joined(first, box).status == 200
 
 
-def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_samples, settings) -> None:  # noqa: ANN001
-    x, _ = digits_samples
-    settings.FERRY_MAX_LOOP_LAG_MS = 150
-    plane = digits_server.plane()
+@contextlib.contextmanager
+def late_loop(plane, limit_ms: float):  # noqa: ANN001, ANN201
+    """The plane's event loop held a quarter of a second at a time, again and again, until the block ends; it
+    yields once the loop runs more than `limit_ms` late."""
     stop = threading.Event()
 
-    def hog() -> None:  # a callback that holds the loop 0.25 s, again and again: the loop runs late
+    def hog() -> None:
         time.sleep(0.25)
         if not stop.is_set():
             plane.loop.call_later(0.01, hog)
 
-    before = metrics(digits_server)
-    # given an event loop that keeps running a quarter of a second late
     plane.loop.call_soon_threadsafe(hog)
     try:
-        wait_until(lambda: plane.loop_lag * 1000 > settings.FERRY_MAX_LOOP_LAG_MS, "the loop lag to rise")
+        wait_until(lambda: plane.loop_lag * 1000 > limit_ms, "the loop lag to rise")
+        yield
+    finally:
+        stop.set()
+
+
+def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_samples, settings, monkeypatch) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    settings.FERRY_MAX_LOOP_LAG_MS = 150
+    plane = digits_server.plane()
+    counted: list[str] = []  # what the transport counts as asked for and refused (the fleet autoscaler's demand)
+    monkeypatch.setattr(plane.gateway.transport, "count_refused", counted.append)
+    before = metrics(digits_server)
+    # given an event loop that keeps running a quarter of a second late
+    with late_loop(plane, settings.FERRY_MAX_LOOP_LAG_MS):
         # when inference arrives / then it is refused at once with Retry-After, saying why: the loop is late,
         # or (when it came during a hold, and waited through it before it was read) its own wait
         resp = infer(digits_server, "digits", digits_request(x[:1]))
@@ -116,12 +129,11 @@ def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_sample
         assert resp.headers["retry-after"] == "1"
         # and health still answers
         assert call(digits_server, "GET", "/v2/health/live").status == 200
-    finally:
-        stop.set()
-    # and the refusal is counted among the model's answers and as shed by the front end
+    # and the refusal is counted among the model's answers, as shed by the front end, and as asked for
     after = metrics(digits_server)
     assert grew(before, after, "ferry_requests_total", model="digits", version="1", status="503") >= 1
     assert grew(before, after, "ferry_shed_total", model="digits", version="1", reason="frontend", tier="0") >= 1
+    assert "digits:1" in counted, counted
     # and once the loop keeps up again, the front door stops refusing and inference is served
     from serving.dataplane.http.frontdoor import GATE
 
@@ -130,6 +142,30 @@ def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_sample
         "the loop lag and the front door's refusals to fall",
     )
     assert infer(digits_server, "digits", digits_request(x[:1])).status == 200
+
+
+def test_a_request_its_handler_refuses_for_a_late_loop_is_counted_as_asked_for(  # noqa: ANN001
+    digits_server, digits_samples, settings, monkeypatch
+) -> None:
+    x, _ = digits_samples
+    # given a front door that refuses nothing for its own wait (so the handler's check on the loop decides) and
+    # a loop that runs late
+    settings.FERRY_MAX_LOOP_LAG_MS = 150
+    settings.FERRY_MAX_FRONTEND_WAIT_MS = 60_000
+    plane = digits_server.plane()
+    counted: list[str] = []
+    monkeypatch.setattr(plane.gateway.transport, "count_refused", counted.append)
+    with late_loop(plane, settings.FERRY_MAX_LOOP_LAG_MS):
+        # when inference arrives, then the handler refuses it for the loop's lag
+        message = assert_error(infer(digits_server, "digits", digits_request(x[:1])), 503, "saturated")
+    # and the fleet's autoscaler is told it was asked for (in distributed mode, the version's refusal counter):
+    # a refusal for the front end's sake is demand all the same (until 2026-12-05 it went uncounted, and
+    # tests/test_gateway_admission_processes.py found 15 of 4,254 requests missing from what was asked)
+    assert "ms late" in message, message
+    assert counted == ["digits:1"], counted
+    from serving.dataplane.http.frontdoor import GATE
+
+    wait_until(lambda: plane.loop_lag * 1000 < settings.FERRY_MAX_LOOP_LAG_MS and GATE.drop == 0, "the loop to keep up")
 
 
 def test_a_request_whose_client_left_is_dropped_before_it_runs(  # noqa: ANN001

@@ -22,7 +22,7 @@ from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import QuotaGate
 from serving.dataplane.gateway.shadow import DROPPED as SHADOW_DROPPED
 from serving.dataplane.gateway.shadow import Mirror, Pair
-from serving.dataplane.gateway.snapshot import RoutingSnapshot
+from serving.dataplane.gateway.snapshot import RoutingSnapshot, VersionEntry
 from serving.dataplane.http.frontdoor import GATE
 from serving.dataplane.http.frontdoor import LIMITS as frontdoor_limits
 from serving.dataplane.metrics import metrics
@@ -140,15 +140,25 @@ class DataPlane:
         parts = url.split(b"?", 1)[0].decode("latin-1").split("/")  # /v2/models/NAME[/versions/V]/infer
         name = parts[3] if len(parts) > 3 else ""
         version = parts[5] if len(parts) > 6 and parts[4] == "versions" else None
+        self.count_saturation_shed(name, version, None, 0.0)  # before authentication: count only
+
+    def count_saturation_shed(
+        self, name: str, version: str | None, viewer: int | None, waited: float
+    ) -> VersionEntry | None:
+        """Count a request refused because this process is saturated (at the front door or in its handler), under
+        the version it would have gone to: its 503 and its shed, and, for the fleet's autoscaler, a request asked
+        for (`count_refused`: a refusal for the front end's sake is still demand for the version). The version,
+        None where the request routes nowhere."""
         try:
-            entry = self.gateway.route(name, version, None)  # before authentication: count only
+            entry = self.gateway.route(name, version, viewer)
         except ServingError:
             metrics.SHED.labels(name, "", "frontend", "0").inc()
-            return
+            return None
         vm = metrics.for_version(entry.model, entry.version)
-        vm.answered(503, 0.0)
+        vm.answered(503, waited)
         vm.shed("frontend", 0)
         self.gateway.transport.count_refused(entry.key)
+        return entry
 
     async def flush_key_use(self) -> None:
         """Write last_used_at for the keys used since the last flush; on failure (database down) keep

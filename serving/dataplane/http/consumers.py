@@ -539,15 +539,9 @@ class InferenceRequest:
         limits = frontdoor.LIMITS
         if lag_ms <= limits.max_loop_lag_ms and waited_ms <= limits.max_frontend_wait_ms:
             return
-        entry = self._routed_or_none(plane, name, version, viewer)
-        if entry is not None:
-            vm = metrics.for_version(entry.model, entry.version)
-            vm.answered(503, waited_ms / 1000)
-            vm.shed("frontend", 0)
-            if plane.gateway.usage is not None:
-                plane.gateway.usage.record(viewer, entry.model, entry.version, 503, 0, 0.0, waited_ms / 1000)
-        else:
-            metrics.SHED.labels(name, "", "frontend", "0").inc()
+        entry = plane.count_saturation_shed(name, version, viewer, waited_ms / 1000)
+        if entry is not None and plane.gateway.usage is not None:
+            plane.gateway.usage.record(viewer, entry.model, entry.version, 503, 0, 0.0, waited_ms / 1000)
         raise Shed(
             f"server saturated: its event loop runs {lag_ms:.0f} ms late and this request waited"
             f" {waited_ms:.0f} ms before it was handled",
