@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -124,16 +124,20 @@ def chain_bytes(width: int) -> int:
     return 4 * (64 * width + width * width + 10 * width)
 
 
+def budget_for(widths: Iterable[int]) -> int:
+    """Bytes a node may fill to hold a `Chain` of each width and ROOM."""
+    return sum(chain_bytes(w) for w in widths) + ROOM
+
+
 def node_budget(plan: RunPlan) -> int:
     """Bytes each node of the run may fill: every version of the plan (not the idle one) and ROOM."""
-    return sum(chain_bytes(v.width) for v in plan.versions) + ROOM
+    return budget_for(v.width for v in plan.versions)
 
 
 def idle_version(versions: Sequence[VersionPlan]) -> VersionPlan:
     """The widest `Chain` that leaves less free on a node of `node_budget` than half the smallest of the SCALED
     most popular versions needs (one step, one layer, sent nothing)."""
-    budget = sum(chain_bytes(v.width) for v in versions) + ROOM
-    most = budget - min(chain_bytes(v.width) for v in versions[:SCALED]) // 2
+    most = budget_for(v.width for v in versions) - min(chain_bytes(v.width) for v in versions[:SCALED]) // 2
     width = 64
     while chain_bytes(width + 1) <= most:
         width += 1
@@ -531,7 +535,7 @@ def _budget(record: Mapping[str, Any]) -> str:
     plan = record["plan"]
     if plan.get("idle") is None:  # a record from before the idle version: the budget was the harness's constant
         return "256 MiB"
-    budget = sum(chain_bytes(v["width"]) for v in plan["versions"]) + ROOM
+    budget = budget_for(v["width"] for v in plan["versions"])
     return f"{budget:,} bytes (the versions' footprints and {ROOM // 1024} KiB)"
 
 
