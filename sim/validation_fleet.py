@@ -223,16 +223,12 @@ def scenario_for(
         }
     loads = [float(cal[v.name]["load_seconds"]) for v in plan.versions]
     if plan.idle is not None:
-        # Sent nothing, so its profile is never run: the smallest version's stands in. No policy scales it.
+        # Sent nothing, so its batching and profile are never run: the smallest version's stand in. No policy
+        # scales it.
         smallest = min(plan.versions, key=lambda v: chain_bytes(v.width))
         families[plan.idle.name] = {
             **families[smallest.name],
             "memory_gb": chain_bytes(plan.idle.width) / 2**30,
-            "max_batch_size": plan.idle.max_batch_size,
-            "profile_ms": {
-                b: ms for b, ms in families[smallest.name]["profile_ms"].items() if b <= plan.idle.max_batch_size
-            }
-            or {1: min(families[smallest.name]["profile_ms"].values())},
             "target_utilisation": None,
             "autoscaled": False,
             "source": {"kind": "assumption", "what": "never run: the idle version is sent nothing"},

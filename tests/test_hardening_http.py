@@ -18,6 +18,7 @@ import orjson
 import pytest
 from django.utils import timezone
 
+from serving.dataplane.http.frontdoor import GATE
 from serving.models import ModelVersion
 from tests.conftest import register
 from tests.test_inference_http import (
@@ -135,8 +136,6 @@ def test_a_backed_up_event_loop_sheds_and_counts_it(digits_server, digits_sample
     assert grew(before, after, "ferry_shed_total", model="digits", version="1", reason="frontend", tier="0") >= 1
     assert "digits:1" in counted, counted
     # and once the loop keeps up again, the front door stops refusing and inference is served
-    from serving.dataplane.http.frontdoor import GATE
-
     wait_until(
         lambda: plane.loop_lag * 1000 < settings.FERRY_MAX_LOOP_LAG_MS and GATE.drop == 0,
         "the loop lag and the front door's refusals to fall",
@@ -163,8 +162,6 @@ def test_a_request_its_handler_refuses_for_a_late_loop_is_counted_as_asked_for( 
     # tests/test_gateway_admission_processes.py found 15 of 4,254 requests missing from what was asked)
     assert "ms late" in message, message
     assert counted == ["digits:1"], counted
-    from serving.dataplane.http.frontdoor import GATE
-
     wait_until(lambda: plane.loop_lag * 1000 < settings.FERRY_MAX_LOOP_LAG_MS and GATE.drop == 0, "the loop to keep up")
 
 
