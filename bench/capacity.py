@@ -81,11 +81,13 @@ async def find_max_rate(
     before_step: Callable[[], Awaitable[Any]] | None = None,
     after_step: Callable[[LoadResult, Any], Awaitable[None]] | None = None,
     progress: bool = True,
+    fallback_is_error: bool = False,
 ) -> tuple[LoadResult | None, list[LoadResult]]:
     """Highest offered rate that passes (p99 < budget and error ratio < max): geometric steps up from
     `start` (down when `start` already fails), then bisection (geometric mean) between the last pass and
     the first fail. `before_step`/`after_step` bracket each run, e.g. to diff server metrics. `body`: one
-    request body, or several sent in turn (loadgen.run)."""
+    request body, or several sent in turn (loadgen.run). `fallback_is_error`: the model's fallback answering
+    counts as the model failing (loadgen.run): the search is for what the model itself serves."""
     results: list[LoadResult] = []
 
     async def step(rate: float) -> LoadResult:
@@ -105,6 +107,7 @@ async def find_max_rate(
             warmup=warmup,
             progress=progress,
             abort_after_errors=budget,
+            fallback_is_error=fallback_is_error,
         )
         if after_step:
             await after_step(r, token)

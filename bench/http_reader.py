@@ -1,11 +1,12 @@
 """One HTTP/1.1 response read off a keep-alive connection, fed as bytes arrive: the framing both load
-generators (`bench.loadgen`, `bench.ramp`) need, and nothing more (no header parsing beyond framing)."""
+generators (`bench.loadgen`, `bench.ramp`) need, and nothing more (no header parsing beyond framing, and
+whether Ferry's fallback answered)."""
 
 from __future__ import annotations
 
 
 class ResponseReader:
-    __slots__ = ("buf", "header_end", "need", "status", "chunked", "keep")
+    __slots__ = ("buf", "header_end", "need", "status", "chunked", "keep", "fell_back")
 
     def __init__(self) -> None:
         self.buf = bytearray()
@@ -18,6 +19,7 @@ class ResponseReader:
         self.status = 0
         self.chunked = False
         self.keep = True
+        self.fell_back = False  # Ferry answered with the model's fallback (`x-ferry-fallback-from`)
 
     @property
     def to_close(self) -> bool:
@@ -36,6 +38,7 @@ class ResponseReader:
             self.status = int(buf[9:12])
             head = bytes(buf[:end]).lower()
             self.keep = b"\r\nconnection: close" not in head
+            self.fell_back = b"\r\nx-ferry-fallback-from:" in head
             i = head.find(b"\r\ncontent-length:")
             if i >= 0:
                 j = head.find(b"\r\n", i + 2)

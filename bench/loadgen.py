@@ -35,6 +35,7 @@ from bench.http_reader import ResponseReader
 T = TypeVar("T")
 
 MAX_CONNECTIONS = 512
+FELL_BACK = "fallback"  # the kind, among client-side counts, of a fallback's answer counted as a failure
 
 
 def log(msg: str) -> None:
@@ -61,7 +62,9 @@ class LoadResult:
     count: int  # requests scheduled in the measured window
     ok: int
     errors_by_status: dict[str, int]
-    client_errors: int  # timeouts, connection failures, and requests that could not be sent on time
+    # Timeouts, connection failures, requests that could not be sent on time, and (`run`'s fallback_is_error)
+    # answers of the model's fallback.
+    client_errors: int
     client_errors_by_kind: dict[str, int]
     p50_ms: float
     p90_ms: float
@@ -140,9 +143,9 @@ class _Conn(asyncio.Protocol):
         reader = self.reader
         if not reader.feed(data):
             return
-        status, keep = reader.status, reader.keep
+        status, keep, fell_back = reader.status, reader.keep, reader.fell_back
         reader.reset()
-        self.gen.done(self, status, keep)
+        self.gen.done(self, status, keep, fell_back)
         if not keep and self.transport is not None:
             self.transport.close()
 
@@ -157,9 +160,18 @@ class _Conn(asyncio.Protocol):
 
 class Generator:
     def __init__(
-        self, host: str, port: int, request: bytes, timeout: float, cap: int, mix: list[bytes] | None = None
+        self,
+        host: str,
+        port: int,
+        request: bytes,
+        timeout: float,
+        cap: int,
+        mix: list[bytes] | None = None,
+        fallback_is_error: bool = False,
     ) -> None:
         self.host, self.port, self.request = host, port, request
+        self.fallback_is_error = fallback_is_error
+        self.fallbacks = 0  # measured answers of the model's fallback, when they count as errors
         self.mix = mix  # several framed requests, sent in turn (`run`'s body as a list), or None: `request`
         self.fired = 0
         self.timeout, self.cap = timeout, cap
@@ -191,11 +203,14 @@ class Generator:
         else:
             self.status_counts[status] = self.status_counts.get(status, 0) + 1
 
-    def done(self, conn: _Conn, status: int, reuse: bool = True) -> None:
+    def done(self, conn: _Conn, status: int, reuse: bool = True, fell_back: bool = False) -> None:
         sched, record = conn.sched, conn.record
         conn.sched = -1.0
         self.busy.discard(conn)
-        self._finish(sched, record, perf_counter() - sched, status)
+        if fell_back and self.fallback_is_error:
+            self._finish(sched, record, perf_counter() - sched, None, FELL_BACK)
+        else:
+            self._finish(sched, record, perf_counter() - sched, status)
         if reuse:
             self.idle.append(conn)
 
@@ -296,8 +311,12 @@ async def run(
     connections: int | None = None,
     max_connections: int = MAX_CONNECTIONS,
     abort_after_errors: int | None = None,
+    fallback_is_error: bool = False,
 ) -> LoadResult:
     """Send `rate` req/s for `warmup + duration` seconds; only the last `duration` seconds are measured.
+
+    `fallback_is_error`: an answer of the model's fallback counts as a failure of the model (its kind
+    FELL_BACK among the client-side counts), as a search for what the model itself serves needs.
 
     `abort_after_errors`: stop early once this many measured requests have failed (the step can no
     longer pass), which keeps overload steps of a sweep short. `body` may be several bodies: they are sent
@@ -306,7 +325,7 @@ async def run(
     bodies = [body] if isinstance(body, bytes) else list(body)
     host, port, request = request_bytes(url, bodies[0], headers)
     mix = [request_bytes(url, b, headers)[2] for b in bodies] if len(bodies) > 1 else None
-    gen = Generator(host, port, request, timeout, max_connections, mix)
+    gen = Generator(host, port, request, timeout, max_connections, mix, fallback_is_error)
     if connections is None:
         # Enough for ~5 ms of requests: the send loop fires in bursts after any stall, and opening
         # connections mid-burst costs both processes CPU exactly when it is scarcest.

@@ -90,3 +90,40 @@ def test_the_open_loop_generator_sends_a_mix_of_bodies_in_turn() -> None:
     # each body in turn: all three, as often as each other (arrival order across connections may differ)
     assert set(seen) == {b'{"a":1}', b'{"b":22}', b'{"c":333}'}
     assert {seen.count(b) for b in set(seen)} <= {len(seen) // 3, len(seen) // 3 + 1}
+
+
+def test_a_capacity_search_can_count_the_fallbacks_answers_as_the_models_failures() -> None:
+    # given a server that answers every other request with the model's fallback (Ferry's header says so)
+    class HalfFallback(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport, self.buf, self.n = transport, b"", 0
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while b"\r\n\r\n" in self.buf:
+                head, rest = self.buf.split(b"\r\n\r\n", 1)
+                length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:])
+                if len(rest) < length:
+                    return
+                self.buf = rest[length:]
+                self.n += 1
+                fallback = b"x-ferry-fallback-from: m:1\r\n" if self.n % 2 else b""
+                self.transport.write(b"HTTP/1.1 200 OK\r\n" + fallback + b"content-length: 2\r\n\r\n{}")  # type: ignore[attr-defined]
+
+    async def scenario(fallback_is_error: bool) -> loadgen.LoadResult:
+        server = await asyncio.get_running_loop().create_server(HalfFallback, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await loadgen.run(
+                f"http://127.0.0.1:{port}/v2/models/m/infer", b"{}", {}, rate=200.0, duration=0.3, warmup=0.0,
+                progress=False, connections=1, max_connections=1, fallback_is_error=fallback_is_error,
+            )  # fmt: skip
+        finally:
+            server.close()
+
+    # then by default every 200 counts, and a search for the model's own capacity counts the fallback's as failures
+    plain = asyncio.run(scenario(False))
+    assert plain.ok == plain.count and plain.errors == 0
+    strict = asyncio.run(scenario(True))
+    fell_back = strict.client_errors_by_kind[loadgen.FELL_BACK]
+    assert strict.ok + fell_back == strict.count and abs(strict.ok - fell_back) <= 1 and strict.errors == fell_back
