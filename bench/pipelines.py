@@ -179,13 +179,14 @@ def run_phase(base: str, model: str, payload: bytes, rate: float, seconds: float
 
 async def search_up(base: str, model: str, payload: bytes | list[bytes]) -> float:
     """The capacity as bench.overload's `measure_capacity` defines it (capacity.find_max_rate: p99 < 300 ms,
-    < 0.1% errors, 4 s steps, x1.25), but searched up from 100 req/s. Its closed-loop seed counts fast
-    answers at 32 in flight, and a first open-loop step far past capacity left the server too far behind
-    for the search's steps down to pass (a run of 2026-12-02 07:28 UTC found no rate)."""
+    < 0.1% errors, a fallback's answer one of them, 4 s steps, x1.25), but searched up from 100 req/s. Its
+    closed-loop seed counts fast answers at 32 in flight, and a first open-loop step far past capacity left
+    the server too far behind for the search's steps down to pass (a run of 2026-12-02 07:28 UTC found no
+    rate)."""
     best, _ = await capacity.find_max_rate(
         f"{base}/v2/models/{model}/infer", payload, HEADERS, start=100.0, stop=5000.0, p99_budget_ms=300.0,
         max_error_ratio=0.001, duration=4.0, warmup=0.5, factor=1.25, refine_steps=1, min_rate=10.0,
-        cooldown=1.0, cooldown_after_fail=3.0,
+        cooldown=1.0, cooldown_after_fail=3.0, fallback_is_error=True,
     )  # fmt: skip
     if best is None:
         raise RuntimeError(f"{model}: no rate passed the capacity search")
