@@ -171,7 +171,6 @@ class Generator:
     ) -> None:
         self.host, self.port, self.request = host, port, request
         self.fallback_is_error = fallback_is_error
-        self.fallbacks = 0  # measured answers of the model's fallback, when they count as errors
         self.mix = mix  # several framed requests, sent in turn (`run`'s body as a list), or None: `request`
         self.fired = 0
         self.timeout, self.cap = timeout, cap
