@@ -21,6 +21,27 @@ def ramp(*steps: dict) -> dict:
     return {"result": {"steps": list(steps)}}
 
 
+class Answering(asyncio.Protocol):
+    """A keep-alive HTTP/1.1 server's side, enough for the load generator: each request's body to `answer`,
+    whose bytes (a whole response) are sent back."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport, self.buf = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, rest = self.buf.split(b"\r\n\r\n", 1)
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:])
+            if len(rest) < length:
+                return
+            self.buf = rest[length:]
+            self.transport.write(self.answer(rest[:length]))  # type: ignore[attr-defined]
+
+    def answer(self, body: bytes) -> bytes:
+        raise NotImplementedError
+
+
 def test_a_ramp_under_budget_that_sheds_past_1x_passes() -> None:
     worst, under, retry, relieved = pipelines.verdict(ramp(step(0.5, 40), step(2, 250, shed=100), step(1, 60)))
     assert (worst, under, retry, relieved) == (250, True, True, True)
@@ -59,20 +80,10 @@ def test_the_open_loop_generator_sends_a_mix_of_bodies_in_turn() -> None:
     # The capacity search offers the ramp's mix (pipelines.ramp_mix) through loadgen.run's list of bodies.
     seen: list[bytes] = []
 
-    class Recorder(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport, self.buf = transport, b""
-
-        def data_received(self, data: bytes) -> None:
-            self.buf += data
-            while b"\r\n\r\n" in self.buf:
-                head, rest = self.buf.split(b"\r\n\r\n", 1)
-                length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:])
-                if len(rest) < length:
-                    return
-                seen.append(rest[:length])
-                self.buf = rest[length:]
-                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")  # type: ignore[attr-defined]
+    class Recorder(Answering):
+        def answer(self, body: bytes) -> bytes:
+            seen.append(body)
+            return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
 
     async def scenario() -> loadgen.LoadResult:
         server = await asyncio.get_running_loop().create_server(Recorder, "127.0.0.1", 0)
@@ -94,21 +105,13 @@ def test_the_open_loop_generator_sends_a_mix_of_bodies_in_turn() -> None:
 
 def test_a_capacity_search_can_count_the_fallbacks_answers_as_the_models_failures() -> None:
     # given a server that answers every other request with the model's fallback (Ferry's header says so)
-    class HalfFallback(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport, self.buf, self.n = transport, b"", 0
+    class HalfFallback(Answering):
+        n = 0
 
-        def data_received(self, data: bytes) -> None:
-            self.buf += data
-            while b"\r\n\r\n" in self.buf:
-                head, rest = self.buf.split(b"\r\n\r\n", 1)
-                length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:])
-                if len(rest) < length:
-                    return
-                self.buf = rest[length:]
-                self.n += 1
-                fallback = b"x-ferry-fallback-from: m:1\r\n" if self.n % 2 else b""
-                self.transport.write(b"HTTP/1.1 200 OK\r\n" + fallback + b"content-length: 2\r\n\r\n{}")  # type: ignore[attr-defined]
+        def answer(self, body: bytes) -> bytes:
+            self.n += 1
+            fallback = b"x-ferry-fallback-from: m:1\r\n" if self.n % 2 else b""
+            return b"HTTP/1.1 200 OK\r\n" + fallback + b"content-length: 2\r\n\r\n{}"
 
     async def scenario(fallback_is_error: bool) -> loadgen.LoadResult:
         server = await asyncio.get_running_loop().create_server(HalfFallback, "127.0.0.1", 0)
