@@ -131,14 +131,17 @@ def test_overload_gets_quick_503s_from_the_gateway_not_504s_from_the_stream(
         # and the autoscaler counts every request asked for, refused or not: each refusal reaches the version's
         # refusal counter within the web process's next flush (every second), beside the stream's entries; only
         # a request whose deadline passed before it was sent (a 504) may be in neither
+        # (waited for whole: the front door's refusals and the gateway's reach Redis in different flushes, and on a
+        # busy machine the front door's came a flush after the gateway's, 260 of 6,107 requests, CI 2026-12-05)
         sent = len(answers) + 1 + PROBES
-        wait_for(
-            "the gateway's refusals counted in Redis",
-            lambda: observe.read_streams(redis_db, ["digits:1"])["digits:1"].refused >= at_gateway,
-            procs,
-        )
+
+        def counted() -> bool:
+            streams = observe.read_streams(redis_db, ["digits:1"])["digits:1"]
+            return streams.refused >= at_gateway and streams.asked >= sent - statuses[504]
+
+        wait_for("every request asked for counted in Redis", counted, procs, timeout=30.0)
         asked = observe.read_streams(redis_db, ["digits:1"])["digits:1"].asked
-        assert sent - statuses[504] <= asked <= sent, (asked, sent, statuses)
+        assert asked <= sent, (asked, sent, statuses)
         node.alive()
     finally:
         stop_all(procs)
