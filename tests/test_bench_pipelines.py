@@ -106,11 +106,11 @@ def test_the_open_loop_generator_sends_a_mix_of_bodies_in_turn() -> None:
 def test_a_capacity_search_can_count_the_fallbacks_answers_as_the_models_failures() -> None:
     # given a server that answers every other request with the model's fallback (Ferry's header says so)
     class HalfFallback(Answering):
-        n = 0
+        answered = 0  # over every connection: every other answer is the fallback's
 
         def answer(self, body: bytes) -> bytes:
-            self.n += 1
-            fallback = b"x-ferry-fallback-from: m:1\r\n" if self.n % 2 else b""
+            HalfFallback.answered += 1
+            fallback = b"x-ferry-fallback-from: m:1\r\n" if HalfFallback.answered % 2 else b""
             return b"HTTP/1.1 200 OK\r\n" + fallback + b"content-length: 2\r\n\r\n{}"
 
     async def scenario(fallback_is_error: bool) -> loadgen.LoadResult:
@@ -119,14 +119,18 @@ def test_a_capacity_search_can_count_the_fallbacks_answers_as_the_models_failure
         try:
             return await loadgen.run(
                 f"http://127.0.0.1:{port}/v2/models/m/infer", b"{}", {}, rate=200.0, duration=0.3, warmup=0.0,
-                progress=False, connections=1, max_connections=1, fallback_is_error=fallback_is_error,
+                progress=False, fallback_is_error=fallback_is_error,
             )  # fmt: skip
         finally:
             server.close()
 
-    # then by default every 200 counts, and a search for the model's own capacity counts the fallback's as failures
+    # then by default every answer counts as the model's, and a search for the model's own capacity counts the
+    # fallback's as failures (a busy machine may leave some requests unsent or unanswered: the generator's own
+    # errors, of other kinds, which neither count hides)
     plain = asyncio.run(scenario(False))
-    assert plain.ok == plain.count and plain.errors == 0
+    assert loadgen.FELL_BACK not in plain.client_errors_by_kind and plain.ok == plain.count - plain.client_errors
     strict = asyncio.run(scenario(True))
     fell_back = strict.client_errors_by_kind[loadgen.FELL_BACK]
-    assert strict.ok + fell_back == strict.count and abs(strict.ok - fell_back) <= 1 and strict.errors == fell_back
+    others = strict.client_errors - fell_back
+    assert strict.ok + fell_back + others == strict.count and not strict.errors_by_status
+    assert abs(strict.ok - fell_back) <= 1 + others and fell_back >= 10
