@@ -206,10 +206,8 @@ class Generator:
         sched, record = conn.sched, conn.record
         conn.sched = -1.0
         self.busy.discard(conn)
-        if fell_back and self.fallback_is_error:
-            self._finish(sched, record, perf_counter() - sched, None, FELL_BACK)
-        else:
-            self._finish(sched, record, perf_counter() - sched, status)
+        failed = fell_back and self.fallback_is_error
+        self._finish(sched, record, perf_counter() - sched, None if failed else status, FELL_BACK if failed else "")
         if reuse:
             self.idle.append(conn)
 
