@@ -4,7 +4,7 @@ processes, a Celery worker and Celery beat, on PostgreSQL and Redis.
 
     .venv/bin/python -m bench.overload_distributed [--quick] [--models digits-wide,digits]
         [--database-url postgres://postgres@127.0.0.1:5432/ferry_overload] [--redis-url redis://127.0.0.1:6379/8]
-        [--broker-url redis://127.0.0.1:6379/9] [--record docs/benchmarks/overload.md]
+        [--broker-url redis://127.0.0.1:6379/9] [--capacity 1900] [--record docs/benchmarks/overload.md]
 
 The database is dropped and created again; the Redis databases are emptied of Ferry's keys. The clients send no
 deadline of their own (the platform's 300 ms budget applies) unless bench.overload's settings say otherwise.
@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/8")
     p.add_argument("--broker-url", default="redis://127.0.0.1:6379/9")
     p.add_argument("--ramp-step", type=float, help="seconds per ramp step")
+    p.add_argument(
+        "--capacity", type=float, help="req/s the ramp's multipliers are of, for every model (default: searched)"
+    )
     p.add_argument("--record", type=Path, help="splice the section into this page (docs/benchmarks/overload.md)")
     a = p.parse_args(argv)
     s = overload.OverloadSettings.for_mode(a.quick)
@@ -238,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             for model in models:
                 label = f"{model}, distributed, admission on"
                 try:
-                    cap = arun(overload.measure_capacity(deploy.base, model, s))
-                    results.append(arun(overload.ramp(deploy, model, cap, "measured here", True, s, label)))
+                    if a.capacity:
+                        cap, source = a.capacity, "given (--capacity)"
+                    else:
+                        cap, source = arun(overload.measure_capacity(deploy.base, model, s)), "measured here"
+                    results.append(arun(overload.ramp(deploy, model, cap, source, True, s, label)))
                 except Exception as exc:  # the other model's ramp still says something
                     say(f"{label}: {type(exc).__name__}: {exc}")
                     results.append(
