@@ -54,8 +54,9 @@ from pathlib import Path
 
 import orjson
 
+from bench import report
 from bench.fleet200 import fresh_database
-from bench.server import KEY_FILE, ROOT, free_port, manage, say, unbind_quota
+from bench.server import KEY_FILE, ROOT, free_port, manage, say, stop_groups, unbind_quota
 
 MODEL = "digits"
 KEY = "digits:1"
@@ -131,15 +132,7 @@ class Deployment:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(list(self.procs.values()))
 
 
 class RedisServer:
@@ -713,10 +706,8 @@ def command(a: argparse.Namespace) -> str:
 
 
 def section(a: argparse.Namespace, lines: list[str]) -> list[str]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rev = commit.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+    rev = report.commit()
     return [
         START,
         "## Failures under steady load",

@@ -44,7 +44,7 @@ import numpy as np
 import orjson
 
 from bench import report as reports
-from bench.server import ROOT, free_port, manage, say
+from bench.server import ROOT, free_port, manage, say, stop_groups
 
 MODEL = "fleet"
 START, END = "<!-- fleet200:start -->", "<!-- fleet200:end -->"
@@ -176,17 +176,7 @@ class Procs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import signal
-
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(list(self.procs.values()))
 
 
 async def read_nodes(client) -> dict[str, dict]:  # noqa: ANN001

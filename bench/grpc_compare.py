@@ -28,7 +28,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from array import array
@@ -38,9 +37,9 @@ from time import perf_counter
 import grpc
 import numpy as np
 
-from bench import loadgen
+from bench import loadgen, report
 from bench.loadgen import LoadResult
-from bench.report import WIDE, page, splice_section
+from bench.report import SHARED_CORES, WIDE, page, splice_section
 from bench.run import digits_body, machine_facts, mlp_body, setup_data_dir
 from bench.server import HEADERS, ROOT, OtherCpu, Server, free_port, say, use_key
 from bench.websocket import cpu_seconds
@@ -241,19 +240,18 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 def record(path: Path, runs: list[dict], facts: dict[str, str], others: float | None, a: argparse.Namespace) -> None:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join([".venv/bin/python", "-m", "bench.grpc_compare", *map(shlex.quote, sys.argv[1:])])
     lines = [
         START,
         "## REST JSON, REST binary and gRPC",
         "",
-        f"`{command}`, {now}, commit {sha.strip()}"
-        + (" (the shared tree had other engineers' uncommitted changes)" if dirty.strip() else "")
+        f"`{command}`, {now}, commit {report.commit()}"
         + f"; {facts['nproc']} cores ({facts['cpu']}), other processes used"
         + (f" {others:.2f} cores" if others is not None else " an unknown share")
-        + " during the runs: other engineers' work shared the machine, and the load generator ran on it too.",
+        + " during the runs"
+        + (" (other work shared the machine)" if others is not None and others >= SHARED_CORES else "")
+        + ", and the load generator ran on it too.",
         "",
         f"Each run: {a.seconds:g} s measured after 1 s of warm-up, open loop, one row per request; gRPC over"
         f" {a.channels} channels. Medians of the rounds, then every run.",

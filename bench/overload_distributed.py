@@ -19,7 +19,6 @@ import argparse
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from bench import overload
 from bench.fleet200 import clear_redis, fresh_database
 from bench.overload_report import checks
 from bench.run import setup_data_dir
-from bench.server import ROOT, Server, free_port, proc_memory, say
+from bench.server import ROOT, Server, free_port, proc_memory, say, stop_groups
 
 NODES = ("node-a", "node-b")
 
@@ -66,15 +65,7 @@ class Deployment(Server):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(list(self.procs.values()))
 
     def check(self) -> None:
         for name, proc in self.procs.items():

@@ -19,7 +19,6 @@ import argparse
 import http.client
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import redis
 from bench import loadgen, report
 from bench.report import splice_section
 from bench.run import digits_body
-from bench.server import HEADERS, ROOT, Server, free_port, manage, say, use_key
+from bench.server import HEADERS, ROOT, Server, free_port, manage, say, stop_groups, use_key
 
 START, END = "<!-- redishop:start -->", "<!-- redishop:end -->"
 
@@ -93,13 +92,8 @@ class Node:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            stop_groups([self.proc])
 
 
 MODES = ("embedded", "web+node")

@@ -138,11 +138,19 @@ def compare_section(text: str) -> str:
     return kept_section(text, COMPARE_START, COMPARE_END)
 
 
+SHARED_CORES = 0.25  # other processes' use during a run past which a page says other work shared the machine
+
+
 def commit() -> str:
     """The checkout's commit, short, with "+ uncommitted changes" when the tree differs from it."""
+    root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git)"
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")

@@ -19,12 +19,12 @@ import datetime
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import report
 from bench.loadgen import request_bytes
 from bench.report import splice_section
 from bench.run import infer_body, setup_data_dir
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 say(f"round {rnd + 1}/{a.rounds}, {name} at {repeat:.0%} repeats: {rate:,.1f} req/s, p99 {p99:.1f} ms")
                 results[(name, repeat)].append((rate, p99, errors))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = report.commit()
     command = " ".join(["python -m bench.response_cache", *(argv if argv is not None else sys.argv[1:])])
     text = section(results, command, commit)
     print(text)

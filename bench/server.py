@@ -95,6 +95,23 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
         return exc.code, exc.read()
 
 
+def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float = 20.0) -> list[subprocess.Popen[bytes]]:
+    """Stop each process's group, started with start_new_session: SIGTERM to all of them first (they stop
+    together), then SIGKILL to any that has not exited `grace_s` after. Returns the processes that needed it."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    killed = []
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed.append(proc)
+    return killed
+
+
 class Server:
     """`manage.py serve` in its own process group, always terminated on exit (SIGTERM, then SIGKILL)."""
 
@@ -119,13 +136,8 @@ class Server:
         if self.proc is None or self.proc.poll() is not None:
             return
         say("stopping the server (SIGTERM)")
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
+        if stop_groups([self.proc]):
             say("server did not stop in 20 s: SIGKILL")
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
     def pids(self) -> tuple[int, ...]:
         return (self.proc.pid,) if self.proc else ()

@@ -21,12 +21,11 @@ import contextlib
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench import capacity, loadgen
+from bench import capacity, loadgen, report
 from bench.report import splice_section
 from bench.run import digits_body, setup_data_dir
 from bench.server import HEADERS, Server, free_port, manage, say, unbind_quota, use_key
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(rate)
     spans = len(receiver.take())
     receiver.close()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = report.commit()
     command = " ".join(["python -m bench.tracing_cost", *(argv if argv is not None else sys.argv[1:])])
     text = section(runs, spans, command, commit)
     print(text)

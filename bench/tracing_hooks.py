@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 import timeit
 from pathlib import Path
 
+from bench import report
 from bench.report import splice_section
 from serving.dataplane import tracing
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"at {a.rate:,.1f} req/s: {share:.4%} of one thread's time")
     if a.record:
         when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = report.commit()
         command = " ".join(["python -m bench.tracing_hooks", *(argv if argv is not None else sys.argv[1:])])
         rate_line = (
             f" At {a.rate:,.1f} req/s (the off server's median above) they take **{share:.3%}** of one event-loop"

@@ -22,7 +22,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from array import array
@@ -33,11 +32,11 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from bench import loadgen
+from bench import loadgen, report
 from bench.loadgen import LoadResult
-from bench.report import splice_section
+from bench.report import SHARED_CORES, splice_section
 from bench.run import digits_body, machine_facts, setup_data_dir
-from bench.server import HEADERS, ROOT, OtherCpu, Server, free_port, say, use_key
+from bench.server import HEADERS, OtherCpu, Server, free_port, say, use_key
 
 START = "<!-- websocket:start -->"
 END = "<!-- websocket:end -->"
@@ -198,19 +197,18 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 def record(path: Path, runs: list[dict], facts: dict[str, str], others: float | None, a: argparse.Namespace) -> None:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join([".venv/bin/python", "-m", "bench.websocket", *map(shlex.quote, sys.argv[1:])])
     lines = [
         START,
         "## WebSocket against REST, `digits`",
         "",
-        f"`{command}`, {now}, commit {sha.strip()}"
-        + (" (the shared tree had other engineers' uncommitted changes)" if dirty.strip() else "")
+        f"`{command}`, {now}, commit {report.commit()}"
         + f"; {facts['nproc']} cores ({facts['cpu']}), other processes used"
         + (f" {others:.2f} cores" if others is not None else " an unknown share")
-        + " during the runs: other engineers' work shared the machine.",
+        + " during the runs"
+        + (" (other work shared the machine)" if others is not None and others >= SHARED_CORES else "")
+        + ".",
         "",
         f"Each run: {a.seconds:g} s measured after 1 s of warm-up, open loop; WebSocket over {a.connections}"
         " connections. Medians of the rounds, then every run.",
