@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import orjson
 
 from bench import capacity
+from bench.cpu_split import CpuSplit
 from bench.ramp import CLIENT, CLIENT_KINDS, FALLBACK, PRIMARY, SHED, TIMEOUT_504, RampRecord, Requests, Step, run_ramp
 from bench.server import HEADERS, ROOT, Server, counters, free_port, http_post, say, scrape
 
@@ -339,13 +341,20 @@ async def ramp(server: Server, model: str, cap: float, source: str, admission: b
     say(f"===== ramp: {label}: {' '.join(f'{m:g}x' for m in s.multipliers)} of {cap:.0f} req/s, "
         f"{s.step_s:g} s each, " + (f"deadline {s.deadline_ms} ms" if client_deadline else
                                     f"no client deadline (budget {s.budget_ms} ms)") + " =====")  # fmt: skip
-    rec = await run_ramp(requests, model, steps, max_connections=s.max_connections, label=label)
+    cpu = CpuSplit()
+    with cpu.running():
+        began = time.time()
+        rec = await run_ramp(requests, model, steps, max_connections=s.max_connections, label=label)
     await asyncio.sleep(2.0)
     res.memory_after = server.rss_kib()
     res.server_counters = counter_delta(before, scrape(server.base), (model, FALLBACK_MODEL))
     deadline_s = goodput_ms / 1000.0
     res.series = per_second(rec, requests, deadline_s)
     res.steps = per_step(rec, requests, deadline_s)
+    ends = np.cumsum([st.seconds for st in steps])
+    windows = [(began + end - st.seconds, began + end) for st, end in zip(steps, ends, strict=True)]
+    for row, cores in zip(res.steps, cpu.by_window(windows), strict=True):
+        row["cores"] = cores  # by kind of process (bench.cpu_split)
     res.accuracy = accuracy(rec)
     res.reasons = list(rec.reasons)
     res.conns_max = rec.conns_max
