@@ -150,6 +150,21 @@ def table(multipliers: list[float], cores: list[dict[str, float]]) -> list[str]:
     return lines
 
 
+def step_lines(steps: list[dict]) -> list[str]:
+    """A benchmark page's paragraph and table of where the cores went, from ramp steps that carry "cores" (none
+    carry them: nothing)."""
+    cores = [step.get("cores") or {} for step in steps]
+    if not any(cores):
+        return []
+    return [
+        f"Where the cores went ({os.cpu_count()} in all), by kind of process, each step's mean: CPU time read from"
+        f" `/proc` every {PERIOD_S:g} s by `bench.cpu_split`, a process beside the run (its own share is *sampler*).",
+        "",
+        *table([step["multiplier"] for step in steps], cores),
+        "",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="JSON lines: {at: wall time, kind: cores, ...}")

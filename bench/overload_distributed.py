@@ -159,16 +159,7 @@ def section(
             *(f"| {name} | {measured} | {target} | {_verdict(ok)} |" for name, measured, target, ok in checks(res)),
             "",
         ]
-        cores = [step.get("cores") or {} for step in res.steps]
-        if any(cores):
-            lines += [
-                f"Where the cores went ({os.cpu_count()} in all), by kind of process, each step's mean: CPU time read"
-                f" from `/proc` every {cpu_split.PERIOD_S:g} s by `bench.cpu_split`, a process beside the run (its own"
-                " share is *sampler*).",
-                "",
-                *cpu_split.table([step["multiplier"] for step in res.steps], cores),
-                "",
-            ]
+        lines += cpu_split.step_lines(res.steps)
         if res.server_counters:
             lines += [
                 "Server counters over the ramp (Δ from `/metrics` of the web process a scrape reached, one of two): "

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import cpu_split
 from bench.loadgen import log
 from bench.overload import (
     FALLBACK_MODEL,
@@ -170,6 +171,7 @@ def _ramp_section(r: RampResult) -> list[str]:
         "",
         *_step_table(r),
         "",
+        *cpu_split.step_lines(r.steps),
     ]
     if r.server_counters:
         L += ["Server counters over the ramp (Δ from `/metrics`): "

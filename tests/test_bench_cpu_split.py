@@ -80,6 +80,11 @@ def test_by_window_averages_the_samples_that_ended_within_each_step() -> None:
         "| 0.5x | 0.10 | 0.75 | 0.85 |",
         "| 1x | 0.00 | 0.20 | 0.20 |",
     ]
+    # and a page's lines: the paragraph, then the table; none for steps that carry no cores (an older result)
+    steps = [{"multiplier": 0.5, "cores": means[0]}, {"multiplier": 1.0, "cores": means[1]}]
+    lines = cpu_split.step_lines(steps)
+    assert lines[0].startswith("Where the cores went") and lines[2:6] == cpu_split.table([0.5, 1.0], means[:2])
+    assert cpu_split.step_lines([{"multiplier": 1.0}]) == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
