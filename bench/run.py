@@ -417,7 +417,9 @@ def _summary(ceiling: LoadResult | None, sweeps: dict[str, Sweep], rt: dict[str,
                 else f"n/a {sw.error}"
             )
         )
-    say(f"served/raw(mean batch): {verdict(rt.get('efficiency'))}; speedup ratio: {verdict(rt.get('speedup_ratio'))}")
+    if sweeps:  # the ratios come from the sweeps: a run of other phases only (--only overload) has none to judge
+        efficiency, speedup = verdict(rt.get("efficiency")), verdict(rt.get("speedup_ratio"))
+        say(f"served/raw(mean batch): {efficiency}; speedup ratio: {speedup}")
     for r in (over or {}).get("ramps", []):
         for check, measured, target, passed in overload_report.checks(r):
             if passed is not None or r.admission:
