@@ -39,7 +39,7 @@ import numpy as np
 
 from bench import loadgen, report
 from bench.loadgen import LoadResult
-from bench.report import SHARED_CORES, WIDE, page, splice_section
+from bench.report import WIDE, page, splice_section
 from bench.run import digits_body, machine_facts, mlp_body, setup_data_dir
 from bench.server import HEADERS, ROOT, OtherCpu, Server, free_port, say, use_key
 from bench.websocket import cpu_seconds
@@ -247,10 +247,7 @@ def record(path: Path, runs: list[dict], facts: dict[str, str], others: float | 
         "## REST JSON, REST binary and gRPC",
         "",
         f"`{command}`, {now}, commit {report.commit()}"
-        + f"; {facts['nproc']} cores ({facts['cpu']}), other processes used"
-        + (f" {others:.2f} cores" if others is not None else " an unknown share")
-        + " during the runs"
-        + (" (other work shared the machine)" if others is not None and others >= SHARED_CORES else "")
+        + f"; {facts['nproc']} cores ({facts['cpu']}), {report.others_used(others)}"
         + ", and the load generator ran on it too.",
         "",
         f"Each run: {a.seconds:g} s measured after 1 s of warm-up, open loop, one row per request; gRPC over"

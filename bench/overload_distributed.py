@@ -88,14 +88,16 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def tree_note() -> str:
-    """What the working tree changes in the code that ran (serving/, bench/, config/), if anything."""
+def run_commit() -> str:
+    """The commit the run starts from, and what the working tree changes in the code that runs (serving/,
+    bench/, config/), if anything: taken as the run starts, not as it ends."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     changed = subprocess.run(
         ["git", "status", "--porcelain", "--", "serving", "bench", "config"],
         cwd=ROOT, capture_output=True, text=True, check=False,
     ).stdout.split("\n")  # fmt: skip
     paths = [line[3:] for line in changed if line.strip()]
-    return f", with uncommitted changes to {', '.join(paths)}" if paths else ", clean tree"
+    return f"`{head.strip()}`" + (f", with uncommitted changes to {', '.join(paths)}" if paths else ", clean tree")
 
 
 def _verdict(ok: bool | None) -> str:
@@ -200,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.ramp_step:
         s.step_s = a.ramp_step
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    commit = f"`{commit.strip()}`{tree_note()}"  # the tree as the run starts, not as it ends
+    commit = run_commit()
     loads = [load_average()]
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-overload-distributed-"))
     env = {k: v for k, v in os.environ.items() if k not in ("FERRY_QUOTA_REDIS_URL",)}
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(data_dir, ignore_errors=True)
     loads.append(load_average())
     command = "python -m bench.overload_distributed " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = section(results, command.strip(), started, commit.strip(), loads)
+    text = section(results, command.strip(), started, commit, loads)
     print(text)
     if a.record is not None:
         splice(a.record, text)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 
 from bench import overload
 from bench.loadgen import arun
-from bench.overload_distributed import load_average, section, splice, tree_note
+from bench.overload_distributed import load_average, run_commit, section, splice
 from bench.run import setup_data_dir
-from bench.server import ROOT, Server, free_port, say
+from bench.server import Server, free_port, say
 
 HEADING = "## Embedded mode: one web process, and several beside a node host"
 
@@ -52,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         s.multipliers = tuple(float(m) for m in a.multipliers.split(",") if m)
     counts = [int(w) for w in a.workers.split(",") if w]
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    commit = f"`{commit.strip()}`{tree_note()}"
+    commit = run_commit()
     loads = [load_average()]
     data_dir = Path(tempfile.mkdtemp(prefix="ferry-overload-processes-"))
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "FERRY_NODE_SOCKET")}
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     )
     heading = HEADING + " (issue 19)"
-    text = section(results, command.strip(), started, commit.strip(), loads, heading=heading, about=about)
+    text = section(results, command.strip(), started, commit, loads, heading=heading, about=about)
     print(text)
     if a.record is not None:
         splice(a.record, text, head=HEADING)

@@ -141,6 +141,14 @@ def compare_section(text: str) -> str:
 SHARED_CORES = 0.25  # other processes' use during a run past which a page says other work shared the machine
 
 
+def others_used(others: float | None) -> str:
+    """What other processes used during the runs (bench.server.OtherCpu), as a page says it."""
+    if others is None:
+        return "other processes used an unknown share during the runs"
+    shared = " (other work shared the machine)" if others >= SHARED_CORES else ""
+    return f"other processes used {others:.2f} cores during the runs{shared}"
+
+
 def commit() -> str:
     """The checkout's commit, short, with "+ uncommitted changes" when the tree differs from it."""
     root = Path(__file__).resolve().parent.parent

@@ -34,7 +34,7 @@ from websockets.exceptions import ConnectionClosed
 
 from bench import loadgen, report
 from bench.loadgen import LoadResult
-from bench.report import SHARED_CORES, splice_section
+from bench.report import splice_section
 from bench.run import digits_body, machine_facts, setup_data_dir
 from bench.server import HEADERS, OtherCpu, Server, free_port, say, use_key
 
@@ -204,10 +204,7 @@ def record(path: Path, runs: list[dict], facts: dict[str, str], others: float | 
         "## WebSocket against REST, `digits`",
         "",
         f"`{command}`, {now}, commit {report.commit()}"
-        + f"; {facts['nproc']} cores ({facts['cpu']}), other processes used"
-        + (f" {others:.2f} cores" if others is not None else " an unknown share")
-        + " during the runs"
-        + (" (other work shared the machine)" if others is not None and others >= SHARED_CORES else "")
+        + f"; {facts['nproc']} cores ({facts['cpu']}), {report.others_used(others)}"
         + ".",
         "",
         f"Each run: {a.seconds:g} s measured after 1 s of warm-up, open loop; WebSocket over {a.connections}"
