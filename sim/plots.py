@@ -16,6 +16,7 @@ COLOURS = {
     "trend-only": "#ff7f0e",
     "reactive": "#d62728",
     "static": "#2ca02c",
+    "onset": "#7f7f7f",
 }
 
 

@@ -13,7 +13,11 @@
   b = rate x t(b) (a busy device gathers the next batch while one runs), one batch on the device and
   half of the next gathering, 1.5 b. Scale-out at once, scale-in only after the same cool-down (the
   largest answer of the last `cool_down` seconds);
-- static: the replicas the scenario's peak needs at the target utilisation, loaded before the start.
+- static: the replicas the scenario's peak needs at the target utilisation, loaded before the start;
+- onset: a reference, not a policy production could run: it knows the scenario's rise, and at the rise's first
+  instant orders what its peak needs. Until then it holds what the opening load needs at the target, as the
+  others start. A policy that has not seen the rise before and holds only the target's slack can order no
+  sooner and no more usefully, so what `onset` refuses or answers late is the least such a policy can.
 """
 
 from __future__ import annotations
@@ -153,13 +157,37 @@ class Static:
         return self.replicas
 
 
-def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictive | Reactive | Static:
+class Onset:
+    name = "onset"
+
+    def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
+        traffic = scenario.traffic
+        if traffic.shape not in ("ramp", "spike"):
+            raise ValueError("the onset reference needs a ramp or a spike: a rise with one first instant")
+        self.onset = traffic.start
+        self.before = traffic.at(0.0)
+        self.peak = traffic.peak(scenario.duration)
+        self.versions = versions
+        self.nodes_wanted: dict[str, int] = {}
+
+    def desired(self, now: float) -> dict[SimVersion, int]:
+        # It holds the peak's replicas to the end, after a spike too: what it is for is the refused share.
+        rate = self.before if now < self.onset else self.peak
+        out: dict[SimVersion, int] = {}
+        for v in self.versions:
+            v.demand = rate * v.model.popularity * v.weight
+            out[v] = replicas_for(v, v.demand, v.scaling.target_utilisation)
+        return out
+
+
+def make(name: str, scenario: Scenario, versions: list[SimVersion]) -> Predictive | Reactive | Static | Onset:
     policies = {
         "predictive": Predictive,
         "forecast-only": ForecastOnly,
         "trend-only": TrendOnly,
         "reactive": Reactive,
         "static": Static,
+        "onset": Onset,
     }
     # A version no policy scales (its family not autoscaled) is not observed either: production's autoscaler
     # observes the versions with a scaling policy.

@@ -26,7 +26,7 @@ from serving.policies.placement import (
 from sim import profiles
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-POLICIES = ("predictive", "forecast-only", "trend-only", "reactive", "static")
+POLICIES = ("predictive", "forecast-only", "trend-only", "reactive", "static", "onset")
 DEFAULT_POLICIES = ("predictive", "reactive", "static")
 
 
@@ -195,6 +195,8 @@ class Scenario:
         for policy in self.policies:
             if policy not in POLICIES:
                 raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        if "onset" in self.policies and self.traffic.shape not in ("ramp", "spike"):
+            raise ValueError("the onset reference needs a ramp or a spike: a rise with one first instant")
         kinds = {node.name for node in self.fleet}
         for family in self.families:
             if family.accelerator not in kinds:

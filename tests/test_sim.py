@@ -212,6 +212,34 @@ def test_predictive_orders_replicas_ahead_of_a_ramp_and_reactive_later():
     assert first_order["predictive"] <= first_order["reactive"]
 
 
+def test_the_onset_reference_orders_the_peak_at_the_rises_first_instant_and_nothing_sooner():
+    # Given a ramp (500 -> 30,000 requests/s from t = 10 s) and its versions
+    sc = small(
+        traffic={"shape": "ramp", "low": 500, "rate": 30000, "start": 10, "length": 10},
+        policies=["predictive", "reactive", "onset"],
+    )
+    sim = Simulation(sc, "onset")
+    onset = sim.policy
+    assert isinstance(onset, scaling.Onset)
+    scaled = [v for v in sim.versions if v.family.autoscaled]
+
+    def wanted(rate: float) -> dict:
+        return {
+            v: fleet.replicas_for(v, rate * v.model.popularity * v.weight, v.scaling.target_utilisation) for v in scaled
+        }
+
+    # Then before the rise it wants what the opening load needs, and from its first instant what the peak needs
+    assert onset.desired(9.0) == wanted(500)
+    assert onset.desired(10.0) == wanted(30000)
+    assert sum(wanted(30000).values()) > sum(wanted(500).values())
+    # And a run of it serves every request once, as the others do
+    result = sim.run()
+    assert result["unanswered"] == 0
+    # A scenario without one rise has no onset to know
+    with pytest.raises(ValueError):
+        small(traffic={"shape": "steady", "rate": 1000}, policies=["predictive", "onset"])
+
+
 def test_a_lone_request_waits_out_the_whole_batch_window():
     # Given one version on one device, 20 requests/s against a 10 ms window and a flat 4 ms batch, so
     # almost every batch is one request that opened its window and found no company before it closed
