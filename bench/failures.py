@@ -56,7 +56,7 @@ import orjson
 
 from bench import report
 from bench.fleet200 import fresh_database
-from bench.server import KEY_FILE, ROOT, free_port, manage, say, stop_groups, unbind_quota
+from bench.server import KEY_FILE, free_port, manage, say, start_group, stop_groups, unbind_quota
 
 MODEL = "digits"
 KEY = "digits:1"
@@ -96,10 +96,7 @@ class Deployment:
 
     def start(self, name: str, argv: list[str]) -> None:
         say(f"$ {' '.join(argv)}  (log: {self.logs / name}.log)")
-        with open(self.logs / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen(
-                argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self.procs[name] = start_group(argv, self.logs / f"{name}.log", self.env)
 
     def web(self, name: str, port: int | None = None) -> None:
         self.ports[name] = port or self.ports.get(name) or free_port()

@@ -44,7 +44,7 @@ import numpy as np
 import orjson
 
 from bench import report as reports
-from bench.server import ROOT, free_port, manage, say, stop_groups
+from bench.server import free_port, manage, say, start_group, stop_groups
 
 MODEL = "fleet"
 START, END = "<!-- fleet200:start -->", "<!-- fleet200:end -->"
@@ -154,15 +154,7 @@ class Procs:
 
     def start(self, name: str, args: list[str]) -> None:
         say(f"$ manage.py {' '.join(args)}  (log: {self.logs / name}.log)")
-        with open(self.logs / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "manage.py", *args],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.procs[name] = start_group([sys.executable, "manage.py", *args], self.logs / f"{name}.log", self.env)
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")

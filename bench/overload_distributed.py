@@ -30,7 +30,7 @@ from bench import cpu_split, overload
 from bench.fleet200 import clear_redis, fresh_database
 from bench.overload_report import checks
 from bench.run import setup_data_dir
-from bench.server import ROOT, Server, free_port, proc_memory, say, stop_groups
+from bench.server import ROOT, Server, free_port, proc_memory, say, start_group, stop_groups
 
 NODES = ("node-a", "node-b")
 
@@ -45,10 +45,7 @@ class Deployment(Server):
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         say(f"$ {' '.join(argv)}  (log: {self.logs / name}.log)")
-        with open(self.logs / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen(
-                argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        proc = start_group(argv, self.logs / f"{name}.log", self.env)
         self.procs[name] = proc
         return proc
 

@@ -32,7 +32,7 @@ import redis
 from bench import loadgen, report
 from bench.report import splice_section
 from bench.run import digits_body
-from bench.server import HEADERS, ROOT, Server, free_port, manage, say, stop_groups, use_key
+from bench.server import HEADERS, Server, free_port, manage, say, start_group, stop_groups, use_key
 
 START, END = "<!-- redishop:start -->", "<!-- redishop:end -->"
 
@@ -80,15 +80,8 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Node:
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "manage.py", "runnode", "--name", "bench-node", "--accelerator", "cpu"],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        argv = [sys.executable, "manage.py", "runnode", "--name", "bench-node", "--accelerator", "cpu"]
+        self.proc = start_group(argv, self.log_path, self.env)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -95,6 +96,63 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
         return exc.code, exc.read()
 
 
+# Every group start_group started, for a SIGTERM to stop (`_stop_and_end`).
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def start_group(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    """`argv` in a process group of its own (stopped with `stop_groups`), its output appended to `log_path`.
+    From the first one on, a SIGTERM to this run stops the groups it started before it ends the run."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # Python's default ends the run at once, and the servers, nodes and workers it started went on
+        # serving. Raising from the handler instead (SystemExit, to unwind the `with` blocks) is not enough:
+        # it can land in an event loop's protocol callback, which logs it and goes on (uvloop does). So the
+        # handler stops the groups itself. Only over the default: a handler someone set is theirs.
+        signal.signal(signal.SIGTERM, _stop_and_end)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _STARTED.append(proc)
+    return proc
+
+
+def _stop_and_end(signum: int, frame: object) -> None:
+    """Stop the groups still running (SIGTERM, then SIGKILL after 10 s), then end as the default action
+    would: killed by the signal. Not through Popen.wait: the signal may have come while this thread was
+    inside one of these Popens' own wait or poll, holding the lock that wait takes."""
+    signal.signal(signum, signal.SIG_IGN)  # a second one (`timeout` signals its whole group too) is the same
+    groups = [proc.pid for proc in _STARTED if proc.returncode is None]
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    until = time.monotonic() + 10.0
+    while groups and time.monotonic() < until:
+        time.sleep(0.1)
+        groups = [pgid for pgid in groups if _group_left(pgid)]
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_left(pgid: int) -> bool:
+    """Whether anything of group `pgid` still runs; its leader, this process's child, is reaped first."""
+    try:
+        os.waitpid(pgid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float = 20.0) -> list[subprocess.Popen[bytes]]:
     """Stop each process's group, started with start_new_session: SIGTERM to all of them first (they stop
     together), then SIGKILL to any that has not exited `grace_s` after. Returns the processes that needed it."""
@@ -126,10 +184,7 @@ class Server:
     def __enter__(self) -> Server:
         cmd = [*self.launcher, "--host", "127.0.0.1", "--port", str(self.port)]
         say(f"$ {' '.join(cmd)}  (log: {self.log_path})")
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd, cwd=self.cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self.proc = start_group(cmd, self.log_path, self.env, self.cwd)
         return self
 
     def __exit__(self, *exc: object) -> None:
