@@ -3,6 +3,7 @@ when Redis does not answer. Time passing is simulated by moving the stored state
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import itertools
 import os
@@ -401,3 +402,24 @@ async def test_answered_leases_leave_redis_in_batches(tenant_id) -> None:  # noq
         assert client.zcard(keys_of(tenant_id)[1]) == 0
     finally:
         client.close()
+
+
+async def test_the_admits_of_one_turn_leave_as_one_pipeline_and_each_gets_its_own_answer(limiter, tenant_id) -> None:  # noqa: ANN001
+    batches = []
+    execute = limiter._pipe._execute
+
+    async def counted(batch):  # noqa: ANN001, ANN202
+        batches.append(len(batch))
+        return await execute(batch)
+
+    limiter._pipe._execute = counted  # type: ignore[method-assign]
+    # given a burst of 5: when eight requests ask in one turn of the event loop
+    answers = await asyncio.gather(*(limiter.admit(tenant_id, limits()) for _ in range(8)))
+    # then one round trip asked for all eight, and each has its own answer: five admitted (a lease each,
+    # the tokens counting down), three refused for the rate
+    assert batches == [8]
+    decisions = [decision for decision, _ in answers]
+    assert [d.admitted for d in decisions] == [True] * 5 + [False] * 3
+    assert [d.remaining for d in decisions[:5]] == [4, 3, 2, 1, 0]
+    assert {d.reason for d in decisions[5:]} == {RATE}
+    assert len({lease for _, lease in answers}) == 8

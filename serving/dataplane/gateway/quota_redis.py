@@ -1,4 +1,5 @@
-"""Per-tenant quotas shared by every gateway: one Redis script call per request.
+"""Per-tenant quotas shared by every gateway: one Redis script call per request, the calls of one turn of
+the event loop sent together as one pipeline (`serving.dataplane.transport.redis_pipe.Pipe`).
 
 The script (`ADMIT`) refills the tenant's token bucket, drops expired in-flight leases, counts the
 month, decides as `serving.policies.quota.decide` does and, when it admits, takes a token, adds an in-flight
@@ -21,8 +22,10 @@ import secrets
 import socket
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from serving.dataplane.gateway.snapshot import TenantEntry
+from serving.dataplane.transport.redis_pipe import Pipe
 from serving.policies.quota import DISABLED_RETRY_S, IN_FLIGHT_RETRY_S, Decision, seconds_to_next_month
 
 PREFIX = "ferry:quota"
@@ -121,14 +124,17 @@ def decision_from(limits: TenantEntry, reply: list) -> Decision:
 
 
 class RedisQuota:
-    """The shared limiter: `admit` is the one script call (EVALSHA, reloaded on NOSCRIPT by redis-py's
-    Script), `release` removes the lease. Raises redis' errors (and TimeoutError) for the caller to
-    fall back on."""
+    """The shared limiter: `admit` is the one script call (EVALSHA, the script loaded again on NOSCRIPT),
+    `release` removes the lease. Raises redis' errors (and TimeoutError) for the caller to fall back on.
+    A request's call waits for the end of its event-loop turn and goes with the others of that turn in
+    one pipeline: one write and one read for all of them, where a call per request cost a round trip
+    each (a web process under load admits several requests a turn)."""
 
     def __init__(self, client: aioredis.Redis, *, lease_s: float) -> None:
         self.client = client
         self.lease_s = lease_s
-        self._script = client.register_script(ADMIT)
+        self._sha = client.register_script(ADMIT).sha
+        self._pipe = Pipe(client)
         # Lease ids unique across gateways and restarts (a container's pid is often 1 every time): host,
         # process, a random start-up token, a counter.
         self._origin = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:"
@@ -145,21 +151,34 @@ class RedisQuota:
         """The decision for one request, and its lease id; `debt` requests admitted elsewhere, the first
         `debt_age` seconds ago at `share` of the limits, are charged first (see `QuotaGate`)."""
         lease = f"{self._origin}{next(self._ids)}"
-        reply = await self._script(
-            keys=keys_of(tenant_id),
-            args=[
-                repr(float(limits.requests_per_second)),
-                limits.burst,
-                limits.max_in_flight,
-                limits.monthly_requests,
-                lease,
-                repr(float(self.lease_s)),
-                debt,
-                repr(float(debt_age)),
-                repr(float(share)),
-            ],
+        command = (
+            "EVALSHA",
+            self._sha,
+            2,
+            *keys_of(tenant_id),
+            repr(float(limits.requests_per_second)),
+            limits.burst,
+            limits.max_in_flight,
+            limits.monthly_requests,
+            lease,
+            repr(float(self.lease_s)),
+            debt,
+            repr(float(debt_age)),
+            repr(float(share)),
         )
+        if not self._pipe.started:  # its task runs on the loop of the first call, as the client's connections do
+            self._pipe.start()
+        try:
+            reply = await self._send(command)
+        except NoScriptError:  # Redis restarted or flushed its scripts: nothing ran; load it, then run it
+            await self.client.script_load(ADMIT)
+            reply = await self._send(command)
         return decision_from(limits, reply), lease
+
+    async def _send(self, command: tuple) -> list:
+        future = self._pipe.send(*command)
+        assert future is not None
+        return await future
 
     async def release(self, tenant_id: int, lease: str) -> None:
         await self.client.zrem(keys_of(tenant_id)[1], lease)
@@ -175,4 +194,5 @@ class RedisQuota:
             await pipe.execute()
 
     async def close(self) -> None:
+        await self._pipe.close()
         await self.client.aclose()
