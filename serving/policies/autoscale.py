@@ -46,13 +46,16 @@ Per version, each tick:
   version's own and the pool's; none before `rise_min_samples` rises were seen): each version
   also keeps capacity, at full utilisation rather than the target, for its short-window rate times `1 + h`.
   Nothing is declared: at a flat rate `h` is the rate's own noise, within the target's slack, and costs
-  nothing; after a rush has been seen, the fleet holds what the worst rises of the history reached, at the
-  cost of that headroom until they leave the history. A first-seen rise is learnt only once it has happened:
-  admission and the fallback answer it meanwhile. With a seasonal profile (the version's own, and one of the
-  pool's summed rate), a rise counts only for what the profile does not foresee at its time of day (`1 + rise`
-  over the rise the profile reads across that lead time): a rush the profile holds is ordered one lead time
-  ahead by the season, and holding its size as headroom all day besides would pay for it twice. Its own day
-  counts, as the forecast does with `season_min_periods` at 1: what came at this time is taken to come again;
+  nothing; after a rush has been seen, the fleet holds room for the worst rise of the history on top of its
+  rate now, at the cost of that headroom until it leaves the history (at a peak too: in the shipped spike-3x,
+  15k -> 45k requests/s, it holds room for 135k while the spike lasts, most of why predictive spends more
+  accelerator-hours there than static peak provisioning, docs/simulation.md). A first-seen rise is learnt
+  only once it has happened: admission and the fallback answer it meanwhile. With a seasonal profile (the
+  version's own, and one of the pool's summed rate), a rise counts only for what the profile does not
+  foresee at its time of day (`1 + rise` over the rise the profile reads across that lead time): a rush the
+  profile holds is ordered one lead time ahead by the season, and holding its size as headroom all day
+  besides would pay for it twice. Its own day counts, as the forecast does with `season_min_periods` at 1:
+  what came at this time is taken to come again;
 - surge headroom (`surge`, requests a second per second, 0 by default) is the declared form of the same: the
   growth the pool must absorb unannounced, each version holding at full utilisation its demand plus its share
   (its short-window rate over the pool's) of `surge x lead`;
