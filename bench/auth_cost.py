@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from bench import loadgen, report
-from bench.report import Settings, splice_section
+from bench.report import Settings
 from bench.run import digits_body, setup_data_dir, sweep
 from bench.server import Server, free_port, say
 
@@ -100,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("on", "off"):
             say(f"===== round {rnd + 1}/{a.rounds}: keys and quotas {key} =====")
             runs[key].append(measure(env, data, s, auth=key == "on"))
-    text = section(runs, " ".join(["python -m bench.auth_cost", *(argv if argv is not None else sys.argv[1:])]))
-    print(text)
-    if a.record:
-        splice_section(a.record, START, END, text)
+    report.publish(section(runs, report.command_line("bench.auth_cost", argv)), a.record, START, END)
     return 0 if all(v is not None for vs in runs.values() for v in vs) else 1
 
 

@@ -19,7 +19,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.report import commit, splice_section
+from bench.report import command_line, commit, publish
 from serving.dataplane.gateway.quota_redis import ADMIT, RedisQuota, keys_of
 from serving.dataplane.gateway.snapshot import TenantEntry
 
@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record", type=Path, help="splice the section into this page")
     a = p.parse_args(argv)
     rows = asyncio.run(measure(a.redis_url, a.admits))
-    command = " ".join(["python -m bench.quota_cost", *(argv if argv is not None else sys.argv[1:])])
-    text = section(rows, command, a.admits)
-    print(text)
-    if a.record:
-        splice_section(a.record, START, END, text)
+    publish(section(rows, command_line("bench.quota_cost", argv), a.admits), a.record, START, END)
     return 0
 
 

@@ -30,7 +30,6 @@ import numpy as np
 import redis
 
 from bench import loadgen, report
-from bench.report import splice_section
 from bench.run import digits_body
 from bench.server import HEADERS, Server, free_port, manage, say, start_group, stop_groups, use_key
 
@@ -236,11 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         client.flushdb()
         client.close()
         shutil.rmtree(data_dir, ignore_errors=True)
-    command = " ".join(["python -m bench.redis_hop", *(argv if argv is not None else sys.argv[1:])])
-    text = section(a, alone, steps, command)
-    print(text)
-    if a.record:
-        splice_section(a.record, START, END, text)
+    report.publish(section(a, alone, steps, report.command_line("bench.redis_hop", argv)), a.record, START, END)
     return 0
 
 

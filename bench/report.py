@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -124,6 +125,18 @@ def splice_section(path: Path, start: str, end: str, section: str) -> None:
         marker = "\n## Every step"
         text = text.replace(marker, f"\n{section}\n{marker}", 1) if marker in text else f"{text}\n{section}\n"
     path.write_text(text)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How a page names a run: `python -m <module>` and its arguments (this process's when `argv` is None)."""
+    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def publish(text: str, record: Path | None, start: str, end: str) -> None:
+    """Print a bench's section, and splice it into the page `record` names, if any."""
+    print(text)
+    if record:
+        splice_section(record, start, end, text)
 
 
 def kept_section(text: str, start: str, end: str) -> str:

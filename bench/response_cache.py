@@ -26,7 +26,6 @@ from pathlib import Path
 
 from bench import report
 from bench.loadgen import request_bytes
-from bench.report import splice_section
 from bench.run import infer_body, setup_data_dir
 from bench.server import HEADERS, Server, free_port, manage, say, unbind_quota, use_key
 
@@ -194,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"round {rnd + 1}/{a.rounds}, {name} at {repeat:.0%} repeats: {rate:,.1f} req/s, p99 {p99:.1f} ms")
                 results[(name, repeat)].append((rate, p99, errors))
     commit = report.commit()
-    command = " ".join(["python -m bench.response_cache", *(argv if argv is not None else sys.argv[1:])])
-    text = section(results, command, commit)
-    print(text)
-    if a.record:
-        splice_section(a.record, START, END, text)
+    report.publish(section(results, report.command_line("bench.response_cache", argv), commit), a.record, START, END)
     return 0
 
 

@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 from bench import capacity, loadgen, report
-from bench.report import splice_section
 from bench.run import digits_body, setup_data_dir
 from bench.server import HEADERS, Server, free_port, manage, say, unbind_quota, use_key
 from tests import otlp_receiver
@@ -126,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     spans = len(receiver.take())
     receiver.close()
     commit = report.commit()
-    command = " ".join(["python -m bench.tracing_cost", *(argv if argv is not None else sys.argv[1:])])
-    text = section(runs, spans, command, commit)
-    print(text)
-    if a.record:
-        splice_section(a.record, START, END, text)
+    report.publish(section(runs, spans, report.command_line("bench.tracing_cost", argv), commit), a.record, START, END)
     return 0
 
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.record:
         when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         commit = report.commit()
-        command = " ".join(["python -m bench.tracing_hooks", *(argv if argv is not None else sys.argv[1:])])
+        command = report.command_line("bench.tracing_hooks", argv)
         rate_line = (
             f" At {a.rate:,.1f} req/s (the off server's median above) they take **{share:.3%}** of one event-loop"
             " thread's time: the most they can take off throughput, against the issue's bar of 2%."
