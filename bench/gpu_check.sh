@@ -13,8 +13,9 @@
 #      index; else a local CUDA torch wheel installed into ./.venv; else it stops and says what is missing.
 #   2. the tests marked gpu (`pytest -m gpu` over the files that carry the marker);
 #   3. `bench.profile_models`: latency per batch size of the wide MLP, ResNet-50 and a BERT-base-shaped
-#      encoder on the device (FP16), as profiles.json in the format the simulator reads (sim.profiles);
-#      before the benchmark, since the simulator's scenarios need it and the benchmark may use up the budget;
+#      encoder on the device (FP16), as profiles.json in the format the simulator reads (sim.profiles), with
+#      the cold start: the load in-process, and a node's whole load of a replica (the sandboxed runtime
+#      process, CUDA started in it: `cold_start.isolated`, the line a fleet then reads); before the benchmark, since the simulator's scenarios need it and the benchmark may use up the budget;
 #   4. `bench.run --only batching --quick` with FERRY_DEVICE=cuda: the wide MLP raw, then served batched
 #      and unbatched, and the two acceptance ratios.
 # Writes eight files into OUTDIR (the device tool brings back at most eight): gpu_check.log (all the

@@ -16,8 +16,14 @@ It also times a cold start the way a node loads a version (`cold_start`): each m
 filler weights (about 1 and 4 GB on the device), saved as a TorchScript artifact, written to disk and dropped
 from the page cache, then `serving.dataplane.node.runtime.ModelRuntime.load` (the archive check, the operator
 check, the load onto the device) and the first batch, synchronised. A line through those points gives the
-seconds a load costs and the seconds per GB that a scenario's fleet reads (`sim.profiles.cold_start`). Not in
-it: fetching the artifact from the store and starting the sandboxed runtime process.
+seconds a load costs and the seconds per GB. Not in it: fetching the artifact from the store and starting the
+sandboxed runtime process.
+
+Then the same artifacts as a node loads a replica (`cold_start.isolated`): `IsolatedRuntime.load`, a runtime
+process forked from the node's warm zygote, confined by the sandbox, CUDA started in it, the artifact's
+bytes sent, checked and loaded onto the device. The zygote's own start (torch's import, once a node) is
+timed apart, on a first load before the points. Where it ran, a scenario's fleet reads this line
+(`sim.profiles.cold_start`); the first batch is not in it (the points above time it in-process).
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from time import perf_counter
 
+import django
 import torch
 from torch import nn
 
 from bench.models import build_wide_mlp
 from bench.raw import configure_threads, device, time_batch
 from serving.dataplane.node.runtime import ModelRuntime
+from serving.dataplane.node.runtime_process import IsolatedRuntime
 from sim import profiles
 
 
@@ -122,14 +130,9 @@ QUICK_FILLERS = {"mlp-filler": (512, 2)}
 
 
 def time_cold_start(key: str, model: nn.Module, example: torch.Tensor, dev: torch.device, scratch: Path) -> dict:
-    """Save `model` as a TorchScript artifact, drop it from the page cache, and time Ferry's load of it onto
-    `dev` plus the first batch (synchronised)."""
-    path = scratch / f"{key}.pt"
-    with torch.inference_mode(False), torch.no_grad():
-        torch.jit.save(torch.jit.trace(model, example, check_trace=False), str(path))
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the read comes from the disk again
+    """Save `model` as a TorchScript artifact (left in `scratch`), drop it from the page cache, and time Ferry's
+    load of it onto `dev` in this process plus the first batch (synchronised)."""
+    path = save_artifact(key, model, example, scratch)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
     runtime = ModelRuntime(path, "torchscript", [], [], dev)
@@ -142,7 +145,6 @@ def time_cold_start(key: str, model: nn.Module, example: torch.Tensor, dev: torc
     sync()
     done = perf_counter()
     size = path.stat().st_size
-    path.unlink()
     del runtime
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -160,6 +162,35 @@ def time_cold_start(key: str, model: nn.Module, example: torch.Tensor, dev: torc
     }
 
 
+def save_artifact(key: str, model: nn.Module, example: torch.Tensor, scratch: Path) -> Path:
+    """`model` as a TorchScript artifact on disk, dropped from the page cache: its next read is the disk's."""
+    path = scratch / f"{key}.pt"
+    with torch.inference_mode(False), torch.no_grad():
+        torch.jit.save(torch.jit.trace(model, example, check_trace=False), str(path))
+    drop_cached(path)
+    return path
+
+
+def drop_cached(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def time_isolated_load(key: str, path: Path, dev: torch.device) -> dict:
+    """Time a node's load of the artifact at `path` (dropped from the page cache first): `IsolatedRuntime.load`,
+    a fresh sandboxed runtime process with CUDA started in it. The runtime process is stopped after."""
+    drop_cached(path)
+    runtime = IsolatedRuntime(path, "torchscript", [], [], dev)
+    started = perf_counter()
+    runtime.load()
+    seconds = perf_counter() - started
+    runtime.close()
+    size = path.stat().st_size
+    print(f"[profile] isolated load {key}: {size / 1e9:.3f} GB, {seconds:.3f} s", file=sys.stderr)
+    return {"model": key, "bytes": size, "seconds": round(seconds, 4)}
+
+
 def fit_cold_start(points: list[dict]) -> dict[str, float]:
     """Least squares of seconds against GB: the fixed cost of a load and its cost per GB (never below 0)."""
     xs = [p["bytes"] / 1e9 for p in points]
@@ -168,6 +199,23 @@ def fit_cold_start(points: list[dict]) -> dict[str, float]:
     spread = sum((x - mean_x) ** 2 for x in xs)
     per_gb = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread) if spread else 0.0
     return {"seconds": round(max(0.0, mean_y - per_gb * mean_x), 4), "per_gb": round(per_gb, 4)}
+
+
+def isolated_loads(artifacts: list[Path], dev: torch.device) -> dict:
+    """`time_isolated_load` of each artifact, after a first load that starts the zygote (timed apart)."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    django.setup()  # the runtime process's settings: its timeouts, and what its sandbox hides
+    first = time_isolated_load("zygote start + " + artifacts[0].stem, artifacts[0], dev)
+    points = [time_isolated_load(path.stem, path, dev) for path in artifacts]
+    return {
+        "points": points,
+        "fit": fit_cold_start(points),
+        "first_load_s": first["seconds"],
+        "what": "IsolatedRuntime.load, as a node loads a replica: a runtime process forked from the warm zygote, "
+        "confined by the sandbox, CUDA started in it, the artifact (read from disk, not the page cache) sent, "
+        "checked and loaded onto the device; not its first batch, the fetch from the store, or the zygote's own "
+        "start (first_load_s: the first load, which started it)",
+    }
 
 
 def _commit() -> str:
@@ -254,6 +302,14 @@ def main(argv: list[str] | None = None) -> int:
             "read from disk, not the page cache, and its first batch; not the fetch from the store or the "
             "runtime process's start",
         }
+        artifacts = [scratch / f"{point['model']}.pt" for point in starts]
+        try:
+            doc["cold_start"]["isolated"] = isolated_loads(artifacts, dev)
+        except Exception as exc:  # a measurement this run could not take: the file says why, the rest stands
+            print(f"[profile] isolated loads failed: {exc!r}", file=sys.stderr)
+            doc["cold_start"]["isolated_error"] = repr(exc)
+        for path in artifacts:
+            path.unlink()
     scratch.rmdir()
     profiles.write(args.out, doc)
     print(f"[profile] wrote {args.out}", file=sys.stderr)

@@ -62,7 +62,9 @@ def read(path: str | Path, model: str) -> tuple[dict[int, float], dict[str, str]
 
 def cold_start(path: str | Path) -> tuple[float, float, str]:
     """The cold start a profile file measured (`bench.profile_models`' `cold_start`): the seconds a load costs,
-    the seconds per GB on top, and its source as a fleet cites it."""
+    the seconds per GB on top, and its source as a fleet cites it. A node's whole load of a replica (its
+    `isolated` line: the sandboxed runtime process, CUDA's start in it) where the file has one, else the load
+    in-process."""
     path = Path(path)
     if not path.is_absolute():
         path = ROOT / path
@@ -71,6 +73,8 @@ def cold_start(path: str | Path) -> tuple[float, float, str]:
     measured = doc.get("cold_start")
     if not measured or not measured.get("points"):
         raise ValueError(f"{path.name} has no cold_start")
+    if measured.get("isolated", {}).get("points"):
+        measured = measured["isolated"]
     fit = measured["fit"]
     points = ", ".join(f"{p['model']} {p['bytes'] / 1e9:.2f} GB {p['seconds']:.2f} s" for p in measured["points"])
     source = (

@@ -17,7 +17,7 @@ import serving.policies.admission
 import serving.policies.autoscale
 import serving.policies.batching
 import serving.policies.placement
-from sim import catalogue, engine, fleet, scaling
+from sim import catalogue, engine, fleet, profiles, scaling
 from sim import scenario as scenarios
 from sim.engine import Simulation, simulate
 from sim.metrics import EDGES, percentile, percentile_all
@@ -371,8 +371,6 @@ def test_every_shipped_scenario_cites_its_profiles():
 
 
 def test_a_measured_profile_file_is_read_with_its_command(tmp_path):
-    from sim import profiles
-
     # Given a profile file as bench/profile_models.py writes it
     doc = {
         "command": "bench/gpu_check.sh",
@@ -405,7 +403,7 @@ def test_a_measured_profile_file_is_read_with_its_command(tmp_path):
         profiles.write(path, doc)
 
 
-def test_a_fleet_reads_the_cold_start_a_profile_file_measured() -> None:
+def test_a_fleet_reads_the_cold_start_a_profile_file_measured(tmp_path: Path) -> None:
     # Given the H200 profile file bench/gpu_check.sh wrote, with its cold start's points and line
     doc = json.loads((ROOT / "sim" / "profiles" / "h200.json").read_text())
     fit = doc["cold_start"]["fit"]
@@ -415,6 +413,22 @@ def test_a_fleet_reads_the_cold_start_a_profile_file_measured() -> None:
     assert (h200.cold_start, h200.cold_start_per_gb) == (fit["seconds"], fit["per_gb"])
     assert "cold start measured" in h200.source and doc["command"] in h200.source and doc["when"] in h200.source
     assert all(p["model"] in h200.source for p in doc["cold_start"]["points"])
+    # and where the file also timed a node's whole load (`isolated`: the sandboxed runtime process, CUDA started
+    # in it), that line is the one a fleet reads
+    doc["cold_start"]["isolated"] = {
+        "points": [
+            {"model": "wide-mlp", "bytes": 10**9, "seconds": 2.5},
+            {"model": "mlp-4gb", "bytes": 4 * 10**9, "seconds": 5.5},
+        ],
+        "fit": {"seconds": 1.5, "per_gb": 1.0},
+        "first_load_s": 4.0,
+        "what": "IsolatedRuntime.load",
+    }
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(doc))
+    seconds, per_gb, source = profiles.cold_start(path)
+    assert (seconds, per_gb) == (1.5, 1.0)
+    assert "IsolatedRuntime.load" in source and "mlp-4gb 4.00 GB 5.50 s" in source
     # and a node type may not give both a cold start and a measured one
     spec = json.loads(json.dumps(SMALL))
     node = next(iter(spec["fleet"]))
