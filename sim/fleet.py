@@ -98,7 +98,9 @@ def spec_of(v: SimVersion, replicas: int) -> VersionSpec:
 class Fleet:
     def __init__(self, scenario: Scenario) -> None:
         self.max_load = scenario.scaling.max_device_load
-        self.lead = scenario.scaling.scheduling_delay
+        scaling = scenario.scaling
+        # From a decision to the load's start: the fleet's own delay where a twin measured it, else what is planned
+        self.lead = scaling.scheduling_delay if scaling.placement_delay is None else scaling.placement_delay
         self.devices: dict[str, list[Device]] = {
             kind.name: [Device(f"{kind.name}-{i}", kind) for i in range(kind.nodes)] for kind in scenario.fleet
         }

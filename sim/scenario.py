@@ -141,7 +141,10 @@ class Scaling:
     rise_history: float = 3600.0  # predictive: seconds of rises it learns from
     season: float = 0.0  # predictive: the period of the rate's seasonality in seconds (0: none; Autoscaler)
     season_buckets: int = 48
-    scheduling_delay: float = 5.0
+    scheduling_delay: float = 5.0  # what the autoscaler plans a replica's lead time by, beside its cold start
+    # What the fleet takes from a scaling decision to a load's start, where it differs from what the autoscaler
+    # plans by (None: the same): a real fleet's, measured, in a twin compared with it (sim.validation_fleet).
+    placement_delay: float | None = None
     latency_budget: float = 0.3  # the p99 a replica is sized to keep
     timeout: float = 1.0  # each request's deadline after its arrival
     max_queue_size: int = 4096  # rows per version
@@ -166,6 +169,8 @@ class Scaling:
             raise ValueError("opening_replicas and fixed_replicas must not be negative")
         if not 0.0 <= self.tick_phase < self.tick:
             raise ValueError("tick_phase must be at least 0 and under one tick")
+        if self.placement_delay is not None and self.placement_delay < 0:
+            raise ValueError("placement_delay must not be negative")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ A run has three parts, each its own record:
    (`node_times`: its queue plus its batch), the replicas ready twice a second, the machine's slowdown.
 3. the *simulation*: `sim.engine` with the production autoscaler (policy `predictive`), fed the calibration's
    profiles and the same traffic (the same rates, the same Zipf shares, the same step), `scenario_for`; each
-   batch's compute at the compared run's slowdown over the calibration's (`simulated`).
+   batch's compute at the compared run's slowdown over the calibration's, each load started after the real
+   fleet's placement delay in that run (`placement_delays`) (`simulated`).
 
 `judge` compares them: the node's p50 and p99 (what the simulator models: queue, batch and compute) within 20%
 (or within 5 ms where both are under 25 ms), throughput within 20%, replicas over time (the most and the mean
@@ -264,6 +265,8 @@ def scenario_for(
         "scaling": {
             "tick": 1.0,
             "scheduling_delay": float(calibration.get("scheduling_delay", 1.0)),
+            # the real fleet's own, from its decisions to its loads in the calibration run (`placement_delays`)
+            "placement_delay": calibration.get("placement_delay"),
             "timeout": plan.timeout,
             "latency_budget": float(calibration.get("latency_budget", 0.3)),
             "target_utilisation": float(calibration.get("target_utilisation", 0.7)),
@@ -393,6 +396,18 @@ def node_times(spans: Sequence[Any], trace_ids: set[str]) -> dict[str, tuple[flo
     return out
 
 
+def placement_delays(scale_ups: Sequence[tuple[float, str]], loads: Sequence[tuple[float, str]]) -> list[float]:
+    """Seconds from each scale-up (when the autoscaler decided it, and the version's key) to the start of the
+    first load of that version after it (`loads`: when each began, and its key; the nodes' load events less
+    their cold start), on one clock. A scale-up no load followed is left out."""
+    delays = []
+    for decided, key in scale_ups:
+        starts = [began for began, loaded in loads if loaded == key and began >= decided]
+        if starts:
+            delays.append(min(starts) - decided)
+    return delays
+
+
 def slowdown(before: Mapping[int, Sequence[int]], after: Mapping[int, Sequence[int]]) -> float:
     """The slowdown the machine gave the processes that compute (the nodes' runtime processes) between two reads
     of their scheduler counters, each pid's (ns on a CPU, ns runnable but waiting for one) from Linux's
@@ -480,6 +495,10 @@ COMMAND = (
     ' PYTEST_ARGS="-p no:randomly -s"; python -m sim.validation_fleet --other docs/validation/<each>.json'
     " (FERRY_VALIDATION_SECONDS=40 for a longer compared run than the short form's 20 s)"
 )
+
+
+def _delay(seconds: float | None) -> str:
+    return "none measured, so the 1 s planned" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 def slowdowns(cal: Mapping[str, Any]) -> str:
@@ -606,7 +625,10 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "  It replays the compared run's own timetable (not arrivals drawn again: which versions cross a scaling",
         "  threshold is then not down to two samples of one rate), opens with one replica of each as the real",
         "  fleet does, and its scaling ticks run where the real autoscaler's did (their phase to the traffic,"
-        f" {cal.get('tick_phase', 0.0):.2f} s here).",
+        f" {cal.get('tick_phase', 0.0):.2f} s here). Its fleet starts a load where the real fleet did after a",
+        "  decision (the compared run's median from each scale-up's audit to its version's next load,"
+        f" `placement_delays`: {_delay(cal.get('placement_delay'))}), while its autoscaler plans by the 1 s",
+        "  the real one does.",
         "- The node's time per request, measured by the node on the compared run's own requests: each request",
         "  carries a trace id of the client's (`traceparent`), and the nodes' spans (`serving.dataplane.tracing`,",
         "  exported to a receiver in the test) give its `ferry.queue` span plus its `ferry.batch` span: queue,",
@@ -690,10 +712,10 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "  target now keeps every demand clear of a threshold, so a run does not judge that knife edge, where",
         "  which side scales turns on arrivals counted when they reach the stream rather than when sent, and",
         "  on where a tick's boundary falls.",
-        "- Placement's own delay: the real fleet's replicas are ready about 0.2 s after the autoscaler's",
-        "  decision, the twin's one scheduling delay (1 s, what the real autoscaler plans by) later: the step's",
-        "  window reads about half a replica fewer simulated than measured in every run of 2026-12-05, inside",
-        "  the half-replica check on average over the windows.",
+        "- Placement's own delay is the compared run's, as the slowdown is (the calibration run scales nothing",
+        "  up to time it by). Before 2026-12-05 19:00 UTC the twin's fleet took the 1 s its autoscaler plans by,",
+        "  where the real one loads within about 0.05 s of a decision: the step's window read about half a",
+        "  replica fewer simulated than measured in every run of 2026-12-05 before it.",
         "- Both autoscalers size by what saturated replicas were seen to serve where that is below the profile's",
         "  capacity (`serving.policies.autoscale`), each from its own backlog: before 22:58 on 2026-12-04 the",
         "  twin had no backlog and sized by the calibrated profile alone, so on a slow machine the real one could",

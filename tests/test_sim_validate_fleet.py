@@ -32,12 +32,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import secrets
 import subprocess
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -360,6 +362,25 @@ def evictions(client: redis.Redis) -> int:
     return sum(i.counts.get("evictions", 0) for i in heartbeats(client))
 
 
+def placement_delay(client: redis.Redis, since: float) -> float | None:
+    """The median of the real fleet's delays from the autoscaler's scale-ups after `since` (epoch seconds: its
+    audit) to the start of each one's next load (the nodes' load events less the cold start they report), or
+    None where it scaled nothing up (`vf.placement_delays`)."""
+    scale_ups = []
+    for entry in AuditEntry.objects.filter(action="version.scaled", at__gte=datetime.fromtimestamp(since, UTC)):
+        if entry.after["desired_replicas"] > entry.before["desired_replicas"]:
+            _, name, _, version = entry.target.split()  # "model val00 version 1"
+            scale_ups.append((entry.at.timestamp(), f"{name}:{version}"))
+    loads = []
+    for _, fields in client.xrange(fleet_events.STREAM):
+        event = fleet_events.decode(fields[fleet_events.FIELD])
+        took = re.search(r"([0-9.]+) s", event.detail)
+        if event.kind == "load" and event.at >= since and took:
+            loads.append((event.at - float(took.group(1)), event.key))
+    delays = vf.placement_delays(scale_ups, loads)
+    return round(float(np.median(delays)), 3) if delays else None
+
+
 def evicted_since(client: redis.Redis, since: float) -> list[list[object]]:
     """The nodes' evictions from the fleet's event stream after `since` (epoch seconds): (seconds after it, key)."""
     out = []
@@ -504,6 +525,10 @@ def test_the_simulator_agrees_with_two_real_nodes_on_zipf_traffic_with_a_step(sy
     wall = django_timezone.now()
     answered, samples = drive(web, key, p, client)
     machine = vf.slowdown(sched, computing(procs))
+    # and the real fleet's delay from the autoscaler's decisions to the loads they asked for, the run's own as the
+    # slowdown is (the calibration run scales nothing up to time): the twin's fleet takes it, its autoscaler still
+    # plans by the 1 s the real one does
+    calibration["placement_delay"] = placement_delay(client, wall.timestamp())
     state = json.loads(client.get(tick.STATE_KEY) or "{}").get("tracks", {})
     # the top version's ticks as the real autoscaler recorded them (start, end, arrivals), from the run's start
     ticks = [

@@ -59,6 +59,25 @@ def test_the_twin_scenario_names_each_version_with_its_calibrated_profile() -> N
     assert {f.cited["kind"] for f in sc.families} == {"measured"}
 
 
+def test_the_placement_delay_is_from_each_scale_up_to_its_versions_next_load() -> None:
+    # Given two scale-ups, the loads that followed (one of another version first), and one no load followed
+    scale_ups = [(10.0, "val00:1"), (10.5, "val02:1"), (30.0, "val01:1")]
+    loads = [(5.0, "val00:1"), (10.2, "val02:1"), (10.04, "val00:1"), (10.6, "val02:1"), (12.0, "val00:1")]
+    # Then each delay is to its own version's first load after the decision
+    assert vf.placement_delays(scale_ups, loads) == pytest.approx([0.04, 0.1])
+
+
+def test_the_twin_loads_after_the_fleets_measured_placement_delay_and_plans_by_its_own() -> None:
+    plan = vf.zipf_plan(10)
+    cal = calibration(plan) | {"scheduling_delay": 1.0, "placement_delay": 0.05}
+    sc = vf.scenario_for(plan, cal, nodes=2, memory_bytes=256 << 20)
+    assert sc.scaling.scheduling_delay == 1.0 and sc.scaling.placement_delay == 0.05
+    assert Simulation(sc, "predictive").fleet.lead == 0.05
+    # without a measurement, the fleet takes what the autoscaler plans by
+    bare = vf.scenario_for(plan, calibration(plan), nodes=2, memory_bytes=256 << 20)
+    assert Simulation(bare, "predictive").fleet.lead == bare.scaling.scheduling_delay
+
+
 def test_overhead_outside_the_node_is_added_per_request_not_as_one_constant() -> None:
     hist = np.zeros(len(EDGES) - 1)
     hist[np.searchsorted(EDGES, 0.004) - 1] = 100  # every simulated request about 4 ms
