@@ -625,10 +625,11 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "  It replays the compared run's own timetable (not arrivals drawn again: which versions cross a scaling",
         "  threshold is then not down to two samples of one rate), opens with one replica of each as the real",
         "  fleet does, and its scaling ticks run where the real autoscaler's did (their phase to the traffic,"
-        f" {cal.get('tick_phase', 0.0):.2f} s here). Its fleet starts a load where the real fleet did after a",
-        "  decision (the compared run's median from each scale-up's audit to its version's next load,"
-        f" `placement_delays`: {_delay(cal.get('placement_delay'))}), while its autoscaler plans by the 1 s",
-        "  the real one does.",
+        f" {cal.get('tick_phase', 0.0):.2f} s here).",
+        "  Its fleet starts each load the real fleet's placement delay after a decision (the compared run's",
+        "  median from each scale-up's audit to its version's next load, `placement_delays`:"
+        f" {_delay(cal.get('placement_delay'))});",
+        "  its autoscaler plans by the 1 s the real one does.",
         "- The node's time per request, measured by the node on the compared run's own requests: each request",
         "  carries a trace id of the client's (`traceparent`), and the nodes' spans (`serving.dataplane.tracing`,",
         "  exported to a receiver in the test) give its `ferry.queue` span plus its `ferry.batch` span: queue,",
@@ -713,7 +714,7 @@ def page(record: Mapping[str, Any], commit: str, others: Sequence[Mapping[str, A
         "  which side scales turns on arrivals counted when they reach the stream rather than when sent, and",
         "  on where a tick's boundary falls.",
         "- Placement's own delay is the compared run's, as the slowdown is (the calibration run scales nothing",
-        "  up to time it by). Before 2026-12-05 19:00 UTC the twin's fleet took the 1 s its autoscaler plans by,",
+        "  up to time it by). Before 2026-12-05 18:56 UTC the twin's fleet took the 1 s its autoscaler plans by,",
         "  where the real one loads within about 0.05 s of a decision: the step's window read about half a",
         "  replica fewer simulated than measured in every run of 2026-12-05 before it.",
         "- Both autoscalers size by what saturated replicas were seen to serve where that is below the profile's",
