@@ -182,8 +182,12 @@ def _onset(runs: dict[str, dict[str, Any]], start: float) -> str:
         f" the target's slack before a rise it has not seen refuses less here, and the 1% of p99 (all) is"
         f" {'within' if late(onset) < 0.01 else 'out of'} its reach; predictive is"
         f" {100 * (late(pred) - late(onset)):.2f} points above it. Before the rise, reactive held {before(reac)}"
-        f" replicas ready and predictive {before(pred)}: reactive's lower share is that slack, which its"
-        f" accelerator-hours pay for."
+        f" replicas ready and predictive {before(pred)}"
+        + (
+            ": reactive's lower share is that slack, which its accelerator-hours pay for."
+            if late(reac) < late(pred) and before(reac) > before(pred)
+            else "."
+        )
     )
 
 
