@@ -29,7 +29,7 @@ from serving.policies.autoscale import Autoscaler, Observation
 from serving.policies.batching import untaken
 from sim.catalogue import SimVersion
 from sim.fleet import replicas_for, staying
-from sim.scenario import Scenario
+from sim.scenario import ONSET_NEEDS, ONSET_SHAPES, Scenario
 
 
 class Predictive:
@@ -162,8 +162,8 @@ class Onset:
 
     def __init__(self, scenario: Scenario, versions: list[SimVersion]) -> None:
         traffic = scenario.traffic
-        if traffic.shape not in ("ramp", "spike"):
-            raise ValueError("the onset reference needs a ramp or a spike: a rise with one first instant")
+        if traffic.shape not in ONSET_SHAPES:
+            raise ValueError(ONSET_NEEDS)
         self.onset = traffic.start
         self.before = traffic.at(0.0)
         self.peak = traffic.peak(scenario.duration)

@@ -28,6 +28,9 @@ from sim import profiles
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 POLICIES = ("predictive", "forecast-only", "trend-only", "reactive", "static", "onset")
 DEFAULT_POLICIES = ("predictive", "reactive", "static")
+# The traffic shapes with one rise, whose first instant the onset reference knows (sim.scaling.Onset).
+ONSET_SHAPES = ("ramp", "spike")
+ONSET_NEEDS = "the onset reference needs a ramp or a spike: a rise with one first instant"
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,8 @@ class Scenario:
         for policy in self.policies:
             if policy not in POLICIES:
                 raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-        if "onset" in self.policies and self.traffic.shape not in ("ramp", "spike"):
-            raise ValueError("the onset reference needs a ramp or a spike: a rise with one first instant")
+        if "onset" in self.policies and self.traffic.shape not in ONSET_SHAPES:
+            raise ValueError(ONSET_NEEDS)
         kinds = {node.name for node in self.fleet}
         for family in self.families:
             if family.accelerator not in kinds:

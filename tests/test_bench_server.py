@@ -16,7 +16,8 @@ import pytest
 from bench.server import ROOT
 
 # A bench run in miniature: it starts a sleeping process group with start_group and prints its pid, then
-# waits in an event loop, as the benches do (their `with` blocks stop the groups when they end in time).
+# waits in an event loop, as the benches do (their `with` blocks stop the groups when they end in time). It is
+# the source of a child interpreter: its imports are that program's header, not function-local ones here.
 RUN = textwrap.dedent(
     """
     import asyncio, sys

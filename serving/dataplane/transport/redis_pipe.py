@@ -102,27 +102,28 @@ class Pipe:
 
     async def _execute(self, batch: list[tuple[tuple, asyncio.Future | None]]) -> list:
         for attempt in (1, 2):
-            if len(batch) == 1:  # a quiet moment's one command: a pipeline's bookkeeping costs more than it saves
-                try:
-                    return [await self.client.execute_command(*batch[0][0])]
-                except (ConnectionError, OSError, aioredis.ConnectionError) as exc:
-                    if attempt == 2 or not self.retry_once:
-                        raise
-                    log.info("redis command failed (%s); sending it again on a new connection", exc)
-                    continue
-                except aioredis.RedisError as exc:  # the command's own error, as a pipeline reports it
-                    return [exc]
-            pipe = self.client.pipeline(transaction=False)
-            for args, _ in batch:
-                pipe.execute_command(*args)
             try:
-                return await pipe.execute(raise_on_error=False)
+                return await self._send(batch)
             except (ConnectionError, OSError, aioredis.ConnectionError) as exc:
                 # A pooled connection that died in an outage fails its first use; the pool opens a new one.
                 if attempt == 2 or not self.retry_once:
                     raise
                 log.info("redis pipeline failed (%s); sending it again on a new connection", exc)
         raise AssertionError("unreachable")
+
+    async def _send(self, batch: list[tuple[tuple, asyncio.Future | None]]) -> list:
+        """One try: each command's result, or its own error; a failed connection raises."""
+        if len(batch) == 1:  # a quiet moment's one command: a pipeline's bookkeeping costs more than it saves
+            try:
+                return [await self.client.execute_command(*batch[0][0])]
+            except aioredis.ConnectionError:
+                raise
+            except aioredis.RedisError as exc:  # the command's own error, as a pipeline reports it
+                return [exc]
+        pipe = self.client.pipeline(transaction=False)
+        for args, _ in batch:
+            pipe.execute_command(*args)
+        return await pipe.execute(raise_on_error=False)
 
     async def reset(self) -> None:
         """Drop the pooled connections (after an outage), so the next batch does not fail on a dead one."""
