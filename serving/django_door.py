@@ -10,15 +10,24 @@ so it lives with the control plane, not in `serving.dataplane`.
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import re
+from dataclasses import dataclass
 from importlib import import_module
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model, load_backend
-from django.contrib.auth.backends import ModelBackend
+from django.contrib.auth import (
+    BACKEND_SESSION_KEY,
+    HASH_SESSION_KEY,
+    SESSION_KEY,
+    authenticate,
+    get_user_model,
+    load_backend,
+)
 from django.core.exceptions import ValidationError
+from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError
 from django.http.cookie import parse_cookie
 from django.utils.crypto import constant_time_compare
@@ -26,6 +35,8 @@ from django.utils.crypto import constant_time_compare
 from serving.api.views import FORM_OVERHEAD  # the view's own allowance for the form around a file
 from serving.dataplane.http import frontdoor
 from serving.dataplane.http.frontdoor import App, Receive, Scope, Send, metered, send_json
+from tenants.lockout import STATUS as LOCKED_OUT
+from tenants.lockout import LockedOut, cool_off_seconds, scope_verdict
 from tenants.models import Role, has_role
 
 log = logging.getLogger(__name__)
@@ -33,6 +44,7 @@ log = logging.getLogger(__name__)
 UPLOAD_ROUTE = re.compile(r"/api/models/[^/]+/versions/")  # ModelVersionViewSet's create
 _TOO_LARGE = frontdoor.REFUSED.labels("too_large")
 _BUDGET = frontdoor.REFUSED.labels("inflight_budget")
+_BODY_HEADERS = (b"content-type", b"content-length", b"transfer-encoding")
 
 
 async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
@@ -40,7 +52,9 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
 
     An upload (POST /api/models/<name>/versions/) is the one request whose credentials are checked
     here, before its body is read: an engineer's may carry the artifact limit and gets
-    FERRY_UPLOAD_READ_TIMEOUT_S to arrive; anyone else's gets the form bound like any other body.
+    FERRY_UPLOAD_READ_TIMEOUT_S to arrive; anyone else's gets the form bound like any other body. Those
+    answers tell a right HTTP Basic password from a wrong one, so the check is a login attempt that
+    django-axes counts, and a locked-out login gets its 429 here, whatever the password.
     """
     limit = settings.FERRY_MAX_FORM_BODY_BYTES
     declared = _content_length(scope["headers"])
@@ -52,14 +66,16 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
             _TOO_LARGE.inc()
             return await send_json(send, 413, artifact_error)
         try:
-            engineer = await _is_engineer(scope["headers"])
+            uploader = await _uploader(scope)
         except (OperationalError, InterfaceError) as exc:  # PostgreSQL out of reach: an outage, not a bug
             log.warning(
                 "checking upload credentials failed: the database is unavailable (%s)",
                 str(exc).strip().splitlines()[0] if str(exc) else type(exc).__name__,
             )
             return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
-        if engineer:
+        if uploader.locked_out is not None:
+            return await send_json(send, LOCKED_OUT, LockedOut.default_detail, retry_after=uploader.locked_out)
+        if uploader.engineer:
             limit, error = artifact_limit, artifact_error
             extend = scope.get("ferry.extend_read_deadline")
             if extend is not None:
@@ -91,29 +107,42 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 # -- who is asking (before any body byte is read) ---------------------------------------------------
 
 
-async def _is_engineer(headers: list[tuple[bytes, bytes]]) -> bool:
+@dataclass(frozen=True, slots=True)
+class Uploader:
+    engineer: bool
+    locked_out: int | None = None  # seconds of django-axes' cool-off left: the login is locked out
+
+
+async def _uploader(scope: Scope) -> Uploader:
     cookie = authorization = None
-    for name, value in headers:
+    for name, value in scope["headers"]:
         if name == b"cookie":
             cookie = value if cookie is None else cookie + b"; " + value
         elif name == b"authorization":
             authorization = value
     if cookie is None and authorization is None:
-        return False
-    return await sync_to_async(_engineer_credentials)(cookie, authorization)
+        return Uploader(engineer=False)
+    return await sync_to_async(_engineer_credentials)(scope, cookie, authorization)
 
 
-def _engineer_credentials(cookie: bytes | None, authorization: bytes | None) -> bool:
+def _engineer_credentials(scope: Scope, cookie: bytes | None, authorization: bytes | None) -> Uploader:
     """Whether the request's credentials are an engineer's, in DRF's order: an active session user if
-    there is one, else HTTP Basic. Nothing is written (Django's own handling of the request does that)."""
+    there is one, else HTTP Basic. Nothing is written but django-axes' record of a wrong password."""
     user = None
     if cookie is not None:
         key = parse_cookie(cookie.decode("latin-1")).get(settings.SESSION_COOKIE_NAME)
         if key:
             user = _session_user(key)
     if user is None and authorization is not None:
-        user = _basic_user(authorization)
-    return user is not None and has_role(user, Role.ENGINEER)
+        # The request axes records the attempt from (address, path): without the body's headers, so that
+        # reading its form (axes keeps the POST data of a failed login) finds nothing to parse.
+        bodiless = [(name, value) for name, value in scope["headers"] if name not in _BODY_HEADERS]
+        request = ASGIRequest({**scope, "headers": bodiless}, io.BytesIO())
+        user = _basic_user(request, authorization)
+        scope_verdict(scope, authorization, user)
+        if getattr(request, "axes_locked_out", False):
+            return Uploader(engineer=False, locked_out=cool_off_seconds(request) or 1)
+    return Uploader(engineer=user is not None and has_role(user, Role.ENGINEER))
 
 
 def _session_user(key: str):  # noqa: ANN202
@@ -137,7 +166,7 @@ def _session_user(key: str):  # noqa: ANN202
     return user
 
 
-def _basic_user(authorization: bytes):  # noqa: ANN202
+def _basic_user(request: ASGIRequest, authorization: bytes):  # noqa: ANN202
 
     scheme, _, encoded = authorization.strip().partition(b" ")
     if scheme.lower() != b"basic":
@@ -153,8 +182,9 @@ def _basic_user(authorization: bytes):  # noqa: ANN202
     userid, sep, password = decoded.partition(":")
     if not sep:
         return None
-    # The password check alone, past django-axes' backend: this look decides only how large a body may
-    # come, and is no login attempt of its own. DRF's authentication of the same request, which axes counts
-    # and locks out, still decides whether it is let in (axes' backend also refuses a call without a request).
-    user = ModelBackend().authenticate(None, **{get_user_model().USERNAME_FIELD: userid, "password": password})
+    # A login attempt like any other, through django-axes' backend: the answer here (413 before the body,
+    # or the longer read deadline) tells a right password from a wrong one, so a wrong one is counted and a
+    # locked-out login is refused. DRF's authentication of the same request reuses this verdict
+    # (tenants.lockout.DOOR_VERDICT) instead of counting the attempt twice.
+    user = authenticate(request, **{get_user_model().USERNAME_FIELD: userid, "password": password})
     return user if user is not None and user.is_active else None

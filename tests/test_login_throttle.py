@@ -146,3 +146,69 @@ def test_api_basic_auth_locks_out_after_the_limit(server: LiveServer) -> None:
     # and after the cool-off alice is served again
     end_cool_off()
     assert basic(server, "alice", RIGHT)[0] == 200
+
+
+def upload(server: LiveServer, username: str, password: str, declared: int) -> tuple[int, dict[str, str], bytes]:
+    """An upload's head with HTTP Basic credentials and a declared body that never comes: the front door
+    answers it (413, 429) before reading a byte, or waits for the body (then the read deadline ends it)."""
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/api/models/digits/versions/")
+        for name, value in (
+            ("Authorization", f"Basic {token}"),
+            ("Content-Type", "multipart/form-data; boundary=x"),
+            ("Content-Length", str(declared)),
+        ):
+            conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def test_upload_credentials_are_login_attempts(server: LiveServer, settings) -> None:  # noqa: ANN001
+    # given a declared upload past the form bound: the door checks its credentials before any body byte, and a
+    # wrong password's answer (413 at once) differs from a right one's (it waits for the body)
+    settings.FERRY_REQUEST_READ_TIMEOUT_S = 1
+    settings.FERRY_UPLOAD_READ_TIMEOUT_S = 1
+    big = settings.FERRY_MAX_FORM_BODY_BYTES + 1
+    # when wrong passwords are sent that way: each is refused unread, and counted as a failed login
+    for attempt in range(limit() - 1):
+        status, _, body = upload(server, "alice", WRONG, big)
+        assert status == 413 and b"engineer" in body
+        assert AccessAttempt.objects.get(username="alice").failures_since_start == attempt + 1
+    status, headers, body = upload(server, "alice", WRONG, big)
+    # then the limit locks the login out, as on the API: 429 JSON with Retry-After
+    assert status == 429, body
+    assert headers["content-type"].startswith("application/json")
+    assert "too many failed logins" in orjson.loads(body)["error"]
+    assert headers["retry-after"] == str(cool_off_seconds())
+    # and the right password gets the same 429, so the door tells nothing of it during the lockout
+    status, headers, _ = upload(server, "alice", RIGHT, big)
+    assert status == 429 and int(headers["retry-after"]) >= 1
+    # as the API does
+    assert basic(server, "alice", RIGHT)[0] == 429
+
+
+def test_an_upload_reaching_drf_counts_its_wrong_password_once(server: LiveServer) -> None:
+    # given an upload small enough for the form bound, with a wrong password: the door checks it, and DRF's
+    # authentication of the same request reuses that verdict
+    token = base64.b64encode(f"alice:{WRONG}".encode()).decode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(
+            "POST",
+            "/api/models/digits/versions/",
+            body=b"a=b",
+            headers={"Authorization": f"Basic {token}", "Content-Type": "application/x-www-form-urlencoded"},
+        )
+        resp = conn.getresponse()
+        status = resp.status
+        resp.read()
+    finally:
+        conn.close()
+    # then it is refused as a failed login, counted once
+    assert status == 403
+    assert AccessAttempt.objects.get(username="alice").failures_since_start == 1
