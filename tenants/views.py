@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -34,7 +35,11 @@ from tenants.models import (
 )
 from tenants.scoping import tenant_or_404, visible_tenants
 
-NEW_TOKEN = "ferry-new-api-key"  # session key: the token just created, removed the first time it is shown
+# The token just created travels to the page that shows it in a cookie of its own: signed, for that page only,
+# for a minute, deleted the first time it is shown. Not in the session, whose store is the database: a token
+# whose page was never loaded would sit there in clear until the session expired.
+NEW_TOKEN = "ferry-new-api-key"
+NEW_TOKEN_SECONDS = 60
 AUDIT_PAGE = 200
 
 
@@ -112,10 +117,12 @@ def keys_page(request: HttpRequest, slug: str) -> HttpResponse:
         }
 
     if request.method == "GET":
-        # Popped: a reload, or any later view, no longer has it.
-        new = request.session.pop(NEW_TOKEN, None)
+        # Deleted as it is shown: a reload, or any later view, no longer has it.
+        new = request.get_signed_cookie(NEW_TOKEN, default=None, salt=NEW_TOKEN, max_age=NEW_TOKEN_SECONDS)
         response = render(request, "console/keys.html", {**context(), "new_token": new})
         response["Cache-Control"] = "no-store"
+        if NEW_TOKEN in request.COOKIES:
+            response.delete_cookie(NEW_TOKEN, path=request.path, samesite="Strict")
         return response
     if request.POST.get("action") == "revoke":
         key = ApiKey.objects.filter(tenant=tenant, prefix=request.POST.get("prefix", "")).first()
@@ -139,8 +146,18 @@ def keys_page(request: HttpRequest, slug: str) -> HttpResponse:
         )
     except KeyRequestError as exc:
         return _bad(request, "console/keys.html", context(), str(exc))
-    request.session[NEW_TOKEN] = token
-    return redirect("console-keys", slug=tenant.slug)
+    response = redirect("console-keys", slug=tenant.slug)
+    response.set_signed_cookie(
+        NEW_TOKEN,
+        token,
+        salt=NEW_TOKEN,
+        max_age=NEW_TOKEN_SECONDS,
+        path=request.path,
+        secure=settings.SESSION_COOKIE_SECURE,
+        httponly=True,
+        samesite="Strict",
+    )
+    return response
 
 
 @login_required
