@@ -321,10 +321,10 @@ FERRY_USAGE_MAX_KEYS = env_int("FERRY_USAGE_MAX_KEYS", 20_000, minimum=1)
 FERRY_USAGE_RETENTION_DAYS = env_int("FERRY_USAGE_RETENTION_DAYS", 400, minimum=1)
 FERRY_USAGE_BATCH_DAYS = env_int("FERRY_USAGE_BATCH_DAYS", 7, minimum=1)
 
-# Shadow traffic (serving.dataplane.gateway.shadow): the mirror queue's bounds (items and request bytes), the tasks
-# that send mirrors to the shadow version, the pairs kept between flushes (items and bytes), how often they
-# go to Celery for comparison (rollout.tasks.record_shadow), and the disagreements kept per model, baseline
-# and candidate.
+# Shadow traffic (serving.dataplane.gateway.shadow): the mirror queue's bounds (items, and bytes of requests
+# with their primaries' answers), the tasks that send mirrors to the shadow version, the pairs kept between
+# flushes (items and bytes), how often they go to Celery for comparison (rollout.tasks.record_shadow), and the
+# disagreements kept per model, baseline and candidate.
 FERRY_SHADOW_QUEUE_ITEMS = env_int("FERRY_SHADOW_QUEUE_ITEMS", 256, minimum=1)
 FERRY_SHADOW_QUEUE_BYTES = env_int("FERRY_SHADOW_QUEUE_BYTES", 16 * 1024 * 1024, minimum=1024)
 FERRY_SHADOW_WORKERS = env_int("FERRY_SHADOW_WORKERS", 2, minimum=1)

@@ -230,6 +230,19 @@ def test_a_full_mirror_queue_drops_and_counts_by_items_and_by_bytes() -> None:
     assert dropped("queue_full") == before + 2
 
 
+def test_the_mirror_queue_bounds_the_answers_it_holds_too() -> None:
+    # given a queue of 1000 bytes, and requests of 100 bytes whose primary answered 400 bytes each
+    mirror = Mirror(transport=None, max_bytes=1000)  # type: ignore[arg-type]
+    args = ("classification", version(1), version(2), {}, 1, 100)
+    answer = {"scores": np.zeros(100, np.float32)}
+    # then two fit, and a third is dropped: the queue holds 1000 bytes, not the 300 of their requests
+    assert mirror.offer(*args, answer, 0.0) and mirror.offer(*args, answer, 0.0)
+    assert not mirror.offer(*args, answer, 0.0)
+    assert mirror.queued_bytes == 1000
+    mirror.take()
+    assert mirror.queued_bytes == 500
+
+
 def test_mirrors_queued_together_travel_in_one_call_up_to_a_batch() -> None:
     mirror = Mirror(transport=None)  # type: ignore[arg-type]
     shadow, other = version(2), version(3)

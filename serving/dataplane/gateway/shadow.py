@@ -72,6 +72,7 @@ class Mirrored:
     deadline: float  # monotonic
     at: float  # wall clock, for the minute it is counted in
     keep_sample: bool = False  # whether its inputs and outputs may be kept as a sample (`may_keep_sample`)
+    held: int = 0  # the bytes it holds while queued, its primary's answer with its inputs (the queue's bound)
 
 
 @dataclass(slots=True)
@@ -204,7 +205,8 @@ class Mirror:
         for the caller's request: True when queued. `keep_sample`: `may_keep_sample` for its caller.
         `budget_ms`: the candidate's latency budget (`RoutingSnapshot.budget_ms`), the mirror's deadline as
         it is a caller's without one; None (no snapshot at hand) takes the platform default's."""
-        if len(self.queue) >= self.max_items or self.queued_bytes + nbytes > self.max_bytes:
+        held = nbytes + sum(a.nbytes for a in primary.values())  # an answer may outweigh its request
+        if len(self.queue) >= self.max_items or self.queued_bytes + held > self.max_bytes:
             DROPPED.labels(candidate.model, str(candidate.version), "queue_full").inc()
             return False
         now = self._clock()
@@ -222,9 +224,10 @@ class Mirror:
                 now + (version_budget_ms(candidate) if budget_ms is None else budget_ms) / 1000.0,
                 self._wall(),
                 keep_sample,
+                held,
             )
         )
-        self.queued_bytes += nbytes
+        self.queued_bytes += held
         if self._wake is not None:
             self._wake.set()
         return True
@@ -265,7 +268,7 @@ class Mirror:
         """The next mirror still within its deadline (older ones are dropped, counted), or None."""
         while self.queue:
             item = self.queue.popleft()
-            self.queued_bytes -= item.nbytes
+            self.queued_bytes -= item.held
             if item.deadline > self._clock():
                 return item
             DROPPED.labels(item.candidate.model, str(item.candidate.version), "expired").inc()
