@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -232,6 +233,88 @@ def _troughs(scenarios: list[dict[str, Any]], rush: dict[str, dict[str, Any]]) -
     ]
 
 
+@dataclass(frozen=True)
+class Production:
+    """What production sets where a scenario's scaling input stands for it."""
+
+    field: str  # the `sim.scenario.Scaling` field
+    name: str  # what the inputs table calls it
+    value: float  # production's default, in the field's units
+    where: str  # the setting, model field or constant that holds it
+    unit: str = ""  # "s" or "ms" (the field holds seconds), else none
+    departs: str = ""  # why a scenario sets something else, and what it changes
+
+
+_SCALE_DOWN = "sized for a run of minutes on a fleet of hundreds of devices (the scenario files say so)"
+_NO_REASON = "set since the simulator's first commit (db79fff), which records no reason"
+
+# Production's defaults, written out because the simulator does not load Django; tests/test_sim_writeup.py pins
+# each to the setting or field it names, so a changed default cannot leave the page calling a departure
+# production's.
+PRODUCTION = (
+    Production(
+        "tick",
+        "autoscaling tick",
+        5,
+        "FERRY_AUTOSCALE_SECONDS",
+        "s",
+        f"{_NO_REASON}; the simulated autoscaler acts on a rise sooner than production's could",
+    ),
+    Production("target_utilisation", "target utilisation", 0.7, "ScalingPolicy.target_utilisation"),
+    Production("warm_pool", "warm pool", 0, "ScalingPolicy.warm_pool"),
+    Production(
+        "latency_budget", "latency budget (the p99 a replica is sized for)", 0.3, "FERRY_LATENCY_BUDGET_MS", "ms"
+    ),
+    Production(
+        "timeout",
+        "deadline (a request's, after its arrival)",
+        0.3,
+        "FERRY_LATENCY_BUDGET_MS: the default and the cap",
+        "ms",
+    ),
+    Production(
+        "cool_down",
+        "scale-in cool-down",
+        300,
+        "ScalingPolicy.cool_down_seconds",
+        "s",
+        f"{_NO_REASON}; after a fall, replicas are given back sooner than production would",
+    ),
+    Production("scheduling_delay", "scheduling delay", 5, "FERRY_AUTOSCALE_SCHEDULING_DELAY_S", "s"),
+    Production(
+        "max_queue_size",
+        "queue bound (rows per version)",
+        1024,
+        "ModelVersion.max_queue_size",
+        "",
+        f"{_NO_REASON}; a version queues that many rows before refusing one as queue_full",
+    ),
+    Production("max_device_load", "device load placement plans to", 0.85, "placement.MAX_LOAD"),
+    Production("consolidate_below", "consolidation: a device under", 0.5, "placement.CONSOLIDATE_BELOW"),
+    Production("consolidate_hold", "consolidation: for", 300, "FERRY_CONSOLIDATE_HOLD_SECONDS", "s", _SCALE_DOWN),
+    Production("consolidate_moves", "consolidation: moves in flight", 2, "FERRY_CONSOLIDATE_MOVES", "", _SCALE_DOWN),
+    Production("relieve_above", "relief: a device over", 1.0, "placement.RELIEVE_ABOVE"),
+    Production("relieve_moves", "relief: moves in flight", 16, "FERRY_RELIEVE_MOVES", "", _SCALE_DOWN),
+    Production("rise_quantile", "learnt headroom: rise quantile", 0.99, "Autoscaler's rise_quantile"),
+    Production("rise_history", "learnt headroom: over", 3600, "Autoscaler's rise_history", "s"),
+)
+
+
+def _shown(value: float, unit: str) -> str:
+    if unit == "ms":
+        return f"{value * 1000:g} ms"
+    return f"{value:g} {unit}".rstrip()
+
+
+def _scaling_row(scaling: Any, p: Production) -> str:
+    """One scaling input, labelled production's default or an assumption that says what production sets."""
+    value = getattr(scaling, p.field)
+    label = f"production default ({p.where})"
+    if not math.isclose(value, p.value):
+        label = f"assumption, production: {_shown(p.value, p.unit)} ({p.where}); {p.departs or 'no reason given'}"
+    return f"| scaling: {p.name} | {_shown(value, p.unit)} | {label} |"
+
+
 def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
     """Every number the headline scenario is fed, and where it comes from (or that it is an assumption)."""
     s = next((s for s in scenarios if s["name"] == "steady-50k"), scenarios[0] if scenarios else None)
@@ -273,13 +356,7 @@ def _assumptions(scenarios: list[dict[str, Any]]) -> list[str]:
         f"| traffic | {sc.traffic.shape} {sc.traffic.rate:,.0f} requests/s, {sc.versions} versions, Zipf s ="
         f" {sc.zipf:g}, {sc.canary_share:.0%} canaries at {sc.canary_weight:.0%}, {sc.fallback_share:.0%} with a"
         " fallback | the seeds' scale; the skew and the shares are assumptions |",
-        f"| scaling | target {g.target_utilisation:g}, latency budget {g.latency_budget * 1000:g} ms, deadline"
-        f" {g.timeout * 1000:g} ms, cool-down {g.cool_down:g} s, scheduling {g.scheduling_delay:g} s, device load"
-        f" {g.max_device_load:g}, consolidation under {g.consolidate_below:g} for {g.consolidate_hold:g} s with"
-        f" {g.consolidate_moves} moves in flight, relief over {g.relieve_above:g} with {g.relieve_moves} moves in"
-        f" flight, rise quantile {g.rise_quantile:g} over {g.rise_history:g} s"
-        " | settings"
-        " (the deadline is production's default, FERRY_LATENCY_BUDGET_MS) |",
+        *(_scaling_row(g, p) for p in PRODUCTION),
         f"| compute jitter | lognormal sigma {sc.jitter:g} | assumption |",
         "",
     ]
