@@ -6,6 +6,7 @@ Most tests use a profile where every row costs 10 ms whatever the batch, so one 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -186,6 +187,20 @@ def test_cool_down_holds_scale_in_then_releases_it_and_scale_out_is_immediate() 
     # and a step up is answered at the very next tick, with no cool-down
     ((_, up),) = driver.run(1, lambda t: 1000)
     assert up.replicas > 2 and up.reason == "forecast"
+
+
+def test_a_lowered_max_applies_at_the_next_tick_despite_the_cool_down() -> None:
+    # given a version scaled out to 8 replicas, its recommendations held by a 60 s cool-down
+    driver = Driver(config(cool_down=60.0, max_replicas=10))
+    driver.run(120, lambda t: 400)
+    assert driver.replicas == 8
+    # when its max_replicas is lowered to 3 under the same load
+    driver.cfg = dataclasses.replace(driver.cfg, max_replicas=3)
+    ((_, d),) = driver.run(1, lambda t: 400)
+    # then the very next decision is the new max, not the 8 the cool-down remembers
+    assert (d.replicas, d.reason) == (3, "max")
+    # and when the load falls, the cool-down still holds no more than the max
+    assert all(d.replicas <= 3 for _, d in driver.run(30, lambda t: 50))
 
 
 def test_idle_scales_to_zero_when_allowed() -> None:

@@ -572,7 +572,8 @@ class Autoscaler:
         recommended.append((now, want))
         while recommended and recommended[0][0] < now - cfg.cool_down:
             recommended.popleft()
-        held = max(r for _, r in recommended)
+        # Recommendations made under an older, higher max_replicas are held no higher than the max now.
+        held = min(max(r for _, r in recommended), cfg.max_replicas)
         if held > want:
             want, reason = held, "cool_down"
         return Decision(obs.version, want, reason, demand, forecast, short, long, capacity)
