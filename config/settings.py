@@ -478,7 +478,8 @@ FERRY_RESPONSE_CACHE_REDIS_TIMEOUT_MS = env_int("FERRY_RESPONSE_CACHE_REDIS_TIME
 # Read from the standard OpenTelemetry variables, not from FERRY_* ones: off unless OTEL_EXPORTER_OTLP_ENDPOINT
 # (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set, or OTEL_TRACES_EXPORTER names an exporter (otlp, console);
 # OTEL_SDK_DISABLED=true turns it off. Sampling: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (for 1%:
-# parentbased_traceidratio and 0.01). OTEL_SERVICE_NAME names the process (default ferry).
+# parentbased_traceidratio and 0.01). OTEL_SERVICE_NAME names the process; unset, a web process is ferry-web
+# (serving.wiring) and a node ferry-node (runnode).
 
 # --- The Open Inference Protocol over gRPC (issue 21; serving/dataplane/grpc/, docs/grpc.md) ---
 # Each web process serves inference.GRPCInferenceService on FERRY_GRPC_HOST:FERRY_GRPC_PORT beside HTTP (8001,
