@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         command = report.command_line("bench.tracing_hooks", argv)
         rate_line = (
             f" At {a.rate:,.1f} req/s (the off server's median above) they take **{share:.3%}** of one event-loop"
-            " thread's time: the most they can take off throughput, against the issue's bar of 2%."
+            " thread's time, against the issue's bar of 2%. That is their share at this rate: it grows with the"
+            " rate (the cost a request times the requests a second)."
             if share is not None
             else ""
         )
