@@ -1,10 +1,13 @@
 """Which versions the autoscaler sizes, and how: a version without an enabled policy keeps its `desired_replicas`
-as whoever set it left it (null: the placement reconciler keeps `min_replicas`)."""
+as whoever set it left it (null: the placement reconciler keeps `min_replicas`). Turning a policy off, or deleting
+an enabled one, by any path (admin, command, ORM) clears what the autoscaler asked for: `autoscaling.signals`."""
 
 from __future__ import annotations
 
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+from serving.models import ModelVersion
 
 
 class ScalingPolicy(models.Model):
@@ -41,3 +44,15 @@ class ScalingPolicy(models.Model):
 
     def __str__(self) -> str:
         return f"scaling of {self.version_id}"
+
+    def release(self) -> bool:
+        """Hand the version back to its min_replicas: clear the desired replicas the autoscaler set. True when they
+        were set. Call it inside the transaction that turns the policy off."""
+        # The version's row is locked whether or not desired is set: a tick's write locks it too and then re-checks
+        # the policy, so it runs wholly before this transaction (and is cleared here) or sees the policy off.
+        version = ModelVersion.objects.select_for_update().filter(pk=self.version_id).first()
+        if version is None or version.desired_replicas is None:
+            return False
+        # update(): updated_at stays, so no routing snapshot is rebuilt, as for the autoscaler's own writes.
+        ModelVersion.objects.filter(pk=self.version_id).update(desired_replicas=None)
+        return True

@@ -182,6 +182,10 @@ def _write(pk: int, key: str, decision: Decision) -> int | None | bool:
         )
         if version is None or version.desired_replicas == decision.replicas:
             return False
+        # Turned off since this tick read the policies: turning it off locks this row too (ScalingPolicy.release), so
+        # this read, after the lock, sees it, and a write it would then clear is never made.
+        if not ScalingPolicy.objects.filter(version_id=pk, enabled=True).exists():
+            return False
         before = version.desired_replicas
         # update(): updated_at stays, so no routing snapshot is rebuilt for a scaling decision.
         ModelVersion.objects.filter(pk=pk).update(desired_replicas=decision.replicas)

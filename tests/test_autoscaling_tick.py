@@ -11,15 +11,19 @@ import time
 
 import pytest
 import redis
+from django.http import HttpResponse
+from django.test import Client
 
 from autoscaling import observe
 from autoscaling.models import ScalingPolicy
 from autoscaling.providers import Pool
-from autoscaling.tick import LOCK_KEY, STATE_KEY, run_tick
+from autoscaling.tick import LOCK_KEY, STATE_KEY, _write, run_tick
 from serving.dataplane.transport import fleet, stream_bound
 from serving.dataplane.transport.stream_codec import GROUP, request_stream
 from serving.models import ModelVersion
+from serving.policies.autoscale import Decision
 from serving.reconciler import read_loads
+from serving.tasks import request_reconcile
 from tenants.models import AuditEntry
 from tests.conftest import register
 
@@ -293,3 +297,67 @@ def test_the_command_turns_scaling_on_and_off_with_audit(version: ModelVersion) 
     entries = AuditEntry.objects.filter(action="version.scaling").order_by("id")
     assert [e.after["enabled"] for e in entries] == [True, False]
     assert entries[0].before is None and entries[1].before["max_replicas"] == 5
+
+
+def admin_save(browser: Client, policy: ScalingPolicy, **changes: object) -> HttpResponse:
+    data = {
+        "version": policy.version_id,
+        "enabled": "on" if policy.enabled else "",
+        "max_replicas": policy.max_replicas,
+        "target_utilisation": policy.target_utilisation,
+        "warm_pool": policy.warm_pool,
+        "cool_down_seconds": policy.cool_down_seconds,
+        "idle_to_zero_seconds": "",
+        "accelerator": policy.accelerator,
+        "_save": "Save",
+        **changes,
+    }
+    return browser.post(f"/admin/autoscaling/scalingpolicy/{policy.pk}/change/", data)
+
+
+def test_unchecking_enabled_in_the_admin_clears_desired_and_asks_the_reconciler(
+    version: ModelVersion,
+    django_user_model,  # noqa: ANN001
+    django_capture_on_commit_callbacks,  # noqa: ANN001
+) -> None:
+    # given a version the autoscaler scaled out to 3
+    policy = ScalingPolicy.objects.create(version=version, max_replicas=5)
+    ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=3)
+    browser = Client()
+    browser.force_login(django_user_model.objects.create_superuser("root", "root@example.org", "unused"))
+    # when an operator saves the policy in the admin with everything but `enabled` as it was
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        response = admin_save(browser, policy, enabled="")
+    assert response.status_code == 302, response.content.decode()[-2000:]
+    # then the policy is off, the version is back to its min_replicas, and a reconciler step is asked for
+    policy.refresh_from_db()
+    version.refresh_from_db()
+    assert not policy.enabled
+    assert version.desired_replicas is None
+    assert request_reconcile in callbacks
+    # and a later save of the policy, still off, leaves a count somebody set by hand alone
+    ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=2)
+    assert admin_save(browser, policy, enabled="", max_replicas=6).status_code == 302
+    version.refresh_from_db()
+    assert version.desired_replicas == 2
+
+
+def test_deleting_an_enabled_policy_clears_desired(version: ModelVersion) -> None:
+    policy = ScalingPolicy.objects.create(version=version)
+    ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=4)
+    policy.delete()
+    version.refresh_from_db()
+    assert version.desired_replicas is None
+
+
+def test_a_tick_whose_policy_was_turned_off_after_it_read_it_writes_nothing(version: ModelVersion) -> None:
+    # given a tick that decided 3 replicas for a version whose policy it read as on
+    ScalingPolicy.objects.create(version=version)
+    decision = Decision("scaled:1", 3, "forecast", 900.0, 900.0, 900.0, 900.0, None)
+    # when the policy is turned off before the tick writes (and its release has already run: desired is null)
+    ScalingPolicy.objects.filter(version=version).update(enabled=False)
+    # then the write finds the policy off under the version's lock and leaves desired_replicas as it is
+    assert _write(version.pk, "scaled:1", decision) is False
+    version.refresh_from_db()
+    assert version.desired_replicas is None
+    assert not AuditEntry.objects.filter(action="version.scaled").exists()

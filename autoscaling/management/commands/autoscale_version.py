@@ -4,6 +4,7 @@ from django.db import transaction
 
 from autoscaling.models import ScalingPolicy
 from serving.models import ModelVersion
+from serving.tasks import request_reconcile
 from tenants import audit
 
 FIELDS = (
@@ -61,10 +62,9 @@ class Command(BaseCommand):
                 policy.full_clean()
             except ValidationError as exc:
                 raise CommandError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
-            policy.save()
-            if o["off"] and version.desired_replicas is not None:
-                # The autoscaler's ask goes with it: the reconciler keeps min_replicas again.
-                ModelVersion.objects.filter(pk=version.pk).update(desired_replicas=None)
+            policy.save()  # turning it on -> off clears desired_replicas (autoscaling.signals)
+            if o["off"] and policy.release():  # it was off already, with a desired count left from before
+                transaction.on_commit(request_reconcile)
             after = {f: getattr(policy, f) for f in FIELDS}
             audit.record(
                 None,
