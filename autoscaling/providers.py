@@ -1,9 +1,9 @@
 """Node providers: how the autoscaler's demand for nodes per accelerator type becomes running nodes.
 
 Plain Python, no Django: a provider is built from the pools' settings and told how many nodes each pool
-should run (`apply`). The autoscaler sizes node demand by memory (`NodeDemand.nodes`, a lower bound on
-packing); placement puts the replicas of one version on distinct nodes, so a pool also needs as many
-nodes as the most replicas any one version of its type wants (`nodes_wanted`).
+should run (`apply`). A pool is sized for every placed version's desired replicas, autoscaled or not, packed
+as placement packs them (`pool_sizes`: `serving.policies.placement.nodes_wanted`, first fit decreasing, one
+replica of a version per node), and never below the nodes that hold assigned replicas now (`scale_in_floor`).
 
 - `LocalProvider` starts and stops `manage.py runnode` processes on this machine, named
   `<prefix>-<type>-<i>`, with each pool's memory budget and labels, at most `max_total` of them. It keeps
@@ -26,12 +26,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from serving.policies.autoscale import Plan
+from serving.policies.placement import VersionSpec
+from serving.policies.placement import nodes_wanted as packed_nodes
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,35 @@ def nodes_wanted(plan: Plan, accelerator_of: Mapping[str, str], pools: Mapping[s
         need = max(demand.nodes if demand else 0, spread.get(kind, 0))
         wanted[kind] = min(max(need, pool.min_nodes), pool.max_nodes)
     return wanted
+
+
+def pool_sizes(
+    wants: Mapping[str, int], specs: Mapping[str, VersionSpec], pools: Mapping[str, Pool], floor: Mapping[str, int]
+) -> dict[str, int]:
+    """Nodes per pool: as many as packing `wants` (version key -> desired replicas, every placed version's, as the
+    placement reconciler places them) needs on the pools' nodes, in the pools' order of preference; never fewer
+    than `floor` (`scale_in_floor`); within the pool's bounds. Total bytes over a node's is only a lower bound
+    (three 13 GiB replicas need three 24 GiB nodes, not two), and a version's minimum replicas need nodes whether
+    or not it is autoscaled. Versions no pool can hold are left out: the reconciler marks them unschedulable."""
+    packed, _impossible = packed_nodes(wants, specs, {kind: pool.memory_bytes for kind, pool in pools.items()})
+    return {
+        kind: min(max(packed.get(kind, 0), floor.get(kind, 0), pool.min_nodes), pool.max_nodes)
+        for kind, pool in pools.items()
+    }
+
+
+def scale_in_floor(holding: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """Per accelerator type, the fewest nodes a pool may run and keep every node given as (name, type): those
+    holding assigned replicas. Both providers scale in from the highest-numbered node (`<prefix>-<type>-<i>`, a
+    StatefulSet's ordinal), so it is the highest such number plus one: scaling in by count alone could stop a
+    node that holds a version's minimum replicas while an empty one stays. A name without a number is no
+    provider's node, and no provider stops it."""
+    floor: dict[str, int] = {}
+    for name, kind in holding:
+        ordinal = name.rsplit("-", 1)[-1]
+        if "-" in name and ordinal.isdigit():
+            floor[kind] = max(floor.get(kind, 0), int(ordinal) + 1)
+    return floor
 
 
 class NodeProvider(Protocol):

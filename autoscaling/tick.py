@@ -13,6 +13,7 @@ system, with the demand and the reason) in the same transaction, and logged.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -25,11 +26,12 @@ from django.db import transaction
 
 from autoscaling import observe
 from autoscaling.models import ScalingPolicy
-from autoscaling.providers import NodeProvider, Pool, ProviderError, nodes_wanted, pools_from
+from autoscaling.providers import NodeProvider, Pool, ProviderError, pool_sizes, pools_from, scale_in_floor
+from serving.dataplane.transport import fleet
 from serving.models import ModelVersion, State
 from serving.policies.autoscale import Autoscaler, Decision, Plan
 from serving.policies.placement import replica_load
-from serving.reconciler import LOAD_KEY, read_fleet
+from serving.reconciler import LOAD_KEY, desired_replicas, holdings, read_fleet, read_pending, spec_of
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +140,32 @@ def _tick(
         after_change()
 
     if provider is not None and pools:
-        report.nodes = nodes_wanted(plan, {t.key: t.accelerator for t in targets}, pools)
+        report.nodes = _pool_sizes(client, now, nodes, targets, pools)
         try:
             provider.apply(report.nodes)
         except ProviderError as exc:  # the replicas are decided all the same; nodes are asked again next tick
             report.provider_error = str(exc)
             log.error("autoscaler: the node provider failed: %s", exc)
     return report
+
+
+def _pool_sizes(
+    client: redis.Redis, now: float, nodes: list[fleet.NodeInfo], targets: list[observe.Target], pools: dict[str, Pool]
+) -> dict[str, int]:
+    """Nodes per pool for what the placement reconciler will place: every placed version's desired replicas (its
+    `wants`, with this tick's writes), not only the autoscaled ones', and the nodes holding assigned replicas kept."""
+    pool_of = {t.key: t.accelerator for t in targets}
+    specs, wants = {}, {}
+    for version in ModelVersion.objects.servable().filter(loaded=True):
+        spec = spec_of(version)
+        if version.key in pool_of:  # sized on the pool it scales on, as its decision was
+            spec = dataclasses.replace(spec, accelerators=frozenset({pool_of[version.key]}))
+        specs[version.key], wants[version.key] = spec, desired_replicas(version)
+    held = holdings(nodes, read_pending(client, now))
+    accelerator = {n.name: n.accelerator for n in nodes}
+    return pool_sizes(
+        wants, specs, pools, scale_in_floor((name, accelerator[name]) for name, keys in held.items() if keys)
+    )
 
 
 def _write_loads(client: redis.Redis, targets: list, plan: Plan, ttl: int) -> None:

@@ -5,6 +5,7 @@ Redis' clock, so the tests wait real seconds between ticks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -51,11 +52,14 @@ def version(db, model_files) -> ModelVersion:  # noqa: ANN001
     return v
 
 
-def heartbeat(client: redis.Redis, name: str, hot: set[str], budget: int = 256 * MiB) -> None:
+def heartbeat(
+    client: redis.Redis, name: str, hot: set[str], budget: int = 256 * MiB, assigned: frozenset[str] = frozenset()
+) -> None:
     now = time.time()
     info = fleet.NodeInfo(
         name, "i1", "host", 1, "cpu", "cpu", 0, budget, budget, 0, {}, now, now, 0, frozenset(hot), frozenset(hot)
     )
+    info = dataclasses.replace(info, assigned=assigned)
     client.hset(fleet.node_key(name), mapping=info.to_hash())
     client.expire(fleet.node_key(name), 30)
     client.sadd(fleet.NODES_KEY, name)
@@ -255,15 +259,7 @@ def test_a_tick_running_elsewhere_is_not_doubled(client: redis.Redis, version: M
 
 
 def test_node_demand_reaches_the_provider(client: redis.Redis, version: ModelVersion) -> None:
-    # given a provider that records what it is asked (the providers themselves are tested in test_node_providers)
-    class Recorder:
-        def __init__(self) -> None:
-            self.asked: list[dict[str, int]] = []
-
-        def apply(self, wanted):  # noqa: ANN001, ANN202
-            self.asked.append(dict(wanted))
-            return dict(wanted)
-
+    # given a provider that records what it is asked
     ScalingPolicy.objects.create(version=version, max_replicas=3)
     heartbeat(client, "n1", {"scaled:1"})
     recorder = Recorder()
@@ -273,6 +269,44 @@ def test_node_demand_reaches_the_provider(client: redis.Redis, version: ModelVer
     tick(client, provider=recorder)
     # then three replicas of one version need three nodes, though their memory fits one
     assert recorder.asked == [{"cpu": 1}, {"cpu": 3}]
+
+
+class Recorder:
+    """A provider that records what it is asked (the providers themselves are tested in test_node_providers)."""
+
+    def __init__(self) -> None:
+        self.asked: list[dict[str, int]] = []
+
+    def apply(self, wanted: dict[str, int]) -> dict[str, int]:
+        self.asked.append(dict(wanted))
+        return dict(wanted)
+
+
+def test_pools_are_sized_by_packing_every_placed_versions_replicas_and_keep_nodes_that_hold_them(
+    client: redis.Redis,
+    version: ModelVersion,
+    model_files,  # noqa: ANN001
+) -> None:
+    # given three versions of 13 MiB with one minimum replica each on a pool of 24 MiB nodes: one autoscaled,
+    # two with no policy at all
+    others = [register(model_files.digits, name) for name in ("plain", "other")]
+    for v in [version, *others]:
+        v.placement_measurements = {"cpu": {"memory_bytes": 13 * MiB, "cold_start_seconds": 1.5}}
+        v.min_replicas = 1
+        v.save()
+    ScalingPolicy.objects.create(version=version, max_replicas=3)
+    recorder = Recorder()
+    pools = {"cpu": Pool("cpu", 24 * MiB, max_nodes=8)}
+    # when a tick asks the provider for nodes
+    run_tick(client, provider=recorder, pools=pools)
+    # then it asks for three: no two replicas fit one node (39 MiB of memory would say two), and the
+    # versions without a policy need their minimum replicas placed as much as the autoscaled one
+    assert recorder.asked == [{"cpu": 3}]
+    # and when the provider's node numbered 5 (the sixth) holds an assigned replica, a scale-in, which stops
+    # the highest-numbered nodes first, keeps it
+    heartbeat(client, "local-cpu-5", {"plain:1"}, assigned=frozenset({"plain:1"}))
+    run_tick(client, provider=recorder, pools=pools)
+    assert recorder.asked[-1] == {"cpu": 6}
 
 
 def test_the_command_turns_scaling_on_and_off_with_audit(version: ModelVersion) -> None:
