@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Any
 
@@ -165,22 +166,45 @@ def _model(key: str) -> str:
     return key.rpartition(":")[0]
 
 
+# A version's key ("model:version") inside a message, not part of a longer name.
+_KEY_IN_TEXT = re.compile(r"(?<![A-Za-z0-9_.-])[A-Za-z0-9][A-Za-z0-9_.-]{0,99}:[0-9]+(?![0-9])")
+
+
 def scoped(state: dict[str, Any], models: set[str] | None) -> dict[str, Any]:
     """`state` as someone who sees only `models` (names; None: every model) may see it: other tenants' versions
-    keep their place and size in the packing bars, without their names; their events and failures are left out."""
+    keep their place and size in the packing bars, without their names; their events and failures are left out.
+
+    The messages shown (events' details, failures, versions' reasons) do not name other versions where they are
+    written (`serving.dataplane.node.node`, `serving.policies.placement`); one that still names a version of a
+    model of the fleet this viewer may not see (a node of an earlier release) gets HIDDEN in its place."""
     if models is None:
         return state
 
     def shown(key: str) -> bool:
         return not key or _model(key) in models
 
+    # The models of the versions this state holds that the viewer may not see: a message's "name:version" of one of
+    # them is hidden, whichever version it names. (Not every "name:digits" not shown: "12:30" is a time.)
+    keys = [r["key"] for node in state["nodes"] for r in node["resident"]]
+    keys += [k for node in state["nodes"] for k in node["failures"]]
+    keys += [e["key"] for e in state["events"]]
+    keys += [v["key"] for v in state.get("versions", [])]
+    hidden = {_model(k) for k in keys if not shown(k)}
+
+    def clean(text: str) -> str:
+        if not hidden or ":" not in text:
+            return text
+        return _KEY_IN_TEXT.sub(lambda m: HIDDEN if _model(m[0]) in hidden else m[0], text)
+
     nodes = []
     for node in state["nodes"]:
         resident = [r if shown(r["key"]) else r | {"key": "", "hidden": True} for r in node["resident"]]
-        failures = {k: v for k, v in node["failures"].items() if shown(k)}
+        failures = {k: clean(v) for k, v in node["failures"].items() if shown(k)}
         nodes.append(node | {"resident": resident, "failures": failures})
-    return state | {
-        "nodes": nodes,
-        "events": [e for e in state["events"] if shown(e["key"])],
-        "versions": [v for v in state.get("versions", []) if shown(v["key"])],
-    }
+    events = [e | {"detail": clean(e["detail"])} if e.get("detail") else e for e in state["events"] if shown(e["key"])]
+    versions = [
+        v | {"reason": clean(v["reason"])} if v.get("reason") else v
+        for v in state.get("versions", [])
+        if shown(v["key"])
+    ]
+    return state | {"nodes": nodes, "events": events, "versions": versions}

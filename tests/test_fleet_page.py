@@ -219,6 +219,35 @@ def test_a_viewer_sees_other_tenants_versions_as_unnamed_segments_and_none_of_th
     assert scoped(STATE, None) is STATE  # platform staff see everything
 
 
+def test_a_message_that_names_another_tenants_version_is_redacted_for_a_viewer() -> None:
+    """Nodes no longer name other versions in what a tenant reads (tests/test_audit_fixes_node.py); an older
+    node's event, or any message still naming a version the viewer may not see, has that name replaced."""
+    state = {
+        **STATE,
+        "nodes": [{**STATE["nodes"][0], "failures": {"mine:2": "mine:2 needs 1 MiB (held by secret:1, mine:1)"}}],
+        "events": [
+            {"key": "mine:1", "kind": "evict", "detail": "LRU: room for secret:1"},
+            {"key": "mine:1", "kind": "no_room", "detail": "held by secret:1, data-secret:1, secret:12, mine:1"},
+            {"key": "", "kind": "lost", "detail": "no heartbeat since 12:30:45 UTC"},
+        ],
+        "versions": [
+            {"key": "mine:1", "state": "UNAVAILABLE", "reason": "cold: no room now (held by secret:1)", "hot": []},
+            {"key": "secret:1", "state": "READY", "reason": "", "hot": ["n<1>"]},
+        ],
+    }
+    seen = scoped(state, {"mine", "data-secret"})
+    assert [e["detail"] for e in seen["events"]] == [
+        "LRU: room for another tenant's version",
+        # any version of a hidden model; not a visible one whose name ends the same, nor a time
+        "held by another tenant's version, data-secret:1, another tenant's version, mine:1",
+        "no heartbeat since 12:30:45 UTC",
+    ]
+    assert seen["nodes"][0]["failures"] == {"mine:2": "mine:2 needs 1 MiB (held by another tenant's version, mine:1)"}
+    assert [v["reason"] for v in seen["versions"]] == ["cold: no room now (held by another tenant's version)"]
+    # platform staff read the messages as written
+    assert scoped(state, None) is state
+
+
 def test_a_push_is_narrowed_and_rendered_once_per_set_of_models() -> None:
     from serving.fleet_consumer import _rendered
 
@@ -334,6 +363,28 @@ def test_a_viewer_sees_the_nodes_bars_and_events_of_what_it_may_see(people, flee
     # platform staff see every version by name
     staff = people["staff"].get("/api/fleet/").json()
     assert {r["key"] for n in staff["nodes"] for r in n["resident"]} == {"mine:1", "secret:1"}
+
+
+def test_a_viewer_whose_version_was_evicted_for_another_tenants_reads_no_name_of_it(people, fleet_in_redis) -> None:  # noqa: ANN001
+    # given the viewer's own version evicted for another tenant's private one, and then refused room that the
+    # other one holds, as a node of an earlier release recorded them (naming the other version)
+    now = time.time()
+    for at, kind, detail in (
+        (now - 3, "evict", "LRU: room for secret:1"),
+        (now - 2, "no_room", "mine:1 needs 8.0 MiB; node node-a is 8.0 MiB short (held by secret:1)"),
+    ):
+        event = FleetEvent("node-a", at, kind, "mine:1", detail)
+        fleet_in_redis.xadd(fleet_events.STREAM, {fleet_events.FIELD: fleet_events.encode(event)})
+    # when the viewer reads the fleet / then it sees its own events, without the other tenant's version's name
+    doc = people["viewer"].get("/api/fleet/").json()
+    mine = [(e["kind"], e["detail"]) for e in doc["events"] if e["key"] == "mine:1"]
+    assert ("evict", "LRU: room for another tenant's version") in mine
+    assert "secret" not in json.dumps(doc)
+    page = people["viewer"].get("/console/fleet/").content.decode()
+    assert 'data-kind="evict" data-key="mine:1"' in page and "secret" not in page
+    # and platform staff, who see every version, read the names
+    staff = people["staff"].get("/api/fleet/").json()
+    assert any(e["detail"] == "LRU: room for secret:1" for e in staff["events"])
 
 
 def test_the_fleet_api_is_in_the_schema() -> None:

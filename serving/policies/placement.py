@@ -224,14 +224,23 @@ def fit(
         if spec.footprint <= free:
             return Fit(True, tuple(evict))
     short = spec.footprint - free
-    held = sorted(key for key, r in node.hot.items() if key not in evict)
+    # Counted, never named: this reason reaches the version's own tenant (the fleet page, the repository index,
+    # a 503), and the versions holding the memory may be other tenants' private ones.
+    held = sum(1 for key in node.hot if key not in evict)
     return Fit(
         False,
         constraint=HELD,
         short_bytes=short,
         reason=f"{spec.key} needs {_mib(spec.footprint)}; node {node.name} is {_mib(short)} short after"
-        f" evicting every idle version (held by {', '.join(held) or 'nothing'})",
+        f" evicting every idle version ({_held_by(held)})",
     )
+
+
+def _held_by(n: int) -> str:
+    """What holds the memory a refused version is short of, as a count (see `fit`)."""
+    if n == 0:
+        return "held by nothing"
+    return f"held by {n} other version{'' if n == 1 else 's'} that must stay"
 
 
 @dataclass(frozen=True, slots=True)

@@ -238,7 +238,13 @@ class Gateway:
                 counted = served
             for spec in served.outputs:
                 if (wanted is None or spec.name in wanted) and spec.name not in outputs:
-                    raise ProtocolError(f"model did not produce output {spec.name!r}", 503)
+                    # Never the model's doing nor the client's: a runtime checks every output against the
+                    # signature (a model that breaks it fails its batch, 422), and the transports carry every
+                    # output asked for. A missing one is a bug in the node or the codec, or a version skew between
+                    # processes: 500, logged and counted, not a 503 that invites a retry.
+                    log.error("%s answered without its output %r (asked for %s)", served.key, spec.name, wanted)
+                    metrics.INTERNAL_ERRORS.labels("gateway_outputs").inc()
+                    raise ServingError(f"internal error: the answer lacks output {spec.name!r}; the server logged it")
         except ProtocolError as exc:
             self._answered(vm, counted, viewer, exc.status, self._clock() - arrived)
             raise ServingError(exc.message, status=exc.status) from None

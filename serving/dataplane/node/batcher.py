@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from serving.dataplane.metrics import metrics
 from serving.policies.batching import BatchingConfig, BatchQueue, Pending, QueueFull
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,9 @@ log = logging.getLogger(__name__)
 RunBatch = Callable[[list[Pending]], Awaitable[None]]
 OnExpired = Callable[[list[Pending]], None]
 OnDropped = Callable[[list[Pending]], None]
+# A step failed past the poll (a bug: in the batch's run, or in answering what expired or was dropped): the
+# requests it took from the queue, which no queue holds any more, and the exception. It answers them.
+OnFailed = Callable[[list[Pending], Exception], None]
 
 
 class Batcher:
@@ -28,11 +32,13 @@ class Batcher:
         on_expired: OnExpired,
         clock: Callable[[], float] = time.monotonic,
         on_dropped: OnDropped | None = None,
+        on_failed: OnFailed | None = None,
     ) -> None:
         self.queue = queue
         self._run_batch = run_batch
         self._on_expired = on_expired
         self._on_dropped = on_dropped
+        self._on_failed = on_failed
         self._clock = clock
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -84,15 +90,24 @@ class Batcher:
         return self.queue.drain()
 
     async def process_one_batch(self) -> bool:
-        """Run at most one batch; wait (bounded) when none is due. True when a batch ran."""
+        """Run at most one batch; wait (bounded) when none is due. True when a batch ran (or failed).
+
+        What the poll takes from the queue is answered whatever happens: when a step fails past it, `on_failed`
+        gets those requests and the exception (without one, the exception propagates)."""
         decision = self.queue.poll(self._clock())
-        if decision.expired:
-            self._on_expired(decision.expired)
-        if decision.dropped and self._on_dropped is not None:
-            self._on_dropped(decision.dropped)
-        if decision.batch:
-            await self._run_batch(decision.batch)
-            return True
+        try:
+            if decision.expired:
+                self._on_expired(decision.expired)
+            if decision.dropped and self._on_dropped is not None:
+                self._on_dropped(decision.dropped)
+            if decision.batch:
+                await self._run_batch(decision.batch)
+                return True
+        except Exception as exc:
+            if self._on_failed is None:
+                raise
+            self._on_failed([*decision.expired, *decision.dropped, *decision.batch], exc)
+            return bool(decision.batch)
         self._arrival.clear()
         timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
         try:
@@ -105,8 +120,9 @@ class Batcher:
         while not self._closed:
             try:
                 await self.process_one_batch()
-            except Exception:  # a bug here must not strand the queue's requests
+            except Exception:  # a bug here (or in `on_failed`) must not strand the queue's requests
                 log.exception("batcher step failed")
+                metrics.INTERNAL_ERRORS.labels("batcher").inc()
                 await asyncio.sleep(0.01)
             if self._emptied is not None and not len(self.queue):
                 self._emptied.set()

@@ -12,6 +12,7 @@ versions least recently used first (`serving.dataplane.node.packing` keeps what 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import time
@@ -44,6 +45,21 @@ log = logging.getLogger(__name__)
 # requests kept coming) is cut off with 503. Each request keeps its own deadline meanwhile.
 UNLOAD_DRAIN_S = 10.0
 FULL_BATCHES_S = 0.1  # how often admission re-reads which hosted versions work arrives for
+EVICTED_LRU = "evicted (least recently used) to make room for another version"
+# What the device, or the runtime's machinery, raises on the device thread for reasons outside this code: out of the
+# device's memory, a faulted or lost device (torch.AcceleratorError; older torch raises a RuntimeError saying so), the
+# host out of memory, or of processes or descriptors when a sandboxed runtime's process is started again. The batch
+# is answered 503 with Retry-After (the gateway's fallback may answer it). A RuntimeFailure (the model raised, broke
+# its signature, or its runtime process died or hung) is bisected instead (`Node._isolate`). Anything else raised in
+# a batch's path is a bug: 500, logged with its traceback and counted (`Node._batch_failed`).
+DEVICE_ERRORS: tuple[type[BaseException], ...] = (
+    torch.cuda.OutOfMemoryError,
+    MemoryError,
+    *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()),
+)
+DEVICE_ERROR_TEXT = ("CUDA error", "CUBLAS_STATUS_", "CUDNN_STATUS_", "cuDNN error")
+RESOURCE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+INTERNAL_ERROR = "internal error on the node; it logged it"
 
 
 @dataclass(slots=True)
@@ -299,12 +315,16 @@ class Node:
             victims = [self.hosted.pop(k) for k in verdict.evict]
             self._hosted_list = tuple(self.hosted.values())
             for victim in victims:
-                reason = f"LRU: room for {entry.key}"
                 metrics.EVICTIONS.labels(victim.entry.model, str(victim.entry.version), "lru").inc()
-                self.packing.record("evict", victim.entry.key, reason)
+                # The event reaches the victim's tenant (the fleet page, its socket): it does not name the version
+                # that took the room, which may be another tenant's private one. The log, operators' only, does.
+                self.packing.record("evict", victim.entry.key, EVICTED_LRU)
                 self.packing.cold[victim.entry.key] = victim.entry
                 log.info(
-                    "evicting %s (idle since %.1f s): %s", victim.entry.key, self._clock() - victim.last_used, reason
+                    "evicting %s (idle since %.1f s): LRU: room for %s",
+                    victim.entry.key,
+                    self._clock() - victim.last_used,
+                    entry.key,
                 )
                 await self._release(victim, f"model version {victim.entry.key} was evicted", keep_warm=True)
             return True
@@ -358,6 +378,7 @@ class Node:
             self._expired,
             clock=self._clock,
             on_dropped=lambda items: self._dropped(hosted, items),
+            on_failed=lambda items, exc: self._batch_failed(hosted, items, exc),
         )
         if start:
             hosted.batcher.start()
@@ -765,11 +786,14 @@ class Node:
         except RuntimeFailure as exc:
             await self._isolate(hosted, live, exc)
             return
-        except Exception as exc:  # device errors (out of memory, lost device) fail this batch only
-            log.exception("batch on %s failed", hosted.entry.key)
-            for p in live:
-                _fail(p, Unavailable(f"inference failed on the device: {type(exc).__name__}", retry_after=1))
+        except Exception as exc:
+            if not device_error(exc):
+                raise  # a bug: the batcher hands the batch to `_batch_failed` (500)
+            self._device_failed(hosted, live, exc)  # out of memory, a lost device: this batch only, 503
             return
+        # Answered first: a bug in the bookkeeping below costs no caller its computed answer (it is still a bug:
+        # the batcher's `_batch_failed` logs and counts it, and answers 500 whatever is left unanswered).
+        _answer(live, results, seconds, rows)
         if queued:
             tracing.batch(queued[1], rows, queued[0], began - started, seconds)
         # Admission predicts when answers are back on the event loop, so the profile learns the batch's
@@ -783,7 +807,6 @@ class Node:
         self.work.batch(
             hosted.entry.key, rows, began, seconds, hosted.profile.estimate, hosted.entry.batching.max_batch_size
         )
-        _answer(live, results, seconds, rows)
 
     async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> int:
         """Hold a batch of mirrored (shadow) requests while it would delay callers' work: a batch is on the
@@ -889,10 +912,34 @@ class Node:
             except RuntimeFailure as failure:
                 await self._isolate(hosted, half, failure)
             except Exception as other:
-                for p in half:
-                    _fail(p, Unavailable(f"inference failed on the device: {type(other).__name__}", retry_after=1))
+                if not device_error(other):
+                    raise  # a bug: the batcher hands the whole batch to `_batch_failed` (500)
+                self._device_failed(hosted, half, other)
             else:
                 _answer(half, results, seconds, rows)
+
+    @staticmethod
+    def _device_failed(hosted: Hosted, items: list[Pending], exc: Exception) -> None:
+        """The device (or the runtime's machinery) failed a batch: its requests get 503 with Retry-After."""
+        log.error("a batch of %s failed on the device", hosted.entry.key, exc_info=exc)
+        for p in items:
+            _fail(p, Unavailable(f"inference failed on the device: {type(exc).__name__}", retry_after=1))
+
+    @staticmethod
+    def _batch_failed(hosted: Hosted, items: list[Pending], exc: Exception) -> None:
+        """A bug in a batch's path (this code's, neither the device's nor the model's): every request of the batch
+        not answered yet gets 500, never a 503 that invites a retry and the fallback, nor a wait for its deadline;
+        the bug is logged with its traceback and counted once."""
+        metrics.INTERNAL_ERRORS.labels("node_batch").inc()
+        unanswered = [p for p in items if not p.payload.future.done()]
+        log.error(
+            "a batch of %s failed unexpectedly; answering its %d unanswered requests 500",
+            hosted.entry.key,
+            len(unanswered),
+            exc_info=exc,
+        )
+        for p in unanswered:
+            _fail(p, ServingError(INTERNAL_ERROR))
 
 
 def _left_queue(live: list[Pending]) -> tuple[int, list[tracing.Span]] | None:
@@ -911,7 +958,20 @@ def _left_queue(live: list[Pending]) -> tuple[int, list[tracing.Span]] | None:
     return at, spans
 
 
+def device_error(exc: BaseException) -> bool:
+    """Whether an exception from the device thread is the device's or the runtime machinery's (`DEVICE_ERRORS`),
+    not a bug of this code's."""
+    if isinstance(exc, DEVICE_ERRORS):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in RESOURCE_ERRNOS
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in DEVICE_ERROR_TEXT)
+
+
 def _answer(live: list[Pending], results: list[dict[str, np.ndarray]], seconds: float, rows: int) -> None:
+    # Checked before any answer: with a result missing, none can be matched to its request.
+    if len(results) != len(live):
+        raise ValueError(f"the runtime returned {len(results)} results for {len(live)} requests")
     for p, result in zip(live, results, strict=True):
         if not p.payload.future.done():
             p.payload.future.set_result(Outputs(result, seconds * p.rows / rows))
