@@ -5,7 +5,8 @@ from autoscaling.tick import run_tick
 from serving.tasks import request_reconcile
 
 
-@shared_task(ignore_result=True)
+# Ends before the tick's lock (tick.LOCK_SECONDS, 60 s) could lapse; a local provider starting nodes is the slow part.
+@shared_task(ignore_result=True, soft_time_limit=45, time_limit=55)
 def autoscale() -> dict | None:
     """One autoscaler tick (Celery beat, every FERRY_AUTOSCALE_SECONDS); what changed, for the worker's log."""
     # desired_replicas is written with update() (no signal), so the reconciler is asked here.

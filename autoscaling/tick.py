@@ -3,9 +3,11 @@
 The `Autoscaler`'s history (rates, trend, the cool-down's recommendations) lives in Redis, not in a
 process: Celery beat hands each tick to whichever worker process is free, workers restart, and a
 history kept in one process would be split between them or lost, and with it the cool-down that
-holds a scale-in. A tick takes a lock (SET NX with an expiry, released only by its holder), reads
-the history, ticks, and writes it back; a tick that finds the lock held is skipped (the next one
-comes in seconds). Time is Redis' clock (TIME), so every worker ticks on the same one.
+holds a scale-in. A tick takes a lock (redis-py's `Lock`: SET NX with an expiry, owned by a token, released only
+by its holder), reads the history, ticks, and writes it back; a tick that finds the lock held is skipped (the
+next one comes in seconds). It renews the lock before its writes and before asking for nodes, and stops once the
+lock is no longer its own: a tick that outlived its lock (a slow provider) never writes beside the next one.
+Time is Redis' clock (TIME), so every worker ticks on the same one.
 
 A change of a version's desired replicas is written with an audit entry (`version.scaled`, by the
 system, with the demand and the reason) in the same transaction, and logged.
@@ -13,16 +15,18 @@ system, with the demand and the reason) in the same transaction, and logged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 from django.conf import settings
 from django.db import transaction
+from redis.exceptions import LockError, LockNotOwnedError
+from redis.lock import Lock
 
 from autoscaling import observe
 from autoscaling.models import ScalingPolicy
@@ -37,9 +41,10 @@ log = logging.getLogger(__name__)
 
 STATE_KEY = "ferry:autoscaler:state"
 LOCK_KEY = "ferry:autoscaler:lock"
-LOCK_SECONDS = 60  # longer than any tick; a worker that dies holding it blocks ticks this long at most
+# A tick's lock lapses this long after its last renewal (a worker that dies holding it blocks ticks this long at
+# most); the task's time limit (autoscaling.tasks.autoscale) ends a tick before it would.
+LOCK_SECONDS = 60
 STATE_TTL_SECONDS = 3600  # a history not written for this long is dropped (two seasons at least: `_tick`)
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 @dataclass
@@ -59,22 +64,29 @@ def run_tick(
     pools: dict[str, Pool] | None = None,
     after_change: Callable[[], None] | None = None,
 ) -> TickReport | None:
-    """Tick once; None when another tick holds the lock."""
+    """Tick once; None when another tick holds the lock, or this one's lapsed before it was done."""
     client = client or redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
-    token = uuid.uuid4().hex
-    if not client.set(LOCK_KEY, token, nx=True, ex=LOCK_SECONDS):
+    lock = client.lock(LOCK_KEY, timeout=LOCK_SECONDS)
+    if not lock.acquire(blocking=False):
         log.info("autoscaler: another tick is running; skipping this one")
         return None
     try:
-        return _tick(
-            client, provider, pools if pools is not None else pools_from(settings.FERRY_NODE_POOLS), after_change
-        )
+        pools = pools if pools is not None else pools_from(settings.FERRY_NODE_POOLS)
+        return _tick(client, lock, provider, pools, after_change)
+    except LockNotOwnedError:
+        log.warning("autoscaler: this tick's lock lapsed; it stops writing, and the next tick acts")
+        return None
     finally:
-        client.eval(_RELEASE, 1, LOCK_KEY, token)
+        with contextlib.suppress(LockError):  # lapsed: it is no longer this tick's to release
+            lock.release()
 
 
 def _tick(
-    client: redis.Redis, provider: NodeProvider | None, pools: dict[str, Pool], after_change: Callable[[], None] | None
+    client: redis.Redis,
+    lock: Lock,
+    provider: NodeProvider | None,
+    pools: dict[str, Pool],
+    after_change: Callable[[], None] | None,
 ) -> TickReport:
     seconds, micros = client.time()
     now = seconds + micros / 1e6
@@ -124,6 +136,7 @@ def _tick(
         scaler.restore_state(json.loads(stored))
     streams = observe.read_streams(client, [t.key for t in targets])
     plan = scaler.tick(now, observe.observe(targets, streams, nodes))
+    lock.reacquire()  # LockNotOwnedError once another tick may have read the same history: this one writes nothing
     # The seasonal profile learns over days, so the history outlives a pause of the ticks by two periods (the rest
     # of it is windowed by time: an old history does no harm).
     ttl = max(STATE_TTL_SECONDS, int(2 * settings.FERRY_AUTOSCALE_SEASON_S))
@@ -141,6 +154,7 @@ def _tick(
 
     if provider is not None and pools:
         report.nodes = _pool_sizes(client, now, nodes, targets, pools)
+        lock.reacquire()  # a provider may take a while to start nodes: another tick must not ask meanwhile
         try:
             provider.apply(report.nodes)
         except ProviderError as exc:  # the replicas are decided all the same; nodes are asked again next tick

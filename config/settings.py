@@ -125,13 +125,31 @@ FERRY_CONSOLIDATE_MOVES = env_int("FERRY_CONSOLIDATE_MOVES", 2, minimum=0)
 FERRY_CONSOLIDATE_HOLD_SECONDS = env_int("FERRY_CONSOLIDATE_HOLD_SECONDS", 300, minimum=0)
 # Relief moves in flight at most (serving.policies.placement.relieve; 0: off): replicas off a device they outgrew.
 FERRY_RELIEVE_MOVES = env_int("FERRY_RELIEVE_MOVES", 16, minimum=0)
+
+
+def _every(task: str, seconds: float, **options: object) -> dict:
+    """A beat entry whose run expires when the next is due: after a worker outage the runs queued meanwhile are
+    dropped, not run back to back (each reads the state afresh, so the next one loses nothing)."""
+    return {"task": task, "schedule": seconds, "options": {"expires": seconds, **options}}
+
+
 CELERY_BEAT_SCHEDULE = {
-    "publish-routing-snapshot": {"task": "serving.tasks.publish_routing_snapshot", "schedule": 30.0},
-    "prune-usage": {"task": "usage.tasks.prune_usage", "schedule": 3600.0},
-    "evaluate-rollouts": {"task": "rollout.tasks.evaluate_rollouts", "schedule": float(FERRY_ROLLOUT_EVALUATE_SECONDS)},
-    "prune-shadow": {"task": "rollout.tasks.prune_shadow", "schedule": 3600.0},
+    "publish-routing-snapshot": _every("serving.tasks.publish_routing_snapshot", 30.0),
+    "prune-usage": _every("usage.tasks.prune_usage", 3600.0),
+    "evaluate-rollouts": _every("rollout.tasks.evaluate_rollouts", float(FERRY_ROLLOUT_EVALUATE_SECONDS)),
+    "prune-shadow": _every("rollout.tasks.prune_shadow", 3600.0),
     # serving.reconciler: also run at once when a version's desired replicas change; this catches lost nodes.
-    "reconcile-placements": {"task": "serving.tasks.reconcile_placements", "schedule": float(FERRY_RECONCILE_SECONDS)},
+    "reconcile-placements": _every("serving.tasks.reconcile_placements", float(FERRY_RECONCILE_SECONDS)),
+}
+# Time limits of serving.tasks' tasks, by what each does (the other apps' tasks carry theirs in their decorators;
+# the node's tasks run on a solo pool, which enforces none, and carry deadlines of their own). A reconciler step
+# ends before its lock (serving.reconciler.LOCK_SECONDS, 30 s) could lapse.
+CELERY_TASK_ANNOTATIONS = {
+    # a large model's load and latency profile take minutes; past half an hour it hung (FAILED with the reason)
+    "serving.tasks.validate_version": {"soft_time_limit": 1800, "time_limit": 1860},
+    "serving.tasks.publish_routing_snapshot": {"soft_time_limit": 25, "time_limit": 30},
+    "serving.tasks.reconcile_placements": {"soft_time_limit": 20, "time_limit": 25},
+    "serving.tasks.record_placement": {"soft_time_limit": 20, "time_limit": 30},
 }
 # Autoscaling (autoscaling/): a tick every FERRY_AUTOSCALE_SECONDS (Celery beat) sizes the versions that have a
 # scaling policy from their streams' arrivals and backlog, writes desired_replicas and asks FERRY_NODE_PROVIDER
@@ -159,11 +177,9 @@ FERRY_K8S_NAMESPACE = env_str("FERRY_K8S_NAMESPACE", "")  # empty: the service a
 FERRY_AUTOSCALE_QUEUE = env_str("FERRY_AUTOSCALE_QUEUE", "celery")
 if REDIS_URL:
     # A tick that waited past the next one's time is dropped: the next observes fresher numbers.
-    CELERY_BEAT_SCHEDULE["autoscale"] = {
-        "task": "autoscaling.tasks.autoscale",
-        "schedule": float(FERRY_AUTOSCALE_SECONDS),
-        "options": {"expires": float(FERRY_AUTOSCALE_SECONDS), "queue": FERRY_AUTOSCALE_QUEUE},
-    }
+    CELERY_BEAT_SCHEDULE["autoscale"] = _every(
+        "autoscaling.tasks.autoscale", float(FERRY_AUTOSCALE_SECONDS), queue=FERRY_AUTOSCALE_QUEUE
+    )
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -25,7 +25,9 @@ replicas onto nodes with room, as the same make-before-break moves, at most `FER
 and whenever a version's desired state changes (`serving.tasks.request_reconcile`); the task hands it the
 sender of node tasks (`serving.node_tasks.send_plan`), so this module imports no task. It is idempotent: a
 task sent and not yet done is recorded in Redis (`PENDING_KEY`) until the node's heartbeat shows its
-outcome, so the next step does not send it again; and two steps at once do not both act (a lock in Redis, `LOCK_KEY`).
+outcome, so the next step does not send it again; and two steps at once do not both act (a lock in Redis, `LOCK_KEY`,
+owned by a token: a step renews it before each of its writes and stops, writing nothing more, once it is no longer
+its own, so a step that outlived the lock never acts beside the next one).
 A step reads the pending records before the heartbeats (see `reconcile`): the node clears a record only after
 the heartbeat that shows its outcome, so in that order no finished task is missed by both reads.
 
@@ -34,14 +36,17 @@ the heartbeat that shows its outcome, so in that order no finished task is misse
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
 from django.conf import settings
+from django.utils import timezone
+from redis.exceptions import LockError, LockNotOwnedError
+from redis.lock import Lock
 
 from serving import replicas
 from serving.dataplane.transport import fleet
@@ -62,6 +67,7 @@ from serving.policies.placement import (
     place,
     relieve,
 )
+from serving.publish import publish_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,9 @@ MOVES_KEY = "ferry:placement:moves"  # field "<version key>|<source>|<target>" -
 QUIET_KEY = "ferry:placement:quiet"  # field <node> -> epoch seconds since its planned load is under the threshold
 # A move whose copy is not hot on its target by then is given up (the load's expiry, its deadline, and slack).
 MOVE_TIMEOUT_SECONDS = 600.0
-LOCK_SECONDS = 30  # a step holds it this long at most (a reconciler killed mid-step frees it by then)
+# A step's lock lapses this long after its last renewal (a reconciler killed mid-step frees it by then); the task's
+# time limit (serving.tasks.reconcile_placements, CELERY_TASK_ANNOTATIONS) ends a step before it would.
+LOCK_SECONDS = 30
 REASON_PREFIX = "placement: "  # what this module writes into unschedulable_reason (nodes write their own)
 
 
@@ -387,64 +395,70 @@ def reconcile(
         return Outcome(skipped="embedded mode: the in-process node serves every version")
     now = time.time() if now is None else now
     client = redis.Redis.from_url(url)
-    token = uuid.uuid4().hex
+    lock = client.lock(LOCK_KEY, timeout=LOCK_SECONDS)
     try:
-        if not client.set(LOCK_KEY, token, nx=True, ex=LOCK_SECONDS):
+        if not lock.acquire(blocking=False):
             return Outcome(skipped="another reconciler step is running")
         try:
-            # Pending before the fleet, never the other way round: a node writes the heartbeat that shows a
-            # task's outcome before it clears the task's record (`serving.node_tasks`), so a record already
-            # gone here is an outcome the fleet read after it shows. Read fleet first, a task that finished
-            # between the two reads is in neither: the step would load it again, or count a replica just
-            # unloaded as still there and unload another, below the desired count.
-            pending = read_pending(client, now)
-            nodes = read_fleet(client)
-            versions = list(ModelVersion.objects.servable().filter(loaded=True))
-            loads = read_loads(client)
-            specs = {v.key: spec_of(v, loads.get(v.key, 0.0)) for v in versions}
-            wants = {v.key: desired_replicas(v) for v in versions}
-            moves, quiet = read_moves(client)
-            result = plan(
-                wants,
-                specs,
-                nodes,
-                pending,
-                now=now,
-                moves=moves,
-                quiet=quiet,
-                consolidating=consolidating or consolidating_from_settings(),
-            )
-            write_moves(client, result)  # before the loads go: a move's outcome may come back before send returns
-            send(client, result, now)
-            _mark_unschedulable(versions, wants, result)
-
-            # The records after this step's sends, read in the same order for the same reason.
-            pending = read_pending(client, now)
-            nodes = read_fleet(client)
-            replicas.record(nodes, {v.key: v for v in versions}, holdings(nodes, pending))
-            return Outcome(plan=result, nodes=len(nodes))
+            return _step(client, lock, send, now, consolidating or consolidating_from_settings())
+        except LockNotOwnedError:
+            log.warning("placement: this step's lock lapsed; it stops writing, and the next step acts")
+            return Outcome(skipped="the step's lock lapsed: it stopped before its next write")
         finally:
-            client.eval(_UNLOCK, 1, LOCK_KEY, token)
+            with contextlib.suppress(LockError):  # lapsed: it is no longer this step's to release
+                lock.release()
     finally:
         client.close()
 
 
-def _mark_unschedulable(versions: list, wants: Mapping[str, int], result: Plan) -> None:
+def _step(
+    client: redis.Redis,
+    lock: Lock,
+    send: Callable[[redis.Redis, Plan, float], None],
+    now: float,
+    consolidating: Consolidating,
+) -> Outcome:
+    """Read, plan, write. Each write phase first renews the lock (`Lock.reacquire`, LockNotOwnedError once it is
+    another's): past the lock's expiry a second step may have read the same heartbeats and be acting on them."""
+    # Pending before the fleet, never the other way round: a node writes the heartbeat that shows a
+    # task's outcome before it clears the task's record (`serving.node_tasks`), so a record already
+    # gone here is an outcome the fleet read after it shows. Read fleet first, a task that finished
+    # between the two reads is in neither: the step would load it again, or count a replica just
+    # unloaded as still there and unload another, below the desired count.
+    pending = read_pending(client, now)
+    nodes = read_fleet(client)
+    versions = list(ModelVersion.objects.servable().filter(loaded=True))
+    loads = read_loads(client)
+    specs = {v.key: spec_of(v, loads.get(v.key, 0.0)) for v in versions}
+    wants = {v.key: desired_replicas(v) for v in versions}
+    moves, quiet = read_moves(client)
+    result = plan(wants, specs, nodes, pending, now=now, moves=moves, quiet=quiet, consolidating=consolidating)
+    lock.reacquire()
+    write_moves(client, result)  # before the loads go: a move's outcome may come back before send returns
+    send(client, result, now)
+    lock.reacquire()
+    if _mark_unschedulable(versions, result):
+        publish_snapshot()  # once for the step: the snapshot carries each version's reason
+
+    # The records after this step's sends, read in the same order for the same reason.
+    pending = read_pending(client, now)
+    nodes = read_fleet(client)
+    lock.reacquire()
+    replicas.record(nodes, {v.key: v for v in versions}, holdings(nodes, pending))
+    return Outcome(plan=result, nodes=len(nodes))
+
+
+def _mark_unschedulable(versions: list, result: Plan) -> bool:
     """Write why a version could not be placed; clear what this module wrote once it is placed. A node's own
-    verdict (it can never fit that node) is the node's to clear, when it loads."""
+    verdict (it can never fit that node) is the node's to clear, when it loads. True when any reason changed."""
+    changed = False
     for version in versions:
         why = result.unschedulable.get(version.key)
         reason = f"{REASON_PREFIX}{why}"[:2000] if why else ""
         ours = version.unschedulable_reason.startswith(REASON_PREFIX)
         if (why and version.unschedulable_reason != reason) or (not why and ours):
-            version.unschedulable_reason = reason
-            version.save(update_fields=["unschedulable_reason", "updated_at"])  # republishes the snapshot
-
-
-# KEYS: the lock; ARGV: this step's token.
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
+            # update(), not save(): a save republishes the whole snapshot per version (serving.signals); the step
+            # publishes once. updated_at moves all the same, for the other processes' registry fingerprint.
+            ModelVersion.objects.filter(pk=version.pk).update(unschedulable_reason=reason, updated_at=timezone.now())
+            changed = True
+    return changed

@@ -258,6 +258,25 @@ def test_a_tick_running_elsewhere_is_not_doubled(client: redis.Redis, version: M
     assert client.get(LOCK_KEY) is None
 
 
+def test_a_tick_whose_lock_lapsed_asks_no_nodes_and_leaves_the_new_holders_lock(
+    client: redis.Redis, version: ModelVersion
+) -> None:
+    # given a tick that will change a desired count, and a provider that records what it is asked
+    ScalingPolicy.objects.create(version=version, max_replicas=3)
+    heartbeat(client, "n1", {"scaled:1"})
+    recorder = Recorder()
+
+    # when the tick's lock lapses after its writes and another tick takes it (as one would after LOCK_SECONDS)
+    def lapse() -> None:
+        client.set(LOCK_KEY, "the next tick", ex=60)
+
+    report = tick(client, provider=recorder, after_change=lapse)
+    # then it stops before asking for nodes, and the next tick's lock stays
+    assert report is None
+    assert recorder.asked == []
+    assert client.get(LOCK_KEY) == b"the next tick"
+
+
 def test_node_demand_reaches_the_provider(client: redis.Redis, version: ModelVersion) -> None:
     # given a provider that records what it is asked
     ScalingPolicy.objects.create(version=version, max_replicas=3)

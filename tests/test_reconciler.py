@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from serving.dataplane.gateway.snapshot_redis import SERIAL_KEY
 from serving.dataplane.transport.fleet import NODES_KEY, NodeInfo, node_key
 from serving.models import ModelVersion
 from serving.node_tasks import send_plan
@@ -460,3 +461,36 @@ def test_a_moves_old_copy_is_kept_while_it_is_the_last_one_hot() -> None:
     # when x scales in to one, then a copy still loading goes, never the one copy that serves
     scaled = plan({"x:1": 1, "y:1": 1}, QUIET_SPECS, fleet, now=1010.0, moves=moves, consolidating=NOW_CONSOLIDATING)
     assert len(scaled.unloads) == 1 and scaled.unloads[0][0] != "a"
+
+
+def test_a_step_whose_lock_lapsed_writes_nothing_more_and_leaves_the_new_holders_lock(
+    db, fleet_redis, model_files
+) -> None:  # noqa: ANN001
+    # given a version no node can hold (the fleet is empty), so a step would mark it unschedulable
+    register(model_files.digits, "digits")
+    ModelVersion.objects.filter(model__name="digits").update(desired_replicas=2)
+
+    # when the step's lock lapses while it sends and another step takes it (as one would after LOCK_SECONDS)
+    def send_slowly(client: redis.Redis, plan: Plan, now: float) -> None:
+        client.set(LOCK_KEY, "the next step", ex=30)
+
+    outcome = reconcile(send=send_slowly, url=REDIS_URL)
+    # then the step stops before its next write: the reason is not written, and the new holder's lock stays
+    assert outcome.plan is None and "lapsed" in outcome.skipped
+    assert ModelVersion.objects.get(model__name="digits").unschedulable_reason == ""
+    assert fleet_redis.get(LOCK_KEY) == b"the next step"
+
+
+def test_a_step_that_marks_several_versions_publishes_the_snapshot_once(db, fleet_redis, model_files, settings) -> None:  # noqa: ANN001
+    # given two versions no node can hold, and the snapshot published to Redis (as in production)
+    for name in ("digits", "other"):
+        register(model_files.digits, name)
+    ModelVersion.objects.update(desired_replicas=1)
+    settings.REDIS_URL = REDIS_URL
+    fleet_redis.set(SERIAL_KEY, 100)  # each publication takes the next serial
+    # when one step marks both unschedulable
+    reconcile(send=send_plan, url=REDIS_URL)
+    # then both carry the reason, and the routing snapshot was published once for the step, not once per version
+    reasons = ModelVersion.objects.values_list("unschedulable_reason", flat=True)
+    assert all(r.startswith(REASON_PREFIX) for r in reasons) and len(reasons) == 2
+    assert int(fleet_redis.get(SERIAL_KEY)) == 101

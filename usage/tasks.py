@@ -8,13 +8,15 @@ from usage.ingest import ingest
 from usage.models import UsageBatch, UsageMinute
 
 
-@shared_task(acks_late=True, ignore_result=True)
+# Acked after it runs, and handed back if its worker process dies (a SIGKILL, the OOM killer) rather than acked
+# and lost: ingest() keeps each batch id once, so running it again adds nothing twice. One batch is one transaction.
+@shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True, soft_time_limit=60, time_limit=90)
 def record_usage(batch_id: str, rows: list[dict]) -> int:
     """Add one drained batch of usage (a data-plane process's flusher sends it); safe to run twice."""
     return ingest(batch_id, rows)
 
 
-@shared_task(ignore_result=True)
+@shared_task(ignore_result=True, soft_time_limit=600, time_limit=660)  # hourly bulk deletes
 def prune_usage() -> tuple[int, int]:
     """Delete usage older than FERRY_USAGE_RETENTION_DAYS, and batch ids older than FERRY_USAGE_BATCH_DAYS
     (a task retried later than that would be added twice)."""
