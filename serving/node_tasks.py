@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 LOAD_DEADLINE_S = 300.0  # a load (reading the artifact, moving it to the device, warm-up) past this has hung
 UNLOAD_DEADLINE_S = 60.0  # an unload closes the version's batcher, answering what it still queued
 EXPIRES_S = 60.0  # a task no node took within this is dropped: its node is gone, the reconciler re-plans
+STUCK_LOOP_S = 10.0  # past a task's deadline, the time its clean-up (a heartbeat) may take before the loop is stuck
 
 _node: tuple[Any, asyncio.AbstractEventLoop] | None = None  # (NodeProcess, its loop) in a runnode process
 
@@ -41,9 +42,12 @@ def _on_node(work: Callable[[Any], Coroutine[Any, Any, dict]], deadline: float) 
     if _node is None:
         raise RuntimeError("no node in this process: node tasks run in `manage.py runnode`, on its own queue")
     process, loop = _node
-    future = asyncio.run_coroutine_threadsafe(work(process), loop)
+    # The deadline is kept on the loop (wait_for cancels the work and waits for it to finish), so the work's own
+    # clean-up, the heartbeat that shows a load cut off, is done before this returns and the caller clears the
+    # reconciler's record. The wait here, a little longer, only gives up on a loop that is stuck.
+    future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(work(process), deadline), loop)
     try:
-        return future.result(timeout=deadline)
+        return future.result(timeout=deadline + STUCK_LOOP_S)
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise

@@ -388,6 +388,14 @@ class NodeProcess:
             serial = snapshot.serial if snapshot else 0
             return {"state": "unknown", "reason": f"{key} is not ready in snapshot {serial} on {self.facts.name}"}
         self.node.packing.assigned.add(key)  # first: a reconcile meanwhile keeps it, and the heartbeat shows it
+        try:
+            return await self._load_assigned(key, entry)
+        finally:
+            # Whatever came of it, a load that raised or was cancelled at its deadline too, a heartbeat shows it
+            # before the node task clears the reconciler's record of the load (0020: records before heartbeats).
+            await self.heartbeat_once()
+
+    async def _load_assigned(self, key: str, entry: VersionEntry) -> dict[str, object]:
         started = self._clock()
         try:
             hosted = await self.node.load(entry, evict=True)
@@ -396,24 +404,23 @@ class NodeProcess:
             raise
         if hosted is None:
             self.node.packing.assigned.discard(key)
-            result: dict[str, object] = {
+            return {
                 "state": "failed",
                 "reason": self.node.unready_reason(key) or self.node.packing.no_room.get(key, "not loaded"),
             }
-        else:
-            await self.ensure_groups([key])
-            result = {"state": "hot", "seconds": round(self._clock() - started, 4)}
-        await self.heartbeat_once()
-        return result
+        await self.ensure_groups([key])
+        return {"state": "hot", "seconds": round(self._clock() - started, 4)}
 
     async def release(self, key: str, *, unload: bool) -> dict[str, object]:
         """The reconciler no longer places `key` here: with `unload` (scaled in), unload it now; without (its
         desired replicas went to 0), it stays as any version does, evictable and loaded on demand."""
         self.node.packing.assigned.discard(key)
-        if unload:
-            await self.node.unload(key)
-            self._grouped.discard(key)
-        await self.heartbeat_once()
+        try:
+            if unload:
+                await self.node.unload(key)
+                self._grouped.discard(key)
+        finally:
+            await self.heartbeat_once()  # as for a load: before the node task clears the record
         return {"state": "unloaded" if unload else "released"}
 
     def _fleet_changed(self, nodes: list[fleet.NodeInfo]) -> None:
