@@ -6,6 +6,7 @@ deployment, checked in turn:
 
 - both web processes and the host are up, and inference is answered;
 - a tenant's rate is its rate across both web processes, not twice it;
+- the host stopped for a moment (its quota answers late): the in-flight slots it counted come back;
 - `/metrics` on the port answers for both web processes, whichever the kernel hands the scrape to: a counter
   never goes backwards from one scrape to the next;
 - the fleet page (`/api/fleet/`) of either web process shows the host's node and what it loaded, and the
@@ -157,6 +158,11 @@ def test_two_web_processes_share_one_node_host_and_one_quota_and_outlive_it(
     quota = tenant().quota
     quota.requests_per_second, quota.burst, quota.max_in_flight = 5, 10, 100
     quota.save()
+    # The stalled host's clients: a tenant held to 2 requests in flight, and no rate to speak of.
+    stalled = mint_key("stalled")
+    limits = tenant("stalled").quota
+    limits.requests_per_second, limits.burst, limits.max_in_flight = 1000, 2000, 2
+    limits.save()
     viewer = get_user_model().objects.create_user(VIEWER, password=VIEWER_PASSWORD)
     Membership.objects.create(user=viewer, tenant=tenant(), role=Role.VIEWER)
     port = free_port()
@@ -168,6 +174,7 @@ def test_two_web_processes_share_one_node_host_and_one_quota_and_outlive_it(
         wait_for("digits answered", lambda: post(port, key)[0] == 200, [serve])
         time.sleep(3)  # the bucket fills again
         assert_one_quota(port, key)
+        assert_a_stalled_host_keeps_no_in_flight_slot(serve, port, stalled)
         assert_metrics_answer_for_both_processes(serve, port, other)
         assert_the_fleet_page_shows_the_host(serve, port)
         assert_the_console_counts_both_processes(port, other, tmp_path / "data" / "run" / "metrics")
@@ -199,6 +206,32 @@ def assert_one_quota(port: int, key: str) -> None:
     assert counts[200] <= allowed, (counts, elapsed)  # per-process quotas admit about twice this
     assert counts[429] > 0, counts
     assert all("retry-after" in headers for status, headers in results if status == 429)
+
+
+def assert_a_stalled_host_keeps_no_in_flight_slot(serve: Proc, port: int, key: str) -> None:
+    """The node host stopped for a moment (SIGSTOP: a loaded machine, a long pause): each web process's quota
+    check gives up after FERRY_QUOTA_REDIS_TIMEOUT_MS and decides on its own, while the host, running again,
+    counts each of those requests in flight under a lease. The web processes give such late leases back: the
+    tenant, held to 2 in flight, is admitted again afterwards, not refused 429 for good."""
+    host = host_pid(serve)
+    assert host is not None
+    statuses: list[int] = []
+    threads = [threading.Thread(target=lambda: statuses.append(post(port, key)[0])) for _ in range(8)]
+    os.kill(host, signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # each web process has asked the stopped host, and given up (its first requests at least)
+    finally:
+        os.kill(host, signal.SIGCONT)
+    for t in threads:
+        t.join()
+    # Decided in the web processes meanwhile, each on its share of the limits; one admitted may have waited on the
+    # stopped host past its deadline (the version's default timeout, 1 s).
+    assert set(statuses) <= {200, 429, 504}, statuses
+    time.sleep(1.5)  # past QuotaGate's retry_s: the web processes ask the host again
+    after = [post(port, key)[0] for _ in range(6)]  # one at a time: at most one in flight
+    assert after == [200] * 6, after
 
 
 METRICS_TOKEN = "node-host-test-metrics-token"

@@ -71,6 +71,17 @@ QUOTA_FALLBACKS = Counter(
     "Quota decisions made in this process because Redis did not"
     " answer in time (the tenant's limits divided by FERRY_QUOTA_GATEWAYS)",
 )
+# Embedded mode with several web processes (serving.dataplane.transport.host_link, node.node_host): the node
+# host's in-flight leases that did not come back the usual way.
+QUOTA_LATE_LEASES = Counter(
+    "ferry_quota_late_leases",
+    "In-flight leases the node host granted after this web process stopped waiting for its decision"
+    " (FERRY_QUOTA_REDIS_TIMEOUT_MS), given back at once",
+)
+QUOTA_LEASES_EXPIRED = Counter(
+    "ferry_quota_leases_expired",
+    "In-flight leases the node host freed because no web process released them within FERRY_QUOTA_LEASE_S",
+)
 LOADED = Gauge("ferry_model_loaded", "1 while the version is loaded on this node", ["model", "version"])
 # Packing (serving.dataplane.node.packing): versions evicted to make room, loads a request asked for, cold starts.
 EVICTIONS = Counter(

@@ -7,7 +7,10 @@ and answers the web processes over a Unix socket (`serving.dataplane.transport.h
   answer is the codec's success or error, so a refusal is the node's own `Shed`.
 - STATUS: the serial it reconciled, the versions it holds hot, those it can load and is loading, and why it
   could not load some (no room, a failure).
-- QUOTA / QUOTA_RELEASE: `InProcessQuota` over every web process's requests; a lease per admitted request.
+- QUOTA / QUOTA_RELEASE: `InProcessQuota` over every web process's requests; a lease per admitted request,
+  freed on release, when its web process's connection closes, or after `lease_s` (FERRY_QUOTA_LEASE_S, as a
+  Redis lease expires): a lease its web process never released (a release lost, a bug) holds its tenant's
+  in-flight slot that long at most.
 - REFRESH: read the registry now (a web process changed it) and answer once what it names is loaded.
 - FLEET: its node and that node's record of the last hour, for the fleet page of the web processes.
 - CANCEL: the client of an INFER left; the node drops it unrun at its turn (answered 499), as for a client of
@@ -29,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgpack
+from django.conf import settings
 
 from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.metrics import metrics
@@ -42,6 +46,7 @@ from serving.policies.quota import InProcessQuota
 log = logging.getLogger(__name__)
 
 EVENTS_SHOWN = 200  # as many as the fleet page lists
+LEASE_SWEEP_MAX_S = 5.0  # expired leases are looked for at most this often (and at least 4 times per lease_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,7 @@ class NodeHost:
         refresh: Callable[[], Awaitable[int]],
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        lease_s: float | None = None,  # None: FERRY_QUOTA_LEASE_S
     ) -> None:
         self.node = node
         self.quota = quota
@@ -70,9 +76,13 @@ class NodeHost:
         self._clock = clock
         self._wall = wall
         self._leases = itertools.count(1)
-        # Leases handed out and not released, by web connection: a web process that dies gives its
-        # tenants' in-flight slots back when its connection closes.
-        self._held: dict[int, dict[str, int]] = {}
+        # Leases handed out and not released, by web connection, with the tenant and when each expires: a web
+        # process that dies gives its tenants' in-flight slots back when its connection closes, and a lease never
+        # released expires after `lease_s`.
+        self._held: dict[int, dict[str, tuple[int, float]]] = {}
+        self.lease_s = float(settings.FERRY_QUOTA_LEASE_S if lease_s is None else lease_s)
+        self._sweep_every = min(LEASE_SWEEP_MAX_S, self.lease_s / 4)
+        self._next_sweep = clock() + self._sweep_every
         self._conns = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -101,7 +111,7 @@ class NodeHost:
 
         def on_lost(exc: Exception | None) -> None:
             self._protos.discard(proto)
-            for tenant in self._held.pop(conn, {}).values():
+            for tenant, _ in self._held.pop(conn, {}).values():
                 self.quota.release(tenant)
             # the web process went away, and its clients with it: what of theirs still waits is dropped unrun
             for (of, _), gone in self._gone.items():
@@ -210,13 +220,16 @@ class NodeHost:
             self.counts["malformed"] += 1
             proto.send(frames.BAD_FRAME, rid, f"malformed quota frame: {exc}".encode())
             return
+        now = self._clock()
+        if now >= self._next_sweep:
+            self.expire_leases(now)
         if debt:  # admitted by a web process on its own while this host did not answer
             self.quota.charge(int(tenant), int(debt), limits, age=debt_age, share=share)
         decision = self.quota.admit(int(tenant), limits)
         lease = ""
         if decision.admitted:
             lease = str(next(self._leases))
-            self._held.setdefault(conn, {})[lease] = int(tenant)
+            self._held.setdefault(conn, {})[lease] = (int(tenant), now + self.lease_s)
         proto.send(
             frames.QUOTA_REPLY,
             rid,
@@ -242,9 +255,29 @@ class NodeHost:
         held = self._held.get(conn, {})
         for item in leases if isinstance(leases, list) else ():
             if isinstance(item, list) and len(item) == 2:
-                tenant = held.pop(str(item[1]), None)
-                if tenant is not None:
-                    self.quota.release(tenant)
+                lease = held.pop(str(item[1]), None)
+                if lease is not None:  # else released already, or expired
+                    self.quota.release(lease[0])
+
+    def expire_leases(self, now: float) -> int:
+        """Free the leases held past `lease_s` (their in-flight slots), as Redis expires its own; how many. Run
+        from the quota decisions every `_sweep_every` at most: a pass over what is held, in flight or leaked."""
+        self._next_sweep = now + self._sweep_every
+        expired = 0
+        for held in self._held.values():
+            stale = [lease for lease, (_, expires) in held.items() if expires <= now]
+            for lease in stale:
+                tenant, _ = held.pop(lease)
+                self.quota.release(tenant)
+            expired += len(stale)
+        if expired:
+            metrics.QUOTA_LEASES_EXPIRED.inc(expired)
+            log.warning(
+                "freed %d in-flight leases no web process released within %.0f s (FERRY_QUOTA_LEASE_S)",
+                expired,
+                self.lease_s,
+            )
+        return expired
 
     async def _refresh(self, proto: frames.FrameProtocol, rid: int) -> None:
         try:

@@ -44,6 +44,9 @@ RECONNECT_MAX_S = 0.5
 GONE_POLL_S = 0.05  # how often a request waiting on the host checks whether its client left
 CONTROL_TIMEOUT_S = 5.0  # a status read or a quota decision; a refresh waits for the host's loads (REFRESH_TIMEOUT_S)
 REFRESH_TIMEOUT_S = 300.0
+# Calls whose caller gave up and whose answer must still be acted on when it comes (`HostLink.call`'s `late`):
+# at most this many at once. Past it a late answer is dropped; the host's lease TTL frees what that leaves.
+LATE_MAX = 4096
 
 
 class HostLost(Unavailable):
@@ -58,6 +61,8 @@ class HostLink:
         self._proto: frames.FrameProtocol | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        # request id -> what to do with its answer should it come after its caller stopped waiting
+        self._late: dict[int, Callable[[int, bytes], None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._lost = asyncio.Event()
 
@@ -96,6 +101,7 @@ class HostLink:
         self._proto = None
         self.connected.clear()
         self._lost.set()
+        self._late.clear()  # the host gives back whatever it held for this connection
         waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
             if not future.done():
@@ -103,17 +109,33 @@ class HostLink:
 
     def _on_frame(self, kind: int, rid: int, payload: bytes) -> None:
         future = self._waiting.pop(rid, None)
+        late = self._late.pop(rid, None) if self._late else None
         if future is not None and not future.done():
-            future.set_result((kind, payload))
+            future.set_result((kind, payload))  # its caller takes it, or hands it to `late` (`call`)
+        elif late is not None:
+            self._answer_late(late, kind, payload)
 
-    def send(self, kind: int, payload: bytes) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
-        """Send one request; its id and the future of its answer. HostLost when not connected."""
+    @staticmethod
+    def _answer_late(late: Callable[[int, bytes], None], kind: int, payload: bytes) -> None:
+        try:
+            late(kind, payload)
+        except Exception:
+            metrics.INTERNAL_ERRORS.labels("host_late_answer").inc()
+            log.exception("acting on a late answer of the node host (frame kind %d) failed", kind)
+
+    def send(
+        self, kind: int, payload: bytes, *, late: Callable[[int, bytes], None] | None = None
+    ) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
+        """Send one request; its id and the future of its answer. HostLost when not connected. `late`: called
+        with the answer should it come after the future was given up (cancelled)."""
         proto = self._proto
         if proto is None or proto.closed:
             raise HostLost()
         rid = next(self._ids) & 0xFFFFFFFF
         future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
+        if late is not None and len(self._late) < LATE_MAX:
+            self._late[rid] = late
         proto.send(kind, rid, payload)
         return rid, future
 
@@ -132,13 +154,33 @@ class HostLink:
         if proto is not None and not proto.closed:
             proto.send(kind, 0, payload)
 
-    async def call(self, kind: int, payload: bytes, timeout: float = CONTROL_TIMEOUT_S) -> tuple[int, bytes]:
-        rid, future = self.send(kind, payload)
+    async def call(
+        self,
+        kind: int,
+        payload: bytes,
+        timeout: float = CONTROL_TIMEOUT_S,
+        *,
+        late: Callable[[int, bytes], None] | None = None,
+    ) -> tuple[int, bytes]:
+        """The host's answer, within `timeout`. `late`: what to do with the answer if this call stops waiting
+        first (its timeout, or a caller's own that cancelled it) and the host answers all the same: an answer
+        that carries a hold (a quota lease) must be handed back, not dropped."""
+        rid, future = self.send(kind, payload, late=late)
         try:
             async with asyncio.timeout(timeout):
-                return await future
+                answer = await future
+        except BaseException:
+            if late is not None and future.done() and not future.cancelled():
+                self._late.pop(rid, None)
+                if future.exception() is None:  # answered as the wait gave up: nobody took the answer
+                    self._answer_late(late, *future.result())
+            # else given up (cancelled): `_late` keeps `late` for the answer to come, or ran it if it came meanwhile
+            raise
         finally:
             self.forget(rid)
+        if late is not None:
+            self._late.pop(rid, None)
+        return answer
 
     async def close(self) -> None:
         if self._task is not None:
@@ -361,11 +403,25 @@ class HostQuota:
             ]
         )
         try:
-            kind, answer = await self.link.call(frames.QUOTA, payload)
+            kind, answer = await self.link.call(
+                frames.QUOTA, payload, late=lambda kind, answer: self._late_decision(tenant_id, kind, answer)
+            )
         except HostLost as exc:
             raise OSError(str(exc)) from None
         admitted, reason, limit, remaining, reset, retry_after, lease = msgpack.unpackb(answer)
         return Decision(bool(admitted), reason, limit, remaining, reset, retry_after), str(lease) if lease else ""
+
+    def _late_decision(self, tenant_id: int, kind: int, answer: bytes) -> None:
+        """The host's decision came after `QuotaGate` stopped waiting for it (FERRY_QUOTA_REDIS_TIMEOUT_MS) and
+        decided in this process instead: the host counted the request in flight under a lease nobody holds, so
+        it is given back at once. Kept, it would hold one of the tenant's in-flight slots until this process's
+        connection closed, and enough slow moments would refuse the tenant for good."""
+        if kind != frames.QUOTA_REPLY:
+            return
+        lease = msgpack.unpackb(answer)[6]
+        if lease:
+            metrics.QUOTA_LATE_LEASES.inc()
+            self.link.post(frames.QUOTA_RELEASE, msgpack.packb([[tenant_id, str(lease)]]))
 
     async def release(self, tenant_id: int, lease: str) -> None:
         await self.release_many([(tenant_id, lease)])

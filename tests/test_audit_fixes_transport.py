@@ -1,0 +1,198 @@
+"""The data plane's transports where a wait gives up or a peer misbehaves: nothing held is leaked, no label or
+task is left to clients' whims, and every caller gets its answer.
+
+- The node host's quota (embedded mode with several web processes): a decision that comes after the web process
+  stopped waiting gives its lease back at once, and a lease nobody releases expires (`FERRY_QUOTA_LEASE_S`).
+  With real processes (`serve --workers 2`, the host stopped for a moment): tests/test_node_host_processes.py.
+- The front door's refusals are labelled only with names the snapshot knows.
+- Distributed mode's XADD is bounded by the request's deadline, not Redis' socket timeout, and a caller that
+  gives up takes nothing from the pipe's other commands; a malformed reply entry answers every caller it can
+  still name 500 at once.
+- The repository extension answers a registry outage, or a change not done in time, 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from serving.dataplane.gateway.quota_gate import QuotaGate
+from serving.dataplane.metrics import metrics
+from serving.dataplane.node.node import Node
+from serving.dataplane.node.node_host import NodeHost
+from serving.dataplane.transport import host_frames as frames
+from serving.dataplane.transport.host_link import HostLink, HostQuota
+from serving.policies.quota import IN_FLIGHT, InProcessQuota
+
+REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+class Limits:
+    requests_per_second, burst, max_in_flight, monthly_requests = 1000.0, 1000, 4, 10**6
+
+
+class TwoInFlight(Limits):
+    max_in_flight = 2
+
+
+def counter(child) -> float:  # noqa: ANN001
+    return child._value.get()
+
+
+async def _host(tmp_path: Path, **kwargs: object) -> tuple[NodeHost, str]:
+    async def refresh() -> int:
+        return 0
+
+    host = NodeHost(
+        Node(artifact_path=lambda key: tmp_path / key, device="cpu"), InProcessQuota(), refresh=refresh, **kwargs
+    )
+    path = str(tmp_path / "node.sock")
+    await host.start(path)
+    return host, path
+
+
+async def _link(path: str) -> HostLink:
+    link = HostLink(path)
+    link.start()
+    await asyncio.wait_for(link.connected.wait(), 5)
+    return link
+
+
+def _slow_quota_replies(host: NodeHost, delay: float) -> None:
+    """The host decides at once (and holds the lease), but its answer reaches the web process `delay` s later: a
+    slow moment of the host's loop, or of the socket."""
+    decide = host._admit
+    loop = asyncio.get_running_loop()
+
+    class Late:
+        def __init__(self, proto: frames.FrameProtocol) -> None:
+            self.proto = proto
+
+        def send(self, kind: int, rid: int, payload: bytes) -> None:
+            loop.call_later(delay, self.proto.send, kind, rid, payload)
+
+    host._admit = lambda proto, conn, rid, payload: decide(Late(proto), conn, rid, payload)  # type: ignore[method-assign]
+
+
+async def _until(check, what: str, seconds: float = 5.0) -> None:  # noqa: ANN001
+    async with asyncio.timeout(seconds):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+# -- the node host's quota leases ------------------------------------------------------------------
+
+
+def test_a_quota_decision_that_comes_after_the_web_process_gave_up_gives_its_lease_back(tmp_path: Path) -> None:
+    async def go() -> None:
+        host, path = await _host(tmp_path)
+        link = await _link(path)
+        now = [1000.0]
+        gate = QuotaGate(shared=HostQuota(link), timeout_s=0.05, retry_s=1.0, clock=lambda: now[0])  # type: ignore[arg-type]
+        late_before = counter(metrics.QUOTA_LATE_LEASES)
+        try:
+            # given a host whose decisions reach the web process after its quota timeout (50 ms here)
+            _slow_quota_replies(host, 0.2)
+            # when the web process gives up on four of them, deciding in-process meanwhile
+            tickets = await asyncio.gather(*(gate.admit(7, Limits()) for _ in range(4)))  # type: ignore[arg-type]
+            assert all(t.lease is None for t in tickets)  # decided here, not by the host
+            for ticket in tickets:
+                gate.release(ticket)
+            # then the host's leases, which it counted in flight, come back once its late answers arrive
+            assert host.quota.in_flight(7) == 4
+            await _until(lambda: host.quota.in_flight(7) == 0, "the late leases released")
+            assert not host._held[next(iter(host._held))] and not link._late
+            assert counter(metrics.QUOTA_LATE_LEASES) - late_before == 4
+            # and once the host answers in time again, the tenant has its whole in-flight limit, not none of it
+            host._admit = NodeHost._admit.__get__(host)  # type: ignore[method-assign]
+            now[0] += 1.0  # past retry_s: the gate asks the host again
+            again = [await gate.admit(7, Limits()) for _ in range(4)]  # type: ignore[arg-type]
+            assert all(t.lease for t in again)  # the host's, to max_in_flight
+            assert host.quota.in_flight(7) == 4
+            for ticket in again:
+                gate.release(ticket)
+            await _until(lambda: host.quota.in_flight(7) == 0, "the leases released")
+        finally:
+            await link.close()
+            await host.close()
+
+    asyncio.run(go())
+
+
+def test_an_answer_that_arrives_as_its_caller_gives_up_is_handed_to_late(tmp_path: Path) -> None:
+    async def go() -> None:
+        host, path = await _host(tmp_path)
+        link = await _link(path)
+        seen: list[tuple[int, bytes]] = []
+        try:
+            # given a call waiting on the host, whose answer is delivered in the same turn its task is cancelled
+            class Held:  # the request never reaches the host: the test delivers its answer
+                closed = False
+
+                def send(self, kind: int, rid: int, payload: bytes) -> None:
+                    pass
+
+            proto, link._proto = link._proto, Held()  # type: ignore[assignment]
+            task = asyncio.ensure_future(link.call(frames.QUOTA, b"", late=lambda k, p: seen.append((k, p))))
+            await asyncio.sleep(0)
+            (rid,) = link._waiting
+            link._proto = proto
+            link._on_frame(frames.QUOTA_REPLY, rid, b"answer")  # the future has its result...
+            task.cancel()  # ...and its caller gives up before it ran again
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # then nobody took the answer but `late` (a lease in it would be given back)
+            assert seen == [(frames.QUOTA_REPLY, b"answer")]
+            assert not link._late and not link._waiting
+            # and an answer that comes after the give-up goes to `late` too, once
+            task = asyncio.ensure_future(link.call(frames.STATUS, b"", late=lambda k, p: seen.append((k, p))))
+            await asyncio.sleep(0)
+            (rid,) = link._waiting
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert rid in link._late
+            link._on_frame(frames.STATUS_REPLY, rid, b"late")
+            link._on_frame(frames.STATUS_REPLY, rid, b"twice")
+            assert seen[1:] == [(frames.STATUS_REPLY, b"late")] and not link._late
+        finally:
+            await link.close()
+            await host.close()
+
+    asyncio.run(go())
+
+
+def test_a_lease_no_web_process_releases_expires(tmp_path: Path) -> None:
+    async def go() -> None:
+        now = [1000.0]
+        host, path = await _host(tmp_path, clock=lambda: now[0], lease_s=10.0)
+        link = await _link(path)
+        quota = HostQuota(link)
+        expired_before = counter(metrics.QUOTA_LEASES_EXPIRED)
+        try:
+            # given two leases whose releases never came (lost, or a bug), at the tenant's in-flight limit
+            for _ in range(2):
+                decision, lease = await quota.admit(7, TwoInFlight())  # type: ignore[arg-type]
+                assert decision.admitted and lease
+            refused, _ = await quota.admit(7, TwoInFlight())  # type: ignore[arg-type]
+            assert not refused.admitted and refused.reason == IN_FLIGHT
+            # when lease_s passes / then the host frees them at its next decision, and admits again
+            now[0] += 10.5
+            decision, lease = await quota.admit(7, TwoInFlight())  # type: ignore[arg-type]
+            assert decision.admitted
+            assert host.quota.in_flight(7) == 1
+            assert counter(metrics.QUOTA_LEASES_EXPIRED) - expired_before == 2
+            # and a release that comes after its lease expired frees nothing twice
+            await quota.release_many([(7, lease)])
+            await _until(lambda: host.quota.in_flight(7) == 0, "the lease released")
+            await quota.release_many([(7, lease)])
+            await asyncio.sleep(0.05)
+            assert host.quota.in_flight(7) == 0
+        finally:
+            await link.close()
+            await host.close()
+
+    asyncio.run(go())
