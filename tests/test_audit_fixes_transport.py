@@ -19,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import QuotaGate
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_host import NodeHost
+from serving.dataplane.plane import DataPlane
 from serving.dataplane.transport import host_frames as frames
 from serving.dataplane.transport.host_link import HostLink, HostQuota
 from serving.policies.quota import IN_FLIGHT, InProcessQuota
@@ -196,3 +199,31 @@ def test_a_lease_no_web_process_releases_expires(tmp_path: Path) -> None:
             await host.close()
 
     asyncio.run(go())
+
+
+# -- the front door's refusals -----------------------------------------------------------------
+
+
+@pytest.fixture
+def known_model_snapshot() -> RoutingSnapshot:
+    model = ModelEntry(name="known-one", task="", description="", fallback=None, versions={})
+    return RoutingSnapshot(serial=1, built_at=0.0, models={"known-one": model})
+
+
+def test_a_refusal_is_labelled_only_with_a_name_the_snapshot_knows(known_model_snapshot: RoutingSnapshot) -> None:
+    # given a gateway whose snapshot knows one model, with no version to serve
+    snapshots = SnapshotHub()
+    snapshots.set(known_model_snapshot)
+    plane = DataPlane(gateway=Gateway(snapshots, transport=None), node=None, loop=None)  # type: ignore[arg-type]
+    children = len(metrics.SHED._metrics)
+    unrouted = counter(metrics.UNROUTED_FRONTEND_SHED)
+    # when the front door refuses requests for 500 made-up names (before authentication)
+    for i in range(500):
+        plane.count_frontend_shed(f"/v2/models/made-up-{i}/versions/{i}/infer?x=1".encode())
+    # then they are counted under one fixed label, and the counter has no child more
+    assert len(metrics.SHED._metrics) == children
+    assert counter(metrics.UNROUTED_FRONTEND_SHED) - unrouted == 500
+    # while a name the snapshot knows (a model not servable now) keeps its own label
+    plane.count_frontend_shed(b"/v2/models/known-one/infer")
+    assert counter(metrics.SHED.labels("known-one", "", "frontend", "0")) == 1
+    assert counter(metrics.UNROUTED_FRONTEND_SHED) - unrouted == 500

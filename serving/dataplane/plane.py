@@ -148,7 +148,16 @@ class DataPlane:
         """Count a request refused because this process is saturated (at the front door or in its handler), under
         the version it would have gone to: its 503 and its shed, and, for the fleet's autoscaler, a request asked
         for (`count_refused`: a refusal for the front end's sake is still demand for the version). The version,
-        None where the request routes nowhere."""
+        None where the request routes nowhere.
+
+        A name comes from the URL, before authentication at the front door: only a name the snapshot knows (a
+        model or a pipeline, a bounded set) becomes a label; any other is counted under UNROUTED, so clients
+        cannot grow the counter's children without bound. Looked up before routing: no exception raised and
+        caught for each refusal of an unknown name."""
+        snapshot = self.gateway.hub.current
+        if snapshot is None or (name not in snapshot.models and name not in snapshot.pipelines):
+            metrics.UNROUTED_FRONTEND_SHED.inc()
+            return None
         try:
             entry = self.gateway.route(name, version, viewer)
         except ServingError:

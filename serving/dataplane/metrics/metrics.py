@@ -42,6 +42,10 @@ SHED = Counter(
     "Requests refused to protect the latency of admitted ones (503)",
     ["model", "version", "reason", "tier"],
 )
+# The model label of a refusal whose URL names no model or pipeline the snapshot knows: a fixed one, so that names
+# made up by clients (before authentication, at the front door) add no children (`DataPlane.count_saturation_shed`).
+UNROUTED = ""
+UNROUTED_FRONTEND_SHED = SHED.labels(UNROUTED, "", "frontend", "0")
 # Distributed mode (serving.dataplane.transport.streams): what the gateway refused itself before a stream, and
 # where each 504 was found.
 GATEWAY_REFUSALS = Counter(
