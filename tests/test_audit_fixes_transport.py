@@ -17,8 +17,11 @@ import asyncio
 import os
 from pathlib import Path
 
+import msgpack
+import numpy as np
 import pytest
 
+from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import QuotaGate
 from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
@@ -27,8 +30,12 @@ from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_host import NodeHost
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.transport import host_frames as frames
+from serving.dataplane.transport import redis_pipe
 from serving.dataplane.transport.host_link import HostLink, HostQuota
+from serving.dataplane.transport.stream_codec import REPLIES, encode_error, encode_success, salvage_replies
 from serving.policies.quota import IN_FLIGHT, InProcessQuota
+from tests.test_admission import rows
+from tests.test_streams_transport import Served, deadline, entry, served  # noqa: F401  (the fixture)
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -227,3 +234,96 @@ def test_a_refusal_is_labelled_only_with_a_name_the_snapshot_knows(known_model_s
     plane.count_frontend_shed(b"/v2/models/known-one/infer")
     assert counter(metrics.SHED.labels("known-one", "", "frontend", "0")) == 1
     assert counter(metrics.UNROUTED_FRONTEND_SHED) - unrouted == 500
+
+
+# -- distributed mode: the XADD's wait, the pipe, malformed replies -------------------------------
+
+
+BLOCKED = f"ferry:test:audit:blocked:{os.getpid()}"  # a list nothing pushes to until the test does: BLPOP waits
+
+
+async def test_a_command_given_up_is_left_out_and_every_other_keeps_its_own_answer() -> None:
+    client = redis_pipe.client(REDIS_URL, socket_timeout=30)  # the BLPOP below waits on the test, not a timer
+    other = redis_pipe.client(REDIS_URL)
+    keys = [f"{BLOCKED}:{name}" for name in ("a", "b", "c")]
+    await other.delete(BLOCKED, *keys)
+    pipe = redis_pipe.Pipe(client)
+    pipe.start()
+    try:
+        # given a batch Redis does not answer yet (a BLPOP on an empty list), one of whose callers gives up
+        blocked = pipe.send("BLPOP", BLOCKED, 0)
+        gives_up_in_flight = pipe.send("INCR", keys[0])
+        await asyncio.sleep(0)  # the batch leaves
+        # and commands queued behind it, one of whose callers gives up before its batch leaves
+        gives_up = pipe.send("INCR", keys[1])
+        stays = pipe.send("INCR", keys[2])
+        for future in (gives_up, gives_up_in_flight):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await future
+        # when Redis answers the batch
+        await other.lpush(BLOCKED, "go")
+        # then each remaining caller has its own answer, and the command given up before it left was never sent
+        assert tuple(await blocked) == (BLOCKED.encode(), b"go")
+        assert await stays == 1
+        assert await other.get(keys[1]) is None
+        assert await other.get(keys[0]) == b"1"  # it had left: Redis ran it, its answer went to nobody
+        assert await pipe.send("INCR", keys[2]) == 2  # and the pipe goes on
+    finally:
+        await pipe.close()
+        await other.delete(BLOCKED, *keys)
+        await client.aclose()
+        await other.aclose()
+
+
+async def test_a_slow_redis_costs_a_request_its_deadline_not_the_socket_timeout(served: Served) -> None:  # noqa: F811
+    transport = served.transport
+    served.client.delete(BLOCKED)
+    before = counter(metrics.DEADLINES.labels("m", "1", "send"))
+    # given Redis not answering the gateway's pipe (a BLPOP ahead of the XADDs, as a slow Redis would)
+    transport._pipe.send("BLPOP", BLOCKED, 0, wait=False)
+    # when a request with a 300 ms deadline is sent
+    with pytest.raises(DeadlineExceeded):
+        await transport.infer(entry("m"), rows(1), 1, deadline(0.3), 1)
+    # then it is answered 504 at its deadline (not 503 when the socket's timeout, 2 s, ends the wait), counted as
+    # passed while being sent, and holds nothing
+    assert counter(metrics.DEADLINES.labels("m", "1", "send")) - before == 1
+    assert transport.outstanding("m:1") == 0 and not transport._waiting
+    # and once Redis answers again, requests round-trip as before
+    served.client.lpush(BLOCKED, "go")
+    outputs = await transport.infer(entry("m"), rows(2), 2, deadline(), 1)
+    assert outputs["scores"].shape == (2, 2)
+    served.client.delete(BLOCKED)
+
+
+async def test_a_malformed_reply_entry_answers_the_callers_it_names_500_at_once(served: Served) -> None:  # noqa: F811
+    transport = served.transport
+    errors = metrics.INTERNAL_ERRORS.labels("stream_reply")
+    before = counter(errors)
+    idle = entry("idle")  # no node reads it: only the entry written below answers
+    waiting = [asyncio.ensure_future(transport.infer(idle, rows(1), 1, deadline(20), 1)) for _ in range(3)]
+    await _until(lambda: len(transport._waiting) == 3, "three requests sent")
+    first, second, third = sorted(transport._waiting)
+    # given a node's reply entry that is not an array of encoded replies: the first caller's reply as it should
+    # be, the second's a map instead of bytes, and the damage after them
+    good = encode_success(first, {"scores": np.zeros((1, 2), np.float32)}, None)
+    raw = msgpack.packb([good, {"id": second, "status": 500}, b"x"])[:-2] + b"\xc1"
+    salvaged, named = salvage_replies(raw)
+    assert salvaged == [good] and named == [second]
+    # when it arrives on the gateway's reply stream
+    served.client.xadd(transport.reply_to, {REPLIES: raw})
+    # then the first caller has its result and the second 500 at once, the bug logged and counted
+    outputs = await asyncio.wait_for(waiting[0], 5)
+    assert outputs["scores"].shape == (1, 2)
+    with pytest.raises(ServingError) as caught:
+        await asyncio.wait_for(waiting[1], 5)
+    assert caught.value.status == 500 and "malformed" in caught.value.message
+    assert counter(errors) - before == 1
+    # and the reader reads on: an error reply with a malformed shed field is answered, not the reader's end
+    bad_shed = msgpack.unpackb(encode_error(third, ServingError("refused", status=503)))
+    bad_shed["shed"] = ["deadline", "not a tier"]
+    served.client.xadd(transport.reply_to, {REPLIES: msgpack.packb([msgpack.packb(bad_shed)])})
+    with pytest.raises(ServingError) as caught:
+        await asyncio.wait_for(waiting[2], 5)
+    assert caught.value.status == 503
+    assert not transport._tasks[0].done()

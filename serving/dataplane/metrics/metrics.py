@@ -59,7 +59,8 @@ GATEWAY_REFUSALS = Counter(
 DEADLINES = Counter(
     "ferry_deadline_exceeded",
     "504s in distributed mode, by origin: gateway (its timer ran out waiting for the node), node (the node"
-    " answered 504: expired in the stream, queued or loading), unsent (passed before the request was sent)",
+    " answered 504: expired in the stream, queued or loading), unsent (passed before the request was sent),"
+    " send (passed while Redis took the request: a slow Redis)",
     ["model", "version", "origin"],
 )
 POISON = Counter(

@@ -34,7 +34,10 @@ def client(url: str, *, socket_timeout: float = COMMAND_TIMEOUT_S, name: str | N
 
 
 class Pipe:
-    """`retry_once`: send a batch again, once, when its connection failed. For idempotent work only (a node's
+    """A caller may stop waiting for its command's future (cancel it: a deadline); the command is then left out of
+    a batch not yet sent, and its result dropped from one sent already, never another's.
+
+    `retry_once`: send a batch again, once, when its connection failed. For idempotent work only (a node's
     replies: a second copy of a reply is ignored, XACK and XDEL are idempotent): a command may have reached
     Redis before its connection broke."""
 
@@ -77,6 +80,10 @@ class Pipe:
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
+            # A command whose caller gave up waiting (its deadline: `future` cancelled) before its batch left is
+            # not sent at all; one given up later has its result skipped below. Either way every other command
+            # keeps its own result.
+            batch = [(args, future) for args, future in batch if future is None or not future.cancelled()]
             if not batch:
                 continue
             try:

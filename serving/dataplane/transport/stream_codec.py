@@ -213,8 +213,8 @@ def encode_error(request_id: int, error: ServingError) -> bytes:
 def _error(status: int, message: str, retry_after: float | None, shed: object) -> ServingError:
     """The same `serving.dataplane.errors` type the node raised, so the gateway's fallback and metrics
     treat a remote refusal as they treat a local one."""
-    if status == 503 and isinstance(shed, list) and len(shed) == 2:
-        return Shed(message, reason=str(shed[0]), tier=int(shed[1]), retry_after=retry_after or 1.0)
+    if status == 503 and isinstance(shed, list) and len(shed) == 2 and isinstance(shed[0], str) and _int(shed[1]):
+        return Shed(message, reason=shed[0], tier=shed[1], retry_after=retry_after or 1.0)
     kinds: dict[int, type[ServingError]] = {503: Unavailable, 504: DeadlineExceeded, 422: ModelFailed, 404: NotFound}
     kind = kinds.get(status)
     if kind is not None:
@@ -256,3 +256,25 @@ def unpack_replies(raw: bytes) -> list[bytes]:
     if not isinstance(replies, list) or not all(isinstance(r, bytes) for r in replies):
         raise MalformedMessage("a reply entry must be an array of replies")
     return replies
+
+
+def salvage_replies(raw: bytes) -> tuple[list[bytes], list[int]]:
+    """What can still be read of a reply entry `unpack_replies` refused: the replies before the damage, and the
+    request ids of items that are no encoded reply but still say which request they answer (a map with an
+    integer id), so that their callers are answered (500) rather than left to their deadlines. Replies past
+    the damage, or whose request cannot be told, are lost: no caller can be named for them."""
+    unpacker = msgpack.Unpacker(strict_map_key=False, max_buffer_size=max(len(raw), 1))
+    unpacker.feed(raw)
+    readable: list[bytes] = []
+    ids: list[int] = []
+    try:
+        count = unpacker.read_array_header()
+        for _ in range(count):
+            item = unpacker.unpack()
+            if isinstance(item, bytes):
+                readable.append(item)
+            elif isinstance(item, dict) and _int(item.get("id")):
+                ids.append(item["id"])
+    except Exception:  # msgpack raises several types (OutOfData, FormatError, ValueError...): the rest is lost
+        pass
+    return readable, ids

@@ -44,6 +44,7 @@ from serving.dataplane.transport.stream_codec import (
     StreamRequest,
     decode_reply,
     encode_request,
+    salvage_replies,
     unpack_replies,
 )
 
@@ -202,9 +203,18 @@ class RedisStreamsTransport:
         try:
             entries = None  # the stream's length as this XADD found it: every gateway's requests
             try:
-                added, entries, held_bytes = await self._pipe.send(
-                    *stream_bound.add_args(key, self.stream_bytes, REQUEST_STREAM_MAXLEN, FIELD, message)
-                )
+                # Within the request's deadline, not only the socket's timeout (COMMAND_TIMEOUT_S): the pipe sends
+                # one batch after another, and a slow Redis would hold a 300 ms request for seconds. Giving up
+                # cancels this command's future only: the pipe leaves it out of a batch not yet sent, and skips
+                # its result in one sent already (the XADD may then have landed: its node finds it expired).
+                async with asyncio.timeout(deadline - self._clock()):
+                    added, entries, held_bytes = await self._pipe.send(
+                        *stream_bound.add_args(key, self.stream_bytes, REQUEST_STREAM_MAXLEN, FIELD, message)
+                    )
+            except TimeoutError:
+                metrics.DEADLINES.labels(entry.model, str(entry.version), "send").inc()
+                log.debug("XADD to %s outlived the request's deadline", key)
+                raise DeadlineExceeded("request deadline exceeded while the request queue (Redis) took it") from None
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 # The reader governs `connected`: it notices the same outage on its own connection, and
                 # it alone can say Redis is back.
@@ -249,14 +259,38 @@ class RedisStreamsTransport:
 
     # -- replies ---------------------------------------------------------------------------
 
+    def _resolve_entry(self, raw: bytes) -> None:
+        """`_resolve_all`, and a bug in it logged and counted, never the end of the reader (every request after
+        it would wait to its deadline)."""
+        try:
+            self._resolve_all(raw)
+        except Exception:
+            self.malformed_replies += 1
+            metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
+            log.exception("reading a reply entry on %s failed", self.reply_to.decode())
+
     def _resolve_all(self, raw: bytes) -> None:
         try:
             replies = unpack_replies(raw)
         except MalformedMessage as exc:
+            # A bug or a version skew between processes: logged and counted, and every caller it can still name
+            # is answered 500 now. The replies it holds that can still be read are delivered; the callers of
+            # those past the damage cannot be named, and are answered at their deadlines (504).
             self.malformed_replies += 1
             metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
-            log.error("malformed reply entry on %s: %s", self.reply_to.decode(), exc)
-            return  # whoever waited for these gets 504 at their deadline
+            replies, named = salvage_replies(raw)
+            log.error(
+                "malformed reply entry on %s (%d bytes): %s; %d replies read from it, %d more callers answered 500",
+                self.reply_to.decode(),
+                len(raw),
+                exc,
+                len(replies),
+                len(named),
+            )
+            for request_id in named:
+                waiting = self._waiting.get(request_id)
+                if waiting is not None and not waiting.future.done():
+                    waiting.future.set_exception(ServingError("malformed reply from the node; the gateway logged it"))
         for reply in replies:
             self._resolve(reply)
 
@@ -306,7 +340,7 @@ class RedisStreamsTransport:
                                 last = entry_id
                                 raw = fields.get(REPLIES)
                                 if raw is not None:
-                                    self._resolve_all(raw)
+                                    self._resolve_entry(raw)
                 except asyncio.CancelledError:
                     raise
                 except (redis.RedisError, OSError) as exc:
