@@ -14,9 +14,10 @@ import gc
 import logging
 import uuid
 
+import redis
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection, connections, transaction
+from django.db import InterfaceError, OperationalError, connection, connections, transaction
 from django.db.models import Count, Max
 from django.utils import timezone
 
@@ -24,9 +25,10 @@ from rollout.shadow_compare import aggregate
 from rollout.tasks import evaluate_rollouts, record_shadow
 from serving import artifacts
 from serving.actions import RegistrationError, set_loaded
+from serving.api.errors import DB_UNAVAILABLE
 from serving.dataplane import plane as planes
 from serving.dataplane import tracing
-from serving.dataplane.errors import ServingError
+from serving.dataplane.errors import ServingError, Unavailable
 from serving.dataplane.gateway.cache import CachingTransport, RedisTier, ResponseCache
 from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.pipeline import stats as pipeline_stats
@@ -41,7 +43,7 @@ from serving.dataplane.node import runtime_process
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.packing import LoadReport
 from serving.dataplane.node.runtime import configure_torch_threads
-from serving.dataplane.plane import DataPlane
+from serving.dataplane.plane import REGISTRY_RETRY_S, DataPlane
 from serving.dataplane.transport.fleet import FleetView
 from serving.dataplane.transport.fleet_events import EventPublisher
 from serving.dataplane.transport.host_link import HostLink, HostQuota, HostTransport, HostView
@@ -93,10 +95,23 @@ def _registry_fingerprint() -> tuple:
 
 
 def _set_loaded(name: str, loaded: bool) -> RoutingSnapshot:
+    """`set_loaded` for the repository extension (on asgiref's thread): a refusal with its status, and the
+    registry out of reach (the database down or locked, Redis down while publishing) 503 with Retry-After, as
+    the control plane's API answers it (`serving.api.errors`): an outage, not a bug."""
     try:
         return set_loaded(model_name=name, loaded=loaded)
     except RegistrationError as exc:  # over the tenant's accelerator memory quota (429)
         raise ServingError(exc.message, status=exc.status) from None
+    except (OperationalError, InterfaceError, redis.ConnectionError, redis.TimeoutError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("%s of %s: the registry is unavailable (%s)", "load" if loaded else "unload", name, first)
+        if isinstance(exc, OperationalError | InterfaceError):
+            DB_UNAVAILABLE.inc()
+            if not connection.in_atomic_block:
+                connection.close_if_unusable_or_obsolete()  # a broken one: the next try opens a fresh one
+        raise Unavailable(
+            "the registry is unavailable; retry shortly (inference keeps serving)", retry_after=REGISTRY_RETRY_S
+        ) from None
 
 
 def _record_placement(report: LoadReport) -> None:

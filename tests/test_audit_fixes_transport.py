@@ -14,17 +14,23 @@ task is left to clients' whims, and every caller gets its answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+import redis
+from django.db import OperationalError
 
+from serving import wiring
+from serving.dataplane import plane as dataplane
 from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import QuotaGate
-from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub
+from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, hub
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_host import NodeHost
@@ -35,6 +41,7 @@ from serving.dataplane.transport.host_link import HostLink, HostQuota
 from serving.dataplane.transport.stream_codec import REPLIES, encode_error, encode_success, salvage_replies
 from serving.policies.quota import IN_FLIGHT, InProcessQuota
 from tests.test_admission import rows
+from tests.test_inference_http import assert_error, call
 from tests.test_streams_transport import Served, deadline, entry, served  # noqa: F401  (the fixture)
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -327,3 +334,55 @@ async def test_a_malformed_reply_entry_answers_the_callers_it_names_500_at_once(
         await asyncio.wait_for(waiting[2], 5)
     assert caught.value.status == 503
     assert not transport._tasks[0].done()
+
+
+# -- the repository extension's load and unload --------------------------------------------------
+
+
+def test_load_and_unload_answer_an_outage_or_a_slow_change_503_with_retry_after(digits_server, monkeypatch) -> None:  # noqa: ANN001
+    path = "/v2/repository/models/digits/unload"
+    # given the database out of reach, or locked (SQLite) / when a model is unloaded / then 503 with Retry-After
+    for failure in (
+        OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused"),
+        OperationalError("database is locked"),
+        redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
+    ):
+
+        def unreachable(*, model_name: str, loaded: bool, failure: Exception = failure) -> RoutingSnapshot:
+            raise failure
+
+        monkeypatch.setattr(wiring, "set_loaded", unreachable)
+        resp = call(digits_server, "POST", path, b"")
+        assert_error(resp, 503, "registry is unavailable")
+        assert resp.headers["retry-after"] == str(dataplane.REGISTRY_RETRY_S)
+
+    # given a registry write that takes longer than its bound
+    released = threading.Event()
+
+    def stuck(*, model_name: str, loaded: bool) -> RoutingSnapshot:
+        released.wait(5)
+        raise AssertionError("not awaited past the bound")
+
+    monkeypatch.setattr(wiring, "set_loaded", stuck)
+    monkeypatch.setattr(dataplane, "SET_LOADED_TIMEOUT_S", 0.2)
+    resp = call(digits_server, "POST", path, b"")
+    released.set()
+    assert_error(resp, 503, "did not take the unload", "within")
+    assert resp.headers["retry-after"] == str(dataplane.REGISTRY_RETRY_S)
+
+    # given a change recorded whose reconcile never finishes
+    def recorded(*, model_name: str, loaded: bool) -> RoutingSnapshot:
+        return dataclasses.replace(hub.current, serial=hub.current.serial + 10**9)
+
+    monkeypatch.setattr(wiring, "set_loaded", recorded)
+    monkeypatch.setattr(dataplane, "RECONCILE_TIMEOUT_S", 0.2)
+    resp = call(digits_server, "POST", path, b"")
+    assert_error(resp, 503, "recorded but was not done")
+    assert resp.headers["retry-after"] == str(dataplane.REGISTRY_RETRY_S)
+
+    # and a bug is still a 500, not relabelled
+    def broken(*, model_name: str, loaded: bool) -> RoutingSnapshot:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(wiring, "set_loaded", broken)
+    assert call(digits_server, "POST", path, b"").status == 500

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from serving.dataplane.errors import ServingError
+from serving.dataplane.errors import ServingError, Unavailable
 from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import QuotaGate
 from serving.dataplane.gateway.shadow import DROPPED as SHADOW_DROPPED
@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 2.0
 LAG_SAMPLE_SECONDS = 0.05
 KEY_USE_FLUSH_SECONDS = 5.0  # how often API keys' last_used_at is written, off the request path
+# The repository extension's load/unload: its registry write (a transaction and a snapshot published) and the
+# wait for this process's node to reconcile the change (a load included). Past either, 503 with Retry-After
+# REGISTRY_RETRY_S: the change is idempotent, and a retry after a slow moment finds it made or makes it.
+SET_LOADED_TIMEOUT_S = 30.0
+RECONCILE_TIMEOUT_S = 300.0
+REGISTRY_RETRY_S = 5
 
 
 @dataclass
@@ -100,10 +106,43 @@ class DataPlane:
             except Exception:
                 log.exception("reconcile failed")
 
-    async def wait_reconciled(self, serial: int, timeout: float = 300.0) -> None:
+    async def wait_reconciled(self, serial: int, timeout: float = RECONCILE_TIMEOUT_S) -> None:
         async with asyncio.timeout(timeout):
             while self.node.reconciled_serial < serial:
                 await asyncio.sleep(0.05)
+
+    async def write_loaded(self, name: str, load: bool) -> RoutingSnapshot:
+        """The repository extension's registry write (`set_loaded`, on asgiref's thread), within
+        SET_LOADED_TIMEOUT_S: past it 503 with Retry-After (the database is slow or locked; the write may
+        still land, and a retry is harmless). `set_loaded` itself answers an outage as 503 (`serving.wiring`)."""
+        if self.set_loaded is None:
+            raise Unavailable("this process cannot change what is loaded; use the control plane's API")
+        bound = asyncio.timeout(SET_LOADED_TIMEOUT_S)
+        try:
+            async with bound:
+                return await sync_to_async(self.set_loaded)(name, load)
+        except TimeoutError:
+            if not bound.expired():
+                raise  # the write's own, not this bound's: not relabelled
+            log.warning("%s of %s: the registry write took over %.0f s", _verb(load), name, SET_LOADED_TIMEOUT_S)
+            raise Unavailable(
+                f"the registry did not take the {_verb(load)} of model '{name}' within {SET_LOADED_TIMEOUT_S:.0f} s"
+                " (the database is slow or locked); retry shortly",
+                retry_after=REGISTRY_RETRY_S,
+            ) from None
+
+    async def wait_loaded(self, name: str, load: bool, serial: int) -> None:
+        """Wait for this process's node to reconcile the snapshot `serial` of a load or unload, within
+        RECONCILE_TIMEOUT_S: past it 503 with Retry-After (the change is recorded; the node is still at it)."""
+        try:
+            await self.wait_reconciled(serial, RECONCILE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("%s of %s: not reconciled within %.0f s", _verb(load), name, RECONCILE_TIMEOUT_S)
+            raise Unavailable(
+                f"the {_verb(load)} of model '{name}' is recorded but was not done within {RECONCILE_TIMEOUT_S:.0f} s;"
+                " retry to wait for it again",
+                retry_after=REGISTRY_RETRY_S,
+            ) from None
 
     async def refresh_once(self) -> bool:
         """Rebuild and publish the snapshot if the registry changed. True when it did."""
@@ -232,6 +271,10 @@ class DataPlane:
                 await self.refresh_once()
             except Exception as exc:  # the database may be down: keep serving the last snapshot
                 log.warning("snapshot refresh failed, serving the last one: %s", exc)
+
+
+def _verb(load: bool) -> str:
+    return "load" if load else "unload"
 
 
 _current: DataPlane | None = None

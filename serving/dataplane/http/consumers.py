@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import orjson
-from asgiref.sync import sync_to_async
 from channels.consumer import get_handler_name
 from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
@@ -452,7 +451,9 @@ class InferenceRequest:
     ) -> list[tuple[bytes, bytes]]:
         """The repository extension's load or unload of model `name` by `caller` (who has the `manage`
         scope), whatever the protocol: 404 for a model it may not see, 403 for one it sees but does not own,
-        429 past its quota, 409 when the load failed. The quota's RateLimit headers."""
+        429 past its quota, 409 when the load failed, 503 with Retry-After when the registry is out of reach
+        or slow, or the change is not done in time (`DataPlane.write_loaded`, `wait_loaded`). The quota's
+        RateLimit headers."""
         model = plane.gateway.model(name, caller.tenant_id)  # 404 before touching the database
         if model.tenant_id != caller.tenant_id:
             # Seeing a model (public, shared, platform) is not owning it: taking it out of service is
@@ -464,8 +465,13 @@ class InferenceRequest:
         # quota and a token of the tenant's own, slower, load/unload bucket.
         ticket = await self._control_ticket(plane, caller.tenant_id, loads=True)
         try:
-            snapshot = await sync_to_async(plane.set_loaded)(name, load)
-            await plane.wait_reconciled(snapshot.serial)
+            try:
+                snapshot = await plane.write_loaded(name, load)
+            except Unavailable:
+                if ticket is not None and plane.quota is not None and plane.quota.control is not None:
+                    plane.quota.control.refund(caller.tenant_id)  # not done: its retry is not one load more
+                raise
+            await plane.wait_loaded(name, load, snapshot.serial)
         finally:
             if ticket is not None:
                 plane.quota.release(ticket)  # type: ignore[union-attr]
