@@ -8,8 +8,9 @@ import pytest
 import redis
 
 from serving.dataplane.gateway import snapshot_redis
-from serving.dataplane.gateway.snapshot import SnapshotHub
+from serving.dataplane.gateway.snapshot import RoutingSnapshot, SnapshotHub
 from serving.dataplane.gateway.snapshot import hub as process_hub
+from serving.dataplane.metrics.metrics import INTERNAL_ERRORS
 from serving.publish import build_snapshot, publish_snapshot
 from tests.conftest import register
 
@@ -178,3 +179,48 @@ async def test_follower_survives_unreachable_redis() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_follower_outlives_a_snapshot_it_cannot_read_and_a_subscriber_that_raises(redis_url) -> None:  # noqa: ANN001
+    errors = INTERNAL_ERRORS.labels("snapshot_feed")
+    before = errors._value.get()
+    store = snapshot_redis.RedisSnapshotStore(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    hub = SnapshotHub()
+    raised: list[int] = []
+
+    def raises_once(snapshot: RoutingSnapshot) -> None:
+        if not raised:
+            raised.append(snapshot.serial)
+            raise RuntimeError("a subscriber's bug")
+
+    hub.subscribe(raises_once)
+    task = asyncio.create_task(snapshot_redis.follow(redis_url, hub))
+    try:
+        # given a stored snapshot this process cannot decode (a publisher of another version, say)
+        client.set(snapshot_redis.VALUE_KEY, b'{"models": "not a map"}')
+        client.set(snapshot_redis.STORED_KEY, store.next_serial())
+        # when the follower reads it / then the failure is logged and counted, and the follower goes on
+        async with asyncio.timeout(10):
+            while errors._value.get() == before:
+                await asyncio.sleep(0.01)
+        assert not task.done() and hub.current is None
+        # and a readable snapshot published later (a revocation, say) still arrives, past a subscriber that raises
+        first = RoutingSnapshot(serial=store.next_serial(), built_at=0.0)
+        assert store.publish(first)
+        async with asyncio.timeout(30):
+            while hub.current is None:
+                await asyncio.sleep(0.01)
+        assert hub.current == first and raised == [first.serial]
+        second = RoutingSnapshot(serial=store.next_serial(), built_at=0.0)
+        assert store.publish(second)
+        async with asyncio.timeout(30):
+            while hub.current.serial != second.serial:
+                await asyncio.sleep(0.01)
+        assert not task.done()
+    finally:
+        client.close()
+        store.close()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

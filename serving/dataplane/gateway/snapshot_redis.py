@@ -37,6 +37,7 @@ from serving.dataplane.gateway.snapshot import (
     VersionEntry,
 )
 from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.metrics import metrics
 from serving.policies.batching import BatchingConfig
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,14 @@ async def follow(url: str, hub: SnapshotHub, *, ready: asyncio.Event | None = No
             raise
         except (redis.RedisError, OSError) as exc:
             log.warning("snapshot feed from Redis lost (%s); serving the last snapshot, retrying", exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+        except Exception:
+            # A bug, not an outage: a stored snapshot this process cannot decode (a publisher of another
+            # version), a subscriber that raised. Logged and counted; the feed goes on (a newer snapshot, a
+            # revocation among them, must still arrive), backing off as for an outage.
+            metrics.INTERNAL_ERRORS.labels("snapshot_feed").inc()
+            log.exception("following the snapshot feed failed; serving the last snapshot, retrying")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
         finally:
