@@ -224,3 +224,21 @@ async def test_follower_outlives_a_snapshot_it_cannot_read_and_a_subscriber_that
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def test_a_subscriber_that_raises_leaves_the_others_told() -> None:
+    # given a hub whose first subscriber has a bug, and a second one
+    errors = INTERNAL_ERRORS.labels("snapshot_subscriber")
+    before = errors._value.get()
+    hub = SnapshotHub()
+    told: list[int] = []
+
+    def raises(snapshot: RoutingSnapshot) -> None:
+        raise RuntimeError("a subscriber's bug")
+
+    hub.subscribe(raises)
+    hub.subscribe(lambda snapshot: told.append(snapshot.serial))
+    # when a snapshot is set / then the second is told all the same, and the bug is counted
+    hub.set(RoutingSnapshot(serial=1, built_at=0.0))
+    assert told == [1] and hub.current is not None and hub.current.serial == 1
+    assert errors._value.get() == before + 1

@@ -6,13 +6,17 @@ per request; if the database goes away they keep serving on it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.routing import NO_ROUTES, RouteTable
 from serving.dataplane.http.protocol import TensorSpec
+from serving.dataplane.metrics import metrics
 from serving.policies.batching import BatchingConfig
+
+log = logging.getLogger(__name__)
 
 # The platform's latency SLO (FERRY_LATENCY_BUDGET_MS), what a snapshot from a publisher that predates it gets.
 DEFAULT_LATENCY_BUDGET_MS = 300
@@ -216,8 +220,14 @@ class SnapshotHub:
                 return
             self.current = snapshot
             subscribers = list(self._subscribers)
+        # Each is told, whatever another does: one that raises (a bug, logged and counted) must not leave the
+        # ones after it on the snapshot before, the current one being already this.
         for callback in subscribers:
-            callback(snapshot)
+            try:
+                callback(snapshot)
+            except Exception:
+                log.exception("a subscriber failed on snapshot %s", snapshot.serial)
+                metrics.INTERNAL_ERRORS.labels("snapshot_subscriber").inc()
 
 
 hub = SnapshotHub()
