@@ -10,6 +10,7 @@ import asyncio
 import json
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -18,14 +19,16 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus, PayloadTooBig
+from websockets.frames import Frame, Opcode
 
-from serving.dataplane.http import websocket
+from serving.dataplane.http import frontdoor, websocket
+from serving.dataplane.http.frontdoor import FIRST_MESSAGE_BYTES, _FirstMessageBound
 from tenants import keys
 from tenants.actions import revoke_key
 from tenants.models import ApiKey
 from tests.conftest import mint_key, register, tenant
-from tests.test_inference_http import HELD, digits_request, infer, scores
+from tests.test_inference_http import HELD, digits_request, infer, scores, wait_until
 
 DEADLINE_S = 60.0  # a test that waits longer than this has hung
 LENGTH = struct.Struct(">I")
@@ -407,3 +410,162 @@ def test_a_key_revoked_mid_connection_is_refused_at_its_next_message(digits_serv
     assert rid == "before"
     assert frames[0]["id"] == "after" and frames[0]["status"] == 401, frames
     assert code == 4401
+
+
+# -- a client that stops reading, and the first message's bound ----------------------------------
+
+
+def raw_socket(server, model: str = "digits", key: str | None = None, rcvbuf: int = 0) -> socket.socket:  # noqa: ANN001
+    """A connection upgraded by hand (the key in Sec-WebSocket-Protocol when given), its 101 read; nothing
+    after it is read unless the test reads it."""
+    sock = socket.socket()
+    if rcvbuf:  # before connecting, so that the window it offers is small from the start
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(DEADLINE_S)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(upgrade(server, model, key))
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)  # one byte at a time: nothing past the handshake's answer is taken off the socket
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def upgrade(server, model: str, key: str | None) -> bytes:  # noqa: ANN001
+    protocol = f"Sec-WebSocket-Protocol: ferry.v2, ferry.key.{key}\r\n" if key else ""
+    return (
+        f"GET /ws/v2/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        f"{protocol}\r\n"
+    ).encode()
+
+
+def client_frame(data: bytes | str) -> bytes:
+    """One masked client frame, text for a str."""
+    if isinstance(data, str):
+        return Frame(Opcode.TEXT, data.encode()).serialize(mask=True)
+    return Frame(Opcode.BINARY, data).serialize(mask=True)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Read (and drop) what the server sent until it closes: True once it has."""
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def closes(code: str) -> float:
+    return REGISTRY.get_sample_value("ferry_ws_closes_total", {"code": code}) or 0.0
+
+
+def test_a_client_that_stops_reading_gives_back_its_bytes_and_is_dropped(
+    transactional_db, model_files, digits_samples, request, settings
+) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    rows = np.resize(x, (2048, 64)).astype(np.float32)  # 512 KiB a request, some 200 KB of JSON an answer
+    # given a process whose budget of body bytes holds four such requests, connections of four messages in
+    # flight, and sends that may wait 3 s for the socket to take them
+    register(model_files.digits, "wide", max_batch_size=2048, max_queue_delay_ms=1)
+    server = request.getfixturevalue("live_server")
+    settings.FERRY_MAX_INFLIGHT_BODY_BYTES = 4 * (rows.nbytes + 1024)
+    settings.FERRY_WS_MAX_IN_FLIGHT = 4
+    settings.FERRY_BODY_TIMEOUT_S = 3
+    connections, dropped = websocket.STATS.connections, closes("1006")
+
+    # when a client sends requests and reads nothing of their answers (its receive buffer small, so that the
+    # answers back up into the server's socket and then its sends)
+    sock = raw_socket(server, "wide", server.key, rcvbuf=4096)
+
+    def send_until_refused() -> None:
+        try:
+            for i in range(200):
+                sock.sendall(client_frame(binary_message(f"m{i}", rows, binary_output=False)))
+        except OSError:
+            pass  # dropped
+
+    sender = threading.Thread(target=send_until_refused, daemon=True)
+    sender.start()
+    # then its answers wait on the socket, four messages in flight, while their requests' bytes are given back
+    wait_until(
+        lambda: websocket.STATS.in_flight == 4 and websocket.STATS.held_bytes == 0 and frontdoor.held() == 0,
+        "four answers waiting on a client that reads nothing, their requests' bytes given back",
+    )
+    # so REST is served meanwhile: the budget is not held by answers waiting to be read
+    assert infer(server, "wide", digits_request(x[:1])).status == 200
+    # and the connection is dropped once a send has waited 3 s: its messages end, the server forgets it
+    wait_until(
+        lambda: websocket.STATS.connections == connections and websocket.STATS.in_flight == 0,
+        "the stalled connection dropped",
+        DEADLINE_S,
+    )
+    assert closes("1006") - dropped == 1
+    sock.settimeout(DEADLINE_S)
+    assert closed_by_server(sock)
+    sock.close()
+    sender.join(DEADLINE_S)
+
+
+def test_the_first_message_is_bounded_before_it_is_read(digits_server, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+
+    async def too_big_a_key_message() -> int:
+        async with connect(url(digits_server), compression=None) as ws:
+            await ws.send("{" + " " * 5000 + "}")
+            code, _ = await closed_with(ws)
+            return code
+
+    # a first message over FIRST_MESSAGE_BYTES where the key is to come in it: refused unread (1009), not
+    # read whole and then refused
+    assert asyncio.run(too_big_a_key_message()) == 1009
+
+    # while a request larger than that, right behind the key in the same write, is taken and answered
+    big = json_message("big", x[:16])  # digits takes 16 rows at most
+    assert len(big) > 4096
+    sock = raw_socket(digits_server)
+    sock.sendall(
+        client_frame(orjson.dumps({"authorization": f"Bearer {digits_server.key}"}).decode()) + client_frame(big)
+    )
+    reply = b""
+    while b'"outputs"' not in reply and b'"error"' not in reply:
+        chunk = sock.recv(1 << 16)
+        assert chunk, reply
+        reply += chunk
+    assert b'"id":"big"' in reply and b'"outputs"' in reply, reply[:300]
+    sock.close()
+
+
+def test_frames_before_the_accept_are_bounded_as_a_first_message() -> None:
+    request = (
+        b"GET /ws/v2/models/digits/infer HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    big = client_frame(b"\0" * (FIRST_MESSAGE_BYTES + 1))
+    # a frame the client sends before the server has answered its handshake (which RFC 6455 forbids), over
+    # FIRST_MESSAGE_BYTES: refused on its header, whatever the connection's bound
+    early = _FirstMessageBound(max_size=8 * 1024 * 1024)
+    early.receive_data(request + big[:14])
+    assert isinstance(early.parser_exc, PayloadTooBig), early.parser_exc
+    # once the application accepts, the connection's bound applies
+    accepted = _FirstMessageBound(max_size=8 * 1024 * 1024)
+    accepted.receive_data(request)
+    accepted.accept_messages()
+    accepted.receive_data(big)
+    assert accepted.parser_exc is None and len(accepted.events_received()) == 2  # the request, the message
+    # or, where it asked, after the first message: that one is held to the bound, the next is not
+    kept = _FirstMessageBound(max_size=8 * 1024 * 1024)
+    kept.keep_first = True
+    kept.receive_data(request)
+    kept.accept_messages()
+    kept.receive_data(client_frame("{}") + big)
+    assert kept.parser_exc is None and len(kept.events_received()) == 3
+    refused = _FirstMessageBound(max_size=8 * 1024 * 1024)
+    refused.keep_first = True
+    refused.receive_data(request)
+    refused.accept_messages()
+    refused.receive_data(big[:14])
+    assert isinstance(refused.parser_exc, PayloadTooBig), refused.parser_exc

@@ -11,6 +11,9 @@ Two layers, both built for the hot path (no task per request; at most one timer 
 - the inference lane (`Lane`): a plain inference POST answered by the protocol with the app's
   handler, without ASGI (docs/decisions/0002-a-lean-request-path.md).
 
+`FrontDoorWebSocket` is uvicorn's websockets-sansio protocol with a bound on a connection's first message
+and a way to drop a connection at once, both for the inference socket (serving.dataplane.http.websocket).
+
 The bounds on bodies and the process's budget of body bytes are `serving.dataplane.http.bodies`; the
 shed controller is `serving.policies.shedding`.
 
@@ -32,6 +35,9 @@ import orjson
 import uvicorn
 from django.conf import settings
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.frames import Frame, Opcode
+from websockets.server import ServerProtocol
 
 # Bodies are their own module; its names are re-exported here for the callers that know them as the front
 # door's (the consumer, the inference socket, gRPC and Django's door).
@@ -715,6 +721,86 @@ def _is_infer(url: bytes) -> bool:
     return url.startswith(b"/v2/models/") and url.split(b"?", 1)[0].rstrip(b"/").endswith(b"/infer")
 
 
+# -- WebSockets ------------------------------------------------------------------------------------
+
+# A connection's messages before its application accepts it, and, where the application asks, its first message
+# after (the inference socket's key, when it comes in a message): bounded to this, before they are read.
+FIRST_MESSAGE_BYTES = 4096
+_DATA = (Opcode.TEXT, Opcode.BINARY, Opcode.CONT)
+
+
+class _FirstMessageBound(ServerProtocol):
+    """websockets' server protocol with a bound of its own on the first message, checked as websockets checks
+    its bound: on each frame's header, before its payload is read. Until the application accepts the
+    connection every message is held to FIRST_MESSAGE_BYTES (a client sends nothing before the handshake's
+    answer, RFC 6455 4.1: frames sent before it are an attempt to be read unasked); from the accept, the
+    connection's bound (`max_size`), or, where the application kept the first bound, from the end of the
+    first message after it."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.bound = self.max_message_size  # the connection's
+        self.max_message_size = FIRST_MESSAGE_BYTES if self.bound is None else min(FIRST_MESSAGE_BYTES, self.bound)
+        self.accepted = False
+        self.keep_first = False  # the application asked for the first message to be bounded too
+
+    def accept_messages(self) -> None:
+        self.accepted = True
+        if not self.keep_first:
+            self.max_message_size = self.bound
+
+    def recv_frame(self, frame: Frame) -> None:
+        super().recv_frame(frame)
+        if self.accepted and frame.fin and frame.opcode in _DATA:  # the first message since the accept is in
+            self.max_message_size = self.bound
+
+
+class FrontDoorWebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's websockets-sansio protocol (the one whose backpressure the inference socket rests on) with
+    its first message bounded (`_FirstMessageBound`) and two hooks in the scope of a connection upgraded:
+
+    - `scope["ferry.bound_first_message"]()`: called before the accept, the first message after it is held
+      to FIRST_MESSAGE_BYTES too (a larger one is refused unread: close 1009);
+    - `scope["ferry.abort"]()`: drop the connection now, without a closing handshake, unsent bytes discarded
+      (for a client that stopped reading: a close frame would wait behind what it does not read)."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        conn = self.conn
+        self.conn = _FirstMessageBound(
+            extensions=conn.available_extensions, max_size=config.ws_max_size, logger=conn.logger
+        )
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        if self.response.status_code == 101:  # upgraded: the application's task starts next
+            scope: dict[str, Any] = self.scope  # type: ignore[assignment]
+            scope["ferry.bound_first_message"] = self._bound_first_message
+            scope["ferry.abort"] = self.transport.abort
+
+    def _bound_first_message(self) -> None:
+        self.conn.keep_first = True  # type: ignore[attr-defined]
+
+    def handle_parser_exception(self) -> None:
+        if self.conn.close_sent is None:  # a frame refused before the handshake's answer: no close frame to send
+            self.close_sent = True
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": 1006})
+            self.transport.close()
+            return
+        super().handle_parser_exception()
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "websocket.accept" and not self.handshake_complete:
+            self.conn.accept_messages()  # type: ignore[attr-defined]
+        await super().send(message)
+
+
 def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uvicorn.Config:
     """The server's configuration, always with the front-door protocol; `overrides` are uvicorn.Config
     keywords (the tests use loop="asyncio" and a quieter log)."""
@@ -726,11 +812,12 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
         "limit_concurrency": settings.FERRY_MAX_CONCURRENCY,
         "log_level": "info",
         "timeout_graceful_shutdown": 10,
-        # WebSockets (serving.dataplane.http.websocket): the implementation that stops reading a connection while
-        # its app has a message unread (the inference socket's backpressure rests on it), messages bounded
-        # as inference bodies are (a binary one carries a 4-byte header length more), and no compression
-        # (CPU on the event loop for tensors that hardly compress, and no inflating a small frame into a big one).
-        "ws": "websockets-sansio",
+        # WebSockets (serving.dataplane.http.websocket): websockets-sansio, the implementation that stops reading
+        # a connection while its app has a message unread (the inference socket's backpressure rests on it),
+        # with a first message bounded apart (FrontDoorWebSocket); messages bounded as inference bodies are (a
+        # binary one carries a 4-byte header length more), and no compression (CPU on the event loop for
+        # tensors that hardly compress, and no inflating a small frame into a big one).
+        "ws": FrontDoorWebSocket,
         "ws_max_size": settings.FERRY_MAX_INFER_BODY_BYTES + 4,
         "ws_per_message_deflate": False,
     }

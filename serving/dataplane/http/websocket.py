@@ -15,8 +15,11 @@ this consumer), so a page elsewhere can use it only if it already holds the key.
 Bounds per connection (config/settings.py, "WebSocket inference"): messages and bytes in flight, with the
 socket left unread while at either (the ASGI server then stops reading it: a fast sender is slowed by TCP,
 not buffered); each message's size (FERRY_MAX_INFER_BODY_BYTES, also the process's budget of body bytes
-held, shared with HTTP); the idle time. A refusal of the connection closes it with 4000 + the HTTP status
-after a JSON error frame; a refusal of one message answers that message and keeps the connection.
+held, shared with HTTP; a request's bytes are given back once its answer is computed); the first message's
+size, where it carries the key (frontdoor.FIRST_MESSAGE_BYTES, refused unread); each send's wait for the
+socket to take it (FERRY_BODY_TIMEOUT_S: past it the connection is dropped); the idle time. A refusal of the
+connection closes it with 4000 + the HTTP status after a JSON error frame; a refusal of one message answers
+that message and keeps the connection.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Stats:
 
     connections: int = 0
     in_flight: int = 0  # messages taken and not yet answered, all connections
-    held_bytes: int = 0  # their request bytes
+    held_bytes: int = 0  # the request bytes of those not yet answered
     peak_in_flight: int = 0  # the most of one connection at once (tests reset it)
     peak_held_bytes: int = 0
     read_stalls: int = 0  # times a connection stopped reading at its bound
@@ -68,7 +71,7 @@ Gauge("ferry_ws_connections", "Open WebSocket inference connections").set_functi
 Gauge("ferry_ws_inflight_messages", "WebSocket inference messages taken and not yet answered").set_function(
     lambda: STATS.in_flight
 )
-Gauge("ferry_ws_inflight_bytes", "Request bytes of WebSocket inference messages in flight").set_function(
+Gauge("ferry_ws_inflight_bytes", "Request bytes of WebSocket inference messages not yet answered").set_function(
     lambda: STATS.held_bytes
 )
 Gauge(
@@ -94,6 +97,7 @@ class Bounds:
     max_message: int
     idle_s: float
     auth_s: float  # for the first message, when the key is to come in it
+    send_s: float  # for the socket to take one frame: a client that stops reading is dropped past it
 
     @classmethod
     def from_settings(cls) -> Bounds:
@@ -103,6 +107,7 @@ class Bounds:
             settings.FERRY_MAX_INFER_BODY_BYTES,
             float(settings.FERRY_WS_IDLE_S),
             float(settings.FERRY_BODY_TIMEOUT_S),
+            float(settings.FERRY_BODY_TIMEOUT_S),  # a stalled download frees its slot as a stalled upload does
         )
 
 
@@ -150,6 +155,7 @@ class InferenceSocket(AsyncConsumer):
         self.base_send = send
         self.bounds = Bounds.from_settings()
         self.closed = False  # the connection is gone, or closing: queued requests of it are dropped (499)
+        self.aborted = False  # dropped by this server (a send waited past its deadline)
         self.tasks: set[asyncio.Task] = set()
         self.ids: set[str] = set()
         self.held = 0  # request bytes in flight on this connection
@@ -167,6 +173,8 @@ class InferenceSocket(AsyncConsumer):
         if refused is not None:
             await self._deny(*refused)
             return
+        if self.authorization is None and (bound := scope.get("ferry.bound_first_message")) is not None:
+            bound()  # the key's message is refused unread past FIRST_MESSAGE_BYTES (the front door's protocol)
         await send({"type": "websocket.accept", "subprotocol": SUBPROTOCOL if self.offered else None})
         STATS.connections += 1
         try:
@@ -248,7 +256,7 @@ class InferenceSocket(AsyncConsumer):
             return False
         text = message.get("text")
         try:
-            first = orjson.loads(text) if text is not None and len(text) <= 4096 else None
+            first = orjson.loads(text) if text is not None and len(text) <= frontdoor.FIRST_MESSAGE_BYTES else None
         except orjson.JSONDecodeError:
             first = None
         value = first.get("authorization") if isinstance(first, dict) and len(first) == 1 else None
@@ -278,12 +286,16 @@ class InferenceSocket(AsyncConsumer):
                 continue
             self.last = time.monotonic()
             text = message.get("text")
-            if text is not None:
-                TEXT_MESSAGES.inc()
-                await self._take(text.encode(), False)
-            else:
-                BINARY_MESSAGES.inc()
-                await self._take(message.get("bytes") or b"", True)
+            try:
+                if text is not None:
+                    TEXT_MESSAGES.inc()
+                    await self._take(text.encode(), False)
+                else:
+                    BINARY_MESSAGES.inc()
+                    await self._take(message.get("bytes") or b"", True)
+            except OSError:  # the client went, or was dropped, while a refusal was on its way
+                self.closed = True
+                return
 
     async def _take(self, message: bytes, binary: bool) -> None:
         """Start one request, after waiting for room on this connection: until there is, this coroutine
@@ -322,7 +334,9 @@ class InferenceSocket(AsyncConsumer):
         self.tasks.add(task)
 
     async def _run(self, rid: str, body: bytes, length: int | None, size: int, taken: float) -> None:
-        """Answer one request through REST's handler; it is in flight until its answer is written."""
+        """Answer one request through REST's handler; it is in flight until its answer is written, its bytes
+        held (on this connection and in the process's budget) until its answer is computed."""
+        held = size
         try:
             headers = {b"authorization": self.authorization}
             if length is not None:
@@ -333,6 +347,9 @@ class InferenceSocket(AsyncConsumer):
                 "POST", self.infer_path, headers, time.monotonic() - taken, self._gone, self.client
             )
             answer = await request.answer(body, infer=True)
+            del body
+            self._release(held)  # a client slow to read its answer holds a message in flight, not the budget
+            held = 0
             if answer is None or self.closed:
                 return  # the connection went away while it ran
             status, answer_headers, _, payload = answer
@@ -355,14 +372,20 @@ class InferenceSocket(AsyncConsumer):
             with contextlib.suppress(OSError):
                 await self._send_text(error_frame(rid, 500, "internal error; the server logged it"))
         finally:
+            if held:
+                self._release(held)
             self.tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
             self.ids.discard(rid)
-            self.held -= size
             STATS.in_flight -= 1
-            STATS.held_bytes -= size
-            frontdoor.discharge(size)
             self.last = time.monotonic()
             self.room.set()
+
+    def _release(self, size: int) -> None:
+        """Give back a request's bytes: this connection's and the process's budget."""
+        self.held -= size
+        STATS.held_bytes -= size
+        frontdoor.discharge(size)
+        self.room.set()
 
     def _gone(self) -> bool:
         return self.closed
@@ -370,10 +393,34 @@ class InferenceSocket(AsyncConsumer):
     # -- sending and closing ------------------------------------------------------------------------
 
     async def _send_text(self, text: str) -> None:
-        await self.base_send({"type": "websocket.send", "text": text})
+        await self._send({"type": "websocket.send", "text": text})
 
     async def _send_bytes(self, data: bytes) -> None:
-        await self.base_send({"type": "websocket.send", "bytes": data})
+        await self._send({"type": "websocket.send", "bytes": data})
+
+    async def _send(self, message: dict) -> None:
+        """Send one message, waiting at most `send_s` for the socket to take it (the server's send waits while
+        the socket's write buffer is over its high-water mark, that is while the client reads nothing): past
+        that the connection is dropped, and ConnectionAbortedError raised, an OSError as a client's going is."""
+        if self.aborted:
+            raise ConnectionAbortedError("the connection was dropped")
+        try:
+            async with asyncio.timeout(self.bounds.send_s):
+                await self.base_send(message)
+        except TimeoutError:
+            self._abort()
+            raise ConnectionAbortedError(f"the client took no data for {self.bounds.send_s:g} s") from None
+
+    def _abort(self) -> None:
+        """Drop the connection without a closing handshake (its close frame would wait behind the answers the
+        client does not read): the receive loop then sees it go, and the sends waiting on it fail at once."""
+        if self.aborted:
+            return
+        self.aborted = self.closed = True
+        CLOSES.labels("1006").inc()
+        abort = self.scope.get("ferry.abort")
+        if abort is not None:  # the front door's protocol (frontdoor.FrontDoorWebSocket); another server keeps it
+            abort()
 
     async def _close(self, status: int, message: str) -> None:
         """Close the connection with 4000 + `status`, after a JSON error frame that says why."""
@@ -384,8 +431,8 @@ class InferenceSocket(AsyncConsumer):
         try:
             await self._send_text(error_frame(None, status, message))
             reason = message.encode()[:CLOSE_REASON_BYTES].decode("utf-8", "ignore")
-            await self.base_send({"type": "websocket.close", "code": 4000 + status, "reason": reason})
-        except OSError:  # noqa: S110  # the client went first: nothing left to tell it
+            await self._send({"type": "websocket.close", "code": 4000 + status, "reason": reason})
+        except OSError:  # noqa: S110  # the client went first, or took nothing and was dropped
             pass
 
     def _arm(self, delay: float) -> None:
@@ -394,7 +441,8 @@ class InferenceSocket(AsyncConsumer):
     def _check_idle(self) -> None:
         """The idle timer: close a connection that has had nothing in flight and sent nothing for its idle
         time (or, before its key, for FERRY_BODY_TIMEOUT_S). One timer per connection, re-armed here, not per
-        message."""
+        message. A message in flight ends within its deadline and `send_s` (its answer's send is bounded), so
+        a connection re-arms it only while it has work, never for a client that stopped reading."""
         if self.closed:
             return
         limit = self.bounds.idle_s if self.authorization is not None else self.bounds.auth_s
