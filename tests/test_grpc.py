@@ -4,6 +4,7 @@ the quota, the repository extension, and ModelStreamInfer."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.http.consumers import InferenceRequest
+from serving.pipelines import register_pipeline
 from tests.conftest import LiveServer, free_port, mint_key, register, tenant
 from tests.test_inference_http import HELD, grew, metrics, wait_until
 from tests.test_quota_http import set_quota
@@ -275,8 +279,6 @@ def test_the_stream_answers_each_request_and_survives_a_bad_one(client, auth, di
 
 
 def test_a_pipeline_is_described_and_ready_as_a_model(server, client, auth) -> None:  # noqa: ANN001
-    from serving.pipelines import register_pipeline
-
     # given a pipeline of one step on digits, and another tenant's private one
     register_pipeline(name="digits-pipe", spec={"model": "digits", "name": "s"}, tenant=tenant(), visibility="public")
     register_pipeline(name="their-pipe", spec={"model": "digits"}, tenant=tenant("other"), visibility="private")
@@ -299,3 +301,121 @@ def test_a_pipeline_is_described_and_ready_as_a_model(server, client, auth) -> N
             client.is_model_ready(name, headers=auth)
         assert status_of(unready.value) == "StatusCode.NOT_FOUND"
     assert answers["their-pipe"] == answers["no-such-pipe"]
+
+
+def test_a_pipeline_is_inferred_as_a_model(server, client, auth, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    # given a pipeline of one step on digits, and another tenant's private one
+    register_pipeline(name="digits-pipe", spec={"model": "digits", "name": "s"}, tenant=tenant(), visibility="public")
+    register_pipeline(name="their-pipe", spec={"model": "digits"}, tenant=tenant("other"), visibility="private")
+    server.refresh()
+    alone = client.infer("digits", [digits_input(x[:3])], headers=auth).as_numpy("scores")
+    # when it is inferred over gRPC, as tritonclient sends (raw_input_contents), with an id and a deadline
+    result = client.infer("digits-pipe", [digits_input(x[:3])], request_id="p1", client_timeout=30, headers=auth)
+    # then it answers as REST serves it: its step's scores, under the pipeline's name and version
+    np.testing.assert_allclose(result.as_numpy("scores"), alone, rtol=1e-5, atol=1e-6)
+    response = result.get_response()
+    assert (response.model_name, response.model_version, response.id) == ("digits-pipe", "1", "p1")
+    # and typed contents too
+    request = service_pb2.ModelInferRequest(model_name="digits-pipe")
+    request.inputs.add(name="input", datatype="FP32", shape=[3, 64]).contents.fp32_contents.extend(
+        x[:3].astype(np.float32).ravel().tolist()
+    )
+    request.outputs.add(name="scores")
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        typed = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, metadata=tuple(auth.items()))
+    np.testing.assert_allclose(np.frombuffer(typed.raw_output_contents[0], "<f4").reshape(3, 10), alone, rtol=1e-5)
+    # while input the pipeline's signature refuses is INVALID_ARGUMENT, in REST's words
+    with pytest.raises(InferenceServerException, match="expected datatype FP32") as refused:
+        bad = grpcclient.InferInput("input", [1, 64], "FP64")
+        bad.set_data_from_numpy(np.zeros((1, 64)))
+        client.infer("digits-pipe", [bad], headers=auth)
+    assert status_of(refused.value) == "StatusCode.INVALID_ARGUMENT"
+    # and another tenant's private pipeline is NOT_FOUND, as a missing name is
+    with pytest.raises(InferenceServerException, match="unknown model") as hidden:
+        client.infer("their-pipe", [digits_input(x[:1])], headers=auth)
+    assert status_of(hidden.value) == "StatusCode.NOT_FOUND"
+
+
+def test_a_stream_error_carries_its_code(server, auth) -> None:  # noqa: ANN001
+    # given a stream with a request the model refuses, and one for a model that does not exist
+    bad = service_pb2.ModelInferRequest(model_name="digits", id="bad")
+    bad.inputs.add(name="input", datatype="FP64", shape=[1, 64])
+    bad.raw_input_contents.append(np.zeros((1, 64)).tobytes())
+    missing = service_pb2.ModelInferRequest(model_name="nope", id="missing")
+    missing.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    missing.raw_input_contents.append(np.zeros((1, 64), np.float32).tobytes())
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answers = list(stub.ModelStreamInfer(iter([bad, missing]), metadata=tuple(auth.items()), timeout=60))
+    # then each is answered with REST's message, and the status a unary call would end with in its parameters
+    by_id = {a.infer_response.id: a for a in answers}
+    assert sorted(by_id) == ["bad", "missing"]
+    got = {
+        rid: {k: v.string_param for k, v in a.infer_response.parameters.items()} | {"error": a.error_message}
+        for rid, a in by_id.items()
+    }
+    assert got["bad"]["grpc-code"] == "INVALID_ARGUMENT" and got["bad"]["ferry-status"] == "400", got
+    assert "expected datatype FP32" in got["bad"]["error"]
+    assert got["missing"]["grpc-code"] == "NOT_FOUND" and got["missing"]["ferry-status"] == "404", got
+
+
+def test_past_the_concurrency_limit_a_call_is_unavailable_with_a_retry_hint(
+    grpc_port, settings, transactional_db, model_files, digits_samples, request
+) -> None:  # noqa: ANN001
+    x, y = digits_samples
+    # given a process that serves one gRPC call at a time, and a model that holds a request 2 s in its window
+    settings.FERRY_GRPC_MAX_CONCURRENT_RPCS = 1
+    register(model_files.digits, "held", **HELD)
+    server = request.getfixturevalue("live_server")
+    metadata = (("authorization", f"Bearer {server.key}"),)
+    message = service_pb2.ModelInferRequest(model_name="held")
+    message.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    message.raw_input_contents.append(x[:1].astype(np.float32).tobytes())
+    box: dict = {}
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        first = threading.Thread(target=lambda: box.update(r=stub.ModelInfer(message, metadata=metadata)))
+        first.start()
+        plane = server.plane()
+        wait_until(lambda: plane.node.queue_depth("held:1") == 1 or not first.is_alive(), "a call being served")
+        # when another call comes, a unary one or a stream / then UNAVAILABLE with REST's 503 and a retry hint,
+        # not RESOURCE_EXHAUSTED (the quota's code)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ServerLive(service_pb2.ServerLiveRequest())
+        with pytest.raises(grpc.RpcError) as stream:
+            list(stub.ModelStreamInfer(iter([message]), metadata=metadata))
+        first.join(timeout=30)
+        # and once the first is answered, calls are served again
+        assert stub.ServerLive(service_pb2.ServerLiveRequest()).live
+    for error in (refused.value, stream.value):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "concurrent calls" in error.details()
+        trailers = dict(error.trailing_metadata())
+        assert trailers["ferry-status"] == "503" and trailers["retry-after"] == "1"
+    assert np.frombuffer(box["r"].raw_output_contents[0], "<f4").argmax() == y[0]
+
+
+def test_the_deadline_counts_from_the_calls_arrival(server, client, auth, digits_samples, monkeypatch) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    seen: list = []
+    admit, serve = InferenceRequest.admit, Gateway.serve
+
+    async def slow_admit(self, *args):  # noqa: ANN001, ANN002, ANN202
+        await asyncio.sleep(0.2)  # a quota's round trip that takes 200 ms
+        return await admit(self, *args)
+
+    async def watched(self, request):  # noqa: ANN001, ANN202
+        seen.append((request.waited, request.timeout))
+        return await serve(self, request)
+
+    monkeypatch.setattr(InferenceRequest, "admit", slow_admit)
+    monkeypatch.setattr(Gateway, "serve", watched)
+    # given a quota that takes 200 ms / when a call without a deadline, and one with a 5 s deadline, come
+    client.infer("digits", [digits_input(x[:1])], headers=auth)
+    client.infer("digits", [digits_input(x[:1])], client_timeout=5, headers=auth)
+    (waited, timeout), (waited_too, limit) = seen
+    # then the time spent before the gateway counts from the request's budget, as REST's does
+    assert waited >= 0.2 and timeout is None
+    # and the client's deadline, moved to the same origin, is counted once: not past the 5 s it set (gRPC sends
+    # a deadline of 1 to 10 s rounded up to 10 ms), where counting the 200 ms twice would pass 5.2 s
+    assert waited_too >= 0.2 and limit is not None and waited_too < limit < 5.1

@@ -17,7 +17,7 @@ from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.grpc import codec, generate
 from serving.dataplane.grpc.proto import grpc_service_pb2 as pb
 from serving.dataplane.grpc.status import code_of, trailing
-from serving.dataplane.http.protocol import ProtocolError, TensorSpec
+from serving.dataplane.http.protocol import ProtocolError, TensorSpec, encode_infer_response, parse_infer_request
 from tests.test_admission import Clock
 from tests.test_latency_budget import Recording, gateway, snapshot
 
@@ -180,3 +180,45 @@ def test_statuses_map_as_triton_maps_them_with_the_retry_hint_in_trailing_metada
     shed = dict(trailing(Shed("queue full", reason="queue_full", tier=1, retry_after=1.2)))
     assert shed == {"ferry-status": "503", "retry-after": "2"}
     assert dict(trailing(ServingError("bad", status=400))) == {"ferry-status": "400"}
+
+
+def test_a_message_as_a_rest_body_parses_as_rest_parses_it() -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)  # the test version takes rows of 4
+    specs = version().inputs
+    for raw in (True, False):
+        # given a message with its inputs raw or typed, an id, an output asked for and the client's 5 ms timeout
+        m = message(x, raw=raw, id="r1")
+        m.outputs.add(name="scores")
+        m.parameters["timeout"].int64_param = 5000
+        body, length = codec.rest_body(m, timeout=30.0)
+        # when REST's parser reads the body it makes of it
+        parsed = parse_infer_request(body, length, specs, max_rows=16)
+        # then it reads the same tensor, id and output (in binary), and the shorter timeout, the client's
+        np.testing.assert_array_equal(parsed.inputs["input"], x)
+        assert parsed.id == "r1" and [(o.name, o.binary) for o in parsed.outputs] == [("scores", True)]
+        assert parsed.parameters["timeout"] == 5000
+    # gRPC's deadline (seconds from arrival) is the timeout where it is the shorter
+    body, length = codec.rest_body(message(x), timeout=0.002)
+    assert parse_infer_request(body, length, specs, max_rows=16).parameters["timeout"] == 2000
+    # a timeout REST refuses is left for it to refuse, in its words
+    bad = message(x)
+    bad.parameters["timeout"].int64_param = -1
+    body, length = codec.rest_body(bad, timeout=1.0)
+    assert parse_infer_request(body, length, specs, max_rows=16).parameters["timeout"] == -1
+    # and what the REST side answers reads back as gRPC's response, outputs raw
+    scores = np.arange(20, dtype=np.float32).reshape(2, 10)
+    payload, headers = encode_infer_response(
+        model_name="pipe",
+        model_version="1",
+        request_id="r1",
+        outputs={"scores": scores},
+        output_specs=version().outputs,
+        requested=None,
+        binary_output=True,
+        parameters={"fallback_from": "pipe:1"},
+    )
+    response = codec.response_of_rest(payload, headers)
+    assert (response.model_name, response.model_version, response.id) == ("pipe", "1", "r1")
+    assert response.parameters["fallback_from"].string_param == "pipe:1"
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [("scores", "FP32", [2, 10])]
+    np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], "<f4").reshape(2, 10), scores)

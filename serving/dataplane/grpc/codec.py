@@ -6,13 +6,18 @@ tritonclient.grpc sends) or each in its typed `contents` field; both are checked
 signature with the REST codec's rules (serving.dataplane.http.protocol): the same names, datatypes, shapes,
 batch bound and value ranges, the same messages. Outputs always go back in `raw_output_contents`, as Triton
 answers.
+
+A pipeline is served from a REST body (serving.dataplane.gateway.pipeline): `rest_body` writes the message as
+one, in the binary tensor extension, and `response_of_rest` reads the answer back.
 """
 
 from __future__ import annotations
 
+import math
 from math import prod
 
 import numpy as np
+import orjson
 
 from serving.dataplane.gateway.request import Inference, Served
 from serving.dataplane.gateway.snapshot import VersionEntry
@@ -156,4 +161,68 @@ def response_of(served: Served, request: Inference) -> pb.ModelInferResponse:
         arr = np.asarray(served.outputs[spec.name], dtype=DATATYPES[spec.datatype], order="C")
         response.outputs.add(name=spec.name, datatype=spec.datatype, shape=arr.shape)
         response.raw_output_contents.append(arr.tobytes())
+    return response
+
+
+def rest_body(message: pb.ModelInferRequest, timeout: float | None) -> tuple[bytes, int]:
+    """`message` as a REST request's body in the binary tensor extension, and its JSON header's length: raw
+    inputs as binary data, typed ones as JSON `data`, every output asked for in binary (REST's parser then
+    checks them, with its messages). `timeout`: gRPC's deadline in seconds from the request's arrival, sent
+    as Triton's "timeout" parameter where it is shorter than the client's own."""
+    tensors = message.inputs
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(tensors):
+        raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs")
+    inputs: list[dict] = []
+    for i, tensor in enumerate(tensors):
+        name, datatype = tensor.name, tensor.datatype
+        item: dict = {"name": name, "datatype": datatype, "shape": list(tensor.shape)}
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"input {name!r} has both 'contents' and raw_input_contents")
+            item["parameters"] = {"binary_data_size": len(raw[i])}
+        elif datatype not in DATATYPES:
+            item["data"] = []  # REST's parser refuses the datatype, in its words
+        else:
+            field = TYPED_FIELD.get(datatype)
+            if field is None:
+                raise ProtocolError(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
+            present = [f.name for f, _ in tensor.contents.ListFields()]
+            if any(f != field for f in present):
+                raise ProtocolError(f"input {name!r}: {datatype} data belongs in '{field}', not {present[0]!r}")
+            item["data"] = list(getattr(tensor.contents, field))
+        inputs.append(item)
+    options = parameters(message.parameters)
+    options["binary_data_output"] = True
+    if timeout is not None:
+        limit = max(1, math.ceil(timeout * 1e6))  # Triton's "timeout" is in microseconds
+        asked = options.get("timeout")
+        if asked is None or (type(asked) is int and asked > limit):  # a bad one is left for REST's parser to refuse
+            options["timeout"] = limit
+    header: dict = {"inputs": inputs, "parameters": options}
+    if message.id:
+        header["id"] = message.id
+    if message.outputs:
+        header["outputs"] = [{"name": output.name} for output in message.outputs]
+    head = orjson.dumps(header)
+    return b"".join([head, *raw]), len(head)
+
+
+def response_of_rest(body: bytes, headers: list[tuple[bytes, bytes]]) -> pb.ModelInferResponse:
+    """The answer to a request `rest_body` wrote (every output in binary), as REST sent it: its body and
+    headers."""
+    length = next(int(value) for name, value in headers if name == b"inference-header-content-length")
+    header = orjson.loads(memoryview(body)[:length])
+    response = pb.ModelInferResponse(
+        model_name=header["model_name"], model_version=header["model_version"], id=header.get("id") or ""
+    )
+    fallback = (header.get("parameters") or {}).get("fallback_from")
+    if fallback is not None:
+        response.parameters["fallback_from"].string_param = fallback
+    offset = length
+    for output in header["outputs"]:
+        size = output["parameters"]["binary_data_size"]
+        response.outputs.add(name=output["name"], datatype=output["datatype"], shape=output["shape"])
+        response.raw_output_contents.append(body[offset : offset + size])
+        offset += size
     return response

@@ -4,8 +4,12 @@ Everything behind the protocol is the REST side's: the API key (the `authorizati
 is checked by the same `authenticate`; inference passes the same shedding and quota
 (`InferenceRequest.admit`) and is served by `Gateway.serve` (routing, deadlines, priorities, admission,
 fallback, shadow, usage, metrics); control calls take a request of the quota as REST's do, and load/unload
-is REST's `set_loaded`. gRPC's own deadline becomes the request's (never beyond the platform budget).
-Failures are gRPC statuses (serving.dataplane.grpc.status), with the message REST would send.
+is REST's `set_loaded`. The request's deadline counts from its arrival, as REST's does: gRPC's own deadline
+becomes the request's (never beyond the platform budget). A pipeline is served at a model's name, as REST
+serves it (`PipelineRunner.infer`, from a REST body: codec.rest_body). Failures are gRPC statuses
+(serving.dataplane.grpc.status), with the message REST would send; a request of a stream that fails is
+answered with REST's message and, in its response's parameters, what a unary call's status and trailing
+metadata would say.
 
 ServerLive, ServerReady and ServerMetadata are anonymous (probes), as /v2 and /v2/health are. The shared
 memory, trace and log settings extensions are not offered (UNIMPLEMENTED, as the generated base answers).
@@ -27,7 +31,8 @@ from serving.dataplane import plane as dataplane
 from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ServingError, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
-from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
+from serving.dataplane.gateway.gateway import CLIENT_CLOSED, Reply, parse_version
+from serving.dataplane.gateway.pipeline import PipelineRunner
 from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
 from serving.dataplane.grpc import codec
 from serving.dataplane.grpc.proto import grpc_service_pb2 as pb
@@ -54,7 +59,8 @@ _SERVER = orjson.loads(SERVER_METADATA)
 
 def _front(rpc_name: str, context: grpc.aio.ServicerContext) -> InferenceRequest:
     """The REST front end's request, for its steps shared by both protocols (shedding, quota, routing key,
-    load/unload), over this call's metadata."""
+    load/unload), over this call's metadata. It arrives now: the handler's start (a stream's request, once it
+    has a slot), the first this process sees of it; its wait counts from then (`waited_so_far`)."""
     headers: dict[bytes, bytes] = {}
     for key, value in context.invocation_metadata() or ():
         name = key.lower().encode("latin-1")
@@ -291,22 +297,65 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
             name, version = message.model_name, message.model_version or None
             ticket, limits = await front.admit(plane, name, version, caller.tenant_id)
             try:
-                request = codec.request_of(
-                    message,
-                    caller.tenant_id,
-                    timeout=context.time_remaining(),
-                    tier=limits.priority if limits else 1,
-                    routing_key=front._routing_key(caller),
-                    gone=context.cancelled,
-                    nbytes=size,
-                )
-                served = await plane.gateway.serve(request)
+                tier, routing_key = limits.priority if limits else 1, front._routing_key(caller)
+                # The deadline counts from the request's arrival, `waited` ago (authentication and the quota's
+                # round trip are spent from its budget, as REST's are); gRPC's deadline counts from now, so it
+                # is moved to the same origin: counted once, whichever is the shorter.
+                waited = front.waited_so_far()
+                remaining = context.time_remaining()
+                timeout = None if remaining is None else waited + remaining
+                runner = pipeline_runner(plane.gateway)
+                if runner.find(name, caller.tenant_id) is not None:  # a pipeline, served at a model's name
+                    reply: Reply | None = await self._pipeline(
+                        runner, message, caller.tenant_id, timeout, tier, routing_key, context, waited
+                    )
+                else:
+                    reply = None
+                    request = codec.request_of(
+                        message,
+                        caller.tenant_id,
+                        timeout=timeout,
+                        tier=tier,
+                        routing_key=routing_key,
+                        gone=context.cancelled,
+                        nbytes=size,
+                        waited=waited,
+                    )
+                    served = await plane.gateway.serve(request)
             finally:
                 if ticket is not None:
                     plane.quota.release(ticket)  # type: ignore[union-attr]
         finally:
             frontdoor.discharge(size)
-        return codec.response_of(served, request), ticket.decision.headers() if ticket is not None else []
+        if reply is not None:
+            response = codec.response_of_rest(reply.body, reply.headers)
+        else:
+            response = codec.response_of(served, request)
+        return response, ticket.decision.headers() if ticket is not None else []
+
+    @staticmethod
+    async def _pipeline(
+        runner: PipelineRunner,
+        message: pb.ModelInferRequest,
+        viewer: int | None,
+        timeout: float | None,
+        tier: int,
+        routing_key: str,
+        context: grpc.aio.ServicerContext,
+        waited: float,
+    ) -> Reply:
+        """A pipeline's call, run as REST runs it (`PipelineRunner.infer`, from a REST body); the body, a second
+        copy of the request's bytes, counts against the process's budget too."""
+        body, header_length = codec.rest_body(message, timeout)
+        if not frontdoor.charge(len(body)):
+            raise Unavailable("server holds its budget of bytes of request bodies; retry shortly", retry_after=1)
+        try:
+            return await runner.infer(
+                message.model_name, message.model_version or None, body, header_length, viewer,
+                gone=context.cancelled, tier=tier, routing_key=routing_key, waited=waited,
+            )  # fmt: skip
+        finally:
+            frontdoor.discharge(len(body))
 
     async def ModelStreamInfer(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -324,16 +373,16 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
                 response, _ = await self._infer(message, context, "ModelStreamInfer")
                 answer = pb.ModelStreamInferResponse(infer_response=response)
             except ProtocolError as exc:
-                answer = _stream_error(message, exc.message)
+                answer = _stream_error(message, ServingError(exc.message, status=exc.status))
             except ServingError as exc:
                 if exc.status == CLIENT_CLOSED:
                     slots.release()
                     return
-                answer = _stream_error(message, exc.message)
+                answer = _stream_error(message, exc)
             except Exception:
                 log.exception("unhandled error in gRPC ModelStreamInfer")
                 metrics.INTERNAL_ERRORS.labels("grpc").inc()
-                answer = _stream_error(message, "internal error; the server logged it")
+                answer = _stream_error(message, ServingError("internal error; the server logged it", status=500))
             done.put_nowait(answer)
 
         async def read() -> None:
@@ -363,11 +412,19 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
 
-def _stream_error(message: pb.ModelInferRequest, text: str) -> pb.ModelStreamInferResponse:
-    return pb.ModelStreamInferResponse(
-        error_message=text,
+def _stream_error(message: pb.ModelInferRequest, exc: ServingError) -> pb.ModelStreamInferResponse:
+    """A stream's answer to a request that failed: Triton's `error_message` (REST's message), and in its
+    response's parameters what a unary call would end with: `grpc-code` (the status's name) and, as strings,
+    its trailing metadata (`ferry-status`, `retry-after`, the quota's fields)."""
+    answer = pb.ModelStreamInferResponse(
+        error_message=exc.message,
         infer_response=pb.ModelInferResponse(model_name=message.model_name, id=message.id),
     )
+    parameters = answer.infer_response.parameters
+    parameters["grpc-code"].string_param = code_of(exc.status).name
+    for key, value in trailing(exc):
+        parameters[key].string_param = value
+    return answer
 
 
 def _rate(context: grpc.aio.ServicerContext, headers: list[tuple[bytes, bytes]]) -> None:
