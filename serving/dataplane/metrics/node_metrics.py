@@ -15,15 +15,18 @@ the node's own state, read from it at scrape time:
   ferry_node_rows_served_total and ferry_node_work_seconds_total (serving.dataplane.metrics.busy.WorkMeter).
 
 Served by the standard library's WSGI server, a thread per scrape, off the event loop: a scrape never waits
-on it, and reads only copies of the node's dicts. Access is the web process's (`metrics_access`): the
-metrics token reads everything; an allowed address without it reads private names redacted, judged by the
-routing snapshot the node follows; anyone else gets 401.
+on it, and reads only copies of the node's dicts. At most MAX_CONNECTIONS connections are served at once (one
+more is answered 503 without a thread) and each socket operation waits at most READ_TIMEOUT_S (a client that
+sends or reads nothing is dropped), so silent connections cannot pin threads. Access is the web process's
+(`metrics_access`): the metrics token reads everything; an allowed address without it reads private names
+redacted, judged by the routing snapshot the node follows; anyone else gets 401.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
@@ -44,6 +47,10 @@ if TYPE_CHECKING:
     from serving.dataplane.node.node_process import NodeProcess
 
 log = logging.getLogger(__name__)
+
+# Scrapers are a few Prometheus servers, each with one scrape in flight per target, a scrape a few seconds long.
+MAX_CONNECTIONS = 16
+READ_TIMEOUT_S = 10.0  # per socket operation: reading the request, writing the answer
 
 
 class NodeCollector(Collector):
@@ -144,16 +151,21 @@ def serve_registry(
     snapshot: Callable[[], RoutingSnapshot | None],
     port: int,
     addr: str = "0.0.0.0",  # noqa: S104
+    max_connections: int = MAX_CONNECTIONS,
+    timeout: float = READ_TIMEOUT_S,
 ) -> WSGIServer:
     """Serve this process's registry on `port` (the node host of embedded mode: its batches, devices and
-    runtimes, which its web processes do not see); `snapshot` judges which names a caller may read."""
+    runtimes, which its web processes do not see); `snapshot` judges which names a caller may read. At most
+    `max_connections` at once, each socket operation bounded by `timeout` seconds."""
+    handler = type("_Handler", (_QuietHandler,), {"timeout": timeout})
     server = make_server(
         addr,
         port,
         MetricsApp(snapshot),
         server_class=_server_class(addr),
-        handler_class=_QuietHandler,
+        handler_class=handler,
     )
+    server.slots = threading.BoundedSemaphore(max_connections)  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, name="node-metrics", daemon=True).start()
     log.info("node metrics on http://%s:%d/metrics", addr, server.server_port)
     return server
@@ -193,8 +205,45 @@ class MetricsApp:
 _REASONS = {401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}
 
 
+_BUSY = orjson.dumps({"error": "metrics endpoint at its connection limit; retry shortly"})
+_BUSY_ANSWER = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Content-Length: " + str(len(_BUSY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY
+)
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most `slots` at once: one more is answered 503 by the accepting thread,
+    without reading it, and closed."""
+
     daemon_threads = True  # a scrape in progress does not hold the node's exit
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)  # a fresh socket's buffer takes the answer; never wait on a client
+                request.send(_BUSY_ANSWER)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # type: ignore[arg-type]
+        except BaseException:
+            self.slots.release()  # no thread started to release it
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[arg-type]
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:  # type: ignore[override]
+        if isinstance(sys.exc_info()[1], OSError):  # a client too slow (READ_TIMEOUT_S) or gone: not news
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
 
 
 class _ThreadingServer6(_ThreadingServer):
