@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth.models import User
 
 from serving.models import ModelVersion
-from tenants.models import AuditEntry, Tenant
+from tenants.models import AuditEntry, Membership, Role, Tenant
 from tests.conftest import register
-from tests.test_api import alice, assert_json_error, bob, charlie, dave, people  # noqa: F401 (fixtures)
+from tests.test_api import alice, assert_json_error, bob, charlie, client_for, dave, people  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.django_db
 
@@ -70,10 +71,25 @@ def test_malformed_or_unknown_settings_are_400(bob, digits, body) -> None:  # no
     assert not ModelVersion.objects.get(pk=digits.pk).pinned
 
 
-def test_a_viewer_is_refused_and_an_outsider_sees_nothing(charlie, dave, digits) -> None:  # noqa: ANN001, F811
-    assert_json_error(charlie.patch(URL, {"pinned": True}, format="json"), 403)
-    assert dave.patch(URL, {"pinned": True}, format="json").status_code in (403, 404)
-    assert not ModelVersion.objects.get(pk=digits.pk).pinned
+def test_a_viewer_is_refused_and_an_outsider_sees_nothing(charlie, dave, people, model_files) -> None:  # noqa: ANN001, F811
+    # given a private model of Acme, and an engineer of another tenant
+    register(model_files.digits, "digits", owner=Tenant.objects.get(slug="acme"), visibility="private")
+    other = Tenant.objects.create(name="Other", slug="other")
+    erin = User.objects.create_user("erin", "erin@example.org")
+    Membership.objects.create(user=erin, tenant=other, role=Role.ENGINEER)
+    body = {"pinned": True}
+    # then Acme's viewer sees the version and may not change it (403)
+    assert_json_error(charlie.patch(URL, body, format="json"), 403)
+    # the other tenant's engineer is answered as for a model that does not exist (404), malformed body or not
+    hidden = assert_json_error(client_for(erin).patch(URL, body, format="json"), 404)
+    missing = assert_json_error(client_for(erin).patch(URL.replace("digits", "nothing"), body, format="json"), 404)
+    assert hidden["error"].replace("digits", "X") == missing["error"].replace("nothing", "X")
+    assert_json_error(client_for(erin).patch(URL, {"pinned": "x"}, format="json"), 404)
+    # and someone who is an engineer nowhere is refused before anything is looked up, the same for any model
+    assert assert_json_error(dave.patch(URL, body, format="json"), 403) == assert_json_error(
+        dave.patch(URL.replace("digits", "nothing"), body, format="json"), 403
+    )
+    assert not ModelVersion.objects.get(model__name="digits").pinned
 
 
 def test_the_schema_documents_the_placement_patch(bob) -> None:  # noqa: ANN001, F811
