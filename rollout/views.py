@@ -20,18 +20,22 @@ from rollout.models import Rollout
 from rollout.promotion_views import promotion_panel
 from serving.models import Model, State
 from tenants.models import Role
-from tenants.scoping import can_write, visible_models
+from tenants.scoping import can_write, member_tenant_ids, visible_models
 
 RECENT = 5  # ended rollouts the panel lists under the active one
 
 
 def panel(user: Any, model: Model) -> dict:
-    """The panel's context: the model's rollouts (active first), each with the buttons `user` may press, and
-    whether (and with which candidates) `user` may start one."""
+    """The panel's context: the model's rollouts (active first) if `user` may see them (members of the owning
+    tenant and staff, as the API), each with the buttons `user` may press, and whether (and with which
+    candidates) `user` may start one."""
     engineer = can_write(user, Role.ENGINEER, model.tenant_id)
     approver = can_write(user, Role.APPROVER, model.tenant_id)
     self_ok = model.tenant is not None and model.tenant.allow_self_approval
-    rollouts = list(model.rollouts.select_related("started_by").prefetch_related("approvals")[: RECENT + 1])
+    rollouts: list[Rollout] = []
+    visible = may_see_rollouts(user, model)
+    if visible:
+        rollouts = list(model.rollouts.select_related("started_by").prefetch_related("approvals")[: RECENT + 1])
     rows = []
     for r in rollouts:
         approvers = {a.user_id for a in r.approvals.all()}
@@ -64,7 +68,20 @@ def panel(user: Any, model: Model) -> dict:
             .exclude(version=model.stable_version)
             .values_list("version", flat=True)
         )
-    return {"rollouts": rows, "rollout_candidates": candidates, **promotion_panel(user, model, active)}
+    return {
+        "rollouts": rows,
+        "rollouts_visible": visible,
+        "rollout_candidates": candidates,
+        **promotion_panel(user, model, active),
+    }
+
+
+def may_see_rollouts(user: Any, model: Model) -> bool:
+    """Rollouts are the owning tenant's workflow (who started them, approvals and notes, verdicts): its
+    members and platform staff see them, not every tenant that sees a public model."""
+    return bool(getattr(user, "is_staff", False)) or (
+        model.tenant_id is not None and model.tenant_id in member_tenant_ids(user)
+    )
 
 
 _MOVES = {
@@ -78,11 +95,14 @@ _MOVES = {
 @login_required
 @require_POST
 def rollout_action(request: HttpRequest, pk: int, move: str) -> HttpResponse:
-    """Press a panel button. A rollout of a model the user may not see is a 404; a missing role a 403; a move
+    """Press a panel button. A rollout of a tenant the user is not in is a 404; a missing role a 403; a move
     its state no longer allows (someone else was faster) goes back to the page, which shows the state."""
     if move not in _MOVES:
         raise Http404("no such action")
-    rollout = Rollout.objects.filter(pk=pk, model__in=visible_models(request.user)).select_related("model").first()
+    scoped = Rollout.objects.filter(pk=pk, model__in=visible_models(request.user))
+    if not request.user.is_staff:
+        scoped = scoped.filter(model__tenant_id__in=member_tenant_ids(request.user))
+    rollout = scoped.select_related("model").first()
     if rollout is None:
         raise Http404("no such rollout")
     kwargs = {"note": request.POST.get("note", "")[:2000]} if move != "promote" else {}

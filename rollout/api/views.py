@@ -1,8 +1,8 @@
 """The rollout API: start a rollout, move it (advance, approve, reject, promote, roll back, cancel), read it
-and its report. Rollouts of the models the caller may see are readable; another tenant's private model's
-rollouts do not exist (404). Changes need the role in the tenant that owns the model: engineer to start,
-advance, roll back and cancel; approver to approve, reject and promote (403). A transition the rollout's
-state does not allow is a 409.
+and its report. Rollouts are readable by the members of the tenant that owns the model (platform staff: every
+one); another tenant's rollout does not exist (404), its model public or not. Changes need the role in the
+tenant that owns the model: engineer to start, advance, roll back and cancel; approver to approve, reject and
+promote (403). A transition the rollout's state does not allow is a 409.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rollout.models import Rollout, RolloutState
 from serving.api.serializers import NAME_SCHEMA
 from serving.api.views import errors
 from tenants.models import Role, has_role
-from tenants.scoping import TenantScopedViewSet, require, visible_models
+from tenants.scoping import TenantScopedViewSet, member_tenant_ids, require, visible_models
 
 ID = OpenApiParameter(
     "id", {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}, OpenApiParameter.PATH, description="the rollout's id"
@@ -40,7 +40,7 @@ E403 = (
     " back or cancel; approver to approve, reject or promote. The person who started a rollout cannot"
     " approve it unless the tenant allows self-approval."
 )
-E404 = "No such rollout, or one of a model the caller may not see."
+E404 = "No such rollout, or one of a tenant the caller is not in."
 E409 = "The rollout's state does not allow this transition (it has ended, awaits approval, or is not approved)."
 
 
@@ -87,7 +87,7 @@ def _move(body: type[NoteSerializer] | None = None) -> dict:
     retrieve=extend_schema(parameters=[ID], responses={200: RolloutSerializer, **errors(403, 404, e404=E404)}),
 )
 class RolloutViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
-    """Rollouts, newest first, of the models the caller may see."""
+    """Rollouts, newest first, of the models the caller's tenants own."""
 
     queryset = Rollout.objects.select_related("model", "model__tenant", "started_by").prefetch_related("approvals")
     serializer_class = RolloutSerializer
@@ -100,7 +100,11 @@ class RolloutViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.Retrieve
             raise PermissionDenied("changing a rollout needs the engineer role (approver to approve)")
 
     def scope(self, queryset: QuerySet) -> QuerySet:
-        queryset = queryset.filter(model__in=visible_models(self.request.user))
+        user = self.request.user
+        # A tenant's own workflow (who started it, approvals and their notes, the gates' verdicts): members of
+        # the owning tenant see it, as they see its promotion requests, whoever else may see the model.
+        if not user.is_staff:
+            queryset = queryset.filter(model__tenant_id__in=member_tenant_ids(user))
         if self.action == "list":
             # A plain dict, not the QueryDict: DRF reads an empty form value of an optional field as absent,
             # and `?model=` is not a name.
