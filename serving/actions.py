@@ -9,11 +9,11 @@ from django.db import transaction
 
 from rollout import approval
 from rollout.models import Rollout
-from serving import artifacts, quota_counts
+from serving import artifacts, model_names, quota_counts
 from serving.dataplane.gateway.snapshot import RoutingSnapshot
 from serving.dataplane.http.protocol import TensorSpec
 from serving.errors import NOT_LOADED, RegistrationError
-from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, State
+from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, Pipeline, State, lock_name
 from serving.policies.batching import BatchingConfig
 from serving.publish import publish_snapshot
 from serving.validation import validate as run_validation
@@ -51,13 +51,17 @@ def register_version(
     validate: str,
     tenant: object | None = None,
     tenant_id: int | None = None,
+    owner_only: bool = False,
     **batching: object,
 ) -> ModelVersion:
     """Store the artifact, create the next version of the model (creating the model if new, owned by
     `tenant`, a Tenant, or `tenant_id`; neither: a platform model) and validate it: "sync" validates
     before returning, "none" leaves it registered for the caller to queue. To queue the validation task
     after commit, call `serving.tasks.register_and_validate` instead: the registry's actions never import
-    tasks. The owner's quota of models and versions is checked (RegistrationError 429 when full)."""
+    tasks. The owner's quota of models and versions is checked (RegistrationError 429 when full).
+    A name a pipeline holds is not available for a new model (409, the words of a taken name). With
+    `owner_only` (the API's upload, which checked the owner before reading the body) an existing model
+    must be the given tenant's: one created meanwhile by another is the same 409."""
     if tenant is not None:
         tenant_id = tenant.pk  # type: ignore[attr-defined]
     if validate not in ("sync", "none"):
@@ -75,6 +79,12 @@ def register_version(
     except artifacts.ArtifactRejected as exc:
         raise RegistrationError(exc.message, exc.status) from None
     with transaction.atomic():
+        lock_name(model_name)  # orders this against a pipeline taking the name (serving.pipelines)
+        existing = Model.objects.select_for_update().filter(name=model_name).first()
+        if existing is None and Pipeline.objects.filter(name=model_name).exists():
+            raise RegistrationError(model_names.not_available(model_name), 409)
+        if existing is not None and owner_only and existing.tenant_id != tenant_id:
+            raise RegistrationError(model_names.not_available(model_name), 409)
         model, created = Model.objects.select_for_update().get_or_create(
             name=model_name,
             defaults={"task": task or "classification", "description": description or "", "tenant_id": tenant_id},

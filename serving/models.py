@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
-from django.db import models, transaction
+from django.db import connection, models, transaction
 
 from rollout.routing import RouteTable
+from tenants import audit
 
 # A model name, unanchored: the API's URLs and OpenAPI schema use this same expression.
 MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
@@ -194,6 +195,24 @@ class Model(models.Model):
         return (last or 0) + 1
 
 
+# The advisory lock space of `lock_name` (PostgreSQL's two-key form: this, and the name's hash).
+NAME_LOCK_SPACE = 0x46657279  # "Fery"
+
+
+def lock_name(name: str) -> None:
+    """Hold, until the surrounding transaction ends, the lock that orders every taking of `name`. Models and
+    pipelines share one namespace that no unique constraint spans (each table has its own), so whatever
+    creates or renames either one takes this lock before it checks the other table, and two of them at once
+    cannot both find the name free. PostgreSQL: a transaction-level advisory lock on the name's hash (two
+    names that hash alike merely wait on each other). SQLite: its IMMEDIATE transactions already run one at
+    a time (config.settings)."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("lock_name() holds its lock for a transaction: call it inside transaction.atomic()")
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [NAME_LOCK_SPACE, name])
+
+
 class Artifact(models.Model):
     sha256 = models.CharField(max_length=64, primary_key=True)
     size_bytes = models.BigIntegerField()
@@ -310,12 +329,23 @@ class ModelVersion(models.Model):
         self.save(update_fields=["state", "failure_reason", "updated_at"])
 
     @transaction.atomic
-    def retire(self) -> None:
-        """Stop serving this version; the routing rules that named it no longer do."""
+    def retire(self, actor: object = None) -> None:
+        """Stop serving this version; the routing rules that named it no longer do. Audited
+        (`version.retire`, with the model's routing before and after), in the same transaction."""
+        was = self.state
         self.mark(State.RETIRED)
         model = Model.objects.select_for_update().get(pk=self.model_id)
+        before = model.routing_state()
         if drop_version_from_routes(model, self.version):
             model.save(update_fields=["stable_version", *ROUTING_FIELDS, "updated_at"])
+        audit.record(
+            actor,
+            "version.retire",
+            f"model {model.name} version {self.version}",
+            tenant=model.tenant,
+            before={"state": was, **before},
+            after={"state": State.RETIRED.value, **model.routing_state()},
+        )
 
 
 def drop_version_from_routes(model: Model, version: int) -> bool:

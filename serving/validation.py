@@ -20,8 +20,12 @@ from serving.dataplane.node.runtime_process import make_runtime
 from serving.errors import NOT_LOADED
 from serving.models import Model, ModelVersion, State
 from serving.publish import version_entry
+from tenants.models import AuditEntry
 
 log = logging.getLogger(__name__)
+
+# The audit actions after which a model's name is free again for the tenant (serving.api.views).
+RELEASES_NAME = ("model.delete", "model.rename")
 
 
 def validate(version: ModelVersion) -> ModelVersion:
@@ -78,11 +82,16 @@ def _stable_if_first(version: ModelVersion) -> None:
     """A model's first ready version becomes its stable version (one that had none: its first version, or
     the first to pass after earlier ones failed or were retired). Every later version waits for a promotion
     or a rollout, so registering it moves no traffic. The row lock orders two validations finishing at once.
-    Where the tenant requires approval (rollout.approval) only a model that never had a ready version gets
-    one this way: otherwise retiring the stable version while a new one validates would make the new one
-    stable with nobody approving; it waits for an approved promotion instead."""
+    Where the tenant requires approval (rollout.approval) only a model that never had a ready version, under
+    a name no model of its tenant gave up before, gets one this way: otherwise retiring the stable version
+    while a new one validates, or deleting the model and registering the name again, would put a version in
+    front of the name's callers with nobody approving; it waits for an approved promotion instead."""
     model = Model.objects.select_for_update().get(pk=version.model_id)
-    if model.stable_version is None and approval.needs_approval(model) and _served_before(model, version):
+    if (
+        model.stable_version is None
+        and approval.needs_approval(model)
+        and (_served_before(model, version) or name_released(model.tenant_id, model.name, model.pk))
+    ):
         return
     if model.stable_version is None:
         model.stable_version = version.version
@@ -95,6 +104,17 @@ def _served_before(model: Model, version: ModelVersion) -> bool:
     profile only a passed validation records."""
     others = ModelVersion.objects.filter(model=model).exclude(pk=version.pk)
     return others.filter(Q(state=State.READY) | ~Q(latency_profile={})).exists()
+
+
+def name_released(tenant_id: int | None, name: str, model_id: int | None = None) -> bool:
+    """Whether a model of tenant `tenant_id` (other than `model_id`) gave up `name` before: deleted, or
+    renamed to another name. The audit log is the record (`model.delete`, `model.rename`, written in the
+    change's transaction, each with the model's id), so nothing else has to remember a name after its model
+    has gone."""
+    if tenant_id is None:
+        return False
+    entries = AuditEntry.objects.filter(tenant_id=tenant_id, action__in=RELEASES_NAME, target=f"model {name}")
+    return any((before or {}).get("model") != model_id for before in entries.values_list("before", flat=True))
 
 
 def _check_batch_independence(runtime: ModelRuntime) -> None:

@@ -152,7 +152,8 @@ class OwnerField(TenantField):
     }
 )
 class SharedWithField(serializers.ManyRelatedField):
-    """Tenants by slug; any tenant on the platform may be named."""
+    """Tenants by slug; any tenant on the platform may be named. Validated as slugs: looked up once the
+    caller's role allows the change."""
 
 
 class StrictIntegerField(serializers.IntegerField):
@@ -233,10 +234,14 @@ class ModelVersionSerializer(serializers.ModelSerializer):
 
 
 class _AnyTenantSlug(serializers.SlugRelatedField):
-    def to_internal_value(self, data: object) -> Tenant:
+    """A tenant's slug, as written: its form is checked here, and whether it names a tenant only after the
+    caller's role to share the model is (serving.api.views), so a validation error says nothing of which
+    tenants exist."""
+
+    def to_internal_value(self, data: object) -> str:  # type: ignore[override]
         if not isinstance(data, str) or not re.fullmatch(TENANT_SLUG_PATTERN, data):
             self.fail("invalid")
-        return super().to_internal_value(data)
+        return data
 
 
 class ModelSerializer(serializers.ModelSerializer):

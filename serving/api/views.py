@@ -18,12 +18,13 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from rollout import approval
 from rollout.api.serializers import NoteSerializer, PromotionRequestSerializer
 from rollout.api.shadow import ShadowReportMixin
 from rollout.models import PromotionRequest
 from rollout.promotion import PromotionError, promote_or_request
 from serving import model_names, quota_counts
-from serving.actions import set_routing, set_visibility
+from serving.actions import set_routing, set_visibility, sharing_state
 from serving.api.serializers import (
     UPLOAD_JSON_PARTS,
     BatchingUpdateSerializer,
@@ -40,12 +41,16 @@ from serving.models import (
     PLACEMENT_FIELDS,
     Model,
     ModelVersion,
+    Pipeline,
     State,
     Visibility,
+    lock_name,
 )
 from serving.publish import publish_snapshot
 from serving.tasks import register_and_validate
-from tenants.models import Role, has_role
+from serving.validation import name_released
+from tenants import audit
+from tenants.models import Role, Tenant, has_role
 from tenants.scoping import TenantScopedViewSet, visible_models
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the other form fields
@@ -104,6 +109,12 @@ class Conflict(APIException):
     default_detail = "conflicts with the registry's state"
 
 
+E409_RENAME = (
+    "The new name is another model's or a pipeline's; or the tenant requires approval, the model has a stable"
+    " version, and a model of the tenant gave that name up (deleted or renamed away)."
+)
+
+
 class RegistryViewSet(TenantScopedViewSet):
     """Reading needs a login and shows only the models the caller may see; changing one needs the
     engineer role in the tenant that owns it. A caller who is an engineer nowhere is refused before the
@@ -134,18 +145,16 @@ class RegistryViewSet(TenantScopedViewSet):
                 415,
                 429,
                 e409="The name is taken: by one of the caller's tenants' models ('exists"
-                " already'), or not available (another tenant's or reserved).",
+                " already'), or not available (another tenant's, a pipeline's or reserved).",
             ),
         }
     ),
     retrieve=extend_schema(parameters=[NAME], responses={200: ModelSerializer, **errors(403, 404)}),
     update=extend_schema(
-        parameters=[NAME],
-        responses={200: ModelSerializer, **errors(400, 403, 404, 409, 413, 415, e409="Another model has that name.")},
+        parameters=[NAME], responses={200: ModelSerializer, **errors(400, 403, 404, 409, 413, 415, e409=E409_RENAME)}
     ),
     partial_update=extend_schema(
-        parameters=[NAME],
-        responses={200: ModelSerializer, **errors(400, 403, 404, 409, 413, 415, e409="Another model has that name.")},
+        parameters=[NAME], responses={200: ModelSerializer, **errors(400, 403, 404, 409, 413, 415, e409=E409_RENAME)}
     ),
     destroy=extend_schema(
         parameters=[NAME],
@@ -182,14 +191,35 @@ class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
         if sharing and _changes_sharing(instance, sharing):
             tenant = instance.tenant if instance is not None else data["tenant"]
             self.require(Role.ADMIN, tenant, "changing who sees a model")
+        if "shared_with" in sharing:
+            # Looked up only now, after the role check: whether a slug names a tenant is told to those who
+            # may share the model, not to an engineer guessing slugs.
+            sharing["shared_with"] = _tenants(sharing["shared_with"])
         name = data.get("name")
+        old_name = instance.name if instance is not None else None
         others = Model.objects.exclude(pk=instance.pk) if instance else Model.objects
         creating = instance is None
         if name is not None and others.filter(name=name).exists():
             raise Conflict(model_names.taken(self.request.user, name))
         try:
             with transaction.atomic():
+                if name is not None and name != old_name:
+                    # Orders this against a pipeline taking the name (serving.pipelines.register_pipeline).
+                    lock_name(name)
+                    if Pipeline.objects.filter(name=name).exists():
+                        raise Conflict(model_names.not_available(name))
+                    if instance is not None:
+                        _check_rename(instance, name)
                 model = serializer.save()
+                if old_name is not None and model.name != old_name:
+                    audit.record(
+                        self.request.user,
+                        "model.rename",
+                        f"model {old_name}",
+                        tenant=model.tenant,
+                        before={"name": old_name, "model": model.pk},
+                        after={"name": model.name},
+                    )
                 if sharing:
                     set_visibility(model=model, actor=self.request.user, **sharing)
                 if shadow and instance is not None:
@@ -205,9 +235,51 @@ class ModelViewSet(ShadowReportMixin, RegistryViewSet, viewsets.ModelViewSet):
             raise Conflict(model_names.taken(self.request.user, name)) from None
 
     def perform_destroy(self, instance: Model) -> None:
-        if instance.versions.exclude(state=State.RETIRED).exists():
-            raise Conflict("retire every version before deleting the model")
-        instance.delete()
+        """Delete the model once every version is retired, with its audit entry: the entry is also what
+        makes a model of the same name, created later by the tenant, wait for an approval before its first
+        version takes traffic where the tenant requires one (serving.validation.name_released)."""
+        with transaction.atomic():
+            model = Model.objects.select_for_update().get(pk=instance.pk)
+            if model.versions.exclude(state=State.RETIRED).exists():
+                raise Conflict("retire every version before deleting the model")
+            audit.record(
+                self.request.user,
+                "model.delete",
+                f"model {model.name}",
+                tenant=model.tenant,
+                before={
+                    "model": model.pk,
+                    **model.routing_state(),
+                    **sharing_state(model),
+                    "versions": sorted(model.versions.values_list("version", flat=True)),
+                },
+            )
+            model.delete()
+
+
+def _tenants(slugs: list[str]) -> list[Tenant]:
+    """The tenants `slugs` name (400 naming the first that names none)."""
+    found = list(Tenant.objects.filter(slug__in=set(slugs)))
+    missing = sorted(set(slugs) - {t.slug for t in found})
+    if missing:
+        raise serializers.ValidationError({"shared_with": [f"no tenant {missing[0]!r}"]})
+    return found
+
+
+def _check_rename(model: Model, name: str) -> None:
+    """Under "approval required", a model with a stable version may not take a name another model of its
+    tenant gave up (deleted or renamed away): callers address models by name, so its stable version, which
+    no approver put in front of that name's callers, would answer them (409). Its own earlier name it may
+    take back."""
+    if (
+        model.stable_version is not None
+        and approval.needs_approval(model)
+        and name_released(model.tenant_id, name, model.pk)
+    ):
+        raise Conflict(
+            f"a model of this tenant served as {name!r} before, and the tenant requires an approval for every"
+            " change of a stable version: register versions under that name and have one promoted instead"
+        )
 
 
 def owner_by_default(user: object) -> object:
@@ -222,11 +294,14 @@ def owner_by_default(user: object) -> object:
 
 
 def _changes_sharing(model: Model | None, sharing: dict) -> bool:
+    """Whether `sharing` (a visibility, slugs) differs from `model`'s; compared as slugs, before any is
+    looked up."""
     if model is None:  # a new model: anything but the default, private and shared with nobody
         return sharing.get("visibility", Visibility.PRIVATE) != Visibility.PRIVATE or bool(sharing.get("shared_with"))
     if "visibility" in sharing and sharing["visibility"] != model.visibility:
         return True
-    return "shared_with" in sharing and set(sharing["shared_with"]) != set(model.shared_with.all())
+    current = set(model.shared_with.values_list("slug", flat=True))
+    return "shared_with" in sharing and set(sharing["shared_with"]) != current
 
 
 @extend_schema(parameters=[name_parameter("model_name")])
@@ -283,13 +358,18 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
                 e400="The form is malformed or inconsistent (signature, batching settings, `sha256` of the upload,"
                 " a tenant the caller is not in), or the new model's tenant is ambiguous.",
                 e404="No endpoint: the model name in the path is not a valid name.",
-                e409="A model of that name belongs to another tenant (or is reserved): the name is not available.",
+                e409="A model of that name belongs to another tenant (or is reserved), or a pipeline has the name:"
+                " the name is not available.",
                 e413="The artifact exceeds the upload limit (FERRY_MAX_ARTIFACT_BYTES).",
             ),
         },
     )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         """Upload an artifact as the model's next version (creating the model if new); validation follows."""
+        # Who may upload to this name is settled before the body is read (up to the artifact limit): an
+        # existing model's owner and role, a name a pipeline holds. A new model's tenant is named in the form,
+        # so that check waits for it (the caller is an engineer somewhere: RegistryViewSet.initial).
+        existing = self._existing_owner()
         # Refuse an oversized upload before Django spools it to disk; the store checks again while hashing.
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -307,7 +387,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         form.is_valid(raise_exception=True)
         data = dict(form.validated_data)
         artifact = data.pop("artifact")
-        tenant = self._upload_owner(data.pop("tenant", None))
+        tenant = self._upload_owner(data.pop("tenant", None), existing)
         try:
             version = register_and_validate(
                 model_name=self.kwargs["model_name"],
@@ -319,6 +399,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
                 task=data.pop("task", None),
                 description=data.pop("description", None),
                 tenant=tenant,
+                owner_only=True,  # the model found above (or none) is still the one, or the name is taken
                 **data,
             )
         except RegistrationError as exc:
@@ -326,23 +407,33 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         version.refresh_from_db()
         return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
-    def _upload_owner(self, named: object) -> object:
-        """The tenant of the model the upload goes to (checked: engineer there), for a new model the one
-        named or the caller's only one. A name another tenant's model uses (or a platform model's) is a
-        conflict that does not say so, as when creating a model of that name."""
+    def _existing_owner(self) -> Model | None:
+        """The model the upload adds a version to, checked (engineer in its tenant), or None for a new one.
+        A name another tenant's model uses (or a platform model's, or a pipeline's) is a conflict that does
+        not say so, as when creating a model of that name."""
         name = self.kwargs["model_name"]
         existing = Model.objects.filter(name=name).first()
         if existing is None:
-            tenant = named if named is not None else owner_by_default(self.request.user)
-            self.require(Role.ENGINEER, tenant, "registering a model")
-            return tenant
+            if Pipeline.objects.filter(name=name).exists():
+                raise Conflict(model_names.not_available(name))
+            return None
         if not model_names.owns(self.request.user, existing):
             # Another tenant's model, private, public or a platform one: the same words for all, as when
             # creating a model of that name (serving.model_names).
             raise Conflict(model_names.not_available(name))
+        self.require(Role.ENGINEER, existing.tenant_id, "adding a version to a model")
+        return existing
+
+    def _upload_owner(self, named: object, existing: Model | None) -> object:
+        """The tenant of the model the upload goes to: the existing model's, or for a new model the one
+        named or the caller's only one (checked: engineer there)."""
+        name = self.kwargs["model_name"]
+        if existing is None:
+            tenant = named if named is not None else owner_by_default(self.request.user)
+            self.require(Role.ENGINEER, tenant, "registering a model")
+            return tenant
         if named is not None and named.pk != existing.tenant_id:
             raise serializers.ValidationError({"tenant": [f"model {name!r} belongs to another tenant"]})
-        self.require(Role.ENGINEER, existing.tenant_id, "adding a version to a model")
         return existing.tenant
 
     @extend_schema(
@@ -462,7 +553,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
                 f"version {version.version} is the stable version of '{model.name}': promote another"
                 " version before retiring it"
             )
-        version.retire()
+        version.retire(actor=request.user)
         return Response(ModelVersionSerializer(version).data)
 
     @extend_schema(
