@@ -13,9 +13,12 @@ from django.shortcuts import render
 from serving.api.pipelines import visible_pipelines
 from serving.dataplane.gateway.pipeline import live
 from serving.models import Pipeline
+from serving.pipelines import implicit_steps, step_models
 from serving.policies.pipeline import Node, PipelineError, parse
+from tenants.scoping import visible_models
 
 BOX_W, BOX_H, GAP, FORK_W, ROW_GAP = 170, 50, 36, 150, 18
+HIDDEN = "hidden model"  # what the console says in place of a model the reader may not see
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Box:
     detail: str = ""
     step: str = ""  # a model step: its live figures are drawn in it
     kind: str = "model"
+    model: str = ""  # a model step's model
+    version: int | None = None
 
 
 @dataclass
@@ -41,7 +46,9 @@ def _place(node: Node, x: float, y: float, out: Layout) -> tuple[float, float, f
     if node.kind == "model":
         version = f" v{node.version}" if node.version is not None else ""
         detail = f"{node.model}{version}" if node.model != node.name else (version.strip() or "")
-        out.boxes.append(Box(x, y, BOX_W, BOX_H, node.name, detail, step=node.name))
+        out.boxes.append(
+            Box(x, y, BOX_W, BOX_H, node.name, detail, step=node.name, model=node.model, version=node.version)
+        )
         return BOX_W, BOX_H, y + BOX_H / 2
     if node.kind == "sequence":
         cx, height, mids = x, 0.0, []
@@ -86,11 +93,19 @@ def _place(node: Node, x: float, y: float, out: Layout) -> tuple[float, float, f
     return join_x + 12 - x, height, fork_mid
 
 
-def layout(spec: object) -> tuple[Layout, float, float]:
-    """The graph's boxes and edges, the request on the left and the response on the right."""
+def layout(spec: object, hidden: set[str] | frozenset[str] = frozenset()) -> tuple[Layout, float, float]:
+    """The graph's boxes and edges, the request on the left and the response on the right. A step whose
+    model is in `hidden` (one the reader may not see) is drawn without the model's name: as "hidden model",
+    and named so too where the step is named after its model."""
     out = Layout()
     root = parse(spec)
     w, h, mid = _place(root, 110, 10, out)
+    for box in out.boxes:
+        if box.kind == "model" and box.model in hidden:
+            if box.label == box.model:  # the step is named after its model
+                box.label, box.step = HIDDEN, ""
+            box.detail = HIDDEN + (f" v{box.version}" if box.version is not None else "")
+            box.model = ""
     out.boxes.insert(0, Box(0, mid - 20, 70, 40, "request", kind="end"))
     out.edges.insert(0, (70, mid, 110, mid, ""))
     out.boxes.append(Box(110 + w + GAP, mid - 20, 80, 40, "response", kind="end"))
@@ -105,30 +120,63 @@ def _pipeline(request: HttpRequest, name: str) -> Pipeline:
     return found
 
 
+def _hidden(user: object, names: set[str]) -> set[str]:
+    """Those of `names` that are not models `user` sees: the console does not name them."""
+    return names - set(visible_models(user).filter(name__in=names).values_list("name", flat=True))
+
+
+def _live(pipeline: Pipeline, hidden: set[str]) -> dict:
+    """The live figures, without the steps named after a model the reader may not see."""
+    figures = live(pipeline.name)
+    steps = set().union(*(implicit_steps(v.spec, hidden) for v in pipeline.versions.all())) if hidden else set()
+    if steps:
+        figures = {**figures, "steps": {k: v for k, v in figures["steps"].items() if k not in steps}}
+    return figures
+
+
+def _step_models(pipeline: Pipeline) -> set[str]:
+    return set().union(*(step_models(v.spec) for v in pipeline.versions.all()))
+
+
 @login_required
 def pipelines_page(request: HttpRequest) -> HttpResponse:
-    rows = visible_pipelines(request.user).select_related("tenant", "fallback").prefetch_related("versions")
-    return render(request, "console/pipelines.html", {"pipelines": rows})
+    pipelines = list(visible_pipelines(request.user).select_related("tenant", "fallback").prefetch_related("versions"))
+    fallbacks = {p.fallback.name for p in pipelines if p.fallback is not None}
+    hidden = _hidden(request.user, fallbacks) if fallbacks else set()
+    rows = [
+        {
+            "pipeline": p,
+            "fallback": p.fallback.name if p.fallback else None,
+            "fallback_hidden": p.fallback is not None and p.fallback.name in hidden,
+        }
+        for p in pipelines
+    ]
+    return render(request, "console/pipelines.html", {"rows": rows})
 
 
 @login_required
 def pipeline_page(request: HttpRequest, name: str) -> HttpResponse:
     pipeline = _pipeline(request, name)
     latest = max(pipeline.versions.all(), key=lambda v: v.version, default=None)
+    names = _step_models(pipeline) | ({pipeline.fallback.name} if pipeline.fallback else set())
+    hidden = _hidden(request.user, names) if names else set()
     drawing, width, height, problem = None, 0.0, 0.0, ""
     if latest is not None:
         try:
-            drawing, width, height = layout(latest.spec)
+            drawing, width, height = layout(latest.spec, hidden)
         except PipelineError as exc:  # a stored spec from before a rule: shown, not drawn
             problem = exc.message
+            for model in hidden:
+                problem = problem.replace(model, HIDDEN)
     context = {
         "pipeline": pipeline,
         "latest": latest,
+        "fallback_hidden": pipeline.fallback is not None and pipeline.fallback.name in hidden,
         "drawing": drawing,
         "width": width,
         "height": height,
         "problem": problem,
-        "live": live(pipeline.name),
+        "live": _live(pipeline, hidden),
     }
     return render(request, "console/pipeline.html", context)
 
@@ -136,4 +184,4 @@ def pipeline_page(request: HttpRequest, name: str) -> HttpResponse:
 @login_required
 def pipeline_live(request: HttpRequest, name: str) -> JsonResponse:
     pipeline = _pipeline(request, name)
-    return JsonResponse(live(pipeline.name))
+    return JsonResponse(_live(pipeline, _hidden(request.user, _step_models(pipeline))))

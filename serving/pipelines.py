@@ -14,7 +14,16 @@ from django.db.models import Q
 
 from serving.dataplane.gateway.snapshot import ModelEntry, PipelineEntry, PipelineVersionEntry
 from serving.dataplane.http.protocol import TensorSpec
-from serving.models import MODEL_NAME, Model, ModelVersion, Pipeline, PipelineVersion, State, Visibility
+from serving.models import (
+    MODEL_NAME,
+    Model,
+    ModelVersion,
+    Pipeline,
+    PipelineVersion,
+    State,
+    Visibility,
+    lock_name,
+)
 from serving.policies.pipeline import Checked, ModelSignature, PipelineError, Signature, check, to_tensor
 
 
@@ -87,6 +96,11 @@ def snapshot_signatures(
     return signatures
 
 
+def _public(model: Model) -> bool:
+    """Whether every tenant sees `model`: a public or a platform one."""
+    return model.tenant_id is None or model.visibility == Visibility.PUBLIC
+
+
 def _fallback_fits(checked: Checked, fallback: Model) -> bool:
     row = None
     if fallback.stable_version is not None:
@@ -136,16 +150,20 @@ def register_pipeline(
         fallback_model = _visible_models(tenant_id).filter(name=fallback).first()
         if fallback_model is None:
             raise PipelineRegistrationError("fallback: no model of that name is visible to this pipeline's tenant")
+        if visibility == Visibility.PUBLIC and not _public(fallback_model):
+            # Whoever sees the pipeline must be able to see its fallback: the API and console name it.
+            raise PipelineRegistrationError("fallback: a public pipeline's fallback must be a public model")
         if not _fallback_fits(checked, fallback_model):
             raise PipelineRegistrationError("fallback: its ready version does not take and give the pipeline's tensors")
-    if Model.objects.filter(name=name).exists():
-        raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409)
     inputs = [t.to_dict(n) for n, t in checked.inputs.items()]
     outputs = [t.to_dict(n) for n, t in checked.outputs.items()]
     for d in inputs + outputs:
         TensorSpec.from_dict(d)  # the data plane parses requests with these: they must be specs it takes
     try:
         with transaction.atomic():
+            lock_name(name)  # orders this against a model taking the name (serving.actions, the registry API)
+            if Model.objects.filter(name=name).exists():
+                raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409)
             pipeline = Pipeline.objects.select_for_update().filter(name=name).first()
             if pipeline is not None and pipeline.tenant_id != tenant_id:
                 raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409)
@@ -171,6 +189,68 @@ def register_pipeline(
     except IntegrityError:
         raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409) from None
     return row
+
+
+def step_models(spec: object) -> set[str]:
+    """Every model name a stored spec's steps name (walked as JSON: a spec stored before a rule still reads)."""
+    names: set[str] = set()
+    if isinstance(spec, dict):
+        if isinstance(spec.get("model"), str):
+            names.add(spec["model"])
+        for value in spec.values():
+            names |= step_models(value)
+    elif isinstance(spec, list):
+        for value in spec:
+            names |= step_models(value)
+    return names
+
+
+def implicit_steps(spec: object, hidden: set[str]) -> set[str]:
+    """The names of the steps of `spec` named after a model in `hidden`: a model step without a `name` is
+    named by its model, so its step name is that model's name too."""
+    names: set[str] = set()
+    if isinstance(spec, dict):
+        model = spec.get("model")
+        if isinstance(model, str) and model in hidden and spec.get("name") in (None, "", model):
+            names.add(model)
+        for value in spec.values():
+            names |= implicit_steps(value, hidden)
+    elif isinstance(spec, list):
+        for value in spec:
+            names |= implicit_steps(value, hidden)
+    return names
+
+
+def redact_spec(spec: object, hidden: set[str]) -> object:
+    """`spec` with the models in `hidden` (those the reader may not see) unsaid: such a step's `model` is
+    null, a step named after it loses the name, and a reference to that step's tensors (`S.X`) reads
+    `hidden.X`. The graph's shape, the other steps and the tensors stay."""
+    return _redact(spec, hidden, implicit_steps(spec, hidden))
+
+
+def _redact(value: object, hidden: set[str], steps: set[str]) -> object:
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key == "model" and isinstance(item, str) and item in hidden:
+                out[key] = None
+            elif key == "name" and item in steps and value.get("model") == item:
+                out[key] = None
+            elif key == "inputs" and isinstance(item, dict) and "model" in value:
+                out[key] = {k: _reference(v, steps) for k, v in item.items()}
+            else:
+                out[key] = _redact(item, hidden, steps)
+        return out
+    if isinstance(value, list):
+        return [_redact(item, hidden, steps) for item in value]
+    return value
+
+
+def _reference(reference: object, steps: set[str]) -> object:
+    if not isinstance(reference, str):
+        return reference
+    head, dot, rest = reference.partition(".")
+    return f"hidden.{rest}" if dot and head in steps else reference
 
 
 def delete_pipeline(*, pipeline: Pipeline, actor: object = None) -> None:

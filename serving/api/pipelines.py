@@ -19,9 +19,9 @@ from rest_framework.response import Response
 from serving.api.serializers import ModelNameField, OwnerField, TextField
 from serving.api.views import errors, name_parameter, owner_by_default
 from serving.models import MODEL_NAME_PATTERN, Pipeline, Visibility
-from serving.pipelines import PipelineRegistrationError, delete_pipeline, register_pipeline
+from serving.pipelines import PipelineRegistrationError, delete_pipeline, redact_spec, register_pipeline, step_models
 from tenants.models import Role, has_role
-from tenants.scoping import TenantScopedViewSet, member_tenant_ids
+from tenants.scoping import TenantScopedViewSet, member_tenant_ids, visible_models, visible_tenants
 
 SWITCH_EXAMPLE = {
     "name": "digits-cascade",
@@ -39,6 +39,9 @@ SWITCH_EXAMPLE = {
 }
 
 
+UNRESOLVED = object()  # a body's tenant that is not one of the caller's: the validation answers it
+
+
 class PipelineRefused(APIException):
     def __init__(self, error: PipelineRegistrationError) -> None:
         super().__init__(error.message)
@@ -53,7 +56,10 @@ class TensorSerializer(serializers.Serializer):
 
 class PipelineVersionSerializer(serializers.Serializer):
     version = serializers.IntegerField()
-    spec = serializers.JSONField(help_text="the graph (serving.policies.pipeline)")
+    spec = serializers.JSONField(
+        help_text="the graph (serving.policies.pipeline); a step whose model the caller may not see has `model`"
+        " null (and a step named after it, no name)"
+    )
     inputs = TensorSerializer(many=True, help_text="the request's tensors, derived from what the steps read")
     outputs = TensorSerializer(many=True, help_text="the root node's response")
     created_at = serializers.DateTimeField()
@@ -67,12 +73,20 @@ class PipelineSerializer(serializers.Serializer):
     visibility = serializers.ChoiceField(choices=Visibility.choices, default=Visibility.PRIVATE)
     description = TextField(required=False, allow_blank=True, default="")
     fallback = ModelNameField(
-        required=False, allow_null=True, default=None, help_text="a model with the pipeline's signature"
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="a model with the pipeline's signature (a public pipeline's must be public); null too when the"
+        " caller may not see it (then `fallback_hidden` is true)",
     )
     # An object, as the schema says (a JSONField would admit null or a list): its graph is checked on registration.
     spec = serializers.DictField(write_only=True, help_text="the graph of the new version (serving.policies.pipeline)")
     latest = serializers.SerializerMethodField(help_text="the version unpinned requests run")
     versions = serializers.SerializerMethodField()
+
+    fallback_hidden = serializers.SerializerMethodField(
+        help_text="true when the pipeline has a fallback the caller may not see: `fallback` is null then"
+    )
 
     def get_latest(self, instance: Pipeline) -> int | None:
         return max((v.version for v in instance.versions.all()), default=None)
@@ -80,15 +94,37 @@ class PipelineSerializer(serializers.Serializer):
     @extend_schema_field(PipelineVersionSerializer(many=True))
     def get_versions(self, instance: Pipeline) -> list[dict]:
         rows = sorted(instance.versions.all(), key=lambda v: v.version)
-        return PipelineVersionSerializer(rows, many=True).data
+        data = PipelineVersionSerializer(rows, many=True).data
+        hidden = self._hidden(set().union(*(step_models(row.spec) for row in rows)))
+        if hidden:  # a step's model made private since, or unshared: its name is its tenant's business
+            for item in data:
+                item["spec"] = redact_spec(item["spec"], hidden)
+        return data
+
+    def get_fallback_hidden(self, instance: Pipeline) -> bool:
+        return instance.fallback is not None and bool(self._hidden({instance.fallback.name}))
+
+    def _hidden(self, names: set[str]) -> set[str]:
+        """Those of `names` that are not models the caller sees (cached for a list's rows)."""
+        seen = self.context.setdefault("model_seen", {})
+        unknown = names - set(seen)
+        if unknown:
+            request = self.context.get("request")
+            visible = set(
+                visible_models(getattr(request, "user", None)).filter(name__in=unknown).values_list("name", flat=True)
+            )
+            seen.update({name: name in visible for name in unknown})
+        return {name for name in names if not seen[name]}
 
     def to_representation(self, instance: Pipeline) -> dict:
+        hidden = self.get_fallback_hidden(instance)
         return {
             "name": instance.name,
             "tenant": instance.tenant.slug if instance.tenant else None,
             "visibility": instance.visibility,
             "description": instance.description,
-            "fallback": instance.fallback.name if instance.fallback else None,
+            "fallback": instance.fallback.name if instance.fallback and not hidden else None,
+            "fallback_hidden": hidden,
             "latest": self.get_latest(instance),
             "versions": self.get_versions(instance),
         }
@@ -158,28 +194,53 @@ class PipelineViewSet(
             raise PermissionDenied("changing the registry needs the engineer role")
 
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        # The roles first, on the tenant the body names (among the caller's: any other is left to the
+        # validation, which answers it as a tenant that does not exist), so a refused caller learns nothing
+        # from validation errors.
+        named = self._named_tenant(body)
+        if named is not UNRESOLVED:
+            self._require_roles(named, body.get("visibility", Visibility.PRIVATE))
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         tenant = data["tenant"] if "tenant" in data else owner_by_default(request.user)
         row = self._register(data, tenant)
-        return Response(PipelineSerializer(self._fresh(row.pipeline_id)).data, status=status.HTTP_201_CREATED)
+        return Response(self._answer(row.pipeline_id), status=status.HTTP_201_CREATED)
 
     def update(self, request: Request, *args: object, **kwargs: object) -> Response:
         pipeline = self.get_object()
-        serializer = self.get_serializer(data={**request.data, "name": pipeline.name})
+        body = request.data if isinstance(request.data, dict) else {}
+        self._require_roles(pipeline.tenant, body.get("visibility", Visibility.PRIVATE))  # before validation
+        serializer = self.get_serializer(data={**body, "name": pipeline.name})
         serializer.is_valid(raise_exception=True)
         row = self._register(serializer.validated_data, pipeline.tenant)
-        return Response(PipelineSerializer(self._fresh(row.pipeline_id)).data)
+        return Response(self._answer(row.pipeline_id))
 
     def perform_destroy(self, instance: Pipeline) -> None:
         self.require(Role.ENGINEER, instance.tenant_id, "deleting a pipeline")
         delete_pipeline(pipeline=instance, actor=self.request.user)
 
-    def _register(self, data: dict, tenant: object):  # noqa: ANN202
+    def _named_tenant(self, body: dict) -> object:
+        """The owner a new pipeline's body asks for, if it is one of the caller's tenants (or none: a platform
+        pipeline, or the caller's only tenant by default); UNRESOLVED for anything else."""
+        if "tenant" not in body:
+            return owner_by_default(self.request.user)
+        slug = body["tenant"]
+        if slug is None:
+            return None
+        if not isinstance(slug, str):
+            return UNRESOLVED
+        found = visible_tenants(self.request.user).filter(slug=slug).first()
+        return found if found is not None else UNRESOLVED
+
+    def _require_roles(self, tenant: object, visibility: object) -> None:
         self.require(Role.ENGINEER, tenant, "registering a pipeline")  # type: ignore[arg-type]
-        if data["visibility"] != Visibility.PRIVATE:
+        if visibility != Visibility.PRIVATE:
             self.require(Role.ADMIN, tenant, "making a pipeline visible to other tenants")  # type: ignore[arg-type]
+
+    def _register(self, data: dict, tenant: object):  # noqa: ANN202
+        self._require_roles(tenant, data["visibility"])
         try:
             return register_pipeline(
                 name=data["name"],
@@ -193,6 +254,6 @@ class PipelineViewSet(
         except PipelineRegistrationError as exc:
             raise PipelineRefused(exc) from None
 
-    @staticmethod
-    def _fresh(pk: int) -> Pipeline:
-        return Pipeline.objects.select_related("tenant", "fallback").prefetch_related("versions").get(pk=pk)
+    def _answer(self, pk: int) -> dict:
+        fresh = Pipeline.objects.select_related("tenant", "fallback").prefetch_related("versions").get(pk=pk)
+        return PipelineSerializer(fresh, context=self.get_serializer_context()).data
