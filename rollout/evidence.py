@@ -16,19 +16,21 @@ from usage import sketch
 
 
 def usage_side(model_name: str, version: int, since: datetime) -> Side:
-    """One version's answers to every tenant from the minute `since` falls in onwards."""
+    """One version's answers to every tenant from the minute `since` falls in onwards. A request it refused
+    that the model's fallback answered counts here as asked and failed: the caller got the fallback's answer,
+    but the version under judgement did not serve it (its latency is the fallback's, and left out)."""
     from usage.models import UsageMinute
 
     rows = UsageMinute.objects.filter(
         model_name=model_name,
         version=version,
         minute__gte=since.replace(second=0, microsecond=0),
-    ).values_list("requests", "errors_4xx", "errors_5xx", "latency")
+    ).values_list("requests", "errors_4xx", "errors_5xx", "fell_back", "latency")
     requests = errors = 0
     latency: sketch.Sketch = {}
-    for n, e4, e5, cells in rows:
-        requests += n
-        errors += e4 + e5
+    for n, e4, e5, fell_back, cells in rows:
+        requests += n + fell_back
+        errors += e4 + e5 + fell_back
         sketch.merge(latency, cells or {})
     p99 = sketch.quantile(latency, 0.99)
     return Side(requests=requests, errors=errors, p99_ms=None if p99 is None else p99 * 1000)

@@ -85,7 +85,13 @@ async def test_a_fallback_answer_counts_for_the_version_that_served_it(metered) 
     gateway, recorder = metered
     reply = await gateway.infer("big", None, body(2), None, TENANT)
     assert reply.status == 200
-    assert list(cells(recorder)) == [("small", TENANT)]
+    metered_cells = cells(recorder)
+    # the answer is small's: one request, its rows
+    small = metered_cells[("small", TENANT)]
+    assert (small["requests"], small["items"], small["fell_back"]) == (1, 2, 0)
+    # and the refusal is big's, the version asked: no answer of its own, one request its fallback answered
+    big = metered_cells[("big", TENANT)]
+    assert (big["requests"], big["errors_5xx"], big["items"], big["fell_back"]) == (0, 0, 0, 1)
 
 
 async def test_errors_count_by_class_with_no_items(metered) -> None:  # noqa: ANN001

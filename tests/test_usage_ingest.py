@@ -12,6 +12,7 @@ from celery import Celery
 from django.db import connections
 from django.utils import timezone
 
+from rollout.evidence import usage_side
 from tenants.models import Tenant
 from tests.conftest import celery_worker
 from usage.ingest import ingest
@@ -51,6 +52,21 @@ def test_batches_from_two_gateways_add_up_in_one_cell(acme) -> None:  # noqa: AN
     assert cell.compute_seconds == pytest.approx(0.006)
     assert sum(cell.latency.values()) == 4
     assert quantile(cell.latency, 1.0) == pytest.approx(0.5, rel=0.05)
+
+
+def test_refusals_a_fallback_answered_add_up_and_older_rows_lack_them(acme) -> None:  # noqa: ANN001
+    # given a gateway's batch with two refusals of digits v1 that its fallback answered, and a batch from a
+    # process of an earlier release, whose rows have no such count
+    rec = UsageRecorder(lambda: MINUTE * 60.0 + 5)
+    rec.record(acme.pk, "digits", 1, 200, 1, 0.001, 0.010)
+    rec.fell_back(acme.pk, "digits", 1)
+    rec.fell_back(acme.pk, "digits", 1)
+    older = [{k: v for k, v in row.items() if k != "fell_back"} for row in drained(acme, (200, 1, 0.001, 0.010))]
+    # when both are ingested / then the cell holds the answers and, apart, the refusals
+    assert ingest("gw-a-1", rec.drain().rows()) == 1
+    assert ingest("gw-old-1", older) == 1
+    cell = UsageMinute.objects.get()
+    assert (cell.requests, cell.errors_5xx, cell.fell_back) == (2, 0, 2)
 
 
 def test_a_retried_batch_is_counted_once(acme) -> None:  # noqa: ANN001
@@ -150,3 +166,16 @@ def test_worker_adds_a_batch_once_however_often_it_is_delivered(worker) -> None:
     assert worker.poll() is None, "worker exited"
     cell = UsageMinute.objects.get(tenant=acme)
     assert (cell.requests, cell.items) == (4, 12)
+
+
+def test_a_rollouts_evidence_counts_a_refusal_its_fallback_answered_as_a_failure(acme) -> None:  # noqa: ANN001
+    # given a candidate that answered 8 requests itself and refused 2 that the model's fallback answered
+    rec = UsageRecorder(lambda: MINUTE * 60.0 + 5)
+    for _ in range(8):
+        rec.record(acme.pk, "digits", 2, 200, 1, 0.001, 0.010)
+    rec.fell_back(acme.pk, "digits", 2)
+    rec.fell_back(acme.pk, "digits", 2)
+    ingest("gw-a-1", rec.drain().rows())
+    # when a gate reads its side / then it was asked 10 times and failed 2: the fallback's answers are not its own
+    side = usage_side("digits", 2, datetime.fromtimestamp(MINUTE * 60, tz=UTC))
+    assert (side.requests, side.errors) == (10, 2)

@@ -16,6 +16,7 @@ class UsageMinuteAdmin(admin.ModelAdmin):
         "requests",
         "errors_4xx",
         "errors_5xx",
+        "fell_back",
         "items",
         "compute_seconds",
     ]

@@ -45,10 +45,20 @@ def ingest(batch_id: str, rows: list[dict]) -> int:
     for row in rows:  # a batch may name a cell twice (several drains resent together): add them first
         key = _key(row)
         total = totals.setdefault(
-            key, {"requests": 0, "errors_4xx": 0, "errors_5xx": 0, "items": 0, "compute_seconds": 0.0, "latency": {}}
+            key,
+            {
+                "requests": 0,
+                "errors_4xx": 0,
+                "errors_5xx": 0,
+                "items": 0,
+                "compute_seconds": 0.0,
+                "latency": {},
+                "fell_back": 0,
+            },
         )
         for field in ("requests", "errors_4xx", "errors_5xx", "items"):
             total[field] += int(row[field])
+        total["fell_back"] += int(row.get("fell_back", 0))  # absent from a process of an earlier release
         total["compute_seconds"] += float(row["compute_seconds"])
         merge(total["latency"], row["latency"])
     with transaction.atomic():
@@ -83,9 +93,12 @@ def ingest(batch_id: str, rows: list[dict]) -> int:
             cell.errors_5xx += total["errors_5xx"]
             cell.items += total["items"]
             cell.compute_seconds += total["compute_seconds"]
+            cell.fell_back += total["fell_back"]
             cell.latency = to_json(merge(merge({}, cell.latency), total["latency"]))
         UsageMinute.objects.bulk_update(
-            cells, ["requests", "errors_4xx", "errors_5xx", "items", "compute_seconds", "latency"], batch_size=1000
+            cells,
+            ["requests", "errors_4xx", "errors_5xx", "items", "compute_seconds", "latency", "fell_back"],
+            batch_size=1000,
         )
         return len(cells)
 

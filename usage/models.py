@@ -10,7 +10,9 @@ class UsageMinute(models.Model):
 
     The model is named, not referenced: usage outlives the model and its versions. Errors are counted
     by status class: 4xx (bad input, a model failing on this input, a client that left) and 5xx (shed,
-    unavailable, past the deadline). `requests` counts every answer, so successes are requests - errors."""
+    unavailable, past the deadline). `requests` counts every answer, so successes are requests - errors.
+    A request this version refused and its fallback answered is the fallback's answer, and this version's
+    `fell_back`: a rollout's gates count it against the version asked (rollout.evidence)."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage")
     model_name = models.CharField(max_length=100)
@@ -20,6 +22,11 @@ class UsageMinute(models.Model):
     errors_4xx = models.PositiveBigIntegerField(default=0)
     errors_5xx = models.PositiveBigIntegerField(default=0)
     items = models.PositiveBigIntegerField(default=0, help_text="rows served (successful answers only)")
+    fell_back = models.PositiveBigIntegerField(
+        default=0,
+        help_text="requests this version refused that its model's fallback answered (not in requests: the"
+        " fallback's row counts the answer)",
+    )
     compute_seconds = models.FloatField(default=0.0, help_text="the requests' shares of their batches' device time")
     latency = models.JSONField(default=dict, help_text="usage.sketch bucket index -> answers")
 

@@ -28,6 +28,7 @@ class Cell:
     items: int = 0
     compute_seconds: float = 0.0
     latency: Sketch = field(default_factory=dict)
+    fell_back: int = 0  # refused here, answered by the model's fallback (whose cell counts the answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class Drained:
                 "items": c.items,
                 "compute_seconds": c.compute_seconds,
                 "latency": to_json(c.latency),
+                "fell_back": c.fell_back,
             }
             for (tenant, model, version, minute), c in self.cells.items()
         ]
@@ -83,13 +85,9 @@ class UsageRecorder:
     ) -> None:
         """Count one answer. `items` and `compute_seconds` are the rows served and the request's share of
         its batch's device time (both 0 for an error); `latency_seconds` runs from arrival to answer."""
-        key = (tenant_id, model, version, int(self._clock() // 60))
-        cell = self._cells.get(key)
+        cell = self._cell((tenant_id, model, version, int(self._clock() // 60)))
         if cell is None:
-            if len(self._cells) >= self.max_keys:
-                self.overflowed += 1
-                return
-            cell = self._cells[key] = Cell()
+            return
         cell.requests += 1
         if status >= 500:
             cell.errors_5xx += 1
@@ -100,6 +98,23 @@ class UsageRecorder:
         bucket = bucket_of(latency_seconds)
         sketch = cell.latency
         sketch[bucket] = sketch.get(bucket, 0) + 1
+
+    def fell_back(self, tenant_id: int, model: str, version: int) -> None:
+        """Count a request this version refused that its model's fallback answered (the answer is the
+        fallback's: `record` counts it there)."""
+        cell = self._cell((tenant_id, model, version, int(self._clock() // 60)))
+        if cell is not None:
+            cell.fell_back += 1
+
+    def _cell(self, key: Key) -> Cell | None:
+        """The cell of `key`, opened if there is room; None (counted in `overflowed`) when there is not."""
+        cell = self._cells.get(key)
+        if cell is None:
+            if len(self._cells) >= self.max_keys:
+                self.overflowed += 1
+                return None
+            cell = self._cells[key] = Cell()
+        return cell
 
     def drain(self) -> Drained:
         """Everything counted since the last drain, and start afresh: two swaps, whatever the size. The

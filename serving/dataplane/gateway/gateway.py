@@ -232,8 +232,11 @@ class Gateway:
                     )
                 except Unavailable:
                     raise refused from None  # the caller asked for the primary: its refusal is the answer
-                # The answer counts for the version that served it; the refusal, for the one asked.
+                # The answer counts for the version that served it; the refusal, for the one asked (its
+                # metered `fell_back`, which a rollout's gates count against it).
                 metrics.FALLBACKS.labels(entry.model, str(entry.version), served.model).inc()
+                if self.usage is not None and viewer is not None:
+                    self.usage.fell_back(viewer, entry.model, entry.version)
                 vm = metrics.for_version(served.model, served.version)
                 counted = served
             for spec in served.outputs:
