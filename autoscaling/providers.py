@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from serving.policies.autoscale import Plan
 from serving.policies.placement import VersionSpec
 from serving.policies.placement import nodes_wanted as packed_nodes
 
@@ -87,21 +86,6 @@ def pools_from(raw: Mapping[str, Mapping]) -> dict[str, Pool]:
             str(spec.get("statefulset", "")),
         )
     return pools
-
-
-def nodes_wanted(plan: Plan, accelerator_of: Mapping[str, str], pools: Mapping[str, Pool]) -> dict[str, int]:
-    """Nodes per pool: enough memory for every replica, one node per replica of the most replicated version,
-    within the pool's bounds. Accelerator types with no pool are left out (nothing could start them)."""
-    spread: dict[str, int] = {}
-    for key, decision in plan.decisions.items():
-        kind = accelerator_of[key]
-        spread[kind] = max(spread.get(kind, 0), decision.replicas)
-    wanted = {}
-    for kind, pool in pools.items():
-        demand = plan.accelerators.get(kind)
-        need = max(demand.nodes if demand else 0, spread.get(kind, 0))
-        wanted[kind] = min(max(need, pool.min_nodes), pool.max_nodes)
-    return wanted
 
 
 def pool_sizes(

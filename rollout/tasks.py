@@ -2,6 +2,7 @@ import logging
 from datetime import timedelta
 
 from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
@@ -20,6 +21,8 @@ def evaluate_rollouts() -> dict[int, str]:
     for rollout_id in active_ids():
         try:
             states[rollout_id] = evaluate(rollout_id).state
+        except SoftTimeLimitExceeded:
+            raise  # the task's time is up: stop here, not at the hard limit's kill after the next rollouts
         except Exception:
             log.exception("evaluating rollout #%s failed", rollout_id)
             states[rollout_id] = "error"

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
 
 from autoscaling import tick
 from config.celery import app
+from rollout import tasks as rollout_tasks
 from serving import node_tasks, reconciler
 from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot
 from serving.dataplane.node.node import Node
@@ -121,3 +123,19 @@ def test_a_load_cut_off_at_its_deadline_is_in_a_heartbeat_before_its_pending_rec
         on_loop(process.stop(drain_seconds=1))
         clear(client)
         client.close()
+
+
+def test_rollout_evaluation_stops_at_its_soft_time_limit(monkeypatch) -> None:  # noqa: ANN001
+    # given three active rollouts, the first of which is evaluated when the task's soft time limit fires
+    evaluated: list[int] = []
+
+    def evaluate(rollout_id: int) -> None:
+        evaluated.append(rollout_id)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(rollout_tasks, "active_ids", lambda: [1, 2, 3])
+    monkeypatch.setattr(rollout_tasks, "evaluate", evaluate)
+    # when the task runs / then it stops there, as the limit asks, instead of taking it for one rollout's failure
+    with pytest.raises(SoftTimeLimitExceeded):
+        rollout_tasks.evaluate_rollouts()
+    assert evaluated == [1]

@@ -17,33 +17,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from autoscaling.providers import KubernetesProvider, LocalProvider, Pool, ProviderError, nodes_wanted, pools_from
+from autoscaling.providers import KubernetesProvider, LocalProvider, Pool, ProviderError, pools_from
 from serving.dataplane.transport import fleet
-from serving.policies.autoscale import Decision, NodeDemand, Plan
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
-
-
-def decision(key: str, replicas: int) -> Decision:
-    return Decision(key, replicas, "forecast", 0.0, 0.0, 0.0, 0.0, None)
-
-
-def test_nodes_wanted_covers_memory_and_spreads_replicas_within_the_pools_bounds() -> None:
-    pools = {
-        "a10g": Pool("a10g", 24 * GiB, min_nodes=1, max_nodes=4),
-        "h100": Pool("h100", 80 * GiB, max_nodes=2),
-        "l4": Pool("l4", 24 * GiB, min_nodes=1, max_nodes=3),
-    }
-    plan = Plan(
-        {"small:1": decision("small:1", 3), "big:1": decision("big:1", 1), "huge:1": decision("huge:1", 5)},
-        {"a10g": NodeDemand(4, 30 * GiB, 2), "h100": NodeDemand(5, 400 * GiB, 5)},
-    )
-    wanted = nodes_wanted(plan, {"small:1": "a10g", "big:1": "a10g", "huge:1": "h100"}, pools)
-    # a10g: memory needs 2 nodes, but 3 replicas of small:1 go on 3 distinct nodes; h100: 5 wanted, 2 allowed;
-    # l4: nothing asked, its minimum
-    assert wanted == {"a10g": 3, "h100": 2, "l4": 1}
 
 
 def test_pools_are_read_from_the_settings_json_and_mistakes_are_refused() -> None:
