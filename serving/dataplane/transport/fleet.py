@@ -230,9 +230,6 @@ class RemoteVersions:
         failure = self.failures.get(key)
         return failure.reason if failure is not None else ""
 
-    def queue_depth(self, key: str) -> int:
-        return 0  # queues live on the nodes
-
 
 class FleetView(RemoteVersions):
     """A gateway's view of the live nodes, re-read every REFRESH_SECONDS. If Redis is unreachable the
