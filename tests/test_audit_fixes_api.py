@@ -15,6 +15,7 @@ import time
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection, transaction
+from rest_framework.parsers import MultiPartParser
 
 from rollout import transitions
 from serving.actions import RegistrationError, register_version
@@ -339,8 +340,6 @@ def test_another_tenant_sees_no_rollout_of_a_public_model(people, other, model_f
 
 @pytest.mark.parametrize(("who", "status"), [("eve", 409), ("charlie", 403)])
 def test_an_upload_is_refused_before_its_body_is_read(people, other, model_files, monkeypatch, who, status) -> None:  # noqa: ANN001, F811
-    from rest_framework.parsers import MultiPartParser
-
     register(model_files.digits, "digits", owner=Tenant.objects.get(slug="acme"), visibility="public")
     # Charlie, Acme's viewer, is an engineer of Other: past the "engineer somewhere" check
     Membership.objects.create(user=people["charlie"], tenant=other["tenant"], role=Role.ENGINEER)
