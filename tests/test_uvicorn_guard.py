@@ -20,10 +20,14 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+import websockets
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.server import ServerState
+from websockets.protocol import Protocol
+from websockets.server import ServerProtocol
 
 from serving.dataplane.http import frontdoor
 
@@ -217,3 +221,49 @@ def test_a_lane_has_every_cycle_attribute_uvicorns_protocol_reads_on_it(method: 
     lane = set(dir(frontdoor.Lane)) | self_attributes(class_ast(frontdoor.Lane), stored_only=True)
     assert read - lane == set(), f"uvicorn's {method} reads, on a cycle, what a Lane lacks"
     assert read <= CYCLE_STATE | set(CYCLE_METHODS)
+
+
+# The inference socket's protocol (`frontdoor.FrontDoorWebSocket`) subclasses uvicorn's websockets-sansio protocol
+# and swaps its connection for a subclass of websockets' ServerProtocol (`frontdoor._FirstMessageBound`): what
+# either reads, writes, overrides or calls of theirs, listed as above. websockets is pinned in pyproject.toml too.
+WS_PROTOCOL_STATE = {"conn", "response", "scope", "transport", "close_sent", "queue", "handshake_complete"}
+WS_PROTOCOL_METHODS: dict[str, list[tuple[str, object, bool]]] = {
+    "__init__": PROTOCOL_METHODS["__init__"],
+    "handle_connect": [("self", P, False), ("event", P, False)],
+    "handle_parser_exception": [("self", P, False)],
+    "send": [("self", P, False), ("message", P, False)],
+}
+WS_CONNECTION_STATE = {"max_message_size", "close_sent", "available_extensions", "logger"}
+WS_CONNECTION_METHODS = {"recv_frame": [("self", P, False), ("frame", P, False)]}
+WS_CONNECTION_KEYWORDS = {"extensions", "max_size", "logger"}
+
+
+def test_websockets_is_pinned_to_the_version_checked_here() -> None:
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in dependencies if re.match(r"websockets\b", d)] == [f"websockets=={websockets.__version__}"]
+
+
+def test_the_websocket_protocol_and_connection_keep_what_the_front_door_uses() -> None:
+    state = self_attributes(class_ast(WebSocketsSansIOProtocol), stored_only=True)
+    assert WS_PROTOCOL_STATE - state == set(), "state the socket uses that uvicorn's protocol no longer sets"
+    for name, expected in WS_PROTOCOL_METHODS.items():
+        assert params(getattr(WebSocketsSansIOProtocol, name)) == expected, f"{name} changed signature"
+    stored = self_attributes(class_ast(Protocol), stored_only=True) | self_attributes(
+        class_ast(ServerProtocol), stored_only=True
+    )
+    assert WS_CONNECTION_STATE - stored == set(), "state the socket uses that websockets' protocol no longer sets"
+    for name, expected in WS_CONNECTION_METHODS.items():
+        assert params(getattr(ServerProtocol, name)) == expected, f"ServerProtocol.{name} changed signature"
+    assert WS_CONNECTION_KEYWORDS <= set(inspect.signature(ServerProtocol.__init__).parameters)
+
+
+def test_everything_the_websocket_subclasses_touch_is_listed_or_their_own() -> None:
+    for ours, base, listed in (
+        (frontdoor.FrontDoorWebSocket, WebSocketsSansIOProtocol, WS_PROTOCOL_STATE | set(WS_PROTOCOL_METHODS)),
+        (frontdoor._FirstMessageBound, ServerProtocol, WS_CONNECTION_STATE | set(WS_CONNECTION_METHODS) | {"__init__"}),
+    ):
+        tree = class_ast(ours)
+        own = own_state(tree) - listed
+        touched = self_attributes(tree) | super_calls(tree)
+        assert touched - listed - own == set(), f"{ours.__name__} uses names of its base this guard does not list"
+        assert own & set(dir(base)) == set(), f"{ours.__name__} shadows names of its base by accident"
