@@ -28,9 +28,17 @@ log = logging.getLogger(__name__)
 RELEASES_NAME = ("model.delete", "model.rename")
 
 
+# The states a validation starts from: registered, or validating where a worker died mid-run and Celery
+# (acks_late) delivers the task again. Any other means someone decided since (retired) or it ran already.
+STARTS_FROM = (State.REGISTERED, State.VALIDATING)
+
+
 def validate(version: ModelVersion) -> ModelVersion:
-    """Move a version to READY with a latency profile and footprint, or to FAILED with the reason."""
-    version.mark(State.VALIDATING)
+    """Move a version to READY with a latency profile and footprint, or to FAILED with the reason. A version
+    in no state validation starts from is left as it is, and so is one that left VALIDATING while the model
+    ran (retired meanwhile): validation takes minutes, and its verdict must not undo a person's decision."""
+    if not _begin(version):
+        return version
     runtime: ModelRuntime | None = None
     try:
         inputs = [TensorSpec.from_dict(d) for d in version.inputs]
@@ -46,7 +54,9 @@ def validate(version: ModelVersion) -> ModelVersion:
     except Exception as exc:  # whatever the artifact does, the answer is FAILED with a reason
         reason = getattr(exc, "message", None) or str(exc)
         log.warning("validation of %s failed: %s", version, reason)
-        version.mark(State.FAILED, reason[:2000])
+        with transaction.atomic():
+            if _still_validating(version):
+                version.mark(State.FAILED, reason[:2000])
         return version
     finally:
         if runtime is not None:
@@ -54,9 +64,11 @@ def validate(version: ModelVersion) -> ModelVersion:
     version.latency_profile = {str(k): v for k, v in profile.items()}
     version.memory_bytes = runtime.memory_bytes
     version.load_seconds = runtime.load_seconds
-    version.state = State.READY
-    version.failure_reason = ""
     with transaction.atomic():
+        if not _still_validating(version):
+            return version
+        version.state = State.READY
+        version.failure_reason = ""
         try:
             quota_counts.check_accelerator_bytes(version.model, version.memory_bytes or 0)
         except quota_counts.QuotaFull as full:
@@ -76,6 +88,41 @@ def validate(version: ModelVersion) -> ModelVersion:
         )
         _stable_if_first(version)
     return version
+
+
+def _begin(version: ModelVersion) -> bool:
+    """Mark `version` VALIDATING if its state is one validation starts from, under its row lock (so a retire
+    at the same moment comes before or after, never in between); False, and `version` refreshed, if not."""
+    with transaction.atomic():
+        state = _locked_state(version)
+        if state not in STARTS_FROM:
+            log.info("validation of %s not started: it is %s", version, state or "gone")
+            _refresh(version)
+            return False
+        version.mark(State.VALIDATING)
+    return True
+
+
+def _still_validating(version: ModelVersion) -> bool:
+    """Inside the caller's transaction, lock `version`'s row and say whether it is still VALIDATING, the
+    only state a verdict may replace; if not (retired while the model ran), refresh `version` and say so."""
+    state = _locked_state(version)
+    if state == State.VALIDATING:
+        return True
+    log.info("validation of %s finished but not recorded: it is %s now", version, state or "gone")
+    _refresh(version)
+    return False
+
+
+def _locked_state(version: ModelVersion) -> str | None:
+    return ModelVersion.objects.select_for_update().filter(pk=version.pk).values_list("state", flat=True).first()
+
+
+def _refresh(version: ModelVersion) -> None:
+    try:
+        version.refresh_from_db()
+    except ModelVersion.DoesNotExist:  # deleted with its model meanwhile: nothing left to say
+        pass
 
 
 def _stable_if_first(version: ModelVersion) -> None:
