@@ -290,6 +290,10 @@ def judge(rollout: Rollout, now: datetime) -> tuple[gates.Verdict, dict]:
     return verdict, entry
 
 
+def _waiting(verdict: gates.Verdict) -> str:
+    return "; ".join(f"{r.gate}: {r.reason}" for r in verdict.results if r.status == gates.NO_DATA)
+
+
 def _failure_reason(verdict: gates.Verdict) -> str:
     return "; ".join(f"gate {r.gate} failed: {r.reason}" for r in verdict.failed)
 
@@ -320,13 +324,12 @@ def evaluate(rollout_id: int, *, now: datetime | None = None) -> Rollout:
             _keep(rollout, {**entry, "action": "advance"})
             _next(rollout, None, now)
         elif verdict.outcome == gates.NO_DATA and elapsed >= rollout.step_timeout_seconds:
-            waiting = "; ".join(f"{r.gate}: {r.reason}" for r in verdict.results if r.status == gates.NO_DATA)
             _keep(rollout, {**entry, "action": "roll_back"})
             _finish(
                 rollout,
                 RolloutState.ROLLED_BACK,
                 None,
-                f"not enough evidence after {rollout.step_timeout_seconds} s ({waiting})",
+                f"not enough evidence after {rollout.step_timeout_seconds} s ({_waiting(verdict)})",
                 now,
             )
         else:
@@ -344,7 +347,9 @@ def _active(rollout_id: int, doing: str, allowed: tuple[str, ...] = RolloutState
 
 def advance(*, rollout: Rollout, actor: Any, now: datetime | None = None) -> Rollout:
     """Move to the next phase now, without waiting out the bake time or for evidence; a gate that fails on
-    the evidence there is still rolls the rollout back instead."""
+    the evidence there is still rolls the rollout back instead. The one move that needs the gates to pass is
+    the promotion itself (the last step of a rollout approved beforehand): a canary that cannot be judged is
+    not promoted, so without the evidence it is a 409 (an approver may still `promote`, by their decision)."""
     now = now or timezone.now()
     _require(actor, Role.ENGINEER, rollout.model, "advancing a rollout")
     with transaction.atomic():
@@ -353,10 +358,21 @@ def advance(*, rollout: Rollout, actor: Any, now: datetime | None = None) -> Rol
         if verdict.outcome == gates.FAIL:
             _keep(rollout, {**entry, "action": "roll_back", "by": _name(actor)})
             _finish(rollout, RolloutState.ROLLED_BACK, actor, _failure_reason(verdict), now)
+        elif verdict.outcome == gates.NO_DATA and _promotes_next(rollout):
+            raise RolloutError(
+                f"rollout #{rollout.pk} is approved, so leaving its last step promotes it, and its gates have not"
+                f" judged the step yet ({_waiting(verdict)}): wait for the evidence, or an approver promotes it"
+            )
         else:
             _keep(rollout, {**entry, "action": "advance", "by": _name(actor)})
             _next(rollout, actor, now)
     return rollout
+
+
+def _promotes_next(rollout: Rollout) -> bool:
+    """Whether the next phase is the promotion: the last canary step of a rollout approved beforehand."""
+    last = rollout.state == RolloutState.CANARY and rollout.step is not None and rollout.step + 1 >= len(rollout.steps)
+    return last and rollout.approved
 
 
 def _name(actor: Any) -> str:

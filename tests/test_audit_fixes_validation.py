@@ -1,19 +1,22 @@
 """Audit fixes on PostgreSQL: a validation that finds its version retired meanwhile, or delivered again after it
-ran, leaves the version as it is."""
+ran, leaves the version as it is; `advance` does not promote a canary its gates have not judged."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
 from django.db.models.signals import post_save
+from django.utils import timezone
 
 from rollout import transitions
 from rollout.gates import Thresholds
 from rollout.models import RolloutState
+from rollout.transitions import RolloutError
 from serving.actions import register_version
 from serving.models import Model, ModelVersion, State
 from serving.tasks import validate_version
@@ -21,6 +24,7 @@ from serving.validation import validate
 from tenants.models import Membership, Role
 from tests.conftest import DIGITS_IO, register, tenant
 from tests.test_api import client_for
+from tests.test_rollouts import feed
 
 pytestmark = pytest.mark.django_db
 
@@ -110,3 +114,33 @@ def test_a_second_delivery_of_the_task_leaves_a_ready_version_and_its_rollout_al
     assert ModelVersion.objects.get(pk=v2.pk).updated_at == updated
     rollout.refresh_from_db()
     assert rollout.state == RolloutState.CANARY, rollout.reason
+
+
+def test_an_approved_rollout_is_not_advanced_into_promotion_without_evidence(people, model_files) -> None:  # noqa: ANN001
+    # given a rollout of version 2 approved beforehand, at its last step, with no traffic metered
+    acme = tenant("acme")
+    register(model_files.digits, "unjudged", owner=acme, visibility="private", max_batch_size=2)
+    register(model_files.digits, "unjudged", owner=acme, visibility="private", max_batch_size=2)
+    model = Model.objects.get(name="unjudged")
+    t0 = (timezone.now() + timedelta(minutes=1)).replace(second=5, microsecond=0)
+    rollout = transitions.start(
+        model=model, candidate=2, actor=people["eng"], steps=[10, 100], shadow_seconds=0, thresholds=LIMITS, now=t0
+    )
+    rollout = transitions.approve(rollout=rollout, actor=people["approver"], now=t0)
+    rollout = transitions.advance(rollout=rollout, actor=people["eng"], now=t0)  # a step before the last: allowed
+    assert (rollout.state, rollout.step, rollout.approved) == (RolloutState.CANARY, 1, True)
+    # when the engineer advances again, which would promote / then it is refused, naming what is missing
+    with pytest.raises(RolloutError) as refused:
+        transitions.advance(rollout=rollout, actor=people["eng"], now=t0)
+    assert refused.value.status == 409 and "error_rate" in refused.value.message
+    response = client_for(people["eng"]).post(f"/api/rollouts/{rollout.pk}/advance/")
+    assert response.status_code == 409, response.content
+    rollout.refresh_from_db()
+    assert (rollout.state, rollout.step) == (RolloutState.CANARY, 1)
+    assert Model.objects.get(name="unjudged").stable_version == 1
+    # and once the gates pass on metered answers, the same click promotes
+    feed("unjudged", 1, 100, at=t0, tenant_id=acme.pk)
+    feed("unjudged", 2, 100, at=t0, tenant_id=acme.pk)
+    rollout = transitions.advance(rollout=rollout, actor=people["eng"], now=t0 + timedelta(seconds=1))
+    assert rollout.state == RolloutState.PROMOTED
+    assert Model.objects.get(name="unjudged").stable_version == 2
