@@ -9,7 +9,8 @@ came from, so the lab starts from the fleet as it is.
 - replicas, device, models per device: the live nodes of `serving.fleet_state` (heartbeats), the hot versions each
   holds, and whether any has an accelerator;
 - p99 target: FERRY_LATENCY_BUDGET_MS, the budget the autoscaler sizes replicas for;
-- canary: whether a rollout of a visible model is running.
+- canary: whether a rollout of a model of the caller's tenants is running (platform staff: any); another tenant's
+  rollouts are its own workflow, unsaid even for a model the caller may call (`rollout.api.views`).
 
 What the fleet cannot say (no traffic, no live node, no measured profile) is listed in `missing`, and the lab
 keeps its own value for it.
@@ -54,6 +55,15 @@ def one_request_ms(profile: dict[str, Any]) -> float | None:
         return None
     b, t = min(points)
     return t / b
+
+
+def _rollout_running(user: Any) -> bool:
+    """Whether a rollout runs that `user` may read: of a model its tenants own (platform staff: any), as
+    /api/rollouts/ scopes them, so a public or shared model of another tenant tells nothing of its rollouts."""
+    rollouts = Rollout.objects.active()
+    if not user.is_staff:
+        rollouts = rollouts.filter(model__tenant_id__in=member_tenant_ids(user))
+    return rollouts.exists()
 
 
 def fleet_inputs(user: Any, state: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -101,7 +111,7 @@ def fleet_inputs(user: Any, state: dict[str, Any], now: datetime) -> dict[str, A
     else:
         missing += ["batch_window_ms", "batching"]
 
-    canary = Rollout.objects.active().filter(model__in=models).exists()
+    canary = _rollout_running(user)
     live = [n for n in state.get("nodes", []) if n.get("state") == "live"]
     if live:
         inputs["replicas"] = int(_clamp("replicas", len(live)))
@@ -118,7 +128,7 @@ def fleet_inputs(user: Any, state: dict[str, Any], now: datetime) -> dict[str, A
     inputs["p99_ms"] = _clamp("p99_ms", float(settings.FERRY_LATENCY_BUDGET_MS))
     sources["p99_ms"] = "FERRY_LATENCY_BUDGET_MS, the p99 the autoscaler sizes replicas for"
     inputs["canary"] = canary
-    sources["canary"] = "a rollout of a model you can see is running" if inputs["canary"] else "no rollout is running"
+    sources["canary"] = "a rollout is running (/api/rollouts/ lists it)" if canary else "no rollout is running"
     inputs["autoscale"] = False
     sources["autoscale"] = "off: the replicas are the nodes running now"
     return {"inputs": inputs, "sources": sources, "missing": missing, "nodes": len(live), "versions": len(versions)}

@@ -257,6 +257,26 @@ def test_from_my_fleet_reads_usage_profiles_and_nodes_of_the_callers_tenants(dja
     assert again["canary"] is True and again["models"] == 1
 
 
+def test_from_my_fleet_tells_nothing_of_another_tenants_rollouts(django_user_model) -> None:  # noqa: ANN001
+    # given another tenant's public model and its model shared with this tenant, each rolling out
+    mine, other = tenant(), tenant("other")
+    viewer = django_user_model.objects.create_user("viewer", password=PASSWORD)
+    Membership.objects.create(user=viewer, tenant=mine, role="viewer")
+    staff = django_user_model.objects.create_user("staff", password=PASSWORD, is_staff=True)
+    public = Model.objects.create(name="their-public", tenant=other, visibility=Visibility.PUBLIC)
+    shared = Model.objects.create(name="their-shared", tenant=other, visibility=Visibility.SHARED)
+    shared.shared_with.add(mine)
+    now = timezone.now()
+    for model in (public, shared):
+        _version(model, 1, {"1": 4.0})
+        Rollout.objects.create(model=model, candidate=2, baseline=1, phase_started_at=now)
+    # when this tenant's viewer reads its fleet / then no rollout is running that it may read
+    doc = fleet_inputs(viewer, {"nodes": []}, now)
+    assert doc["inputs"]["canary"] is False and doc["sources"]["canary"] == "no rollout is running"
+    # while platform staff, who read every rollout, see one
+    assert fleet_inputs(staff, {"nodes": []}, now)["inputs"]["canary"] is True
+
+
 def test_from_my_fleet_says_what_an_empty_fleet_cannot(django_user_model) -> None:  # noqa: ANN001
     staff = django_user_model.objects.create_user("staff", password=PASSWORD, is_staff=True)
     doc = fleet_inputs(staff, {"nodes": []}, timezone.now())
