@@ -169,3 +169,29 @@ def test_ready_names_no_step_model_the_caller_cannot_see(pipeline_server, weak_d
     assert call(pipeline_server, "GET", "/v2/models/their-pipe").json()["platform"] == "ferry_pipeline"
     said = assert_error(call(pipeline_server, "GET", "/v2/models/their-pipe/ready"), 503, "step 's'")
     assert "their-secret" not in said
+
+
+def test_a_step_named_after_a_model_gone_private_is_unsaid(pipeline_server, weak_digits, digits_samples) -> None:  # noqa: ANN001
+    # given public pipelines of another tenant, each with a step named after its model (no `name`): one on
+    # that tenant's own model, one on a third tenant's; both models made private since
+    other, third = tenant("other"), tenant("third")
+    register(weak_digits, "their-secret", owner=other, visibility="public")
+    register(weak_digits, "third-secret", owner=third, visibility="public")
+    register_pipeline(name="their-pipe", spec={"model": "their-secret"}, tenant=other, visibility="public")
+    register_pipeline(name="third-pipe", spec={"model": "third-secret"}, tenant=other, visibility="public")
+    Model.objects.filter(name__in=["their-secret", "third-secret"]).update(visibility="private")
+    publish_snapshot()
+    pipeline_server.refresh()
+    images = digits_samples[0][:1]
+    # when this tenant calls them, asks whether they are ready, or leaves their steps no time
+    # then each is a 503 that says a step is not available, and never the model's name
+    for pipe, secret in (("their-pipe", "their-secret"), ("third-pipe", "third-secret")):
+        answers = [
+            infer(pipeline_server, pipe, digits_request(images)),
+            call(pipeline_server, "GET", f"/v2/models/{pipe}/ready"),
+            infer(pipeline_server, pipe, digits_request(images, parameters={"timeout": 1})),
+        ]
+        for resp in answers:
+            said = assert_error(resp, 503, pipe)
+            assert secret not in said, said
+        assert "a step of this pipeline is not available" in answers[0].error

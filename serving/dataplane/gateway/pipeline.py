@@ -241,7 +241,7 @@ class PipelineRunner:
         status = 500
         fell_back = False
         try:
-            chosen = self._version(pipeline, version)
+            chosen = self._version(pipeline, version, viewer)
             try:
                 request = parse_infer_request(body, header_length, chosen.inputs, max_rows=chosen.max_rows)
                 known = {o.name for o in chosen.outputs}
@@ -331,16 +331,16 @@ class PipelineRunner:
         """Why the version of `pipeline` a call of `viewer` would run cannot serve now, or "" when it can:
         it is not broken and every step's model routes, for this caller, to a version `is_ready` (by key).
         Every step counts, a switch's or splitter's branch too: any of them may be asked. A step whose model
-        the caller may not see is said without the model's name."""
+        the caller may not see is said without the model's name (`_said`)."""
         chosen = self._pick(pipeline, version)
         if chosen.broken:
-            return f"pipeline '{pipeline.name}' version {chosen.version} cannot run: {chosen.broken}"
+            return self._broken(pipeline, chosen, viewer)
         for step in self.graph(pipeline, chosen).steps():
             pinned = str(step.version) if step.version is not None else None
             try:
                 entry = self.gateway.route(step.model, pinned, viewer, routing_key)
             except NotFound:
-                return f"pipeline '{pipeline.name}' step '{step.label()}': its model is not available to this caller"
+                return self._not_available(pipeline.name, step, viewer)
             except ServingError as exc:  # known to the caller, but no version of it can serve now
                 return f"pipeline '{pipeline.name}' step '{step.label()}': {exc.message}"
             if not is_ready(entry.key):
@@ -358,13 +358,36 @@ class PipelineRunner:
             number = pinned
         return pipeline.versions[number]
 
-    def _version(self, pipeline: PipelineEntry, version: str | None) -> PipelineVersionEntry:
+    def _version(self, pipeline: PipelineEntry, version: str | None, viewer: int | None) -> PipelineVersionEntry:
         chosen = self._pick(pipeline, version)
         if chosen.broken:
-            raise ServingError(
-                f"pipeline '{pipeline.name}' version {chosen.version} cannot run: {chosen.broken}", status=503
-            )
+            raise ServingError(self._broken(pipeline, chosen, viewer), status=503)
         return chosen
+
+    def _broken(self, pipeline: PipelineEntry, chosen: PipelineVersionEntry, viewer: int | None) -> str:
+        """Why `chosen` cannot run, as `viewer` may be told it. The snapshot's check names steps, tensors
+        (`S.X`) and at times a step's model, so where any step's model is one the caller may not see (gone
+        private since: the usual reason a version breaks) it says only that a step is not available."""
+        said = chosen.broken
+        if any(not self._sees(step.model, viewer) for step in self.graph(pipeline, chosen).steps()):
+            said = "a step of this pipeline is not available"
+        return f"pipeline '{pipeline.name}' version {chosen.version} cannot run: {said}"
+
+    def _not_available(self, pipeline: str, step: Node, viewer: int | None) -> str:
+        return f"pipeline '{pipeline}': {self._said(step, viewer)} of this pipeline is not available"
+
+    def _said(self, step: Node, viewer: int | None) -> str:
+        """How an answer to `viewer` names `step`: by its name, unless that is the name of a model the caller
+        may not see (a step without a `name` is named after its model), as the API unsays it
+        (`serving.pipelines.redact_spec`): a public pipeline must not tell its callers a private model's name."""
+        return "a step" if self._unsaid(step, viewer) else f"step '{step.name}'"
+
+    def _unsaid(self, step: Node, viewer: int | None) -> bool:
+        return step.name == step.model and not self._sees(step.model, viewer)
+
+    def _sees(self, name: str, viewer: int | None) -> bool:
+        model = self.gateway.snapshot.models.get(name)
+        return model is not None and model.visible_to(viewer)
 
     async def _run(self, node: Node, current: Tensors, scope: dict[str, Tensors], rows: int, call: _Call) -> Tensors:
         if node.kind == "model":
@@ -432,7 +455,8 @@ class PipelineRunner:
         if left <= 0:
             stats.step(call.pipeline, node.name, 0.0, rows, refused=True)
             raise Unavailable(
-                f"pipeline '{call.pipeline}': its deadline was spent before step '{node.name}'", retry_after=1
+                f"pipeline '{call.pipeline}': its deadline was spent before {self._said(node, call.viewer)}",
+                retry_after=1,
             )
         mapped = dict(node.inputs)
         pipeline = call.pipeline
@@ -473,9 +497,7 @@ class PipelineRunner:
             # The caller may not see the step's model (made private since), or it is gone: the pipeline
             # cannot be served to this caller; the model's name stays unsaid.
             stats.step(call.pipeline, node.name, self._clock() - started, rows, refused=True)
-            raise ServingError(
-                f"pipeline '{call.pipeline}' step '{node.name}': its model is not available to this caller", status=503
-            ) from None
+            raise ServingError(self._not_available(call.pipeline, node, call.viewer), status=503) from None
         except ServingError:
             stats.step(call.pipeline, node.name, self._clock() - started, rows, refused=True)
             raise
