@@ -41,7 +41,10 @@ E403 = (
     " approve it unless the tenant allows self-approval."
 )
 E404 = "No such rollout, or one of a tenant the caller is not in."
-E409 = "The rollout's state does not allow this transition (it has ended, awaits approval, or is not approved)."
+E409 = (
+    "The rollout's state does not allow this transition (it has ended, awaits approval, or is not approved; or an"
+    " advance would promote it without its gates' evidence)."
+)
 
 
 class Refused(APIException):
