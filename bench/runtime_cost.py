@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             # about the runtime's cost, not saturation: the front door must not shed what the node could serve
             "FERRY_LOOP_LAG_TARGET_MS": "60000",
             "FERRY_MAX_LOOP_LAG_MS": "60000",
+            # inline is refused without it (config/settings.py); set for both modes, so they differ in isolation only
+            "FERRY_DEBUG": "true",
         }
     )
     say(f"FERRY_DATA_DIR={data_dir}")

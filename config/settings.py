@@ -275,7 +275,9 @@ FERRY_ADMISSION = env_bool("FERRY_ADMISSION", True)
 FERRY_MAX_QUEUE_BYTES = env_int("FERRY_MAX_QUEUE_BYTES", 64 * 1024 * 1024, minimum=1024)  # per version
 # Distributed mode: the bytes a version's Redis stream may hold, from every gateway (transport/stream_bound.py).
 FERRY_MAX_STREAM_BYTES = env_int("FERRY_MAX_STREAM_BYTES", 64 * 1024 * 1024, minimum=1024)
-FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)  # a stalled upload frees its slot
+# A stalled upload frees its slot after this long between chunks; a WebSocket answer its client does not read
+# within it drops the connection.
+FERRY_BODY_TIMEOUT_S = env_int("FERRY_BODY_TIMEOUT_S", 30, minimum=1)
 FERRY_DEVICE = env_str("FERRY_DEVICE", "")  # "" picks cuda when present, else cpu
 FERRY_NODE_MEMORY_BYTES = env_int("FERRY_NODE_MEMORY_BYTES", 4 * 1024**3, minimum=1)
 # The warm tier: host memory a node keeps evicted versions in (CUDA: moved to the CPU; CPU: the loaded module),
@@ -300,7 +302,8 @@ FERRY_METRICS_DIR = env_str("FERRY_METRICS_DIR", "")
 # per request, FERRY_QUOTA_REDIS_TIMEOUT_MS at most) when FERRY_QUOTA_REDIS_URL (default REDIS_URL) is
 # set, in-process otherwise. While Redis does not answer, each gateway enforces its share: the tenant's
 # limits divided by FERRY_QUOTA_GATEWAYS, the number of gateways you run. An in-flight lease a gateway
-# never releases (it died) expires after FERRY_QUOTA_LEASE_S: keep it above the longest request timeout.
+# never releases (it died) expires after FERRY_QUOTA_LEASE_S: keep it above FERRY_LATENCY_BUDGET_MS, which
+# caps every request's deadline.
 FERRY_QUOTAS = env_bool("FERRY_QUOTAS", True)
 FERRY_QUOTA_REDIS_URL = env_str("FERRY_QUOTA_REDIS_URL", REDIS_URL)
 FERRY_QUOTA_REDIS_TIMEOUT_MS = env_int("FERRY_QUOTA_REDIS_TIMEOUT_MS", 100, minimum=1)
@@ -365,10 +368,20 @@ FERRY_ROLLOUT_SHADOW_FRACTION = min(FERRY_ROLLOUT_SHADOW_PERCENT, 100) / 100
 # "process" (default, every mode): each loaded version's model runs in its own confined child process
 # (serving.dataplane.node.runtime_process), without this process's files, credentials or network. "inline" runs
 # it in this process: UNSAFE (a model can read the secret key and the database); only for the benchmark's
-# contrast (bench.runtime_cost), and a warning is logged at start.
+# contrast (bench.runtime_cost), refused unless FERRY_DEBUG is on, and a warning is logged at start.
 FERRY_RUNTIME_ISOLATION = env_str("FERRY_RUNTIME_ISOLATION", "process")
 if FERRY_RUNTIME_ISOLATION not in ("process", "inline"):
     raise ImproperSetting(f"FERRY_RUNTIME_ISOLATION={FERRY_RUNTIME_ISOLATION!r} is not process or inline")
+if FERRY_RUNTIME_ISOLATION == "inline" and not DEBUG:
+    raise ImproperSetting(
+        "FERRY_RUNTIME_ISOLATION=inline runs tenant code with this process's files and credentials: only with"
+        " FERRY_DEBUG=true (contrast benchmarks), never in a deployment"
+    )
+# A runtime process whose kernel or user gives it no filesystem wall (mount namespace or Landlock) or no network
+# wall (network namespace or Landlock ABI >= 4) refuses to run tenant code, and the load fails saying why. "true"
+# runs it anyway: UNSAFE (the model may read the data directory and reach the databases); logged at start and
+# at each runtime process's start (serving.dataplane.node.sandbox.require_walls).
+FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX = env_bool("FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX", False)
 # A batch the runtime process has not answered in this long fails (the process is killed and replaced).
 FERRY_RUNTIME_TIMEOUT_S = env_int("FERRY_RUNTIME_TIMEOUT_S", 30, minimum=1)
 # Starting a runtime process (imports, confinement) and loading an artifact into it, each.
@@ -500,8 +513,9 @@ FERRY_RESPONSE_CACHE_REDIS_TIMEOUT_MS = env_int("FERRY_RESPONSE_CACHE_REDIS_TIME
 # --- The Open Inference Protocol over gRPC (issue 21; serving/dataplane/grpc/, docs/grpc.md) ---
 # Each web process serves inference.GRPCInferenceService on FERRY_GRPC_HOST:FERRY_GRPC_PORT beside HTTP (8001,
 # as Triton; 0 turns it off). At most FERRY_GRPC_MAX_CONCURRENT_RPCS calls at once per process (past it:
-# RESOURCE_EXHAUSTED), at most FERRY_GRPC_STREAM_IN_FLIGHT requests in flight per ModelStreamInfer stream; a
-# message is bounded by FERRY_MAX_INFER_BODY_BYTES.
+# UNAVAILABLE with retry-after, as REST's 503; grpcio's own RESOURCE_EXHAUSTED only at twice it, a backstop), at
+# most FERRY_GRPC_STREAM_IN_FLIGHT requests in flight per ModelStreamInfer stream; a message is bounded by
+# FERRY_MAX_INFER_BODY_BYTES.
 FERRY_GRPC_HOST = env_str("FERRY_GRPC_HOST", "127.0.0.1")
 FERRY_GRPC_PORT = env_int("FERRY_GRPC_PORT", 8001, minimum=0)
 FERRY_GRPC_MAX_CONCURRENT_RPCS = env_int("FERRY_GRPC_MAX_CONCURRENT_RPCS", 1024, minimum=1)
