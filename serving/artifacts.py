@@ -123,11 +123,12 @@ _inspected_lock = threading.Lock()
 
 def _check_torchscript_operators(tmp: Path, namespaces: list[str], sha: str) -> None:
     """Refuse a TorchScript archive whose compiled code calls an operator the policy does not allow
-    (serving.dataplane.node.operator_check). Its operators are known only by compiling it, which runs its
+    (serving.dataplane.node.operator_check). Its code was read as data already (archive_check, which refuses
+    a denied operator's name in it); all its operators are known only by compiling it, which runs its
     `__setstate__` code, so it is loaded in a fresh sandboxed process, never here (once per content: `sha`,
-    the archive's verified sha256, keys what an earlier inspection found). One that does not load there
-    (corrupt, a mislabelled format, or the child failed) passes: its validation loads it again, with the same
-    operator check, and fails it with the reason."""
+    the archive's verified sha256, keys what an earlier inspection found). One whose inspection does not
+    complete (it does not load there: corrupt, a mislabelled format; or the child failed or timed out) is
+    refused too, with the reason: an archive whose operators nobody has seen is not stored."""
     with _inspected_lock:
         known = _inspected.get(sha)
         if known is not None:
@@ -136,8 +137,8 @@ def _check_torchscript_operators(tmp: Path, namespaces: list[str], sha: str) -> 
         try:
             known = tuple(runtime_process.inspect_operators(tmp.read_bytes(), "torchscript"))
         except RuntimeFailure as exc:
-            log.warning("operator inspection of an upload did not load it (validation checks it again): %s", exc)
-            return
+            log.info("operator inspection of upload %s did not complete: %s", sha, exc)
+            raise ArtifactRejected(f"archive refused: its operators could not be inspected: {exc}") from None
         with _inspected_lock:
             _inspected[sha] = known
             while len(_inspected) > INSPECTED_MAX:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from django.contrib.auth.models import User
@@ -23,6 +24,7 @@ from rest_framework.test import APIClient
 from torch import nn
 
 from serving.actions import RegistrationError, register_version
+from serving.dataplane.node import runtime_worker
 from serving.dataplane.node.runtime import RuntimeFailure, load_module
 from serving.demo import save_artifact
 from serving.models import Model, ModelVersion, State
@@ -327,7 +329,9 @@ def test_legit_torchscript_and_export_register_and_load_without_unpickling(
     model_files, base_export: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The conftest artifacts (serving.demo.save_artifact) register, validate and load with every
-    Python unpickling entry point torch.export.load uses made to fail."""
+    Python unpickling entry point torch.export.load uses made to fail: in this process (registration's
+    checks here) and in the code the sandboxed runtime process runs for registration (its `operators` and
+    `load` ops), run here too, since a patch made here does not reach that child."""
     reference = torch.export.load(str(model_files.digits_export)).module()
     x = torch.rand(3, 64)
 
@@ -338,10 +342,21 @@ def test_legit_torchscript_and_export_register_and_load_without_unpickling(
     monkeypatch.setattr(pickle, "loads", forbidden)
     monkeypatch.setattr(pickle, "load", forbidden)
     monkeypatch.setattr(torch._C, "_pickle_load_obj", forbidden)
+    with pytest.raises(AssertionError, match="unpickled"):  # the patches bite
+        torch.load(io.BytesIO(b""))
 
     script = register(model_files.digits, "digits")
     export = register(model_files.digits_export, "digits-export", fmt="torch_export")
     assert (script.state, export.state) == (State.READY, State.READY), (script.failure_reason, export.failure_reason)
+    # the runtime process's side of that registration: inspection and validation's load, as its Worker does them
+    for path, fmt in ((model_files.digits, "torchscript"), (model_files.digits_export, "torch_export")):
+        arrays = [np.frombuffer(path.read_bytes(), dtype=np.uint8)]
+        reply, _ = runtime_worker.Worker(None, CPU).handle("operators", {"format": fmt}, arrays)  # type: ignore[arg-type]
+        assert "aten::linear" in reply["operators"] or "aten::addmm" in reply["operators"], reply
+        header = {"format": fmt, "inputs": DIGITS_IO["inputs"], "outputs": DIGITS_IO["outputs"]}
+        worker = runtime_worker.Worker(None, CPU)  # type: ignore[arg-type]
+        assert worker.handle("load", header, arrays)[0]["ok"]
+        assert worker.runtime.predict([x.numpy()])[0].shape == (3, 10)
 
     module = load_module(model_files.digits_export, "torch_export", CPU)
     assert torch.allclose(module(x), reference(x))

@@ -245,8 +245,11 @@ def test_a_file_write_in_a_class_setstate_or_in_forward_is_refused(tmp_path: Pat
     marker.unlink(missing_ok=True)
     load_module(in_class, "torchscript", CPU, check_operators=False)
     assert marker.exists(), "the class's __setstate__ does not run on load, so the test proves nothing"
-    # the check comes after the load, which has run __setstate__: the sandboxed process is what contains it
+    marker.unlink()
+    # the checked load refuses it before anything runs: its code is read as data before it is compiled, so the
+    # __setstate__ that writes the file never runs
     assert "aten::save" in refusal(in_class)
+    assert not marker.exists()
 
     in_forward = scripted(SavesInForward(str(tmp_path / "forward-written")), tmp_path / "forward.pt")
     assert "aten::save" in refusal(in_forward)
@@ -360,6 +363,8 @@ def test_standard_torchscript_networks_pass(model_files, tmp_path: Path) -> None
     for name, module in standard_torchscript().items():
         path = tmp_path / f"{name}.pt"
         torch.jit.save(module, str(path))
+        # the read of their code as data (before compiling) passes them
+        assert archive_check.check_archive(path, allowed_namespaces=()) == "zip", name
         with path.open("rb") as f:
             _, operators = operator_check.load_torchscript(f, CPU)
         assert "aten::warn" in operators or name != "encoders"  # the walk reaches torch.nn's checks
@@ -558,21 +563,29 @@ def test_bytes_inspected_before_are_checked_again_without_a_second_sandboxed_com
     monkeypatch.setattr(runtime_process, "inspect_operators", counting)
     reads = scripted(ReadsInForward(str(secret)), tmp_path / "reads.pt")
     fine = scripted(Digits(8, 1), tmp_path / "fine.pt")
-    # when the same refused archive is uploaded twice / then both are refused for its operator, one compile
+    # an archive whose code names a denied operator is refused before any compile (its code read as data)
+    response = upload(engineer_client, reads, "torchscript", "leaky")
+    assert response.status_code == 422, response.content
+    assert response.json()["error"] == "archive refused: operator not allowed: aten::from_file"
+    assert inspected == []
+    # given a policy that refuses an operator only the compiled code shows (prim::GetAttr: no name in the code)
+    monkeypatch.setitem(operator_check.DENIED, "prim::GetAttr", "a stand-in for what only compiling finds")
+    # when the same archive is uploaded twice / then both are refused for its operator, from one compile
     for _ in range(2):
-        response = upload(engineer_client, reads, "torchscript", "leaky")
+        response = upload(engineer_client, fine, "torchscript", "fine")
         assert response.status_code == 422, response.content
-        assert response.json()["error"] == "archive refused: operator not allowed: aten::from_file"
+        assert response.json()["error"] == "archive refused: operator not allowed: prim::GetAttr"
     assert len(inspected) == 1
-    # and an accepted archive uploaded twice is two versions from one compile
+    # and once the policy allows it, the same bytes uploaded twice are two versions, from that same compile
+    monkeypatch.delitem(operator_check.DENIED, "prim::GetAttr")
     assert upload(engineer_client, fine, "torchscript", "fine").status_code == 201
     assert upload(engineer_client, fine, "torchscript", "fine").status_code == 201
-    assert len(inspected) == 2 and ModelVersion.objects.filter(model__name="fine").count() == 2
+    assert len(inspected) == 1 and ModelVersion.objects.filter(model__name="fine").count() == 2
     # the memo is bounded: past INSPECTED_MAX the oldest entries go, and their bytes are compiled again
     monkeypatch.setattr(artifacts, "INSPECTED_MAX", 1)
     torch.manual_seed(1)
     other = scripted(Digits(8, 1), tmp_path / "other.pt")
     assert upload(engineer_client, other, "torchscript", "other").status_code == 201
-    assert len(inspected) == 3 and len(artifacts._inspected) == 1
-    assert upload(engineer_client, reads, "torchscript", "leaky").status_code == 422
-    assert len(inspected) == 4
+    assert len(inspected) == 2 and len(artifacts._inspected) == 1
+    assert upload(engineer_client, fine, "torchscript", "fine").status_code == 201
+    assert len(inspected) == 3

@@ -117,11 +117,21 @@ def test_not_a_zip_is_rejected_at_upload(model_files, store_root: Path) -> None:
     assert store_files(store_root) == []
 
 
+@pytest.mark.parametrize("fmt", ["torchscript", "torch_export"])
+def test_a_zip_that_is_not_a_model_is_rejected_at_upload(model_files, store_root: Path, fmt: str) -> None:
+    # when a zip whose pickle torch could not read is registered, as either format
+    with pytest.raises(RegistrationError) as caught:
+        register(model_files.corrupt_zip, "broken", fmt=fmt, max_batch_size=2)
+    # then the upload check refuses it, saying why, and nothing is created or stored
+    assert caught.value.status == 422
+    assert caught.value.message.startswith("archive refused:") and "malformed pickle" in caught.value.message
+    assert not Model.objects.filter(name="broken").exists() and not Artifact.objects.exists()
+    assert store_files(store_root) == []
+
+
 @pytest.mark.parametrize(
     ("attr", "fmt", "reason"),
     [
-        ("corrupt_zip", "torchscript", "cannot load torchscript artifact"),
-        ("corrupt_zip", "torch_export", "cannot load torch_export artifact"),
         ("digits_export", "torchscript", "cannot load torchscript artifact"),  # torch.export as TorchScript
         ("digits", "torch_export", "cannot load torch_export artifact"),  # TorchScript labelled torch.export
     ],

@@ -24,7 +24,7 @@ from torch import nn
 
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.metrics import metrics
-from serving.dataplane.node import sandbox
+from serving.dataplane.node import runtime_process, sandbox
 from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, load_module
 from serving.dataplane.node.runtime_process import IsolatedRuntime, inspect_operators
 from serving.demo import save_artifact
@@ -198,8 +198,28 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
         with socket.socket(socket.AF_UNIX) as unix:
             unix.connect(PG_SOCKET)
         targets.append((PG_SOCKET, 0))
+    # and through /proc: the node's (this process's) environment, memory and view of the data directory, the
+    # zygote's environment, another runtime process's: all there for this process to open
+    node, zygote = os.getpid(), runtime_process.zygote().process.pid
+    other = IsolatedRuntime(model_files.digits, "torchscript", [X], [SCORES], CPU)
+    other.load()
+    through_proc = [
+        f"/proc/{node}/environ",
+        f"/proc/{node}/mem",
+        f"/proc/{node}/root{secret}",
+        f"/proc/{node}/cwd",
+        f"/proc/{zygote}/environ",
+        f"/proc/{other.process.pid}/environ",
+        f"/proc/{other.process.pid}/mem",
+    ]
+    for path in through_proc:
+        os.close(os.open(path, os.O_RDONLY))
+    paths += through_proc
     reachable = str(Path(settings.BASE_DIR) / "serving" / "dataplane" / "node" / "runtime.py")
-    answer = isolated_digits.probe([*paths, reachable], targets)
+    try:
+        answer = isolated_digits.probe([*paths, reachable], targets)
+    finally:
+        other.close()
     # then nothing of the platform's opens, while the serving package does (the probe works)
     assert answer["opened"] == [reachable], answer
     # and no connection to PostgreSQL gets through, by TCP or by its Unix socket
@@ -214,9 +234,12 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
     # and from outside, its root shows no data directory contents
     outside = Path(f"/proc/{isolated_digits.process.pid}/root") / data_dir.relative_to("/")
     assert not outside.exists() or not {"secret_key", "ferry.sqlite3"} & set(os.listdir(outside))
-    # and the layers that apply here are recorded
+    # and the layers that apply here are recorded: each of them (tests/test_audit_fixes_sandbox.py says which),
+    # nothing skipped but what is known to be optional
     applied = isolated_digits.confinement["applied"]
     assert "clean-env" in applied and "no-new-privs" in applied and "rlimit-fsize" in applied
+    assert sandbox.missing_walls(sandbox.Confinement(applied=applied)) == []
+    assert set(isolated_digits.confinement["skipped"]) <= sandbox.OPTIONAL_LAYERS
     if os.geteuid() == 0:
         assert "mount-namespace" in applied and "uid:65534" in applied
 
@@ -258,9 +281,13 @@ def test_a_model_that_reads_the_secret_key_gets_nothing_from_the_sandbox(secret_
 
 
 def test_inspect_operators_lists_the_graphs_operators_from_a_sandboxed_child(secret_reader, model_files) -> None:  # noqa: ANN001
-    names = inspect_operators(secret_reader.read_bytes(), "torchscript")
+    # with the child's read of the code as data left out, so that the compiled listing itself is seen
+    names = inspect_operators(secret_reader.read_bytes(), "torchscript", check_code=False)
     assert "aten::from_file" in names and names == sorted(names)
     assert "aten::from_file" not in inspect_operators(model_files.digits.read_bytes(), "torchscript")
+    # with it (the default), the child refuses that archive before compiling it
+    with pytest.raises(RuntimeFailure, match=r"\(refused\): operator not allowed: aten::from_file"):
+        inspect_operators(secret_reader.read_bytes(), "torchscript")
 
 
 @pytest.mark.gpu

@@ -146,13 +146,17 @@ def test_embedded_modes_model_runs_in_a_child_that_sees_no_data_dir_and_no_secre
         environ = Path(f"/proc/{child}/environ").read_bytes().decode(errors="replace")
         assert "SECRET_KEY" not in environ and secret not in environ and NODE_TOKEN not in environ
         assert "DATABASE_URL" not in environ and "FERRY_DATA_DIR" not in environ
-        # and it does not run as root
-        uid = next(
-            line.split()[1]
-            for line in Path(f"/proc/{child}/status").read_text().splitlines()
-            if line.startswith("Uid:")
-        )
-        assert os.geteuid() != 0 or uid != "0"
+        # and it holds no capability, and runs as another user than the web process (nobody, where that is
+        # root) or, where the web process is not root, in a user namespace of its own
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{child}/status").read_text().splitlines())
+        assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, status
+        uid = status["Uid"].split()
+        if os.geteuid() == 0:
+            assert uid == ["65534"] * 4, uid
+        else:
+            assert os.readlink(f"/proc/{child}/ns/user") != os.readlink(f"/proc/{web.proc.pid}/ns/user")
+        # and its stderr is not the web process's log
+        assert os.readlink(f"/proc/{child}/fd/2") == "/dev/null"
 
 
 @pytest.mark.skipif(

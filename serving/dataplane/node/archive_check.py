@@ -20,9 +20,16 @@ accepted only in the plain form that `torch.export.save` writes for a program ov
 - sample inputs (read by stock `torch.export.load` with a `weights_only=False` fallback; Ferry's
   loader never reads them) that reference only the globals of a plain tensor pickle.
 
-Other zip archives (TorchScript) pass: `torch.jit.load` reads their pickles with TorchScript's own
-unpickler, which builds only tensors, containers and TorchScript types. Their operators are known only
-once their code is compiled, by loading (serving.dataplane.node.operator_check.load_torchscript).
+Other zip archives are TorchScript: `torch.jit.load` reads their pickles with TorchScript's own
+unpickler, which builds only tensors, containers, TorchScript types and TorchBind (C++) objects, and
+compiles the code under `code/`, running a class's `__setstate__` as it unpickles one. So, unless
+`check_operators` is false, that code is read first, as data (`check_torchscript_code`): it must be the
+printable ASCII torch's printer writes and parse as Python (TorchScript's syntax is a subset), and it is
+refused where it names a denied operator (operator_check.DENIED: `from_file`, `save`, `print`, `fork`...)
+anywhere, in code, a string or a comment; where it calls an operator outside the allowed namespaces
+(`ops.<namespace>.<name>`, by attribute or `getattr`); or where it or a pickle refers to a TorchBind class
+outside operator_check.TORCHBIND_NAMESPACES. Nothing is compiled or run before this check. The complete
+check of what the compiled code calls runs once it is compiled (operator_check.load_torchscript).
 """
 
 from __future__ import annotations
@@ -258,8 +265,6 @@ def check_archive(
                     "torch.export.save"
                 )
             root = _check_zip_names(names)
-            if root + "archive_format" not in names:
-                return "zip"
             sizes = {info.filename[len(root) :]: info.file_size for info in infos}
 
             def read(name: str) -> bytes:
@@ -267,11 +272,21 @@ def check_archive(
                     raise ArchiveRefused(f"member {name} is too large to inspect ({sizes[name]} bytes)")
                 return zf.read(root + name)
 
-            if read("archive_format") != b"pt2":
+            if "archive_format" not in sizes or read("archive_format") != b"pt2":
+                if check_operators:
+                    check_torchscript_records(list(sizes), read, allowed_namespaces=allowed_namespaces)
                 return "zip"
             check_pt2_records(list(sizes), read, check_operators=check_operators, allowed_namespaces=allowed_namespaces)
             return "torch_export"
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, KeyError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        EOFError,
+        OSError,
+        ValueError,
+        KeyError,
+        NotImplementedError,  # a compression method Python's zipfile cannot read
+    ) as exc:
         raise ArchiveRefused(f"unreadable archive: {type(exc).__name__}: {exc}") from None
 
 
@@ -334,6 +349,144 @@ def check_pt2_records(
             raise ArchiveRefused(operator_check.OperatorRefused(refused).reason)
     if SAMPLE_INPUTS in present:
         _check_tensor_pickle_archive(read(SAMPLE_INPUTS), SAMPLE_INPUTS)
+
+
+# --- TorchScript: the code and pickles, read before anything is compiled ------------------------------------
+
+# What torch's printer (python_print.cpp) writes: printable ASCII and newlines; string literals that hold
+# anything else go to constants.pkl. Refusing the rest leaves no character (a lone \r, \f, \v, a Unicode line
+# break) that Python's parser and TorchScript's lexer could read differently.
+CODE_TEXT = re.compile(rb"[\x20-\x7e\n]*")
+WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+TORCHSCRIPT_PICKLE_OPS = REFUSED_PICKLE_OPS  # torch's pickler writes GLOBAL, never these
+
+
+def check_torchscript_records(
+    names: list[str], read: Callable[[str], bytes], *, allowed_namespaces: Iterable[str] | None = None
+) -> None:
+    """The TorchScript checks, on member names relative to the archive folder and a reader of them: every
+    `.py` member (torch compiles `code/**.py`; its reader matches names without regard to case) is checked
+    as code, every pickle for the TorchBind classes it refers to. Raises ArchiveRefused naming the refused
+    operators and classes."""
+    extra = (
+        operator_check.configured_namespaces()
+        if allowed_namespaces is None
+        else operator_check.parse_namespaces(allowed_namespaces)
+    )
+    found: set[str] = set()
+    for name in sorted(names):
+        lower = name.lower()
+        if lower.endswith(".py"):
+            found |= check_torchscript_code(read(name), name, extra)
+        elif lower.endswith("pkl"):  # data.pkl, constants.pkl, the code's .debug_pkl
+            found |= _torchscript_pickle_classes(read(name), name, extra)
+    if found:
+        raise ArchiveRefused(operator_check.OperatorRefused(found).reason)
+
+
+def check_torchscript_code(raw: bytes, what: str, extra_namespaces: Iterable[str] = ()) -> set[str]:
+    """The operators and TorchBind classes a TorchScript code file names that the policy refuses: every
+    denied operator's name (operator_check.DENIED_NAMES) that appears as a word anywhere in the text (a
+    string escape's backslash dropped), whether or not it is a call; every `ops.<namespace>.<name>` and
+    `torch.<name>` (attributes, or `getattr` with a literal name: how TorchScript resolves builtins) the
+    allow-list refuses; and every `torch.classes.<namespace>` outside TORCHBIND_NAMESPACES and the extra
+    namespaces. ArchiveRefused where the text is not what torch's printer writes."""
+    extra = frozenset(extra_namespaces)
+    if not CODE_TEXT.fullmatch(raw):
+        raise ArchiveRefused(f"{what}: code holds bytes outside printable ASCII (torch's printer writes none)")
+    text = raw.decode("ascii")
+    try:
+        tree = ast.parse(text, filename=what)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ArchiveRefused(f"{what}: code does not parse as TorchScript's printed code") from None
+    words = set(WORD.findall(text.replace("\\", "")))
+    found = {operator_check.DENIED_NAMES[word] for word in words if word in operator_check.DENIED_NAMES}
+    for chain in _chains(tree):
+        found |= _chain_refusals(chain, extra)
+    return found
+
+
+def _chain_base(node: ast.AST) -> ast.AST | None:
+    """What `node` extends by one name: an attribute's object, or getattr's and hasattr's first argument
+    where the second is a literal name."""
+    if isinstance(node, ast.Attribute):
+        return node.value
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[0]
+    return None
+
+
+def _chains(tree: ast.AST) -> list[list[str]]:
+    """Every longest dotted name in the code (`ops.aten.add`, `getattr(torch, "relu")` as torch.relu), each
+    from a plain name at its root."""
+    nodes = list(ast.walk(tree))
+    extended = {id(base) for base in map(_chain_base, nodes) if base is not None}
+    chains = []
+    for node in nodes:
+        if id(node) in extended or _chain_base(node) is None:
+            continue
+        parts: list[str] = []
+        current: ast.AST | None = node
+        while current is not None and not isinstance(current, ast.Name):
+            if isinstance(current, ast.Attribute):
+                parts.append(current.attr)
+            else:
+                parts.append(current.args[1].value)  # type: ignore[attr-defined]
+            current = _chain_base(current)
+        if isinstance(current, ast.Name):
+            chains.append([current.id, *reversed(parts)])
+    return chains
+
+
+def _chain_refusals(chain: list[str], extra: frozenset[str]) -> set[str]:
+    """What the policy refuses in one dotted name: an operator (`ops.<namespace>.<name>`, `torch.<name>`:
+    aten's), a namespace of operators on its own, a TorchBind class."""
+    found = _torchbind_refusals(chain, extra)
+    if chain[:2] == ["torch", "ops"]:
+        chain = chain[1:]
+    if chain[0] == "ops" and len(chain) > 2:
+        operator = f"{chain[1]}::{chain[2]}"
+        if not operator_check.allowed(operator, extra):
+            found.add(operator)
+    elif chain[0] == "ops" and len(chain) == 2:
+        if chain[1] not in operator_check.ALLOWED_NAMESPACES | {operator_check.HIGHER_ORDER} | extra:
+            found.add(f"{chain[1]}::*")
+    elif chain[0] == "torch" and "classes" not in chain:
+        found |= {f"aten::{name}" for name in chain[1:] if not operator_check.allowed(f"aten::{name}", extra)}
+    return found
+
+
+def _torchbind_refusals(chain: list[str], extra: frozenset[str]) -> set[str]:
+    """`torch.classes.<namespace>...` (in code, and in pickles as `__torch__.torch.classes...`) outside
+    TORCHBIND_NAMESPACES and the extra namespaces."""
+    found = set()
+    for i in range(len(chain) - 2):
+        if chain[i : i + 2] == ["torch", "classes"] and chain[i + 2] not in operator_check.TORCHBIND_NAMESPACES | extra:
+            found.add(".".join(chain[i:]))
+    return found
+
+
+def _torchscript_pickle_classes(raw: bytes, what: str, extra: frozenset[str]) -> set[str]:
+    """The TorchBind classes a TorchScript pickle builds objects of that the policy refuses (their C++
+    `__setstate__` runs while the archive loads)."""
+    found: set[str] = set()
+    try:
+        for op, arg, _pos in pickletools.genops(raw):
+            if op.name in TORCHSCRIPT_PICKLE_OPS:
+                raise ArchiveRefused(f"{what}: pickle opcode {op.name} is not accepted (torch writes GLOBAL)")
+            if op.name == "GLOBAL":
+                module, _, name = str(arg).partition(" ")
+                found |= _torchbind_refusals(f"{module}.{name}".split("."), extra)
+    except ValueError as exc:
+        raise ArchiveRefused(f"{what}: malformed pickle: {exc}") from None
+    return found
 
 
 def _json(raw: bytes, what: str) -> Any:

@@ -25,13 +25,16 @@ emits it), `prim::RaiseException` (the error path of every standard module), `at
 (thread-local autograd mode; `torch.no_grad()` in scripted code), `prim::TimePoint` (reads a
 clock), `aten::seed`/`aten::initial_seed` (on a Generator the model was given).
 
-TorchScript is walked from its compiled code: every function of the archive's compilation unit
-(module methods of every submodule, TorchScript class methods such as `__setstate__`, free
-functions), including nested blocks (prim::If, prim::Loop) and subgraphs (prim::fork); given a
-module alone, its methods' graphs are inlined so that the calls they make are followed. TorchBind
-classes (C++ classes in `torch.classes`) are named `torch.classes.<namespace>.<Class>.<method>` and
-judged by their namespace. A torch.export program
-is read from its JSON (the archive check reads the same document), higher-order ops' subgraphs
+TorchScript is checked twice. Before it is compiled, its code is read as data
+(serving.dataplane.node.archive_check.check_torchscript_code): a denied operator's name anywhere in it,
+an operator outside the allowed namespaces, or a TorchBind class outside TORCHBIND_NAMESPACES refuses
+the archive, so no `__setstate__` that could call one runs. Then it is walked from its compiled code:
+every function of the archive's compilation unit (module methods of every submodule, TorchScript class
+methods such as `__setstate__`, free functions), including nested blocks (prim::If, prim::Loop) and
+subgraphs (prim::fork); given a module alone, its methods' graphs are inlined so that the calls they
+make are followed. TorchBind classes (C++ classes in `torch.classes`) are named
+`torch.classes.<namespace>.<Class>.<method>` and judged by their namespace. A torch.export program is
+read from its JSON (the archive check reads the same document), higher-order ops' subgraphs
 included. Plain Python and torch; the Django side passes the setting in.
 """
 
@@ -98,6 +101,13 @@ DENIED = {
     "prim::PythonOp": "calls a Python function",
 }
 FILE_LIKE = re.compile(r"file|save|load")
+# How TorchScript code names each denied operator: its own name (`torch.from_file`, `ops.prim.Print`, the
+# special forms `fork` and `awaitable`), and `print` for prim::Print. The archive check refuses code that holds
+# any of these words before the code is compiled (serving.dataplane.node.archive_check.check_torchscript_code).
+DENIED_NAMES = {operator.split("::", 1)[1]: operator for operator in DENIED} | {"print": "prim::Print"}
+# TorchBind (C++) classes an archive may hold objects of (built, by their C++ `__setstate__`, while it loads):
+# the allowed namespaces' and `rnn`, whose CellParamsBase holds a dynamically quantized RNN's packed weights.
+TORCHBIND_NAMESPACES = ALLOWED_NAMESPACES | {"rnn"}
 
 CUSTOM_CLASS_PREFIX = "__torch__.torch.classes."
 TORCHBIND_NAME = "torch.classes."

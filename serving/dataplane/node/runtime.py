@@ -12,9 +12,9 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -41,12 +41,22 @@ def pick_device(preferred: str = "") -> torch.device:
 
 
 def load_module(
-    source: Path | BinaryIO, fmt: str, device: torch.device, *, check_operators: bool = True
+    source: Path | BinaryIO,
+    fmt: str,
+    device: torch.device,
+    *,
+    check_operators: bool = True,
+    allowed_namespaces: Iterable[str] | None = None,
 ) -> torch.nn.Module:
     """Load an artifact after the same archive check as registration (serving.dataplane.node.archive_check),
-    and refuse one that calls an operator the policy does not allow (serving.dataplane.node.operator_check:
-    for TorchScript, once its code is compiled, before anything but its `__setstate__` has run).
-    `check_operators=False` leaves the operator check out, for tests of the sandbox alone.
+    and refuse one that calls an operator the policy does not allow (serving.dataplane.node.operator_check).
+    For TorchScript twice: its code is read as data first, and a denied operator's name anywhere in it
+    refuses the archive before anything is compiled or run (archive_check.check_torchscript_code); then,
+    once compiled, every operator its functions call is checked before any of its methods runs (by then its
+    classes' `__setstate__` has run, code the first check read). `check_operators=False` leaves both out,
+    for tests of the sandbox alone. `allowed_namespaces`: the platform admin's extra operator namespaces
+    (FERRY_ALLOWED_OPERATOR_NAMESPACES; None reads this process's environment, as processes without Django
+    settings do; the sandboxed runtime process is sent them instead).
 
     `source` is a path or an open binary file: the sandboxed runtime process is handed the artifact's
     verified bytes, never a path into the store."""
@@ -54,17 +64,17 @@ def load_module(
 
     try:
         if fmt == "torchscript":
-            _check_archive(source, fmt)
+            _check_archive(source, fmt, check_operators, allowed_namespaces)
             if not isinstance(source, Path):
                 source.seek(0)
             module, operators = operator_check.load_torchscript(source, device)
             if check_operators:
-                operator_check.check(operators)
+                operator_check.check(operators, allowed_namespaces)
         elif fmt == "torch_export":
             with source.open("rb") if isinstance(source, Path) else contextlib.nullcontext(source) as f:
-                _check_archive(f, fmt, check_operators)  # one open file for the check and the load
+                _check_archive(f, fmt, check_operators, allowed_namespaces)  # one open file for the check and the load
                 f.seek(0)
-                program = _load_exported_program(f, check_operators)
+                program = _load_exported_program(f, check_operators, allowed_namespaces)
             # check_guards=False: the guard function is Python source built from the archive's
             # guards_code and exec'd; input shapes are still checked by the module's pre-hook.
             module = program.module(check_guards=False).to(device)
@@ -81,15 +91,19 @@ def load_module(
     return module
 
 
-def _check_archive(source: Path | BinaryIO, fmt: str, check_operators: bool = True) -> None:
+def _check_archive(
+    source: Path | BinaryIO, fmt: str, check_operators: bool = True, allowed_namespaces: Iterable[str] | None = None
+) -> None:
     from serving.dataplane.node.archive_check import ArchiveRefused, check_archive
 
-    kind = check_archive(source, check_operators=check_operators)
+    kind = check_archive(source, check_operators=check_operators, allowed_namespaces=allowed_namespaces)
     if fmt == "torch_export" and kind != "torch_export":
         raise ArchiveRefused("not a torch.export (.pt2) archive")
 
 
-def _load_exported_program(f: BinaryIO, check_operators: bool = True) -> torch.export.ExportedProgram:
+def _load_exported_program(
+    f: BinaryIO, check_operators: bool = True, allowed_namespaces: Iterable[str] | None = None
+) -> torch.export.ExportedProgram:
     """`torch.export.load` without its pickle paths: this calls the pieces it uses for a .pt2 archive
     (torch/export/pt2_archive/_package.py, torch/_export/serde/serialize.py) and nothing else, so
     there is no retry as the legacy layout (torch.load, weights_only=False fallback), no AOTInductor
@@ -103,7 +117,12 @@ def _load_exported_program(f: BinaryIO, check_operators: bool = True) -> torch.e
     from serving.dataplane.node.archive_check import MODEL, PROGRAM, check_pt2_records
 
     reader = PT2ArchiveReader(f)
-    check_pt2_records(reader.get_file_names(), reader.read_bytes, check_operators=check_operators)
+    check_pt2_records(
+        reader.get_file_names(),
+        reader.read_bytes,
+        check_operators=check_operators,
+        allowed_namespaces=allowed_namespaces,
+    )
     serialized = _bytes_to_dataclass(schema.ExportedProgram, reader.read_bytes(PROGRAM))
     state_dict = _load_state_dict(reader, MODEL)
     constants = _load_constants(reader, MODEL)
@@ -225,7 +244,7 @@ class ModelRuntime:
         self.memory_bytes = 0
         self.load_seconds = 0.0
 
-    def load(self, source: BinaryIO | None = None, **options: bool) -> None:
+    def load(self, source: BinaryIO | None = None, **options: Any) -> None:
         """Load from `path`, or from `source` (the sandboxed runtime process is sent the artifact's bytes);
         `options` go to load_module."""
         started = time.perf_counter()

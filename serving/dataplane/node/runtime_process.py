@@ -5,16 +5,19 @@ Tenant artifacts are code: a TorchScript graph can call operators that read file
 must not run in a process holding the platform's files and credentials. The parent keeps everything else of
 ModelRuntime (assemble, split, padding buckets, example batches, profiling: profiled through the channel,
 as the node will see it); only `load` and `predict` cross to the child. The artifact's bytes are read here,
-from the file the node's artifact reader verified by sha256, and sent; the child never gets a path into the
-store. One child per loaded version. Every wait on the child has a deadline: a child that dies or does not
+from the file the node's artifact reader verified, hashed again and sent only if they match the artifact's
+sha256, on every load (a child that died is replaced by loading again); the child never gets a path into
+the store. One child per loaded version. Every wait on the child has a deadline: a child that dies or does not
 answer in time fails that batch (or load) with RuntimeFailure, is counted (metrics.RUNTIME_PROCESS_FAILURES)
 and logged, and the next call starts a fresh one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -26,14 +29,16 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 from django.conf import settings
+from prometheus_client import Counter
 
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.metrics import metrics
-from serving.dataplane.node import runtime_channel, sandbox
+from serving.dataplane.node import artifact_cache, runtime_channel, sandbox
 from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,15 @@ PROJECT_ROOT = Path(__file__).resolve().parents[3]
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run")
 MAX_OUTPUT_BYTES = 1024**3  # what one batch's answer may carry back from the child
 STDERR_LINE = 2000
+SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+# Runtime processes started without a layer of their confinement (sandbox.OPTIONAL_LAYERS aside), by layer: a
+# node whose kernel or user cannot give one (no Landlock, no namespaces); each is logged at WARNING too.
+CONFINEMENT_SKIPPED = Counter(
+    "ferry_runtime_confinement_skipped",
+    "Sandboxed runtime processes started without a confinement layer (seccomp, never used, aside), by layer",
+    ["layer"],
+)
 
 
 def hidden_paths() -> list[str]:
@@ -177,14 +191,15 @@ class RuntimeProcess:
                     "device": str(device),
                     "threads": threads,
                     "format": fmt,
+                    # No filesystem or no network wall: the child refuses to run tenant code (sandbox.require_walls).
+                    "require_walls": not settings.FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX,
                 },
                 timeout_s=start_timeout_s,
             )[0]
         except RuntimeFailure:
             self.close()
             raise
-        self.confinement = {"applied": list(ready.get("applied", [])), "skipped": dict(ready.get("skipped", {}))}
-        log.debug("runtime process %d confined: %s", self.pid, self.confinement)
+        self.confinement = report_confinement(self.pid, ready)
 
     def alive(self) -> bool:
         return not _exited(self.pidfd, 0)
@@ -230,6 +245,24 @@ class RuntimeProcess:
             finally:
                 self.lock.release()
         self._finalizer()
+
+
+def report_confinement(pid: int, ready: dict) -> dict:
+    """A runtime process's confinement as its ready message tells it: each skipped layer but the optional ones
+    (sandbox.OPTIONAL_LAYERS) counted (ferry_runtime_confinement_skipped_total) and logged at WARNING."""
+    confinement = {"applied": list(ready.get("applied", [])), "skipped": dict(ready.get("skipped", {}))}
+    weak = {k: v for k, v in confinement["skipped"].items() if k not in sandbox.OPTIONAL_LAYERS}
+    for layer in weak:
+        CONFINEMENT_SKIPPED.labels(layer).inc()
+    if weak:
+        log.warning(
+            "runtime process %d runs tenant code without: %s",
+            pid,
+            "; ".join(f"{layer} ({why})" for layer, why in weak.items()),
+        )
+    else:
+        log.debug("runtime process %d confined: %s", pid, confinement)
+    return confinement
 
 
 def _exited(pidfd: int, timeout_s: float) -> bool:
@@ -278,8 +311,16 @@ class IsolatedRuntime(ModelRuntime):
         timeout_s: float | None = None,
         start_timeout_s: float | None = None,
         check_operators: bool = True,
+        sha256: str | None = None,
     ) -> None:
         super().__init__(path, fmt, inputs, outputs, device)
+        # What the artifact's bytes must hash to at every load: given, or the file's name where the file is in a
+        # content-addressed store (the artifact store's `<sha[:2]>/<sha256>`, a node's cache: what the node's
+        # artifact reader returns), else what they hashed to at the first load.
+        self.sha256 = sha256 or (Path(path).name if SHA256_NAME.fullmatch(Path(path).name) else None)
+        # The artifact's file, open from the first load until release: a reload after the child died reads
+        # these bytes even where the node's cache has deleted the file since (to make room), or replaced it.
+        self._artifact: BinaryIO | None = None
         # False only in tests of the sandbox alone: the operator check (serving.dataplane.node.operator_check) is off.
         self.check_operators = check_operators
         # The child's intra-op threads: what this process was configured with (configure_torch_threads).
@@ -301,12 +342,10 @@ class IsolatedRuntime(ModelRuntime):
         return self.process.confinement if self.process is not None else {}
 
     def load(self, source: object = None) -> None:
-        """Start a fresh child, confined, and load the artifact's bytes into it."""
+        """Start a fresh child, confined, and load the artifact's bytes into it, once they hash to the artifact's
+        sha256 (on every load: the first, and each reload after a child died)."""
         started = time.perf_counter()
-        try:
-            data = Path(self.path).read_bytes()
-        except OSError as exc:
-            raise RuntimeFailure(f"cannot read the artifact: {exc.strerror}") from None
+        data = self._verified_bytes()
         self._close_process()
         process = RuntimeProcess(self.device, self.threads, self.start_timeout_s, self.fmt)
         try:
@@ -317,6 +356,7 @@ class IsolatedRuntime(ModelRuntime):
                     "inputs": [s.to_dict() for s in self.inputs],
                     "outputs": [s.to_dict() for s in self.outputs],
                     "check_operators": self.check_operators,
+                    "allowed_namespaces": list(settings.FERRY_ALLOWED_OPERATOR_NAMESPACES),
                 },
                 [np.frombuffer(data, dtype=np.uint8)],
                 timeout_s=self.start_timeout_s,
@@ -329,6 +369,25 @@ class IsolatedRuntime(ModelRuntime):
         self._on_host = False
         self.memory_bytes = int(reply.get("memory_bytes", 0))
         self.load_seconds = time.perf_counter() - started
+
+    def _verified_bytes(self) -> bytes:
+        """The artifact's bytes from its open file, refused (RuntimeFailure, counted in
+        ferry_artifact_refused_total{where="runtime"}) unless they hash to `sha256`."""
+        try:
+            if self._artifact is None:
+                self._artifact = Path(self.path).open("rb")
+            self._artifact.seek(0)
+            data = self._artifact.read()
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot read the artifact: {exc.strerror}") from None
+        digest = hashlib.sha256(data).hexdigest()  # without the GIL: a 4 GB artifact takes seconds
+        if self.sha256 is None:
+            self.sha256 = digest
+        elif digest != self.sha256:
+            artifact_cache.REFUSED.labels("runtime").inc()
+            log.error("artifact %s: the bytes of %s hash to %s: refused", self.sha256, self.path, digest)
+            raise RuntimeFailure(f"artifact {self.sha256}: the bytes read do not hash to its sha256; refused")
+        return data
 
     def _live(self) -> RuntimeProcess:
         """The child, started afresh (and the artifact loaded again) when the last one died or timed out."""
@@ -375,6 +434,9 @@ class IsolatedRuntime(ModelRuntime):
     def release(self) -> None:
         self._released = True
         self._close_process()
+        if self._artifact is not None:
+            self._artifact.close()
+            self._artifact = None
 
     def close(self) -> None:
         self.release()
@@ -385,14 +447,23 @@ class IsolatedRuntime(ModelRuntime):
             self.process = None
 
 
-def inspect_operators(data: bytes, fmt: str, *, timeout_s: float | None = None) -> list[str]:
+def inspect_operators(data: bytes, fmt: str, *, timeout_s: float | None = None, check_code: bool = True) -> list[str]:
     """The sorted operator names of every method graph of an artifact, loaded in a fresh sandboxed child (the
-    registration check: the artifact is not loaded in the web process)."""
+    registration check: the artifact is not loaded in the web process). The child reads a TorchScript
+    archive's code as data first and refuses (RuntimeFailure) one naming a denied operator, before compiling
+    it; `check_code=False` leaves that out, for tests of the listing."""
     timeout = timeout_s if timeout_s is not None else settings.FERRY_RUNTIME_START_TIMEOUT_S
     process = RuntimeProcess(torch.device("cpu"), 1, timeout, fmt)
     try:
         reply, _ = process.call(
-            {"op": "operators", "format": fmt}, [np.frombuffer(data, dtype=np.uint8)], timeout_s=timeout
+            {
+                "op": "operators",
+                "format": fmt,
+                "check_operators": check_code,
+                "allowed_namespaces": list(settings.FERRY_ALLOWED_OPERATOR_NAMESPACES),
+            },
+            [np.frombuffer(data, dtype=np.uint8)],
+            timeout_s=timeout,
         )
     finally:
         process.close()
@@ -403,17 +474,23 @@ def make_runtime(
     path: Path, fmt: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], device: torch.device
 ) -> ModelRuntime:
     """The runtime FERRY_RUNTIME_ISOLATION asks for: sandboxed (`process`, the default) or in this process
-    (`inline`, unsafe: only for contrast benchmarks)."""
+    (`inline`, unsafe: only for contrast benchmarks; config/settings.py refuses it unless FERRY_DEBUG is on)."""
     if settings.FERRY_RUNTIME_ISOLATION == "inline":
         return ModelRuntime(path, fmt, inputs, outputs, device)
     return IsolatedRuntime(path, fmt, inputs, outputs, device)
 
 
 def warn_if_inline() -> None:
+    """At a data plane's start: say loudly where tenant code runs with less than the whole sandbox."""
     if settings.FERRY_RUNTIME_ISOLATION == "inline":
         log.warning(
             "FERRY_RUNTIME_ISOLATION=inline: tenant model code runs in this process, with its files and"
             " credentials (UNSAFE; for contrast benchmarks only)"
+        )
+    if settings.FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX:
+        log.warning(
+            "FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX=true: tenant model code runs even where the runtime process has"
+            " no filesystem or no network wall (UNSAFE: it may read the data directory and reach the databases)"
         )
 
 

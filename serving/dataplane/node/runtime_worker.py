@@ -69,12 +69,21 @@ def warm_up(fmt: str) -> None:
     archive_check.check_archive(io.BytesIO(buffer.getvalue()))
 
 
-def operators(data: bytes, fmt: str, device: torch.device) -> list[str]:
+def operators(
+    data: bytes, fmt: str, device: torch.device, *, check_code: bool = True, allowed_namespaces: list[str] | None = None
+) -> list[str]:
     """Sorted operator names of an artifact, allowed or not (the caller judges them). For TorchScript, every
     function its code compiles to (operator_check.load_torchscript keeps the compilation unit, so a class's
-    `__setstate__` counts too); for torch.export, the calls of the deserialised program's graph."""
+    `__setstate__` counts too), once the archive check has read its code as data and refused a denied name
+    in it (archive_check.check_torchscript_code), before compiling runs any of it; `check_code=False` leaves
+    that out, for tests of the listing. For torch.export, the calls of the deserialised program's graph."""
     if fmt == "torchscript":
-        archive_check.check_archive(io.BytesIO(data))
+        try:
+            archive_check.check_archive(
+                io.BytesIO(data), check_operators=check_code, allowed_namespaces=allowed_namespaces or ()
+            )
+        except archive_check.ArchiveRefused as exc:
+            raise RuntimeFailure(f"cannot load torchscript artifact (refused): {exc.reason}") from None
         _, names = operator_check.load_torchscript(io.BytesIO(data), device)
         return sorted(names)
     module = load_module(io.BytesIO(data), fmt, device, check_operators=False)
@@ -163,12 +172,25 @@ class Worker:
             inputs = [TensorSpec.from_dict(d) for d in header["inputs"]]
             outputs = [TensorSpec.from_dict(d) for d in header["outputs"]]
             runtime = ModelRuntime(None, header["format"], inputs, outputs, self.device)  # type: ignore[arg-type]
-            runtime.load(io.BytesIO(arrays[0].tobytes()), check_operators=bool(header.get("check_operators", True)))
+            # The namespaces the platform admin allows come from the node (FERRY_ALLOWED_OPERATOR_NAMESPACES): this
+            # process's environment holds no FERRY_* setting.
+            runtime.load(
+                io.BytesIO(arrays[0].tobytes()),
+                check_operators=bool(header.get("check_operators", True)),
+                allowed_namespaces=[str(n) for n in header.get("allowed_namespaces", [])],
+            )
             self.runtime = runtime
             return {"ok": True, "memory_bytes": runtime.memory_bytes, "load_seconds": runtime.load_seconds}, []
         if op == "operators":
             # The names of every operator, allowed or not: the caller judges them.
-            return {"ok": True, "operators": operators(arrays[0].tobytes(), header["format"], self.device)}, []
+            names = operators(
+                arrays[0].tobytes(),
+                header["format"],
+                self.device,
+                check_code=bool(header.get("check_operators", True)),
+                allowed_namespaces=[str(n) for n in header.get("allowed_namespaces", [])],
+            )
+            return {"ok": True, "operators": names}, []
         if op in ("to_host", "to_device"):
             if self.runtime is not None:
                 self.runtime.to_host() if op == "to_host" else self.runtime.to_device()
@@ -189,8 +211,13 @@ def runtime(fd: int) -> int:
     try:
         warm_up(str(header.get("format", "torchscript")))
         record = sandbox.confine(
-            hidden=header["hidden"], project_root=Path(header["project_root"]), device=str(device), channel_fd=fd
+            hidden=header["hidden"],
+            project_root=Path(header["project_root"]),
+            device=str(device),
+            channel_fd=fd,
+            walls_required=bool(header.get("require_walls", True)),
         )
+        quiet_stderr(record)
     except Exception as exc:  # refuse to serve rather than run model code half-confined
         runtime_channel.send(sock, {"ok": False, "error": f"confinement failed: {type(exc).__name__}: {exc}"})
         return 1
@@ -200,6 +227,19 @@ def runtime(fd: int) -> int:
     runtime_channel.send(sock, {"ok": True, "pid": os.getpid(), "threads": threads, **record.as_dict()})
     Worker(sock, device).serve()
     return 0
+
+
+def quiet_stderr(record: sandbox.Confinement) -> None:
+    """Point this process's stderr at /dev/null once it is confined: it is the zygote's, which the node logs
+    line by line at WARNING, and model code can write to it (`aten::warn`, torch's C++ warnings). What this
+    process has to say from here on goes over the channel."""
+    null = os.open("/dev/null", os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+    finally:
+        os.close(null)
+    warnings.simplefilter("ignore")  # and the warnings machinery does not spend time formatting them
+    record.applied.append("stderr-closed")
 
 
 def zygote(fd: int) -> int:

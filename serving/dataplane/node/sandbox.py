@@ -12,7 +12,8 @@ user cannot have it, in `Confinement.skipped` with the reason:
 2. `namespaces`: a private mount namespace (with a user namespace when not root) where each hidden path is
    covered by an empty read-only tmpfs, so `/proc/<pid>/root/<data dir>` is empty from outside too; a
    network namespace with no interfaces up (no TCP, UDP or abstract Unix socket reaches the host's); an IPC
-   namespace.
+   namespace. Root without CAP_SYS_ADMIN (a container's default) moves to nobody first and tries again with
+   a user namespace.
 3. `landlock_filesystem`: read-only access beneath the interpreter's and torch's directories and the
    `serving` package only (never the project root, which holds var/), no write, no execve; device files the
    accelerator needs may be written and ioctl'ed, and on CUDA its own threads' /proc entries, which the
@@ -24,6 +25,13 @@ user cannot have it, in `Confinement.skipped` with the reason:
    clears every capability; as non-root the capabilities the user namespace gave are dropped with capset.
 6. `limit_resources`: no core dumps, no file writes (RLIMIT_FSIZE 0), a bound on processes where root was
    dropped (RLIMIT_NPROC counts every process and thread of the uid, so it is shared by all runtime children).
+
+Two walls are required (`require_walls`): one on the filesystem (the mount namespace or Landlock's
+filesystem rules) and one on the network (the network namespace or Landlock's TCP rules, ABI >= 4). With
+neither layer of a pair, the process refuses to run tenant code (ConfinementError, and the load fails
+saying why) unless the node's FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX says otherwise: without both filesystem
+layers a model reads the data directory (secret_key, the SQLite database), without both network layers it
+connects to PostgreSQL and Redis.
 
 Not used: seccomp. libseccomp's own Python binding is not published on PyPI (what is there are one-person
 repackagings), and a hand-written BPF filter is not a well-kept binding; the layers above already deny the
@@ -61,6 +69,7 @@ MS_NODEV = 4
 MS_NOEXEC = 8
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+PR_SET_DUMPABLE = 4
 PR_SET_NO_NEW_PRIVS = 38
 PR_GET_NO_NEW_PRIVS = 39
 
@@ -79,6 +88,17 @@ _KEPT_ENV = ("LANG", "LC_ALL", "TZ", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEV
 _SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+# Skipped layers that leave no wall missing: seccomp is never used (see above). Any other skipped layer is
+# logged at WARNING by the node and counted (runtime_process), and tests expect none on the CI machine.
+OPTIONAL_LAYERS = frozenset({"seccomp"})
+# The layers that each make a wall: one of each pair must apply (`missing_walls`).
+WALLS = {
+    "filesystem": ("mount-namespace", "landlock-fs"),
+    "network": ("network-namespace", "landlock-net"),
+}
+PARTIAL_SANDBOX_SETTING = "FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX"
 
 
 class ConfinementError(RuntimeError):
@@ -176,23 +196,66 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _unshare(flags: int) -> int:
+    """unshare(2); 0, or the errno it failed with (then cleared: see `_clear_errno`)."""
+    if _libc.unshare(flags) == 0:
+        return 0
+    err = ctypes.get_errno()
+    _clear_errno()
+    return err
+
+
+def _clear_errno() -> None:
+    """Zero ctypes' copy of errno, which it hands to the next foreign call. The `landlock` binding judges each
+    of its calls by errno alone, not by the result: an errno left by an earlier failed call (an unshare refused
+    here) would make Landlock look unavailable, and it would be skipped with the namespaces."""
+    ctypes.set_errno(0)
+
+
+def _set_dumpable(on: bool) -> None:
+    _check(_libc.prctl(PR_SET_DUMPABLE, 1 if on else 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def _become_nobody(record: Confinement) -> None:
+    """As root: supplementary groups cleared, then gid and uid nobody, which clears every capability."""
+    os.setgroups([])
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    record.applied.append(f"uid:{NOBODY}")
+
+
 def namespaces(hidden: Sequence[str], record: Confinement) -> None:
     """Enter private mount, network and IPC namespaces (and a user namespace when not root, the kernel
-    allowing), then cover each hidden directory with an empty read-only tmpfs."""
+    allowing), then cover each hidden directory with an empty read-only tmpfs. Root that may not unshare
+    them (no CAP_SYS_ADMIN: a container's default) becomes nobody first and enters them with a user
+    namespace, as a non-root user would."""
     if not single_threaded():
         raise ConfinementError("the runtime process has threads before confinement")
     root = os.geteuid() == 0
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | (0 if root else CLONE_NEWUSER)
-    uid, gid = os.geteuid(), os.getegid()
-    if _libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        record.skipped["namespaces"] = f"unshare: {os.strerror(err)}"
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
+    user_namespace = not root
+    err = _unshare(flags | (CLONE_NEWUSER if user_namespace else 0))
+    refused_as_root = ""
+    if err and root:
+        refused_as_root = f"unshare as root: {os.strerror(err)}; "
+        _become_nobody(record)
+        # Leaving root cleared the dumpable flag, which makes /proc/self root's: the maps below are written there.
+        _set_dumpable(True)
+        user_namespace = True
+        err = _unshare(flags | CLONE_NEWUSER)
+    if err:
+        if refused_as_root:
+            _set_dumpable(False)
+        record.skipped["namespaces"] = f"{refused_as_root}unshare: {os.strerror(err)}"
         return
-    if not root:
+    if user_namespace:
         # The only uid inside is the caller's own; setgroups must be denied before a gid map is written.
+        uid, gid = os.geteuid(), os.getegid()
         Path("/proc/self/setgroups").write_text("deny")
         Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
         Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+        if refused_as_root:
+            _set_dumpable(False)  # as a process that left root is: its /proc entries are not nobody's to read
         record.applied.append("user-namespace")
     record.applied += ["network-namespace", "ipc-namespace"]
     # Mounts made here must not propagate back to the host's namespace.
@@ -221,6 +284,7 @@ def landlock_filesystem(
 ) -> None:
     """Landlock: read beneath `read`, read-write (and ioctl) on `devices`, read-write beneath `own` (the
     process's own /proc entries), nothing else; no execve anywhere."""
+    _clear_errno()
     try:
         abi = landlock.landlock_abi_version()
     except OSError as exc:
@@ -264,10 +328,12 @@ class _RulesetAttr(ctypes.Structure):
 def landlock_network_and_scope(record: Confinement) -> None:
     """A second Landlock layer: no TCP bind or connect (no rule allows a port), and no abstract Unix socket
     connection or signal outside this domain."""
+    _clear_errno()
     try:
         abi = landlock.landlock_abi_version()
-    except OSError:
-        return  # reported by landlock_filesystem
+    except OSError as exc:
+        record.skipped["landlock-net"] = f"Landlock unavailable: {exc.strerror}"
+        return
     if abi < 4:
         record.skipped["landlock-net"] = f"Landlock ABI {abi} < 4"
         return
@@ -308,10 +374,7 @@ def drop_privileges(record: Confinement) -> None:
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     record.applied.append("no-new-privs")
     if os.geteuid() == 0:
-        os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
-        record.applied.append(f"uid:{NOBODY}")
+        _become_nobody(record)
     else:
         header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
         data = (_CapData * 2)()
@@ -337,9 +400,35 @@ def limit_resources(record: Confinement, dropped_root: bool) -> None:
         record.applied.append("rlimit-nproc")
 
 
-def confine(*, hidden: Sequence[str], project_root: Path, device: str, channel_fd: int) -> Confinement:
+def missing_walls(record: Confinement) -> list[str]:
+    """The walls (WALLS) none of whose layers applied."""
+    applied = {layer.split(":", 1)[0] for layer in record.applied}
+    return [wall for wall, layers in WALLS.items() if not applied.intersection(layers)]
+
+
+def require_walls(record: Confinement, required: bool = True) -> None:
+    """Refuse to go on without a filesystem and a network wall (ConfinementError naming what was skipped and
+    why), unless `required` is false (the node's FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX): then each missing
+    wall is recorded as skipped, for the node to log and count."""
+    missing = missing_walls(record)
+    if not missing:
+        return
+    if required:
+        reasons = "; ".join(f"{k}: {v}" for k, v in record.skipped.items() if k not in OPTIONAL_LAYERS)
+        raise ConfinementError(
+            f"no {' and no '.join(missing)} wall ({reasons or 'no layer applied'}); tenant code does not run"
+            f" without one (set {PARTIAL_SANDBOX_SETTING}=true on the node to run it anyway, unsafely)"
+        )
+    for wall in missing:
+        record.skipped[f"{wall}-wall"] = f"none of {', '.join(WALLS[wall])}; allowed by {PARTIAL_SANDBOX_SETTING}"
+
+
+def confine(
+    *, hidden: Sequence[str], project_root: Path, device: str, channel_fd: int, walls_required: bool = True
+) -> Confinement:
     """Every layer, in order. Call once the imports (and their lazily loaded pieces) are done, before any
-    artifact arrives; raises ConfinementError rather than run half-confined where a layer failed midway."""
+    artifact arrives; raises ConfinementError rather than run half-confined where a layer failed midway, or
+    where no filesystem or no network wall applied (`require_walls`)."""
     record = Confinement()
     close_other_fds([channel_fd])
     os.chdir("/")
@@ -353,6 +442,7 @@ def confine(*, hidden: Sequence[str], project_root: Path, device: str, channel_f
         readable_paths(project_root, device), device_paths(device), record, own=own_writable_paths(device)
     )
     landlock_network_and_scope(record)
+    require_walls(record, walls_required)
     drop_privileges(record)
     limit_resources(record, dropped_root=root)
     record.skipped["seccomp"] = "not used (no well-kept binding; see serving.dataplane.node.sandbox)"
