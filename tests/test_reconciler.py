@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from serving.dataplane.gateway.snapshot import hub as process_hub
 from serving.dataplane.gateway.snapshot_redis import SERIAL_KEY
 from serving.dataplane.transport.fleet import NODES_KEY, NodeInfo, node_key
 from serving.models import ModelVersion
@@ -481,7 +482,12 @@ def test_a_step_whose_lock_lapsed_writes_nothing_more_and_leaves_the_new_holders
     assert fleet_redis.get(LOCK_KEY) == b"the next step"
 
 
-def test_a_step_that_marks_several_versions_publishes_the_snapshot_once(db, fleet_redis, model_files, settings) -> None:  # noqa: ANN001
+def test_a_step_that_marks_several_versions_publishes_the_snapshot_once(  # noqa: ANN001
+    db, fleet_redis, model_files, settings, monkeypatch
+) -> None:
+    # This process's snapshot hub keeps the highest serial it is handed, and Redis' serials are far above the
+    # process's own: put back what it held, or the next tests' snapshots in this process would be ignored.
+    monkeypatch.setattr(process_hub, "current", process_hub.current)
     # given two versions no node can hold, and the snapshot published to Redis (as in production)
     for name in ("digits", "other"):
         register(model_files.digits, name)
