@@ -54,7 +54,11 @@ STEP_REPLICAS = 1.5
 # and less than two serve on this machine, where two nodes computing at once share two cores with the rest.
 STEP_SHARE = 1.15
 PROBE_S = 3.0
-QUEUE = 128  # the version's max_queue_size: what the gateway holds for it before it answers 503
+# The version's max_queue_size: what the gateway holds for it before it answers 503. During the step the one
+# replica serves less than the probe measured (the load's threads and the web process share its cores): with
+# 128, a run where the second replica was serving 2.2 s into the step saw 126 requests wait before it, and a
+# slower one was refused at 2.1 s. The room is for the machine's pace, not the autoscaler's.
+QUEUE = 256
 COOL_DOWN_S = 8.0
 
 pytestmark = pytest.mark.solo
