@@ -202,50 +202,52 @@ class RedisStreamsTransport:
         held.nbytes += nbytes
         try:
             entries = None  # the stream's length as this XADD found it: every gateway's requests
-            try:
-                # Within the request's deadline, not only the socket's timeout (COMMAND_TIMEOUT_S): the pipe sends
-                # one batch after another, and a slow Redis would hold a 300 ms request for seconds. Giving up
-                # cancels this command's future only: the pipe leaves it out of a batch not yet sent, and skips
-                # its result in one sent already (the XADD may then have landed: its node finds it expired).
-                async with asyncio.timeout(deadline - self._clock()):
+            sent = False
+            # One bound to the deadline for the XADD and the wait for the answer alike. Not only the socket's
+            # timeout (COMMAND_TIMEOUT_S) bounds the XADD: the pipe sends one batch after another, and a slow Redis
+            # would hold a 300 ms request for seconds. Giving up cancels this command's future only: the pipe leaves
+            # it out of a batch not yet sent, and skips its result in one sent already (the XADD may then have
+            # landed: its node finds it expired).
+            async with asyncio.timeout(deadline - self._clock()):
+                try:
                     added, entries, held_bytes = await self._pipe.send(
                         *stream_bound.add_args(key, self.stream_bytes, REQUEST_STREAM_MAXLEN, FIELD, message)
                     )
-            except TimeoutError:
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    # The reader governs `connected`: it notices the same outage on its own connection, and
+                    # it alone can say Redis is back.
+                    log.debug("XADD to %s failed: %s", key, exc)
+                    raise Unavailable("the request queue (Redis) is unreachable", retry_after=1) from None
+                except redis.RedisError as exc:
+                    log.error("XADD to %s refused: %s", key, exc)
+                    metrics.INTERNAL_ERRORS.labels("stream_send").inc()
+                    raise ServingError("the request queue refused the request; the gateway logged it") from None
+                finally:
+                    if self.admission is not None:  # the view's guess of the stream gives way to its length
+                        self.admission.settled(key, rows, entries)
+                if not added:  # the stream is full, from every gateway's requests: never sent
+                    metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), "queue_full").inc()
+                    raise Shed(
+                        f"{key}: its stream holds {entries} requests ({held_bytes} bytes) already",
+                        reason="queue_full",
+                        tier=priority,
+                        retry_after=1,
+                    )
+                sent = True
+                outputs = await future
+        except TimeoutError:
+            if not sent:
                 metrics.DEADLINES.labels(entry.model, str(entry.version), "send").inc()
                 log.debug("XADD to %s outlived the request's deadline", key)
                 raise DeadlineExceeded("request deadline exceeded while the request queue (Redis) took it") from None
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                # The reader governs `connected`: it notices the same outage on its own connection, and
-                # it alone can say Redis is back.
-                log.debug("XADD to %s failed: %s", key, exc)
-                raise Unavailable("the request queue (Redis) is unreachable", retry_after=1) from None
-            except redis.RedisError as exc:
-                log.error("XADD to %s refused: %s", key, exc)
-                metrics.INTERNAL_ERRORS.labels("stream_send").inc()
-                raise ServingError("the request queue refused the request; the gateway logged it") from None
-            finally:
-                if self.admission is not None:  # the view's guess of the stream gives way to its length
-                    self.admission.settled(key, rows, entries)
-            if not added:  # the stream is full, from every gateway's requests: never sent
-                metrics.GATEWAY_REFUSALS.labels(entry.model, str(entry.version), "queue_full").inc()
-                raise Shed(
-                    f"{key}: its stream holds {entries} requests ({held_bytes} bytes) already",
-                    reason="queue_full",
-                    tier=priority,
-                    retry_after=1,
-                )
-            try:
-                async with asyncio.timeout(deadline - self._clock()):
-                    outputs = await future
-            except TimeoutError:
-                metrics.DEADLINES.labels(entry.model, str(entry.version), "gateway").inc()
-                self._observe(key, estimated, now)
-                raise DeadlineExceeded("request deadline exceeded") from None
-            except DeadlineExceeded:
-                metrics.DEADLINES.labels(entry.model, str(entry.version), "node").inc()
-                self._observe(key, estimated, now)
-                raise
+            metrics.DEADLINES.labels(entry.model, str(entry.version), "gateway").inc()
+            self._observe(key, estimated, now)
+            raise DeadlineExceeded("request deadline exceeded") from None
+        except DeadlineExceeded:
+            metrics.DEADLINES.labels(entry.model, str(entry.version), "node").inc()
+            self._observe(key, estimated, now)
+            raise
+        else:
             self._observe(key, estimated, now)
             return outputs
         finally:
