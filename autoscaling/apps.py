@@ -6,4 +6,7 @@ class AutoscalingConfig(AppConfig):
     verbose_name = "Autoscaling"
 
     def ready(self) -> None:
-        from autoscaling import signals  # noqa: F401  (a policy turned off or deleted clears desired_replicas)
+        # Here, not at the top: the receivers' module imports models, which Django allows only once the app
+        # registry is ready, and ready() is the hook it calls then. (A policy turned off or deleted clears
+        # desired_replicas.)
+        from autoscaling import signals  # noqa: F401

@@ -32,16 +32,16 @@ from serving.dataplane.gateway.gateway import Gateway
 from serving.dataplane.gateway.quota_gate import QuotaGate
 from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, SnapshotHub, hub
 from serving.dataplane.metrics import metrics
-from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_host import NodeHost
 from serving.dataplane.plane import DataPlane
 from serving.dataplane.transport import host_frames as frames
 from serving.dataplane.transport import redis_pipe
-from serving.dataplane.transport.host_link import HostLink, HostQuota
+from serving.dataplane.transport.host_link import HostQuota
 from serving.dataplane.transport.stream_codec import REPLIES, encode_error, encode_success, salvage_replies
-from serving.policies.quota import IN_FLIGHT, InProcessQuota
+from serving.policies.quota import IN_FLIGHT
 from tests.test_admission import rows
 from tests.test_inference_http import assert_error, call
+from tests.test_node_host import _host, _link
 from tests.test_streams_transport import Served, deadline, entry, served  # noqa: F401  (the fixture)
 
 REDIS_URL = os.environ.get("FERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -57,25 +57,6 @@ class TwoInFlight(Limits):
 
 def counter(child) -> float:  # noqa: ANN001
     return child._value.get()
-
-
-async def _host(tmp_path: Path, **kwargs: object) -> tuple[NodeHost, str]:
-    async def refresh() -> int:
-        return 0
-
-    host = NodeHost(
-        Node(artifact_path=lambda key: tmp_path / key, device="cpu"), InProcessQuota(), refresh=refresh, **kwargs
-    )
-    path = str(tmp_path / "node.sock")
-    await host.start(path)
-    return host, path
-
-
-async def _link(path: str) -> HostLink:
-    link = HostLink(path)
-    link.start()
-    await asyncio.wait_for(link.connected.wait(), 5)
-    return link
 
 
 def _slow_quota_replies(host: NodeHost, delay: float) -> None:

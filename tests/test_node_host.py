@@ -29,7 +29,8 @@ class Limits:
     requests_per_second, burst, max_in_flight, monthly_requests = 1.0, 3, 2, 1000
 
 
-async def _host(tmp_path: Path) -> tuple[NodeHost, str]:
+async def _host(tmp_path: Path, **kwargs: object) -> tuple[NodeHost, str]:
+    """A node host on a socket in `tmp_path`; `kwargs` are NodeHost's."""
     node = Node(artifact_path=lambda key: tmp_path / key, device="cpu")
     refreshed = []
 
@@ -37,7 +38,7 @@ async def _host(tmp_path: Path) -> tuple[NodeHost, str]:
         refreshed.append(1)
         return len(refreshed)
 
-    host = NodeHost(node, InProcessQuota(), refresh=refresh)
+    host = NodeHost(node, InProcessQuota(), refresh=refresh, **kwargs)  # type: ignore[arg-type]
     path = str(tmp_path / "node.sock")
     await host.start(path)
     return host, path
