@@ -16,21 +16,24 @@ the node's own state, read from it at scrape time:
 
 Served by the standard library's WSGI server, a thread per scrape, off the event loop: a scrape never waits
 on it, and reads only copies of the node's dicts. At most MAX_CONNECTIONS connections are served at once (one
-more is answered 503 without a thread) and each socket operation waits at most READ_TIMEOUT_S (a client that
-sends or reads nothing is dropped), so silent connections cannot pin threads. Access is the web process's
-(`metrics_access`): the metrics token reads everything; an allowed address without it reads private names
-redacted, judged by the routing snapshot the node follows; anyone else gets 401.
+more is answered 503 without a thread) and each connection waits on its client, reading the request and
+writing the answer, until READ_TIMEOUT_S after its start in all (a client that sends or reads nothing, or
+drips its request a byte at a time, is dropped at that deadline), so slow connections cannot pin threads.
+Access is the web process's (`metrics_access`): the metrics token reads everything; an allowed address without
+it reads private names redacted, judged by the routing snapshot the node follows; anyone else gets 401.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import orjson
@@ -42,6 +45,8 @@ from serving.dataplane.errors import ServingError
 from serving.dataplane.metrics import metrics_access
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
     from serving.dataplane.gateway.snapshot import RoutingSnapshot
     from serving.dataplane.node.node import Node
     from serving.dataplane.node.node_process import NodeProcess
@@ -50,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # Scrapers are a few Prometheus servers, each with one scrape in flight per target, a scrape a few seconds long.
 MAX_CONNECTIONS = 16
-READ_TIMEOUT_S = 10.0  # per socket operation: reading the request, writing the answer
+READ_TIMEOUT_S = 10.0  # per connection, in all: reading the request, writing the answer
 
 
 class NodeCollector(Collector):
@@ -156,7 +161,7 @@ def serve_registry(
 ) -> WSGIServer:
     """Serve this process's registry on `port` (the node host of embedded mode: its batches, devices and
     runtimes, which its web processes do not see); `snapshot` judges which names a caller may read. At most
-    `max_connections` at once, each socket operation bounded by `timeout` seconds."""
+    `max_connections` at once, each connection's exchange bounded by `timeout` seconds in all."""
     handler = type("_Handler", (_QuietHandler,), {"timeout": timeout})
     server = make_server(
         addr,
@@ -241,7 +246,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             self.slots.release()
 
     def handle_error(self, request: object, client_address: object) -> None:  # type: ignore[override]
-        if isinstance(sys.exc_info()[1], OSError):  # a client too slow (READ_TIMEOUT_S) or gone: not news
+        if isinstance(sys.exc_info()[1], OSError):  # a client too slow (its deadline passed) or gone: not news
             return
         super().handle_error(request, client_address)  # type: ignore[arg-type]
 
@@ -254,6 +259,59 @@ def _server_class(addr: str) -> type[WSGIServer]:
     return _ThreadingServer6 if ":" in addr else _ThreadingServer
 
 
+class _DeadlinePassed(ConnectionAbortedError):
+    """A ConnectionAbortedError, which wsgiref's handler takes as a client gone while answering (no traceback
+    on stderr) and the server's handle_error as an OSError, not news."""
+
+
+class _DeadlineIO(io.RawIOBase):
+    """The connection's reads and writes, each waiting at most what is left of one deadline for the whole
+    exchange: a per-operation timeout alone lets a client that sends a byte now and then keep it for ever."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def _wait_at_most_what_is_left(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _DeadlinePassed("the connection's deadline passed")
+        self.sock.settimeout(left)
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        self._wait_at_most_what_is_left()
+        try:
+            return self.sock.recv_into(buffer)
+        except TimeoutError as exc:
+            raise _DeadlinePassed("the connection's deadline passed") from exc
+
+    def write(self, data: ReadableBuffer) -> int:
+        self._wait_at_most_what_is_left()
+        try:
+            self.sock.sendall(data)  # its timeout bounds the whole call (Python 3.5+), not each send
+        except TimeoutError as exc:
+            raise _DeadlinePassed("the connection's deadline passed") from exc
+        return memoryview(data).nbytes
+
+
 class _QuietHandler(WSGIRequestHandler):
+    """`timeout` (serve_registry's) is the deadline of the connection's whole exchange, from its thread's start."""
+
+    timeout: ClassVar[float] = READ_TIMEOUT_S
+
+    def setup(self) -> None:
+        # StreamRequestHandler.setup's socket file objects, here reading and writing through one deadline
+        self.connection = self.request
+        raw = _DeadlineIO(self.connection, time.monotonic() + self.timeout)
+        self.rfile = io.BufferedReader(raw)
+        # unbuffered, as the base class's (wbufsize 0, a BufferedIOBase that holds nothing): goes out as written
+        self.wfile = raw  # type: ignore[assignment]
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
         pass  # one line per scrape every few seconds would bury the node's own log
