@@ -6,8 +6,8 @@ task is left to clients' whims, and every caller gets its answer.
   With real processes (`serve --workers 2`, the host stopped for a moment): tests/test_node_host_processes.py.
 - The front door's refusals are labelled only with names the snapshot knows.
 - Distributed mode's XADD is bounded by the request's deadline, not Redis' socket timeout, and a caller that
-  gives up takes nothing from the pipe's other commands; a malformed reply entry answers every caller it can
-  still name 500 at once.
+  gives up takes nothing from the pipe's other commands; a damaged reply entry answers every caller it holds at
+  once (500 where its reply is damaged).
 - The repository extension answers a registry outage, or a change not done in time, 503 with Retry-After.
 """
 
@@ -37,7 +37,7 @@ from serving.dataplane.plane import DataPlane
 from serving.dataplane.transport import host_frames as frames
 from serving.dataplane.transport import redis_pipe
 from serving.dataplane.transport.host_link import HostQuota
-from serving.dataplane.transport.stream_codec import REPLIES, encode_error, encode_success, salvage_replies
+from serving.dataplane.transport.stream_codec import REPLIES, encode_error, encode_success, pack_replies
 from serving.policies.quota import IN_FLIGHT
 from tests.test_admission import rows
 from tests.test_inference_http import assert_error, call
@@ -284,37 +284,58 @@ async def test_a_slow_redis_costs_a_request_its_deadline_not_the_socket_timeout(
     served.client.delete(BLOCKED)
 
 
-async def test_a_malformed_reply_entry_answers_the_callers_it_names_500_at_once(served: Served) -> None:  # noqa: F811
+async def test_a_damaged_reply_entry_answers_every_caller_it_holds_at_once(served: Served) -> None:  # noqa: F811
     transport = served.transport
     errors = metrics.INTERNAL_ERRORS.labels("stream_reply")
     before = counter(errors)
-    idle = entry("idle")  # no node reads it: only the entry written below answers
-    waiting = [asyncio.ensure_future(transport.infer(idle, rows(1), 1, deadline(20), 1)) for _ in range(3)]
-    await _until(lambda: len(transport._waiting) == 3, "three requests sent")
-    first, second, third = sorted(transport._waiting)
-    # given a node's reply entry that is not an array of encoded replies: the first caller's reply as it should
-    # be, the second's a map instead of bytes, and the damage after them
+    idle = entry("idle")  # no node reads it: only the entries written below answer
+    waiting = [asyncio.ensure_future(transport.infer(idle, rows(1), 1, deadline(20), 1)) for _ in range(4)]
+    await _until(lambda: len(transport._waiting) == 4, "four requests sent")
+    first, second, third, fourth = sorted(transport._waiting)
+    # given a node's reply entry for three callers: the first's reply as it should be, the second's damaged, and the
+    # entry cut short inside the third's
     good = encode_success(first, {"scores": np.zeros((1, 2), np.float32)}, None)
-    raw = msgpack.packb([good, {"id": second, "status": 500}, b"x"])[:-2] + b"\xc1"
-    salvaged, named = salvage_replies(raw)
-    assert salvaged == [good] and named == [second]
+    last = encode_error(third, ServingError("refused", status=503))
+    whole = pack_replies([first, second, third], [good, b"\xc1 not a reply", last])
+    raw = whole[: len(whole) - len(last) // 2]
     # when it arrives on the gateway's reply stream
     served.client.xadd(transport.reply_to, {REPLIES: raw})
-    # then the first caller has its result and the second 500 at once, the bug logged and counted
+    # then the first caller has its result, and the other two 500 at once (not 504 at their deadlines), the bugs
+    # logged and counted: the second's reply, and the entry
     outputs = await asyncio.wait_for(waiting[0], 5)
     assert outputs["scores"].shape == (1, 2)
-    with pytest.raises(ServingError) as caught:
-        await asyncio.wait_for(waiting[1], 5)
-    assert caught.value.status == 500 and "malformed" in caught.value.message
-    assert counter(errors) - before == 1
-    # and the reader reads on: an error reply with a malformed shed field is answered, not the reader's end
-    bad_shed = msgpack.unpackb(encode_error(third, ServingError("refused", status=503)))
+    for damaged in waiting[1:3]:
+        with pytest.raises(ServingError) as caught:
+            await asyncio.wait_for(damaged, 5)
+        assert caught.value.status == 500 and "malformed" in caught.value.message
+    assert counter(errors) - before == 2
+    # and the reader reads on, the old framing too (a node from before the entry's header, in a rolling upgrade):
+    # an error reply with a malformed shed field is answered, not the reader's end
+    bad_shed = msgpack.unpackb(encode_error(fourth, ServingError("refused", status=503)))
     bad_shed["shed"] = ["deadline", "not a tier"]
     served.client.xadd(transport.reply_to, {REPLIES: msgpack.packb([msgpack.packb(bad_shed)])})
     with pytest.raises(ServingError) as caught:
-        await asyncio.wait_for(waiting[2], 5)
+        await asyncio.wait_for(waiting[3], 5)
     assert caught.value.status == 503
     assert not transport._tasks[0].done()
+
+
+async def test_a_reply_the_entry_cannot_vouch_for_answers_its_callers_500_at_once(served: Served) -> None:  # noqa: F811
+    transport = served.transport
+    idle = entry("idle")
+    waiting = [asyncio.ensure_future(transport.infer(idle, rows(1), 1, deadline(20), 1)) for _ in range(3)]
+    await _until(lambda: len(transport._waiting) == 3, "three requests sent")
+    first, second, third = sorted(transport._waiting)
+    # given an entry read whole, but the first caller's reply unreadable (not even its id), and the second caller's
+    # a reply that names the third caller
+    stray = encode_success(third, {"scores": np.zeros((1, 2), np.float32)}, None)
+    served.client.xadd(transport.reply_to, {REPLIES: pack_replies([first, second], [b"\xc1", stray])})
+    # then all three are answered 500 at once: the first by the entry's header, and neither the second nor the third
+    # is trusted with the stray reply
+    for each in waiting:
+        with pytest.raises(ServingError) as caught:
+            await asyncio.wait_for(each, 5)
+        assert caught.value.status == 500 and "malformed" in caught.value.message
 
 
 # -- the repository extension's load and unload --------------------------------------------------

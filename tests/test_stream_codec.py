@@ -1,5 +1,6 @@
 """The Redis Streams message codec: tensors round-trip as bytes with dtype and shape; errors map back to
-the data plane's own types; a malformed message is an error to answer, never a crash."""
+the data plane's own types; a malformed message is an error to answer, never a crash, and a damaged reply
+entry still names every request it answers."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from serving.dataplane.transport.stream_codec import (
     encode_error,
     encode_request,
     encode_success,
+    pack_replies,
+    read_replies,
     request_stream,
+    unpack_replies,
 )
 from serving.dataplane.transport.transport import Outputs
 
@@ -156,3 +160,53 @@ def test_a_malformed_reply_is_malformed(raw: bytes) -> None:
 
 def test_the_stream_key_hash_tags_the_version() -> None:
     assert request_stream("digits:1") == "ferry:{digits:1}:req"
+
+
+# -- reply entries ---------------------------------------------------------------------------
+
+A = encode_success(3, {"s": np.ones((1, 2), np.float32)}, None)
+B = encode_error(9, Unavailable("busy", retry_after=1))
+C = encode_error(12, ServingError("bug"))
+ENTRY = pack_replies([3, 9, 12], [A, B, C])
+
+
+def test_a_reply_entry_names_its_requests_ahead_of_their_replies() -> None:
+    # the ids first, on their own; the replies as they were encoded, not copied into another form
+    assert msgpack.unpackb(ENTRY) == [[3, 9, 12], A, B, C]
+    entry = read_replies(ENTRY)
+    assert (entry.replies, entry.named, entry.damage) == ([(3, A), (9, B), (12, C)], [3, 9, 12], None)
+    assert unpack_replies(ENTRY) == [A, B, C]
+
+
+def test_a_reply_entry_of_the_old_framing_is_still_read() -> None:
+    # a node from before the header (a rolling upgrade): a plain array of replies, each naming its own request
+    entry = read_replies(msgpack.packb([A, B]))
+    assert (entry.replies, entry.named, entry.damage) == ([(None, A), (None, B)], [], None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "readable"),
+    [
+        (ENTRY[: len(ENTRY) - len(C) // 2], [(3, A), (9, B)]),  # cut inside the last reply
+        (ENTRY[: len(msgpack.packb([3, 9, 12])) + 1], []),  # cut right after the header
+        (msgpack.packb([[3, 9, 12], A, {"id": 9}, C]), [(3, A), (12, C)]),  # a reply that is no encoded reply
+        (ENTRY + b"\x00", [(3, A), (9, B), (12, C)]),  # bytes after the entry
+        (msgpack.packb([[3, 9, 12], A, B]), [(None, A), (None, B)]),  # fewer replies than ids: none paired by place
+    ],
+)
+def test_a_damaged_reply_entry_still_names_every_request_it_answers(
+    raw: bytes, readable: list[tuple[int | None, bytes]]
+) -> None:
+    entry = read_replies(raw)
+    assert entry.replies == readable
+    assert entry.named == [3, 9, 12]
+    assert entry.damage is not None
+    with pytest.raises(MalformedMessage):
+        unpack_replies(raw)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", ENTRY[:3], msgpack.packb({"id": 3}), msgpack.packb([1, 2])])
+def test_a_reply_entry_damaged_in_its_header_names_nobody_and_raises_nothing(raw: bytes) -> None:
+    entry = read_replies(raw)
+    assert (entry.replies, entry.named) == ([], [])
+    assert entry.damage is not None

@@ -173,7 +173,8 @@ class NodeProcess:
         self._snapshot: RoutingSnapshot | None = None  # the last one reconciled: what an assignment loads from
         self._elsewhere: frozenset[str] = frozenset()  # versions assigned to other live nodes
         self.reconciled_serial = 0
-        self._outbox: dict[bytes, list[bytes]] = {}  # reply stream -> replies not yet sent
+        # reply stream -> the requests answered and their replies, not yet sent
+        self._outbox: dict[bytes, tuple[list[int], list[bytes]]] = {}
         # version key -> (entry id, its size) answered, not yet acknowledged (the size: the stream's byte bound)
         self._acks: dict[str, list[tuple[bytes, int]]] = {}
         self._flush_scheduled = False
@@ -522,7 +523,9 @@ class NodeProcess:
             log.error("malformed request on %s: %s", key, exc)
             if exc.request_id is not None and exc.reply_to is not None:
                 self._reply(
-                    exc.reply_to, encode_error(exc.request_id, ServingError(f"malformed request on the stream: {exc}"))
+                    exc.reply_to,
+                    exc.request_id,
+                    encode_error(exc.request_id, ServingError(f"malformed request on the stream: {exc}")),
                 )
             return
         left = request.deadline - self._wall()
@@ -531,7 +534,8 @@ class NodeProcess:
             # ignored there), but the answer is said explicitly: a gateway whose clock runs behind this
             # node's still waits, and must not wait for nothing.
             self.counts["expired"] += 1
-            self._reply(request.reply_to, encode_error(request.id, DeadlineExceeded("deadline passed in the stream")))
+            expired = DeadlineExceeded("deadline passed in the stream")
+            self._reply(request.reply_to, request.id, encode_error(request.id, expired))
             return
         self.counts["hot" if key in self.node.hosted else "cold"] += 1
         # The gateway's trace goes on here: this node's part of the request is one span under its span.
@@ -557,10 +561,12 @@ class NodeProcess:
                 metrics.INTERNAL_ERRORS.labels("node_stream").inc()
                 log.exception("inference on %s failed unexpectedly", key)
                 payload = encode_error(request.id, ServingError("internal error on the node; it logged it"))
-        self._reply(request.reply_to, payload)
+        self._reply(request.reply_to, request.id, payload)
 
-    def _reply(self, reply_to: bytes, payload: bytes) -> None:
-        self._outbox.setdefault(reply_to, []).append(payload)
+    def _reply(self, reply_to: bytes, request_id: int, payload: bytes) -> None:
+        ids, payloads = self._outbox.setdefault(reply_to, ([], []))
+        ids.append(request_id)
+        payloads.append(payload)
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
@@ -573,7 +579,7 @@ class NodeProcess:
         self._flush_scheduled = False
         outbox, self._outbox = self._outbox, {}
         acks, self._acks = self._acks, {}
-        for reply_to, payloads in outbox.items():
+        for reply_to, (ids, payloads) in outbox.items():
             # NOMKSTREAM: a gateway that died took its reply stream with it (TTL); no stream is left behind.
             self._pipe.send(
                 "XADD",
@@ -584,7 +590,7 @@ class NodeProcess:
                 REPLY_MAXLEN,
                 "*",
                 REPLIES,
-                pack_replies(payloads),
+                pack_replies(ids, payloads),
                 wait=False,
             )
         for key, answered in acks.items():

@@ -23,7 +23,7 @@ from serving.dataplane.transport.transport import Outputs
 
 FIELD = b"m"  # a request stream entry holds one field: the msgpack request
 # A reply stream entry holds one field: the replies a node had ready for that gateway at once (the requests
-# of a batch finish together), as a msgpack array of encoded replies. One XADD per gateway per flush.
+# of a batch finish together), as `pack_replies` frames them. One XADD per gateway per flush.
 REPLIES = b"r"
 GROUP = "nodes"  # one consumer group per version stream; every node hosting the version is a consumer
 # The dtypes a tensor may carry: the protocol's, by their numpy names ("<f4", "|b1", ...).
@@ -244,37 +244,82 @@ def decode_reply(raw: bytes) -> StreamReply:
     return StreamReply(request_id, error=_error(status, message, retry_after, doc.get("shed")))
 
 
-def pack_replies(replies: list[bytes]) -> bytes:
-    return msgpack.packb(replies)
+def pack_replies(ids: list[int], replies: list[bytes]) -> bytes:
+    """One reply entry: the msgpack array `[ids, reply_1, ..., reply_n]`, where `ids[i - 1]` is the request `reply_i`
+    (an `encode_success` or `encode_error`) answers. The ids come first and apart from the replies, so an entry
+    damaged further on (a bug, a version skew) still names every caller it answers: `read_replies`."""
+    return msgpack.packb([ids, *replies])  # the list holds references: each reply is copied once, into the entry
+
+
+@dataclass(slots=True)
+class ReplyEntry:
+    """What a gateway reads of one reply entry (`read_replies`)."""
+
+    # The encoded replies that could be read, in order, each with the request the entry's header says it answers
+    # (None where it does not say: the old framing, or a damaged header; the reply's own id tells then).
+    replies: list[tuple[int | None, bytes]]
+    # Every request the entry's header names. When the entry is damaged, those that `replies` did not answer are
+    # answered 500 by the reader.
+    named: list[int]
+    damage: str | None = None  # why the entry could not be read whole; None: it is intact
+
+
+def read_replies(raw: bytes) -> ReplyEntry:
+    """Read a reply entry; never raises. An intact entry costs one msgpack pass, as a plain array would.
+
+    A damaged one (a bug or a version skew) gives the replies before the damage, and still names every caller
+    whose reply is past it, or is itself damaged: the header is read first, and on its own. Only damage inside
+    the header leaves callers unnamed (then they wait for their deadlines, 504).
+
+    Version skew in a rolling upgrade. A gateway reads the old framing too (a plain array of encoded replies,
+    from a node older than `pack_replies`' header), so nodes not upgraded yet are read as before (damage in such
+    an entry still leaves the callers past it unnamed: it has no header). A gateway older than the header reads
+    the new framing through its own salvage path: it delivers every reply (its salvage skips the header and keeps
+    the encoded replies) but logs and counts each entry as a malformed one. Neither crashes and no reply is lost
+    to the skew; upgrade the gateways before the nodes to keep that noise out of the logs and of
+    `ferry_internal_errors_total{component="stream_reply"}`."""
+    try:
+        items = msgpack.unpackb(raw)
+    except Exception:  # msgpack raises several types (ExtraData, FormatError, ValueError...): read what it can
+        items = None
+    if isinstance(items, list):
+        if items and isinstance(items[0], list):
+            ids, replies = items[0], items[1:]
+            if len(ids) == len(replies) and all(map(_int, ids)) and all(isinstance(r, bytes) for r in replies):
+                return ReplyEntry(list(zip(ids, replies, strict=True)), ids)
+        elif all(isinstance(r, bytes) for r in items):  # the old framing: no header, each reply names its request
+            return ReplyEntry([(None, r) for r in items], [])
+    return _salvage(raw)
+
+
+def _salvage(raw: bytes) -> ReplyEntry:
+    """What can still be read of an entry `read_replies` could not read whole, item by item up to the damage."""
+    unpacker = msgpack.Unpacker(strict_map_key=False, max_buffer_size=max(len(raw), 1))
+    unpacker.feed(raw)
+    entry = ReplyEntry([], [], "a reply entry must be [ids, reply, ...]: request ids, then one encoded reply each")
+    ids: list | None = None
+    positional = False  # whether the header pairs the replies with their requests (one integer id each)
+    try:
+        count = unpacker.read_array_header()
+        for k in range(count):
+            item = unpacker.unpack()
+            if k == 0 and isinstance(item, list):  # the header
+                ids = item
+                entry.named = [i for i in ids if _int(i)]
+                positional = len(entry.named) == len(ids) == count - 1
+            elif isinstance(item, bytes):
+                entry.replies.append((ids[k - 1] if ids is not None and positional else None, item))
+            elif ids is None and isinstance(item, dict) and _int(item.get("id")):
+                # The old framing: an item that is no encoded reply but still says which request it answers.
+                entry.named.append(item["id"])
+    except Exception as exc:  # msgpack raises several types (OutOfData, FormatError, ValueError...): the rest is lost
+        entry.damage = f"unreadable after {len(entry.replies)} replies: {type(exc).__name__}"
+    return entry
 
 
 def unpack_replies(raw: bytes) -> list[bytes]:
-    try:
-        replies = msgpack.unpackb(raw)
-    except Exception as exc:
-        raise MalformedMessage(f"not msgpack: {type(exc).__name__}") from None
-    if not isinstance(replies, list) or not all(isinstance(r, bytes) for r in replies):
-        raise MalformedMessage("a reply entry must be an array of replies")
-    return replies
-
-
-def salvage_replies(raw: bytes) -> tuple[list[bytes], list[int]]:
-    """What can still be read of a reply entry `unpack_replies` refused: the replies before the damage, and the
-    request ids of items that are no encoded reply but still say which request they answer (a map with an
-    integer id), so that their callers are answered (500) rather than left to their deadlines. Replies past
-    the damage, or whose request cannot be told, are lost: no caller can be named for them."""
-    unpacker = msgpack.Unpacker(strict_map_key=False, max_buffer_size=max(len(raw), 1))
-    unpacker.feed(raw)
-    readable: list[bytes] = []
-    ids: list[int] = []
-    try:
-        count = unpacker.read_array_header()
-        for _ in range(count):
-            item = unpacker.unpack()
-            if isinstance(item, bytes):
-                readable.append(item)
-            elif isinstance(item, dict) and _int(item.get("id")):
-                ids.append(item["id"])
-    except Exception:  # msgpack raises several types (OutOfData, FormatError, ValueError...): the rest is lost
-        pass
-    return readable, ids
+    """The encoded replies of an intact entry, of either framing; MalformedMessage if it is damaged."""
+    entry = read_replies(raw)
+    if entry.damage is not None:
+        raise MalformedMessage(entry.damage)
+    return [reply for _, reply in entry.replies]

@@ -44,8 +44,7 @@ from serving.dataplane.transport.stream_codec import (
     StreamRequest,
     decode_reply,
     encode_request,
-    salvage_replies,
-    unpack_replies,
+    read_replies,
 )
 
 log = logging.getLogger(__name__)
@@ -272,40 +271,47 @@ class RedisStreamsTransport:
             log.exception("reading a reply entry on %s failed", self.reply_to.decode())
 
     def _resolve_all(self, raw: bytes) -> None:
-        try:
-            replies = unpack_replies(raw)
-        except MalformedMessage as exc:
-            # A bug or a version skew between processes: logged and counted, and every caller it can still name
-            # is answered 500 now. The replies it holds that can still be read are delivered; the callers of
-            # those past the damage cannot be named, and are answered at their deadlines (504).
-            self.malformed_replies += 1
-            metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
-            replies, named = salvage_replies(raw)
-            log.error(
-                "malformed reply entry on %s (%d bytes): %s; %d replies read from it, %d more callers answered 500",
-                self.reply_to.decode(),
-                len(raw),
-                exc,
-                len(replies),
-                len(named),
+        entry = read_replies(raw)
+        for request_id, reply in entry.replies:
+            self._resolve(reply, request_id)
+        if entry.damage is None:
+            return
+        # A bug or a version skew between processes: logged and counted. The replies that could be read were
+        # delivered above; every other caller the entry names (its header, read apart from the replies) is
+        # answered 500 now, never left to its deadline. Only damage inside the header itself, or past the damage in
+        # an entry of the old framing (a node older than the header), leaves callers unnamed: 504 at their deadlines.
+        self.malformed_replies += 1
+        metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
+        unanswered = [i for i in entry.named if (w := self._waiting.get(i)) is not None and not w.future.done()]
+        log.error(
+            "malformed reply entry on %s (%d bytes): %s; %d replies read from it, %d more callers answered 500",
+            self.reply_to.decode(),
+            len(raw),
+            entry.damage,
+            len(entry.replies),
+            len(unanswered),
+        )
+        for request_id in unanswered:
+            self._waiting[request_id].future.set_exception(
+                ServingError("malformed reply from the node; the gateway logged it")
             )
-            for request_id in named:
-                waiting = self._waiting.get(request_id)
-                if waiting is not None and not waiting.future.done():
-                    waiting.future.set_exception(ServingError("malformed reply from the node; the gateway logged it"))
-        for reply in replies:
-            self._resolve(reply)
 
-    def _resolve(self, raw: bytes) -> None:
+    def _resolve(self, raw: bytes, expected: int | None = None) -> None:
+        """Deliver one encoded reply; `expected`: the request the entry's header says it answers (None: not said)."""
         try:
             reply = decode_reply(raw)
+            if expected is not None and reply.id != expected:
+                raise MalformedMessage(f"a reply to request {reply.id} where the entry says {expected}", reply.id)
         except MalformedMessage as exc:
             self.malformed_replies += 1
             metrics.INTERNAL_ERRORS.labels("stream_reply").inc()
             log.error("malformed reply on %s: %s", self.reply_to.decode(), exc)
-            waiting = self._waiting.get(exc.request_id) if exc.request_id is not None else None
-            if waiting is not None and not waiting.future.done():
-                waiting.future.set_exception(ServingError("malformed reply from the node; the gateway logged it"))
+            # Both the request the reply names and the one the header names, when they differ: neither can be
+            # trusted with it, and neither caller is left to its deadline.
+            for request_id in {exc.request_id, expected}:
+                waiting = self._waiting.get(request_id) if request_id is not None else None
+                if waiting is not None and not waiting.future.done():
+                    waiting.future.set_exception(ServingError("malformed reply from the node; the gateway logged it"))
             return
         waiting = self._waiting.get(reply.id)
         if waiting is not None and self.admission is not None:
