@@ -1,10 +1,14 @@
 from django.contrib import admin
 
 from autoscaling.models import ScalingPolicy
+from tenants.admin_audit import AuditedAdmin
 
 
 @admin.register(ScalingPolicy)
-class ScalingPolicyAdmin(admin.ModelAdmin):
+class ScalingPolicyAdmin(AuditedAdmin, admin.ModelAdmin):
+    """Audited as scaling.create, scaling.change (the fields changed) and scaling.delete, naming the version
+    as `manage.py autoscale_version`'s version.scaling entries do."""
+
     list_display = (
         "version",
         "enabled",
@@ -16,3 +20,10 @@ class ScalingPolicyAdmin(admin.ModelAdmin):
     )
     list_select_related = ("version__model",)
     raw_id_fields = ("version",)
+    audit_name = "scaling"
+
+    def audit_target(self, obj: ScalingPolicy) -> str:
+        return f"model {obj.version.model.name} version {obj.version.version}"
+
+    def audit_tenant(self, obj: ScalingPolicy) -> object:
+        return obj.version.model.tenant

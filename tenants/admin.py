@@ -2,6 +2,7 @@ from django.contrib import admin
 
 from tenants import audit
 from tenants.actions import key_state
+from tenants.admin_audit import AuditedAdmin
 from tenants.models import ApiKey, AuditEntry, Membership, Tenant
 
 
@@ -11,10 +12,21 @@ class MembershipInline(admin.TabularInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin, admin.ModelAdmin):
+    """Audited: the approval and sharing settings under their own actions (below), roles as role.*, any other
+    field as tenant.change; creating and deleting a tenant as tenant.create and tenant.delete."""
+
     list_display = ["name", "slug", "allow_self_approval", "created_at"]
     prepopulated_fields = {"slug": ["name"]}
     inlines = [MembershipInline]
+    audit_name = "tenant"
+    audit_elsewhere = ("allow_self_approval", "promotion_policy", "share_shadow_samples")
+
+    def audit_target(self, obj: Tenant) -> str:
+        return f"tenant {obj.slug}"
+
+    def audit_tenant(self, obj: Tenant) -> Tenant:
+        return obj
 
     def save_model(self, request, obj, form, change) -> None:  # noqa: ANN001
         """Loosening (or restoring) the four-eyes rule on rollouts is a change the audit log keeps."""
@@ -79,9 +91,10 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(AuditedAdmin, admin.ModelAdmin):
     """Keys are created with `manage.py create_api_key` or the console (the token is shown once); here they
-    are read and revoked (set revoked_at) or given an expiry, which the audit log records."""
+    are read and revoked (set revoked_at) or given an expiry, which the audit log records, as it does a
+    key deleted here (key.delete, never its digest)."""
 
     list_display = ["name", "tenant", "prefix", "scopes", "expires_at", "revoked_at", "last_used_at"]
     list_filter = ["tenant"]
@@ -96,6 +109,18 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "updated_at",
         "last_used_at",
     ]
+
+    audit_name = "key"
+    audit_elsewhere = ("expires_at", "revoked_at")  # key.revoke and key.change, in save_model
+
+    def audit_target(self, obj: ApiKey) -> str:
+        return f"key fy_{obj.prefix}"
+
+    def audit_tenant(self, obj: ApiKey) -> Tenant:
+        return obj.tenant
+
+    def audit_state(self, obj: ApiKey) -> dict:
+        return key_state(obj)
 
     def has_add_permission(self, request) -> bool:  # noqa: ANN001
         return False
