@@ -1,10 +1,14 @@
 """Django's door: every non-/v2 body is bounded before Django reads (and spools) it.
 
-Bodies go under FERRY_MAX_FORM_BODY_BYTES, except an upload to `POST /api/models/<name>/versions/`
-by an engineer, authenticated here before any body byte is read, which may carry the artifact
-limit. Past its bound a body is answered 413 and not passed on. Then the front door's `metered`
-counts it against the process's budget of body bytes held. This side reads sessions and users,
-so it lives with the control plane, not in `serving.dataplane`.
+Bodies go under FERRY_MAX_FORM_BODY_BYTES. The exception is an upload, `POST /api/models/<name>/versions/`,
+by an engineer who may upload to that name by the view's own rule (`serving.api.views.upload_target`: a
+model of a tenant where the caller is an engineer, or a new name), both checked here before any body byte
+is read: it may carry the artifact limit. An engineer's upload to any other name (another tenant's model,
+private, public or a platform one, a pipeline's, a name the router does not take) gets the form bound like
+anyone else's, with one answer for all: its 413 tells nothing of which it is. Past its bound a body is
+answered 413 and not passed on. Then the front door's `metered` counts it against the process's budget
+of body bytes held. This side reads sessions, users and models, so it lives with the control plane, not
+in `serving.dataplane`.
 """
 
 from __future__ import annotations
@@ -31,17 +35,24 @@ from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError
 from django.http.cookie import parse_cookie
 from django.utils.crypto import constant_time_compare
+from rest_framework.exceptions import APIException
 
-from serving.api.views import FORM_OVERHEAD  # the view's own allowance for the form around a file
+from serving.api.views import (
+    FORM_OVERHEAD,  # the view's own allowance for the form around a file
+    upload_target,
+)
 from serving.dataplane.http import frontdoor
 from serving.dataplane.http.frontdoor import App, Receive, Scope, Send, metered, send_json
+from serving.models import MODEL_NAME_PATTERN
 from tenants.lockout import STATUS as LOCKED_OUT
 from tenants.lockout import LockedOut, cool_off_seconds, scope_verdict
 from tenants.models import Role, has_role
 
 log = logging.getLogger(__name__)
 
-UPLOAD_ROUTE = re.compile(r"/api/models/[^/]+/versions/")  # ModelVersionViewSet's create
+UPLOAD_ROUTE = re.compile(r"/api/models/(?P<name>[^/]+)/versions/")  # ModelVersionViewSet's create
+# The names its URL takes: another is the router's 404, refused here in the words of any other refusal
+_MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
 _TOO_LARGE = frontdoor.REFUSED.labels("too_large")
 _BUDGET = frontdoor.REFUSED.labels("inflight_budget")
 _BODY_HEADERS = (b"content-type", b"content-length", b"transfer-encoding")
@@ -51,22 +62,24 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
     """Django's door: bound the body before Django reads (and spools) it; then `metered`.
 
     An upload (POST /api/models/<name>/versions/) is the one request whose credentials are checked
-    here, before its body is read: an engineer's may carry the artifact limit and gets
-    FERRY_UPLOAD_READ_TIMEOUT_S to arrive; anyone else's gets the form bound like any other body. Those
+    here, before its body is read: an engineer's to a name the view lets it upload to may carry the
+    artifact limit and gets FERRY_UPLOAD_READ_TIMEOUT_S to arrive; anyone else's, and an engineer's to
+    any other name, gets the form bound like any other body, with the same words whatever the name. Those
     answers tell a right HTTP Basic password from a wrong one, so the check is a login attempt that
     django-axes counts, and a locked-out login gets its 429 here, whatever the password.
     """
     limit = settings.FERRY_MAX_FORM_BODY_BYTES
     declared = _content_length(scope["headers"])
     error = f"request body exceeds {limit} bytes"
-    if scope["method"] == "POST" and UPLOAD_ROUTE.fullmatch(scope["path"]):
+    upload = UPLOAD_ROUTE.fullmatch(scope["path"]) if scope["method"] == "POST" else None
+    if upload is not None:
         artifact_limit = settings.FERRY_MAX_ARTIFACT_BYTES + FORM_OVERHEAD
         artifact_error = f"artifact exceeds the {settings.FERRY_MAX_ARTIFACT_BYTES} byte limit"
         if declared is not None and declared > artifact_limit:
             _TOO_LARGE.inc()
             return await send_json(send, 413, artifact_error)
         try:
-            uploader = await _uploader(scope)
+            uploader = await _uploader(scope, upload["name"])
         except (OperationalError, InterfaceError) as exc:  # PostgreSQL out of reach: an outage, not a bug
             log.warning(
                 "checking upload credentials failed: the database is unavailable (%s)",
@@ -75,13 +88,17 @@ async def bounded(app: App, scope: Scope, receive: Receive, send: Send) -> None:
             return await send_json(send, 503, "cannot check credentials now; retry shortly", retry_after=1)
         if uploader.locked_out is not None:
             return await send_json(send, LOCKED_OUT, LockedOut.default_detail, retry_after=uploader.locked_out)
-        if uploader.engineer:
+        if uploader.may_upload:
             limit, error = artifact_limit, artifact_error
             extend = scope.get("ferry.extend_read_deadline")
             if extend is not None:
                 extend(scope, settings.FERRY_UPLOAD_READ_TIMEOUT_S)
         else:
-            error += "; a larger artifact upload needs an engineer's session or HTTP Basic credentials"
+            # One answer for every refusal: a foreign model's name must not read differently from a pipeline's.
+            error += (
+                "; a larger artifact upload needs an engineer's session or HTTP Basic credentials,"
+                " and a model name that engineer may upload to"
+            )
     if declared is not None:
         if declared > limit:
             _TOO_LARGE.inc()
@@ -109,11 +126,11 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Uploader:
-    engineer: bool
+    may_upload: bool  # an engineer who may upload to the name in the path: the artifact limit
     locked_out: int | None = None  # seconds of django-axes' cool-off left: the login is locked out
 
 
-async def _uploader(scope: Scope) -> Uploader:
+async def _uploader(scope: Scope, model_name: str) -> Uploader:
     cookie = authorization = None
     for name, value in scope["headers"]:
         if name == b"cookie":
@@ -121,13 +138,14 @@ async def _uploader(scope: Scope) -> Uploader:
         elif name == b"authorization":
             authorization = value
     if cookie is None and authorization is None:
-        return Uploader(engineer=False)
-    return await sync_to_async(_engineer_credentials)(scope, cookie, authorization)
+        return Uploader(may_upload=False)
+    return await sync_to_async(_engineer_credentials)(scope, model_name, cookie, authorization)
 
 
-def _engineer_credentials(scope: Scope, cookie: bytes | None, authorization: bytes | None) -> Uploader:
-    """Whether the request's credentials are an engineer's, in DRF's order: an active session user if
-    there is one, else HTTP Basic. Nothing is written but django-axes' record of a wrong password."""
+def _engineer_credentials(scope: Scope, model_name: str, cookie: bytes | None, authorization: bytes | None) -> Uploader:
+    """Whether the request's credentials are an engineer's who may upload to `model_name`. The credentials in
+    DRF's order: an active session user if there is one, else HTTP Basic; the name by the view's rule
+    (`upload_target`). Nothing is written but django-axes' record of a wrong password."""
     user = None
     if cookie is not None:
         key = parse_cookie(cookie.decode("latin-1")).get(settings.SESSION_COOKIE_NAME)
@@ -141,8 +159,14 @@ def _engineer_credentials(scope: Scope, cookie: bytes | None, authorization: byt
         user = _basic_user(request, authorization)
         scope_verdict(scope, authorization, user)
         if getattr(request, "axes_locked_out", False):
-            return Uploader(engineer=False, locked_out=cool_off_seconds(request) or 1)
-    return Uploader(engineer=user is not None and has_role(user, Role.ENGINEER))
+            return Uploader(may_upload=False, locked_out=cool_off_seconds(request) or 1)
+    if user is None or not has_role(user, Role.ENGINEER) or not _MODEL_NAME.fullmatch(model_name):
+        return Uploader(may_upload=False)
+    try:
+        upload_target(user, model_name)
+    except APIException:  # the view would refuse it (409, 403) once the body was read: not the artifact limit
+        return Uploader(may_upload=False)
+    return Uploader(may_upload=True)
 
 
 def _session_user(key: str):  # noqa: ANN202

@@ -51,7 +51,7 @@ from serving.tasks import register_and_validate
 from serving.validation import name_released
 from tenants import audit
 from tenants.models import Role, Tenant, has_role
-from tenants.scoping import TenantScopedViewSet, visible_models
+from tenants.scoping import TenantScopedViewSet, require, visible_models
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the other form fields
 VERSION_PATTERN = r"[1-9][0-9]*"
@@ -304,6 +304,24 @@ def _changes_sharing(model: Model | None, sharing: dict) -> bool:
     return "shared_with" in sharing and set(sharing["shared_with"]) != current
 
 
+def upload_target(user: object, name: str) -> Model | None:
+    """The model an upload to `name` adds a version to, checked (engineer in its tenant), or None for a new
+    one. A name another tenant's model uses (or a platform model's, or a pipeline's) is a conflict that does
+    not say so, as when creating a model of that name. Django's door (serving.django_door) asks the same
+    before it lets an upload's body up to the artifact limit."""
+    existing = Model.objects.filter(name=name).first()
+    if existing is None:
+        if Pipeline.objects.filter(name=name).exists():
+            raise Conflict(model_names.not_available(name))
+        return None
+    if not model_names.owns(user, existing):
+        # Another tenant's model, private, public or a platform one: the same words for all, as when
+        # creating a model of that name (serving.model_names).
+        raise Conflict(model_names.not_available(name))
+    require(user, Role.ENGINEER, existing.tenant_id, "adding a version to a model")
+    return existing
+
+
 @extend_schema(parameters=[name_parameter("model_name")])
 @extend_schema_view(
     list=extend_schema(responses={200: ModelVersionSerializer(many=True), **errors(400, 403, 404)}),
@@ -369,7 +387,7 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
         # Who may upload to this name is settled before the body is read (up to the artifact limit): an
         # existing model's owner and role, a name a pipeline holds. A new model's tenant is named in the form,
         # so that check waits for it (the caller is an engineer somewhere: RegistryViewSet.initial).
-        existing = self._existing_owner()
+        existing = upload_target(request.user, self.kwargs["model_name"])
         # Refuse an oversized upload before Django spools it to disk; the store checks again while hashing.
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -406,23 +424,6 @@ class ModelVersionViewSet(RegistryViewSet, mixins.ListModelMixin, mixins.Retriev
             raise RegistrationFailed(exc) from None
         version.refresh_from_db()
         return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
-
-    def _existing_owner(self) -> Model | None:
-        """The model the upload adds a version to, checked (engineer in its tenant), or None for a new one.
-        A name another tenant's model uses (or a platform model's, or a pipeline's) is a conflict that does
-        not say so, as when creating a model of that name."""
-        name = self.kwargs["model_name"]
-        existing = Model.objects.filter(name=name).first()
-        if existing is None:
-            if Pipeline.objects.filter(name=name).exists():
-                raise Conflict(model_names.not_available(name))
-            return None
-        if not model_names.owns(self.request.user, existing):
-            # Another tenant's model, private, public or a platform one: the same words for all, as when
-            # creating a model of that name (serving.model_names).
-            raise Conflict(model_names.not_available(name))
-        self.require(Role.ENGINEER, existing.tenant_id, "adding a version to a model")
-        return existing
 
     def _upload_owner(self, named: object, existing: Model | None) -> object:
         """The tenant of the model the upload goes to: the existing model's, or for a new model the one
