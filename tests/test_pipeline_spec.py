@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
 from serving.policies.pipeline import (
+    MAX_DEPTH,
+    MAX_NODES,
+    CombineError,
     Condition,
     ModelSignature,
     PipelineError,
@@ -13,6 +18,8 @@ from serving.policies.pipeline import (
     check,
     choose_branch,
     combine,
+    combine_answers,
+    parse,
 )
 
 DIGITS = ModelSignature({"input": Tensor("FP32", (64,))}, {"scores": Tensor("FP32", (10,))}, max_batch_size=32)
@@ -101,25 +108,131 @@ def test_ensemble_combines_and_checks_types() -> None:
 
 
 def test_malformed_specs_are_refused() -> None:
+    # Each case with the words it is refused for: a case refused for another reason would pass unnoticed.
     bad = [
-        {},
-        {"model": "digits", "sequence": []},
-        {"sequence": []},
-        {"ensemble": [{"model": "digits"}]},
-        {"ensemble": [{"model": "digits"}, {"model": "digits"}]},  # two steps named "digits"
-        {
-            "splitter": [
-                {"weight": 0.5, "node": {"model": "digits"}},
-                {"weight": 0.2, "node": {"model": "digits-small"}},
-            ]
-        },
-        {"switch": {"tensor": "input", "op": "<", "value": 1}, "then": {"model": "digits"}},  # nothing to pass through
-        {"model": "digits", "version": 0},
-        {"model": "digits", "inputs": {"nope": "input"}},
+        ({}, "pipeline: a node must have exactly one of model, sequence"),
+        ({"model": "digits", "sequence": []}, "pipeline: a node must have exactly one of"),
+        ({"sequence": []}, "step 'sequence': 'sequence' must be a non-empty list of nodes"),
+        ({"ensemble": [{"model": "digits"}]}, "step 'ensemble': 'ensemble' must list at least two nodes"),
+        (
+            {"ensemble": [{"model": "digits"}, {"model": "digits"}]},
+            "step 'digits': two nodes have this name: name them apart with 'name'",
+        ),
+        (
+            {
+                "splitter": [
+                    {"weight": 0.5, "node": {"model": "digits"}},
+                    {"weight": 0.2, "node": {"model": "digits-small"}},
+                ]
+            },
+            "step 'splitter': splitter weights sum to 0.7, not 1",
+        ),
+        (
+            {"switch": {"tensor": "input", "op": "<", "value": 1}, "then": {"model": "digits"}},
+            "step 'switch', tensor 'input': the condition's tensor is not there",  # nothing has read it yet
+        ),
+        (
+            # The request's "input" is read by the first member: the switch tests it, then has nothing to pass.
+            {
+                "ensemble": [
+                    {"model": "digits"},
+                    {"switch": {"tensor": "input", "op": "<", "value": 1}, "then": {"model": "digits-small"}},
+                ]
+            },
+            "step 'switch': a switch without 'else' passes its input through: put a step before it",
+        ),
+        ({"model": "digits", "version": 0}, "step 'digits': 'version' must be an integer from 1 to 2147483647"),
+        ({"model": "digits", "inputs": {"nope": "input"}}, "step 'digits', tensor 'nope': the model has no input"),
     ]
-    for spec in bad:
-        with pytest.raises(PipelineError):
+    for spec, message in bad:
+        with pytest.raises(PipelineError) as caught:
             check(spec, signatures)
+        assert caught.value.message.startswith(message), (spec, caught.value.message)
+
+
+def test_huge_numbers_are_refused_as_spec_errors() -> None:
+    # JSON's integers have no bound: 10**400 has no float (np.isfinite raised TypeError, a 500), a version
+    # past the database's integer would fail its query.
+    step = {"model": "digits-small", "name": "small"}
+    for value in (10**400, -(10**400), float("inf"), True, "1"):
+        spec = {
+            "sequence": [step, {"switch": {"tensor": "scores", "op": "<", "value": value}, "then": {"model": "digits"}}]
+        }
+        with pytest.raises(PipelineError, match="the switch's 'value' must be a finite number"):
+            check(spec, signatures)
+    for version in (2**31, 10**400):
+        with pytest.raises(PipelineError, match="'version' must be an integer from 1 to 2147483647"):
+            check({"model": "digits", "version": version}, signatures)
+    assert check({"model": "digits", "version": 2**31 - 1}, signatures).models == ("digits",)
+    branches = [{"weight": 10**400, "node": {"model": "digits"}}, {"weight": 0.5, "node": {"model": "digits-small"}}]
+    with pytest.raises(PipelineError, match=r"a splitter weight is a number in \(0, 1\]"):
+        check({"splitter": branches}, signatures)
+
+
+def test_node_and_depth_limits() -> None:
+    # 64 nodes are a pipeline; the 65th is refused before anything deeper is looked at.
+    steps = [{"model": "digits", "name": f"s{i}", "inputs": {"input": "request.input"}} for i in range(63)]
+    assert len(parse({"sequence": steps}).walk()) == MAX_NODES
+    with pytest.raises(PipelineError, match=f"^pipeline: more than {MAX_NODES} nodes$"):
+        parse({"sequence": [*steps, {"model": "digits", "name": "one-more"}]})
+    deep: dict = {"model": "digits"}
+    for _ in range(MAX_DEPTH):
+        deep = {"sequence": [deep]}
+    assert parse(deep).steps()[0].model == "digits"
+    with pytest.raises(PipelineError, match=f"^pipeline: nested deeper than {MAX_DEPTH}$"):
+        parse({"sequence": [deep]})
+
+
+def test_a_reference_to_a_step_that_has_not_run_is_refused() -> None:
+    # Read as a bare name, "smal.scores" became a request tensor of that name, which no client sends.
+    misspelled = {"sequence": [{"model": "digits-small", "name": "small"}, {"model": "digits"}]}
+    misspelled["sequence"][1]["inputs"] = {"input": "smal.scores"}
+    with pytest.raises(PipelineError) as caught:
+        check({"model": "digits", "inputs": {"input": "smal.scores"}}, signatures)
+    assert caught.value.message == (
+        "step 'digits', tensor 'input': reads 'smal.scores', but no step 'smal' has run before this step"
+        " (a request tensor of that name is written 'request.smal.scores')"
+    )
+    # A step of the graph that runs later, or in another member of the same ensemble.
+    later = {
+        "sequence": [
+            {"model": "embed", "inputs": {"input": "big.scores"}},
+            {"model": "digits", "name": "big", "inputs": {"input": "request.input"}},
+        ]
+    }
+    with pytest.raises(
+        PipelineError, match="^step 'embed', tensor 'input': reads 'big.scores', but step 'big' has not"
+    ):
+        check(later, signatures)
+    sibling = {
+        "ensemble": [
+            {"model": "embed", "name": "a", "inputs": {"input": "request.input"}},
+            {"model": "embed", "name": "b", "inputs": {"input": "a.embedding"}},
+        ]
+    }
+    with pytest.raises(PipelineError, match="^step 'b', tensor 'input': reads 'a.embedding', but step 'a' has not"):
+        check(sibling, signatures)
+    condition = {
+        "sequence": [
+            {"model": "digits-small"},
+            {"switch": {"tensor": "later.scores", "op": "<", "value": 1}, "then": {"model": "digits", "name": "later"}},
+        ]
+    }
+    with pytest.raises(PipelineError, match="tensor 'later.scores': reads 'later.scores', but step 'later' has not"):
+        check(condition, signatures)
+    # Still read: a request tensor with a dot in its name, written as one, and a step that has run.
+    dotted = check({"model": "digits", "inputs": {"input": "request.smal.scores"}}, signatures)
+    assert dotted.inputs == {"smal.scores": Tensor("FP32", (64,))}
+    ran = {
+        "sequence": [
+            {"model": "digits-small", "name": "small"},
+            {"model": "embed", "inputs": {"input": "request.input"}},
+            {"model": "digits", "inputs": {"input": "request.input"}},
+            {"switch": {"tensor": "small.scores", "op": "<", "value": 1}, "then": {"model": "embed", "name": "e2"}},
+        ]
+    }
+    with pytest.raises(PipelineError, match="'then' and 'else' must answer the same tensors"):
+        check(ran, signatures)  # past the references: refused for what the branches answer
 
 
 def test_condition_rows_and_combinations() -> None:
@@ -133,3 +246,45 @@ def test_condition_rows_and_combinations() -> None:
     assert combine("concat", [a, b]).tolist() == [[1.0, 3.0, 3.0, 1.0]]
     assert combine("vote", [a, b, b])[0].tolist() == pytest.approx([2 / 3, 1 / 3])
     assert [choose_branch((0.9, 0.1), u) for u in (0.0, 0.89, 0.9, 0.99)] == [0, 0, 1, 1]
+
+
+def test_answers_that_do_not_combine_raise_combine_error() -> None:
+    # The check saw one version of each member; a canary or a pin may answer otherwise at call time: a
+    # CombineError naming the tensor, for the executor to answer, not numpy's ValueError or a KeyError.
+    four, five = np.zeros((2, 4), dtype=np.float32), np.zeros((2, 5), dtype=np.float32)
+    for how in ("mean", "vote"):
+        with pytest.raises(
+            CombineError, match=f"^tensor 'scores': members answer float32 \\[4\\] and float32 \\[5\\]: {how}"
+        ):
+            combine(how, [four, five], "scores")
+    with pytest.raises(CombineError, match="float32 \\[4\\] and float64 \\[4\\]: mean cannot join them"):
+        combine("mean", [four, four.astype(np.float64)], "scores")
+    with pytest.raises(CombineError, match="concat cannot join them"):
+        combine("concat", [four, np.zeros((3, 4), dtype=np.float32)], "scores")
+    with pytest.raises(CombineError, match="^tensor 'scores': vote needs a last dimension"):
+        combine("vote", [np.zeros(2), np.zeros(2)], "scores")
+    with pytest.raises(CombineError, match="^tensor 'extra': the members do not all answer this tensor$"):
+        combine_answers("mean", [{"scores": four}, {"scores": four, "extra": four}])
+    assert combine_answers("concat", [{"scores": four}, {"scores": five}])["scores"].shape == (2, 9)
+    # A variable dimension answered empty: no value to reduce (numpy's max raised ValueError).
+    with pytest.raises(CombineError, match="^tensor 'scores': the switch's condition has no values to reduce$"):
+        Condition("scores", "max", "<", 1).rows(np.zeros((2, 0), dtype=np.float32))
+    assert Condition("scores", "max", "<", 1).rows(np.zeros((0, 4), dtype=np.float32)).tolist() == []
+
+
+def test_vote_takes_memory_of_one_answer_not_of_its_classes_squared() -> None:
+    # 4000 classes: an identity of the classes is 64 MB per member per call; the votes are 16 KB.
+    rng = np.random.default_rng(0)
+    members = [rng.random((1, 4000), dtype=np.float32) for _ in range(3)]
+    tracemalloc.start()
+    try:
+        votes = combine("vote", members)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 1024 * 1024, peak
+    tops = [int(np.argmax(m)) for m in members]
+    expected = np.zeros(4000, dtype=np.float32)
+    for top in tops:
+        expected[top] += 1 / 3
+    np.testing.assert_allclose(votes[0], expected, rtol=1e-6)

@@ -30,8 +30,9 @@ steps read from it; the pipeline's outputs are its root node's response.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ REQUEST = "request"
 STEP_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_NODES = 64  # a pipeline is a handful of steps; a bound keeps the check and the snapshot small
 MAX_DEPTH = 16
+MAX_VERSION = 2**31 - 1  # a version is a PositiveIntegerField: a larger number names none, and would not query
 
 
 class PipelineError(ValueError):
@@ -59,6 +61,20 @@ class PipelineError(ValueError):
         super().__init__(f"{where}: {message}")
         self.message = f"{where}: {message}"
         self.step = step
+        self.tensor = tensor
+
+
+class CombineError(ValueError):
+    """Answers the row arithmetic cannot join at call time: an ensemble's members that answer other tensors,
+    shapes or datatypes than each other, or a switch's condition on a tensor with no values. The check rules
+    these out for the versions it saw; a version routed to since (a canary, an arm, a pin) may still answer
+    otherwise, so the executor turns this into an answer. `tensor` names the tensor; the message names no
+    model."""
+
+    def __init__(self, message: str, tensor: str = "") -> None:
+        where = f"tensor '{tensor}': " if tensor else ""
+        super().__init__(f"{where}{message}")
+        self.message = f"{where}{message}"
         self.tensor = tensor
 
 
@@ -104,7 +120,12 @@ class Condition:
     value: float
 
     def rows(self, values: np.ndarray) -> np.ndarray:
-        """One bool per row: whether the condition holds for it."""
+        """One bool per row: whether the condition holds for it. `CombineError` for rows with no values (a
+        variable dimension answered empty): there is nothing to reduce."""
+        if values.ndim and values.shape[0] == 0:
+            return np.zeros(0, dtype=bool)
+        if values.size == 0:
+            raise CombineError("the switch's condition has no values to reduce", self.tensor)
         flat = values.reshape(values.shape[0], -1).astype(np.float64, copy=False) if values.ndim else values
         if self.reduce == "max_softmax":
             last = values.astype(np.float64).reshape(values.shape[0], -1, values.shape[-1] if values.ndim > 1 else 1)
@@ -257,8 +278,8 @@ def _parse_model(spec: dict[str, Any], name: str) -> Node:
             raise PipelineError("give this step a 'name': its model's name cannot name a step", step=model[:64])
         name = model
     version = spec.get("version")
-    if version is not None and (type(version) is not int or version < 1):
-        raise PipelineError("'version' must be a positive integer", step=name)
+    if version is not None and (type(version) is not int or not 1 <= version <= MAX_VERSION):
+        raise PipelineError(f"'version' must be an integer from 1 to {MAX_VERSION}", step=name)
     raw = spec.get("inputs", {})
     if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in raw.items()):
         raise PipelineError("'inputs' maps each input's name to a tensor reference (strings)", step=name)
@@ -275,9 +296,14 @@ def _parse_condition(raw: object, label: str) -> Condition:
         raise PipelineError(f"the switch's 'reduce' must be one of {', '.join(REDUCES)}", step=label)
     if op not in OPS:
         raise PipelineError(f"the switch's 'op' must be one of {', '.join(OPS)}", step=label)
-    if type(value) not in (int, float) or not np.isfinite(value):
+    try:
+        # float() of an int past the float range overflows (JSON's 10**400): not finite either.
+        number = float(value) if type(value) in (int, float) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
         raise PipelineError("the switch's 'value' must be a finite number", step=label)
-    return Condition(tensor, reduce, op, float(value))
+    return Condition(tensor, reduce, op, number)
 
 
 # -- the type check --------------------------------------------------------------------------------
@@ -309,8 +335,9 @@ def connects(have: Tensor, need: Tensor) -> bool:
 
 
 class _Checker:
-    def __init__(self, signatures: Callable[[str, int | None], ModelSignature | None]) -> None:
+    def __init__(self, signatures: Callable[[str, int | None], ModelSignature | None], names: set[str]) -> None:
         self.signatures = signatures
+        self.names = names  # every named node of the graph
         self.request: Signature = {}
         self.max_rows = 2**31 - 1
         self.models: list[str] = []
@@ -345,6 +372,26 @@ class _Checker:
         # tensors without naming it, as "digits-small, then digits where it is unsure" needs).
         return current.get(tensor, self.request.get(tensor))  # type: ignore[union-attr]
 
+    def unrun(
+        self, reference: str, current: Signature | None, scope: dict[str, Signature], label: str, tensor: str
+    ) -> None:
+        """Refuse a written reference `S.X` whose S has not run before it: S names a node of the graph out of
+        scope (later, or in another branch), or none at all (a misspelling). Read as a bare name it would
+        become a request tensor called "S.X" that no client sends; a request tensor with a dot in its name
+        is written `request.S.X`."""
+        head, dot, rest = reference.partition(".")
+        if not dot or not rest or head == REQUEST or head in scope:
+            return
+        if head in self.names:
+            raise PipelineError(f"reads '{reference}', but step '{head}' has not run before this step", label, tensor)
+        if self.resolve(reference, current, scope) is None:  # not a tensor of that name either
+            raise PipelineError(
+                f"reads '{reference}', but no step '{head}' has run before this step (a request tensor of that"
+                f" name is written 'request.{reference}')",
+                label,
+                tensor,
+            )
+
     def model(self, node: Node, current: Signature | None, scope: dict[str, Signature]) -> Signature:
         signature = self.signatures(node.model, node.version)
         if signature is None:  # unknown, or another tenant's and not visible: the same words either way
@@ -359,6 +406,8 @@ class _Checker:
             raise PipelineError("the model has no input of this name", step=node.name, tensor=unknown[0])
         for input_name, need in signature.inputs.items():
             reference = mapped.get(input_name, input_name)
+            if input_name in mapped:  # as written; an input's own name is read as it is
+                self.unrun(reference, current, scope, node.name, input_name)
             source, tensor = split_reference(reference, scope)
             from_request = source == REQUEST or (source is None and current is None)
             have = self.resolve(reference, current, scope)
@@ -383,6 +432,7 @@ class _Checker:
         condition = node.condition
         assert condition is not None
         label = node.label()
+        self.unrun(condition.tensor, current, scope, label, condition.tensor)
         tested = self.resolve(condition.tensor, current, scope)
         if tested is None:
             raise PipelineError("the condition's tensor is not there", step=label, tensor=condition.tensor)
@@ -428,7 +478,7 @@ class _Checker:
                 raise PipelineError(f"{node.combine} needs a fixed shape, not {spec.describe()}", label, name)
             if node.combine == "mean" and spec.datatype not in FLOATS:
                 raise PipelineError(f"mean needs a floating-point tensor, not {spec.datatype}", label, name)
-            if node.combine == "vote" and (spec.datatype not in NUMERIC or not spec.shape):
+            if node.combine == "vote" and (spec.datatype not in NUMERIC or not spec.shape or spec.shape[-1] < 1):
                 raise PipelineError("vote needs numeric scores with a class dimension", label, name)
             combined[name] = spec if node.combine == "mean" else Tensor("FP32", spec.shape)
         return combined
@@ -482,7 +532,7 @@ def check(spec: object, signatures: Callable[[str, int | None], ModelSignature |
     tenant may see it (None: unknown or not visible). `PipelineError` names the step and tensor that
     do not connect."""
     root = parse(spec)
-    checker = _Checker(signatures)
+    checker = _Checker(signatures, {n.name for n in root.walk() if n.name})
     outputs = checker.node(root, None, {})
     if not checker.request:
         raise PipelineError("no step reads the request")
@@ -496,19 +546,50 @@ def check(spec: object, signatures: Callable[[str, int | None], ModelSignature |
 # -- the row arithmetic the executor applies -------------------------------------------------------
 
 
-def combine(how: str, arrays: list[np.ndarray]) -> np.ndarray:
-    """An ensemble's members' answers for one tensor, combined."""
+def combine(how: str, arrays: Sequence[np.ndarray], tensor: str = "") -> np.ndarray:
+    """An ensemble's members' answers for one tensor (named `tensor`, for the error), combined.
+    `CombineError` for answers that do not combine: `mean` and `vote` take one shape (`mean` one datatype
+    too), `concat` one datatype and every dimension but the last."""
+    first = arrays[0]
+    for other in arrays[1:]:
+        if how == "concat":
+            fits = other.dtype == first.dtype and other.shape[:-1] == first.shape[:-1] and other.ndim == first.ndim
+        else:
+            fits = other.shape == first.shape and (how == "vote" or other.dtype == first.dtype)
+        if not fits:
+            words = f"members answer {_describe(first)} and {_describe(other)}: {how} cannot join them"
+            raise CombineError(words, tensor)
+    if how != "mean" and (first.ndim < 2 or first.shape[-1] == 0):
+        raise CombineError(f"{how} needs a last dimension, members answer {_describe(first)}", tensor)
     if how == "mean":
-        mean: np.ndarray = np.mean(np.stack(arrays), axis=0).astype(arrays[0].dtype, copy=False)
+        mean: np.ndarray = np.mean(np.stack(arrays), axis=0).astype(first.dtype, copy=False)
         return mean
     if how == "concat":
         return np.concatenate(arrays, axis=-1)
-    classes = arrays[0].shape[-1]
-    votes = np.zeros(arrays[0].shape, dtype=np.float32)
+    # Each member's top class counted in place: memory is one answer's, whatever the number of classes (an
+    # identity matrix of the classes, indexed by the top ones, would be classes² floats per call).
+    votes = np.zeros(first.shape, dtype=np.float32)
     for a in arrays:
-        top = np.argmax(a, axis=-1)
-        votes += np.eye(classes, dtype=np.float32)[top]
-    return votes / len(arrays)
+        top = np.expand_dims(np.argmax(a, axis=-1), -1)
+        np.put_along_axis(votes, top, np.take_along_axis(votes, top, axis=-1) + 1, axis=-1)
+    out: np.ndarray = votes / len(arrays)
+    return out
+
+
+def combine_answers(how: str, answers: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """An ensemble's members' answers combined tensor by tensor; `CombineError` when they do not all answer
+    the same tensors, or for a tensor `combine` cannot join."""
+    names = set(answers[0])
+    for other in answers[1:]:
+        if set(other) != names:
+            missing = sorted(names ^ set(other))[0]
+            raise CombineError("the members do not all answer this tensor", missing)
+    return {name: combine(how, [a[name] for a in answers], name) for name in answers[0]}
+
+
+def _describe(array: np.ndarray) -> str:
+    """An answer's type as the check words one: its datatype and the shape after the batch dimension."""
+    return f"{array.dtype.name} {list(array.shape[1:])}"
 
 
 def choose_branch(weights: tuple[float, ...], u: float) -> int:
