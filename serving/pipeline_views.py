@@ -11,7 +11,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
 from serving.api.pipelines import visible_pipelines
-from serving.dataplane.gateway.pipeline import live
+from serving.dataplane.gateway.pipeline import live, stats_key
 from serving.models import Pipeline
 from serving.pipelines import implicit_steps, step_models
 from serving.policies.pipeline import Node, PipelineError, parse
@@ -126,12 +126,25 @@ def _hidden(user: object, names: set[str]) -> set[str]:
 
 
 def _live(pipeline: Pipeline, hidden: set[str]) -> dict:
-    """The live figures, without the steps named after a model the reader may not see."""
-    figures = live(pipeline.name)
-    steps = set().union(*(implicit_steps(v.spec, hidden) for v in pipeline.versions.all())) if hidden else set()
-    if steps:
-        figures = {**figures, "steps": {k: v for k, v in figures["steps"].items() if k not in steps}}
-    return figures
+    """The live figures of this pipeline (of its owner's: `stats_key`), of the steps its versions have, without
+    those named after a model the reader may not see."""
+    figures = live(stats_key(pipeline.name, pipeline.tenant_id))
+    unsaid = set().union(*(implicit_steps(v.spec, hidden) for v in pipeline.versions.all())) if hidden else set()
+    ours = _step_names(pipeline)
+    steps = {k: v for k, v in figures["steps"].items() if k not in unsaid and (ours is None or k in ours)}
+    return {**figures, "steps": steps}
+
+
+def _step_names(pipeline: Pipeline) -> set[str] | None:
+    """The names of the steps of `pipeline`'s versions; None where a stored spec no longer parses (it is
+    shown, not drawn: its figures are all shown too)."""
+    names: set[str] = set()
+    for version in pipeline.versions.all():
+        try:
+            names |= {step.name for step in parse(version.spec).steps()}
+        except PipelineError:
+            return None
+    return names
 
 
 def _step_models(pipeline: Pipeline) -> set[str]:
