@@ -9,6 +9,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc._utils import _get_inference_request
 
 from serving.dataplane.errors import ServingError, Shed
 from serving.dataplane.gateway.gateway import Gateway
@@ -113,6 +115,65 @@ def _renamed(name: str) -> pb.ModelInferRequest:
     m = message(np.zeros((1, 4), np.float32))
     m.inputs[0].name = name
     return m
+
+
+def triton_message(
+    inputs: list, outputs: list | None = None, sequence: tuple = (0, False, False)
+) -> pb.ModelInferRequest:
+    """The message tritonclient.grpc sends, as this server's generated code reads it."""
+    sent = _get_inference_request("m", inputs, "", "", outputs, *sequence, 0, None, None)
+    return pb.ModelInferRequest.FromString(sent.SerializeToString())
+
+
+def _zeros_input() -> grpcclient.InferInput:
+    return grpcclient.InferInput("input", [1, 4], "FP32").set_data_from_numpy(np.zeros((1, 4), np.float32))
+
+
+def _shared_input() -> grpcclient.InferInput:
+    inp = grpcclient.InferInput("input", [1, 4], "FP32")
+    inp.set_shared_memory("region", 16)
+    return inp
+
+
+def _shared_output() -> grpcclient.InferRequestedOutput:
+    out = grpcclient.InferRequestedOutput("scores")
+    out.set_shared_memory("region", 8, offset=8)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: triton_message([_zeros_input()], [grpcclient.InferRequestedOutput("scores", class_count=2)]),
+         "output 'scores': parameter 'classification' is not supported"),
+        (lambda: triton_message([_shared_input()]), "input 'input': parameter 'shared_memory_region' is not supported"),
+        (lambda: triton_message([_zeros_input()], [_shared_output()]),
+         "output 'scores': parameter 'shared_memory_region' is not supported"),
+        (lambda: triton_message([_zeros_input()], sequence=(7, True, False)), "parameter 'sequence_id'"),
+        (lambda: triton_message([_zeros_input()], sequence=("s", False, False)), "parameter 'sequence_id'"),
+    ],
+)  # fmt: skip
+def test_an_extension_ferry_does_not_implement_is_invalid_argument(build, fragment: str) -> None:  # noqa: ANN001
+    # given tritonclient.grpc's message asking for classification, shared memory or a sequence
+    m = build()
+    # when decoded for a model, or written as a pipeline's REST body and parsed / then refused, naming it (400:
+    # INVALID_ARGUMENT), rather than served as if it had not asked
+    with pytest.raises(ProtocolError, match=fragment) as refused:
+        decoded(m)
+    assert refused.value.status == 400 and code_of(refused.value.status) is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ProtocolError, match=fragment):
+        body, length = codec.rest_body(m, timeout=None)
+        parse_infer_request(body, length, version().inputs, max_rows=16)
+
+
+def test_typed_floats_that_are_not_finite_are_values() -> None:
+    # given typed fp32 contents with -inf, NaN and inf (a raw buffer carries any bits anyway)
+    x = np.array([[-np.inf, np.nan, np.inf, 0.5]], np.float32)
+    m = message(x, raw=False)
+    # when decoded for a model, and when written as a pipeline's REST body and parsed / then they are themselves
+    np.testing.assert_array_equal(decoded(m).inputs["input"], x)
+    body, length = codec.rest_body(m, timeout=None)
+    np.testing.assert_array_equal(parse_infer_request(body, length, version().inputs, max_rows=16).inputs["input"], x)
 
 
 def test_an_output_asked_twice_is_refused() -> None:

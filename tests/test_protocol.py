@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -52,14 +53,16 @@ def expect_400(fragment: str, req: dict, specs=X, max_rows: int = 8, tail: bytes
     return exc.value
 
 
-def triton_request(inputs, outputs=None, request_id="", parameters=None) -> tuple[bytes, int | None]:
+def triton_request(
+    inputs, outputs=None, request_id="", parameters=None, sequence=(0, False, False)
+) -> tuple[bytes, int | None]:
     return _get_inference_request(
         inputs=inputs,
         request_id=request_id,
         outputs=outputs,
-        sequence_id=0,
-        sequence_start=False,
-        sequence_end=False,
+        sequence_id=sequence[0],
+        sequence_start=sequence[1],
+        sequence_end=sequence[2],
         priority=0,
         timeout=None,
         custom_parameters=parameters,
@@ -191,6 +194,7 @@ def test_json_values_that_fit(datatype, data, expected):
         ("FP32", [1e300, 1], "out of range for FP32"),
         ("FP32", [1, -1e300], "out of range for FP32"),
         ("FP16", [-70000, 1], "out of range for FP16"),
+        ("FP16", [-(2**63), 1], "out of range for FP16"),  # |INT64_MIN| overflows int64: not a small number
         ("FP32", ["1", 2], "must be numbers"),
         ("FP32", [None, 2], "must be numbers"),
         ("FP32", [{}, 2], "must be numbers"),
@@ -233,7 +237,7 @@ def test_request_fields():
             "outputs": [
                 {"name": "y"},
                 {"name": "label", "parameters": {"binary_data": False}},
-                {"name": "z", "parameters": {"binary_data": True, "classification": 2}},
+                {"name": "z", "parameters": {"binary_data": True, "classification": 0}},
             ],
             "inputs": [x_input()],
         }
@@ -444,7 +448,8 @@ def test_missing_required_inputs_are_named():
 
 
 @pytest.mark.parametrize(
-    "body", [b"", b"{", b"[]", b"null", b"3", b'"x"', b"\xff\xfe", b"{'inputs': []}", b'{"inputs": [NaN]}']
+    "body",
+    [b"", b"{", b"[]", b"null", b"3", b'"x"', b"\xff\xfe", b"{'inputs': []}", b'{"inputs": [NaN}', b"[NaN, nan]"],
 )
 def test_malformed_json(body):
     with pytest.raises(ProtocolError) as exc:
@@ -629,6 +634,119 @@ def test_tritonclient_all_json_request():
     assert np.array_equal(r.inputs["x"], arr) and r.outputs == [RequestedOutput("y", False)]
 
 
+# --- floats that are not finite -------------------------------------------------------------
+
+# NaN, both infinities and a negative zero beside ordinary values, exact in every float datatype.
+NOT_FINITE = np.array([[-np.inf, 0.25, np.nan], [np.inf, -1.5, -0.0]], np.float32)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_tritonclient_json_input_that_is_not_finite_is_read(datatype):
+    # given tritonclient's JSON body (python-rapidjson writes NaN, Infinity and -Infinity), an output asked for
+    arr = NOT_FINITE.astype(DATATYPES[datatype])
+    inp = httpclient.InferInput("v", [2, 3], datatype)
+    inp.set_data_from_numpy(arr, binary_data=False)
+    body, length = triton_request([inp], [httpclient.InferRequestedOutput("y", binary_data=False)], request_id="n")
+    assert b"-Infinity" in body and b"NaN" in body
+    # when parsed / then the values are the client's, and the rest of the request is read as ever
+    r = parse_infer_request(body, length, [TensorSpec("v", datatype, (3,))], max_rows=2)
+    assert r.inputs["v"].dtype == arr.dtype
+    np.testing.assert_array_equal(r.inputs["v"], arr)  # NaN where NaN
+    assert np.signbit(r.inputs["v"][1, 2]) and r.inputs["v"][0, 0] == -np.inf
+    assert r.id == "n" and r.outputs == [RequestedOutput("y", False)]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        # a literal too large for a double is an overflow, not Infinity
+        (b'{"inputs": [{"name": "v", "datatype": "FP16", "shape": [1, 3], "data": [NaN, 1e400, 0]}]}', "JSON"),
+        (b'{"inputs": [{"name": "v", "datatype": "FP16", "shape": [1, 3], "data": [NaN, 7e4, 0]}]}', "out of range"),
+        (b'{"inputs": [{"name": "v", "datatype": "FP16", "shape": [1, 3], "data": [-Infinity, -7e4, 0]}]}', "range"),
+        # what orjson refuses besides the tokens stays refused: a lone surrogate, an integer beyond 64 bits
+        (b'{"id": "\\ud800", "inputs": [{"name": "v", "datatype": "FP16", "shape": [1, 1], "data": [NaN]}]}', "JSON"),
+        (b'{"inputs": [{"name": "v", "datatype": "FP16", "shape": [1, 2], "data": [NaN, 1%s]}]}' % (b"0" * 30), "JSON"),
+        (b"[" * 100_000 + b"NaN" + b"]" * 100_000, "JSON"),  # deeper than any parser's bound
+        (b"\xef\xbb\xbf[NaN]", "JSON"),
+    ],
+)
+def test_what_stays_refused_beside_a_value_not_finite(body, fragment):
+    with pytest.raises(ProtocolError, match=fragment) as exc:
+        parse_infer_request(body, None, [TensorSpec("v", "FP16", (-1,))], max_rows=1)
+    assert exc.value.status == 400
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_json_outputs_that_are_not_finite_arrive_as_themselves(datatype):
+    # given a model's output with -inf, NaN and inf (a log-softmax's -inf), asked for as JSON beside a binary one
+    y = NOT_FINITE
+    specs = [TensorSpec("y", datatype, (3,)), TensorSpec("label", "INT64", ())]
+    requested = [RequestedOutput("y", False), RequestedOutput("label", True)]
+    body, headers = encode(outputs={"y": y, "label": np.array([1, 2])}, output_specs=specs, requested=requested)
+    length = int(header_value(headers, b"inference-header-content-length"))
+    # when read by Python's json and by tritonclient's own decoder
+    doc = json.loads(body[:length])
+    result = httpclient.InferResult.from_response_body(body, verbose=False, header_length=length)
+    # then each value is itself, not null (nor NaN for an infinity), and the binary output follows the header
+    np.testing.assert_array_equal(np.array(doc["outputs"][0]["data"], np.float64), NOT_FINITE.ravel())
+    got = result.as_numpy("y")
+    np.testing.assert_array_equal(got.astype(np.float32), NOT_FINITE)
+    assert got[0, 0] == -np.inf and got[1, 0] == np.inf and np.isnan(got[0, 2]) and np.signbit(got[1, 2])
+    assert result.as_numpy("label").tolist() == [1, 2]
+
+
+# --- extensions Ferry does not implement -------------------------------------------------------
+
+
+def _zeros_input(name: str = "x") -> httpclient.InferInput:
+    inp = httpclient.InferInput(name, [1, 64], "FP32")
+    return inp.set_data_from_numpy(np.zeros((1, 64), np.float32))
+
+
+def _shared_input() -> httpclient.InferInput:
+    inp = httpclient.InferInput("x", [1, 64], "FP32")
+    inp.set_shared_memory("region", 256)
+    return inp
+
+
+def _shared_output() -> httpclient.InferRequestedOutput:
+    out = httpclient.InferRequestedOutput("y")
+    out.set_shared_memory("region", 8, offset=16)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: triton_request([_zeros_input()], [httpclient.InferRequestedOutput("y", class_count=3)]),
+         "output 'y': parameter 'classification' is not supported"),
+        (lambda: triton_request([_shared_input()]), "input 'x': parameter 'shared_memory_region' is not supported"),
+        (lambda: triton_request([_zeros_input()], [_shared_output()]),
+         "output 'y': parameter 'shared_memory_region' is not supported"),
+        (lambda: triton_request([_zeros_input()], sequence=(42, True, False)), "parameter 'sequence_id'"),
+        (lambda: triton_request([_zeros_input()], sequence=("session-7", False, True)), "parameter 'sequence_id'"),
+        (lambda: (orjson.dumps({"parameters": {"sequence_end": True}, "inputs": [x_input()]}), None),
+         "parameter 'sequence_end'"),
+        (lambda: (orjson.dumps({"inputs": [x_input(parameters={"shared_memory_offset": 0})]}), None),
+         "input 'x': parameter 'shared_memory_offset'"),
+    ],
+)  # fmt: skip
+def test_an_extension_ferry_does_not_implement_is_refused_by_name(build, fragment):
+    # given a request that asks for classification, shared memory or a sequence (tritonclient's own body)
+    body, length = build()
+    # when parsed / then it is refused, naming the parameter, rather than served as if it had not asked
+    with pytest.raises(ProtocolError, match=fragment) as exc:
+        parse_infer_request(body, length, X, max_rows=1)
+    assert exc.value.status == 400
+
+
+def test_the_extensions_parameters_at_their_defaults_are_no_request_of_them():
+    parameters = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
+    outputs = [{"name": "y", "parameters": {"classification": 0}}]
+    r = parse({"parameters": parameters, "outputs": outputs, "inputs": [x_input()]})
+    assert r.outputs == [RequestedOutput("y", False)]
+
+
 # --- fuzz --------------------------------------------------------------------------------
 
 _JUNK = [
@@ -694,13 +812,17 @@ def _seed_bodies() -> list[tuple[bytes, int | None]]:
         inputs.append(i)
     seeds.append(triton_request(inputs))
     seeds.append((orjson.dumps({"inputs": [x_input(data=np.arange(64).reshape(8, 8).tolist())]}), None))
+    # JSON with NaN and the infinities, which only the tolerant parser reads
+    inp = httpclient.InferInput("x", [1, 64], "FP32")
+    inp.set_data_from_numpy(np.resize(NOT_FINITE, (1, 64)), binary_data=False)
+    seeds.append(triton_request([inp], [httpclient.InferRequestedOutput("y", class_count=0)]))
     return seeds
 
 
 def test_fuzz_only_protocol_errors_escape():
     rng = random.Random(1234)
     seeds = _seed_bodies()
-    specs_for = [X, MULTI, X]
+    specs_for = [X, MULTI, X, X]
     accepted = 0
     for _ in range(4000):
         idx = rng.randrange(len(seeds))
@@ -722,8 +844,8 @@ def test_fuzz_only_protocol_errors_escape():
                 body = body[:at] + body[at + rng.randint(1, 16) :]
         elif op == 3:  # mutate the JSON structure, keep the binary tail
             cut = len(body) if hl is None else hl
-            tree = _mutate_tree(rng, orjson.loads(body[:cut]))
-            header = orjson.dumps(tree)
+            tree = _mutate_tree(rng, json.loads(body[:cut]))
+            header = json.dumps(tree).encode()  # NaN and the infinities as the tokens
             body = header + body[cut:]
             hl = None if hl is None else len(header)
         elif op == 4:  # garbage header length

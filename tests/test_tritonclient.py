@@ -89,3 +89,18 @@ def test_errors_surface_as_exceptions(client, auth) -> None:  # noqa: ANN001
         client.infer("digits", [inp], headers=auth)
     with pytest.raises(InferenceServerException, match="unknown model"):
         client.get_model_metadata("nope", headers=auth)
+
+
+def test_an_extension_ferry_lacks_is_a_400_naming_it(client, auth, digits_samples) -> None:  # noqa: ANN001
+    # given tritonclient.http asking for classification (class_count), or for a sequence (sequence_id)
+    inp = httpclient.InferInput("input", [1, 64], "FP32")
+    inp.set_data_from_numpy(digits_samples[0][:1])
+    classified = [httpclient.InferRequestedOutput("scores", class_count=3)]
+    for attempt, parameter in (
+        (lambda: client.infer("digits", [inp], outputs=classified, headers=auth), "classification"),
+        (lambda: client.infer("digits", [inp], sequence_id=12, sequence_start=True, headers=auth), "sequence_id"),
+    ):
+        # then the server's 400 names the parameter, rather than serving it as if it had not asked
+        with pytest.raises(InferenceServerException, match=f"parameter '{parameter}' is not supported") as refused:
+            attempt()
+        assert refused.value.status() == "400"

@@ -22,7 +22,15 @@ import orjson
 from serving.dataplane.gateway.request import Inference, Served
 from serving.dataplane.gateway.snapshot import VersionEntry
 from serving.dataplane.grpc.proto import grpc_service_pb2 as pb
-from serving.dataplane.http.protocol import DATATYPES, ProtocolError, _check_shape, _from_json
+from serving.dataplane.http.protocol import (
+    DATATYPES,
+    ProtocolError,
+    _check_shape,
+    _from_json,
+    json_data,
+    refuse_extensions,
+    refuse_sequence,
+)
 
 # The typed field of InferTensorContents for each datatype; FP16 has none (raw only, as in Triton).
 TYPED_FIELD = {
@@ -38,6 +46,9 @@ TYPED_FIELD = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
 }
+
+
+_FLOAT_FIELDS = ("fp32_contents", "fp64_contents")
 
 
 def parameters(message: object) -> dict:
@@ -79,6 +90,17 @@ def _requested(message: pb.ModelInferRequest) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+def refuse_extensions_of(message: pb.ModelInferRequest) -> None:
+    """Refuse (400) what `message` asks of Triton's extensions Ferry does not implement, as REST's parser refuses
+    them: shared memory for an input or output, classification for an output."""
+    for tensor in message.inputs:
+        if tensor.parameters:
+            refuse_extensions(f"input {tensor.name!r}", parameters(tensor.parameters))
+    for output in message.outputs:
+        if output.parameters:
+            refuse_extensions(f"output {output.name!r}", parameters(output.parameters), output=True)
+
+
 def decode_inputs(message: pb.ModelInferRequest, request: Inference, entry: VersionEntry) -> None:
     """Fill `request`'s tensors from `message` for `entry`'s signature; ProtocolError (400) on anything it
     does not accept."""
@@ -86,6 +108,8 @@ def decode_inputs(message: pb.ModelInferRequest, request: Inference, entry: Vers
     raw = message.raw_input_contents
     if not tensors:
         raise ProtocolError("'inputs' must be a non-empty list")
+    refuse_sequence(request.parameters)
+    refuse_extensions_of(message)
     if raw and len(raw) != len(tensors):
         raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs")
     specs = {s.name: s for s in entry.inputs}
@@ -173,6 +197,7 @@ def rest_body(message: pb.ModelInferRequest, timeout: float | None) -> tuple[byt
     raw = message.raw_input_contents
     if raw and len(raw) != len(tensors):
         raise ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs")
+    refuse_extensions_of(message)  # the tensors' parameters are not carried over; the request's are (a sequence's)
     inputs: list[dict] = []
     for i, tensor in enumerate(tensors):
         name, datatype = tensor.name, tensor.datatype
@@ -190,7 +215,9 @@ def rest_body(message: pb.ModelInferRequest, timeout: float | None) -> tuple[byt
             present = [f.name for f, _ in tensor.contents.ListFields()]
             if any(f != field for f in present):
                 raise ProtocolError(f"input {name!r}: {datatype} data belongs in '{field}', not {present[0]!r}")
-            item["data"] = list(getattr(tensor.contents, field))
+            values = getattr(tensor.contents, field)
+            # A float that is not finite as the token REST's parser reads (orjson would write it as null).
+            item["data"] = json_data(np.asarray(values, np.float64)) if field in _FLOAT_FIELDS else list(values)
         inputs.append(item)
     options = parameters(message.parameters)
     options["binary_data_output"] = True
@@ -204,7 +231,7 @@ def rest_body(message: pb.ModelInferRequest, timeout: float | None) -> tuple[byt
         header["id"] = message.id
     if message.outputs:
         header["outputs"] = [{"name": output.name} for output in message.outputs]
-    head = orjson.dumps(header)
+    head = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     return b"".join([head, *raw]), len(head)
 
 

@@ -3,7 +3,9 @@ tensor extension: a JSON header of `Inference-Header-Content-Length` bytes, then
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -128,6 +130,90 @@ def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
+_NON_FINITE_TOKENS = (b"NaN", b"Infinity", b"-Infinity")
+
+
+def json_data(flat: np.ndarray) -> np.ndarray | orjson.Fragment:
+    """A 1-D tensor as the `data` of a JSON tensor, for orjson.dumps(..., OPT_SERIALIZE_NUMPY). orjson writes a
+    float that is not finite as null, so where there is one (rare: one check of the common case) the list is
+    written here with NaN, Infinity and -Infinity, the tokens tritonclient (python-rapidjson) and Python's
+    json read and write."""
+    if flat.dtype.kind != "f" or np.isfinite(flat).all():
+        return flat
+    text = orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY)
+    odd = flat[~np.isfinite(flat)]
+    tokens = [_NON_FINITE_TOKENS[0 if math.isnan(v) else 1 if v > 0 else 2] for v in odd.tolist()]
+    pieces = text.split(b"null")  # a list of numbers holds no other "null": one per value not finite, in order
+    out = [pieces[0]]
+    for token, piece in zip(tokens, pieces[1:], strict=True):
+        out += (token, piece)
+    return orjson.Fragment(b"".join(out))
+
+
+def _finite_float(text: str) -> float:
+    # The tolerant parser's float literals: one too large for a double is an overflow, not Infinity.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text} is infinity when parsed as double")
+    return value
+
+
+def load_header(header: bytes | memoryview) -> Any:
+    """A request's JSON header (a REST body's, a WebSocket message's), or ProtocolError (400). orjson reads
+    every request but one with a float that is not finite: it refuses python-rapidjson's NaN, Infinity and
+    -Infinity tokens, which tritonclient writes for such floats, so a header holding one is read again by
+    Python's json, which reads those tokens as floats. That parse is slower, bounded as orjson's by the
+    body's limit and by the interpreter's recursion limit; what orjson cannot write back (a lone surrogate,
+    an integer beyond 64 bits) it refuses as orjson would."""
+    try:
+        return orjson.loads(header)
+    except orjson.JSONDecodeError as e:
+        refused = e
+    raw = bytes(header)
+    if b"NaN" in raw or b"Infinity" in raw:
+        try:
+            tree = json.loads(raw.decode("utf-8"), parse_float=_finite_float)
+            orjson.dumps(tree)  # what orjson would have refused besides the tokens: a surrogate, a huge integer
+        except (ValueError, RecursionError, TypeError):
+            pass
+        else:
+            return tree
+    raise ProtocolError(f"malformed JSON request: {refused}") from None
+
+
+# Triton's protocol extensions Ferry does not implement: a request that asks for one is refused, naming the
+# parameter, rather than served as if it had not asked.
+SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+SEQUENCE = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def refuse_extensions(what: str, parameters: Mapping[str, Any], *, output: bool = False) -> None:
+    """Refuse (400) the tensor `what` ("input 'x'", "output 'y'") whose `parameters` ask for shared memory
+    or, on an output, for classification (tritonclient's class_count)."""
+    for key in SHARED_MEMORY:
+        if key in parameters:
+            raise ProtocolError(
+                f"{what}: parameter {key!r} is not supported: Ferry has no shared-memory extension;"
+                " send the tensor in the request and take it from the response"
+            )
+    if output and parameters.get("classification") not in (None, 0):
+        raise ProtocolError(
+            f"{what}: parameter 'classification' is not supported: Ferry has no classification extension;"
+            " ask for the output and take its top classes from it"
+        )
+
+
+def refuse_sequence(parameters: Mapping[str, Any]) -> None:
+    """Refuse (400) a request of a sequence (Triton's sequence_id, sequence_start, sequence_end): Ferry's
+    models are stateless, served in batches of unrelated requests, and it keeps no state between calls."""
+    for key in SEQUENCE:
+        if parameters.get(key) not in (None, 0, ""):  # tritonclient sends none of them outside a sequence
+            raise ProtocolError(
+                f"parameter {key!r} is not supported: Ferry serves stateless models and has no sequence"
+                " batcher; send each request on its own, with its whole input"
+            )
+
+
 def _optional_dict(value: Any, what: str) -> dict:
     if value is None:
         return {}
@@ -154,7 +240,10 @@ def _parse_outputs(raw: Any, binary_output: bool) -> list[RequestedOutput] | Non
         if name in seen:
             raise ProtocolError(f"output {name!r} is requested more than once")
         seen.add(name)
-        binary = _optional_dict(item.get("parameters"), f"output {name!r}: 'parameters'").get("binary_data")
+        parameters = _optional_dict(item.get("parameters"), f"output {name!r}: 'parameters'")
+        if parameters:
+            refuse_extensions(f"output {name!r}", parameters, output=True)
+        binary = parameters.get("binary_data")
         if binary is None:
             binary = binary_output
         elif not isinstance(binary, bool):
@@ -196,6 +285,7 @@ def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> n
     if not isinstance(data, list):
         raise ProtocolError(f"input {name!r}: 'data' must be a list")
     dtype = DATATYPES[datatype]
+    limit = _FLOAT_MAX.get(datatype)
     count = prod(shape)
     try:
         # Let numpy infer first so floats, bools and strings are visible before the cast.
@@ -207,7 +297,18 @@ def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> n
     if count == 0:
         return np.zeros(shape, dtype)
     kind = raw.dtype.kind
-    if dtype.kind == "b":
+    if limit is not None:  # FP16, FP32, FP64
+        if kind not in "iuf":
+            raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
+        # NaN, Infinity and -Infinity (the tokens, or a gRPC message's typed floats) are values; a finite
+        # value beyond the type's largest can only be an overflow. One reduction each way finds the common
+        # case (every value finite and in range); NaN fails the comparisons, so only then are the finite
+        # values looked at alone. The cast then cannot overflow.
+        if not (-limit <= raw.min() and raw.max() <= limit):
+            finite = raw[np.isfinite(raw)] if kind == "f" else raw
+            if finite.size and not (-limit <= finite.min() and finite.max() <= limit):
+                raise ProtocolError(f"input {name!r}: value out of range for {datatype}")
+    elif dtype.kind == "b":
         if kind in "iu" and ((raw == 0) | (raw == 1)).all():
             raw = raw.astype(dtype)
         elif kind != "b":
@@ -221,14 +322,6 @@ def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> n
             raw = _uint64_fallback(name, data)
         else:
             raise ProtocolError(f"input {name!r}: {datatype} data must be integers")
-    else:
-        if kind not in "iuf":
-            raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
-        # JSON has no inf/nan, so a value that is not finite in the target type can only be an overflow:
-        # one reduction before the cast finds it (nan and inf fail the comparison too), and the cast
-        # then cannot overflow.
-        if not abs(raw).max() <= _FLOAT_MAX[datatype]:
-            raise ProtocolError(f"input {name!r}: value out of range for {datatype}")
     return raw.astype(dtype, copy=False).reshape(shape)
 
 
@@ -259,10 +352,7 @@ def parse_infer_request(
             raise ProtocolError(f"Inference-Header-Content-Length {header_length} is outside the body of {size} bytes")
         header = memoryview(body)[:header_length]
         data_start = header_length
-    try:
-        req = orjson.loads(header)
-    except orjson.JSONDecodeError as e:
-        raise ProtocolError(f"malformed JSON request: {e}") from None
+    req = load_header(header)
     if not isinstance(req, dict):
         raise ProtocolError("request must be a JSON object")
 
@@ -270,6 +360,7 @@ def parse_infer_request(
     if req_id is not None and not isinstance(req_id, str):
         raise ProtocolError("'id' must be a string")
     parameters = _optional_dict(req.get("parameters"), "'parameters'")
+    refuse_sequence(parameters)
     binary_output = parameters.get("binary_data_output", False)
     if not isinstance(binary_output, bool):
         raise ProtocolError("'binary_data_output' must be a boolean")
@@ -308,7 +399,10 @@ def parse_infer_request(
                 raise ProtocolError(f"batch of {rows} rows exceeds max_batch_size {max_rows}")
         elif shape[0] != rows:
             raise ProtocolError(f"input {name!r}: batch dimension {shape[0]} differs from {rows} of other inputs")
-        nbytes = _optional_dict(item.get("parameters"), f"input {name!r}: 'parameters'").get("binary_data_size")
+        item_parameters = _optional_dict(item.get("parameters"), f"input {name!r}: 'parameters'")
+        if item_parameters:
+            refuse_extensions(f"input {name!r}", item_parameters)
+        nbytes = item_parameters.get("binary_data_size")
         data = item.get("data")
         if nbytes is not None:
             if data is not None:
@@ -390,7 +484,8 @@ def encode_infer_response(
             entry["parameters"] = {"binary_data_size": arr.nbytes}
             chunks.append(arr.data)
         else:
-            entry["data"] = arr.ravel()  # orjson writes 1-D numpy arrays as flat lists
+            flat = arr.ravel()  # orjson writes 1-D numpy arrays as flat lists
+            entry["data"] = json_data(flat)
         entries.append(entry)
 
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
