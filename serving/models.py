@@ -396,6 +396,13 @@ class Replica(models.Model):
         return f"{self.version_id}@{self.node}: {self.tier}"
 
 
+# A pipeline is its tenant's or everyone's: it has no list of tenants to share with, as a model has.
+PIPELINE_VISIBILITIES = [(Visibility.PRIVATE.value, "Private"), (Visibility.PUBLIC.value, "Public")]
+# The versions of a pipeline served (the latest ones): each counts toward its tenant's max_versions and is checked
+# again in every snapshot; older ones stay in the registry, as history.
+PIPELINE_VERSIONS_SERVED = 10
+
+
 class Pipeline(models.Model):
     """A named DAG of model steps served at /v2/models/{name}/infer like a model (serving.policies.pipeline).
     Its name shares the models' namespace; each change of its graph is a new `PipelineVersion`, and the
@@ -405,7 +412,7 @@ class Pipeline(models.Model):
     tenant = models.ForeignKey(
         "tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="pipelines"
     )
-    visibility = models.CharField(max_length=10, choices=Visibility.choices, default=Visibility.PRIVATE)
+    visibility = models.CharField(max_length=10, choices=PIPELINE_VISIBILITIES, default=Visibility.PRIVATE)
     description = models.TextField(blank=True)
     fallback = models.ForeignKey(
         Model,
@@ -433,6 +440,11 @@ class PipelineVersion(models.Model):
     spec = models.JSONField(help_text="the graph: serving.policies.pipeline's spec")
     inputs = models.JSONField(help_text="[{name, datatype, shape}] derived from the steps")
     outputs = models.JSONField()
+    # Steps name models, and a name changes hands (deleted, renamed, then taken by another tenant's model):
+    # each snapshot serves the version only while each name is still the model its check saw.
+    step_models = models.JSONField(
+        default=dict, blank=True, help_text="{model name: model id} of its steps' models when it was registered"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -12,10 +12,14 @@ from collections.abc import Callable
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 
-from serving.dataplane.gateway.snapshot import ModelEntry, PipelineEntry, PipelineVersionEntry
+from serving import quota_counts
+from serving.dataplane.gateway.snapshot import ModelEntry, PipelineEntry, PipelineVersionEntry, VersionEntry
 from serving.dataplane.http.protocol import TensorSpec
+from serving.errors import RegistrationError
 from serving.models import (
     MODEL_NAME,
+    PIPELINE_VERSIONS_SERVED,
+    PIPELINE_VISIBILITIES,
     Model,
     ModelVersion,
     Pipeline,
@@ -46,14 +50,19 @@ def _visible_models(tenant_id: int | None):  # noqa: ANN202
     return Model.objects.filter(q).distinct()
 
 
-def registry_signatures(tenant_id: int | None) -> Callable[[str, int | None], ModelSignature | None]:
+def registry_signatures(
+    tenant_id: int | None, bound: dict[str, int] | None = None
+) -> Callable[[str, int | None], ModelSignature | None]:
     """A step's signature as the registry holds it: the pinned version, else the stable one; None for a model
-    the tenant may not see (the check words that as it words an unknown one)."""
+    the tenant may not see (the check words that as it words an unknown one). `bound` collects the id of
+    each model a step names (`PipelineVersion.step_models`)."""
 
     def signatures(name: str, version: int | None) -> ModelSignature | None:
         model = _visible_models(tenant_id).filter(name=name).first()
         if model is None:
             return None
+        if bound is not None:
+            bound[name] = model.pk
         number = version if version is not None else model.stable_version
         row = None
         if number is not None:
@@ -74,15 +83,26 @@ def uses(model: ModelEntry, tenant_id: int | None) -> bool:
 
 
 def snapshot_signatures(
-    models: dict[str, ModelEntry], tenant_id: int | None
+    models: dict[str, ModelEntry],
+    tenant_id: int | None,
+    bound: dict[str, int | None] | None = None,
+    ids: dict[str, int] | None = None,
 ) -> Callable[[str, int | None], ModelSignature | None]:
     """The same, from the snapshot's entries: the check `build_snapshot` repeats, so a pipeline whose model
-    has since changed its signature or gone private is marked broken instead of failing per request."""
+    has since changed its signature or gone private is marked broken instead of failing per request. With
+    `bound` (a version's `step_models`) and `ids` (each model's id by name), a name that another model holds
+    now (the step's was deleted or renamed, then the name taken) is refused too: the step is bound to the
+    model its check saw, not to whoever holds the name."""
 
     def signatures(name: str, version: int | None) -> ModelSignature | None:
         model = models.get(name)
         if model is None or not uses(model, tenant_id):
             return None
+        if bound is not None and ids is not None and bound.get(name) != ids.get(name):
+            raise PipelineError(
+                "the model of this name is not the one this version was registered with: register a new version",
+                step=name,
+            )
         number = version if version is not None else model.routes.stable
         entry = model.versions.get(number) if number is not None else None
         if entry is None or entry.state != "ready":
@@ -110,19 +130,37 @@ def _fallback_fits(checked: Checked, fallback: Model) -> bool:
     return _signature(row.inputs) == checked.inputs and _signature(row.outputs) == checked.outputs
 
 
+class _Keep:
+    """The type of `KEEP`."""
+
+
+KEEP = _Keep()  # a setting a new version leaves as the pipeline has it (a new pipeline: the default)
+
+
+def current_settings(name: str, tenant_id: int | None) -> tuple[str, str | None]:
+    """The visibility and fallback's name a new version of pipeline `name` keeps when its registration names
+    neither: the pipeline's own, if `tenant_id`'s; a new pipeline's defaults (private, none) otherwise."""
+    pipeline = Pipeline.objects.select_related("fallback").filter(name=name, tenant_id=tenant_id).first()
+    if pipeline is None:
+        return Visibility.PRIVATE, None
+    return pipeline.visibility, pipeline.fallback.name if pipeline.fallback else None
+
+
 def register_pipeline(
     *,
     name: str,
     spec: object,
     tenant: object | None,
-    visibility: str = Visibility.PRIVATE,
+    visibility: str | _Keep = KEEP,
     description: str = "",
-    fallback: str | None = None,
+    fallback: str | None | _Keep = KEEP,
     actor: object = None,
 ) -> PipelineVersion:
     """Check `spec` against the models `tenant` may see and store it as the next version of pipeline `name`
-    (created if new), with its audit entry. `PipelineRegistrationError`: 422 for a graph that does not
-    connect (naming the step and tensor), 409 for a name a model or another tenant's pipeline holds."""
+    (created if new), with its audit entry. `visibility` and `fallback` left as `KEEP` stay the pipeline's
+    (`current_settings`). `PipelineRegistrationError`: 422 for a graph that does not connect (naming the step
+    and tensor), 409 for a name a model or another tenant's pipeline holds, 429 for the tenant's quota (a new
+    pipeline counts as a model, a served version as a version)."""
     from tenants import audit
 
     try:
@@ -132,8 +170,16 @@ def register_pipeline(
             "a pipeline's name is a model name: letters, digits, '_', '.', '-'", 400
         ) from None
     tenant_id = getattr(tenant, "pk", None)
+    if isinstance(visibility, _Keep) or isinstance(fallback, _Keep):
+        kept = current_settings(name, tenant_id)
+        visibility = kept[0] if isinstance(visibility, _Keep) else visibility
+        fallback = kept[1] if isinstance(fallback, _Keep) else fallback
+    if visibility not in dict(PIPELINE_VISIBILITIES):
+        # "shared" names no tenants for a pipeline (it has no shared_with): it would serve as private.
+        raise PipelineRegistrationError("a pipeline's visibility is private or public", 400)
+    bound: dict[str, int] = {}
     try:
-        checked = check(spec, registry_signatures(tenant_id))
+        checked = check(spec, registry_signatures(tenant_id, bound))
     except PipelineError as exc:
         raise PipelineRegistrationError(exc.message) from None
     if visibility == Visibility.PUBLIC:
@@ -171,13 +217,21 @@ def register_pipeline(
                 pipeline = Pipeline.objects.create(
                     name=name, tenant=tenant, visibility=visibility, description=description, fallback=fallback_model
                 )
+                quota_counts.check_new_pipeline(pipeline)
             else:
                 pipeline.visibility, pipeline.fallback = visibility, fallback_model
                 pipeline.description = description or pipeline.description
                 pipeline.save(update_fields=["visibility", "fallback", "description", "updated_at"])
+            if pipeline.versions.count() < PIPELINE_VERSIONS_SERVED:  # else the oldest served one stops being
+                quota_counts.check_new_version(tenant_id)
             last = pipeline.versions.order_by("-version").values_list("version", flat=True).first() or 0
             row = PipelineVersion.objects.create(
-                pipeline=pipeline, version=last + 1, spec=spec, inputs=inputs, outputs=outputs
+                pipeline=pipeline,
+                version=last + 1,
+                spec=spec,
+                inputs=inputs,
+                outputs=outputs,
+                step_models={m: bound[m] for m in checked.models},
             )
             audit.record(
                 actor,
@@ -186,6 +240,8 @@ def register_pipeline(
                 tenant=tenant,  # type: ignore[arg-type]
                 after={"version": row.version, "spec": spec, "visibility": visibility, "fallback": fallback},
             )
+    except RegistrationError as exc:  # the tenant's quota (quota_counts.QuotaFull, 429)
+        raise PipelineRegistrationError(exc.message, exc.status) from None
     except IntegrityError:
         raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409) from None
     return row
@@ -262,36 +318,81 @@ def delete_pipeline(*, pipeline: Pipeline, actor: object = None) -> None:
 
 
 def snapshot_entries(models: dict[str, ModelEntry]) -> dict[str, PipelineEntry]:
-    """The routing snapshot's pipelines, each version re-checked against the models as published."""
+    """The routing snapshot's pipelines: each one's latest `PIPELINE_VERSIONS_SERVED` versions, re-checked
+    against the models as published. A version is broken when a step's model is gone, out of sight, not the
+    model it was registered with, or no longer takes or gives the tensors the version was registered with
+    (the check on each step's stable version, or the version it pins); the fallback is left out when its
+    stable version no longer takes and gives the latest version's tensors."""
+    ids = dict(Model.objects.values_list("name", "pk"))
     entries = {}
     for pipeline in Pipeline.objects.select_related("fallback").prefetch_related("versions"):
         if pipeline.name in models:  # a model took the name first (a raw save): the model wins
             continue
         versions = {}
-        for row in pipeline.versions.all():
+        served = sorted(pipeline.versions.all(), key=lambda row: row.version)[-PIPELINE_VERSIONS_SERVED:]
+        for row in served:
+            inputs = tuple(TensorSpec.from_dict(d) for d in row.inputs)
+            outputs = tuple(TensorSpec.from_dict(d) for d in row.outputs)
             max_rows = 1
             try:
-                max_rows = check(row.spec, snapshot_signatures(models, pipeline.tenant_id)).max_rows
-                broken = ""
+                checked = check(row.spec, snapshot_signatures(models, pipeline.tenant_id, row.step_models, ids))
+                _same_signature(checked, inputs, outputs)
+                max_rows, broken = checked.max_rows, ""
             except PipelineError as exc:
                 broken = exc.message
             versions[row.version] = PipelineVersionEntry(
-                version=row.version,
-                spec=row.spec,
-                inputs=tuple(TensorSpec.from_dict(d) for d in row.inputs),
-                outputs=tuple(TensorSpec.from_dict(d) for d in row.outputs),
-                broken=broken,
-                max_rows=max_rows,
+                version=row.version, spec=row.spec, inputs=inputs, outputs=outputs, broken=broken, max_rows=max_rows
             )
         if not versions:
             continue
+        latest = versions[max(versions)]
         entries[pipeline.name] = PipelineEntry(
             name=pipeline.name,
             description=pipeline.description,
             versions=versions,
-            latest=max(versions),
+            latest=latest.version,
             tenant_id=pipeline.tenant_id,
             visibility=pipeline.visibility,
-            fallback=pipeline.fallback.name if pipeline.fallback else None,
+            fallback=_served_fallback(pipeline, models, latest),
         )
     return entries
+
+
+def _same_signature(checked: Checked, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> None:
+    """`PipelineError` naming the first tensor the steps now take or give otherwise than the version was
+    registered with: served as registered, each call would be refused step by step, or answer another shape."""
+    for taking, derived, stored in ((True, checked.inputs, inputs), (False, checked.outputs, outputs)):
+        now = {name: TensorSpec.from_dict(t.to_dict(name)) for name, t in derived.items()}
+        then = {spec.name: spec for spec in stored}
+        for name in sorted(set(now) | set(then)):
+            if now.get(name) != then.get(name):
+                verb = "take" if taking else "give"
+                raise PipelineError(
+                    f"registered to {verb} {_said(then.get(name))}, its steps' models now {verb}"
+                    f" {_said(now.get(name))}: register a new version",
+                    tensor=name,
+                )
+
+
+def _said(spec: TensorSpec | None) -> str:
+    return f"{spec.datatype} {list(spec.shape)}" if spec is not None else "no such tensor"
+
+
+def _served_fallback(pipeline: Pipeline, models: dict[str, ModelEntry], latest: PipelineVersionEntry) -> str | None:
+    """The pipeline's fallback as registration checked it, as published: visible to the pipeline's tenant
+    (public, for a public pipeline), its stable version ready and taking and giving the latest version's
+    tensors. None when it no longer is: a fallback that cannot answer the call would only fail it again."""
+    if pipeline.fallback is None:
+        return None
+    model = models.get(pipeline.fallback.name)
+    if model is None or not uses(model, pipeline.tenant_id):
+        return None
+    if pipeline.visibility == Visibility.PUBLIC and not (model.tenant_id is None or model.visibility == "public"):
+        return None
+    stable: VersionEntry | None = model.versions.get(model.routes.stable) if model.routes.stable is not None else None
+    if stable is None or stable.state != "ready":
+        return None
+    fits = {s.name: s for s in stable.inputs} == {s.name: s for s in latest.inputs} and {
+        s.name: s for s in stable.outputs
+    } == {s.name: s for s in latest.outputs}
+    return model.name if fits else None

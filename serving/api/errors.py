@@ -9,6 +9,7 @@ from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from prometheus_client import Counter
+from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import exception_handler, set_rollback
 
@@ -42,11 +43,25 @@ def _flatten(detail: object) -> str:
     return str(detail)
 
 
+def _parsing_json(exc: BaseException) -> bool:
+    """Whether `exc` was raised while DRF's JSON parser read the body (its frame is on the traceback)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is JSONParser.parse.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def json_exception_handler(exc: Exception, context: dict) -> Response:
     response = exception_handler(exc, context)
     if response is None and isinstance(exc, UNREACHABLE):
         set_rollback()
         return database_unavailable(context.get("request"), exc)  # type: ignore[return-value]
+    if response is None and isinstance(exc, RecursionError) and _parsing_json(exc):
+        # A body nested thousands deep: json's decoder gives up past the interpreter's recursion limit, and DRF's
+        # parser turns only ValueError into its 400. Any other RecursionError is a bug, answered as one below.
+        return Response({"error": "JSON parse error - the body is nested too deeply"}, status=400)
     if response is None:
         request = context.get("request")
         where = f"{request.method} {request.path}" if request is not None else "?"

@@ -18,8 +18,16 @@ from rest_framework.response import Response
 
 from serving.api.serializers import ModelNameField, OwnerField, TextField
 from serving.api.views import errors, name_parameter, owner_by_default
-from serving.models import MODEL_NAME_PATTERN, Pipeline, Visibility
-from serving.pipelines import PipelineRegistrationError, delete_pipeline, redact_spec, register_pipeline, step_models
+from serving.models import MODEL_NAME_PATTERN, PIPELINE_VISIBILITIES, Pipeline, Visibility
+from serving.pipelines import (
+    KEEP,
+    PipelineRegistrationError,
+    current_settings,
+    delete_pipeline,
+    redact_spec,
+    register_pipeline,
+    step_models,
+)
 from tenants.models import Role, has_role
 from tenants.scoping import TenantScopedViewSet, member_tenant_ids, visible_models, visible_tenants
 
@@ -70,14 +78,18 @@ class PipelineSerializer(serializers.Serializer):
 
     name = ModelNameField(help_text="served at /v2/models/{name}/infer; no model may have it")
     tenant = OwnerField(allow_null=True, required=False)
-    visibility = serializers.ChoiceField(choices=Visibility.choices, default=Visibility.PRIVATE)
+    visibility = serializers.ChoiceField(
+        choices=PIPELINE_VISIBILITIES,
+        required=False,
+        help_text="private (its tenant's) or public; left out, a new version keeps the pipeline's (a new one: private)",
+    )
     description = TextField(required=False, allow_blank=True, default="")
     fallback = ModelNameField(
         required=False,
         allow_null=True,
-        default=None,
         help_text="a model with the pipeline's signature (a public pipeline's must be public); null too when the"
-        " caller may not see it (then `fallback_hidden` is true)",
+        " caller may not see it (then `fallback_hidden` is true); left out, a new version keeps the pipeline's,"
+        " null removes it",
     )
     # An object, as the schema says (a JSONField would admit null or a list): its graph is checked on registration.
     spec = serializers.DictField(write_only=True, help_text="the graph of the new version (serving.policies.pipeline)")
@@ -145,7 +157,10 @@ _WRITE_ERRORS = errors(
     400,
     403,
     409,
+    429,
     e409="The name is a model's, or another tenant's pipeline's.",
+    e429="The owning tenant's quota is full: a pipeline counts as a model (max_models), each of its served"
+    " versions as a version (max_versions). No Retry-After.",
 )
 
 
@@ -200,7 +215,7 @@ class PipelineViewSet(
         # from validation errors.
         named = self._named_tenant(body)
         if named is not UNRESOLVED:
-            self._require_roles(named, body.get("visibility", Visibility.PRIVATE))
+            self._require_roles(named, self._visibility(body, body.get("name"), named))
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
@@ -211,7 +226,8 @@ class PipelineViewSet(
     def update(self, request: Request, *args: object, **kwargs: object) -> Response:
         pipeline = self.get_object()
         body = request.data if isinstance(request.data, dict) else {}
-        self._require_roles(pipeline.tenant, body.get("visibility", Visibility.PRIVATE))  # before validation
+        # Before validation, as for a new pipeline.
+        self._require_roles(pipeline.tenant, self._visibility(body, pipeline.name, pipeline.tenant))
         serializer = self.get_serializer(data={**body, "name": pipeline.name})
         serializer.is_valid(raise_exception=True)
         row = self._register(serializer.validated_data, pipeline.tenant)
@@ -234,21 +250,31 @@ class PipelineViewSet(
         found = visible_tenants(self.request.user).filter(slug=slug).first()
         return found if found is not None else UNRESOLVED
 
+    @staticmethod
+    def _visibility(body: dict, name: object, tenant: object) -> object:
+        """The visibility the new version will have: the body's, else the pipeline's own (a new one: private),
+        so a new version of a public pipeline, which every tenant then runs, needs the admin role too."""
+        if "visibility" in body:
+            return body["visibility"]
+        if not isinstance(name, str):
+            return Visibility.PRIVATE
+        return current_settings(name, getattr(tenant, "pk", None))[0]
+
     def _require_roles(self, tenant: object, visibility: object) -> None:
         self.require(Role.ENGINEER, tenant, "registering a pipeline")  # type: ignore[arg-type]
         if visibility != Visibility.PRIVATE:
             self.require(Role.ADMIN, tenant, "making a pipeline visible to other tenants")  # type: ignore[arg-type]
 
     def _register(self, data: dict, tenant: object):  # noqa: ANN202
-        self._require_roles(tenant, data["visibility"])
+        self._require_roles(tenant, self._visibility(data, data["name"], tenant))
         try:
             return register_pipeline(
                 name=data["name"],
                 spec=data["spec"],
                 tenant=tenant,
-                visibility=data["visibility"],
+                visibility=data.get("visibility", KEEP),  # left out: the pipeline's own (register_pipeline)
                 description=data.get("description", ""),
-                fallback=data.get("fallback"),
+                fallback=data.get("fallback", KEEP),
                 actor=self.request.user,
             )
         except PipelineRegistrationError as exc:
