@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -174,6 +175,26 @@ def test_typed_floats_that_are_not_finite_are_values() -> None:
     np.testing.assert_array_equal(decoded(m).inputs["input"], x)
     body, length = codec.rest_body(m, timeout=None)
     np.testing.assert_array_equal(parse_infer_request(body, length, version().inputs, max_rows=16).inputs["input"], x)
+
+
+def test_bf16_travels_raw_as_its_bits_both_ways() -> None:
+    # given tritonclient.grpc's BF16 input (ml_dtypes.bfloat16, raw) for a BF16 signature
+    values = np.array([[1.5, -np.inf, 0.1, 3e38]], ml_dtypes.bfloat16)
+    inp = grpcclient.InferInput("input", [1, 4], "BF16").set_data_from_numpy(values)
+    entry = version(inputs=(TensorSpec("input", "BF16", (4,)),), outputs=(TensorSpec("scores", "BF16", (4,)),))
+    # when decoded / then the tensor is its bits
+    request = decoded(triton_message([inp]), entry)
+    np.testing.assert_array_equal(request.inputs["input"], values.view(np.uint16))
+    # and a BF16 output (its bits) reads back in tritonclient.grpc as the same bfloat16 values
+    response = codec.response_of(Served(entry, entry, {"scores": request.inputs["input"]}), request)
+    got = grpcclient.InferResult(response).as_numpy("scores")
+    assert response.outputs[0].datatype == "BF16" and got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), values.view(np.uint16))
+    # typed contents have no BF16 field, as in Triton
+    typed = pb.ModelInferRequest(model_name="m")
+    typed.inputs.add(name="input", datatype="BF16", shape=[1, 4]).contents.fp32_contents.extend([0.0] * 4)
+    with pytest.raises(ProtocolError, match="BF16 data must be sent in raw_input_contents"):
+        decoded(typed, entry)
 
 
 def test_an_output_asked_twice_is_refused() -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import random
 
+import ml_dtypes
 import numpy as np
 import orjson
 import pytest
+import torch
 import tritonclient.http as httpclient
 from tritonclient.http._utils import _get_inference_request
 
@@ -18,8 +20,10 @@ from serving.dataplane.http.protocol import (
     ProtocolError,
     RequestedOutput,
     TensorSpec,
+    bf16_to_float32,
     encode_infer_response,
     error_body,
+    float_to_bf16,
     parse_infer_request,
 )
 
@@ -79,9 +83,10 @@ def header_value(headers, key: bytes) -> bytes | None:
 def test_datatypes():
     assert set(DATATYPES) == {
         "BOOL", "UINT8", "UINT16", "UINT32", "UINT64",
-        "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64",
+        "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16",
     }  # fmt: skip
     assert DATATYPES["BOOL"].itemsize == 1
+    assert DATATYPES["BF16"] == np.uint16  # its bits: numpy has no bfloat16
     assert DATATYPES["FP16"] == np.float16 and DATATYPES["INT64"] == np.int64
 
 
@@ -195,6 +200,9 @@ def test_json_values_that_fit(datatype, data, expected):
         ("FP32", [1, -1e300], "out of range for FP32"),
         ("FP16", [-70000, 1], "out of range for FP16"),
         ("FP16", [-(2**63), 1], "out of range for FP16"),  # |INT64_MIN| overflows int64: not a small number
+        ("BF16", [3.4e38, 1], "out of range for BF16"),
+        ("BF16", [-1e39, 1], "out of range for BF16"),
+        ("BF16", ["1", 2], "must be numbers"),
         ("FP32", ["1", 2], "must be numbers"),
         ("FP32", [None, 2], "must be numbers"),
         ("FP32", [{}, 2], "must be numbers"),
@@ -676,10 +684,10 @@ def test_what_stays_refused_beside_a_value_not_finite(body, fragment):
     assert exc.value.status == 400
 
 
-@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64", "BF16"])
 def test_json_outputs_that_are_not_finite_arrive_as_themselves(datatype):
     # given a model's output with -inf, NaN and inf (a log-softmax's -inf), asked for as JSON beside a binary one
-    y = NOT_FINITE
+    y = float_to_bf16(NOT_FINITE) if datatype == "BF16" else NOT_FINITE
     specs = [TensorSpec("y", datatype, (3,)), TensorSpec("label", "INT64", ())]
     requested = [RequestedOutput("y", False), RequestedOutput("label", True)]
     body, headers = encode(outputs={"y": y, "label": np.array([1, 2])}, output_specs=specs, requested=requested)
@@ -745,6 +753,57 @@ def test_the_extensions_parameters_at_their_defaults_are_no_request_of_them():
     outputs = [{"name": "y", "parameters": {"classification": 0}}]
     r = parse({"parameters": parameters, "outputs": outputs, "inputs": [x_input()]})
     assert r.outputs == [RequestedOutput("y", False)]
+
+
+# --- BF16 ----------------------------------------------------------------------------------
+
+
+def test_bf16_conversions_are_torchs():
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal(20_000) * 10.0 ** rng.integers(-30, 30, 20_000)).astype(np.float32)
+    values = np.concatenate([values, np.array([0, -0.0, np.inf, -np.inf, 1e-40, -3.3895e38], np.float32)])
+    bits = torch.from_numpy(values).to(torch.bfloat16).view(torch.uint16).numpy()
+    np.testing.assert_array_equal(float_to_bf16(values), bits)  # round to nearest even, as torch
+    np.testing.assert_array_equal(bf16_to_float32(bits), torch.from_numpy(bits).view(torch.bfloat16).float().numpy())
+    assert np.isnan(bf16_to_float32(float_to_bf16(np.array([np.nan, -np.nan], np.float32)))).all()
+
+
+def test_bf16_binary_input_from_tritonclient_is_its_bits():
+    # given tritonclient's BF16 input (ml_dtypes.bfloat16, sent as binary as tritonclient must)
+    arr = np.array([[1.5, -2.0, np.inf], [0.1, -np.inf, 3e38]], dtype=ml_dtypes.bfloat16)
+    inp = httpclient.InferInput("v", [2, 3], "BF16")
+    inp.set_data_from_numpy(arr)
+    body, length = triton_request([inp])
+    # when parsed / then it is its bits, which torch reads as the same bfloat16 values
+    bits = parse_infer_request(body, length, [TensorSpec("v", "BF16", (3,))], max_rows=2).inputs["v"]
+    assert bits.dtype == np.uint16 and bits.shape == (2, 3)
+    np.testing.assert_array_equal(bits, arr.view(np.uint16))
+    as_torch = torch.from_numpy(bits.copy()).view(torch.bfloat16)
+    np.testing.assert_array_equal(as_torch.float().numpy(), arr.astype(np.float32))
+
+
+def test_bf16_json_input_is_rounded_as_torch_rounds():
+    data = [[1.5, -2, 0.1], [1e38, float("-inf"), -0.0]]
+    item = {"name": "v", "datatype": "BF16", "shape": [2, 3], "data": data}
+    body = json.dumps({"inputs": [item]}).encode()  # -Infinity: as tritonclient would write it
+    bits = parse_infer_request(body, None, [TensorSpec("v", "BF16", (3,))], max_rows=2).inputs["v"]
+    expected = torch.tensor(data, dtype=torch.float32).to(torch.bfloat16).view(torch.uint16).numpy()
+    assert bits.dtype == np.uint16
+    np.testing.assert_array_equal(bits, expected)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_bf16_outputs_reach_tritonclient_as_bfloat16(binary):
+    values = np.array([[1.5, -np.inf, 0.1], [3e38, -0.0, 7]], ml_dtypes.bfloat16)
+    specs = [TensorSpec("y", "BF16", (3,))]
+    body, headers = encode(outputs={"y": values.view(np.uint16)}, output_specs=specs, binary_output=binary)
+    length = header_value(headers, b"inference-header-content-length")
+    result = httpclient.InferResult.from_response_body(
+        body, verbose=False, header_length=None if length is None else int(length)
+    )
+    got = result.as_numpy("y")
+    assert got.dtype == ml_dtypes.bfloat16 and got.shape == (2, 3)
+    np.testing.assert_array_equal(got.view(np.uint16), values.view(np.uint16))
 
 
 # --- fuzz --------------------------------------------------------------------------------

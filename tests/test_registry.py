@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from rollout.routing import RouteError, choose_version
 from serving import artifacts
@@ -70,6 +71,38 @@ def test_good_artifact_becomes_ready_with_profile_and_footprint(model_files, att
     data = getattr(model_files, attr).read_bytes()
     assert version.artifact_id == hashlib.sha256(data).hexdigest()
     assert version.artifact.size_bytes == len(data)
+
+
+class NudgedWhenBatched(torch.nn.Module):
+    """BF16 in and out; batched, its answers move by `nudge` (relative), as a GPU's kernels for one row and for
+    four may round a bfloat16 result differently."""
+
+    def __init__(self, nudge: float) -> None:
+        super().__init__()
+        self.nudge = nudge
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 1.0 + self.nudge if x.shape[0] > 1 else 1.0
+        return torch.log_softmax(x, dim=-1) * factor
+
+
+BF16_IO = {
+    "inputs": [{"name": "x", "datatype": "BF16", "shape": [16]}],
+    "outputs": [{"name": "scores", "datatype": "BF16", "shape": [16]}],
+}
+
+
+@pytest.mark.parametrize(("nudge", "ready"), [(0.0, True), (0.004, True), (0.1, False)])
+def test_a_bf16_model_is_validated_on_its_values(tmp_path: Path, nudge: float, ready: bool) -> None:
+    # given a model computing in bfloat16 whose batched answers move by `nudge`
+    path = tmp_path / "bf16.pt"
+    torch.jit.save(torch.jit.script(NudgedWhenBatched(nudge)), str(path))
+    # when registered and validated (its example inputs and outputs travel as BF16's bits)
+    version = register(path, f"bf16-{int(nudge * 1000)}", io=BF16_IO, max_batch_size=4)
+    # then a bfloat16 step or so is no dependence between rows; a tenth is
+    assert (version.state == State.READY) is ready, version.failure_reason
+    if not ready:
+        assert "output 'scores' of row 0 changes when batched" in version.failure_reason
 
 
 def test_variable_length_model_becomes_ready(model_files) -> None:

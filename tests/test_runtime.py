@@ -308,3 +308,68 @@ def test_a_long_request_does_not_pad_a_batch_of_short_ones(model_files) -> None:
     for request, result in zip(requests, results, strict=True):
         (alone,) = predict([request["tokens"]])
         np.testing.assert_allclose(result["scores"], alone, rtol=1e-5, atol=1e-6)
+
+
+class BF16Scores(torch.nn.Module):
+    """x BF16 [4] -> log-probabilities BF16 [4], computed in bfloat16 (a -inf input gives a -inf score)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x * 2.0, dim=-1)
+
+
+class BF16ForFP32(torch.nn.Module):
+    """Answers bfloat16 where its signature says FP32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+
+BF16_IN = TensorSpec("x", "BF16", (4,))
+BF16_OUT = TensorSpec("scores", "BF16", (4,))
+
+
+def test_a_bf16_model_gets_bfloat16_and_its_answer_leaves_as_its_bits(tmp_path) -> None:  # noqa: ANN001
+    # given a model computing in bfloat16, and a request's BF16 input as the protocol carries it: its bits
+    path = tmp_path / "bf16.pt"
+    torch.jit.save(torch.jit.script(BF16Scores()), str(path))
+    rt = runtime(path, inputs=(BF16_IN,), outputs=(BF16_OUT,))
+    values = torch.tensor([[1.5, -float("inf"), 0.1, 3.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    bits = values.view(torch.uint16).numpy().copy()
+    # when it predicts
+    (scores,) = rt.predict([bits])
+    # then the model saw the bfloat16 values, and its bfloat16 answer comes back as its bits
+    assert scores.dtype == np.uint16 and scores.shape == (2, 4)
+    expected = torch.log_softmax(values * 2.0, dim=-1)
+    np.testing.assert_array_equal(scores, expected.view(torch.uint16).numpy())
+    assert torch.from_numpy(scores).view(torch.bfloat16)[0, 1] == -float("inf")
+    # and its example batches are bfloat16 values in [0, 1), as the other float types'
+    (example,) = rt.example_batch(3)
+    as_floats = torch.from_numpy(example).view(torch.bfloat16).float()
+    assert example.dtype == np.uint16 and example.shape == (3, 4)
+    assert bool(((as_floats >= 0) & (as_floats < 1)).all()) and bool(as_floats.any())
+    assert rt.profile([1, 2], repeats=1).keys() == {1, 2}
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "outputs", "message"),
+    [
+        (
+            BF16ForFP32(),
+            (X,),
+            (TensorSpec("scores", "FP32", (64,)),),
+            "output 'scores' is bfloat16, signature says FP32",
+        ),
+        (
+            Doubler(),
+            (TOKENS,),
+            (TensorSpec("values", "BF16", (-1,)),),
+            "output 'values' is float32, signature says BF16",
+        ),
+    ],
+)
+def test_bfloat16_where_the_signature_says_otherwise_is_a_runtime_failure(tmp_path, model, inputs, outputs, message):  # noqa: ANN001
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(model), str(path))
+    rt = runtime(path, inputs=inputs, outputs=outputs)
+    with pytest.raises(RuntimeFailure, match=message):
+        rt.predict(rt.example_batch(2))

@@ -28,6 +28,7 @@ from serving.dataplane.node import runtime_process, sandbox
 from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, load_module
 from serving.dataplane.node.runtime_process import IsolatedRuntime, inspect_operators
 from serving.demo import save_artifact
+from tests.test_runtime import BF16_IN, BF16_OUT, BF16Scores
 
 CPU = torch.device("cpu")
 X = TensorSpec("input", "FP32", (64,))
@@ -354,3 +355,22 @@ def test_the_cuda_rule_lets_the_runtime_write_its_own_threads_proc_entries_and_n
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["written", "PermissionError", "PermissionError", "PermissionError"], result
     assert not outside.exists()
+
+
+def test_the_isolated_runtime_carries_bf16_both_ways(tmp_path: Path) -> None:
+    # given a model computing in bfloat16, inline and in a child (BF16 crosses to it and back as its bits)
+    path = tmp_path / "bf16.pt"
+    save_artifact(BF16Scores(), "torchscript", torch.zeros(2, 4, dtype=torch.bfloat16), path)
+    inline = ModelRuntime(path, "torchscript", [BF16_IN], [BF16_OUT], CPU)
+    inline.load()
+    isolated = IsolatedRuntime(path, "torchscript", [BF16_IN], [BF16_OUT], CPU)
+    values = torch.tensor([[1.5, -float("inf"), 0.1, 3.0]], dtype=torch.bfloat16)
+    try:
+        isolated.load()
+        # when both predict / then the child's answer is the inline one's, bit for bit, checked in the parent
+        (mine,) = isolated.predict([values.view(torch.uint16).numpy().copy()])
+        (theirs,) = inline.predict([values.view(torch.uint16).numpy().copy()])
+        assert mine.dtype == np.uint16
+        np.testing.assert_array_equal(mine, theirs)
+    finally:
+        isolated.close()

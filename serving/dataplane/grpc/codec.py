@@ -32,7 +32,7 @@ from serving.dataplane.http.protocol import (
     refuse_sequence,
 )
 
-# The typed field of InferTensorContents for each datatype; FP16 has none (raw only, as in Triton).
+# The typed field of InferTensorContents for each datatype; FP16 and BF16 have none (raw only, as in Triton).
 TYPED_FIELD = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",

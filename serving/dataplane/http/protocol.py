@@ -26,11 +26,21 @@ DATATYPES: dict[str, np.dtype] = {
     "FP16": np.dtype("<f2"),
     "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
+    # numpy has no bfloat16: a BF16 tensor travels as its raw bits, little-endian uint16 (as Triton's binary
+    # form and raw_input_contents carry it); the runtime views them as torch.bfloat16 where they meet the
+    # model, and JSON `data` holds their values as numbers (bf16_to_float32, float_to_bf16).
+    "BF16": np.dtype("<u2"),
 }
 
-_FLOAT_MAX: dict[str, float] = {name: float(np.finfo(dt).max) for name, dt in DATATYPES.items() if dt.kind == "f"}
+# The largest finite value of each floating-point datatype; a larger finite JSON number is refused.
+_FLOAT_MAX: dict[str, float] = {
+    **{name: float(np.finfo(dt).max) for name, dt in DATATYPES.items() if dt.kind == "f"},
+    "BF16": float(np.array(0x7F7F0000, "<u4").view("<f4")),
+}
 _INT_LIMITS: dict[str, tuple[int, int]] = {
-    name: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for name, dt in DATATYPES.items() if dt.kind in "iu"
+    name: (int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+    for name, dt in DATATYPES.items()
+    if dt.kind in "iu" and name not in _FLOAT_MAX
 }
 _NUMPY_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 
@@ -128,6 +138,22 @@ class InferRequest:
 
 def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """BF16 bits (uint16) as the float32 values they are: bfloat16 is float32's upper half."""
+    return (bits.astype("<u4") << 16).view("<f4")
+
+
+def float_to_bf16(values: np.ndarray) -> np.ndarray:
+    """Floats as BF16 bits (uint16), rounded to nearest even through float32 as torch rounds; a NaN stays a
+    (quiet) NaN. The caller keeps finite values within BF16's range."""
+    bits = np.ascontiguousarray(values, "<f4").view("<u4")
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    if nan.any():
+        rounded[nan] = (rounded[nan] & 0x8000) | 0x7FC0
+    return rounded
 
 
 _NON_FINITE_TOKENS = (b"NaN", b"Infinity", b"-Infinity")
@@ -297,7 +323,7 @@ def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> n
     if count == 0:
         return np.zeros(shape, dtype)
     kind = raw.dtype.kind
-    if limit is not None:  # FP16, FP32, FP64
+    if limit is not None:  # FP16, FP32, FP64, BF16
         if kind not in "iuf":
             raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
         # NaN, Infinity and -Infinity (the tokens, or a gRPC message's typed floats) are values; a finite
@@ -308,6 +334,8 @@ def _from_json(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> n
             finite = raw[np.isfinite(raw)] if kind == "f" else raw
             if finite.size and not (-limit <= finite.min() and finite.max() <= limit):
                 raise ProtocolError(f"input {name!r}: value out of range for {datatype}")
+        if datatype == "BF16":
+            return float_to_bf16(raw).reshape(shape)
     elif dtype.kind == "b":
         if kind in "iu" and ((raw == 0) | (raw == 1)).all():
             raw = raw.astype(dtype)
@@ -485,7 +513,7 @@ def encode_infer_response(
             chunks.append(arr.data)
         else:
             flat = arr.ravel()  # orjson writes 1-D numpy arrays as flat lists
-            entry["data"] = json_data(flat)
+            entry["data"] = json_data(bf16_to_float32(flat) if spec.datatype == "BF16" else flat)
         entries.append(entry)
 
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}

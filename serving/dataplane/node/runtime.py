@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from serving.dataplane.http.protocol import DATATYPES, TensorSpec
+from serving.dataplane.http.protocol import DATATYPES, TensorSpec, float_to_bf16
 from serving.dataplane.node import operator_check
 
 
@@ -214,6 +214,13 @@ def _owned(array: np.ndarray) -> np.ndarray:
     return np.array(array, order="C")
 
 
+def to_torch(array: np.ndarray, spec: TensorSpec) -> torch.Tensor:
+    """`array` as the tensor `spec` declares, sharing its memory: a BF16 tensor arrives as its bits (numpy has
+    no bfloat16: protocol.DATATYPES) and is viewed as torch.bfloat16."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if spec.datatype == "BF16" else tensor
+
+
 def split(outputs: Sequence[np.ndarray], rows: Sequence[int], names: Sequence[str]) -> list[dict[str, np.ndarray]]:
     total = sum(rows)
     for name, out in zip(names, outputs, strict=True):
@@ -286,7 +293,10 @@ class ModelRuntime:
         if self.module is None:
             raise RuntimeFailure("model is not loaded")
         with torch.inference_mode():
-            tensors = [torch.from_numpy(_owned(a)).to(self.device, non_blocking=True) for a in batch]
+            tensors = [
+                to_torch(_owned(a), spec).to(self.device, non_blocking=True)
+                for a, spec in zip(batch, self.inputs, strict=True)
+            ]
             try:
                 raw = self.module(*tensors)
             except Exception as exc:
@@ -321,7 +331,9 @@ class ModelRuntime:
                 *(min(8, m) if d == -1 else d for d, m in zip(spec.shape, spec.max_shape or spec.shape, strict=True)),
             )
             dtype = DATATYPES[spec.datatype]
-            if np.issubdtype(dtype, np.floating):
+            if spec.datatype == "BF16":
+                batch.append(float_to_bf16(rng.random(shape, dtype=np.float32)))
+            elif np.issubdtype(dtype, np.floating):
                 batch.append(rng.random(shape, dtype=np.float32).astype(dtype))
             elif dtype == np.bool_:
                 batch.append(rng.integers(0, 2, shape).astype(np.bool_))
@@ -362,7 +374,12 @@ class ModelRuntime:
     def _check(self, spec: TensorSpec, tensor: object) -> np.ndarray:
         if not isinstance(tensor, torch.Tensor):
             raise RuntimeFailure(f"output {spec.name!r} is {type(tensor).__name__}, not a tensor")
-        array = tensor.detach().cpu().numpy()
+        if (tensor.dtype == torch.bfloat16) != (spec.datatype == "BF16"):
+            produced = str(tensor.dtype).removeprefix("torch.")
+            raise RuntimeFailure(f"output {spec.name!r} is {produced}, signature says {spec.datatype}")
+        host = tensor.detach().cpu()
+        # BF16 leaves as its bits, viewed on the host: numpy has no bfloat16 (protocol.DATATYPES)
+        array = (host.view(torch.uint16) if spec.datatype == "BF16" else host).numpy()
         expected = DATATYPES[spec.datatype]
         if array.dtype != expected:
             raise RuntimeFailure(f"output {spec.name!r} is {array.dtype}, signature says {spec.datatype}")

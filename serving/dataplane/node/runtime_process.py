@@ -39,7 +39,7 @@ from prometheus_client import Counter
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node import artifact_cache, runtime_channel, sandbox
-from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure
+from serving.dataplane.node.runtime import ModelRuntime, RuntimeFailure, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ class IsolatedRuntime(ModelRuntime):
         _, produced = self._live().call({"op": "predict"}, batch, timeout_s=self.timeout_s)
         if len(produced) != len(self.outputs):
             raise RuntimeFailure(f"model returned {len(produced)} outputs, signature declares {len(self.outputs)}")
-        return [self._check(spec, torch.from_numpy(a)) for spec, a in zip(self.outputs, produced, strict=True)]
+        return [self._check(spec, to_torch(a, spec)) for spec, a in zip(self.outputs, produced, strict=True)]
 
     def to_host(self) -> None:
         if self.process is not None and self.device.type == "cuda":
