@@ -156,6 +156,19 @@ def test_bad_input_is_invalid_argument(client, auth) -> None:  # noqa: ANN001
     assert status_of(refused.value) == "StatusCode.INVALID_ARGUMENT"
 
 
+def test_an_extension_ferry_lacks_is_invalid_argument_naming_it(client, auth) -> None:  # noqa: ANN001
+    # given tritonclient.grpc asking for classification, or for a sequence / then INVALID_ARGUMENT, naming it
+    inputs = [digits_input(np.zeros((1, 64), np.float32))]
+    classified = [grpcclient.InferRequestedOutput("scores", class_count=3)]
+    for attempt, parameter in (
+        (lambda: client.infer("digits", inputs, outputs=classified, headers=auth), "classification"),
+        (lambda: client.infer("digits", inputs, sequence_id=12, sequence_start=True, headers=auth), "sequence_id"),
+    ):
+        with pytest.raises(InferenceServerException, match=f"parameter '{parameter}' is not supported") as refused:
+            attempt()
+        assert status_of(refused.value) == "StatusCode.INVALID_ARGUMENT"
+
+
 def test_an_unknown_and_a_foreign_model_are_not_found_alike(server, client, auth, model_files) -> None:  # noqa: ANN001
     # given a private model of another tenant
     other = tenant("other")
