@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from serving.dataplane.http.protocol import bf16_to_float32
 from usage.sketch import _INV_LOG_GROWTH, FLOOR_SECONDS, TOP_INDEX, Sketch, to_json
 
 if TYPE_CHECKING:
     from serving.dataplane.gateway.shadow import Pair
+    from serving.dataplane.gateway.snapshot import VersionEntry
 
 AGREE_COSINE = 0.99
 REGRESSION_ATOL = 1e-3
@@ -167,6 +169,15 @@ def _count(sketch: Sketch, values: np.ndarray) -> None:
         sketch[b] = sketch.get(b, 0) + n
 
 
+def _bf16_names(version: VersionEntry) -> frozenset[str]:
+    """The version's BF16 tensors, which travel as their bits (uint16): compared and kept as their values."""
+    return frozenset(spec.name for spec in (*version.inputs, *version.outputs) if spec.datatype == "BF16")
+
+
+def _values(array: np.ndarray, name: str, bf16: frozenset[str]) -> np.ndarray:
+    return bf16_to_float32(array) if name in bf16 else array
+
+
 def _json_floats(array: np.ndarray) -> list:
     """A tensor row as JSON numbers (non-finite values as strings, which JSON cannot carry)."""
     values = np.asarray(array).tolist()
@@ -183,14 +194,17 @@ def _json_floats(array: np.ndarray) -> list:
 
 def _sample(pair: Pair, row: int | None, summary: str, difference: float | None) -> dict[str, Any]:
     item = pair.item
+    bf16 = _bf16_names(item.baseline)
     inputs: dict[str, Any] | None = {
-        name: _json_floats(t[row] if row is not None and t.ndim else t) for name, t in item.inputs.items()
+        name: _json_floats(_values(t[row] if row is not None and t.ndim else t, name, bf16))
+        for name, t in item.inputs.items()
     }
     if len(repr(inputs)) > MAX_SAMPLE_INPUT_BYTES:
         inputs = None  # too large to keep; the summary and outputs remain
     out = next(iter(item.primary))
-    primary = item.primary[out]
+    primary = _values(item.primary[out], out, bf16)
     shadow = pair.shadow.get(out) if pair.shadow is not None else None
+    shadow = None if shadow is None else _values(shadow, out, bf16)
     return {
         "model": item.baseline.model,
         "baseline": item.baseline.version,
@@ -247,8 +261,9 @@ def aggregate(pairs: Iterable[Pair]) -> tuple[list[dict[str, Any]], list[dict[st
         groups.setdefault((key, out, tuple(primary.shape[1:])), []).append(pair)
     for (key, out, _), members in groups.items():
         task = cells[key].task
-        primary = np.concatenate([m.item.primary[out] for m in members])
-        shadow = np.concatenate([m.shadow[out] for m in members])  # type: ignore[index]
+        bf16 = _bf16_names(members[0].item.baseline)
+        primary = _values(np.concatenate([m.item.primary[out] for m in members]), out, bf16)
+        shadow = _values(np.concatenate([m.shadow[out] for m in members]), out, bf16)  # type: ignore[index]
         comparison = compare(task, primary, shadow)
         cells[key].add(comparison)
         kept = samples[key[:3]]

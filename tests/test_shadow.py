@@ -182,6 +182,22 @@ def test_aggregate_sums_a_minute_and_keeps_a_bounded_sample_with_inputs() -> Non
     assert later["summary"] == "class 0 vs 1" and later["inputs"] == {"input": list(range(64))}
 
 
+def test_bf16_answers_are_compared_and_kept_as_their_values_not_their_bits() -> None:
+    # BF16 travels as its bits (uint16). Read as integers, 0.5 against 0.25 is 16128 against 16000: a
+    # regression "difference" of 128 and a class picked by bit order, not value.
+    signature = {"outputs": (TensorSpec("scores", "BF16", (3,)),)}
+    bits = np.array([[0x3F00, 0x3E80, 0xBF80]], dtype=np.uint16)  # 0.5, 0.25, -1.0
+    shifted = np.array([[0x3F00, 0x3F80, 0xBF80]], dtype=np.uint16)  # 0.5, 1.0, -1.0
+    item = pair(bits, shifted)
+    item.item.baseline = replace(version(1), **signature)
+    item.item.candidate = replace(version(2), **signature)
+    item.item.task = "regression"
+    (row,), (sample,) = shadow_compare.aggregate([item])
+    assert row["compared"] == 1 and row["agreed"] == 0
+    assert row["abs_max"] == pytest.approx(0.75)
+    assert sample["primary"] == [0.5, 0.25, -1.0] and sample["shadow"] == [0.5, 1.0, -1.0]
+
+
 def test_vectorised_buckets_are_the_sketchs() -> None:
     values = np.concatenate([[0.0, 1e-5, 1e-4, 1.5e-4], np.geomspace(1e-4, 1e3, 500)])
     assert shadow_compare.buckets_of(values).tolist() == [bucket_of(float(v)) for v in values]
