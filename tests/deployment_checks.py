@@ -71,6 +71,34 @@ def settings_env_names() -> set[str]:
     return names
 
 
+def settings_default(name: str) -> object:
+    """The default config/settings.py gives `name` (the second argument of its config.env call), unset: None."""
+    tree = ast.parse((ROOT / "config" / "settings.py").read_text())
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id.startswith("env_")
+            and len(node.args) >= 2
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value == name
+        ):
+            return ast.literal_eval(node.args[1])
+    return None
+
+
+def grpc_address(env: dict[str, str | None]) -> tuple[str, int] | None:
+    """Where a web process with environment `env` serves gRPC (serving.dataplane.grpc.server); None: off."""
+    port = int(env.get("FERRY_GRPC_PORT") or settings_default("FERRY_GRPC_PORT"))  # type: ignore[arg-type]
+    if not port:
+        return None
+    return str(env.get("FERRY_GRPC_HOST") or settings_default("FERRY_GRPC_HOST")), port
+
+
+def loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 # Entry points -------------------------------------------------------------------------------------------
 
 
@@ -419,6 +447,18 @@ def _container_problems(
             problems.append(f"{where}: {probe_name} path {get['path']} does not answer 200 on a live server")
     if component == "web" and not container.get("readinessProbe"):
         problems.append(f"{where}: web needs a readiness probe (out of the Service while not ready)")
+    # gRPC: a web process serves it beside HTTP; it must listen where the Service can reach it.
+    grpc = grpc_address(env) if argv[1:3] == ["manage.py", "serve"] else None
+    if grpc is not None:
+        host, port = grpc
+        if loopback(host):
+            problems.append(f"{where}: serves gRPC on {host}:{port}, its loopback: set FERRY_GRPC_HOST=0.0.0.0")
+        names = [name for name, number in ports.items() if number == port]
+        if not names:
+            problems.append(f"{where}: serves gRPC on {port}, which is not a declared containerPort")
+        services = [d for d in by_kind.get("Service", {}).values() if selects(d["spec"].get("selector", {}), labels)]
+        if not any(p.get("targetPort") in (port, *names) for d in services for p in d["spec"].get("ports", [])):
+            problems.append(f"{where}: no Service routes to its gRPC port {port}")
     return problems
 
 
@@ -499,6 +539,17 @@ def check_compose(doc: Doc, *, missing_commands: Iterable[str] = ()) -> list[str
             continue
         for key in sorted(set(compose_environment(service)) - settings_names):
             problems.append(f"compose {name}: {key} is not a setting config/settings.py reads")
+        grpc = grpc_address(compose_environment(service)) if argv[:3] == ["python", "manage.py", "serve"] else None
+        if grpc is not None:
+            host, port = grpc
+            if loopback(host):
+                problems.append(f"compose {name}: serves gRPC on {host}:{port}, its loopback: set FERRY_GRPC_HOST")
+            published = {
+                str(m["target"]) if isinstance(m, dict) else str(m).rsplit(":", 1)[-1].split("/")[0]
+                for m in service.get("ports", [])
+            }  # the container's side of each mapping: "[host:]published:target[/protocol]", or the long form
+            if str(port) not in published:
+                problems.append(f"compose {name}: does not publish its gRPC port {port}")
         if argv[:3] == ["python", "manage.py", "runnode"]:
             accelerators[name] = option(argv, "--accelerator") or ""
             if "cpus" not in service:

@@ -300,6 +300,23 @@ def container(docs: list[dict], name: str) -> dict:
             ].update({"app.kubernetes.io/component": "wbe"}),
             "its selector matches no workload's pods",
         ),
+        # gRPC as shipped before: on the pod's loopback, no port declared, no Service port
+        (
+            lambda d: container(d, "ferry-web").update(
+                env=[v for v in container(d, "ferry-web")["env"] if v["name"] != "FERRY_GRPC_HOST"]
+            ),
+            "serves gRPC on 127.0.0.1:8001, its loopback",
+        ),
+        (
+            lambda d: container(d, "ferry-web").update(ports=container(d, "ferry-web")["ports"][:1]),
+            "serves gRPC on 8001, which is not a declared containerPort",
+        ),
+        (
+            lambda d: next(x for x in d if x["kind"] == "Service" and x["metadata"]["name"] == "ferry-web")[
+                "spec"
+            ].update(ports=[{"name": "http", "port": 80, "targetPort": "http"}]),
+            "no Service routes to its gRPC port 8001",
+        ),
     ],
 )
 def test_ferrys_checks_catch_a_broken_manifest(docs: list[dict], breakage, expected: str) -> None:
@@ -344,6 +361,8 @@ def test_compose_starts_real_entry_points_with_real_settings(compose: dict) -> N
         (lambda c: c["services"]["node-a"].pop("cpus"), "declares its CPU budget"),
         (lambda c: c["services"]["node-a"]["environment"].update(SECRET_KEY="x"), "must not hold SECRET_KEY"),
         (lambda c: c["services"].pop("beat"), "no beat service"),
+        (lambda c: c["services"]["web"]["environment"].pop("FERRY_GRPC_HOST"), "serves gRPC on 127.0.0.1:8001"),
+        (lambda c: c["services"]["web"].update(ports=["127.0.0.1:8000:8000"]), "does not publish its gRPC port"),
     ],
 )
 def test_the_compose_check_catches_a_broken_file(compose: dict, breakage, expected: str) -> None:
