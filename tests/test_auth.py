@@ -27,6 +27,8 @@ MODEL_ENDPOINTS = [
     ("GET", "/v2/models/{m}/ready", None),
     ("GET", "/v2/models/{m}/versions/1/ready", None),
     ("GET", "/v2/models/{m}/config", None),
+    ("GET", "/v2/models/{m}/stats", None),
+    ("GET", "/v2/models/{m}/versions/1/stats", None),
     ("POST", "/v2/models/{m}/infer", ZERO),
     ("POST", "/v2/models/{m}/versions/1/infer", ZERO),
     ("POST", "/v2/repository/models/{m}/load", b""),
@@ -177,15 +179,16 @@ def test_scopes_gate_load_unload_and_inference(world: World) -> None:
         assert "www-authenticate" not in resp.headers
     assert infer(server, "owned-public", ZERO, auth=infer_only).status == 200
     assert "owned-public" in index_names(server, infer_only)
-    # given a key with manage but not infer / then inference, metadata, ready, config and the index are 403
-    for method, template, body in [*MODEL_ENDPOINTS[:7], INDEX]:
+    # given a key with manage but not infer / then inference, metadata, ready, config, statistics and the index
+    # are 403
+    for method, template, body in [*MODEL_ENDPOINTS[:9], INDEX]:
         assert_error(ask(server, method, template, body, "owned-public", manage_only), 403, "infer")
     # and it may load and unload
     for action in ("unload", "load"):
         resp = call(server, "POST", f"/v2/repository/models/owned-public/{action}", b"", auth=manage_only)
         assert resp.status == 200, resp.body
     after = metrics(server)
-    assert grew(before, after, "ferry_requests_total", model="", version="", status="403") == 2 + 8
+    assert grew(before, after, "ferry_requests_total", model="", version="", status="403") == 2 + 10
 
 
 def test_each_tenant_sees_only_what_it_may(world: World) -> None:

@@ -6,21 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from django.conf import settings as django_settings
+from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from serving.dataplane.gateway.gateway import Gateway
+from serving.dataplane.grpc.status import CODES
 from serving.dataplane.http.consumers import InferenceRequest
 from serving.pipelines import register_pipeline
 from tests.conftest import LiveServer, free_port, mint_key, register, tenant
-from tests.test_inference_http import HELD, grew, metrics, wait_until
+from tests.test_inference_http import HELD, call, grew, metrics, wait_until
 from tests.test_quota_http import set_quota
 
 
@@ -303,16 +308,15 @@ def test_a_pipeline_is_described_and_ready_as_a_model(server, client, auth) -> N
     assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": ["-1", "10"]}]
     assert client.is_model_ready("digits-pipe", headers=auth)
     assert client.is_model_ready("digits-pipe", "1", headers=auth)
-    # and the other tenant's private pipeline is NOT_FOUND, in the words a missing name gets
+    # and the other tenant's private pipeline is NOT_FOUND, in the words a missing name gets, and not ready, as a
+    # missing name is
     answers = {}
     for name in ("their-pipe", "no-such-pipe"):
         with pytest.raises(InferenceServerException) as refused:
             client.get_model_metadata(name, headers=auth)
         assert status_of(refused.value) == "StatusCode.NOT_FOUND"
         answers[name] = refused.value.message().replace(name, "NAME")
-        with pytest.raises(InferenceServerException) as unready:
-            client.is_model_ready(name, headers=auth)
-        assert status_of(unready.value) == "StatusCode.NOT_FOUND"
+        assert client.is_model_ready(name, headers=auth) is False
     assert answers["their-pipe"] == answers["no-such-pipe"]
 
 
@@ -395,12 +399,17 @@ def test_past_the_concurrency_limit_a_call_is_unavailable_with_a_retry_hint(
         # when another call comes, a unary one or a stream / then UNAVAILABLE with REST's 503 and a retry hint,
         # not RESOURCE_EXHAUSTED (the quota's code)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.ServerLive(service_pb2.ServerLiveRequest())
+            stub.ServerMetadata(service_pb2.ServerMetadataRequest())
         with pytest.raises(grpc.RpcError) as stream:
             list(stub.ModelStreamInfer(iter([message]), metadata=metadata))
+        # while the health calls are answered: a probe of a busy process must not fail
+        assert stub.ServerLive(service_pb2.ServerLiveRequest()).live
+        assert stub.ServerReady(service_pb2.ServerReadyRequest()).ready
+        ready = stub.ModelReady(service_pb2.ModelReadyRequest(name="held"), metadata=metadata)
+        assert ready.ready
         first.join(timeout=30)
         # and once the first is answered, calls are served again
-        assert stub.ServerLive(service_pb2.ServerLiveRequest()).live
+        assert stub.ServerMetadata(service_pb2.ServerMetadataRequest()).name == "ferry"
     for error in (refused.value, stream.value):
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "concurrent calls" in error.details()
         trailers = dict(error.trailing_metadata())
@@ -432,3 +441,130 @@ def test_the_deadline_counts_from_the_calls_arrival(server, client, auth, digits
     # and the client's deadline, moved to the same origin, is counted once: not past the 5 s it set (gRPC sends
     # a deadline of 1 to 10 s rounded up to 10 ms), where counting the 200 ms twice would pass 5.2 s
     assert waited_too >= 0.2 and limit is not None and waited_too < limit < 5.1
+
+
+# -- the audit of the protocol's corners ----------------------------------------------------------------
+
+
+def test_model_ready_is_false_alike_for_an_unknown_and_a_foreign_model(server, client, auth, model_files) -> None:  # noqa: ANN001
+    # given a private model of another tenant
+    register(model_files.digits, "theirs", owner=tenant("other"), visibility="private")
+    server.refresh()
+    # when this tenant asks whether it, a missing model, or a missing version is ready / then ready=false with OK,
+    # as Triton answers for a model it does not have, the same for all three
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for name, version in (("theirs", ""), ("nope", ""), ("digits", "9")):
+            answer, rpc = stub.ModelReady.with_call(
+                service_pb2.ModelReadyRequest(name=name, version=version), metadata=tuple(auth.items())
+            )
+            assert answer == service_pb2.ModelReadyResponse(ready=False), name
+            assert rpc.code() == grpc.StatusCode.OK
+    # while its own tenant sees it ready, and a key is still needed to ask
+    assert client.is_model_ready("theirs", headers={"authorization": f"Bearer {mint_key('other')}"})
+    with pytest.raises(InferenceServerException) as refused:
+        client.is_model_ready("digits")
+    assert status_of(refused.value) == "StatusCode.UNAUTHENTICATED"
+
+
+def test_a_load_with_a_config_or_files_is_invalid_argument(server, client, auth) -> None:  # noqa: ANN001
+    # when a load sends Triton's config override, or files / then INVALID_ARGUMENT naming the parameter
+    for options, named in (({"config": "{}"}, "'config'"), ({"config": "{}", "files": {"file:1/model.pt": b"x"}}, "")):
+        with pytest.raises(InferenceServerException, match="not supported") as refused:
+            client.load_model("digits", headers=auth, **options)
+        assert status_of(refused.value) == "StatusCode.INVALID_ARGUMENT"
+        assert named in refused.value.message()
+    request = service_pb2.RepositoryModelLoadRequest(model_name="digits")
+    request.parameters["file:1/model.pt"].bytes_param = b"x"
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        with pytest.raises(grpc.RpcError) as files:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+                request, metadata=tuple(auth.items())
+            )
+    assert files.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'file:1/model.pt'" in files.value.details()
+    # and nothing was done: the model is served as it was, and a plain load still works
+    assert client.is_model_ready("digits", headers=auth)
+    client.load_model("digits", headers=auth)
+
+
+def test_the_stream_sends_the_final_response_a_request_asks_for(client, auth, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=auth)
+    try:
+        # when a request and a bad one ask for the empty final response (tritonclient's enable_empty_final_response)
+        client.async_stream_infer("digits", [digits_input(x[:1])], request_id="good", enable_empty_final_response=True)
+        bad = grpcclient.InferInput("input", [1, 64], "FP64")
+        bad.set_data_from_numpy(np.zeros((1, 64)))
+        client.async_stream_infer("digits", [bad], request_id="bad", enable_empty_final_response=True)
+        got = [answers.get(timeout=60) for _ in range(4)]
+    finally:
+        client.stop_stream()
+    # then each is answered, and then finished by an empty response with its id, flagged final
+    results = [r for r, e in got if e is None]
+    errors = [e for r, e in got if e is not None]
+    assert len(errors) == 1 and "expected datatype FP32" in str(errors[0])
+
+    def final(result) -> bool:  # noqa: ANN001
+        return result.get_response().parameters["triton_final_response"].bool_param
+
+    finals = {r.get_response().id: r for r in results if final(r)}
+    data = [r for r in results if not final(r)]
+    assert sorted(finals) == ["bad", "good"]
+    assert all(not r.get_response().outputs for r in finals.values())
+    assert [r.get_response().id for r in data] == ["good"] and data[0].as_numpy("scores").shape == (1, 10)
+    # the good request's answer came before its final one
+    order = [r.get_response().id + ("/final" if final(r) else "") for r, e in got if e is None]
+    assert order.index("good") < order.index("good/final")
+
+
+def documented_codes() -> dict[int, str]:
+    """docs/grpc.md's error table: the gRPC code it says each REST status becomes."""
+    table = (Path(__file__).resolve().parent.parent / "docs" / "grpc.md").read_text().split("## Errors", 1)[1]
+    codes = {}
+    for line in table.strip().split("\n\n", 1)[0].splitlines()[2:]:
+        statuses, code = line.strip().strip("|").split("|")
+        for status in re.findall(r"\b\d{3}\b", statuses.split("(")[0]):
+            codes[int(status)] = code.strip().strip("`")
+    return codes
+
+
+def test_an_oversize_message_is_what_the_docs_say(server, auth) -> None:  # noqa: ANN001
+    # given a message one byte over the bound
+    limit = django_settings.FERRY_MAX_INFER_BODY_BYTES
+    message = service_pb2.ModelInferRequest(model_name="digits")
+    message.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    message.raw_input_contents.append(b"\0" * (limit + 1))
+    # when it is sent / then grpcio refuses it before Ferry sees it: RESOURCE_EXHAUSTED, without ferry-status
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(message, metadata=tuple(auth.items()))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "ferry-status" not in dict(refused.value.trailing_metadata() or ())
+    # and the docs' table says so, as the status mapping does for every status it lists
+    documented = documented_codes()
+    assert documented[413] == "RESOURCE_EXHAUSTED"
+    assert documented == {status: CODES[status].name for status in documented}
+    assert {400, 401, 403, 404, 409, 413, 422, 429, 503, 504} <= set(documented)
+
+
+def test_statistics_are_one_answer_on_both_protocols(server, client, auth, digits_samples) -> None:  # noqa: ANN001
+    x, _ = digits_samples
+    client.infer("digits", [digits_input(x[:3])], headers=auth)
+    # when the statistics are asked over gRPC and over REST, all models' and one version's
+    for name, version, path in (
+        ("", "", "/v2/models/stats"),
+        ("digits", "", "/v2/models/digits/stats"),
+        ("digits", "1", "/v2/models/digits/versions/1/stats"),
+    ):
+        over_grpc = client.get_inference_statistics(name, version, headers=auth, as_json=True)
+        over_rest = call(server, "GET", path)
+        assert over_rest.status == 200, over_rest.body
+        # then they are the same figures (protobuf's JSON writes 64-bit integers as strings and leaves out zeros)
+        assert over_grpc == json_format.MessageToDict(
+            json_format.ParseDict(over_rest.json(), service_pb2.ModelStatisticsResponse()),
+            preserving_proto_field_name=True,
+        )
+    # and both protocols' server metadata claim the extension
+    assert "statistics" in client.get_server_metadata(as_json=True)["extensions"]
+    assert "statistics" in call(server, "GET", "/v2").json()["extensions"]

@@ -215,7 +215,7 @@ def test_model_metadata_ready_and_config(digits_server) -> None:  # noqa: ANN001
         meta = resp.json()
         assert meta["name"] == "digits"
         assert meta["versions"] == ["1"]
-        assert meta["platform"] == "pytorch_torchscript"
+        assert meta["platform"] == "pytorch_libtorch"  # Triton's name for TorchScript, as the config says
         assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]
         assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1, 10]}]
     assert call(digits_server, "GET", "/v2/models/digits-export").json()["platform"] == "pytorch_export"

@@ -8,7 +8,8 @@ Bounded as the REST side is: a message over FERRY_MAX_INFER_BODY_BYTES is refuse
 (RESOURCE_EXHAUSTED) before it is held; at most FERRY_GRPC_MAX_CONCURRENT_RPCS calls run at once, past which
 a call is answered UNAVAILABLE with `retry-after` (`ConcurrencyLimit`: REST's concurrency limit answers 503
 with Retry-After; RESOURCE_EXHAUSTED is the quota's answer), and each ModelStreamInfer stream has at most
-FERRY_GRPC_STREAM_IN_FLIGHT requests in flight.
+FERRY_GRPC_STREAM_IN_FLIGHT requests in flight. The health calls pass that limit (`HEALTH`): a probe of a busy
+process must not fail, or Kubernetes restarts a pod for being loaded.
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ _server: grpc.aio.Server | None = None
 BUSY = "server at its limit of concurrent calls; retry shortly"
 BUSY_METADATA = (("ferry-status", "503"), ("retry-after", "1"))
 _REFUSED = frontdoor.REFUSED.labels("concurrency")  # REST's refusals at its limit count here too
+# The calls `ConcurrencyLimit` neither counts nor refuses: probes, none of which waits on a model (ModelReady
+# checks a key and takes a request of the quota, as REST's /ready does: the quota bounds a tenant's rate of
+# them). grpcio's backstop (`maximum_concurrent_rpcs`) still counts them: it cannot tell calls apart.
+HEALTH = frozenset(f"/inference.GRPCInferenceService/{name}" for name in ("ServerLive", "ServerReady", "ModelReady"))
 
 
 class ConcurrencyLimit(grpc.aio.ServerInterceptor):
-    """At most `limit` calls served at once; one more is answered UNAVAILABLE with `ferry-status: 503` and
-    `retry-after: 1` in its trailing metadata. A call found over the limit is refused before any of its
-    messages is read (its handler is one that takes a stream and never reads it); one let through is counted
-    while its handler runs, and refused at the handler's start if others took the room meanwhile.
+    """At most `limit` calls served at once, health calls (`HEALTH`) aside; one more is answered UNAVAILABLE
+    with `ferry-status: 503` and `retry-after: 1` in its trailing metadata. A call found over the limit is
+    refused before any of its messages is read (its handler is one that takes a stream and never reads it); one
+    let through is counted while its handler runs, and refused at the handler's start if others took the room
+    meanwhile.
 
     grpcio's own `maximum_concurrent_rpcs` stays set, at twice the limit (`start`), as a backstop on the calls
     held at once, refusals included: past it grpcio answers RESOURCE_EXHAUSTED, without metadata."""
@@ -58,6 +64,8 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:  # no such method: grpcio answers UNIMPLEMENTED
             return None
+        if details.method in HEALTH:
+            return handler
         if self.active >= self.limit:
             return grpc.stream_unary_rpc_method_handler(self._refuse)
         if inspect.iscoroutinefunction(handler.unary_unary):

@@ -11,8 +11,11 @@ serves it (`PipelineRunner.infer`, from a REST body: codec.rest_body). Failures 
 answered with REST's message and, in its response's parameters, what a unary call's status and trailing
 metadata would say.
 
-ServerLive, ServerReady and ServerMetadata are anonymous (probes), as /v2 and /v2/health are. The shared
-memory, trace and log settings extensions are not offered (UNIMPLEMENTED, as the generated base answers).
+ServerLive, ServerReady and ServerMetadata are anonymous (probes), as /v2 and /v2/health are; ServerLive and
+ServerMetadata answer without a data plane. ModelReady answers ready=false, not NOT_FOUND, for a model the caller
+cannot see, as Triton answers for a model it does not have: the same answer for one that does not exist and
+one another tenant keeps private. The shared memory, trace and log settings extensions are not offered
+(UNIMPLEMENTED, as the generated base answers).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from serving.dataplane.http.consumers import (
     _default,
     _metadata,
     load_failure,
+    model_statistics,
+    refuse_load_options,
     repository_state,
 )
 from serving.dataplane.http.protocol import ProtocolError
@@ -55,6 +60,9 @@ from serving.dataplane.metrics import metrics
 log = logging.getLogger(__name__)
 
 _SERVER = orjson.loads(SERVER_METADATA)
+# Triton's stream parameters: a request asks for a response flagged final, and such a response says so.
+ENABLE_FINAL = "triton_enable_empty_final_response"
+FINAL = "triton_final_response"
 
 
 def _front(rpc_name: str, context: grpc.aio.ServicerContext) -> InferenceRequest:
@@ -143,9 +151,11 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         try:
             entry = plane.gateway.route(request.name, request.version or None, caller.tenant_id, routing_key)
         except ServingError as exc:
-            if exc.status != 503:
+            if exc.status not in (404, 503):
                 raise
-            ready = False  # known, but no version of it is ready (loading, or its load failed): not an error
+            # Not ready, not an error, as Triton answers: unknown (or another tenant's private model, which
+            # must answer exactly as unknown), or known with no version ready (loading, or its load failed).
+            ready = False
         else:
             ready = plane.node.is_ready(entry.key)
         _rate(context, rate)
@@ -187,39 +197,13 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
     @answering
     async def ModelStatistics(self, request, context):  # noqa: ANN001, ANN201, N802
         """Triton's statistics from this process's metrics, for the versions the caller sees (one model's, or
-        every model's when `name` is empty): successes and their time (`ferry_request_seconds`), time queued
-        and computing, batches run (`execution_count`) and rows computed (`inference_count`). In distributed
-        mode the queue, compute and batch figures live in the node processes and read 0 here."""
+        every model's when `name` is empty): REST's /stats answer (`model_statistics`), as a message."""
         plane, front = _plane(), _front("ModelStatistics", context)
         caller = _caller(plane, front)
         rate = await front._charge(plane, caller.tenant_id)
-        gateway = plane.gateway
-        if request.name:
-            model = gateway.model(request.name, caller.tenant_id)
-            models = [model]
-            if request.version and parse_version(request.version) not in model.versions:  # "" is every version
-                raise ServingError(f"model '{request.name}' has no version '{request.version}'", status=404)
-        else:
-            models = [m for m in gateway.snapshot.models.values() if m.visible_to(caller.tenant_id)]
-        pinned = parse_version(request.version) if request.version else None
-        response = pb.ModelStatisticsResponse()
-        for model in models:
-            for number, entry in sorted(model.versions.items()):
-                if pinned is not None and number != pinned:
-                    continue
-                vm = metrics.for_version(entry.model, entry.version)
-                stats = response.model_stats.add(name=entry.model, version=str(entry.version))
-                rows, batches = _count_sum(vm.batch_size)
-                stats.execution_count, stats.inference_count = batches, int(rows)
-                for target, histogram in (
-                    (stats.inference_stats.success, vm.total),
-                    (stats.inference_stats.queue, vm.queue_wait),
-                    (stats.inference_stats.compute_infer, vm.compute),
-                ):
-                    seconds, target.count = _count_sum(histogram)
-                    target.ns = int(seconds * 1e9)
+        stats = model_statistics(plane.gateway, caller.tenant_id, request.name, request.version or None)
         _rate(context, rate)
-        return response
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     # -- the repository extension ----------------------------------------------------------------
 
@@ -244,7 +228,9 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
     @answering
     async def RepositoryModelLoad(self, request, context):  # noqa: ANN001, ANN201, N802
         plane, front = _plane(), _front("RepositoryModelLoad", context)
-        _rate(context, await front.set_loaded(plane, _caller(plane, front, "manage"), request.model_name, True))
+        caller = _caller(plane, front, "manage")
+        refuse_load_options(request.parameters)
+        _rate(context, await front.set_loaded(plane, caller, request.model_name, True))
         return pb.RepositoryModelLoadResponse()
 
     @answering
@@ -363,12 +349,17 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         """Each request down the stream is served as ModelInfer serves one, at most `stream_in_flight` at once
         (past that the stream is not read, so HTTP/2's flow control slows the sender); answers go back as
         they finish, matched by `id` as in Triton. A refusal is that request's `error_message`; the stream
-        stays open."""
+        stays open. A request with `triton_enable_empty_final_response` true is answered as Triton answers one
+        of a decoupled model: its response (or refusal) with `triton_final_response` false, then an empty one
+        with the request's `id` and `triton_final_response` true, so a client waiting for its final response
+        gets it."""
         slots = asyncio.Semaphore(self.stream_in_flight)
-        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()  # at most stream_in_flight
+        # Each request's answers, at most stream_in_flight requests' at once.
+        done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, ...] | None] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
         async def one(message: pb.ModelInferRequest) -> None:
+            final = _final_wanted(message)
             try:
                 response, _ = await self._infer(message, context, "ModelStreamInfer")
                 answer = pb.ModelStreamInferResponse(infer_response=response)
@@ -383,7 +374,11 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
                 log.exception("unhandled error in gRPC ModelStreamInfer")
                 metrics.INTERNAL_ERRORS.labels("grpc").inc()
                 answer = _stream_error(message, ServingError("internal error; the server logged it", status=500))
-            done.put_nowait(answer)
+            if final:
+                answer.infer_response.parameters[FINAL].bool_param = False
+                done.put_nowait((answer, _final_response(message)))
+            else:
+                done.put_nowait((answer,))
 
         async def read() -> None:
             try:
@@ -400,16 +395,40 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         reader = asyncio.ensure_future(read())
         try:
             while True:
-                answer = await done.get()
-                if answer is None:
+                answers = await done.get()
+                if answers is None:
                     break
-                yield answer
+                for answer in answers:
+                    yield answer
                 slots.release()
             await reader  # a failure to read the stream surfaces here
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def _final_wanted(message: pb.ModelInferRequest) -> bool:
+    """Whether a stream's request asks for an empty final response (Triton's bool parameter), taking the
+    parameter out: it is the stream's to honour, not a parameter of the inference."""
+    parameters = message.parameters
+    if ENABLE_FINAL not in parameters:
+        return False
+    wanted = parameters[ENABLE_FINAL]
+    asked = wanted.WhichOneof("parameter_choice") == "bool_param" and wanted.bool_param
+    del parameters[ENABLE_FINAL]
+    return asked
+
+
+def _final_response(message: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+    """Triton's empty final response to a stream's request: its model and id, `triton_final_response` true."""
+    final = pb.ModelStreamInferResponse(
+        infer_response=pb.ModelInferResponse(
+            model_name=message.model_name, model_version=message.model_version, id=message.id
+        )
+    )
+    final.infer_response.parameters[FINAL].bool_param = True
+    return final
 
 
 def _stream_error(message: pb.ModelInferRequest, exc: ServingError) -> pb.ModelStreamInferResponse:
@@ -431,9 +450,3 @@ def _rate(context: grpc.aio.ServicerContext, headers: list[tuple[bytes, bytes]])
     """The quota's RateLimit fields of a success, as trailing metadata (REST sends them as headers)."""
     if headers:
         context.set_trailing_metadata(tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers))
-
-
-def _count_sum(histogram: object) -> tuple[float, int]:
-    """A histogram child's sum and count of observations."""
-    counts, total = histogram.snapshot()  # type: ignore[attr-defined]
-    return total, sum(counts)

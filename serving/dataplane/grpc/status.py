@@ -21,7 +21,7 @@ CODES: dict[int, grpc.StatusCode] = {
     405: grpc.StatusCode.UNIMPLEMENTED,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     409: grpc.StatusCode.FAILED_PRECONDITION,  # a load that failed
-    413: grpc.StatusCode.INVALID_ARGUMENT,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,  # what grpcio itself answers a message over its bound
     422: grpc.StatusCode.INVALID_ARGUMENT,  # the model refused this input
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the tenant's quota
     499: grpc.StatusCode.CANCELLED,

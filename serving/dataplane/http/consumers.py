@@ -1,11 +1,16 @@
 """Open Inference Protocol over HTTP, served by a lean Channels consumer (no Django middleware).
 
 Paths (KServe V2 / Triton): /v2, /v2/health/{live,ready}, /v2/models/{name}[/versions/{v}]
-[/ready|/config|/infer], /v2/repository/index, /v2/repository/models/{name}/{load,unload},
-and /metrics. Every failure answers {"error": "..."} with its status. Bad input is a 4xx found by
-validation; an unexpected exception is a bug: a 500, logged and counted, never relabelled.
+[/ready|/config|/stats|/infer], /v2/models/stats, /v2/repository/index,
+/v2/repository/models/{name}/{load,unload}, and /metrics. Every failure answers {"error": "..."} with its
+status. Bad input is a 4xx found by validation; an unexpected exception is a bug: a 500, logged and counted,
+never relabelled. Health answers the OIP's bodies: {"live": true}, {"ready": true}, and a model's
+{"name": ..., "ready": true}; not ready is a 503 failure like any other (Retry-After), as KServe's server
+answers, so a Kubernetes readiness probe sees it.
 
-/v2 (server metadata) and /v2/health/{live,ready} are anonymous (probes); /metrics needs the metrics token
+/v2 (server metadata) and /v2/health/{live,ready} are anonymous (probes); /v2 and /v2/health/live answer while
+the process runs, data plane or not (a liveness probe must not restart a process that is starting or busy, and
+the front door lets both probes past its connection limit); /metrics needs the metrics token
 or an allowed address, and then hides private names from a caller without the token
 (`serving.dataplane.metrics.metrics_access`); every other endpoint needs an API key
 (`serving.dataplane.gateway.auth`): 401
@@ -33,7 +38,7 @@ from serving.dataplane import plane as dataplane
 from serving.dataplane import tracing
 from serving.dataplane.errors import NotFound, ServingError, Shed, Unavailable
 from serving.dataplane.gateway.auth import Caller, Forbidden, Unauthenticated, authenticate
-from serving.dataplane.gateway.gateway import CLIENT_CLOSED, parse_version
+from serving.dataplane.gateway.gateway import CLIENT_CLOSED, Gateway, parse_version
 from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
 from serving.dataplane.gateway.quota_gate import QuotaExceeded, Ticket
 from serving.dataplane.gateway.snapshot import ModelEntry, TenantEntry, VersionEntry
@@ -46,9 +51,23 @@ log = logging.getLogger(__name__)
 
 JSON = [(b"content-type", b"application/json")]
 NOT_IN_FLIGHT = 2**31  # the in-flight limit of a control call answered at once (`_control_ticket`)
+# The extensions both protocols implement: model_repository (index, load, unload), statistics (REST's
+# /v2/models[/{m}[/versions/{v}]]/stats, gRPC's ModelStatistics, one computation: `model_statistics`) and
+# model_configuration (/config, ModelConfig). binary_tensor_data is REST's alone (gRPC's tensors are binary).
 SERVER_METADATA = orjson.dumps(
-    {"name": "ferry", "version": "0.1.0", "extensions": ["binary_tensor_data", "model_repository"]}
+    {
+        "name": "ferry",
+        "version": "0.1.0",
+        "extensions": ["binary_tensor_data", "model_repository", "statistics", "model_configuration"],
+    }
 )
+LIVE = orjson.dumps({"live": True})
+READY = orjson.dumps({"ready": True})
+# The OIP metadata's and the model configuration's `platform` of each artifact format: Triton's name for
+# TorchScript; Triton has none for a torch.export program, so Ferry's own.
+PLATFORMS = {"torchscript": "pytorch_libtorch", "torch_export": "pytorch_export"}
+# The request body encodings understood (Content-Encoding); a compressed body is refused 415, not inflated.
+ENCODINGS = (b"", b"identity")
 
 
 class MethodNotAllowed(ServingError):
@@ -258,18 +277,22 @@ class InferenceRequest:
             body = metrics_access.exposition(level, snapshot, access.label_key)
             return 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())]
         parts = path.split("/")[2:]  # after "", "v2"
-        plane = dataplane.current()
-        if plane is None:
-            raise Unavailable("the data plane is starting", retry_after=1)
+        # Server metadata and liveness need nothing of the data plane: they answer while the process runs.
         if not parts:
             _method(method, "GET")
             return 200, SERVER_METADATA, JSON
         head = parts[0]
-        if head == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
+        if parts == ["health", "live"]:
             _method(method, "GET")
-            if parts[1] == "ready" and not plane.ready:
+            return 200, LIVE, JSON
+        plane = dataplane.current()
+        if plane is None:
+            raise Unavailable("the data plane is starting", retry_after=1)
+        if parts == ["health", "ready"]:
+            _method(method, "GET")
+            if not plane.ready:
                 raise Unavailable("not ready: models are loading", retry_after=1)
-            return 200, b"", JSON
+            return 200, READY, JSON
         # Everything else needs a key: one dict lookup and one HMAC, against the snapshot in memory.
         caller = authenticate(self.headers.get(b"authorization"), plane.gateway.snapshot, plane.pepper, time.time())
         plane.used_keys.add(caller.prefix)  # last_used_at, written later off this path
@@ -324,6 +347,7 @@ class InferenceRequest:
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         viewer = caller.tenant_id
         gateway = plane.gateway
+        self._identity_only()  # before the quota: a body that cannot be read spends none of it
         ticket, limits = await self.admit(plane, name, version, viewer)
         try:
             raw_length = self.headers.get(b"inference-header-content-length")
@@ -373,11 +397,29 @@ class InferenceRequest:
             tracing.mark("ferry.quota", begun)
         return ticket, limits
 
+    def _identity_only(self) -> None:
+        """415 for a body sent with a Content-Encoding other than identity (tritonclient's
+        request_compression_algorithm): read as it came it would fail as malformed, a misleading 400.
+        Refused, not inflated: inflating would need a second bound, on the inflated bytes, and a second
+        charge against the process's budget of body bytes, for a body the client can as well send plain."""
+        encoding = self.headers.get(b"content-encoding")
+        if encoding is not None and encoding.strip().lower() not in ENCODINGS:
+            self._count_unrouted(415)
+            raise ServingError(
+                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported: send the body uncompressed"
+                " (supported: identity)",
+                status=415,
+            )
+
     async def _model_path(
         self, plane: dataplane.DataPlane, caller: Caller, method: str, parts: list[str], body: bytes
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        caller.require("infer")  # inference, metadata, ready and config alike
+        caller.require("infer")  # inference, metadata, ready, config and statistics alike
         viewer = caller.tenant_id
+        if parts == ["stats"]:  # every model's statistics (Triton's path: a model named "stats" is pinned here)
+            _method(method, "GET")
+            rate = await self._charge(plane, viewer)
+            return 200, orjson.dumps(model_statistics(plane.gateway, viewer, "", None)), [*JSON, *rate]
         name, rest = parts[0], parts[1:]
         version = None
         if len(rest) >= 2 and rest[0] == "versions":
@@ -390,7 +432,9 @@ class InferenceRequest:
             _method(method, "POST")
             return await self._infer(plane, caller, name, version, body)
         _method(method, "GET")
-        rate = await self._charge(plane, viewer)  # metadata, ready and config take a request of the quota
+        rate = await self._charge(plane, viewer)  # metadata, ready, config and statistics take a request of the quota
+        if action == "stats":
+            return 200, orjson.dumps(model_statistics(gateway, viewer, name, version)), [*JSON, *rate]
         runner = pipeline_runner(gateway)
         pipeline = runner.find(name, viewer)  # one the caller may not see is a model's 404 below
         if pipeline is not None:
@@ -398,7 +442,7 @@ class InferenceRequest:
                 why = runner.unready(pipeline, version, viewer, self._routing_key(caller), plane.node.is_ready)
                 if why:
                     raise Unavailable(why, retry_after=1)
-                return 200, b"", [*JSON, *rate]
+                return 200, orjson.dumps({"name": name, "ready": True}), [*JSON, *rate]
             if action == "":
                 return 200, orjson.dumps(runner.metadata(pipeline, version)), [*JSON, *rate]
             raise NotFound(f"no such endpoint for pipeline '{name}': {action}")
@@ -409,7 +453,7 @@ class InferenceRequest:
             entry = gateway.route(name, version, viewer, self._routing_key(caller))
             if not plane.node.is_ready(entry.key):
                 raise Unavailable(f"model '{name}' version {entry.version} is loading", retry_after=1)
-            return 200, b"", [*JSON, *rate]
+            return 200, orjson.dumps({"name": name, "ready": True}), [*JSON, *rate]
         if action == "":
             entry = model.versions[int(version)] if version is not None else _default(model)
             return 200, orjson.dumps(_metadata(name, model.versions, entry, version)), [*JSON, *rate]
@@ -424,6 +468,7 @@ class InferenceRequest:
         _method(method, "POST")
         if parts == ["index"]:
             caller.require("infer")
+            self._identity_only()
             rate = await self._charge(plane, caller.tenant_id)
             options = _json_options(body, {"ready": bool})
             rows = [
@@ -442,7 +487,10 @@ class InferenceRequest:
             return 200, orjson.dumps(rows), [*JSON, *rate]
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             caller.require("manage")
-            _json_options(body, {"parameters": dict})
+            self._identity_only()
+            options = _json_options(body, {"parameters": dict})
+            if parts[2] == "load":
+                refuse_load_options(options.get("parameters", {}))
             return 200, b"", [*JSON, *await self.set_loaded(plane, caller, parts[1], parts[2] == "load")]
         raise NotFound("no such repository endpoint")
 
@@ -634,7 +682,7 @@ def _metadata(name: str, versions: dict[int, VersionEntry], entry: VersionEntry,
     return {
         "name": name,
         "versions": [pinned] if pinned else [str(v) for v in sorted(versions)],
-        "platform": "pytorch_torchscript" if entry.format == "torchscript" else "pytorch_export",
+        "platform": PLATFORMS[entry.format],
         "inputs": [s.to_metadata() for s in entry.inputs],
         "outputs": [s.to_metadata() for s in entry.outputs],
     }
@@ -650,7 +698,7 @@ def _config(entry: VersionEntry, budget_ms: int) -> dict:
     batching = entry.batching
     return {
         "name": entry.model,
-        "platform": "pytorch_libtorch",
+        "platform": PLATFORMS[entry.format],
         "backend": "ferry",
         "max_batch_size": batching.max_batch_size,
         "input": tensors(entry.inputs),
@@ -665,6 +713,78 @@ def _config(entry: VersionEntry, budget_ms: int) -> dict:
         },
         "version_policy": {"specific": {"versions": [entry.version]}},
     }
+
+
+def refuse_load_options(parameters: dict | object) -> None:
+    """Refuse, naming it, a load parameter Ferry cannot honour (400; gRPC's INVALID_ARGUMENT): Triton's
+    `config` (an override of the model's configuration) and `file:<path>` (the model's files sent with the
+    load). A load here serves the version as registered; taking either silently would report a change that
+    was never made. `parameters`: the request's map, a dict (REST) or a protobuf map (gRPC)."""
+    for key in parameters:  # type: ignore[attr-defined]
+        if key == "config" or key.startswith("file:"):
+            raise ServingError(
+                f"load parameter {key!r} is not supported: a load serves the version as registered;"
+                " register a new version to change its configuration or files",
+                status=400,
+            )
+
+
+# Triton's statistics of one version that Ferry does not measure: always 0 (in gRPC, protobuf's default).
+_UNMEASURED = ("fail", "compute_input", "compute_output", "cache_hit", "cache_miss")
+
+
+def model_statistics(gateway: Gateway, viewer: int, name: str, version: str | None) -> dict:
+    """Triton's statistics extension (`{"model_stats": [...]}`, the JSON of ModelStatisticsResponse) from this
+    process's metrics, for the versions tenant `viewer` sees: model `name`'s (every one when `name` is ""), of
+    version `version` (all when None or ""). Successes and their time (`ferry_request_seconds`), time queued
+    and computing, batches run (`execution_count`) and rows computed (`inference_count`); in distributed mode
+    the queue, compute and batch figures live in the node processes and read 0 here. A model the viewer may
+    not see is unknown (404), as everywhere. REST's /stats paths and gRPC's ModelStatistics both answer this."""
+    if name:
+        model = gateway.model(name, viewer)
+        if version and parse_version(version) not in model.versions:
+            raise NotFound(f"model '{name}' has no version '{version}'")
+        models = [model]
+    else:
+        models = [m for m in gateway.snapshot.models.values() if m.visible_to(viewer)]
+    pinned = parse_version(version) if version else None
+    stats = []
+    for model in models:
+        for number, entry in sorted(model.versions.items()):
+            if pinned is not None and number != pinned:
+                continue
+            vm = metrics.for_version(entry.model, entry.version)
+            rows, batches = _count_sum(vm.batch_size)
+            inference = {
+                "success": _duration(vm.total),
+                "queue": _duration(vm.queue_wait),
+                "compute_infer": _duration(vm.compute),
+                **{field: {"count": 0, "ns": 0} for field in _UNMEASURED},
+            }
+            stats.append(
+                {
+                    "name": entry.model,
+                    "version": str(entry.version),
+                    "last_inference": 0,  # not kept
+                    "inference_count": int(rows),
+                    "execution_count": batches,
+                    "inference_stats": inference,
+                    "batch_stats": [],
+                }
+            )
+    return {"model_stats": stats}
+
+
+def _duration(histogram: object) -> dict:
+    """Triton's StatisticDuration of a histogram of seconds: how many, and their total in nanoseconds."""
+    seconds, count = _count_sum(histogram)
+    return {"count": count, "ns": int(seconds * 1e9)}
+
+
+def _count_sum(histogram: object) -> tuple[float, int]:
+    """A histogram child's sum and count of observations."""
+    counts, total = histogram.snapshot()  # type: ignore[attr-defined]
+    return total, sum(counts)
 
 
 def repository_state(plane: dataplane.DataPlane, entry: VersionEntry) -> str:

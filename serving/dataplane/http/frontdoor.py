@@ -106,6 +106,9 @@ class _ReceivedAt:
 
 _READ_TIMEOUT = REFUSED.labels("read_timeout")
 _CONCURRENCY = REFUSED.labels("concurrency")
+# Past the connection/task limit these are still served (Kubernetes restarts a pod whose liveness probe fails,
+# and takes one out of its Service whose readiness does): each is answered from memory, at once.
+PROBES = frozenset((b"/v2/health/live", b"/v2/health/ready"))
 
 
 class FrontDoorGate(ShedGate):
@@ -372,7 +375,11 @@ class FrontDoorProtocol(HttpToolsProtocol):
             return
         self._begin_asgi()
         limit = self.max_concurrency
-        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+        if (
+            limit is not None
+            and (len(self.connections) >= limit or len(self.tasks) >= limit)
+            and url not in PROBES  # a probe of a busy process must not fail (PROBES)
+        ):
             app, self.app = self.app, over_capacity
             try:
                 super().on_headers_complete()
