@@ -2,11 +2,10 @@ from django import forms
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 
-from rollout import approval
 from serving.actions import sharing_state
 from serving.model_names import not_available
 from serving.models import Artifact, Model, ModelVersion, Pipeline, State, lock_name
-from serving.validation import name_released
+from serving.validation import rename_refusal
 from tenants import audit
 from tenants.admin_audit import AuditedAdmin
 
@@ -53,18 +52,8 @@ class ModelAdminForm(forms.ModelForm):
             lock_name(name)
             if Pipeline.objects.filter(name=name).exists():
                 self.add_error("name", not_available(name))
-            elif (
-                self.instance.pk is not None
-                and self.instance.stable_version is not None
-                and approval.needs_approval(self.instance)
-                and name_released(self.instance.tenant_id, name, self.instance.pk)
-            ):
-                self.add_error(
-                    "name",
-                    f"a model of this tenant served as {name!r} before, and the tenant requires an approval for"
-                    " every change of a stable version: register versions under that name and have one promoted"
-                    " instead",
-                )
+            elif self.instance.pk is not None and (refusal := rename_refusal(self.instance, name)) is not None:
+                self.add_error("name", refusal)
         return cleaned
 
 

@@ -164,6 +164,24 @@ def name_released(tenant_id: int | None, name: str, model_id: int | None = None)
     return any((before or {}).get("model") != model_id for before in entries.values_list("before", flat=True))
 
 
+def rename_refusal(model: Model, name: str) -> str | None:
+    """Why `model` may not be renamed to `name`, or None. Under "approval required", a model with a stable
+    version may not take a name another model of its tenant gave up (deleted or renamed away): callers
+    address models by name, so its stable version, which no approver put in front of that name's callers,
+    would answer them. Its own earlier name it may take back. The API (409) and /admin/ (a form error) both
+    ask here."""
+    if (
+        model.stable_version is not None
+        and approval.needs_approval(model)
+        and name_released(model.tenant_id, name, model.pk)
+    ):
+        return (
+            f"a model of this tenant served as {name!r} before, and the tenant requires an approval for every"
+            " change of a stable version: register versions under that name and have one promoted instead"
+        )
+    return None
+
+
 def _check_batch_independence(runtime: ModelRuntime) -> None:
     """Rows must not influence each other: batching would otherwise change answers."""
     batch = runtime.example_batch(4, seed=1)

@@ -18,7 +18,6 @@ from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from rollout import approval
 from rollout.api.serializers import NoteSerializer, PromotionRequestSerializer
 from rollout.api.shadow import ShadowReportMixin
 from rollout.models import PromotionRequest
@@ -48,7 +47,7 @@ from serving.models import (
 )
 from serving.publish import publish_snapshot
 from serving.tasks import register_and_validate
-from serving.validation import name_released
+from serving.validation import rename_refusal
 from tenants import audit
 from tenants.models import Role, Tenant, has_role
 from tenants.scoping import TenantScopedViewSet, require, visible_models
@@ -267,19 +266,9 @@ def _tenants(slugs: list[str]) -> list[Tenant]:
 
 
 def _check_rename(model: Model, name: str) -> None:
-    """Under "approval required", a model with a stable version may not take a name another model of its
-    tenant gave up (deleted or renamed away): callers address models by name, so its stable version, which
-    no approver put in front of that name's callers, would answer them (409). Its own earlier name it may
-    take back."""
-    if (
-        model.stable_version is not None
-        and approval.needs_approval(model)
-        and name_released(model.tenant_id, name, model.pk)
-    ):
-        raise Conflict(
-            f"a model of this tenant served as {name!r} before, and the tenant requires an approval for every"
-            " change of a stable version: register versions under that name and have one promoted instead"
-        )
+    refusal = rename_refusal(model, name)
+    if refusal is not None:
+        raise Conflict(refusal)
 
 
 def owner_by_default(user: object) -> object:
