@@ -14,12 +14,17 @@ this consumer), so a page elsewhere can use it only if it already holds the key.
 
 Bounds per connection (config/settings.py, "WebSocket inference"): messages and bytes in flight, with the
 socket left unread while at either (the ASGI server then stops reading it: a fast sender is slowed by TCP,
-not buffered); each message's size (FERRY_MAX_INFER_BODY_BYTES, also the process's budget of body bytes
-held, shared with HTTP; a request's bytes are given back once its answer is computed); the first message's
-size, where it carries the key (frontdoor.FIRST_MESSAGE_BYTES, refused unread); each send's wait for the
-socket to take it (FERRY_BODY_TIMEOUT_S: past it the connection is dropped); the idle time. A refusal of the
-connection closes it with 4000 + the HTTP status after a JSON error frame; a refusal of one message answers
-that message and keeps the connection.
+not buffered); the bytes held, also charged to the process's budget of body bytes shared with HTTP: a
+request's until its answer is computed, then its answer's until the socket has taken it; each message's size
+(FERRY_MAX_INFER_BODY_BYTES, a binary frame's 4-byte length aside: a larger one closes the connection 1009);
+the first message's size, where it carries the key (frontdoor.FIRST_MESSAGE_BYTES, refused unread), and its
+wait (KEY_WAIT_S); each send's wait for the socket to take it (FERRY_BODY_TIMEOUT_S: past it the connection is
+dropped); the idle time. A refusal of the connection closes it with 4000 + the HTTP status after a JSON error
+frame; a refusal of one message answers that message and keeps the connection.
+
+A connection is to a model or a pipeline (`serving.dataplane.gateway.pipeline`): REST's handler serves both at
+the same path, so a pipeline's messages are admitted, charged to the quota and given their deadline as its REST
+calls are.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from prometheus_client import Counter, Gauge
 from serving.dataplane import plane as dataplane
 from serving.dataplane.errors import ServingError
 from serving.dataplane.gateway.auth import authenticate
+from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
 from serving.dataplane.http import frontdoor
 from serving.dataplane.http.consumers import InferenceRequest
 
@@ -52,6 +58,11 @@ KEY_SUBPROTOCOL = "ferry.key."  # + the key: how a client that can set no other 
 LENGTH = struct.Struct(">I")  # a binary frame's JSON header length, before the header
 CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's reason fits in 125 bytes with its code
 JSON_HEADERS = [(b"content-type", b"application/json")]
+TOO_BIG = 1009  # RFC 6455's close code for a message too big to process, as the WebSocket layer closes with
+# How long a connection without a key in its handshake may take to send the key's message: as long as an idle
+# HTTP connection may take to send its next request (uvicorn's timeout_keep_alive, which `uvicorn_config`
+# leaves at 5 s). Such a socket holds a slot of FERRY_MAX_CONCURRENCY before anything says whose it is.
+KEY_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -60,7 +71,7 @@ class Stats:
 
     connections: int = 0
     in_flight: int = 0  # messages taken and not yet answered, all connections
-    held_bytes: int = 0  # the request bytes of those not yet answered
+    held_bytes: int = 0  # of those, the bytes held: a request's until it is answered, then its answer's until sent
     peak_in_flight: int = 0  # the most of one connection at once (tests reset it)
     peak_held_bytes: int = 0
     read_stalls: int = 0  # times a connection stopped reading at its bound
@@ -71,9 +82,10 @@ Gauge("ferry_ws_connections", "Open WebSocket inference connections").set_functi
 Gauge("ferry_ws_inflight_messages", "WebSocket inference messages taken and not yet answered").set_function(
     lambda: STATS.in_flight
 )
-Gauge("ferry_ws_inflight_bytes", "Request bytes of WebSocket inference messages not yet answered").set_function(
-    lambda: STATS.held_bytes
-)
+Gauge(
+    "ferry_ws_inflight_bytes",
+    "Bytes held for WebSocket inference messages: requests not yet answered, answers not yet sent",
+).set_function(lambda: STATS.held_bytes)
 Gauge(
     "ferry_ws_read_stalls", "Times a WebSocket inference connection stopped reading at its in-flight bound"
 ).set_function(lambda: STATS.read_stalls)
@@ -96,7 +108,7 @@ class Bounds:
     max_in_flight_bytes: int
     max_message: int
     idle_s: float
-    auth_s: float  # for the first message, when the key is to come in it
+    auth_s: float  # for the first message, when the key is to come in it (KEY_WAIT_S)
     send_s: float  # for the socket to take one frame: a client that stops reading is dropped past it
 
     @classmethod
@@ -106,7 +118,7 @@ class Bounds:
             settings.FERRY_WS_MAX_IN_FLIGHT_BYTES,
             settings.FERRY_MAX_INFER_BODY_BYTES,
             float(settings.FERRY_WS_IDLE_S),
-            float(settings.FERRY_BODY_TIMEOUT_S),
+            KEY_WAIT_S,
             float(settings.FERRY_BODY_TIMEOUT_S),  # a stalled download frees its slot as a stalled upload does
         )
 
@@ -158,7 +170,7 @@ class InferenceSocket(AsyncConsumer):
         self.aborted = False  # dropped by this server (a send waited past its deadline)
         self.tasks: set[asyncio.Task] = set()
         self.ids: set[str] = set()
-        self.held = 0  # request bytes in flight on this connection
+        self.held = 0  # bytes held for this connection's messages in flight: requests, then answers until sent
         self.room = asyncio.Event()  # set when a request of this connection finishes
         self.last = time.monotonic()  # the last message taken
         self.timer: asyncio.TimerHandle | None = None
@@ -224,16 +236,17 @@ class InferenceSocket(AsyncConsumer):
         return None
 
     def _authorize(self) -> None:
-        """The connection's key may infer, and its tenant may see the model: the checks every message
-        repeats (a key revoked later is refused at its next message), here to refuse a connection early.
-        A model the tenant may not see is refused as an unknown one."""
+        """The connection's key may infer, and its tenant may see the model or pipeline: the checks every
+        message repeats (a key revoked later is refused at its next message), here to refuse a connection
+        early. One the tenant may not see is refused as an unknown model."""
         plane = dataplane.current()
         if plane is None:
             raise ServingError("the data plane is starting", status=503, retry_after=1)
         gateway = plane.gateway
         caller = authenticate(self.authorization, gateway.snapshot, plane.pepper, time.time())
         caller.require("infer")
-        gateway.model(self.model, caller.tenant_id)
+        if pipeline_runner(gateway).find(self.model, caller.tenant_id) is None:
+            gateway.model(self.model, caller.tenant_id)
 
     async def _deny(self, status: int, message: str) -> None:
         """Refuse the handshake: an HTTP answer with the JSON error where the server can send one (the ASGI
@@ -302,8 +315,8 @@ class InferenceSocket(AsyncConsumer):
         holds the receive loop, so the socket is not read (the server's read buffer is one message)."""
         bounds = self.bounds
         size = len(message)
-        if size > bounds.max_message:
-            await self._send_text(error_frame(None, 413, f"message exceeds {bounds.max_message} bytes"))
+        if size - (LENGTH.size if binary else 0) > bounds.max_message:
+            await self._too_big(message, binary)
             return
         try:
             rid, body, length = parse_message(message, binary)
@@ -334,8 +347,9 @@ class InferenceSocket(AsyncConsumer):
         self.tasks.add(task)
 
     async def _run(self, rid: str, body: bytes, length: int | None, size: int, taken: float) -> None:
-        """Answer one request through REST's handler; it is in flight until its answer is written, its bytes
-        held (on this connection and in the process's budget) until its answer is computed."""
+        """Answer one request through REST's handler. It is in flight until its answer is written; it holds
+        bytes (on this connection and in the process's budget) until then: its request's until its answer is
+        computed, then its answer's, which a client slow to read keeps in this process as long."""
         held = size
         try:
             headers = {b"authorization": self.authorization}
@@ -348,18 +362,24 @@ class InferenceSocket(AsyncConsumer):
             )
             answer = await request.answer(body, infer=True)
             del body
-            self._release(held)  # a client slow to read its answer holds a message in flight, not the budget
-            held = 0
             if answer is None or self.closed:
                 return  # the connection went away while it ran
             status, answer_headers, _, payload = answer
+            del answer
             if status == 200:
                 split = _header_length(answer_headers)
-                if split is None:
-                    await self._send_text(payload.decode())
-                else:
-                    await self._send_bytes(LENGTH.pack(split) + payload)
+                frame: str | bytes = payload.decode() if split is None else LENGTH.pack(split) + payload
+                out = len(payload) + (0 if split is None else LENGTH.size)
+                del payload  # the frame alone is held from here
+                if not self._hold(held, out):  # the process's budget has no room for the answer until it is sent
+                    held = 0
+                    await self._send_text(error_frame(rid, 503, "server holds its budget of bytes of messages", 1))
+                    return
+                held = out
+                await (self._send_text(frame) if isinstance(frame, str) else self._send_bytes(frame))
                 return
+            self._release(held)  # an error's frame is a few bytes
+            held = 0
             message = orjson.loads(payload).get("error", "")
             retry = next((float(v) for k, v in answer_headers if k == b"retry-after"), None)
             await self._send_text(error_frame(rid, status, message, retry))
@@ -381,11 +401,25 @@ class InferenceSocket(AsyncConsumer):
             self.room.set()
 
     def _release(self, size: int) -> None:
-        """Give back a request's bytes: this connection's and the process's budget."""
+        """Give back a message's bytes: this connection's and the process's budget."""
         self.held -= size
         STATS.held_bytes -= size
         frontdoor.discharge(size)
         self.room.set()
+
+    def _hold(self, held: int, out: int) -> bool:
+        """Hold `out` bytes of an answer in place of the `held` of its request, on this connection and in the
+        process's budget; False, all of them given back, where the budget has no room for the more it needs."""
+        if out <= held:
+            self._release(held - out)
+            return True
+        if not frontdoor.charge(out - held):
+            self._release(held)
+            return False
+        self.held += out - held
+        STATS.held_bytes += out - held
+        STATS.peak_held_bytes = max(STATS.peak_held_bytes, self.held)
+        return True
 
     def _gone(self) -> bool:
         return self.closed
@@ -422,16 +456,31 @@ class InferenceSocket(AsyncConsumer):
         if abort is not None:  # the front door's protocol (frontdoor.FrontDoorWebSocket); another server keeps it
             abort()
 
-    async def _close(self, status: int, message: str) -> None:
-        """Close the connection with 4000 + `status`, after a JSON error frame that says why."""
+    async def _too_big(self, message: bytes, binary: bool) -> None:
+        """Refuse a message over the connection's bound as the WebSocket layer refuses a larger one unread:
+        close 1009. This one was read (within the layer's bound, which is the process's bound and a binary
+        frame's length; or past a bound lowered since the connection opened), so its error frame says its
+        `id` where the message has a readable one, for a client to tell which request was refused."""
+        try:
+            rid: object = parse_message(message, binary)[0]
+        except BadMessage as exc:
+            rid = exc.rid
+        del message
+        said = f"message exceeds {self.bounds.max_message} bytes"
+        await self._close(413, said, rid=rid, code=TOO_BIG)
+
+    async def _close(self, status: int, message: str, rid: object = None, code: int | None = None) -> None:
+        """Close the connection with `code` (else 4000 + `status`), after a JSON error frame that says why,
+        with the id `rid` of the message refused, where one was."""
         if self.closed:
             return
         self.closed = True
-        CLOSES.labels(str(4000 + status)).inc()
+        code = 4000 + status if code is None else code
+        CLOSES.labels(str(code)).inc()
         try:
-            await self._send_text(error_frame(None, status, message))
+            await self._send_text(error_frame(rid, status, message))
             reason = message.encode()[:CLOSE_REASON_BYTES].decode("utf-8", "ignore")
-            await self._send({"type": "websocket.close", "code": 4000 + status, "reason": reason})
+            await self._send({"type": "websocket.close", "code": code, "reason": reason})
         except OSError:  # noqa: S110  # the client went first, or took nothing and was dropped
             pass
 
@@ -440,7 +489,7 @@ class InferenceSocket(AsyncConsumer):
 
     def _check_idle(self) -> None:
         """The idle timer: close a connection that has had nothing in flight and sent nothing for its idle
-        time (or, before its key, for FERRY_BODY_TIMEOUT_S). One timer per connection, re-armed here, not per
+        time (or, before its key, for KEY_WAIT_S). One timer per connection, re-armed here, not per
         message. A message in flight ends within its deadline and `send_s` (its answer's send is bounded), so
         a connection re-arms it only while it has work, never for a client that stopped reading."""
         if self.closed:
