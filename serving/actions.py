@@ -13,7 +13,7 @@ from serving import artifacts, model_names, quota_counts
 from serving.dataplane.gateway.snapshot import RoutingSnapshot
 from serving.dataplane.http.protocol import TensorSpec
 from serving.errors import NOT_LOADED, RegistrationError
-from serving.models import MODEL_NAME, ROUTING_FIELDS, Model, ModelVersion, Pipeline, State, lock_name
+from serving.models import MODEL_NAME, RESERVED_NAMES, ROUTING_FIELDS, Model, ModelVersion, Pipeline, State, lock_name
 from serving.policies.batching import BatchingConfig
 from serving.publish import publish_snapshot
 from serving.validation import validate as run_validation
@@ -83,6 +83,8 @@ def register_version(
         existing = Model.objects.select_for_update().filter(name=model_name).first()
         if existing is None and Pipeline.objects.filter(name=model_name).exists():
             raise RegistrationError(model_names.not_available(model_name), 409)
+        if existing is None and model_name in RESERVED_NAMES:
+            raise RegistrationError(f"model name {model_name!r} is reserved: the inference protocol's paths use it")
         if existing is not None and owner_only and existing.tenant_id != tenant_id:
             raise RegistrationError(model_names.not_available(model_name), 409)
         model, created = Model.objects.select_for_update().get_or_create(

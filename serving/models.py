@@ -15,6 +15,16 @@ MODEL_NAME = RegexValidator(
     rf"^{MODEL_NAME_PATTERN}$",
     "Model names use letters, digits, '_', '.' and '-', starting with a letter or digit.",
 )
+# Names the Open Inference Protocol's paths use under /v2/models/ for something else: GET /v2/models/stats is
+# the statistics of every model (Triton's statistics extension), so a model of that name could not be read there.
+RESERVED_NAMES = frozenset({"stats"})
+
+
+def not_reserved(name: str) -> None:
+    if name in RESERVED_NAMES:
+        raise ValidationError(f"{name!r} is reserved: the inference protocol's paths use it", code="reserved")
+
+
 # The batching fields, and the field each of BatchingConfig's messages is about (by the name it starts with).
 BATCHING_FIELDS = (
     "max_batch_size",
@@ -72,7 +82,7 @@ class Visibility(models.TextChoices):
 
 
 class Model(models.Model):
-    name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME])
+    name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME, not_reserved])
     # No tenant: a platform model, visible to every tenant whatever its visibility.
     tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="models")
     visibility = models.CharField(max_length=10, choices=Visibility.choices, default=Visibility.PRIVATE)
@@ -408,7 +418,7 @@ class Pipeline(models.Model):
     Its name shares the models' namespace; each change of its graph is a new `PipelineVersion`, and the
     latest one serves unpinned requests."""
 
-    name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME])
+    name = models.CharField(max_length=100, unique=True, validators=[MODEL_NAME, not_reserved])
     tenant = models.ForeignKey(
         "tenants.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="pipelines"
     )

@@ -20,6 +20,7 @@ from serving.models import (
     MODEL_NAME,
     PIPELINE_VERSIONS_SERVED,
     PIPELINE_VISIBILITIES,
+    RESERVED_NAMES,
     Model,
     ModelVersion,
     Pipeline,
@@ -213,6 +214,9 @@ def register_pipeline(
             pipeline = Pipeline.objects.select_for_update().filter(name=name).first()
             if pipeline is not None and pipeline.tenant_id != tenant_id:
                 raise PipelineRegistrationError(f"the name {name!r} is not available; choose another name", 409)
+            if pipeline is None and name in RESERVED_NAMES:
+                reserved = f"the name {name!r} is reserved: the inference protocol's paths use it"
+                raise PipelineRegistrationError(reserved, 400)
             if pipeline is None:
                 pipeline = Pipeline.objects.create(
                     name=name, tenant=tenant, visibility=visibility, description=description, fallback=fallback_model

@@ -15,7 +15,16 @@ from rest_framework import serializers
 
 from serving.dataplane.http.protocol import DATATYPES
 from serving.fallbacks import hidden_fallbacks
-from serving.models import MODEL_NAME_PATTERN, ArtifactFormat, Model, ModelVersion, Replica, Task, Visibility
+from serving.models import (
+    MODEL_NAME_PATTERN,
+    RESERVED_NAMES,
+    ArtifactFormat,
+    Model,
+    ModelVersion,
+    Replica,
+    Task,
+    Visibility,
+)
 from tenants.models import Tenant
 from tenants.scoping import member_tenant_ids, visible_models, visible_tenants
 
@@ -311,6 +320,11 @@ class ModelSerializer(serializers.ModelSerializer):
         if instance.fallback_id not in seen:
             seen[instance.fallback_id] = not hidden_fallbacks(_caller(self), [instance])
         return not seen[instance.fallback_id]
+
+    def validate_name(self, value: str) -> str:
+        if value in RESERVED_NAMES and (self.instance is None or self.instance.name != value):
+            raise serializers.ValidationError(f"{value!r} is reserved: the inference protocol's paths use it")
+        return value
 
     def validate_fallback(self, value: Model | None) -> Model | None:
         if value is not None and self.instance is not None and value.pk == self.instance.pk:
