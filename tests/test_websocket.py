@@ -576,3 +576,14 @@ def test_frames_before_the_accept_are_bounded_as_a_first_message() -> None:
     refused.accept_messages()
     refused.receive_data(big[:14])
     assert isinstance(refused.parser_exc, PayloadTooBig), refused.parser_exc
+
+
+def test_a_message_with_tritonclients_nan_and_infinity_tokens_is_read_as_rest_reads_it() -> None:
+    # python-rapidjson (tritonclient's JSON) writes non-finite floats as these tokens; orjson alone refuses them.
+    message = (
+        b'{"id": "n1", "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2], "data": [NaN, -Infinity]}]}'
+    )
+    rid, body, length = websocket.parse_message(message, binary=False)
+    assert (rid, body, length) == ("n1", message, None)
+    with pytest.raises(websocket.BadMessage, match="malformed JSON"):
+        websocket.parse_message(b'{"id": "n2", "inputs": [', binary=False)

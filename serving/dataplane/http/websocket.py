@@ -47,7 +47,7 @@ from serving.dataplane import plane as dataplane
 from serving.dataplane.errors import ServingError
 from serving.dataplane.gateway.auth import authenticate
 from serving.dataplane.gateway.pipeline import runner_for as pipeline_runner
-from serving.dataplane.http import frontdoor
+from serving.dataplane.http import frontdoor, protocol
 from serving.dataplane.http.consumers import InferenceRequest
 
 log = logging.getLogger(__name__)
@@ -139,9 +139,9 @@ def parse_message(message: bytes, binary: bool) -> tuple[str, bytes, int | None]
             raise BadMessage(f"JSON header length {length} is outside the message's {len(body)} bytes")
         header = memoryview(body)[:length]
     try:
-        request = orjson.loads(header)
-    except orjson.JSONDecodeError as exc:
-        raise BadMessage(f"malformed JSON request: {exc}") from None
+        request = protocol.load_header(header)  # as REST reads it: tritonclient's NaN and Infinity included
+    except protocol.ProtocolError as exc:
+        raise BadMessage(str(exc)) from None
     rid = request.get("id") if isinstance(request, dict) else None
     if not isinstance(rid, str) or not rid:
         raise BadMessage("each message is an inference request with an 'id' (a non-empty string)", rid)
