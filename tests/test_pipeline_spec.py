@@ -288,3 +288,21 @@ def test_vote_takes_memory_of_one_answer_not_of_its_classes_squared() -> None:
     for top in tops:
         expected[top] += 1 / 3
     np.testing.assert_allclose(votes[0], expected, rtol=1e-6)
+
+
+def test_bf16_scores_are_joined_but_not_computed_on() -> None:
+    # BF16 travels as its bits (uint16): a mean, a vote or a condition here would compute on the bits.
+    half = ModelSignature({"input": Tensor("FP32", (64,))}, {"scores": Tensor("BF16", (10,))})
+    models = {**MODELS, "half": half, "half2": half}
+
+    def typed(name: str, version: int | None) -> ModelSignature | None:
+        return models.get(name)
+
+    members = [{"model": "half"}, {"model": "half2"}]
+    for how in ("mean", "vote"):
+        with pytest.raises(PipelineError, match=f"{how} needs .*other than BF16"):
+            check({"ensemble": members, "combine": how}, typed)
+    switch = {"switch": {"tensor": "scores", "op": "<", "value": 0.5}, "then": {"model": "half2"}}
+    with pytest.raises(PipelineError, match="condition needs a numeric tensor other than BF16, not BF16"):
+        check({"sequence": [{"model": "half"}, switch]}, typed)
+    assert check({"ensemble": members, "combine": "concat"}, typed).outputs == {"scores": Tensor("BF16", (20,))}

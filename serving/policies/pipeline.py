@@ -44,6 +44,9 @@ REDUCES = ("max", "min", "mean", "max_softmax")
 OPS = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal}
 FLOATS = ("FP16", "FP32", "FP64", "BF16")
 NUMERIC = (*FLOATS, "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64")
+# What a condition reduces and `mean` and `vote` compute on: every numeric type but BF16, whose tensors travel
+# as their bits (uint16; numpy has no bfloat16), so arithmetic on them here would be on the bits.
+ARITHMETIC = tuple(t for t in NUMERIC if t != "BF16")
 REQUEST = "request"
 STEP_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_NODES = 64  # a pipeline is a handful of steps; a bound keeps the check and the snapshot small
@@ -436,8 +439,10 @@ class _Checker:
         tested = self.resolve(condition.tensor, current, scope)
         if tested is None:
             raise PipelineError("the condition's tensor is not there", step=label, tensor=condition.tensor)
-        if tested.datatype not in NUMERIC:
-            raise PipelineError(f"the condition needs a numeric tensor, not {tested.datatype}", label, condition.tensor)
+        if tested.datatype not in ARITHMETIC:
+            raise PipelineError(
+                f"the condition needs a numeric tensor other than BF16, not {tested.datatype}", label, condition.tensor
+            )
         then = self.node(node.children[0], current, dict(scope))
         if node.has_else:
             otherwise = self.node(node.children[1], current, dict(scope))
@@ -476,10 +481,12 @@ class _Checker:
                     )
             if spec.variable:
                 raise PipelineError(f"{node.combine} needs a fixed shape, not {spec.describe()}", label, name)
-            if node.combine == "mean" and spec.datatype not in FLOATS:
-                raise PipelineError(f"mean needs a floating-point tensor, not {spec.datatype}", label, name)
-            if node.combine == "vote" and (spec.datatype not in NUMERIC or not spec.shape or spec.shape[-1] < 1):
-                raise PipelineError("vote needs numeric scores with a class dimension", label, name)
+            if node.combine == "mean" and (spec.datatype not in FLOATS or spec.datatype not in ARITHMETIC):
+                raise PipelineError(
+                    f"mean needs a floating-point tensor other than BF16, not {spec.datatype}", label, name
+                )
+            if node.combine == "vote" and (spec.datatype not in ARITHMETIC or not spec.shape or spec.shape[-1] < 1):
+                raise PipelineError("vote needs numeric scores other than BF16, with a class dimension", label, name)
             combined[name] = spec if node.combine == "mean" else Tensor("FP32", spec.shape)
         return combined
 
