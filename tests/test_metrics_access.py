@@ -115,6 +115,10 @@ def test_redaction_hides_private_and_shared_models_and_every_tenant() -> None:
     assert Redactor(None, b"other").labels({"model": "mine"})["model"] != redactor.labels({"model": "mine"})["model"]
     assert Redactor(None, b"key").labels({"model": "open"})["model"].startswith("private-")  # no snapshot: closed
     assert redactor.labels({"model": "", "version": ""}) == {"model": "", "version": ""}  # unrouted stays
+    # a pipeline's steps (named after their models unless told otherwise) go with the pipeline's name
+    step = redactor.labels({"model": "a-pipeline", "step": "mine"})
+    assert step["model"].startswith("private-") and step["step"].startswith("private-"), step
+    assert redactor.labels({"model": "open", "step": "small"}) == {"model": "open", "step": "small"}
 
 
 def test_allow_list_setting_is_checked(monkeypatch) -> None:  # noqa: ANN001

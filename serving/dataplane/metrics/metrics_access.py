@@ -35,10 +35,12 @@ from serving.dataplane.metrics import process_set
 
 FULL = "full"
 REDACTED = "redacted"
-# Labels whose values are model names, and the one naming a tenant; a version is redacted with its model.
+# Labels whose values are model names, and the one naming a tenant. A version, and a pipeline's step (named
+# by its owner, after its model unless told otherwise), are redacted with the model (or pipeline) they are of.
 MODEL_LABELS = ("model", "fallback")
 TENANT_LABEL = "tenant"
 VERSION_LABEL = "version"
+STEP_LABEL = "step"
 PRIVATE = "private-"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -135,9 +137,10 @@ class Redactor:
                 out[name] = self.opaque("model", value)  # one opaque name per model, as model or fallback
                 if name == "model":
                     hidden_model = value
-        version = labels.get(VERSION_LABEL)
-        if hidden_model is not None and version:
-            out[VERSION_LABEL] = self.opaque(VERSION_LABEL, f"{hidden_model}:{version}")
+        if hidden_model is not None:
+            for label in (VERSION_LABEL, STEP_LABEL):
+                if labels.get(label):
+                    out[label] = self.opaque(label, f"{hidden_model}:{labels[label]}")
         if labels.get(TENANT_LABEL):
             out[TENANT_LABEL] = self.opaque(TENANT_LABEL, labels[TENANT_LABEL])
         return out
