@@ -37,6 +37,11 @@ Not used: seccomp. libseccomp's own Python binding is not published on PyPI (wha
 repackagings), and a hand-written BPF filter is not a well-kept binding; the layers above already deny the
 filesystem and network reach a syscall filter would, though not the kernel's syscall surface itself.
 
+At a node's or worker's start, `self_check` builds the walls once in a throwaway child (`python -m
+serving.dataplane.node.sandbox --self-check`), so a machine where they cannot be built (a pod that may not
+unshare, on a kernel older than Linux 6.7, Landlock ABI < 4) stops the process there, saying why, instead of
+starting healthy and failing every load.
+
 The syscalls by ctypes (unshare(2), mount(2), capset(2), landlock_create_ruleset(2)) are the documented
 Linux interfaces; Python 3.11's `os` has none of them.
 """
@@ -45,8 +50,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import resource
+import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -447,3 +454,71 @@ def confine(
     limit_resources(record, dropped_root=root)
     record.skipped["seccomp"] = "not used (no well-kept binding; see serving.dataplane.node.sandbox)"
     return record
+
+
+# What a machine needs for the walls, as a failed start-up check says it (docs/security.md, "Kernel requirements").
+REQUIREMENT = (
+    "the runtime process needs Landlock ABI >= 4 (Linux 6.7 or later) or leave to create user, mount and network"
+    " namespaces (a pod's seccomp profile and capabilities usually deny them): see docs/security.md"
+)
+# The self-check's child: this module run with --self-check (tests replace it to confine as an old kernel would).
+SELF_CHECK = ("-m", "serving.dataplane.node.sandbox", "--self-check")
+
+
+def self_check(
+    *, hidden: Sequence[str], project_root: Path, device: str, required: bool = True, timeout_s: float = 60.0
+) -> Confinement:
+    """Confine a throwaway child as a runtime process is confined (`confine`, same hidden paths, device and
+    walls rule) and return what applied and what was skipped; ConfinementError, saying why, where the child
+    refuses (no filesystem or no network wall and `required`), fails or does not answer within `timeout_s`.
+    The child is a fresh interpreter with the runtime's clean environment that imports nothing but this
+    module: a fraction of a second, and nothing of the caller's is inherited."""
+    spec = json.dumps(
+        {"hidden": list(hidden), "project_root": str(project_root), "device": device, "required": required}
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, *SELF_CHECK, spec],
+            env=clean_environment(project_root),
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfinementError(f"the sandbox's self-check did not answer within {timeout_s:g} s") from None
+    try:
+        answer = json.loads(done.stdout.decode(errors="replace").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        stderr = done.stderr.decode(errors="replace").strip()[-2000:]
+        answer = {"ok": False, "error": f"the self-check exited {done.returncode} with no answer: {stderr}"}
+    if not answer.get("ok"):
+        raise ConfinementError(str(answer.get("error", "the self-check refused")))
+    return Confinement(applied=list(answer.get("applied", [])), skipped=dict(answer.get("skipped", {})))
+
+
+def _self_check_main(spec: str) -> int:
+    """The self-check's child: `confine` itself, then print what applied (one JSON line on stdout, the channel
+    `confine` keeps open) or why it refused."""
+    args = json.loads(spec)
+    try:
+        record = confine(
+            hidden=args["hidden"],
+            project_root=Path(args["project_root"]),
+            device=args["device"],
+            channel_fd=1,
+            walls_required=bool(args["required"]),
+        )
+    except Exception as exc:  # noqa: BLE001 (as runtime_worker: any failure to confine is a refusal, said why)
+        error = str(exc) if isinstance(exc, ConfinementError) else f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"ok": False, "error": error}), flush=True)
+        return 1
+    print(json.dumps({"ok": True, **record.as_dict()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--self-check"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m serving.dataplane.node.sandbox --self-check SPEC")
+    sys.exit(_self_check_main(sys.argv[2]))

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from serving import artifacts
 from serving.dataplane import tracing
 from serving.dataplane.metrics import node_metrics
-from serving.dataplane.node import runtime_process
+from serving.dataplane.node import runtime_process, sandbox
 from serving.dataplane.node.node import Node
 from serving.dataplane.node.node_process import NodeProcess, facts_for, parse_bytes, parse_labels
 from serving.dataplane.node.packing import LoadReport
@@ -50,6 +50,7 @@ class Command(BaseCommand):
         runtime_process.warn_if_inline()
         tracing.configure(service="ferry-node")  # off unless the OTEL_* variables ask for traces
         device = str(pick_device(options["device"]))
+        check_sandbox(device)
         facts = facts_for(
             options["name"], device, options["accelerator"], memory, labels, settings.FERRY_NODE_MEMORY_BYTES
         )
@@ -94,6 +95,29 @@ class Command(BaseCommand):
         await asyncio.to_thread(worker.stop)
         await process.stop()
         await asyncio.to_thread(tracing.shutdown)  # export what is still queued
+
+
+def check_sandbox(device: str) -> None:
+    """Build the runtime process's walls once, at start (sandbox.self_check): a node where they cannot be built
+    would fail every load while it looked healthy, so it stops here (CommandError: exit 1) saying why, unless
+    FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX allows it (then the missing walls are logged at WARNING)."""
+    if settings.FERRY_RUNTIME_ISOLATION == "inline":
+        return  # no runtime process: warn_if_inline has said so
+    try:
+        record = sandbox.self_check(
+            hidden=runtime_process.hidden_paths(),
+            project_root=runtime_process.PROJECT_ROOT,
+            device=device,
+            required=not settings.FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX,
+            timeout_s=settings.FERRY_RUNTIME_START_TIMEOUT_S,
+        )
+    except sandbox.ConfinementError as exc:
+        raise CommandError(f"the model sandbox cannot be built on this machine: {exc}. {sandbox.REQUIREMENT}") from None
+    weak = {k: v for k, v in record.skipped.items() if k not in sandbox.OPTIONAL_LAYERS}
+    if weak:
+        logging.getLogger(__name__).warning(
+            "the model sandbox applies without: %s", "; ".join(f"{k} ({v})" for k, v in weak.items())
+        )
 
 
 async def _report(report: LoadReport) -> None:
