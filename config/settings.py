@@ -4,6 +4,7 @@ With no REDIS_URL and no DATABASE_URL Ferry runs in embedded mode: SQLite under 
 Channels' in-memory layer, Celery tasks run eagerly, and the web process hosts the model node.
 """
 
+import ipaddress
 from pathlib import Path
 
 import dj_database_url
@@ -423,13 +424,23 @@ SECURE_PROXY_SSL_HEADER = (
 # the web Service over in-cluster http.
 SECURE_SSL_REDIRECT = env_bool("FERRY_SSL_REDIRECT", False)
 
+# The proxies in front of the web processes (addresses or CIDRs; empty, the default: none). A request whose TCP
+# peer is one of them comes from the address its X-Forwarded-For names (the right-most one that is not itself a
+# trusted proxy) over the scheme its X-Forwarded-Proto names (serving.dataplane.http.frontdoor.uvicorn_config);
+# from any other peer those headers are ignored. platform/k8s sets the ingress controller's pod addresses: without
+# it every client behind the ingress is the ingress's address, and a lockout below locks out everyone.
+FERRY_TRUSTED_PROXIES = [
+    str(ipaddress.ip_network(value, strict=False)) for value in env_cidrs("FERRY_TRUSTED_PROXIES", [])
+]
+
 # Login throttling (django-axes): FERRY_LOGIN_FAILURE_LIMIT wrong passwords for one username from one
 # address lock that pair out for FERRY_LOGIN_COOLOFF_MINUTES, on the console's /login/, the admin's and the
 # API's HTTP Basic authentication alike (each calls django.contrib.auth.authenticate, which the backend
 # below guards). The count ends a cool-off after the last failure, or at a successful login (Django's
 # user_logged_in: the console and the admin; DRF's Basic authentication sends none, so an API success does
 # not). A lockout answers 429 with Retry-After (tenants.lockout): JSON on the API, a page elsewhere. The
-# address is the TCP peer (REMOTE_ADDR), never X-Forwarded-For.
+# address is REMOTE_ADDR: the TCP peer, or behind FERRY_TRUSTED_PROXIES the client they forwarded; axes never
+# reads X-Forwarded-For itself (a client could write any address there).
 INSTALLED_APPS += ["axes"]
 MIDDLEWARE += ["axes.middleware.AxesMiddleware"]  # last, as django-axes requires
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]

@@ -81,7 +81,8 @@ FLOW_METHODS = {"drain", "pause_reading", "resume_reading"}
 SERVER_STATE = {"default_headers", "total_requests", "connections", "tasks"}
 # uvicorn.Config keywords `frontdoor.uvicorn_config` and `manage.py serve` pass.
 CONFIG_KEYWORDS = {
-    "app", "host", "port", "loop", "lifespan", "access_log", "proxy_headers", "limit_concurrency", "log_level",
+    "app", "host", "port", "loop", "lifespan", "access_log", "proxy_headers", "forwarded_allow_ips",
+    "limit_concurrency", "log_level",
     "timeout_graceful_shutdown", "ws", "ws_max_size", "ws_per_message_deflate", "http", "workers",
 }  # fmt: skip
 

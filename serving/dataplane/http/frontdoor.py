@@ -34,6 +34,7 @@ import httptools
 import orjson
 import uvicorn
 from django.conf import settings
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
@@ -194,8 +195,11 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self.received_at: _ReceivedAt | None = None  # once connected
         self.raw_headers: list[bytes] = []  # the current request's header names and values, alternating, as they came
         # The inference lane (see Lane): the application's handler for an inference request, when the app
-        # names one (config.asgi does); any other app, or one wrapped by uvicorn, gets every request by ASGI.
-        self.infer: Infer | None = getattr(self.app, "ferry_infer", None)
+        # names one (config.asgi does); any other app, or one wrapped by uvicorn, gets every request by ASGI. The
+        # proxy headers' wrapper (FERRY_TRUSTED_PROXIES) keeps the lane: it rewrites only the scope's client and
+        # scheme, which the lane's handler never reads (an inference request is its API key's, from any address).
+        app = self.app.app if type(self.app) is ProxyHeadersMiddleware else self.app
+        self.infer: Infer | None = getattr(app, "ferry_infer", None)
         self._is_closing = None  # the transport's is_closing, once connected
         # Keep-alive idling: one timer a connection, re-armed when it fires, instead of uvicorn's timer set at
         # every response and cancelled at every request's first bytes.
@@ -815,7 +819,13 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
         "loop": "uvloop",
         "lifespan": "on",
         "access_log": False,
-        "proxy_headers": False,
+        # Behind the proxies of FERRY_TRUSTED_PROXIES (a request whose TCP peer is one of them), X-Forwarded-For
+        # and X-Forwarded-Proto name the client's address and scheme: uvicorn's ProxyHeadersMiddleware takes the
+        # right-most address of the chain that is not itself a trusted proxy. From any other peer, or with none
+        # set, they are ignored and the client is the TCP peer. Django's REMOTE_ADDR is that client: login
+        # throttling (axes) and /metrics' allow-list key on it.
+        "proxy_headers": bool(settings.FERRY_TRUSTED_PROXIES),
+        "forwarded_allow_ips": list(settings.FERRY_TRUSTED_PROXIES),
         "limit_concurrency": settings.FERRY_MAX_CONCURRENCY,
         "log_level": "info",
         "timeout_graceful_shutdown": 10,

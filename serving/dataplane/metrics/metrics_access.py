@@ -5,9 +5,10 @@ node's `runnode --metrics-port`, `node_metrics`) ask `configured().admit(...)`:
 
 - the bearer token FERRY_METRICS_TOKEN (`Authorization: Bearer <token>`, as Prometheus' `authorization`
   block sends it), compared in constant time: everything, every label as written;
-- no token presented, from an address in FERRY_METRICS_ALLOW (CIDRs, matched against the TCP peer, never a
-  forwarded header a client could write): the same families, but the label values that would name a
-  private model, its versions or a tenant are replaced by a stable opaque name (`redact`);
+- no token presented, from an address in FERRY_METRICS_ALLOW (CIDRs, matched against the TCP peer, or the
+  client a proxy of FERRY_TRUSTED_PROXIES forwarded; never a header a client could write): the same families,
+  but the label values that would name a private model, its versions or a tenant are replaced by a stable
+  opaque name (`redact`);
 - anything else, a wrong token included (a misconfigured scraper should hear so, not get less): 401 with a
   Bearer challenge.
 
