@@ -4,6 +4,9 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# The web process's gRPC listener (FERRY_GRPC_PORT; 0: off), on FERRY_GRPC_HOST (127.0.0.1 unless set).
+GRPC_PORT ?= $(or $(FERRY_GRPC_PORT),8001)
+GRPC_HOST := $(or $(FERRY_GRPC_HOST),127.0.0.1)
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # Three workers on two cores (tests/xdist_workers.py): much of the suite waits (on processes starting, heartbeats,
@@ -20,17 +23,19 @@ setup:
 	@scripts/setup.sh
 
 run:
+	@# Both ports free before minutes of set-up and training, or a message naming PORT / GRPC_PORT.
+	@$(if $(wildcard $(PY)),$(PY),python3) scripts/free_ports.py $(HOST) $(PORT) $(GRPC_HOST) $(GRPC_PORT)
 	@scripts/setup.sh demo
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py build_demo_models
 	$(PY) manage.py ensure_demo_user
 	$(PY) manage.py demo_story $(DEMO_STORY_ARGS)
 	@# The demo's traffic runs beside the server and stops with it (--with-parent: `exec` makes the server its parent).
-	$(PY) manage.py demo_traffic --host $(HOST) --port $(PORT) --with-parent & exec $(PY) manage.py serve --host $(HOST) --port $(PORT)
+	$(PY) manage.py demo_traffic --host $(HOST) --port $(PORT) --with-parent & FERRY_GRPC_PORT=$(GRPC_PORT) exec $(PY) manage.py serve --host $(HOST) --port $(PORT)
 
 test:
 	@scripts/setup.sh test
-	@scripts/services.sh
+	@TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) scripts/services.sh
 	TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test.sh $(TESTS)
 
 bench:
