@@ -5,6 +5,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 data_dir=$(mktemp -d /tmp/ferry-test.XXXXXX)
+# The runs' data directories (databases, artifacts, process logs) go when the suite passes; a failed run keeps
+# them for its logs, and says where.
+# shellcheck disable=SC2317  # run by the EXIT trap
+finish() {
+  local status=$?
+  if [ "$status" -eq 0 ]; then
+    rm -rf "$data_dir"
+  else
+    echo "==> the runs' data directories and logs are kept in $data_dir"
+  fi
+}
+trap finish EXIT
 mkdir -p "$data_dir/parallel" "$data_dir/solo"
 export DATABASE_URL="$TEST_DATABASE_URL" DATABASE_CONN_MAX_AGE=0 FERRY_TEST_REDIS_URL="$TEST_REDIS_URL"
 
