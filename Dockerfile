@@ -14,9 +14,10 @@ RUN python3 -m venv /opt/venv
 # torch first, from the chosen index, so the dependencies below never pull a second (CUDA) build.
 RUN /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml /tmp/ferry/
-# Only the dependencies (with the demo extra: the compose file trains the demo models), the source copied later,
-# so a code change does not reinstall them.
-RUN /opt/venv/bin/python -c "import tomllib; p = tomllib.load(open('/tmp/ferry/pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['demo']))" \
+# Only the dependencies (with the demo extra: the compose file trains the demo models; and the s3 extra, so
+# FERRY_ARTIFACT_STORAGE=s3 works on the read-only root), the source copied later, so a code change does not
+# reinstall them.
+RUN /opt/venv/bin/python -c "import tomllib; p = tomllib.load(open('/tmp/ferry/pyproject.toml','rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['demo'] + p['optional-dependencies']['s3']))" \
       > /tmp/ferry/requirements.txt \
  && /opt/venv/bin/pip install -r /tmp/ferry/requirements.txt
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from importlib import resources
@@ -370,3 +371,12 @@ def test_the_compose_check_catches_a_broken_file(compose: dict, breakage, expect
     breakage(broken)
     problems = checks.check_compose(broken, missing_commands=PENDING)
     assert any(expected in problem for problem in problems), problems
+
+
+def test_the_image_holds_what_s3_artifact_storage_needs() -> None:
+    # FERRY_ARTIFACT_STORAGE=s3 selects django-storages' S3 backend (config/settings.py); the image's root is
+    # read-only, so without it in the image the first artifact access fails with ModuleNotFoundError.
+    project = tomllib.loads((checks.ROOT / "pyproject.toml").read_text())["project"]
+    assert "storages.backends.s3.S3Storage" in (checks.ROOT / "config" / "settings.py").read_text()
+    assert any(r.startswith("django-storages[s3]") for r in project["optional-dependencies"]["s3"])
+    assert "p['optional-dependencies']['s3']" in checks.DOCKERFILE.read_text()
