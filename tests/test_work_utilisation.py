@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,13 +22,17 @@ from bench.gil_contention import Chain
 from serving.dataplane.gateway.snapshot import PlacementEntry, VersionEntry
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.metrics.busy import SAMPLE_SECONDS, BusyMeter, WorkMeter
+from serving.dataplane.metrics.metrics import DEVICE_BUSY
 from serving.dataplane.metrics.node_metrics import utilisation_families
-from serving.dataplane.node.node import Node
+from serving.dataplane.node import node as node_module
+from serving.dataplane.node.node import Hosted, Node
+from serving.dataplane.node.runtime import RuntimeFailure
 from serving.dataplane.transport.fleet import NodeInfo
 from serving.demo import save_artifact
 from serving.fleet_chart import utilisation_svg
 from serving.fleet_state import node_doc
 from serving.policies.utilisation import best_row_seconds
+from tests.test_admission import Clock, StandIn, entry, rows
 
 # A profile whose batch of 32 takes twice a batch of one: 16 times the rows per second at its best.
 PROFILE = {1: 0.010, 8: 0.012, 32: 0.020}
@@ -93,6 +98,36 @@ def test_a_version_served_several_ways_counts_each_batchs_rows_at_the_best_batch
     assert work.work_seconds == {"a:1": pytest.approx(3 * 0.020 / 32), "b:1": pytest.approx(0.002)}
 
 
+def test_a_reference_that_prices_a_row_above_its_device_time_reads_above_busy_and_above_one() -> None:
+    now = [0.0]
+    busy = BusyMeter(window=10, clock=lambda: now[0])
+    work = WorkMeter(busy, window=10, clock=lambda: now[0])
+
+    # given a reference 1.5 times what the device spends (a batch of 32 computes in 20 ms, priced at 30 ms)
+    def priced(rows: int) -> float:
+        return 1.5 * estimate(rows)
+
+    # when the device computes 60% of the time, then all the time
+    at = 0.0
+    while at < 10.0 - 1e-9:
+        busy.add(at, 0.020)
+        work.batch("m:1", 32, at, 0.020, priced, 32)
+        at += 0.020 / 0.6
+    now[0] = at = 10.0
+    # then work reads 1.5 times busy, as counted: 0.9 beside 0.6
+    assert busy.fraction() == pytest.approx(0.6, abs=0.01)
+    assert work.fraction() == pytest.approx(1.5 * busy.fraction())
+    while at < 20.0 - 1e-9:
+        busy.add(at, 0.020)
+        work.batch("m:1", 32, at, 0.020, priced, 32)
+        at += 0.020
+    now[0] = 20.0
+    # and at full load 1.5, not a busy-looking 100%: the over-count shows, on /metrics and in the history
+    assert busy.fraction() == pytest.approx(1.0)
+    assert work.fraction() == pytest.approx(1.5)
+    assert work.history()[-1][1:] == (pytest.approx(1.0), pytest.approx(1.5))
+
+
 # -- a real node ---------------------------------------------------------------------------------------------
 
 
@@ -141,7 +176,7 @@ async def test_a_node_serving_batch_one_on_a_batching_model_reads_busy_above_its
         # when it serves requests of one row, one at a time: every batch is a batch of one
         for _ in range(60):
             await node.infer("chain:1", {"input": np.zeros((1, 64), np.float32)}, 1, loop.time() + 30, 1)
-        best = best_row_seconds(hosted.profile.estimate, 32)
+        best = best_row_seconds(hosted.compute.estimate, 32)
         # then it counted the rows served, each worth the version's best-batch seconds by its measured profile
         assert node.work.rows == {"chain:1": 60}
         assert node.work.work_seconds["chain:1"] == pytest.approx(60 * best)
@@ -159,6 +194,109 @@ async def test_a_node_serving_batch_one_on_a_batching_model_reads_busy_above_its
         assert value == pytest.approx(60 * best)
     finally:
         await node.close()
+
+
+class DeviceClock:
+    """The device thread's stopwatch (the node's `time.perf_counter`), moved only by the stand-in runtime."""
+
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Costed(StandIn):
+    """Takes `per_row` seconds of the device a row, then `hand_back` more before the node's event loop resumes
+    (a loop busy with other work); fails any batch that holds a row whose first value is negative."""
+
+    def __init__(self, node_clock: Clock, device: DeviceClock, per_row: float, hand_back: float = 0.0) -> None:
+        super().__init__()
+        self.node_clock, self.device, self.per_row, self.hand_back = node_clock, device, per_row, hand_back
+        self.calls: list[int] = []
+
+    def run(self, requests):  # noqa: ANN001, ANN201
+        n = sum(r["input"].shape[0] for r in requests)
+        self.calls.append(n)
+        self.device.now += self.per_row * n
+        self.node_clock.now += self.per_row * n + self.hand_back
+        if any((r["input"][:, 0] < 0).any() for r in requests):
+            raise RuntimeFailure("negative input")
+        return super().run(requests)
+
+
+@pytest.fixture
+def device(monkeypatch: pytest.MonkeyPatch) -> DeviceClock:
+    """The node's device stopwatch made the stand-in's: no real time in these tests, so none is asserted."""
+    stopwatch = DeviceClock()
+    monkeypatch.setattr(node_module, "time", SimpleNamespace(perf_counter=stopwatch.perf_counter))
+    return stopwatch
+
+
+async def serve(node: Node, hosted: Hosted, bodies: list[dict[str, np.ndarray]]) -> list[object]:
+    """Queue `bodies` (stopped batcher), run one batch of them, and return their answers or errors."""
+    tasks = [asyncio.ensure_future(node.infer(hosted.entry.key, b, 1, node._clock() + 100, 1)) for b in bodies]
+    await asyncio.sleep(0)
+    assert await hosted.batcher.process_one_batch()
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_work_reference_is_the_devices_own_time_not_the_event_loops_hand_back(device: DeviceClock) -> None:
+    # given a version whose batch of one takes 10 ms of the device, its profile saying so, and an event loop that
+    # resumes 5 ms after each batch ends (admission's profile learns that: its answers come back that late)
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    hosted = node.host(entry("handback", max_batch=1), Costed(clock, device, 0.010, 0.005), {1: 0.010}, start=False)
+    try:
+        # when it serves a batch every 25 ms for a second
+        for _ in range(40):
+            assert [getattr(r, "status", 200) for r in await serve(node, hosted, [rows(1)])] == [200]
+            clock.now += 0.010
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
+    # then admission predicts with the hand-back, and the work reference is the device's 10 ms all the same
+    assert hosted.profile.estimate(1) > 0.014
+    assert hosted.compute.estimate(1) == pytest.approx(0.010)
+    # so the device, busy 40% of the time at its best batch size, did 40% of the work it could (priced with the
+    # hand-back it would read 60%: more work than the device had time for)
+    assert node.busy.fraction() == pytest.approx(0.4)
+    assert node.work.fraction() == pytest.approx(node.busy.fraction())
+    assert node.work.work_seconds["handback:1"] == pytest.approx(40 * 0.010)
+
+
+async def test_a_bisected_batch_counts_its_answered_parts_as_work_and_every_device_call_as_busy(
+    device: DeviceClock,
+) -> None:
+    # given 8 queued one-row requests, the fourth of which makes the model raise; each row 1 ms of the device
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    runtime = Costed(clock, device, 0.001)
+    hosted = node.host(entry("bisected"), runtime, {1: 0.001, 8: 0.008}, start=False)
+    device_busy = DEVICE_BUSY.labels("cpu")
+    busy_before = device_busy._value.get()
+    bodies = [rows(1) for _ in range(8)]
+    bodies[3]["input"][0, 0] = -1.0
+    try:
+        # when the batch fails and is bisected (8; 4 fails: its clean 2, its bad 2 split to 1 and 1; the other 4)
+        statuses = [getattr(r, "status", 200) for r in await serve(node, hosted, bodies)]
+    finally:
+        node._device_pool.shutdown(wait=False)
+        node._load_pool.shutdown(wait=False)
+    assert statuses == [200, 200, 200, 422, 200, 200, 200, 200]
+    assert runtime.calls == [8, 4, 2, 2, 1, 1, 4]
+    clock.now += 1.0
+    # then both busy measures count every call, failed ones too: 22 rows' time (the meter over its age)
+    assert device_busy._value.get() - busy_before == pytest.approx(0.022)
+    assert node.busy.fraction() == pytest.approx(0.022 / (clock.now - Clock().now))
+    # and the parts answered (2, 1 and 4 rows) are batches as any other: in the work, the compute time and the
+    # batch sizes; the failed calls in none of them
+    assert node.work.rows == {"bisected:1": 7}
+    assert node.work.work_seconds["bisected:1"] == pytest.approx(0.007)
+    counts, total = hosted.metrics.batch_size.snapshot()
+    assert (sum(counts), total) == (3, 7)
+    counts, total = hosted.metrics.compute.snapshot()
+    assert (sum(counts), total) == (3, pytest.approx(0.007))
 
 
 # -- the fleet page ------------------------------------------------------------------------------------------

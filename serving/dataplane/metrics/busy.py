@@ -1,13 +1,18 @@
 """How busy a node's device has been lately, and how much work it did: shares of the last WINDOW_SECONDS.
 
-The node hands each batch's device time to `BusyMeter.add` as it finishes (the device thread measured it);
-the heartbeat reads `fraction` once a second. Time is kept in one-second buckets, so memory stays fixed
-however many batches run, and a batch that spans a bucket boundary is split across both.
+The node hands each device call's time to `BusyMeter.add` as it finishes (the device thread measured it), a
+call that failed included: the device was occupied all the same. The heartbeat reads `fraction` once a second.
+Time is kept in one-second buckets, so memory stays fixed however many batches run, and a batch that spans a
+bucket boundary is split across both.
 
 Busy time says little of a batching device: batch-one requests back to back read 100% busy on a model whose
 batch of 32 takes twice as long as one. `WorkMeter` counts the work instead, with the simulator's function
-(`serving.policies.utilisation`): each batch's rows are worth their version's best-batch seconds (from the
-version's latency profile, as the node knows it), and work utilisation is those seconds over the window's.
+(`serving.policies.utilisation`): each answered batch's rows (a whole batch's, or a bisected half's) are worth
+their version's best-batch seconds, and work utilisation is those seconds over the window's. The reference is
+the version's profile of the device's own seconds (`Hosted.compute`), never the admission profile, which adds
+the event loop's hand-back: priced by that, a row would be worth more than the device spent on it, and work
+could read above busy time. So work is never capped: a share above the busy share is a reference that
+under-prices the device now (a warm-up measured faster than it runs), and shows rather than reads 100%.
 It also counts rows and work seconds per version (for /metrics) and keeps a short history of both shares,
 one sample per SAMPLE_SECONDS, for the fleet page.
 """
@@ -54,7 +59,12 @@ class BusyMeter:
             at = upto
 
     def fraction(self, now: float | None = None) -> float:
-        """Busy seconds over the last `window` seconds, divided by them (by the meter's age while younger)."""
+        """Busy seconds over the last `window` seconds, divided by them (by the meter's age while younger); at
+        most 1, which one device thread can exceed only by the buckets' rounding."""
+        return max(0.0, min(1.0, self._share(now)))
+
+    def _share(self, now: float | None) -> float:
+        """The counted seconds of the last `window` seconds over them (the meter's age while younger), unclamped."""
         now = self._clock() if now is None else now
         start = now - self.window
         total = 0.0
@@ -65,12 +75,12 @@ class BusyMeter:
             share = min(1.0, (second + 1.0 - start)) if second < start else 1.0
             total += self._busy[slot] * share
         span = min(float(self.window), max(now - self._since, 1e-9))
-        return max(0.0, min(1.0, total / span))
+        return total / span
 
 
 class WorkMeter(BusyMeter):
     """Work utilisation of the last `window` seconds: the rows served, each at its version's best-batch seconds,
-    over the seconds the device was powered (the window; the meter's age while younger)."""
+    over the seconds the device was powered (the window; the meter's age while younger). Not capped at 1."""
 
     def __init__(
         self, busy: BusyMeter | None = None, window: int = WINDOW_SECONDS, clock: Callable[[], float] = time.monotonic
@@ -84,8 +94,8 @@ class WorkMeter(BusyMeter):
         self._sampled = self._since
 
     def batch(self, key: str, rows: int, began: float, seconds: float, estimate: Estimate, max_batch_size: int) -> None:
-        """A batch of `rows` of version `key` that began at `began` and computed for `seconds`, the version's
-        profile being `estimate` (compute seconds per batch size) up to `max_batch_size`."""
+        """An answered batch of `rows` of version `key` that began at `began` and computed for `seconds`, the
+        version's profile being `estimate` (the device's own seconds per batch size) up to `max_batch_size`."""
         second = math.floor(began)
         cached = self._best.get(key)
         if cached is None or cached[0] != second:  # the node refines a profile as it serves: once a second
@@ -95,6 +105,11 @@ class WorkMeter(BusyMeter):
         self.work_seconds[key] = self.work_seconds.get(key, 0.0) + work
         span = max(seconds, 1e-6)  # the work is spread over the batch's own time, as busy time is
         self._spread(began, span, work / span)
+
+    def fraction(self, now: float | None = None) -> float:
+        """The work seconds of the last `window` seconds over them, as counted: above 1, or above the busy share,
+        the reference under-prices the device, and that shows (see the module's docstring)."""
+        return max(0.0, self._share(now))
 
     def history(self, now: float | None = None) -> list[tuple[float, float, float]]:
         """(seconds ago, busy share, work utilisation) per SAMPLE_SECONDS, oldest first; sampled when asked

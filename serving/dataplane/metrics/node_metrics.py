@@ -10,8 +10,9 @@ the node's own state, read from it at scrape time:
   ferry_node_version_hot{model,version}: 1 per loaded version;
 - ferry_node_memory_used_bytes, ferry_node_memory_budget_bytes;
 - ferry_node_version_load_seconds{model,version}: the measured load time of each version loaded here;
-- ferry_node_busy_ratio and ferry_node_work_utilisation_ratio: the device's busy share of the last 10 s and its
-  work utilisation (rows served at their version's best-batch cost over the same time); per version
+- ferry_node_busy_ratio and ferry_node_work_utilisation_ratio: the device's busy share of the last 10 s (failed
+  calls included) and its work utilisation (rows answered at their version's best-batch device seconds over the
+  same time; not capped, so a reference that under-prices the device shows above busy); per version
   ferry_node_rows_served_total and ferry_node_work_seconds_total (serving.dataplane.metrics.busy.WorkMeter).
 
 Served by the standard library's WSGI server, a thread per scrape, off the event loop: a scrape never waits
@@ -118,11 +119,14 @@ def utilisation_families(node: Node) -> Iterator[Metric]:
     """Busy time and work utilisation of the node's device (the last 10 s), and per version the rows served and
     what they are worth at the version's best batch size, so a query can divide any window's increase by it."""
     yield GaugeMetricFamily(
-        "ferry_node_busy_ratio", "Share of the last 10 s the device spent computing", value=node.busy.fraction()
+        "ferry_node_busy_ratio",
+        "Share of the last 10 s the device spent computing, failed calls included",
+        value=node.busy.fraction(),
     )
     yield GaugeMetricFamily(
         "ferry_node_work_utilisation_ratio",
-        "Rows served in the last 10 s at their version's best-batch seconds (its profile), over the 10 s",
+        "Rows answered in the last 10 s, each at its version's best-batch device seconds, over the 10 s; not capped:"
+        " above ferry_node_busy_ratio, the profile under-prices the device",
         value=node.work.fraction(),
     )
     rows = CounterMetricFamily(
@@ -130,7 +134,8 @@ def utilisation_families(node: Node) -> Iterator[Metric]:
     )
     work = CounterMetricFamily(
         "ferry_node_work_seconds",
-        "Device seconds the rows served would take at the version's best batch size (serving.policies.utilisation)",
+        "Device seconds the rows served would take at the version's best batch size, by the device's own measured"
+        " time (serving.policies.utilisation)",
         labels=["model", "version"],
     )
     served, worth = dict(node.work.rows), dict(node.work.work_seconds)

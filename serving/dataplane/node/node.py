@@ -75,8 +75,13 @@ class Hosted:
     entry: VersionEntry
     runtime: ModelRuntime
     batcher: Batcher
+    # Seconds per batch size from the device thread's pick-up to the loop resuming (compute plus the hand-back):
+    # what admission predicts with.
     profile: LatencyProfile
     metrics: metrics.VersionMetrics
+    # The device's own seconds per batch size: the work meter's reference (serving.dataplane.metrics.busy), which
+    # the hand-back must not inflate. Hosting sets it.
+    compute: LatencyProfile = field(default_factory=LatencyProfile)
     # Recent device work admitted per priority tier. Within a version the queue serves higher tiers
     # first, so a lower tier also waits behind what they add later; across versions the turns that
     # admission already counts bound the wait.
@@ -94,6 +99,7 @@ class Warm:
     artifact_sha256: str
     runtime: ModelRuntime
     profile: dict[int, float]
+    compute: dict[int, float]  # the device's own seconds (Hosted.compute)
 
 
 @dataclass
@@ -260,9 +266,10 @@ class Node:
             loop = asyncio.get_running_loop()
             try:
                 if warm is not None:
-                    runtime, profile = await loop.run_in_executor(self._load_pool, self._from_warm, warm)
+                    runtime, profile, compute = await loop.run_in_executor(self._load_pool, self._from_warm, warm)
                 else:
                     runtime, profile = await loop.run_in_executor(self._load_pool, self._load_blocking, entry)
+                    compute = profile  # measured on the load thread around the model's calls: its own seconds
             except Exception as exc:
                 reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
                 log.error("loading %s failed: %s", entry.key, reason)
@@ -281,7 +288,7 @@ class Node:
             self.failures.pop(entry.key, None)
             self.packing.cold.pop(entry.key, None)
             self.packing.no_room.pop(entry.key, None)
-            hosted = self.host(entry, runtime, profile)
+            hosted = self.host(entry, runtime, profile, compute=compute)
             hosted.last_used = self._clock()
             if ticket is not None:
                 hosted.in_flight += ticket.waiters
@@ -364,14 +371,22 @@ class Node:
         return key in self.hosted or key in self.packing.cold
 
     def host(
-        self, entry: VersionEntry, runtime: ModelRuntime, profile: dict[int, float], *, start: bool = True
+        self,
+        entry: VersionEntry,
+        runtime: ModelRuntime,
+        profile: dict[int, float],
+        *,
+        compute: dict[int, float] | None = None,
+        start: bool = True,
     ) -> Hosted:
-        """Serve a loaded runtime: its queue, its batcher, its metrics. (Tests host stand-in runtimes
+        """Serve a loaded runtime: its queue, its batcher, its metrics. `profile` seeds both the admission profile
+        and, unless `compute` is given (a warm reload's), the device's own. (Tests host stand-in runtimes
         here and leave the batcher stopped to decide admission on a fake clock.)"""
         vm = metrics.for_version(entry.model, entry.version)
         latency = LatencyProfile(profile)
         queue = BatchQueue(entry.batching, latency.estimate, max_bytes=self.max_queue_bytes, abandoned=_abandoned)
-        hosted = Hosted(entry, runtime, None, latency, vm)  # type: ignore[arg-type]
+        own = LatencyProfile(profile if compute is None else compute)
+        hosted = Hosted(entry, runtime, None, latency, vm, own)  # type: ignore[arg-type]
         hosted.batcher = Batcher(
             queue,
             lambda batch: self._run_batch(hosted, batch),
@@ -400,11 +415,11 @@ class Node:
             runtime.release()  # a sandboxed runtime's process goes with it
             raise
 
-    def _from_warm(self, warm: Warm) -> tuple[ModelRuntime, dict[int, float]]:
+    def _from_warm(self, warm: Warm) -> tuple[ModelRuntime, dict[int, float], dict[int, float]]:
         runtime = warm.runtime
         if self.device.type == "cuda" and runtime.loaded:
             runtime.to_device()
-        return runtime, warm.profile
+        return runtime, warm.profile, warm.compute
 
     def _keep_warm(self, hosted: Hosted) -> bool:
         """Keep an evicted version's module in host memory if the warm budget can hold it, dropping the
@@ -414,7 +429,9 @@ class Node:
             return False
         while self.warm and sum(w.runtime.memory_bytes for w in self.warm.values()) + size > self.warm_budget:
             self.warm.pop(next(iter(self.warm))).runtime.release()
-        self.warm[hosted.entry.key] = Warm(hosted.entry.artifact_sha256, hosted.runtime, hosted.profile.points())
+        self.warm[hosted.entry.key] = Warm(
+            hosted.entry.artifact_sha256, hosted.runtime, hosted.profile.points(), hosted.compute.points()
+        )
         return True
 
     async def unload(self, key: str) -> None:
@@ -784,7 +801,11 @@ class Node:
         try:
             results, seconds, began = await self._on_device(hosted, [p.payload.inputs for p in live], rows)
         except RuntimeFailure as exc:
-            await self._isolate(hosted, live, exc)
+            served: list[tuple[int, float, float, float]] = []
+            await self._isolate(hosted, live, exc, served)
+            # Recorded once every part is answered: a bug in the bookkeeping costs no part its run.
+            for part in served:
+                self._served(hosted, *part)
             return
         except Exception as exc:
             if not device_error(exc):
@@ -796,16 +817,23 @@ class Node:
         _answer(live, results, seconds, rows)
         if queued:
             tracing.batch(queued[1], rows, queued[0], began - started, seconds)
-        # Admission predicts when answers are back on the event loop, so the profile learns the batch's
-        # time from the device thread picking it up to the loop resuming here: compute plus the hand-back,
-        # which grows when the loop is busy. The compute metric keeps the device's own time.
-        hosted.profile.observe(rows, max(seconds, self._clock() - began))
+        self._served(hosted, rows, seconds, began, self._clock())
+
+    def _served(self, hosted: Hosted, rows: int, seconds: float, began: float, resumed: float) -> None:
+        """The bookkeeping of a batch answered (a whole one, or a bisected one's half that ran clean), which the
+        device thread began at `began`, computed for `seconds`, and the event loop resumed after at `resumed`.
+        Its device time is in both busy measures already (`_on_device`, failed calls too)."""
+        # Admission predicts when answers are back on the event loop, so its profile learns the batch's
+        # time from the device thread picking it up to the loop resuming: compute plus the hand-back,
+        # which grows when the loop is busy. The compute metric and the work meter's profile keep the device's
+        # own time: the work a row is worth is what the device spends on it.
+        hosted.profile.observe(rows, max(seconds, resumed - began))
+        hosted.compute.observe(rows, seconds)
         hosted.metrics.compute.observe(seconds)
         hosted.metrics.batch_size.observe(rows)
         hosted.metrics.live.batch(rows)
-        self._busy.inc(seconds)
         self.work.batch(
-            hosted.entry.key, rows, began, seconds, hosted.profile.estimate, hosted.entry.batching.max_batch_size
+            hosted.entry.key, rows, began, seconds, hosted.compute.estimate, hosted.entry.batching.max_batch_size
         )
 
     async def _yield_to_callers(self, hosted: Hosted, live: list[Pending]) -> int:
@@ -868,16 +896,21 @@ class Node:
         self, hosted: Hosted, requests: list[dict[str, np.ndarray]], rows: int
     ) -> tuple[list[dict[str, np.ndarray]], float, float]:
         """Run one batch on the device thread, keeping its estimate in the device backlog meanwhile.
-        Returns the results, the compute seconds, and when the device thread began it (node clock)."""
+        Returns the results, the compute seconds, and when the device thread began it (node clock). Its device
+        time counts in both busy measures, the meter's and ferry_device_busy_seconds, whether it succeeded or
+        raised (then raised here)."""
         token = id(requests)
         self._device_work[token] = hosted.profile.estimate(rows)
         self._handed[token] = hosted
         try:
-            done = await asyncio.get_running_loop().run_in_executor(
+            outcome, seconds, began = await asyncio.get_running_loop().run_in_executor(
                 self._device_pool, self._timed, hosted.runtime, requests
             )
-            self.busy.add(done[2], done[1])
-            return done
+            self.busy.add(began, seconds)
+            self._busy.inc(seconds)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome, seconds, began
         finally:
             del self._device_work[token]
             del self._handed[token]
@@ -885,18 +918,25 @@ class Node:
 
     def _timed(
         self, runtime: ModelRuntime, requests: list[dict[str, np.ndarray]]
-    ) -> tuple[list[dict[str, np.ndarray]], float, float]:
+    ) -> tuple[list[dict[str, np.ndarray]] | Exception, float, float]:
+        """The results, or what the runtime raised (returned, so that its device time is counted too), the
+        seconds it took, and when it began (node clock)."""
         started = time.perf_counter()
         self._running_since = began = self._clock()
         try:
-            results = runtime.run(requests)
+            results: list[dict[str, np.ndarray]] | Exception = runtime.run(requests)
+        except Exception as exc:
+            results = exc
         finally:
             self._running_since = None
         return results, time.perf_counter() - started, began
 
-    async def _isolate(self, hosted: Hosted, live: list[Pending], exc: RuntimeFailure) -> None:
+    async def _isolate(
+        self, hosted: Hosted, live: list[Pending], exc: RuntimeFailure, served: list[tuple[int, float, float, float]]
+    ) -> None:
         """A batch failed: bisect it, so the requests that poison it fail alone and the rest are served
-        in a few batches (about log2 of the batch per bad request) rather than one device call each."""
+        in a few batches (about log2 of the batch per bad request) rather than one device call each. Each part
+        answered adds (rows, seconds, began, resumed) to `served`, for `_served`."""
         if len(live) == 1:
             hosted.metrics.poison.inc()
             _fail(live[0], ModelFailed(f"model failed on this input: {exc}"))
@@ -908,15 +948,16 @@ class Node:
                 continue
             rows = sum(p.rows for p in half)
             try:
-                results, seconds, _ = await self._on_device(hosted, [p.payload.inputs for p in half], rows)
+                results, seconds, began = await self._on_device(hosted, [p.payload.inputs for p in half], rows)
             except RuntimeFailure as failure:
-                await self._isolate(hosted, half, failure)
+                await self._isolate(hosted, half, failure, served)
             except Exception as other:
                 if not device_error(other):
                     raise  # a bug: the batcher hands the whole batch to `_batch_failed` (500)
                 self._device_failed(hosted, half, other)
             else:
                 _answer(half, results, seconds, rows)
+                served.append((rows, seconds, began, self._clock()))  # its rows were served: a batch as any other
 
     @staticmethod
     def _device_failed(hosted: Hosted, items: list[Pending], exc: Exception) -> None:
