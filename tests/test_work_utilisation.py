@@ -19,10 +19,10 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from bench.gil_contention import Chain
-from serving.dataplane.gateway.snapshot import PlacementEntry, VersionEntry
+from serving.dataplane.gateway.snapshot import PlacementEntry, RoutingSnapshot, VersionEntry
 from serving.dataplane.http.protocol import TensorSpec
 from serving.dataplane.metrics.busy import SAMPLE_SECONDS, BusyMeter, WorkMeter
-from serving.dataplane.metrics.metrics import DEVICE_BUSY
+from serving.dataplane.metrics.metrics import DEVICE_BUSY, LOADED, QUEUE_DEPTH
 from serving.dataplane.metrics.node_metrics import utilisation_families
 from serving.dataplane.node import node as node_module
 from serving.dataplane.node.node import Hosted, Node
@@ -297,6 +297,39 @@ async def test_a_bisected_batch_counts_its_answered_parts_as_work_and_every_devi
     assert (sum(counts), total) == (3, 7)
     counts, total = hosted.metrics.compute.snapshot()
     assert (sum(counts), total) == (3, pytest.approx(0.007))
+
+
+def served_series(family: object, model: str) -> list[float]:
+    """The values of `family`'s samples for `model` version 1 (none once the series is gone)."""
+    return [
+        sample.value
+        for metric in family.collect()  # type: ignore[attr-defined]
+        for sample in metric.samples
+        if sample.labels == {"model": model, "version": "1"}
+    ]
+
+
+async def test_an_unloaded_versions_gauges_are_gone_not_zero_and_a_reload_brings_them_back() -> None:
+    clock = Clock()
+    node = Node(artifact_path=lambda sha: None, device="cpu", clock=clock)  # type: ignore[arg-type]
+    try:
+        # given a loaded version that has served
+        hosted = node.host(entry("leaving"), StandIn(), {1: 0.001, 8: 0.001}, start=False)
+        node.work.batch("leaving:1", 1, clock.now, 0.001, hosted.compute.estimate, 8)
+        assert served_series(LOADED, "leaving") == [1.0] and served_series(QUEUE_DEPTH, "leaving") == [0.0]
+        # when it leaves the snapshot (deleted): the node unloads it
+        await node.reconcile(RoutingSnapshot(serial=1, built_at=0.0))
+        # then its gauges no longer say anything of it, and the node keeps no work counts for it
+        assert "leaving:1" not in node.hosted
+        assert served_series(LOADED, "leaving") == [] and served_series(QUEUE_DEPTH, "leaving") == []
+        assert node.work.rows == {} and node.work.work_seconds == {}
+        # and when it is loaded again, they are back
+        node.host(entry("leaving"), StandIn(), {1: 0.001, 8: 0.001}, start=False)
+        assert served_series(LOADED, "leaving") == [1.0] and served_series(QUEUE_DEPTH, "leaving") == [0.0]
+        await node.unload("leaving:1")
+        assert served_series(LOADED, "leaving") == []
+    finally:
+        await node.close()
 
 
 # -- the fleet page ------------------------------------------------------------------------------------------

@@ -111,6 +111,13 @@ class WorkMeter(BusyMeter):
         the reference under-prices the device, and that shows (see the module's docstring)."""
         return max(0.0, self._share(now))
 
+    def forget(self, keys: set[str] | frozenset[str]) -> None:
+        """Drop the per-version counts of versions gone for good (deleted), so /metrics and memory keep none."""
+        for key in keys:
+            self.rows.pop(key, None)
+            self.work_seconds.pop(key, None)
+            self._best.pop(key, None)
+
     def history(self, now: float | None = None) -> list[tuple[float, float, float]]:
         """(seconds ago, busy share, work utilisation) per SAMPLE_SECONDS, oldest first; sampled when asked
         (the heartbeat asks every second), so a node that is never asked keeps nothing."""

@@ -191,7 +191,10 @@ class Node:
         """Load what the snapshot says this node serves (of it, only `keys` when given: a node process
         hosts what its placement picks), unload the rest."""
         async with self._reconcile_lock:
-            desired = {v.key: v for v in snapshot.hosted_versions() if keys is None or v.key in keys}
+            served = snapshot.hosted_versions()
+            desired = {v.key: v for v in served if keys is None or v.key in keys}
+            # Versions no node serves any more (deleted, or taken out of service): their work counts go with them.
+            self.work.forget(self.work.rows.keys() - {v.key for v in served})
             self.packing.update(snapshot, desired)
             for key in [k for k in self.hosted if k not in desired]:
                 await self.unload(key)
@@ -399,9 +402,11 @@ class Node:
             hosted.batcher.start()
         self.hosted[entry.key] = hosted
         self._hosted_list = tuple(self.hosted.values())
-        vm.loaded.set(1)
+        # Resolved here rather than kept: `_release` removes these children, so a reload makes them afresh.
+        labels = (entry.model, str(entry.version))
+        metrics.LOADED.labels(*labels).set(1)
         # Read when scraped, not set per request: the batcher is replaced on reconfiguration, so read through hosted.
-        vm.queue_depth.set_function(lambda: len(hosted.batcher.queue))
+        metrics.QUEUE_DEPTH.labels(*labels).set_function(lambda: len(hosted.batcher.queue))
         return hosted
 
     def _load_blocking(self, entry: VersionEntry) -> tuple[ModelRuntime, dict[int, float]]:
@@ -458,8 +463,10 @@ class Node:
         waiting = await hosted.batcher.close()
         for pending in waiting:
             _fail(pending, Unavailable(why, retry_after=1))
-        hosted.metrics.loaded.set(0)
-        hosted.metrics.queue_depth.set_function(lambda: 0)
+        if key not in self.hosted:  # not loaded again meanwhile: its gauges go, rather than read 0 for ever
+            labels = (hosted.entry.model, str(hosted.entry.version))
+            metrics.LOADED.remove(*labels)
+            metrics.QUEUE_DEPTH.remove(*labels)
         if not (keep_warm and self._keep_warm(hosted)):
             hosted.runtime.release()  # a sandboxed runtime's process exits
         elif self.device.type == "cuda":  # off the loop: a copy of the weights
