@@ -10,12 +10,16 @@ app.autodiscover_tasks()
 
 
 @signals.celeryd_init.connect
-def check_sandbox(**kwargs: object) -> None:
+def check_sandbox(conf: object = None, options: dict | None = None, **kwargs: object) -> None:
     """`celery worker` (not beat, and not a node's own consumer, which runnode checks): the worker inspects
     every registered artifact in a sandboxed runtime process, so where the sandbox's walls cannot be built it
     would refuse every validation while it looked healthy. Build them once here (sandbox.self_check) and exit
     1, saying why, where they cannot be, unless FERRY_RUNTIME_ALLOW_PARTIAL_SANDBOX allows it. SystemExit,
-    because Celery logs and ignores an Exception raised by a signal's receiver."""
+    because Celery logs and ignores an Exception raised by a signal's receiver. A worker of other queues only
+    (-Q without the default queue, where validation runs: the autoscaler's) runs no model and is not checked."""
+    queues = (options or {}).get("queues")
+    if queues and getattr(conf, "task_default_queue", "celery") not in queues:
+        return
     # Imported here: this module is imported while Django's settings load (config/__init__.py), before the
     # apps the runtime's modules need are ready.
     from django.conf import settings

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from django.core.management.base import CommandError
 
+from config import celery as celery_config
 from serving.dataplane.node import runtime_process, sandbox
 from serving.management.commands import runnode
 
@@ -130,3 +131,12 @@ def test_the_celery_worker_exits_1_at_start_where_the_walls_cannot_be_built(tmp_
     assert done.returncode == 1, done.stderr
     assert "ferry worker: the model sandbox cannot be built on this machine" in done.stderr
     assert "no network wall" in done.stderr and "Landlock ABI >= 4" in done.stderr
+
+
+def test_a_worker_of_other_queues_only_is_not_checked(monkeypatch) -> None:  # noqa: ANN001
+    # The autoscaler's worker (-Q autoscale) runs no validation, so no model: it starts where walls cannot be built
+    monkeypatch.setattr(sandbox, "SELF_CHECK", OLD_KERNEL)
+    celery_config.check_sandbox(conf=celery_config.app.conf, options={"queues": ["autoscale"]})
+    # while a worker of the default queue, where validation runs, does not
+    with pytest.raises(SystemExit, match="every validation would fail: no network wall"):
+        celery_config.check_sandbox(conf=celery_config.app.conf, options={"queues": ["celery", "autoscale"]})
