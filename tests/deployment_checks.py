@@ -237,6 +237,7 @@ def check_manifests(
             for port in doc["spec"].get("ports", []):
                 if isinstance(port.get("targetPort"), str) and port["targetPort"] not in named:
                     problems.append(f"Service {name}: targetPort {port['targetPort']} is no port its pods name")
+    problems += _quota_gateway_problems(workloads, by_kind)
     for name, doc in by_kind.get("HorizontalPodAutoscaler", {}).items():
         target = doc["spec"]["scaleTargetRef"]
         if target["name"] not in by_kind.get(target["kind"], {}):
@@ -246,6 +247,36 @@ def check_manifests(
                 f"{target['kind']} {target['name']} sets replicas, which every apply would reset "
                 "under its HorizontalPodAutoscaler"
             )
+    return problems
+
+
+def _quota_gateway_problems(workloads: list[Doc], by_kind: dict[str, dict[str, Doc]]) -> list[str]:
+    """While Redis is down each web process allows a tenant 1/FERRY_QUOTA_GATEWAYS of its quota: the setting must
+    be at least the most web processes that can run (the HPA's maxReplicas, times `serve --workers`), or the
+    gateways together allow more than the quota."""
+    problems = []
+    autoscalers = {
+        doc["spec"]["scaleTargetRef"]["name"]: doc["spec"]["maxReplicas"]
+        for doc in by_kind.get("HorizontalPodAutoscaler", {}).values()
+    }
+    for doc in workloads:
+        if pod_labels(doc).get("app.kubernetes.io/component") != "web":
+            continue
+        pods = autoscalers.get(doc["metadata"]["name"], doc["spec"].get("replicas", 1))
+        for container in pod_spec(doc)["containers"]:
+            argv = [*container.get("command", []), *container.get("args", [])]
+            env = {}
+            for source in container.get("envFrom", []):
+                name = source.get("configMapRef", {}).get("name")
+                env.update(by_kind.get("ConfigMap", {}).get(name, {}).get("data", {}))
+            env.update({var["name"]: var.get("value", "") for var in container.get("env", [])})
+            most = pods * int(option(argv, "--workers") or 1)
+            gateways = int(env.get("FERRY_QUOTA_GATEWAYS") or settings_default("FERRY_QUOTA_GATEWAYS") or 1)
+            if gateways < most:
+                problems.append(
+                    f"{doc['kind']} {doc['metadata']['name']}: FERRY_QUOTA_GATEWAYS {gateways} is below the {most} web"
+                    " processes it may run: while Redis is down tenants could exceed their quota"
+                )
     return problems
 
 
@@ -300,9 +331,32 @@ def _workload_problems(
             missing_commands,
             path_answers,
         )
+    for container in spec["containers"]:  # probes: not on init containers, which run to completion
+        if component == "web" and not container.get("readinessProbe"):
+            problems.append(
+                f"{where}/{container['name']}: web needs a readiness probe (out of the Service while not ready)"
+            )
+        if component in ("node", "worker") and not container.get("livenessProbe"):
+            problems.append(
+                f"{where}/{container['name']}: a {component} needs a liveness probe (else a hung one stays)"
+            )
+    if component in USES_DATABASE and not any(
+        [*c.get("command", []), *c.get("args", [])] == WAIT_FOR_MIGRATIONS for c in spec.get("initContainers", [])
+    ):
+        problems.append(
+            f"{where}: waits for no migrations: an initContainer running {shlex.join(WAIT_FOR_MIGRATIONS)}"
+            " keeps a new image off the old schema while the Job migrates"
+        )
     if component == "node" and not (spec.get("nodeSelector") or spec.get("affinity", {}).get("nodeAffinity")):
         problems.append(f"{where}: a node must be placed by accelerator type (nodeSelector or node affinity)")
     return problems
+
+
+# The init container of every pod that uses the database (not nodes, which never do, nor the Job that migrates):
+# it fails until this release's migrations are applied, and the kubelet runs it again with back-off.
+WAIT_FOR_MIGRATIONS = ["python", "manage.py", "migrate", "--check"]
+# The pods that must wait for it, by their component label.
+USES_DATABASE = {"web", "worker", "beat", "autoscaler"}
 
 
 # What the autoscaler's token may do: read and set the node pools' StatefulSet replicas, nothing else.
@@ -341,6 +395,8 @@ def _api_token_problems(where: str, spec: Doc, by_kind: dict[str, dict[str, Doc]
                 problems.append(f"{where}: Role {ref['name']} grants more than get/patch of statefulsets/scale")
     for container in containers(spec):
         argv = [*container.get("command", []), *container.get("args", [])]
+        if container in spec.get("initContainers", []) and argv == WAIT_FOR_MIGRATIONS:
+            continue  # runs no task and no model
         if option(argv, "-Q") != "autoscale":
             problems.append(f"{where}/{container['name']}: with an API token it must consume only the autoscale queue")
     return problems
@@ -445,8 +501,11 @@ def _container_problems(
             problems.append(f"{where}: {probe_name} probes port {get['port']}, not the served {serve_port}")
         if path_answers is not None and not path_answers(get["path"]):
             problems.append(f"{where}: {probe_name} path {get['path']} does not answer 200 on a live server")
-    if component == "web" and not container.get("readinessProbe"):
-        problems.append(f"{where}: web needs a readiness probe (out of the Service while not ready)")
+    metrics_port = option(argv, "--metrics-port")
+    for probe_name in ("startupProbe", "livenessProbe"):
+        probe = " ".join(container.get(probe_name, {}).get("exec", {}).get("command", []))
+        if component == "node" and probe and f"127.0.0.1:{metrics_port}/metrics" not in probe:
+            problems.append(f"{where}: {probe_name} does not ask its metrics port ({metrics_port}) for /metrics")
     # gRPC: a web process serves it beside HTTP; it must listen where the Service can reach it.
     grpc = grpc_address(env) if argv[1:3] == ["manage.py", "serve"] else None
     if grpc is not None:
@@ -556,6 +615,49 @@ def check_compose(doc: Doc, *, missing_commands: Iterable[str] = ()) -> list[str
                 problems.append(f"compose {name}: a node declares its CPU budget (cpus)")
             if "SECRET_KEY" in compose_environment(service):
                 problems.append(f"compose {name}: a node runs models (code) and must not hold SECRET_KEY")
+    problems += _compose_migration_problems(services)
     if len(accelerators) < 2 or len(set(accelerators.values())) < 2:
         problems.append(f"compose: wants two nodes with different accelerator labels, has {accelerators}")
+    return problems
+
+
+def _compose_argv(service: Doc) -> list[list[str]]:
+    """A service's command, each `&&` part of an `sh -c` apart."""
+    argv = service.get("command") or []
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    if argv[:2] == ["sh", "-c"] and len(argv) == 3:
+        return [shlex.split(part) for part in argv[2].split("&&")]
+    return [argv]
+
+
+def _compose_migration_problems(services: dict[str, Doc]) -> list[str]:
+    """Every service of Ferry's image that uses the database (all but nodes, which never do) starts after one
+    that migrates it has completed: compose starts the rest at once otherwise, on the old schema."""
+    migrating = {
+        name
+        for name, service in services.items()
+        if any(
+            argv[:3] == ["python", "manage.py", "migrate"] and "--check" not in argv for argv in _compose_argv(service)
+        )
+    }
+
+    def after_migrations(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        depends = services[name].get("depends_on", {})
+        completed = [
+            d
+            for d, how in (depends.items() if isinstance(depends, dict) else [])
+            if d in services and d not in seen
+            if how.get("condition") == "service_completed_successfully"
+        ]
+        return any(d in migrating or after_migrations(d, seen | {name}) for d in completed)
+
+    problems = []
+    for name, service in services.items():
+        if str(service.get("image", "")).rsplit(":", 1)[0] not in IMAGES or name in migrating:
+            continue
+        if any(argv[:3] == ["python", "manage.py", "runnode"] for argv in _compose_argv(service)):
+            continue
+        if not after_migrations(name):
+            problems.append(f"compose {name}: starts before the migrations (depend on {sorted(migrating)} completing)")
     return problems

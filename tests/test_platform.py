@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import tomllib
 import urllib.error
@@ -24,6 +25,7 @@ import pytest
 import yaml
 from django.core.management import get_commands
 
+from serving.dataplane.metrics import node_metrics
 from tests import deployment_checks as checks
 
 # The oldest Kubernetes the manifests are written for, and the newest whose schemas the checker ships.
@@ -318,6 +320,26 @@ def container(docs: list[dict], name: str) -> dict:
             ].update(ports=[{"name": "http", "port": 80, "targetPort": "http"}]),
             "no Service routes to its gRPC port 8001",
         ),
+        # Pods of a new image on the old schema: no wait for the migration Job
+        (lambda d: web_deployment(d)["spec"]["template"]["spec"].pop("initContainers"), "waits for no migrations"),
+        (
+            lambda d: next(x for x in d if x["metadata"]["name"] == "ferry-worker")["spec"]["template"]["spec"][
+                "initContainers"
+            ][0].update(command=["python", "manage.py", "migrate", "--noinput"]),
+            "waits for no migrations",
+        ),
+        # During a Redis outage each of 20 web pods allows a tenant a tenth of its quota: twice the quota
+        (
+            lambda d: next(x for x in d if x["kind"] == "HorizontalPodAutoscaler")["spec"].update(maxReplicas=20),
+            "FERRY_QUOTA_GATEWAYS 10 is below the 20 web processes",
+        ),
+        # A hung node or worker never restarted
+        (lambda d: container(d, "ferry-node-a10g").pop("livenessProbe"), "a node needs a liveness probe"),
+        (lambda d: container(d, "ferry-worker").pop("livenessProbe"), "a worker needs a liveness probe"),
+        (
+            lambda d: container(d, "ferry-node-a10g")["command"].__setitem__(-1, "9465"),
+            "livenessProbe does not ask its metrics port (9465)",
+        ),
     ],
 )
 def test_ferrys_checks_catch_a_broken_manifest(docs: list[dict], breakage, expected: str) -> None:
@@ -364,6 +386,10 @@ def test_compose_starts_real_entry_points_with_real_settings(compose: dict) -> N
         (lambda c: c["services"].pop("beat"), "no beat service"),
         (lambda c: c["services"]["web"]["environment"].pop("FERRY_GRPC_HOST"), "serves gRPC on 127.0.0.1:8001"),
         (lambda c: c["services"]["web"].update(ports=["127.0.0.1:8000:8000"]), "does not publish its gRPC port"),
+        (
+            lambda c: c["services"]["worker"].update(depends_on={"postgres": {"condition": "service_healthy"}}),
+            "compose worker: starts before the migrations",
+        ),
     ],
 )
 def test_the_compose_check_catches_a_broken_file(compose: dict, breakage, expected: str) -> None:
@@ -380,3 +406,32 @@ def test_the_image_holds_what_s3_artifact_storage_needs() -> None:
     assert "storages.backends.s3.S3Storage" in (checks.ROOT / "config" / "settings.py").read_text()
     assert any(r.startswith("django-storages[s3]") for r in project["optional-dependencies"]["s3"])
     assert "p['optional-dependencies']['s3']" in checks.DOCKERFILE.read_text()
+
+
+def test_the_node_probe_passes_with_the_metrics_token_only(docs: list[dict], settings) -> None:  # noqa: ANN001
+    # Given a node metrics server that answers only the token (as in the pods: Secret ferry-metrics), and the
+    # node's probe command, pointed at it instead of 9464
+    settings.FERRY_METRICS_TOKEN = "probe-token"
+    settings.FERRY_METRICS_ALLOW = []
+    server = node_metrics.serve_registry(lambda: None, 0, "127.0.0.1")
+    try:
+        node = container(docs, "ferry-node-a10g")
+        assert node["startupProbe"]["exec"] == node["livenessProbe"]["exec"]
+        command = [
+            part.replace("127.0.0.1:9464", f"127.0.0.1:{server.server_port}")
+            for part in node["livenessProbe"]["exec"]["command"]
+        ]
+        assert command[0] == "python"  # the image's, on its PATH; this one's here
+        command[0] = sys.executable
+
+        def probe(token: str) -> int:
+            env = {**os.environ, "FERRY_METRICS_TOKEN": token}
+            return subprocess.run(command, env=env, capture_output=True, timeout=60, check=False).returncode
+
+        # Then it passes with the pod's token, and fails with another (401), so a node that answers
+        # nothing, or not as itself, is restarted
+        assert probe("probe-token") == 0
+        assert probe("another-token") != 0
+    finally:
+        server.shutdown()
+        server.server_close()
