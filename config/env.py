@@ -48,6 +48,19 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+_PERIODS = {"s", "m", "h", "d", "sec", "second", "min", "minute", "hour", "day"}
+
+
+def env_rate(name: str, default: str) -> str:
+    """A rate as DRF's throttles read it: `<count>/<period>`, the period second, minute, hour or day (or s, m, h, d)."""
+    raw = os.environ.get(name)
+    value = default if raw is None or raw.strip() == "" else raw.strip()
+    count, sep, period = value.partition("/")
+    if not sep or not count.isdigit() or int(count) < 1 or period not in _PERIODS:
+        raise ImproperSetting(f"{name}={value!r} is not a rate such as 10/minute")
+    return value
+
+
 def env_json(name: str, default: dict) -> dict:
     raw = env_str(name)
     if raw.strip() == "":

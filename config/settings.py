@@ -9,7 +9,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from config.env import ImproperSetting, env_bool, env_cidrs, env_int, env_json, env_list, env_str
+from config.env import ImproperSetting, env_bool, env_cidrs, env_int, env_json, env_list, env_rate, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FERRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
@@ -459,6 +459,14 @@ REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"] = [
     else name
     for name in REST_FRAMEWORK["DEFAULT_AUTHENTICATION_CLASSES"]
 ]
+# The API's throttles per client address (tenants.throttles): wrong HTTP Basic credentials (each costs a password
+# hash; past the rate the next is refused unchecked) and anonymous requests to its open views (the index, the
+# schema and its pages). 429 JSON with Retry-After. The address is REMOTE_ADDR, never the client's own
+# X-Forwarded-For (NUM_PROXIES 0; FERRY_TRUSTED_PROXIES is where a proxy's is believed).
+FERRY_API_FAILED_LOGIN_RATE = env_rate("FERRY_API_FAILED_LOGIN_RATE", "10/minute")
+FERRY_API_ANON_RATE = env_rate("FERRY_API_ANON_RATE", "60/minute")
+REST_FRAMEWORK["DEFAULT_THROTTLE_CLASSES"] = ["tenants.throttles.AnonymousRate"]
+REST_FRAMEWORK["NUM_PROXIES"] = 0
 
 # --- The capacity planner's bounds and the /v2 control calls' quota ---
 # A planner simulation check (console /console/planner/, POST) gives up after FERRY_PLANNER_DEADLINE_S of wall

@@ -24,6 +24,8 @@ from drf_spectacular.authentication import BasicScheme
 from rest_framework.authentication import BasicAuthentication
 from rest_framework.exceptions import AuthenticationFailed, Throttled
 
+from tenants.throttles import FailedLogins
+
 STATUS = 429
 DOOR_VERDICT = "ferry.basic_verdict"  # scope key: (the Authorization header the door checked, its user or None)
 
@@ -68,17 +70,25 @@ class LockedOut(Throttled):
 
 
 class LockoutAwareBasicAuthentication(BasicAuthentication):
-    """DRF's HTTP Basic authentication, answering 429 instead of 403 once axes has locked the login out."""
+    """DRF's HTTP Basic authentication, answering 429 instead of 403 once axes has locked the login out, and
+    429 without checking the password once the client's address has sent too many wrong ones
+    (tenants.throttles.FailedLogins: each check costs a password hash)."""
 
     def authenticate_credentials(self, userid: str, password: str, request: object = None) -> tuple:
+        failures = FailedLogins()
         checked, user = _door_verdict(request)
         if checked:  # counted once already, by the door
             if user is None:
+                failures.record(request)
                 raise AuthenticationFailed("Invalid username/password.")
             return user, None
+        refused = failures.refused(request)
+        if refused is not None:
+            raise refused
         try:
             return super().authenticate_credentials(userid, password, request)
         except AuthenticationFailed:
+            failures.record(request)
             if request is not None and getattr(request, "axes_locked_out", False):
                 raise LockedOut(wait=cool_off_seconds(request)) from None
             raise

@@ -24,6 +24,7 @@ import pytest
 import torch
 from django.conf import settings as django_settings
 from django.contrib.auth import hashers
+from django.core.cache import cache
 from torch import nn
 
 try:
@@ -128,6 +129,13 @@ def digits_samples() -> tuple[np.ndarray, np.ndarray]:
 
     data = load_digits()
     return data.data.astype(np.float32), data.target
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache() -> None:
+    """Every test starts with an empty cache: the API's throttles (tenants.throttles) count there per client
+    address, and every test's client is 127.0.0.1."""
+    cache.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -159,8 +159,9 @@ def test_schemathesis_finds_no_disagreement(
     # given the live app, a tenant admin's credentials and the allowances above. The authentication checks
     # send wrong passwords for the admin on purpose: past the login throttle's limit every later request,
     # the right password included, would be the lockout's 429 and test nothing (tests/test_login_throttle.py
-    # tests the lockout itself).
+    # tests the lockout itself), as past the address's rate of failed logins (tests/test_web_security.py).
     settings.AXES_FAILURE_LIMIT = 1_000_000
+    settings.FERRY_API_FAILED_LOGIN_RATE = "1000000/minute"
     config = tmp_path / "schemathesis.toml"
     config.write_text(schemathesis_config())
     command = [

@@ -9,9 +9,12 @@ import base64
 import http.client
 from collections.abc import Iterator
 
+import orjson
 import pytest
 from django.conf import settings as django_settings
+from django.contrib.auth.hashers import MD5PasswordHasher
 from django.contrib.auth.models import User
+from django.test import Client
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.server import ServerState
 
@@ -114,3 +117,68 @@ def test_the_inference_lane_stays_behind_the_proxy_headers(settings) -> None:  #
     plain = frontdoor.uvicorn_config(application, "127.0.0.1", 0, loop="asyncio")
     plain.load()
     assert plain.loaded_app is application and not plain.proxy_headers
+
+
+# --- 2. The API's HTTP Basic authentication cannot be used to spend the server's CPU ---
+
+
+class CountingMD5(MD5PasswordHasher):
+    """The test's password hasher, counting the hashes computed (each a PBKDF2 in production)."""
+
+    hashes = 0
+
+    def encode(self, password: str, salt: str) -> str:
+        type(self).hashes += 1
+        return super().encode(password, salt)
+
+
+@pytest.fixture
+def counted(transactional_db, settings) -> Iterator[LiveServer]:  # noqa: ANN001
+    settings.PASSWORD_HASHERS = ["tests.test_web_security.CountingMD5"]
+    settings.FERRY_TRUSTED_PROXIES = [INGRESS]  # so that the test's requests can come from several addresses
+    User.objects.create_user("carol", "carol@example.org", RIGHT)
+    server = LiveServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_an_address_spraying_usernames_is_refused_before_its_passwords_are_hashed(counted, settings) -> None:  # noqa: ANN001
+    settings.FERRY_API_FAILED_LOGIN_RATE = "3/minute"
+    attacker = "203.0.113.9"
+    # given an address that sends wrong credentials, each for another username (django-axes counts per username
+    # and address: none of them is locked out)
+    for i in range(3):
+        status, _, _ = request(counted, "/api/models/", f"user{i}", WRONG, attacker)
+        assert status == 403
+    hashed = CountingMD5.hashes
+    # when it sends more, the right password of a real user included
+    status, headers, body = request(counted, "/api/models/", "user3", WRONG, attacker)
+    again = request(counted, "/api/models/", "carol", RIGHT, attacker)
+    # then each is refused at once, 429 JSON with Retry-After, and no password is hashed for them
+    assert status == 429, body
+    assert headers["content-type"].startswith("application/json")
+    assert "too many failed logins from this address" in orjson.loads(body)["error"]
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert again[0] == 429 and int(again[1]["retry-after"]) >= 1
+    assert CountingMD5.hashes == hashed
+    # while carol from her own address is served: the count is the address's
+    assert request(counted, "/api/models/", "carol", RIGHT, "198.51.100.7")[0] == 200
+
+
+def test_anonymous_requests_are_throttled_per_address_whatever_they_forward(settings, db) -> None:  # noqa: ANN001
+    settings.FERRY_API_ANON_RATE = "2/minute"
+    client = Client(REMOTE_ADDR="192.0.2.10")
+    # given an anonymous client that used its rate on the API's open views
+    assert client.get("/api/").status_code == 200
+    assert client.get("/api/", headers={"X-Forwarded-For": "198.51.100.1"}).status_code == 200
+    # when it asks again, naming another address as its own
+    resp = client.get("/api/", headers={"X-Forwarded-For": "198.51.100.2"})
+    # then it is throttled: 429 JSON with Retry-After, as the API's other errors
+    assert resp.status_code == 429
+    assert resp["Content-Type"].startswith("application/json")
+    assert "throttled" in resp.json()["error"]
+    assert 1 <= int(resp["Retry-After"]) <= 60
+    # and another address is not
+    assert Client(REMOTE_ADDR="192.0.2.11").get("/api/").status_code == 200
