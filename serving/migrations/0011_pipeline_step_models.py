@@ -19,7 +19,8 @@ def _names(spec):
 
 def bind_and_unshare(apps, schema_editor):
     """Bind each stored version's steps to the models holding their names now (none: null, so a model that
-    takes the name later is not used); a "shared" pipeline, served as a private one, says so."""
+    takes the name later is not used); a "shared" pipeline, served as a private one, says so. Not undone by
+    the reverse (see the operation below)."""
     Model = apps.get_model("serving", "Model")
     Pipeline = apps.get_model("serving", "Pipeline")
     PipelineVersion = apps.get_model("serving", "PipelineVersion")
@@ -47,5 +48,7 @@ class Migration(migrations.Migration):
             name='visibility',
             field=models.CharField(choices=[('private', 'Private'), ('public', 'Public')], default='private', max_length=10),
         ),
+        # Lossy both ways: the reverse keeps every pipeline private, since which ones were "shared" is not
+        # recorded (re-share them by hand after a rollback), and drops step_models with its column.
         migrations.RunPython(bind_and_unshare, migrations.RunPython.noop),
     ]

@@ -5,6 +5,23 @@ import serving.models
 from django.db import migrations, models
 
 
+# The names reserved by this migration (serving.models.RESERVED_NAMES then; a migration keeps its own copy).
+RESERVED = ("stats",)
+
+
+def warn_reserved(apps, schema_editor):
+    """Rows that already hold a reserved name are left as they are, but GET /v2/models/<name> answers the
+    statistics listing for them now (their versions stay reachable at /v2/models/<name>/versions/<v>): say so,
+    so they can be renamed. Nothing to undo."""
+    for kind, model in (("model", "Model"), ("pipeline", "Pipeline")):
+        for name in apps.get_model("serving", model).objects.filter(name__in=RESERVED).values_list("name", flat=True):
+            print(
+                f"\n  WARNING: {kind} {name!r} holds a name the inference protocol now reserves: GET /v2/models/{name}"
+                f" answers the statistics listing, not its metadata (its versions stay at"
+                f" /v2/models/{name}/versions/<v>); rename it"
+            )
+
+
 class Migration(migrations.Migration):
 
     dependencies = [
@@ -22,4 +39,5 @@ class Migration(migrations.Migration):
             name='name',
             field=models.CharField(max_length=100, unique=True, validators=[django.core.validators.RegexValidator('^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$', "Model names use letters, digits, '_', '.' and '-', starting with a letter or digit."), serving.models.not_reserved]),
         ),
+        migrations.RunPython(warn_reserved, migrations.RunPython.noop),
     ]

@@ -14,7 +14,13 @@ def forwards(apps, schema_editor):
 
 
 def backwards(apps, schema_editor):
-    apps.get_model("tenants", "Membership").objects.filter(role__in=["admin", "approver"]).update(role="operator")
+    """Back to viewer, engineer, operator without raising anyone: admin (the old operator) becomes operator
+    again, approver engineer. Operator was the top role (people, keys and promotions), so an approver made
+    operator would gain what it never had; as engineer it loses only approving, which the old roles did not
+    have apart from operator's."""
+    Membership = apps.get_model("tenants", "Membership")
+    Membership.objects.filter(role="approver").update(role="engineer")
+    Membership.objects.filter(role="admin").update(role="operator")
 
 
 class Migration(migrations.Migration):
