@@ -1,11 +1,14 @@
 """The model page's last hour per version, from this process's data plane (`metrics.hour_history`; with several
 web processes on one port, all of theirs: `serving.dataplane.metrics.process_set`): p50 and
-p99 latency per minute, the batch-size histogram, and the answers per minute by kind (served, passed to the
-fallback, shed), as inline SVG drawn on the server in the style of `usage.chart` and `rollout.charts`.
+p99 latency per minute of every answer (failures included: a timeout's wait is what its caller saw), the
+batch-size histogram, and the answers per minute by kind (served, passed to the fallback, shed, error), as
+inline SVG drawn on the server in the style of `usage.chart` and `rollout.charts`.
 
-In embedded mode this process is the whole data plane. In distributed mode the gateway here sees every
-answer it gave (latency, fallbacks, sheds) but runs no batch: the batch sizes are the nodes' (Prometheus'
-`ferry_batch_size`). Only numbers and formatted times go into the markup, so it needs no escaping.
+The gateway here sees every answer it gave (latency, fallbacks, sheds, errors). Batches run where the node is:
+in this process only in embedded mode with one web process (its node is in-process, `Node`). With
+`serve --workers N` they run in the node host, and in distributed mode on the nodes: the page says so instead of
+"0 batches" (Prometheus' `ferry_batch_size` has them). Only numbers and formatted times go into the markup, so
+it needs no escaping.
 """
 
 from __future__ import annotations
@@ -16,24 +19,27 @@ from datetime import UTC, datetime
 from django.utils.safestring import SafeString, mark_safe
 
 from rollout.charts import histogram_svg
+from serving.dataplane import plane as dataplane
 from serving.dataplane.metrics import metrics
 from serving.dataplane.metrics.history import BATCH_BINS, KINDS, Minute
+from serving.dataplane.node.node import Node
 from usage import sketch
 from usage.chart import _nice
 
 WIDTH, HEIGHT = 760, 200
 LEFT, RIGHT, TOP, BOTTOM = 56, 24, 16, 36
 P50_COLOUR, P99_COLOUR = "#4a7fb0", "#7a3fbf"
-KIND_COLOURS = {"served": "#4a7fb0", "fallback": "#d9822b", "shed": "#c0392b"}
+KIND_COLOURS = {"served": "#4a7fb0", "fallback": "#d9822b", "shed": "#c0392b", "error": "#5b2333"}
 
 
 @dataclass(frozen=True)
 class VersionHour:
     answers: int  # answers counted by kind over the hour
-    shares: dict[str, float]  # kind -> share of those, in percent
-    p50_ms: float | None  # over the whole hour
+    shares: dict[str, float]  # kind -> share of those, in percent (empty when there were none)
+    errors: int  # answers other than a 200 (sheds included)
+    p50_ms: float | None  # over the whole hour, every answer
     p99_ms: float | None
-    batches: int
+    batches: int | None  # None: this process runs no batch (they run on the nodes or the node host)
     latency_chart: SafeString
     batch_chart: SafeString
     answers_chart: SafeString
@@ -72,7 +78,7 @@ def _time_labels(slots: list[tuple[datetime, Minute | None]], slot: float) -> li
 
 
 def latency_svg(slots: list[tuple[datetime, Minute | None]]) -> str:
-    """p50 and p99 of the successful answers, per minute: two lines, a dot where a minute had answers."""
+    """p50 and p99 of every answer, per minute: two lines, a dot where a minute had answers."""
     points = []
     for start, minute in slots:
         latency = minute.latency if minute is not None else {}
@@ -105,14 +111,14 @@ def latency_svg(slots: list[tuple[datetime, Minute | None]]) -> str:
 
 
 def answers_svg(slots: list[tuple[datetime, Minute | None]]) -> str:
-    """Answers per minute as stacked bars: served, passed to the fallback, shed."""
+    """Answers per minute as stacked bars: served, passed to the fallback, shed, error."""
     counts = [(start, {k: (m.kinds.get(k, 0) if m else 0) for k in KINDS}) for start, m in slots]
     top = _nice(max((sum(c.values()) for _, c in counts), default=0))
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     base = TOP + plot_h
     slot = plot_w / max(len(counts), 1)
     bar = max(slot * 0.8, 1.0)
-    parts = _frame("version-answers", "answers per minute: served, passed to the fallback, shed", f"{top:g}")
+    parts = _frame("version-answers", "answers per minute: served, passed to the fallback, shed, error", f"{top:g}")
     for i, (start, by_kind) in enumerate(counts):
         x, y = LEFT + i * slot + (slot - bar) / 2, float(base)
         total = sum(by_kind.values())
@@ -142,11 +148,18 @@ def _bin_label(i: int) -> str:
     return str(low) if low == BATCH_BINS[i] else f"{low}-{BATCH_BINS[i]}"
 
 
+def batches_run_here() -> bool:
+    """Whether this process runs batches: its node is in-process (or it has no data plane to say otherwise)."""
+    plane = dataplane.current()
+    return plane is None or isinstance(plane.node, Node)
+
+
 def version_hour(model: str, version: int, now: datetime | None = None) -> VersionHour | None:
     """The last hour of `model` `version` in this process; None when it answered nothing and ran no batch."""
     minutes = metrics.hour_history(model, version)
     if not minutes:
         return None
+    here = batches_run_here()
     now = now or datetime.now(UTC)
     slots = _slots(minutes, now, 60)
     total = Minute(0)
@@ -155,14 +168,16 @@ def version_hour(model: str, version: int, now: datetime | None = None) -> Versi
     answers = sum(total.kinds.values())
     p50, p99 = sketch.quantile(total.latency, 0.5), sketch.quantile(total.latency, 0.99)
     bins = [(_bin_label(i), total.batches.get(edge, 0)) for i, edge in enumerate(BATCH_BINS)]
+    batch_chart = histogram_svg(bins, css="version-batches", label="batches by size, last hour") if here else ""
     return VersionHour(
         answers=answers,
-        shares={k: round(100 * total.kinds.get(k, 0) / answers, 1) if answers else 0.0 for k in KINDS},
+        shares={k: round(100 * total.kinds.get(k, 0) / answers, 1) for k in KINDS} if answers else {},
+        errors=total.errors,
         p50_ms=None if p50 is None else round(p50 * 1000, 1),
         p99_ms=None if p99 is None else round(p99 * 1000, 1),
-        batches=sum(total.batches.values()),
+        batches=sum(total.batches.values()) if here else None,
         # Numbers and formatted times only (the module's docstring): nothing to escape.
         latency_chart=mark_safe(latency_svg(slots)),  # noqa: S308
-        batch_chart=mark_safe(histogram_svg(bins, css="version-batches", label="batches by size, last hour")),  # noqa: S308
+        batch_chart=mark_safe(batch_chart),  # noqa: S308
         answers_chart=mark_safe(answers_svg(slots)),  # noqa: S308
     )

@@ -18,24 +18,35 @@ from tenants.scoping import can_write, shadow_report_refusal, visible_models
 
 
 def saturation(shares: dict[str, float]) -> dict:
-    """The models page's indicator over the last 30 s: share of answers the version served itself,
-    passed to its fallback, or shed (503), with a level: ok, fallback (over 1% passed on) or shedding."""
-    fallback, shed = shares.get("fallback", 0.0), shares.get("shed", 0.0)
-    level = "shedding" if shed > 0.01 else "fallback" if fallback > 0.01 else "ok"
-    return {"level": level, "fallback_pct": round(fallback * 100, 1), "shed_pct": round(shed * 100, 1)}
+    """The models page's indicator over the last 30 s: share of answers the version served itself, passed to
+    its fallback, shed (503), or failed otherwise (a timeout, a 500, a 4xx), with a level: errors (over 1%
+    failed), shedding (over 1% shed), fallback (over 1% passed on) or ok. With no answers in the window, no
+    level and no shares (None: the page shows "—"), not an "ok" that nothing measured."""
+    if not shares:
+        return {"level": None, "fallback_pct": None, "shed_pct": None, "error_pct": None}
+    fallback, shed, error = shares.get("fallback", 0.0), shares.get("shed", 0.0), shares.get("error", 0.0)
+    level = "errors" if error > 0.01 else "shedding" if shed > 0.01 else "fallback" if fallback > 0.01 else "ok"
+    return {
+        "level": level,
+        "fallback_pct": round(fallback * 100, 1),
+        "shed_pct": round(shed * 100, 1),
+        "error_pct": round(error * 100, 1),
+    }
 
 
 def _live(model: str, version: int) -> dict:
+    """A version's live figures; None for each this process has no measure of (it never counted for the
+    version), which the page shows as "—"."""
     stats = metrics.live_stats(model, version)
     plane = dataplane.current()
     key = f"{model}:{version}"
     return {
         "saturation": saturation(metrics.saturation_shares(model, version)),
-        "rate": round(stats.rate, 1) if stats else 0.0,
+        "rate": round(stats.rate, 1) if stats else None,
         "p50_ms": round(stats.p50_ms, 1) if stats and stats.p50_ms is not None else None,
         "p99_ms": round(stats.p99_ms, 1) if stats and stats.p99_ms is not None else None,
         "mean_batch": round(stats.mean_batch, 1) if stats and stats.mean_batch is not None else None,
-        "errors": stats.errors if stats else 0,
+        "errors": stats.errors if stats else None,
         "loaded": bool(plane and plane.node.is_ready(key)),
     }
 

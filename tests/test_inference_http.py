@@ -908,7 +908,9 @@ def test_metrics_after_inferences(digits_server, digits_samples) -> None:  # noq
     assert grew(before, families, "ferry_batch_size_bucket", **digits, le="+Inf") >= 1
     assert grew(before, families, "ferry_batch_size_sum", **digits) == 10
     assert grew(before, families, "ferry_queue_wait_seconds_count", **digits) == 5  # one per request
-    assert grew(before, families, "ferry_request_seconds_count", **digits) == 5  # answered 200s only
+    # every answer's time, by status class: the 200s and the 400
+    assert grew(before, families, "ferry_request_seconds_count", **digits, status_class="2xx") == 5
+    assert grew(before, families, "ferry_request_seconds_count", **digits, status_class="4xx") == 1
     assert grew(before, families, "ferry_compute_seconds_count", **digits) >= 1  # one per batch
     assert sample(families, "ferry_queue_depth", **digits) == 0
     assert grew(before, families, "ferry_device_busy_seconds_total") > 0

@@ -250,11 +250,16 @@ class Gateway:
                     raise ServingError(f"internal error: the answer lacks output {spec.name!r}; the server logged it")
         except ProtocolError as exc:
             self._answered(vm, counted, viewer, exc.status, self._clock() - arrived)
+            asked.saturation.mark("error")
             raise ServingError(exc.message, status=exc.status) from None
         except ServingError as exc:
             self._answered(vm, counted, viewer, exc.status, self._clock() - arrived)
+            # Every answer is one kind in the console's figures: a failure that is not a shed (a 504, a 500, a
+            # 422) is an error, or a version that only times out would read as all served.
             if isinstance(exc, Shed):
                 asked.shed(exc.reason, exc.tier)
+            else:
+                asked.saturation.mark("error")
             raise
         self._answered(
             vm, counted, viewer, 200, self._clock() - arrived, request.rows, getattr(outputs, "compute_seconds", 0.0)

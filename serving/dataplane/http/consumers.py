@@ -577,7 +577,12 @@ class InferenceRequest:
         """Answer 429 for a request its tenant's quota refused: counted, and metered as the tenant's."""
         metrics.QUOTA_REFUSALS.labels(limits.slug, decision.reason).inc()
         entry = self._routed_or_none(plane, name, version, viewer)
-        metrics.REQUESTS.labels(entry.model if entry else "", str(entry.version) if entry else "", "429").inc()
+        if entry is None:
+            metrics.REQUESTS.labels("", "", "429").inc()
+        else:  # counted as every answer is, so the version's console figures show its refusals as errors
+            vm = metrics.for_version(entry.model, entry.version)
+            vm.answered(429, self.waited_so_far())
+            vm.saturation.mark("error")
         usage = plane.gateway.usage
         if usage is not None and entry is not None:  # the tenant sees its refusals in its usage too
             usage.record(viewer, entry.model, entry.version, 429, 0, 0.0, self.waited)
@@ -620,8 +625,10 @@ class InferenceRequest:
         if len(parts) >= 5 and parts[2] == "models" and parts[-1] == "infer" and plane is not None:
             version = parts[5] if len(parts) >= 7 and parts[4] == "versions" else None
             entry = self._routed_or_none(plane, parts[3], version, None)
-            if entry is not None:
-                metrics.REQUESTS.labels(entry.model, str(entry.version), str(status)).inc()
+            if entry is not None:  # as the gateway counts an answer, so the version's console figures show it
+                vm = metrics.for_version(entry.model, entry.version)
+                vm.answered(status, self.waited_so_far())
+                vm.saturation.mark("error")
                 return
         metrics.REQUESTS.labels("", "", str(status)).inc()
 

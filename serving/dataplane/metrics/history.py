@@ -1,9 +1,9 @@
 """The last hour of one version in this process, minute by minute, for the console's model page: the latency
-of its answers (usage.sketch buckets, so p50 and p99 come out as the usage reports compute them), the sizes of
-the batches it ran, and its answers by kind (served, passed to the fallback, shed).
+of its answers, failures included (usage.sketch buckets, so p50 and p99 come out as the usage reports compute
+them), the sizes of the batches it ran, and its answers by kind (served, passed to the fallback, shed, error).
 
 Bounded: at most `minutes` buckets per version, each a few small dicts (at most 161 latency buckets, 9 batch
-bins, 3 kinds). Fed by `metrics.VersionMetrics` from the calls that already count these, on the event loop's
+bins, 4 kinds). Fed by `metrics.VersionMetrics` from the calls that already count these, on the event loop's
 thread (answers, kinds) and the device thread (batches): each thread writes its own dicts, with no lock, as
 `metrics.SaturationWindow` does. At a minute's turn both threads may start a bucket for it; readers merge
 buckets by minute, so a duplicate costs nothing but a slot.
@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from usage import sketch
 
 BATCH_BINS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a batch of n rows falls in the first bin >= n (the last: more)
-KINDS = ("served", "fallback", "shed")
+# Every answer is one of these: served by the version asked, by its fallback, shed (a 503 that protected the
+# latency of admitted work), or an error (any other failure: a timeout, a refusal, a client's bad request).
+KINDS = ("served", "fallback", "shed", "error")
 
 
 def batch_bin(rows: int) -> int:
@@ -31,7 +33,7 @@ def batch_bin(rows: int) -> int:
 
 @dataclass
 class Minute:
-    """One minute's counts. `latency` holds successful answers only; `errors` counts the others."""
+    """One minute's counts. `latency` holds every answer's time; `errors` counts the answers other than a 200."""
 
     start: int  # the minute, as seconds since the epoch // 60
     latency: dict[int, int] = field(default_factory=dict)
@@ -74,6 +76,7 @@ class HourHistory:
             raise ValueError("minutes must be at least 1")
         self.minutes = minutes
         self._clock = clock
+        self._since = clock()
         # Two buckets a minute at most (see the module's docstring), so 2 x minutes keeps the hour.
         self._buckets: deque[Minute] = deque(maxlen=2 * minutes)
 
@@ -86,10 +89,9 @@ class HourHistory:
 
     def answered(self, seconds: float, ok: bool) -> None:
         bucket = self._current()
-        if ok:
-            index = sketch.bucket_of(seconds)
-            bucket.latency[index] = bucket.latency.get(index, 0) + 1
-        else:
+        index = sketch.bucket_of(seconds)
+        bucket.latency[index] = bucket.latency.get(index, 0) + 1
+        if not ok:
             bucket.errors += 1
 
     def mark(self, kind: str) -> None:
@@ -100,6 +102,14 @@ class HourHistory:
         bucket = self._current()
         edge = batch_bin(rows)
         bucket.batches[edge] = bucket.batches.get(edge, 0) + 1
+
+    def idle(self) -> bool:
+        """Whether the whole window (begun since this history was made) has passed without a count."""
+        now = self._clock()
+        if now - self._since < self.minutes * 60:
+            return False
+        buckets = self._buckets
+        return not buckets or buckets[-1].start < int(now // 60) - self.minutes + 1
 
     def last_hour(self) -> list[Minute]:
         """The minutes of the window that saw anything, oldest first, each a copy merged by minute."""

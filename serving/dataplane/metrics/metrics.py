@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -12,11 +13,14 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from serving.dataplane.metrics import process_set
-from serving.dataplane.metrics.fastmetrics import CounterChild, CounterFamily, HistogramFamily
-from serving.dataplane.metrics.history import HourHistory, Minute
+from serving.dataplane.metrics.fastmetrics import CounterChild, CounterFamily, HistogramChild, HistogramFamily
+from serving.dataplane.metrics.history import KINDS, HourHistory, Minute
 from usage import sketch
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+# 0.15, 0.25 and 0.3 around the platform's 300 ms budget, so a quantile near it falls between close bounds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0)
+# The status_class label of ferry_request_seconds: a status's hundreds (three values, so three children a version).
+STATUS_CLASSES = {2: "2xx", 4: "4xx", 5: "5xx"}
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Written per request or per batch: the cheap families (serving.dataplane.metrics.fastmetrics).
@@ -28,7 +32,10 @@ COMPUTE = HistogramFamily(
     "ferry_compute_seconds", "Model compute time per batch", ["model", "version"], buckets=LATENCY_BUCKETS
 )
 TOTAL = HistogramFamily(
-    "ferry_request_seconds", "Time from arrival to answer", ["model", "version"], buckets=LATENCY_BUCKETS
+    "ferry_request_seconds",
+    "Time from arrival to answer, every answer: status_class 2xx (served), 4xx, 5xx (refusals, timeouts, failures)",
+    ["model", "version", "status_class"],
+    buckets=LATENCY_BUCKETS,
 )
 BATCH_SIZE = HistogramFamily("ferry_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("ferry_queue_depth", "Requests waiting", ["model", "version"])
@@ -120,21 +127,33 @@ RUNTIME_PROCESS_FAILURES = Counter(
 RUNTIME_PROCESS_STARTS = Counter("ferry_runtime_process_starts", "Sandboxed runtime processes started")
 
 
+# About when this process started (its metrics with it): a live window's rate divides by the seconds it has
+# been able to count, the window or less in a process younger than it (`LiveWindow.seconds`).
+STARTED = time.monotonic()
+
+
 @dataclass(frozen=True)
 class LiveStats:
-    rate: float  # answered requests per second over the window
-    p50_ms: float | None
+    rate: float  # answered requests per second over the window (or the seconds since the process started)
+    p50_ms: float | None  # of every answer, failures included: what the callers waited
     p99_ms: float | None
     mean_batch: float | None
-    errors: int
+    errors: int  # answers other than a 200
 
 
 class LiveWindow:
     """Recent requests and batches of one version, for the console (Prometheus holds the history)."""
 
-    def __init__(self, window: float = 30.0, capacity: int = 20000, hour: HourHistory | None = None) -> None:
+    def __init__(
+        self,
+        window: float = 30.0,
+        capacity: int = 20000,
+        hour: HourHistory | None = None,
+        started: float | None = None,
+    ) -> None:
         self.window = window
         self.hour = hour  # the last hour, minute by minute, fed from here too (the console's model page)
+        self.started = started  # when counting began, on the monotonic clock (None: the process's STARTED)
         self._latencies: deque[tuple[float, float, bool]] = deque(maxlen=capacity)  # (t, seconds, ok)
         self._batches: deque[tuple[float, int]] = deque(maxlen=capacity)
         self._lock = threading.Lock()
@@ -159,9 +178,16 @@ class LiveWindow:
         if self.hour is not None:
             self.hour.batch(rows)
 
+    def seconds(self, now: float) -> float:
+        """The seconds the window's counts cover: the window, or less while the process is younger than it (at
+        least one, so a process's first answers do not read as thousands a second)."""
+        started = STARTED if self.started is None else self.started
+        return min(self.window, max(1.0, now - started))
+
     def doc(self, now: float | None = None) -> dict:
-        """The window as another web process can merge it (`merged_live`): answers, errors, the successful
-        answers' latencies as a sketch (usage.sketch buckets), and the batches with their rows; to the second.
+        """The window as another web process can merge it (`merged_live`): answers, errors, every answer's
+        latency as a sketch (usage.sketch buckets), the batches with their rows, to the second, and the
+        seconds these cover (`seconds`).
         Each call summarises only what came since the last (a process writes this every second), so a busy
         version costs its new answers, not its whole window (5 ms at the window's 20,000 otherwise)."""
         with self._doc_lock:
@@ -177,9 +203,8 @@ class LiveWindow:
         for t, took, ok in answers:
             into = seconds.setdefault(int(t), [0, 0, {}, 0, 0])
             into[0] += 1
-            if ok:
-                sketch.add(into[2], took)
-            else:
+            sketch.add(into[2], took)
+            if not ok:
                 into[1] += 1
         for t, rows in batches:
             into = seconds.setdefault(int(t), [0, 0, {}, 0, 0])
@@ -195,6 +220,7 @@ class LiveWindow:
             "latency": sketch.merged(w[2] for w in window),
             "batches": sum(w[3] for w in window),
             "rows": sum(w[4] for w in window),
+            "seconds": self.seconds(now),
         }
 
     def stats(self, now: float | None = None) -> LiveStats:
@@ -203,21 +229,22 @@ class LiveWindow:
         with self._lock:
             recent = [(s, ok) for t, s, ok in self._latencies if t >= since]
             batches = [rows for t, rows in self._batches if t >= since]
-        ok_lat = np.array([s for s, ok in recent if ok])
+        latencies = np.array([s for s, _ in recent])
         errors = sum(1 for _, ok in recent if not ok)
         return LiveStats(
-            rate=len(recent) / self.window,
-            p50_ms=float(np.percentile(ok_lat, 50) * 1000) if ok_lat.size else None,
-            p99_ms=float(np.percentile(ok_lat, 99) * 1000) if ok_lat.size else None,
+            rate=len(recent) / self.seconds(now),
+            p50_ms=float(np.percentile(latencies, 50) * 1000) if latencies.size else None,
+            p99_ms=float(np.percentile(latencies, 99) * 1000) if latencies.size else None,
             mean_batch=float(np.mean(batches)) if batches else None,
             errors=errors,
         )
 
 
 class SaturationWindow:
-    """Counts of answers by kind in one-second buckets over the last `window` seconds."""
+    """Counts of answers by kind in one-second buckets over the last `window` seconds: every answer is one kind
+    (history.KINDS: served, fallback, shed, error)."""
 
-    KINDS = ("served", "fallback", "shed")
+    KINDS = KINDS
 
     def __init__(self, window: int = 30, hour: HourHistory | None = None) -> None:
         self.window = window
@@ -264,29 +291,35 @@ class VersionMetrics:
         self.model, self.version = labels
         self.queue_wait = QUEUE_WAIT.labels(*labels)
         self.compute = COMPUTE.labels(*labels)
-        self.total = TOTAL.labels(*labels)
+        self.total = TOTAL.labels(*labels, "2xx")  # the successes' (Triton's statistics "success" reads it)
         self.batch_size = BATCH_SIZE.labels(*labels)
-        self.queue_depth = QUEUE_DEPTH.labels(*labels)
-        self.loaded = LOADED.labels(*labels)
+        # No ferry_model_loaded or ferry_queue_depth child here: the node sets and removes those as it loads and
+        # unloads (a gateway, or a version's metrics made afresh, would otherwise bring back a stale 0).
         self.poison = POISON.labels(*labels)
         self.abandoned = ABANDONED.labels(*labels)
-        self._status: dict[int, CounterChild] = {}
+        # A status's counter and its class's latency child, resolved on its first answer: one lookup an answer.
+        self._status: dict[int, tuple[CounterChild, HistogramChild]] = {}
         self._shed: dict[tuple[str, int], Counter] = {}
-        # Answers by kind over the live window: admitted (200), fallback, shed; for the console's
+        # Answers by kind over the live window: admitted (200), fallback, shed, error; for the console's
         # saturation indicator.
         self.hour = HourHistory()
         self.saturation = SaturationWindow(hour=self.hour)
         self.live = LiveWindow(hour=self.hour)
 
     def answered(self, status: int, seconds: float) -> None:
-        counter = self._status.get(status)
-        if counter is None:
-            counter = self._status[status] = REQUESTS.labels(self.model, self.version, str(status))
-        counter.inc()
-        ok = status == 200
-        if ok:
-            self.total.observe(seconds)
-        self.live.request(seconds, ok)
+        """Count an answer and its time, whatever its status: a 504 took its caller's whole wait, and leaving
+        it out would make the latency of a version that times out look like that of its few successes."""
+        children = self._status.get(status)
+        if children is None:
+            total = TOTAL.labels(self.model, self.version, STATUS_CLASSES.get(status // 100, "5xx"))
+            children = self._status[status] = (REQUESTS.labels(self.model, self.version, str(status)), total)
+        children[0].inc()
+        children[1].observe(seconds)
+        self.live.request(seconds, status == 200)
+
+    def idle(self) -> bool:
+        """Whether it has counted nothing for an hour (every count the console shows goes into its hour)."""
+        return self.hour.idle()
 
     def shed(self, reason: str, tier: int) -> None:
         key = (reason, tier)
@@ -297,8 +330,18 @@ class VersionMetrics:
         self.saturation.mark("shed")
 
 
+# The versions this process counts for. One that counted nothing for an hour (deleted, retired, or just quiet)
+# leaves `_versions` at the next prune (`prune`, at most every PRUNE_EVERY_S, from `for_version` and
+# `console_doc`) for `_resting`, which keeps it only while something else holds it (a node's hosted version
+# keeps its metrics): so the dict is bounded by the versions of the last hour and the hosted ones, however many
+# versions come and go. `for_version` takes a resting one back, so a version's figures never split in two.
+# (An answer in flight across the prune of a version idle for the hour may be missing from its console
+# figures; its Prometheus series, kept by the families, count it.)
 _versions: dict[tuple[str, int], VersionMetrics] = {}
+_resting: weakref.WeakValueDictionary[tuple[str, int], VersionMetrics] = weakref.WeakValueDictionary()
 _versions_lock = threading.Lock()
+PRUNE_EVERY_S = 60.0
+_pruned_at = time.monotonic()
 
 
 def for_version(model: str, version: int) -> VersionMetrics:
@@ -306,28 +349,58 @@ def for_version(model: str, version: int) -> VersionMetrics:
     found = _versions.get(key)
     if found is None:
         with _versions_lock:
-            found = _versions.setdefault(key, VersionMetrics(model, version))
+            found = _versions.get(key)
+            if found is None:
+                found = _resting.pop(key, None)
+                if found is None:
+                    found = VersionMetrics(model, version)
+                _versions[key] = found
+        prune()
     return found
+
+
+def prune(now: float | None = None, *, force: bool = False) -> None:
+    """Move the versions idle for the hour to `_resting`, and back those a holder counted on since; at most
+    every PRUNE_EVERY_S unless `force`."""
+    global _pruned_at
+    now = time.monotonic() if now is None else now
+    if not force and now - _pruned_at < PRUNE_EVERY_S:
+        return
+    with _versions_lock:
+        _pruned_at = now
+        for key, vm in list(_versions.items()):
+            if vm.idle():
+                del _versions[key]
+                _resting[key] = vm
+        for key, vm in list(_resting.items()):
+            if not vm.idle():
+                _versions[key] = _resting.pop(key)
+
+
+def _known(model: str, version: int) -> VersionMetrics | None:
+    key = (model, version)
+    found = _versions.get(key)
+    return found if found is not None else _resting.get(key)
 
 
 def saturation_shares(model: str, version: int) -> dict[str, float]:
     if (shared := process_set.current()) is not None:
         return shares_of(merged_kinds(shared.console("versions", f"{model}:{version}", alive_only=True)))
-    found = _versions.get((model, version))
+    found = _known(model, version)
     return found.saturation.shares() if found else {}
 
 
 def live_stats(model: str, version: int) -> LiveStats | None:
     if (shared := process_set.current()) is not None:
         return merged_live(shared.console("versions", f"{model}:{version}", alive_only=True))
-    found = _versions.get((model, version))
+    found = _known(model, version)
     return found.live.stats() if found else None
 
 
 def hour_history(model: str, version: int) -> list[Minute]:
     if (shared := process_set.current()) is not None:
         return merged_hour(shared.console("versions", f"{model}:{version}", alive_only=False))
-    found = _versions.get((model, version))
+    found = _known(model, version)
     return found.hour.last_hour() if found else []
 
 
@@ -335,11 +408,12 @@ def hour_history(model: str, version: int) -> list[Minute]:
 
 
 def console_doc(only: str | None = None) -> dict[str, dict]:
-    """This process's console figures of every version it answered for (or of the version `only`), as
-    `process_set` writes them for the other web processes: the live window, the answers by kind over the
-    saturation window, the last hour."""
+    """This process's console figures of every version it counted for in the last hour or hosts (or of the
+    version `only`), as `process_set` writes them for the other web processes: the live window, the answers by
+    kind over the saturation window, the last hour."""
+    prune()
     out = {}
-    for (model, version), vm in list(_versions.items()):
+    for (model, version), vm in list(_versions.items()) + list(_resting.items()):
         if only is not None and only != f"{model}:{version}":
             continue
         out[f"{model}:{version}"] = {
@@ -351,8 +425,9 @@ def console_doc(only: str | None = None) -> dict[str, dict]:
 
 
 def merged_live(docs: list[dict], window: float = 30.0) -> LiveStats | None:
-    """The live figures of one version over every process's doc: rate and errors summed, p50 and p99 of the
-    merged sketch (within its bucket width of the exact ones one process computes), batches over all."""
+    """The live figures of one version over every process's doc: rates (each process's answers over the seconds
+    it counted) and errors summed, p50 and p99 of the merged sketch (within its bucket width of the exact ones
+    one process computes), batches over all."""
     lives = [d["live"] for d in docs if "live" in d]
     if not lives:
         return None
@@ -360,7 +435,7 @@ def merged_live(docs: list[dict], window: float = 30.0) -> LiveStats | None:
     batches, rows = sum(d["batches"] for d in lives), sum(d["rows"] for d in lives)
     p50, p99 = sketch.quantile(latency, 0.5), sketch.quantile(latency, 0.99)
     return LiveStats(
-        rate=sum(d["answers"] for d in lives) / window,
+        rate=sum(d["answers"] / d.get("seconds", window) for d in lives),
         p50_ms=None if p50 is None else p50 * 1000,
         p99_ms=None if p99 is None else p99 * 1000,
         mean_batch=rows / batches if batches else None,
