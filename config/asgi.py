@@ -17,6 +17,12 @@ from django.urls import path  # noqa: E402
 
 django_app = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
+from django.core.exceptions import ImproperlyConfigured  # noqa: E402
+
+if settings.SECRET_KEY_MISSING:  # a web process of a shared deployment on a key of its own (config.settings)
+    raise ImproperlyConfigured(settings.SECRET_KEY_MISSING)
+
 from serving.dataplane.http.consumers import InferenceConsumer, InferenceRequest  # noqa: E402
 from serving.dataplane.http.websocket import InferenceSocket  # noqa: E402
 from serving.django_door import bounded  # noqa: E402

@@ -5,6 +5,7 @@ Channels' in-memory layer, Celery tasks run eagerly, and the web process hosts t
 """
 
 import ipaddress
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -16,9 +17,39 @@ DATA_DIR = Path(env_str("FERRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
 DATA_DIR.mkdir(parents=True, exist_ok=True)
 
 DEBUG = env_bool("FERRY_DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+# The examples' stand-ins for a key (platform/k8s/base/secret.example.yaml's CHANGE-ME-..., compose's
+# compose-local-only-not-a-secret-change-me-...), and Django's own marker of an insecure one.
+_PLACEHOLDER_KEY = re.compile(r"change-?me|not-a-secret|django-insecure", re.IGNORECASE)
+
+
+def _private_host(host: str) -> bool:
+    """Whether `host` cannot name this server publicly: a loopback address, or a name of one label (localhost, a
+    compose service) that no public DNS resolves."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return "." not in host and "*" not in host
+
+
 _secret = env_str("SECRET_KEY")
+if _secret and _PLACEHOLDER_KEY.search(_secret) and not all(_private_host(host) for host in ALLOWED_HOSTS):
+    raise ImproperSetting(
+        "SECRET_KEY is an example's placeholder, and ALLOWED_HOSTS names a public host: set a random key"
+        " (openssl rand -base64 48)"
+    )
+# Without SECRET_KEY a process generates a key of its own into the data directory: right for embedded mode (one
+# machine, one data directory), wrong wherever processes share a database or Redis (each pod would have its own
+# key, and API keys' pepper, sessions and signatures made on one would fail on the others). There a web process
+# (config.asgi) and `ensure_demo_user` refuse to start with this message; nodes, which hold no key by design
+# (a model is code), start on theirs.
+SECRET_KEY_MISSING = (
+    "SECRET_KEY is not set, and DATABASE_URL or REDIS_URL makes this a shared deployment: every web process"
+    " must have the same key (set SECRET_KEY or SECRET_KEY_FILE)"
+    if not _secret and (env_str("DATABASE_URL") or env_str("REDIS_URL"))
+    else ""
+)
 if not _secret:
-    # Embedded mode keeps a per-install random key on disk rather than a well-known default.
     key_file = DATA_DIR / "secret_key"
     if not key_file.exists():
         from django.core.management.utils import get_random_secret_key
@@ -27,7 +58,6 @@ if not _secret:
         key_file.chmod(0o600)
     _secret = key_file.read_text().strip()
 SECRET_KEY = _secret
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [

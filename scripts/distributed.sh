@@ -29,6 +29,13 @@ HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-8000}
 LOGS=$FERRY_DATA_DIR/logs
 mkdir -p "$LOGS"
+# Processes sharing a database share one SECRET_KEY (web refuses to start on a key of its own): generated once
+# into the data directory, readable by this user only, unless you set one.
+if [ -z "${SECRET_KEY:-}${SECRET_KEY_FILE:-}" ]; then
+  [ -s "$FERRY_DATA_DIR/secret_key" ] ||
+    (umask 077 && "$PY" -c 'import secrets; print(secrets.token_urlsafe(50))' >"$FERRY_DATA_DIR/secret_key")
+  export SECRET_KEY_FILE=$FERRY_DATA_DIR/secret_key
+fi
 
 echo "==> database $DATABASE_URL (created if missing), migrations"
 "$PY" - <<'PY'

@@ -19,6 +19,10 @@ finish() {
 trap finish EXIT
 mkdir -p "$data_dir/parallel" "$data_dir/solo"
 export DATABASE_URL="$TEST_DATABASE_URL" DATABASE_CONN_MAX_AGE=0 FERRY_TEST_REDIS_URL="$TEST_REDIS_URL"
+# A web process on a shared database refuses a key of its own (config/settings.py): one for the run, which the
+# processes the tests start inherit.
+SECRET_KEY="${SECRET_KEY:-$(.venv/bin/python -c 'import secrets; print(secrets.token_urlsafe(50))')}"
+export SECRET_KEY
 
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
 FERRY_DATA_DIR="$data_dir/parallel" .venv/bin/python -m pytest ${PYTEST_ARGS:-} -m "not solo" "$@"

@@ -7,13 +7,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.client
+import io
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.server import ServerState
@@ -182,3 +189,60 @@ def test_anonymous_requests_are_throttled_per_address_whatever_they_forward(sett
     assert 1 <= int(resp["Retry-After"]) <= 60
     # and another address is not
     assert Client(REMOTE_ADDR="192.0.2.11").get("/api/").status_code == 200
+
+
+# --- 4. A shared deployment's web processes share one SECRET_KEY, and never an example's ---
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_ENV = ("SECRET_KEY", "SECRET_KEY_FILE", "DATABASE_URL", "REDIS_URL", "ALLOWED_HOSTS")
+K8S_PLACEHOLDER = "CHANGE-ME-to-50-random-characters"  # platform/k8s/base/secret.example.yaml's
+COMPOSE_KEY = "compose-local-only-not-a-secret-change-me-for-anything-real"  # platform/compose.yaml's default
+DEPLOYMENT_KEY = "a-deployment-s-own-random-key-" + "q8Zr4" * 6
+
+
+def python_in(tmp_path: Path, code: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh interpreter on this project's settings, with `env` over a slate without any
+    FERRY_ setting, key, database or Redis."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FERRY_", "DJANGO_")) and k not in SHARED_ENV}
+    environment = {**base, "DJANGO_SETTINGS_MODULE": "config.settings", "FERRY_DATA_DIR": str(tmp_path), **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_web_process_on_a_shared_database_refuses_a_key_of_its_own(tmp_path: Path) -> None:
+    database = {"DATABASE_URL": "postgres://ferry@db.example.internal:5432/ferry"}  # never connected to here
+    # given a web process (config.asgi) pointed at a shared database with no SECRET_KEY
+    alone = python_in(tmp_path / "a", "import config.asgi", **database)
+    # then it refuses to start, saying why (the old code generated a key per pod: API keys failed on the others)
+    assert alone.returncode != 0
+    assert "SECRET_KEY is not set" in alone.stderr, alone.stderr[-2000:]
+    # and with REDIS_URL alone just as well
+    redis = python_in(tmp_path / "b", "import config.asgi", REDIS_URL="redis://redis.example.internal:6379/0")
+    assert redis.returncode != 0 and "SECRET_KEY is not set" in redis.stderr
+    # while with the key set it starts, and embedded mode (neither set) keeps its generated key
+    keyed = python_in(tmp_path / "c", "import config.asgi", SECRET_KEY=DEPLOYMENT_KEY, **database)
+    assert keyed.returncode == 0, keyed.stderr[-2000:]
+    embedded = python_in(tmp_path / "d", "import config.asgi")
+    assert embedded.returncode == 0, embedded.stderr[-2000:]
+    assert (tmp_path / "d" / "secret_key").exists()
+
+
+def test_ensure_demo_user_refuses_without_the_shared_key(settings, db) -> None:  # noqa: ANN001
+    settings.SECRET_KEY_MISSING = "SECRET_KEY is not set, and ..."
+    with pytest.raises(CommandError, match="SECRET_KEY is not set"):
+        call_command("ensure_demo_user", stdout=io.StringIO())
+    assert not User.objects.exists()
+
+
+def test_an_example_key_is_refused_where_the_hosts_are_public(tmp_path: Path) -> None:
+    setup = "import django; django.setup()"
+    # given the Kubernetes example's placeholder with the ConfigMap's public host: refused, saying why
+    k8s = python_in(tmp_path / "a", setup, SECRET_KEY=K8S_PLACEHOLDER, ALLOWED_HOSTS="ferry.example.com")
+    assert k8s.returncode != 0 and "placeholder" in k8s.stderr, k8s.stderr[-2000:]
+    # and compose's own public key too, once a host is public
+    public = python_in(tmp_path / "b", setup, SECRET_KEY=COMPOSE_KEY, ALLOWED_HOSTS="ferry.example.com,localhost")
+    assert public.returncode != 0 and "placeholder" in public.stderr
+    # while compose on a laptop (loopback, and the service's name) starts on it
+    laptop = python_in(tmp_path / "c", setup, SECRET_KEY=COMPOSE_KEY, ALLOWED_HOSTS="127.0.0.1,localhost,web")
+    assert laptop.returncode == 0, laptop.stderr[-2000:]

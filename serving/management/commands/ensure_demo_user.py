@@ -3,7 +3,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from serving.demo import give_to_tenant
 from tenants import keys
@@ -39,6 +39,8 @@ class Command(BaseCommand):
     )
 
     def handle(self, *args: object, **options: object) -> None:
+        if settings.SECRET_KEY_MISSING:  # the demo key's pepper would be this process's alone (config.settings)
+            raise CommandError(settings.SECRET_KEY_MISSING)
         username = os.environ.get("FERRY_ADMIN_USER", "admin")
         password = os.environ.get("FERRY_ADMIN_PASSWORD", "ferry-admin")
         User = get_user_model()
