@@ -70,8 +70,15 @@ SPARK_W, SPARK_H, SPAN_S = 160, 28, 600.0  # the utilisation chart: the last ten
 def utilisation_svg(node: dict[str, Any]) -> str:
     """A node's busy share and work utilisation over the last ten minutes, two lines on one 0-100% scale, from
     the heartbeat's samples (`node["utilisation"]`: [epoch seconds, busy, work], oldest first). Busy time reads
-    high on a batching device at any load; the work line is the rows served at their best batch's cost."""
-    samples = node.get("utilisation") or []
+    high on a batching device at any load; the work line is the rows served at their best batch's cost.
+
+    A live node's chart ends at its last heartbeat (its latest samples, seconds old); a lost node's ends now, so
+    its lines stop where its heartbeats did and leave the chart as they age. No sample in the ten minutes: the
+    chart says "no data" rather than draw an empty frame that reads as an idle device."""
+    end = float(node["heartbeat_at"])
+    if node.get("state") == "lost":
+        end += float(node.get("heartbeat_age", 0.0))
+    samples = [s for s in node.get("utilisation") or [] if end - float(s[0]) <= SPAN_S]
     name = escape(node["name"])
     parts = [
         f'<svg class="utilisation" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {SPARK_W} {SPARK_H}"'
@@ -79,11 +86,15 @@ def utilisation_svg(node: dict[str, Any]) -> str:
         f' aria-label="busy and work utilisation of {name}, last ten minutes">',
         f'<rect x="0" y="0" width="{SPARK_W}" height="{SPARK_H}" fill="#f6f7f9" stroke="#dde"/>',
     ]
-    if samples:
-        end = float(node["heartbeat_at"])
+    if not samples:
+        parts.append(
+            f'<text class="no-data" x="{SPARK_W / 2:.0f}" y="{SPARK_H / 2 + 4:.0f}" text-anchor="middle"'
+            ' font-size="11" fill="#667">no data</text>'
+        )
+    else:
         for index, series, colour in ((1, "busy", "#9aa3b5"), (2, "work", "#2b7a4b")):
             points = " ".join(
-                f"{max(0.0, SPARK_W * (1 - (end - float(s[0])) / SPAN_S)):.1f},"
+                f"{SPARK_W * (1 - (end - float(s[0])) / SPAN_S):.1f},"
                 f"{SPARK_H - SPARK_H * min(1.0, max(0.0, float(s[index]))):.1f}"
                 for s in samples
             )

@@ -45,7 +45,11 @@ def embedded_info(node: Node, now: float) -> NodeInfo:
 
 
 def node_doc(info: NodeInfo, state: str, now: float) -> dict[str, Any]:
+    """`info` as the page and `/api/fleet/` show it. A lost node's busy and work shares are None (unknown now,
+    not what it last said), as is the work share of a node too old to measure it; its samples stay, on the
+    clock of their own time, so its chart ends where its heartbeats did."""
     used = sum(int(r.get("bytes", 0)) for r in info.resident.values() if r.get("tier", "hot") == "hot")
+    live = state == "live"
     return {
         "name": info.name,
         "state": state,
@@ -60,8 +64,8 @@ def node_doc(info: NodeInfo, state: str, now: float) -> dict[str, Any]:
         "memory_total": info.memory_total,
         "memory_budget": info.memory_budget,
         "memory_used": max(info.memory_used, used),
-        "busy": info.busy,
-        "work": info.work,
+        "busy": info.busy if live else None,
+        "work": info.work if live else None,
         # ages become epoch seconds at the heartbeat, so the page can draw them on one time axis
         "utilisation": [[round(info.heartbeat_at - s[0], 1), s[1], s[2]] for s in info.utilisation],
         "resident": [

@@ -53,6 +53,11 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
+def _pct(share: float | None) -> str:
+    """A share as the page shows it: "—" where there is none (a lost node, a node that does not measure it)."""
+    return "—" if share is None else f"{round(share * 100)}%"
+
+
 def parts(state: dict[str, Any]) -> dict[str, str]:
     """The page's live sections rendered from a (scoped) state: what the page draws first and the socket sends."""
     nodes = [
@@ -61,8 +66,8 @@ def parts(state: dict[str, Any]) -> dict[str, str]:
             "bar": mark_safe(packing_svg(n)),  # noqa: S308 (packing_svg escapes every name it draws)
             "used_text": size(n["memory_used"]),
             "budget_text": size(n["memory_budget"]),
-            "busy_pct": round(n["busy"] * 100),
-            "work_pct": round(n.get("work", 0.0) * 100),
+            "busy_pct": _pct(n.get("busy")),
+            "work_pct": _pct(n.get("work")),
             "chart": mark_safe(utilisation_svg(n)),  # noqa: S308 (utilisation_svg escapes the node's name)
             "seen": _ago(n["heartbeat_age"]),
             "heartbeat_text": time.strftime("%H:%M:%S", time.gmtime(n["heartbeat_at"])),
@@ -116,11 +121,15 @@ class FleetNodeSerializer(serializers.Serializer):
     memory_total = serializers.IntegerField(min_value=0)
     memory_budget = serializers.IntegerField(min_value=0)
     memory_used = serializers.IntegerField(min_value=0, help_text="bytes of hot versions")
-    busy = serializers.FloatField(min_value=0, max_value=1, help_text="device busy share of the last 10 s")
+    busy = serializers.FloatField(
+        min_value=0, max_value=1, allow_null=True, help_text="device busy share of the last 10 s; null for a lost node"
+    )
     work = serializers.FloatField(
         min_value=0,
         max_value=1,
-        help_text="work utilisation of the last 10 s: rows served at their version's best-batch seconds over the 10 s",
+        allow_null=True,
+        help_text="work utilisation of the last 10 s: rows served at their version's best-batch seconds over the 10 s;"
+        " null for a lost node or one that does not measure it",
     )
     utilisation = serializers.ListField(
         child=serializers.ListField(child=serializers.FloatField(), min_length=3, max_length=3),

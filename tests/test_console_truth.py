@@ -1,7 +1,7 @@
 """The console's figures say what happened, failures included, and "—" where nothing was measured: every answer
 is a kind (served, fallback, shed, error) and has its time in the latency figures, the live rate of a young
-process divides by its age, a version's figures are dropped an hour after its last answer, and batches run on
-the nodes are said to be there.
+process divides by its age, a version's figures are dropped an hour after its last answer, batches run on the
+nodes are said to be there, and a lost node's figures are not shown as current.
 
 The data plane's side with a stand-in transport and a fake clock; the pages through Django's test client."""
 
@@ -27,6 +27,10 @@ from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, Snap
 from serving.dataplane.http.consumers import InferenceRequest, OverQuota
 from serving.dataplane.metrics import metrics
 from serving.dataplane.metrics.metrics import TOTAL, LiveWindow, merged_live
+from serving.dataplane.transport.fleet import NodeInfo
+from serving.fleet_chart import utilisation_svg
+from serving.fleet_state import node_doc
+from serving.fleet_views import parts
 from serving.policies.quota import RATE, Decision
 from serving.version_charts import version_hour
 from tests.conftest import register
@@ -254,3 +258,42 @@ def test_the_process_keeps_no_more_versions_than_it_counted_for_in_the_hour() ->
     gc.collect()
     # then none of them is kept
     assert len(metrics._versions) <= before and not [k for k in metrics._resting if k[0].startswith("churn-")]
+
+
+# -- the fleet page: lost nodes and missing figures (item 11) ------------------------------------------------
+
+
+def heartbeat(at: float, **fields: object) -> NodeInfo:
+    return NodeInfo(
+        name="node-z",
+        instance="node-z-1",
+        host="box",
+        pid=42,
+        device="cpu",
+        accelerator="a10g",
+        accelerator_count=1,
+        memory_total=1 << 30,
+        memory_budget=1 << 30,
+        memory_used=0,
+        labels={},
+        started_at=0.0,
+        heartbeat_at=at,
+        serial=1,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_a_lost_node_shows_no_current_busy_or_work_and_its_chart_ends_where_its_heartbeats_did() -> None:
+    # given a node lost 5 minutes ago that last said 90% busy, 40% work, with samples of its last 20 s
+    info = heartbeat(1000.0, busy=0.9, work=0.4, utilisation=[[20.0, 0.9, 0.4], [10.0, 0.9, 0.4], [0.0, 0.9, 0.4]])
+    doc = node_doc(info, "lost", now=1300.0)
+    # then its shares are unknown, shown as "—"
+    assert (doc["busy"], doc["work"]) == (None, None)
+    html = parts({"nodes": [doc | {"embedded": False}], "events": [], "versions": []})["nodes"]
+    assert '<td class="busy" data-busy="">—</td>' in html and '<td class="work" data-work="">—</td>' in html
+    # and its lines end 5 minutes before now, mid-chart (160 px for 10 minutes), not at the right edge
+    svg = utilisation_svg(doc)
+    assert svg.split('class="busy" points="')[1].split('"')[0].split()[-1].startswith("80.0,")
+    # and once its samples are over ten minutes old, the chart says it has no data
+    later = utilisation_svg(node_doc(info, "lost", now=1700.0))
+    assert 'data-samples="0"' in later and ">no data</text>" in later and "<polyline" not in later

@@ -377,9 +377,16 @@ def test_a_heartbeat_carries_work_utilisation_and_its_history_to_the_page() -> N
     assert 'class="utilisation"' in html
 
 
-def test_an_older_heartbeat_without_work_reads_as_none_done() -> None:
+def test_an_older_heartbeat_without_work_reads_as_unknown_not_as_none_done() -> None:
+    from serving.fleet_views import parts  # here, as in the test above: the views module loads Django's models
+
     info = heartbeat(busy=0.5)
     raw = {k.encode(): v for k, v in info.to_hash().items() if k not in ("work", "utilisation")}
     older = NodeInfo.from_hash(raw)
-    assert (older.work, older.utilisation) == (0.0, [])
-    assert 'data-samples="0"' in utilisation_svg(node_doc(older, "live", now=time.time()))
+    # then its work utilisation is unknown, not 0%: the page shows "—" and a chart that says it has no data
+    assert (older.work, older.utilisation) == (None, [])
+    doc = node_doc(older, "live", now=time.time())
+    html = parts({"nodes": [doc | {"embedded": False}], "events": [], "versions": []})["nodes"]
+    assert '<td class="work" data-work="">—</td>' in html and '<td class="busy" data-busy="0.5">50%</td>' in html
+    svg = utilisation_svg(doc)
+    assert 'data-samples="0"' in svg and ">no data</text>" in svg

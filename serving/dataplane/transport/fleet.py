@@ -65,7 +65,9 @@ class NodeInfo:
     cached: frozenset[str] = frozenset()  # its artifact on this node's local disk: a load reads no network
     counts: dict[str, int] = field(default_factory=dict)  # stream entries: served, expired, claimed, ...
     busy: float = 0.0  # the device's busy share of the last seconds (serving.dataplane.metrics.busy)
-    work: float = 0.0  # its work utilisation over the same seconds (rows at their best batch's cost)
+    # Its work utilisation over the same seconds (rows at their best batch's cost); None from a node of a release
+    # before it measured one (its heartbeat lacks the field): unknown, which the fleet page shows as "—", not 0%.
+    work: float | None = None
     # (seconds ago, busy, work) per 10 s, oldest first: the last minutes of both, for the fleet page
     utilisation: list = field(default_factory=list)
     # What it holds, per version key: {"tier": "hot" | "warm", "bytes": n}. Hot counts against the device budget;
