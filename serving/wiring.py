@@ -199,13 +199,14 @@ def _record_key_use(prefixes: set[str]) -> None:
     ApiKey.objects.filter(prefix__in=sorted(prefixes)).update(last_used_at=timezone.now())
 
 
-async def start() -> DataPlane:
-    """Start this process's data plane: build the first snapshot and load what it names."""
+async def start(service: str = "ferry-web") -> DataPlane:
+    """Start this process's data plane: build the first snapshot and load what it names. `service`: the
+    process's name in traces (the node host of `serve --workers N` is "ferry-node", as a `runnode` is)."""
     if planes.current() is not None:
         return planes.current()
     configure_torch_threads(settings.FERRY_TORCH_THREADS)
     runtime_process.warn_if_inline()
-    tracing.configure(service="ferry-web")  # off unless the OTEL_* variables ask for traces
+    tracing.configure(service=service)  # off unless the OTEL_* variables ask for traces
     recorder = UsageRecorder(max_keys=settings.FERRY_USAGE_MAX_KEYS)
     quota = quota_gate_from_settings()
     if settings.FERRY_NODE_SOCKET:

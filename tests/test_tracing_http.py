@@ -18,6 +18,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
 SPANS_WAIT_S = 30  # a bound on waiting for the exporter, not a timing assertion
+ROOT = "POST /v2/models/{model_name}/infer"  # a REST inference's server span (OpenTelemetry's `{method} {route}`)
 
 
 @pytest.fixture
@@ -76,16 +77,16 @@ def test_a_traced_request_has_its_whole_span_tree_under_the_callers_span(traced_
         headers={"traceparent": TRACEPARENT},
     )
     assert response.status == 200, response.body
-    expected = {"ferry.infer", "ferry.auth", "ferry.route", "ferry.admission", "ferry.queue", "ferry.batch"}
+    expected = {ROOT, "ferry.auth", "ferry.route", "ferry.admission", "ferry.queue", "ferry.batch"}
     expected |= {"ferry.device", "ferry.reply"} | ({"ferry.quota"} if plane.quota is not None else set())
     spans = wait_for_spans(receiver, TRACE_ID, expected)
     # then the collector got the gateway's, the queue's, the batch's and the device's spans, in the caller's trace
-    (root,) = [s for s in spans if s.name == "ferry.infer"]
+    (root,) = [s for s in spans if s.name == ROOT]
     assert root.parent_id == CALLER_SPAN and root.kind == 2  # SPAN_KIND_SERVER
     assert root.service == "ferry-test-web"
     assert root.attributes["http.response.status_code"] == 200 and root.attributes["ferry.model"] == "digits"
     shape = tree(spans)
-    assert shape["ferry.infer"] == sorted(expected - {"ferry.infer", "ferry.device"})
+    assert shape[ROOT] == sorted(expected - {ROOT, "ferry.device"})
     assert shape["ferry.batch"] == ["ferry.device"]
     (batch,) = [s for s in spans if s.name == "ferry.batch"]
     assert root.span_id in batch.links and batch.attributes["ferry.batch.rows"] == 2
@@ -100,7 +101,7 @@ def test_a_request_without_a_traceparent_starts_its_own_trace(traced_server, rec
     deadline = time.monotonic() + SPANS_WAIT_S
     while time.monotonic() < deadline:
         tracing.force_flush()
-        roots = [s for s in receiver.take() if s.name == "ferry.infer" and s.trace_id not in before]
+        roots = [s for s in receiver.take() if s.name == ROOT and s.trace_id not in before]
         if roots:
             break
         time.sleep(0.05)

@@ -60,6 +60,7 @@ from serving.dataplane.metrics import metrics
 log = logging.getLogger(__name__)
 
 _SERVER = orjson.loads(SERVER_METADATA)
+SERVICE = "inference.GRPCInferenceService"  # the service's full name (the proto's package and service)
 # Triton's stream parameters: a request asks for a response flagged final, and such a response says so.
 ENABLE_FINAL = "triton_enable_empty_final_response"
 FINAL = "triton_final_response"
@@ -75,6 +76,12 @@ def _front(rpc_name: str, context: grpc.aio.ServicerContext) -> InferenceRequest
         if name not in headers:  # the first of a repeated key counts, as for HTTP headers
             headers[name] = value if isinstance(value, bytes) else value.encode("latin-1")
     return InferenceRequest("POST", f"/inference.GRPCInferenceService/{rpc_name}", headers, 0.0, context.cancelled)
+
+
+def _answered(span: tracing.Span, status: int) -> None:
+    """A traced call's answer: the gRPC code of REST's `status`, as `_abort` answers it (200: OK)."""
+    code = grpc.StatusCode.OK if status == 200 else code_of(status)
+    tracing.grpc_answered(span, code.value[0], code.name, status)
 
 
 def _plane() -> dataplane.DataPlane:
@@ -254,13 +261,16 @@ class InferenceServicer(rpc.GRPCInferenceServiceServicer):
         plane, front = _plane(), _front(rpc_name, context)
         if not tracing.ENABLED:
             return await self._served(plane, front, message, context)
+        # Named and described as OpenTelemetry's RPC conventions say: `{rpc.service}/{rpc.method}`.
         span = tracing.start_request(
-            "ferry.infer",
+            f"{SERVICE}/{rpc_name}",
             tracing.from_metadata(context.invocation_metadata()),
-            **{"rpc.system": "grpc", "rpc.method": rpc_name, "ferry.model": message.model_name},
+            **{"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": rpc_name, "ferry.model": message.model_name},
         )
-        with tracing.active(span):
-            return await self._served(plane, front, message, context)
+        with tracing.active(span, _answered):
+            answer = await self._served(plane, front, message, context)
+            _answered(span, 200)
+            return answer
 
     async def _served(
         self,

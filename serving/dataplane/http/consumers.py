@@ -68,6 +68,9 @@ READY = orjson.dumps({"ready": True})
 PLATFORMS = {"torchscript": "pytorch_libtorch", "torch_export": "pytorch_export"}
 # The request body encodings understood (Content-Encoding); a compressed body is refused 415, not inflated.
 ENCODINGS = (b"", b"identity")
+# The routes of inference (OpenTelemetry's `http.route`: the path's template), which name a traced request's span.
+INFER_ROUTE = "/v2/models/{model_name}/infer"
+INFER_VERSION_ROUTE = "/v2/models/{model_name}/versions/{model_version}/infer"
 
 
 class MethodNotAllowed(ServingError):
@@ -204,7 +207,7 @@ class InferenceRequest:
     straight from the front door's protocol (`frontdoor.FrontDoorProtocol`'s lane for inference), which
     has already read its whole body. `answer` never raises: every outcome is an answer to write."""
 
-    __slots__ = ("method", "path", "headers", "waited", "began", "gone", "client")
+    __slots__ = ("method", "path", "headers", "waited", "began", "gone", "client", "websocket")
 
     def __init__(
         self,
@@ -214,6 +217,7 @@ class InferenceRequest:
         waited: float,
         gone: Callable[[], bool] | None,
         client: str | None = None,
+        websocket: bool = False,
     ) -> None:
         self.method = method
         self.path = path
@@ -224,6 +228,7 @@ class InferenceRequest:
         self.began = time.monotonic()
         self.gone = gone  # whether its client has gone (checked when a queued request's turn comes)
         self.client = client  # the peer's address, for /metrics' allow-list (None: unknown, token only)
+        self.websocket = websocket  # a WebSocket message (serving.dataplane.http.websocket), for its span
 
     def waited_so_far(self) -> float:
         """What the request has waited since its first byte reached the machine: before its handler began, and
@@ -325,21 +330,32 @@ class InferenceRequest:
         self, plane: dataplane.DataPlane, name: str, version: str | None, body: bytes
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         """`_infer_path`'s steps under the request's span (`serving.dataplane.tracing`), the child of the
-        caller's `traceparent` when it sent one."""
-        span = tracing.start_request(
-            "ferry.infer",
-            tracing.from_headers(self.headers),
-            **{"http.request.method": self.method, "url.path": self.path, "ferry.model": name},
-        )
-        with tracing.active(span):
+        caller's `traceparent` when it sent one (a WebSocket message: the one its connection's handshake sent).
+        Named and described as OpenTelemetry's HTTP server conventions say: `POST {route}` with the route's
+        template; a WebSocket message is no HTTP request, so `WS {route}`, its answer in `ferry.status`."""
+        route = INFER_ROUTE if version is None else INFER_VERSION_ROUTE
+        attributes: dict[str, object] = {"url.path": self.path, "ferry.model": name}
+        attributes.update(tracing.server_address(self.headers.get(b"host")))
+        answered: tracing.Answered
+        if self.websocket:
+            route = "/ws" + route
+            attributes.update({"url.path": "/ws" + self.path, "url.scheme": "ws", "network.protocol.name": "websocket"})
+            answered = tracing.answered
+            span_name = f"WS {route}"
+        else:
+            # This server speaks plain HTTP (TLS, where there is any, ends in front of it).
+            attributes.update({"http.request.method": self.method, "http.route": route, "url.scheme": "http"})
+            answered = tracing.http_answered
+            span_name = f"{self.method} {route}"
+        span = tracing.start_request(span_name, tracing.from_headers(self.headers), **attributes)
+        with tracing.active(span, answered):
             with tracing.child("ferry.auth"):
                 snapshot = plane.gateway.snapshot
                 caller = authenticate(self.headers.get(b"authorization"), snapshot, plane.pepper, time.time())
                 plane.used_keys.add(caller.prefix)
                 caller.require("infer")
             status, payload, headers = await self._infer(plane, caller, name, version, body)
-            if span.is_recording():
-                span.set_attribute("http.response.status_code", status)
+            answered(span, status)
             return status, payload, headers
 
     async def _infer(

@@ -63,6 +63,7 @@ TOO_BIG = 1009  # RFC 6455's close code for a message too big to process, as the
 # HTTP connection may take to send its next request (uvicorn's timeout_keep_alive, which `uvicorn_config`
 # leaves at 5 s). Such a socket holds a slot of FERRY_MAX_CONCURRENCY before anything says whose it is.
 KEY_WAIT_S = 5.0
+CARRIED = (b"traceparent", b"tracestate", b"host")  # the handshake's headers each message's request carries
 
 
 @dataclass(slots=True)
@@ -181,6 +182,9 @@ class InferenceSocket(AsyncConsumer):
             return
         headers = dict(reversed(scope.get("headers", [])))
         self.routing_key = headers.get(b"x-ferry-routing-key")
+        # The handshake's trace context (and Host, for the span's server.address): each message's span is the
+        # child of the caller's span that opened the connection, not a trace of its own.
+        self.carried = {name: headers[name] for name in CARRIED if name in headers}
         refused = self._handshake()
         if refused is not None:
             await self._deny(*refused)
@@ -352,13 +356,13 @@ class InferenceSocket(AsyncConsumer):
         computed, then its answer's, which a client slow to read keeps in this process as long."""
         held = size
         try:
-            headers = {b"authorization": self.authorization}
+            headers = {**self.carried, b"authorization": self.authorization}
             if length is not None:
                 headers[b"inference-header-content-length"] = str(length).encode()
             if self.routing_key is not None:
                 headers[b"x-ferry-routing-key"] = self.routing_key
             request = InferenceRequest(
-                "POST", self.infer_path, headers, time.monotonic() - taken, self._gone, self.client
+                "POST", self.infer_path, headers, time.monotonic() - taken, self._gone, self.client, websocket=True
             )
             answer = await request.answer(body, infer=True)
             del body

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import msgpack
 from django.conf import settings
 
+from serving.dataplane import tracing
 from serving.dataplane.errors import DeadlineExceeded, ServingError
 from serving.dataplane.metrics import metrics
 from serving.dataplane.node import announce
@@ -185,30 +186,43 @@ class NodeHost:
         name = key.decode(errors="replace")
         left = request.deadline - self._wall()
         gone = self._gone[(conn, rid)] = asyncio.Event()  # set by a CANCEL from the web process
-        try:
-            if left <= 0:
-                raise DeadlineExceeded("deadline passed on the way to the node host")
-            outputs = await self.node.infer(
-                name,
-                request.inputs,
-                request.rows,
-                self._clock() + left,
-                request.priority,
-                nbytes=len(raw),
-                gone=gone.is_set,
-            )
-            answer = encode_success(0, outputs, request.outputs)
-            self.counts["served"] += 1
-        except ServingError as exc:
-            answer = encode_error(0, exc)
-            self.counts["refused"] += 1
-        except Exception:
-            self.counts["errors"] += 1
-            metrics.INTERNAL_ERRORS.labels("node_host").inc()
-            log.exception("inference on %s failed unexpectedly", name)
-            answer = encode_error(0, ServingError("internal error on the node host; it logged it"))
-        finally:
-            self._gone.pop((conn, rid), None)
+        # The web process's trace goes on here, as on a node of distributed mode (node_process): this host's part
+        # of the request (admission, queue, batch, device) is one span under the web process's request span.
+        span = None
+        if request.trace is not None and tracing.ENABLED:
+            parent = tracing.from_carrier(request.trace)
+            span = tracing.start_request("ferry.node", parent, kind=tracing.CONSUMER, **{"ferry.version": name})
+        with tracing.active(span, tracing.answered):
+            try:
+                if left <= 0:
+                    raise DeadlineExceeded("deadline passed on the way to the node host")
+                outputs = await self.node.infer(
+                    name,
+                    request.inputs,
+                    request.rows,
+                    self._clock() + left,
+                    request.priority,
+                    nbytes=len(raw),
+                    gone=gone.is_set,
+                )
+                with tracing.child("ferry.reply"):
+                    answer = encode_success(0, outputs, request.outputs)
+                self.counts["served"] += 1
+                status = 200
+            except ServingError as exc:
+                answer = encode_error(0, exc)
+                self.counts["refused"] += 1
+                status = exc.status
+            except Exception:
+                self.counts["errors"] += 1
+                metrics.INTERNAL_ERRORS.labels("node_host").inc()
+                log.exception("inference on %s failed unexpectedly", name)
+                answer = encode_error(0, ServingError("internal error on the node host; it logged it"))
+                status = 500
+            finally:
+                self._gone.pop((conn, rid), None)
+            if span is not None:
+                tracing.answered(span, status)
         proto.send(frames.REPLY, rid, answer)
 
     def _admit(self, proto: frames.FrameProtocol, conn: int, rid: int, payload: bytes) -> None:

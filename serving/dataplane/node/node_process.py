@@ -68,6 +68,13 @@ READ_BLOCK_MS = 20  # short: the set of streams worth reading changes as this no
 RECLAIM_SECONDS = 0.5
 CLAIM_MIN_IDLE_MS = 500  # two live nodes claiming at once: the second finds the entry no longer idle
 REPLY_MAXLEN = 10_000
+# What became of each stream entry this node read: one outcome each (ferry_node_stream_entries_total{outcome}).
+# "refused": answered with the node's refusal (shed, not ready, a bad input found by the model); "handed_back":
+# put back on the stream for the node its version moved to.
+OUTCOMES = ("served", "expired", "refused", "errors", "malformed", "handed_back")
+# Of the entries run here, whether their version was loaded when they came: a dimension of its own
+# (ferry_node_stream_entries_taken_total{state}), as is "claimed" (taken over from a lost node).
+RESIDENCY = ("hot", "cold")
 HOLDING_POLL_SECONDS = 0.02  # how soon a load or an eviction goes out in a heartbeat
 HEARTBEAT_RETRY_SECONDS = 0.1  # after a failed heartbeat
 JOIN_TIMEOUT_SECONDS = 60.0  # start-up gives up joining the fleet after Redis failed this long
@@ -178,18 +185,10 @@ class NodeProcess:
         # version key -> (entry id, its size) answered, not yet acknowledged (the size: the stream's byte bound)
         self._acks: dict[str, list[tuple[bytes, int]]] = {}
         self._flush_scheduled = False
-        # Stream entries by outcome, and by whether their version was loaded when they came ("hot") or had to
-        # be loaded for them ("cold"): the hit rate of this node's packing.
-        self.counts = {
-            "served": 0,
-            "expired": 0,
-            "claimed": 0,
-            "handed_back": 0,
-            "malformed": 0,
-            "errors": 0,
-            "hot": 0,
-            "cold": 0,
-        }
+        # Stream entries by outcome (OUTCOMES: one each), those run by whether their version was loaded when they
+        # came ("hot") or had to be loaded for them ("cold"; the hit rate of this node's packing), and those
+        # claimed from lost nodes: three dimensions, in the heartbeat as one dict.
+        self.counts = dict.fromkeys((*OUTCOMES, *RESIDENCY, "claimed"), 0)
         self._held_elsewhere: frozenset[str] = frozenset()  # hot or loading on another live node
         self._client = redis_pipe.client(url, name=f"ferry-node-{facts.name}")
         self._reader = redis_pipe.client(
@@ -543,7 +542,8 @@ class NodeProcess:
         if request.trace is not None and tracing.ENABLED:
             parent = tracing.from_carrier(request.trace)
             span = tracing.start_request("ferry.node", parent, kind=tracing.CONSUMER, **{"ferry.version": key})
-        with tracing.active(span):
+        # The span records what the entry was answered (a 5xx: ERROR); a cancellation leaving it, as 499.
+        with tracing.active(span, tracing.answered):
             try:
                 outputs = await self.node.infer(
                     key, request.inputs, request.rows, self._clock() + left, request.priority, nbytes=len(raw or b"")
@@ -551,16 +551,23 @@ class NodeProcess:
                 with tracing.child("ferry.reply"):
                     payload = encode_success(request.id, outputs, request.outputs)
                 self.counts["served"] += 1
+                status = 200
             except DeadlineExceeded as exc:
                 self.counts["expired"] += 1
                 payload = encode_error(request.id, exc)  # as above: said, not left to the gateway's timer
+                status = exc.status
             except ServingError as exc:
+                self.counts["refused"] += 1
                 payload = encode_error(request.id, exc)
+                status = exc.status
             except Exception:
                 self.counts["errors"] += 1
                 metrics.INTERNAL_ERRORS.labels("node_stream").inc()
                 log.exception("inference on %s failed unexpectedly", key)
                 payload = encode_error(request.id, ServingError("internal error on the node; it logged it"))
+                status = 500
+            if span is not None:
+                tracing.answered(span, status)
         self._reply(request.reply_to, request.id, payload)
 
     def _reply(self, reply_to: bytes, request_id: int, payload: bytes) -> None:

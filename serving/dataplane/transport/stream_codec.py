@@ -29,6 +29,7 @@ GROUP = "nodes"  # one consumer group per version stream; every node hosting the
 # The dtypes a tensor may carry: the protocol's, by their numpy names ("<f4", "|b1", ...).
 _DTYPES = {dtype.str: dtype for dtype in DATATYPES.values()}
 MAX_DIMS = 8
+TRACE_VALUE_MAX = 512  # a trace context's header, at most: W3C's bound on a tracestate (`tracing.TRACESTATE_MAX`)
 
 
 class MalformedMessage(ValueError):
@@ -137,6 +138,24 @@ def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _trace(trace: object) -> dict[str, str] | None:
+    """A request's trace context, checked: at most two W3C headers, strings of at most TRACE_VALUE_MAX characters.
+    A longer `tracestate` is left out rather than refused (the gateway cuts it to fit, `tracing.carrier`, but one of
+    another build may not): it is the caller's vendors' data, never a reason to fail the request."""
+    if trace is None:
+        return None
+    if not isinstance(trace, dict) or len(trace) > 2:
+        raise MalformedMessage("bad trace context")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in trace.items()):
+        raise MalformedMessage("bad trace context")
+    state = trace.get("tracestate")
+    if state is not None and len(state) > TRACE_VALUE_MAX:
+        trace = {k: v for k, v in trace.items() if k != "tracestate"}
+    if not all(len(v) <= TRACE_VALUE_MAX for v in trace.values()):
+        raise MalformedMessage("bad trace context")
+    return trace or None
+
+
 def decode_request(raw: bytes) -> StreamRequest:
     """Read a request; raises MalformedMessage, with the address to answer when the message had one."""
     doc = _unpack_map(raw)
@@ -157,13 +176,7 @@ def decode_request(raw: bytes) -> StreamRequest:
         inputs = _unpack_tensors(doc["inputs"])
         if not inputs:
             raise MalformedMessage("no inputs")
-        trace = doc.get("trace")
-        if trace is not None and (
-            not isinstance(trace, dict)
-            or len(trace) > 2
-            or not all(isinstance(k, str) and isinstance(v, str) and len(v) <= 512 for k, v in trace.items())
-        ):
-            raise MalformedMessage("bad trace context")
+        trace = _trace(doc.get("trace"))
     except KeyError as exc:
         raise MalformedMessage(f"missing field {exc.args[0]!r}", request_id, reply_to) from None
     except MalformedMessage as exc:

@@ -43,7 +43,7 @@ class Command(BaseCommand):
 
     async def _run(self, path: str, metrics_port: int) -> None:
         # The embedded data plane without HTTP: the node, the registry's refresh loop, rollout evaluation, quotas.
-        plane = await wiring.start()
+        plane = await wiring.start(service="ferry-node")  # its spans are the node's part of a request
         assert isinstance(plane.node, Node)
 
         async def refresh() -> int:
