@@ -808,6 +808,8 @@ class Node:
         try:
             results, seconds, began = await self._on_device(hosted, [p.payload.inputs for p in live], rows)
         except RuntimeFailure as exc:
+            if queued:  # the batch's span says it failed; its requests' answers say what each got
+                tracing.batch_failed(queued[1], rows, queued[0], exc)
             served: list[tuple[int, float, float, float]] = []
             await self._isolate(hosted, live, exc, served)
             # Recorded once every part is answered: a bug in the bookkeeping costs no part its run.
@@ -815,6 +817,8 @@ class Node:
                 self._served(hosted, *part)
             return
         except Exception as exc:
+            if queued:
+                tracing.batch_failed(queued[1], rows, queued[0], exc)
             if not device_error(exc):
                 raise  # a bug: the batcher hands the batch to `_batch_failed` (500)
             self._device_failed(hosted, live, exc)  # out of memory, a lost device: this batch only, 503
