@@ -32,7 +32,7 @@ import numpy as np
 from prometheus_client import Counter, Histogram
 
 from serving.dataplane.errors import NotFound, ServingError, Unavailable
-from serving.dataplane.gateway.gateway import Gateway, Reply, parse_version
+from serving.dataplane.gateway.gateway import CLIENT_CLOSED, Gateway, Reply, parse_version
 from serving.dataplane.gateway.request import Inference
 from serving.dataplane.gateway.snapshot import PipelineEntry, PipelineVersionEntry, VersionEntry
 from serving.dataplane.http.protocol import (
@@ -363,6 +363,10 @@ class PipelineRunner:
             return Reply(200, payload, headers)
         except ServingError as exc:
             status = exc.status
+            raise
+        except asyncio.CancelledError:
+            # Its client left (a gRPC call cancelled, a stream closed): 499 as the gateway counts it, not a 500.
+            status = CLIENT_CLOSED
             raise
         finally:
             PIPELINE_REQUESTS.labels(name, str(status)).inc()

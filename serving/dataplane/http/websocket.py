@@ -87,9 +87,11 @@ Gauge(
     "ferry_ws_inflight_bytes",
     "Bytes held for WebSocket inference messages: requests not yet answered, answers not yet sent",
 ).set_function(lambda: STATS.held_bytes)
-Gauge(
+# A Counter (ferry_ws_read_stalls_total), not a gauge of STATS' count: rate() reads it, and under several web
+# processes each process's count is summed into the family's total, even once that process is gone.
+READ_STALLS = Counter(
     "ferry_ws_read_stalls", "Times a WebSocket inference connection stopped reading at its in-flight bound"
-).set_function(lambda: STATS.read_stalls)
+)
 MESSAGES = Counter("ferry_ws_messages", "WebSocket inference messages taken, by frame", ["frame"])
 TEXT_MESSAGES, BINARY_MESSAGES = MESSAGES.labels("text"), MESSAGES.labels("binary")  # bound once, not per message
 CLOSES = Counter("ferry_ws_closes", "WebSocket inference connections closed by the server, by close code", ["code"])
@@ -331,6 +333,7 @@ class InferenceSocket(AsyncConsumer):
             return
         if self.tasks and (len(self.tasks) >= bounds.max_in_flight or self.held + size > bounds.max_in_flight_bytes):
             STATS.read_stalls += 1
+            READ_STALLS.inc()
             while self.tasks and (
                 len(self.tasks) >= bounds.max_in_flight or self.held + size > bounds.max_in_flight_bytes
             ):

@@ -2,8 +2,10 @@
 writes (ferry_requests_total, ferry_cold_start_seconds, ferry_evictions_total, ferry_artifact_*, ...) plus
 the node's own state, read from it at scrape time:
 
-- ferry_node_stream_entries_total{outcome}: stream entries served, expired, claimed from lost nodes,
-  malformed, errors (NodeProcess.counts);
+- ferry_node_stream_entries_total{outcome}: what became of each stream entry, one outcome each (served,
+  expired, refused, errors, malformed, handed_back); ferry_node_stream_entries_taken_total{state}: those run
+  here, by whether their version was loaded (hot) or not (cold); ferry_node_stream_entries_claimed_total: those
+  claimed from lost nodes (NodeProcess.counts);
 - ferry_node_held_requests{model,version}: requests this node took off a stream and holds (queued or
   running), and ferry_queue_depth (the batchers' queues, already a data-plane gauge);
 - ferry_node_versions{state}: versions hot (loaded) and cold (servable, loaded on demand);
@@ -44,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from serving.dataplane.errors import ServingError
 from serving.dataplane.metrics import metrics_access
+from serving.dataplane.node.node_process import OUTCOMES, RESIDENCY
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -66,12 +69,27 @@ class NodeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         process, node = self.process, self.process.node
         counts = dict(process.counts)
+        # Three families, not one: each entry has one outcome, and, run here, one state, so a sum over a label
+        # counts each entry once.
         entries = CounterMetricFamily(
             "ferry_node_stream_entries", "Stream entries this node handled, by outcome", labels=["outcome"]
         )
-        for outcome, n in sorted(counts.items()):
-            entries.add_metric([outcome], n)
+        for outcome in OUTCOMES:
+            entries.add_metric([outcome], counts.get(outcome, 0))
         yield entries
+        taken = CounterMetricFamily(
+            "ferry_node_stream_entries_taken",
+            "Stream entries this node ran, by whether their version was loaded (hot) or had to be loaded (cold)",
+            labels=["state"],
+        )
+        for state in RESIDENCY:
+            taken.add_metric([state], counts.get(state, 0))
+        yield taken
+        yield CounterMetricFamily(
+            "ferry_node_stream_entries_claimed",
+            "Stream entries this node claimed from lost nodes",
+            value=counts.get("claimed", 0),
+        )
 
         held = GaugeMetricFamily(
             "ferry_node_held_requests",
