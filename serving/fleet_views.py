@@ -126,10 +126,10 @@ class FleetNodeSerializer(serializers.Serializer):
     )
     work = serializers.FloatField(
         min_value=0,
-        max_value=1,
         allow_null=True,
-        help_text="work utilisation of the last 10 s: rows served at their version's best-batch seconds over the 10 s;"
-        " null for a lost node or one that does not measure it",
+        help_text="work utilisation of the last 10 s: rows served at their version's best-batch device seconds over the"
+        " 10 s, not capped (above `busy` means the reference under-prices a row); null for a lost node or one that"
+        " does not measure it",
     )
     utilisation = serializers.ListField(
         child=serializers.ListField(child=serializers.FloatField(), min_length=3, max_length=3),
