@@ -9,6 +9,7 @@ import base64
 import http.client
 import io
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -246,3 +247,54 @@ def test_an_example_key_is_refused_where_the_hosts_are_public(tmp_path: Path) ->
     # while compose on a laptop (loopback, and the service's name) starts on it
     laptop = python_in(tmp_path / "c", setup, SECRET_KEY=COMPOSE_KEY, ALLOWED_HOSTS="127.0.0.1,localhost,web")
     assert laptop.returncode == 0, laptop.stderr[-2000:]
+
+
+# --- 3. The console's pages run this server's scripts only ---
+
+INLINE_SCRIPT = re.compile(r"<script(?![^>]*\bsrc=)(?![^>]*type=\"application/json\")[^>]*>", re.IGNORECASE)
+EVENT_HANDLER = re.compile(r"<[^>]+\son[a-z]+\s*=", re.IGNORECASE)
+CONSOLE_PAGES = (
+    "/login/",
+    "/console/models/",
+    "/console/fleet/",
+    "/console/pipelines/",
+    "/console/tenants/",
+    "/console/usage/",
+    "/console/planner/",
+    "/console/audit/",
+    "/console/quota-requests/",
+    "/admin/",
+)
+
+
+def directives(header: str) -> dict[str, list[str]]:
+    return {name: values for name, *values in (part.split() for part in header.split(";") if part.strip())}
+
+
+def test_html_pages_send_a_policy_that_runs_no_inline_script(db, django_user_model) -> None:  # noqa: ANN001
+    staff = django_user_model.objects.create_user("csp-staff", password=RIGHT, is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(staff)
+    for path in CONSOLE_PAGES:
+        page = client.get(path) if path != "/login/" else Client().get(path)
+        assert page.status_code == 200, path
+        # the policy: scripts from this server only, never inline; no plugins, no <base>, no framing
+        policy = directives(page["Content-Security-Policy"])
+        assert policy["script-src"] == ["'self'"], path
+        assert policy["default-src"] == ["'self'"] and policy["object-src"] == ["'none'"], path
+        assert policy["base-uri"] == ["'none'"] and policy["frame-ancestors"] == ["'none'"], path
+        assert policy["connect-src"] == ["'self'", "ws://testserver"], path  # the fleet page's socket
+        # and the page needs nothing it forbids: no inline script, no event handler attribute
+        html = page.content.decode()
+        assert not INLINE_SCRIPT.search(html), (path, INLINE_SCRIPT.search(html))
+        assert not EVENT_HANDLER.search(html), (path, EVENT_HANDLER.search(html))
+    # over https the socket's origin is wss
+    secure = client.get("/console/fleet/", secure=True)
+    assert "wss://testserver" in directives(secure["Content-Security-Policy"])["connect-src"]
+
+
+def test_the_api_docs_keep_their_own_policy_and_json_gets_none(db) -> None:  # noqa: ANN001
+    docs = Client().get("/api/docs/")
+    assert "blob:" in directives(docs["Content-Security-Policy"])["worker-src"]  # serving.api.docs' own
+    assert "Content-Security-Policy" not in Client().get("/api/")
+
