@@ -42,6 +42,7 @@ import asyncio
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -623,6 +624,7 @@ def run(a: argparse.Namespace, runs: list[str]) -> bool:
             "DATABASE_URL": a.database_url,
             "DATABASE_CONN_MAX_AGE": "0",
             "REDIS_URL": redis_url,
+            "SECRET_KEY": os.environ.get("SECRET_KEY") or secrets.token_urlsafe(50),  # the run's processes share it
             "CELERY_BROKER_URL": f"redis://127.0.0.1:{redis_port}/1",
             "CELERY_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
             "CELERY_TASK_ALWAYS_EAGER": "false",

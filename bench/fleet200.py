@@ -30,6 +30,7 @@ import asyncio
 import os
 import random
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -349,6 +350,7 @@ def run(a: argparse.Namespace) -> bool:
             "DATABASE_URL": a.database_url,
             "DATABASE_CONN_MAX_AGE": "0",
             "REDIS_URL": a.redis_url,
+            "SECRET_KEY": os.environ.get("SECRET_KEY") or secrets.token_urlsafe(50),  # the run's processes share it
             "FERRY_EMBEDDED_NODE": "false",
             "FERRY_TORCH_THREADS": "1",
             "FERRY_QUOTAS": "false",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "DATABASE_URL": a.database_url,
             "DATABASE_CONN_MAX_AGE": "0",
             "REDIS_URL": a.redis_url,
+            "SECRET_KEY": os.environ.get("SECRET_KEY") or secrets.token_urlsafe(50),  # the run's processes share it
             "CELERY_BROKER_URL": a.broker_url,
             "CELERY_RESULT_BACKEND": a.broker_url,
             "CELERY_TASK_ALWAYS_EAGER": "false",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "FERRY_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1", "FERRY_QUOTAS": "false"}
     for name in ("REDIS_URL", "DATABASE_URL"):
         env.pop(name, None)  # SQLite in the data dir for both modes: the hop is the only difference
+    # One key for both modes' processes: with Redis the web process refuses a key of its own (config.settings)
+    env.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
     remote_env = {**env, "REDIS_URL": a.redis, "FERRY_EMBEDDED_NODE": "false"}
     client = redis.Redis.from_url(a.redis)
     try:
