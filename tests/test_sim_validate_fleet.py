@@ -401,6 +401,7 @@ def system(transactional_db, tmp_path: Path):  # noqa: ANN001, ANN201
         "OTEL_BSP_SCHEDULE_DELAY": "500",
         "OTEL_BSP_MAX_QUEUE_SIZE": "16384",
         "OTEL_TRACES_SAMPLER": "parentbased_always_off",  # only the requests the client traces
+        "FERRY_TRACES_TRUST_CALLERS": "true",  # which needs the caller's sampled flag honoured (off by default)
     }
     client = redis.Redis.from_url(REDIS_URL)
     broker = redis.Redis.from_url(BROKER)
