@@ -104,7 +104,7 @@ start worker "$CELERY" -A config worker -l info --concurrency 2
 # Beat's schedule file goes with the data, not into the working tree.
 start beat "$CELERY" -A config beat -l info --schedule "$FERRY_DATA_DIR/celerybeat-schedule"
 echo "==> Ferry on http://$HOST:$PORT (web, node-a, node-b, worker, beat); Ctrl-C stops all"
-[ "$demo" = 1 ] && echo "    demo API key: $FERRY_DATA_DIR/demo-api-key; console login admin / ferry-admin"
+[ "$demo" = 1 ] && echo "    demo API key: $FERRY_DATA_DIR/demo-api-key; console login admin, password in $FERRY_DATA_DIR/demo-admin-password"
 
 # Any process ending on its own ends the whole set: a half-started deployment only misleads.
 [ "$signalled" != 0 ] || wait -n || true

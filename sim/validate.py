@@ -39,10 +39,11 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 WITHIN = 0.20
 
 
-def _version(base: str, model: str) -> dict[str, Any]:
-    """The model's first version as the API shows it (console login from `ensure_demo_user`)."""
+def _version(base: str, model: str, data_dir: Path) -> dict[str, Any]:
+    """The model's first version as the API shows it (console login from `ensure_demo_user`, which writes its
+    generated password into the data directory)."""
     user = os.environ.get("FERRY_ADMIN_USER", "admin")
-    password = os.environ.get("FERRY_ADMIN_PASSWORD", "ferry-admin")
+    password = os.environ.get("FERRY_ADMIN_PASSWORD") or (data_dir / "demo-admin-password").read_text().strip()
     auth = base64.b64encode(f"{user}:{password}".encode()).decode()
     req = urllib.request.Request(f"{base}/api/models/{model}/versions/", headers={"Authorization": f"Basic {auth}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     body = digits_body()
     with Server(env, free_port(), data_dir / "server.log") as server:
         server.wait_ready((args.model,))
-        version = _version(server.base, args.model)
+        version = _version(server.base, args.model, data_dir)
         url = f"{server.base}/v2/models/{args.model}/infer"
         say(
             f"{args.model}: profile {version['latency_profile']}, max batch {version['max_batch_size']},"

@@ -136,10 +136,12 @@ def test_ensure_demo_user_is_idempotent(monkeypatch, django_user_model, settings
     monkeypatch.setenv("FERRY_ADMIN_USER", "operator")
     monkeypatch.setenv("FERRY_ADMIN_PASSWORD", "first-password")
 
-    # given no account / when the command runs / then it creates a staff superuser and says how to log in
+    # given no account / when the command runs / then it creates a staff superuser and says how to log in,
+    # without printing the password
     out = StringIO()
     call_command("ensure_demo_user", stdout=out)
-    assert "console login: operator / first-password" in out.getvalue()
+    assert "console login: operator with the password of FERRY_ADMIN_PASSWORD" in out.getvalue()
+    assert "first-password" not in out.getvalue()
     user = django_user_model.objects.get(username="operator")
     assert user.is_staff and user.is_superuser
     assert user.check_password("first-password")
@@ -183,14 +185,15 @@ def test_ensure_demo_user_gives_the_demo_tenant_its_models_and_a_key(  # noqa: A
     digits = Model.objects.get(name="digits")
     assert digits.tenant.slug == "demo" and digits.visibility == "public"
     assert Model.objects.get(name="mine").tenant is None
-    # and one key with infer and manage, its token in demo-api-key (mode 600), printed once with examples
+    # and one key with infer and manage, its token in demo-api-key (mode 600), never printed: the examples read it
     path = tmp_path / "demo-api-key"
     token = path.read_text().strip()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert key_still_valid(token)
     key = ApiKey.objects.get(tenant__slug="demo")
     assert key.scopes == ["infer", "manage"] and token.startswith(f"fy_{key.prefix}_")
-    assert token in out.getvalue() and "curl" in out.getvalue() and "headers=" in out.getvalue()
+    assert token not in out.getvalue() and str(path) in out.getvalue()
+    assert "curl" in out.getvalue() and "headers=" in out.getvalue()
     assert token not in key.digest and key.digest != token
 
     # when it runs again / then the key is kept and its token is not printed again
@@ -205,7 +208,7 @@ def test_ensure_demo_user_gives_the_demo_tenant_its_models_and_a_key(  # noqa: A
     third = StringIO()
     call_command("ensure_demo_user", stdout=third)
     fresh = path.read_text().strip()
-    assert fresh != token and fresh in third.getvalue() and key_still_valid(fresh)
+    assert fresh != token and fresh not in third.getvalue() and key_still_valid(fresh)
 
 
 def test_create_and_revoke_api_key_commands() -> None:

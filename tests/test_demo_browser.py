@@ -7,7 +7,7 @@ models trained (from scratch on a fresh clone; from serving.demo's cache, var/de
 FERRY_DEMO_MODEL_CACHE, when this code trained them before, as a user's next `make run` in a new data directory
 would), the second `digits` version, the rollout and its shadow, the background traffic. With FERRY_DEMO_URL set
 it drives a server started by hand instead (`make run` on a fresh clone), logging in as FERRY_ADMIN_USER /
-_PASSWORD.
+_PASSWORD, or with the password `make run` generated beside FERRY_DEMO_KEY_FILE.
 
 Screenshots of the model page and the shadow report go to FERRY_SCREENSHOT_DIR (docs/console.md's come from
 `FERRY_SCREENSHOT_DIR=docs/img`), else to the test's temporary directory.
@@ -79,10 +79,12 @@ def _wait_for_login_page(url: str, proc: subprocess.Popen | None, log: Path | No
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     username = os.environ.get("FERRY_ADMIN_USER", "admin")
-    password = os.environ.get("FERRY_ADMIN_PASSWORD", "ferry-admin")
+    password = os.environ.get("FERRY_ADMIN_PASSWORD", "")  # empty: the one ensure_demo_user generated
     given = os.environ.get("FERRY_DEMO_URL")
     if given:
-        key = Path(os.environ.get("FERRY_DEMO_KEY_FILE", ROOT / "var" / "demo-api-key")).read_text().strip()
+        key_file = Path(os.environ.get("FERRY_DEMO_KEY_FILE", ROOT / "var" / "demo-api-key"))
+        key = key_file.read_text().strip()
+        password = password or (key_file.parent / "demo-admin-password").read_text().strip()
         _wait_for_login_page(given, None, None)
         yield Demo(given.rstrip("/"), key, username, password)
         return
@@ -90,13 +92,14 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     log = data / "make-run.log"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in NOT_PASSED and not k.startswith("FERRY_")}
+    if password:
+        env["FERRY_ADMIN_PASSWORD"] = password
     env |= {
         "FERRY_DATA_DIR": str(data),
         "FERRY_ROLLOUT_EVALUATE_SECONDS": "2",
         "FERRY_USAGE_FLUSH_SECONDS": "2",
         "FERRY_SHADOW_FLUSH_SECONDS": "2",
         "FERRY_ADMIN_USER": username,
-        "FERRY_ADMIN_PASSWORD": password,
         "FERRY_GRPC_PORT": "0",  # no gRPC listener: another server on this machine may hold the default port
     }
     if os.environ.get("FERRY_DEMO_MODEL_CACHE"):  # where the demo models trained before are kept (.ci/run sets it)
@@ -113,6 +116,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     try:
         _wait_for_login_page(f"http://127.0.0.1:{port}", proc, log)
         key = (data / "demo-api-key").read_text().strip()
+        password = password or (data / "demo-admin-password").read_text().strip()
         yield Demo(f"http://127.0.0.1:{port}", key, username, password)
     finally:
         # The process group `make run` leads (it was started in a session of its own): make, the server the

@@ -10,6 +10,7 @@ import http.client
 import io
 import os
 import re
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -298,3 +299,43 @@ def test_the_api_docs_keep_their_own_policy_and_json_gets_none(db) -> None:  # n
     assert "blob:" in directives(docs["Content-Security-Policy"])["worker-src"]  # serving.api.docs' own
     assert "Content-Security-Policy" not in Client().get("/api/")
 
+
+# --- 5. The demo account's password is the machine's own, and no secret is printed ---
+
+
+def test_the_demo_account_gets_a_random_password_in_a_private_file(monkeypatch, settings, tmp_path, db) -> None:  # noqa: ANN001
+    settings.DATA_DIR = tmp_path
+    monkeypatch.delenv("FERRY_ADMIN_PASSWORD", raising=False)
+    monkeypatch.delenv("FERRY_ADMIN_USER", raising=False)
+    # given no account / when the demo's set-up runs
+    out = io.StringIO()
+    call_command("ensure_demo_user", stdout=out)
+    # then admin's password is not the one the README used to publish, but a random one in a file of mode 600
+    admin = User.objects.get(username="admin")
+    assert admin.is_superuser and not admin.check_password("ferry-admin")
+    path = tmp_path / "demo-admin-password"
+    password = path.read_text().strip()
+    assert len(password) >= 20 and admin.check_password(password)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # and the output (kept in compose's and CI's logs) names the files, never the secrets
+    token = (tmp_path / "demo-api-key").read_text().strip()
+    printed = out.getvalue()
+    assert str(path) in printed and str(tmp_path / "demo-api-key") in printed
+    assert password not in printed and token not in printed
+
+
+def test_an_account_with_the_old_published_password_gets_a_new_one(monkeypatch, settings, tmp_path, db) -> None:  # noqa: ANN001
+    settings.DATA_DIR = tmp_path
+    monkeypatch.delenv("FERRY_ADMIN_PASSWORD", raising=False)
+    monkeypatch.delenv("FERRY_ADMIN_USER", raising=False)
+    User.objects.create_superuser("admin", "admin@example.org", "ferry-admin")  # an earlier `make run`'s
+    call_command("ensure_demo_user", stdout=io.StringIO())
+    admin = User.objects.get(username="admin")
+    assert not admin.check_password("ferry-admin")
+    assert admin.check_password((tmp_path / "demo-admin-password").read_text().strip())
+    # while a password of the operator's own choosing is kept
+    admin.set_password("the-operators-own-password")
+    admin.save()
+    call_command("ensure_demo_user", stdout=io.StringIO())
+    admin.refresh_from_db()
+    assert admin.check_password("the-operators-own-password")

@@ -1,8 +1,10 @@
 import os
+import secrets
 from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.core.management.base import BaseCommand, CommandError
 
 from serving.demo import give_to_tenant
@@ -11,6 +13,8 @@ from tenants.actions import create_key
 from tenants.models import ApiKey, Membership, Role, Tenant
 
 KEY_FILE = "demo-api-key"
+PASSWORD_FILE = "demo-admin-password"
+FORMER_PASSWORD = "ferry-admin"  # the demo account's password before it was generated, published in old READMEs
 
 
 def key_still_valid(token: str) -> bool:
@@ -34,27 +38,42 @@ def write_secret(path: Path, text: str) -> None:
 
 class Command(BaseCommand):
     help = (
-        "Create the embedded-mode operator account (FERRY_ADMIN_USER / FERRY_ADMIN_PASSWORD), the demo "
-        "tenant that owns the demo models, and a demo API key in $FERRY_DATA_DIR/demo-api-key, if missing."
+        "Create the embedded-mode operator account (FERRY_ADMIN_USER; FERRY_ADMIN_PASSWORD, else a random password"
+        " written to $FERRY_DATA_DIR/demo-admin-password), the demo tenant that owns the demo models, and a demo"
+        " API key in $FERRY_DATA_DIR/demo-api-key, if missing. Neither secret is printed."
     )
 
     def handle(self, *args: object, **options: object) -> None:
         if settings.SECRET_KEY_MISSING:  # the demo key's pepper would be this process's alone (config.settings)
             raise CommandError(settings.SECRET_KEY_MISSING)
         username = os.environ.get("FERRY_ADMIN_USER", "admin")
-        password = os.environ.get("FERRY_ADMIN_PASSWORD", "ferry-admin")
+        given = os.environ.get("FERRY_ADMIN_PASSWORD", "")
         User = get_user_model()
         user, created = User.objects.get_or_create(username=username, defaults={"is_staff": True, "is_superuser": True})
-        if created:
-            user.set_password(password)
-            user.save()
-        tenant, _ = Tenant.objects.get_or_create(slug="default", defaults={"name": "Default"})
-        Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": Role.ADMIN})
-        if created:
-            self.stdout.write(f"console login: {username} / {password} (change it in /admin/)")
+        path = Path(settings.DATA_DIR) / PASSWORD_FILE
+        # An account made before the password was generated still has the demo's published one: replaced, as a
+        # new account's would be set, unless the environment asks for it.
+        if created or (not given and user.check_password(FORMER_PASSWORD)):
+            self._set_password(user, given, path)
+        elif path.exists():
+            self.stdout.write(f"console login: {username} (existing account; its generated password in {path})")
         else:
             self.stdout.write(f"console login: {username} (existing account)")
+        tenant, _ = Tenant.objects.get_or_create(slug="default", defaults={"name": "Default"})
+        Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": Role.ADMIN})
         self._demo_tenant(user)
+
+    def _set_password(self, user: AbstractBaseUser, given: str, path: Path) -> None:
+        """The account's password: FERRY_ADMIN_PASSWORD's, else a random one written to `path` (mode 600);
+        never printed, since the output of `make run` and of compose's setup job is kept in logs."""
+        password = given or secrets.token_urlsafe(18)
+        user.set_password(password)
+        user.save()
+        if given:
+            self.stdout.write(f"console login: {user} with the password of FERRY_ADMIN_PASSWORD")
+            return
+        write_secret(path, password + "\n")
+        self.stdout.write(f"console login: {user}, its password in {path} (mode 600; change it in /admin/)")
 
     def _demo_tenant(self, user: object) -> None:
         demo, _ = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
@@ -72,11 +91,10 @@ class Command(BaseCommand):
             return
         key, token = create_key(tenant=demo, name="demo", scopes=list(keys.SCOPES), created_by=user)
         write_secret(path, token + "\n")
+        # The token itself is not printed: this output is kept in logs (docker compose logs, CI's).
         self.stdout.write(
-            f"demo API key (scopes {', '.join(key.scopes)}), shown once and kept in {path} (mode 600):\n"
-            f"  {token}\n"
-            "try it:\n"
+            f"demo API key (scopes {', '.join(key.scopes)}) in {path} (mode 600); try it:\n"
             f'  curl -s -H "Authorization: Bearer $(cat {path})" http://127.0.0.1:8000/v2/models/digits\n'
             "  # tritonclient:\n"
-            f'  client.infer("digits", [x], headers={{"Authorization": "Bearer {token}"}})'
+            f'  client.infer("digits", [x], headers={{"Authorization": "Bearer " + open("{path}").read().strip()}})'
         )
