@@ -5,7 +5,10 @@ Channels' in-memory layer, Celery tasks run eagerly, and the web process hosts t
 """
 
 import ipaddress
+import os
 import re
+import secrets
+import tempfile
 from pathlib import Path
 
 import dj_database_url
@@ -14,7 +17,40 @@ from config.env import ImproperSetting, env_bool, env_cidrs, env_int, env_json, 
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FERRY_DATA_DIR", str(BASE_DIR / "var"))).resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True)
+# Created for this user only: it holds the secret key, the demo's password and key, and SQLite's database. One
+# that exists is left as it is (FERRY_DATA_DIR may name a folder of the operator's); its files are private.
+DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def _private(path: Path) -> None:
+    """Narrow `path` (a file of this user's) to mode 600; one another user owns is left alone."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return
+    if status.st_uid == os.getuid() and status.st_mode & 0o077:
+        path.chmod(0o600)
+
+
+def _generated_key(path: Path) -> str:
+    """The key in `path`, generated into it first if it is missing. The key is written whole to a file of mode
+    600 under a temporary name and then linked into place, which fails if another process got there first
+    (`serve --workers N` starts several at once): every process reads the one that won, never a partial file,
+    and the key is never readable by another user, not even for a moment."""
+    if not path.exists():
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".secret_key.")  # mode 600
+        try:
+            os.write(fd, secrets.token_urlsafe(50).encode())
+            os.close(fd)
+            try:
+                os.link(temporary, path)
+            except FileExistsError:
+                pass  # another process's key won
+        finally:
+            os.unlink(temporary)
+    _private(path)  # one an earlier version wrote and then narrowed
+    return path.read_text().strip()
+
 
 DEBUG = env_bool("FERRY_DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
@@ -49,15 +85,7 @@ SECRET_KEY_MISSING = (
     if not _secret and (env_str("DATABASE_URL") or env_str("REDIS_URL"))
     else ""
 )
-if not _secret:
-    key_file = DATA_DIR / "secret_key"
-    if not key_file.exists():
-        from django.core.management.utils import get_random_secret_key
-
-        key_file.write_text(get_random_secret_key())
-        key_file.chmod(0o600)
-    _secret = key_file.read_text().strip()
-SECRET_KEY = _secret
+SECRET_KEY = _secret or _generated_key(DATA_DIR / "secret_key")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
@@ -119,6 +147,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # upgrade at once ("database is locked", no busy wait: it would deadlock), which answered an admin's
     # approval 503 in CI. IMMEDIATE takes the write lock at BEGIN, where SQLite waits up to `timeout` seconds
     # for it; WAL lets the readers read meanwhile.
+    # The database holds sessions and password hashes: created for this user only (SQLite gives its -wal and
+    # -shm files the database's mode), and one an earlier version created 644 is narrowed.
+    _sqlite = Path(DATABASES["default"]["NAME"])
+    if _sqlite.parent.is_dir():  # a file's path, not ":memory:"
+        os.close(os.open(_sqlite, os.O_CREAT | os.O_WRONLY, 0o600))
+        for _path in (_sqlite, _sqlite.with_name(_sqlite.name + "-wal"), _sqlite.with_name(_sqlite.name + "-shm")):
+            _private(_path)
     DATABASES["default"]["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
         "timeout": 10,

@@ -339,3 +339,62 @@ def test_an_account_with_the_old_published_password_gets_a_new_one(monkeypatch, 
     call_command("ensure_demo_user", stdout=io.StringIO())
     admin.refresh_from_db()
     assert admin.check_password("the-operators-own-password")
+
+
+# --- 6. The data directory and its secrets are this user's only ---
+
+MODES = """
+import os, pathlib
+os.umask(0o022)  # a usual umask: what is private is made so by the code, not by the caller's umask
+import django
+django.setup()
+from django.conf import settings
+from django.db import connection
+with connection.cursor() as cursor:
+    cursor.execute("CREATE TABLE IF NOT EXISTS t (x)")
+    cursor.execute("INSERT INTO t VALUES (1)")
+home = pathlib.Path(settings.DATA_DIR)
+for path in (home, *sorted(home.glob("secret_key")), *sorted(home.glob("ferry.sqlite3*"))):
+    print(path.name, oct(path.stat().st_mode & 0o777))
+"""
+
+
+def modes(result: subprocess.CompletedProcess) -> dict[str, str]:
+    assert result.returncode == 0, result.stderr[-2000:]
+    return dict(line.split() for line in result.stdout.splitlines() if line.startswith(("data", "secret", "ferry")))
+
+
+def test_a_new_data_directory_and_its_files_are_private(tmp_path: Path) -> None:
+    # given embedded mode in a new data directory, under a umask that lets others read
+    found = modes(python_in(tmp_path / "data", MODES))
+    # then the directory is this user's only, and so are the key and the database with its WAL files (the
+    # old code made them 755 and 644: other local users could read the sessions)
+    assert found["data"] == "0o700"
+    assert found["secret_key"] == "0o600"
+    assert found["ferry.sqlite3"] == "0o600" and found["ferry.sqlite3-wal"] == "0o600"
+
+
+def test_a_database_an_earlier_version_left_readable_is_narrowed(tmp_path: Path) -> None:
+    home = tmp_path / "data"
+    home.mkdir()
+    (home / "ferry.sqlite3").touch(mode=0o644)
+    (home / "ferry.sqlite3").chmod(0o644)
+    found = modes(python_in(home, MODES))
+    assert found["ferry.sqlite3"] == "0o600"
+
+
+def test_processes_starting_together_agree_on_one_generated_key(tmp_path: Path) -> None:
+    # given several processes of one machine starting at once in a new data directory (`serve --workers 4`)
+    code = "import django; django.setup(); from django.conf import settings; print(settings.SECRET_KEY)"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FERRY_", "DJANGO_")) and k not in SHARED_ENV}
+    env = {**base, "DJANGO_SETTINGS_MODULE": "config.settings", "FERRY_DATA_DIR": str(tmp_path / "data")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    keys = {proc.communicate(timeout=300)[0].strip().splitlines()[-1] for proc in procs}
+    # then they all have the one key the directory holds, which is long and this user's only
+    key_file = tmp_path / "data" / "secret_key"
+    assert keys == {key_file.read_text().strip()} and len(keys.pop()) >= 50
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert [p.name for p in (tmp_path / "data").iterdir() if p.name.startswith(".secret_key")] == []
