@@ -472,23 +472,27 @@ FERRY_METRICS_TOKEN = env_str("FERRY_METRICS_TOKEN")
 FERRY_METRICS_ALLOW = env_cidrs("FERRY_METRICS_ALLOW", [] if FERRY_METRICS_TOKEN else ["127.0.0.0/8", "::1/128"])
 
 # Cookies and TLS, off in embedded mode (plain http on loopback) and on in platform/k8s, where TLS ends at
-# the ingress: Secure session and CSRF cookies; HSTS for FERRY_HSTS_SECONDS (0: none); and the header the
+# the ingress: HSTS for FERRY_HSTS_SECONDS (0: none), with subdomains and preload when asked; the header the
 # proxy sets to say the request came over https (FERRY_PROXY_SSL_HEADER=X-Forwarded-Proto), which is what
-# lets Django see such a request as secure and send HSTS. Set it only behind a proxy that overwrites that
-# header: a client could otherwise claim https itself.
-FERRY_SECURE_COOKIES = env_bool("FERRY_SECURE_COOKIES", False)
-SESSION_COOKIE_SECURE = FERRY_SECURE_COOKIES
-CSRF_COOKIE_SECURE = FERRY_SECURE_COOKIES
+# lets Django see such a request as secure and send HSTS (set it only behind a proxy that overwrites that
+# header: a client could otherwise claim https itself); and Secure session and CSRF cookies, on by default
+# whenever either of those says the site is served over https. FERRY_SECURE_COOKIES=false there is warned
+# about at start (tenants.checks): the session cookie of a superuser would travel over plain http.
 SECURE_HSTS_SECONDS = env_int("FERRY_HSTS_SECONDS", 0, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("FERRY_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("FERRY_HSTS_PRELOAD", False)
 _proxy_ssl_header = env_str("FERRY_PROXY_SSL_HEADER")
 SECURE_PROXY_SSL_HEADER = (
     ("HTTP_" + _proxy_ssl_header.upper().replace("-", "_"), "https") if _proxy_ssl_header else None
 )
+FERRY_SECURE_COOKIES = env_bool("FERRY_SECURE_COOKIES", bool(SECURE_PROXY_SSL_HEADER or SECURE_HSTS_SECONDS))
+SESSION_COOKIE_SECURE = FERRY_SECURE_COOKIES
+CSRF_COOKIE_SECURE = FERRY_SECURE_COOKIES
 # Redirect plain http to https in Django itself (the console and /api; not /v2 or /metrics, which never
-# pass Django's middleware). Off in platform/k8s too: the ingress redirects, and nodes fetch artifacts from
-# the web Service over in-cluster http.
+# pass Django's middleware). On in platform/k8s, behind the ingress that says which requests came over https;
+# never for /internal/, where nodes fetch artifacts from the web Service over in-cluster http.
 SECURE_SSL_REDIRECT = env_bool("FERRY_SSL_REDIRECT", False)
+SECURE_REDIRECT_EXEMPT = [r"^internal/"]
 
 # The proxies in front of the web processes (addresses or CIDRs; empty, the default: none). A request whose TCP
 # peer is one of them comes from the address its X-Forwarded-For names (the right-most one that is not itself a

@@ -1,5 +1,7 @@
 from django.apps import AppConfig
 
+from tenants import checks  # noqa: F401  (registers the system checks of login-related settings)
+
 
 class TenantsConfig(AppConfig):
     name = "tenants"

@@ -398,3 +398,50 @@ def test_processes_starting_together_agree_on_one_generated_key(tmp_path: Path) 
     assert keys == {key_file.read_text().strip()} and len(keys.pop()) >= 50
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert [p.name for p in (tmp_path / "data").iterdir() if p.name.startswith(".secret_key")] == []
+
+
+# --- 8. Cookies follow https; Django's https redirect spares the nodes' in-cluster fetches ---
+
+COOKIES = (
+    "import django; django.setup(); from django.conf import settings as s; "
+    "print(s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, s.SECURE_HSTS_PRELOAD)"
+)
+
+
+def test_cookies_are_secure_whenever_the_site_says_it_is_served_over_https(tmp_path: Path) -> None:
+    def secure(name: str, **env: str) -> str:
+        result = python_in(tmp_path / name, COOKIES, SECRET_KEY=DEPLOYMENT_KEY, **env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.splitlines()[-1]
+
+    # given the proxy's https header alone, or HSTS alone: the cookies are Secure (the old code needed
+    # FERRY_SECURE_COOKIES besides, and without it sent the session cookie over plain http)
+    assert secure("proxy", FERRY_PROXY_SSL_HEADER="X-Forwarded-Proto") == "True True False"
+    assert secure("hsts", FERRY_HSTS_SECONDS="31536000", FERRY_HSTS_PRELOAD="true") == "True True True"
+    # and embedded mode (neither) keeps plain http's cookies
+    assert secure("embedded") == "False False False"
+
+
+def test_cookies_turned_off_beside_https_are_warned_about(tmp_path: Path) -> None:
+    check = "import django; django.setup(); from django.core.management import call_command; call_command('check')"
+    off = python_in(
+        tmp_path / "a",
+        check,
+        SECRET_KEY=DEPLOYMENT_KEY,
+        FERRY_PROXY_SSL_HEADER="X-Forwarded-Proto",
+        FERRY_SECURE_COOKIES="false",
+    )
+    assert "ferry.W001" in off.stdout + off.stderr
+    on = python_in(tmp_path / "b", check, SECRET_KEY=DEPLOYMENT_KEY, FERRY_PROXY_SSL_HEADER="X-Forwarded-Proto")
+    assert on.returncode == 0 and "ferry.W001" not in on.stdout + on.stderr
+
+
+def test_the_https_redirect_spares_internal_artifact_fetches(settings, db) -> None:  # noqa: ANN001
+    settings.SECURE_SSL_REDIRECT = True
+    # the console over plain http is sent to https
+    console = Client().get("/login/")
+    assert console.status_code == 301 and console["Location"].startswith("https://")
+    # while a node's in-cluster fetch over http reaches the artifact endpoint (the old code redirected it too,
+    # and a node does not follow a redirect to an https it cannot reach)
+    fetch = Client().get("/internal/artifacts/" + "0" * 64)
+    assert fetch.status_code != 301
