@@ -248,8 +248,13 @@ if REDIS_URL:
         "autoscaling.tasks.autoscale", float(FERRY_AUTOSCALE_SECONDS), queue=FERRY_AUTOSCALE_QUEUE
     )
 
+# Passwords set through the admin, `createsuperuser` or `changepassword` (the accounts hold platform-wide rights):
+# 12 characters at least, not one of the 20,000 most common, not all digits, not close to the username or email.
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 12}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "console-models"

@@ -21,6 +21,8 @@ import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.contrib.auth.models import User
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import Client
@@ -445,3 +447,25 @@ def test_the_https_redirect_spares_internal_artifact_fetches(settings, db) -> No
     # and a node does not follow a redirect to an https it cannot reach)
     fetch = Client().get("/internal/artifacts/" + "0" * 64)
     assert fetch.status_code != 301
+
+
+# --- 7. Passwords set by people are long, uncommon, not numeric, not the username ---
+
+
+@pytest.mark.parametrize(
+    "password, why",
+    [
+        ("Tr0ub4dor&3", "too short"),  # 11 characters: the old minimum was 8
+        ("password1234", "too common"),
+        ("839201746652", "entirely numeric"),
+        ("margaret.hamilton.1936", "too similar"),
+    ],
+)
+def test_weak_passwords_are_refused(password: str, why: str) -> None:
+    user = User(username="margaret.hamilton.1936", email="margaret@example.org")
+    with pytest.raises(ValidationError, match=why):
+        validate_password(password, user)
+
+
+def test_a_long_uncommon_password_is_accepted() -> None:
+    validate_password("correct horse battery staple", User(username="margaret"))
