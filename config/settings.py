@@ -256,6 +256,12 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+# Console sessions (superusers' among them) last FERRY_SESSION_HOURS from the login, not Django's two weeks, and
+# their cookie is sent on this site's own requests only (SameSite=Strict: a link or form on another site
+# reaches the console logged out). The CSRF cookie stays Lax: it grants nothing by itself.
+FERRY_SESSION_HOURS = env_int("FERRY_SESSION_HOURS", 12, minimum=1)
+SESSION_COOKIE_AGE = FERRY_SESSION_HOURS * 3600
+SESSION_COOKIE_SAMESITE = "Strict"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "console-models"
 LOGOUT_REDIRECT_URL = "login"

@@ -469,3 +469,21 @@ def test_weak_passwords_are_refused(password: str, why: str) -> None:
 
 def test_a_long_uncommon_password_is_accepted() -> None:
     validate_password("correct horse battery staple", User(username="margaret"))
+
+
+# --- 9. A console session lasts a working day, and other sites' links and forms do not carry it ---
+
+
+def test_a_login_lasts_hours_and_its_cookie_stays_on_this_site(db, django_user_model) -> None:  # noqa: ANN001
+    django_user_model.objects.create_user("session-op", password=RIGHT, is_staff=True)
+    client = Client()
+    client.get("/login/")
+    resp = client.post("/login/", {"username": "session-op", "password": RIGHT})
+    assert resp.status_code == 302
+    cookie = resp.cookies[django_settings.SESSION_COOKIE_NAME]
+    # 12 hours (the old code kept a superuser's session two weeks), sent by same-site requests only
+    assert cookie["max-age"] == 12 * 3600
+    assert cookie["samesite"] == "Strict"
+    # while the CSRF cookie stays Lax, and the login works: the console answers the session
+    assert client.cookies[django_settings.CSRF_COOKIE_NAME]["samesite"] == "Lax"
+    assert client.get("/console/models/").status_code == 200
