@@ -53,7 +53,8 @@ def _generated_key(path: Path) -> str:
 
 
 DEBUG = env_bool("FERRY_DEBUG", False)
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+# Loopback only by default (`make run`). Django's test client's "testserver" is added by its test set-up alone.
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 # The examples' stand-ins for a key (platform/k8s/base/secret.example.yaml's CHANGE-ME-..., compose's
 # compose-local-only-not-a-secret-change-me-...), and Django's own marker of an insecure one.
 _PLACEHOLDER_KEY = re.compile(r"change-?me|not-a-secret|django-insecure", re.IGNORECASE)

@@ -487,3 +487,15 @@ def test_a_login_lasts_hours_and_its_cookie_stays_on_this_site(db, django_user_m
     # while the CSRF cookie stays Lax, and the login works: the console answers the session
     assert client.cookies[django_settings.CSRF_COOKIE_NAME]["samesite"] == "Lax"
     assert client.get("/console/models/").status_code == 200
+
+
+# --- 10. The test client's host is the tests' alone ---
+
+
+def test_the_default_hosts_are_loopback_only(tmp_path: Path) -> None:
+    code = "import django; django.setup(); from django.conf import settings; print(','.join(settings.ALLOWED_HOSTS))"
+    result = python_in(tmp_path, code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "127.0.0.1,localhost,[::1]"  # the old default added testserver
+    # while the tests' own set-up adds it for Django's test client
+    assert "testserver" in django_settings.ALLOWED_HOSTS
