@@ -823,7 +823,7 @@ def uvicorn_config(app: App | str, host: str, port: int, **overrides: Any) -> uv
         # and X-Forwarded-Proto name the client's address and scheme: uvicorn's ProxyHeadersMiddleware takes the
         # right-most address of the chain that is not itself a trusted proxy. From any other peer, or with none
         # set, they are ignored and the client is the TCP peer. Django's REMOTE_ADDR is that client: login
-        # throttling (axes) and /metrics' allow-list key on it.
+        # throttling (axes), the API's throttles (tenants.throttles) and /metrics' allow-list key on it.
         "proxy_headers": bool(settings.FERRY_TRUSTED_PROXIES),
         "forwarded_allow_ips": list(settings.FERRY_TRUSTED_PROXIES),
         "limit_concurrency": settings.FERRY_MAX_CONCURRENCY,
