@@ -109,7 +109,7 @@ def test_forwarded_addresses_from_an_untrusted_peer_are_ignored(users, settings)
 
 def test_the_inference_lane_stays_behind_the_proxy_headers(settings) -> None:  # noqa: ANN001
     # given a server configured to trust a proxy: uvicorn wraps the application in its proxy headers' middleware
-    from config.asgi import application
+    from config.asgi import application  # builds the whole application when imported: only this test needs it
 
     settings.FERRY_TRUSTED_PROXIES = [INGRESS]
     config = frontdoor.uvicorn_config(application, "127.0.0.1", 0, loop="asyncio")

@@ -19,7 +19,7 @@ PASSWORD = "a-long-test-password"
 def browser_page(digits_server, django_user_model) -> Iterator:  # noqa: ANN001
     if not CHROMIUM.exists():
         pytest.fail(f"Chromium is missing at {CHROMIUM}: install Debian's chromium package")
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import sync_playwright  # after the Chromium check, as tests.test_console_browser does
 
     # The ORM is called before Playwright starts: its sync API runs an event loop in this thread.
     django_user_model.objects.create_user(USERNAME, password=PASSWORD, is_staff=True, is_superuser=True)
