@@ -30,6 +30,7 @@ from serving.models import (
     lock_name,
 )
 from serving.policies.pipeline import Checked, ModelSignature, PipelineError, Signature, check, to_tensor
+from tenants import audit
 
 
 class PipelineRegistrationError(Exception):
@@ -162,8 +163,6 @@ def register_pipeline(
     (`current_settings`). `PipelineRegistrationError`: 422 for a graph that does not connect (naming the step
     and tensor), 409 for a name a model or another tenant's pipeline holds, 429 for the tenant's quota (a new
     pipeline counts as a model, a served version as a version)."""
-    from tenants import audit
-
     try:
         MODEL_NAME(name)
     except Exception:
@@ -314,8 +313,6 @@ def _reference(reference: object, steps: set[str]) -> object:
 
 
 def delete_pipeline(*, pipeline: Pipeline, actor: object = None) -> None:
-    from tenants import audit
-
     with transaction.atomic():
         audit.record(actor, "pipeline.delete", f"pipeline {pipeline.name}", tenant=pipeline.tenant)
         pipeline.delete()
