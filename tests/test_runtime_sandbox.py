@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -76,10 +77,20 @@ def isolated_digits(model_files) -> Iterator[IsolatedRuntime]:  # noqa: ANN001
     runtime.close()
 
 
+def embedded_secret() -> Path:
+    """Embedded mode's key file in the data directory, where a process without SECRET_KEY writes its own; the
+    suite runs with SECRET_KEY set (scripts/test.sh), so it is written here when the data directory lacks it."""
+    secret = Path(settings.DATA_DIR) / "secret_key"
+    if not secret.exists():
+        secret.write_text(secrets.token_urlsafe(50))
+        secret.chmod(0o600)
+    return secret
+
+
 @pytest.fixture
 def secret_reader(tmp_path: Path) -> Path:
     path = tmp_path / "reads_secret.pt"
-    save_artifact(ReadsAFile(str(Path(settings.DATA_DIR) / "secret_key")), "torchscript", torch.zeros(2, 64), path)
+    save_artifact(ReadsAFile(str(embedded_secret())), "torchscript", torch.zeros(2, 64), path)
     return path
 
 
@@ -172,7 +183,7 @@ def test_inside_the_child_the_platforms_files_env_and_network_are_out_of_reach(
     monkeypatch,  # noqa: ANN001
 ) -> None:
     data_dir = Path(settings.DATA_DIR)
-    secret = data_dir / "secret_key"
+    secret = embedded_secret()
     database = data_dir / "ferry.sqlite3"
     database.write_bytes(b"SQLite format 3\0")  # embedded mode's database lives here (these tests use PostgreSQL)
     store = Path(settings.FERRY_ARTIFACT_ROOT)
@@ -258,7 +269,7 @@ def test_the_parents_credentials_in_its_environment_do_not_reach_the_child(model
 
 
 def test_a_model_that_reads_the_secret_key_gets_nothing_from_the_sandbox(secret_reader: Path) -> None:
-    secret = (Path(settings.DATA_DIR) / "secret_key").read_bytes()[:40]
+    secret = embedded_secret().read_bytes()[:40]
     # given that in the web process itself this model would return the secret key's bytes (the finding)
     inline = ModelRuntime(secret_reader, "torchscript", [X], [SCORES], CPU)
     inline.load(**UNCHECKED)
