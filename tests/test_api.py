@@ -18,6 +18,7 @@ from rest_framework.test import APIClient
 from serving.models import Model, ModelVersion, State
 from tenants.models import Membership, Role, Tenant
 from tests.conftest import DIGITS_IO, register
+from tests.test_admin_audit import change_model
 
 pytestmark = pytest.mark.django_db
 
@@ -605,35 +606,8 @@ def test_model_version_clean_refuses_invalid_batching(registry, values: dict, fi
 
 def admin_post(client, model: Model, **version_fields: object):  # noqa: ANN001, ANN201
     """POST the admin change form of `model` with its first version's inline row changed."""
-    rows = list(model.versions.order_by("version"))
-    data = {
-        "name": model.name,
-        "description": model.description,
-        "task": model.task,
-        "fallback": "",
-        "tenant": model.tenant_id or "",
-        "visibility": model.visibility,
-        "versions-TOTAL_FORMS": str(len(rows)),
-        "versions-INITIAL_FORMS": str(len(rows)),
-        "versions-MIN_NUM_FORMS": "0",
-        "versions-MAX_NUM_FORMS": "1000",
-        "_save": "Save",
-    }
-    for i, row in enumerate(rows):
-        fields = {
-            "id": row.pk,
-            "model": model.pk,
-            "loaded": "on" if row.loaded else "",
-            "max_batch_size": row.max_batch_size,
-            "max_queue_delay_ms": row.max_queue_delay_ms,
-            "preferred_batch_sizes": json.dumps(row.preferred_batch_sizes),
-            "max_queue_size": row.max_queue_size,
-            "default_timeout_ms": row.default_timeout_ms,
-        }
-        if i == 0:
-            fields.update(version_fields)
-        data.update({f"versions-{i}-{k}": v for k, v in fields.items() if v != ""})
-    return client.post(f"/admin/serving/model/{model.pk}/change/", data)
+    first = model.versions.order_by("version").first()
+    return change_model(client, model, {first.version: version_fields} if first is not None else None)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import http.client
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -19,25 +19,32 @@ PASSWORD = "a-long-test-password"
 WAIT_MS = 30_000  # deadline for polls in the page; a failure, never a timing assertion
 
 
-@pytest.fixture
-def page(digits_server, django_user_model) -> Iterator:  # noqa: ANN001
+def browser_page(server, make_user: Callable[[], object]) -> Iterator:  # noqa: ANN001
+    """A Chromium page on `server`'s site, once `make_user()` has made the account the test logs in with."""
     if not CHROMIUM.exists():
         pytest.fail(
             f"Chromium is missing at {CHROMIUM}: install Debian's chromium package (scripts/setup.sh test does it)"
         )
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import sync_playwright  # after the check above, so a missing browser says so
 
     # The ORM is called before Playwright starts: its sync API runs an event loop in this thread.
-    django_user_model.objects.create_user(USERNAME, password=PASSWORD, is_staff=True)
+    make_user()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(base_url=digits_server.url)
+            context = browser.new_context(base_url=server.url)
             context.set_default_timeout(WAIT_MS)
             yield context.new_page()
             context.close()
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(digits_server, django_user_model) -> Iterator:  # noqa: ANN001
+    yield from browser_page(
+        digits_server, lambda: django_user_model.objects.create_user(USERNAME, password=PASSWORD, is_staff=True)
+    )
 
 
 @pytest.fixture

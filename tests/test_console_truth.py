@@ -27,7 +27,6 @@ from serving.dataplane.gateway.snapshot import ModelEntry, RoutingSnapshot, Snap
 from serving.dataplane.http.consumers import InferenceRequest, OverQuota
 from serving.dataplane.metrics import metrics
 from serving.dataplane.metrics.metrics import TOTAL, LiveWindow, merged_live
-from serving.dataplane.transport.fleet import NodeInfo
 from serving.fleet_chart import utilisation_svg
 from serving.fleet_state import node_doc
 from serving.fleet_views import parts
@@ -35,6 +34,7 @@ from serving.policies.quota import RATE, Decision
 from serving.version_charts import version_hour
 from tests.conftest import register
 from tests.test_admission import entry
+from tests.test_work_utilisation import heartbeat  # a node's heartbeat at t=1000
 
 TENANT = 7
 TIMEOUT_S = 0.28  # a timed-out request's wait: between the 0.25 and 0.3 buckets around the 300 ms budget
@@ -263,29 +263,9 @@ def test_the_process_keeps_no_more_versions_than_it_counted_for_in_the_hour() ->
 # -- the fleet page: lost nodes and missing figures (item 11) ------------------------------------------------
 
 
-def heartbeat(at: float, **fields: object) -> NodeInfo:
-    return NodeInfo(
-        name="node-z",
-        instance="node-z-1",
-        host="box",
-        pid=42,
-        device="cpu",
-        accelerator="a10g",
-        accelerator_count=1,
-        memory_total=1 << 30,
-        memory_budget=1 << 30,
-        memory_used=0,
-        labels={},
-        started_at=0.0,
-        heartbeat_at=at,
-        serial=1,
-        **fields,  # type: ignore[arg-type]
-    )
-
-
 def test_a_lost_node_shows_no_current_busy_or_work_and_its_chart_ends_where_its_heartbeats_did() -> None:
     # given a node lost 5 minutes ago that last said 90% busy, 40% work, with samples of its last 20 s
-    info = heartbeat(1000.0, busy=0.9, work=0.4, utilisation=[[20.0, 0.9, 0.4], [10.0, 0.9, 0.4], [0.0, 0.9, 0.4]])
+    info = heartbeat(busy=0.9, work=0.4, utilisation=[[20.0, 0.9, 0.4], [10.0, 0.9, 0.4], [0.0, 0.9, 0.4]])
     doc = node_doc(info, "lost", now=1300.0)
     # then its shares are unknown, shown as "—"
     assert (doc["busy"], doc["work"]) == (None, None)

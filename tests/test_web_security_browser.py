@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.test_console_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS, log_in
+from tests.test_console_browser import browser_page, log_in
 
 pytestmark = pytest.mark.browser
 
@@ -16,26 +16,15 @@ PASSWORD = "a-long-test-password"
 
 
 @pytest.fixture
-def browser_page(digits_server, django_user_model) -> Iterator:  # noqa: ANN001
-    if not CHROMIUM.exists():
-        pytest.fail(f"Chromium is missing at {CHROMIUM}: install Debian's chromium package")
-    from playwright.sync_api import sync_playwright  # after the Chromium check, as tests.test_console_browser does
-
-    # The ORM is called before Playwright starts: its sync API runs an event loop in this thread.
-    django_user_model.objects.create_user(USERNAME, password=PASSWORD, is_staff=True, is_superuser=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            context = browser.new_context(base_url=digits_server.url)
-            context.set_default_timeout(WAIT_MS)
-            yield context.new_page()
-            context.close()
-        finally:
-            browser.close()
+def superuser_page(digits_server, django_user_model) -> Iterator:  # noqa: ANN001
+    yield from browser_page(
+        digits_server,
+        lambda: django_user_model.objects.create_user(USERNAME, password=PASSWORD, is_staff=True, is_superuser=True),
+    )
 
 
-def test_the_console_works_under_its_policy(browser_page) -> None:  # noqa: ANN001
-    page = browser_page
+def test_the_console_works_under_its_policy(superuser_page) -> None:  # noqa: ANN001
+    page = superuser_page
     violations: list[str] = []
     page.on("console", lambda message: violations.append(message.text) if "Security Policy" in message.text else None)
     # given a login under the policy
